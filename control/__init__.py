@@ -1,0 +1,1 @@
+"""The policies (TokenPilot, SLOMax, FleetMind, baselines) and their controllers."""

@@ -1,0 +1,79 @@
+"""Control messages the controllers publish and the gateways apply.
+
+Each is a versioned snapshot for one scope (a DC, or an edge region), valid for ``ttl_s``
+after ``issued_at``; a gateway that hears nothing newer falls back to documented safe
+defaults once the TTL has passed.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from schemas.base import (
+    Fraction,
+    Frozen,
+    Identifier,
+    NonNegFloat,
+    NonNegInt,
+    TaskClass,
+    VersionedSnapshot,
+)
+
+
+class ControlSnapshot(VersionedSnapshot):
+    scope: Identifier = Field(description="The DC or edge region the snapshot applies to.")
+    issued_at: float = Field(description="Epoch seconds.")
+    ttl_s: float = Field(gt=0.0)
+
+    def expired(self, now: float) -> bool:
+        return now > self.issued_at + self.ttl_s
+
+
+class ClassQuota(Frozen):
+    task_class: TaskClass
+    tenant: Identifier | None = Field(default=None, description="None: the whole class.")
+    tokens_per_s: NonNegFloat = Field(description="Refill rate of the admission token bucket.")
+    burst_tokens: NonNegInt
+    max_concurrency: NonNegInt
+    reserved_share: Fraction = Field(
+        default=0.0, description="Share of capacity held back for this class alone."
+    )
+
+
+class AdmissionQuotas(ControlSnapshot):
+    schema_name = "tf.control.quotas"
+
+    quotas: tuple[ClassQuota, ...]
+
+    @model_validator(mode="after")
+    def _reservations_fit(self) -> AdmissionQuotas:
+        reserved = sum(q.reserved_share for q in self.quotas)
+        if reserved > 1.0 + 1e-9:
+            raise ValueError(f"reserved shares add up to {reserved:.3f}, more than 1")
+        return self
+
+
+class DcWeight(Frozen):
+    model: Identifier
+    dc: Identifier
+    weight: NonNegFloat
+
+
+class RoutingWeights(ControlSnapshot):
+    schema_name = "tf.control.weights"
+
+    weights: tuple[DcWeight, ...]
+
+
+class PlacementAction(Frozen):
+    model: Identifier
+    model_version: Identifier
+    dc: Identifier
+    target_replicas: NonNegInt
+    reason: str = ""
+
+
+class PlacementRecommendation(ControlSnapshot):
+    schema_name = "tf.control.placement"
+
+    actions: tuple[PlacementAction, ...]

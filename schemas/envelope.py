@@ -1,0 +1,91 @@
+"""The envelope every event travels in, and the one codec (JSON, UTF-8).
+
+Wire form::
+
+    {"schema": "tf.request.routed/1", "event_id": "...", "ts": 1700000000.0,
+     "source": "gateway-a", "payload": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import Field, SerializeAsAny, ValidationError
+
+from schemas.base import Frozen, Identifier, Message
+from schemas.topics import MESSAGES
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a valid envelope of a known message; the text says where and why."""
+
+
+class Envelope(Frozen):
+    schema_ref: str = Field(alias="schema", pattern=r"^[a-z0-9.\-]+/[0-9]+$")
+    event_id: Identifier = Field(description="Unique per event; consumers deduplicate on it.")
+    ts: float = Field(description="Event time, epoch seconds.")
+    source: Identifier = Field(description="The process that emitted the event.")
+    payload: SerializeAsAny[Message]
+
+    @classmethod
+    def wrap(
+        cls,
+        payload: Message,
+        *,
+        source: str,
+        ts: float | None = None,
+        event_id: str | None = None,
+    ) -> Envelope:
+        """Put a payload in a new envelope; event id and time default to fresh values."""
+        return cls(
+            schema=payload.schema_ref(),
+            event_id=event_id or uuid.uuid4().hex,
+            ts=time.time() if ts is None else ts,
+            source=source,
+            payload=payload,
+        )
+
+
+def encode(envelope: Envelope) -> bytes:
+    return envelope.model_dump_json(by_alias=True).encode()
+
+
+def decode(data: bytes) -> Envelope:
+    """Parse and validate an envelope and its payload.
+
+    Raises DecodeError naming the schema, the offending field and the reason.
+    """
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DecodeError(f"not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise DecodeError(f"envelope must be a JSON object, got {type(raw).__name__}")
+    ref = raw.get("schema")
+    message = MESSAGES.get(ref) if isinstance(ref, str) else None
+    if message is None:
+        raise DecodeError(f"unknown schema {ref!r}")
+    try:
+        payload = message.model_validate(raw.get("payload"))
+    except ValidationError as exc:
+        raise DecodeError(f"{ref}: {describe(exc, 'payload')}") from None
+    try:
+        return Envelope.model_validate({**raw, "payload": payload})
+    except ValidationError as exc:
+        raise DecodeError(f"{ref}: {describe(exc)}") from None
+
+
+def describe(error: ValidationError, prefix: str = "") -> str:
+    """One line per problem: ``field.path: reason``."""
+    return "; ".join(
+        f"{_location(prefix, issue)}: {issue['msg']}" for issue in error.errors(include_url=False)
+    )
+
+
+def _location(prefix: str, issue: Any) -> str:
+    parts = [prefix] if prefix else []
+    parts.extend(str(p) for p in issue["loc"])
+    return ".".join(parts) or "(root)"

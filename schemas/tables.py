@@ -1,0 +1,110 @@
+"""Rolling per-DC tables that the stream processors publish and the controllers read.
+
+Each table is a whole snapshot keyed by ``dc``, versioned, and carries the bounds of the
+window it summarises.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from schemas.base import (
+    Fraction,
+    Frozen,
+    Identifier,
+    NonNegFloat,
+    NonNegInt,
+    TaskClass,
+    VersionedSnapshot,
+)
+
+
+class WindowedTable(VersionedSnapshot):
+    dc: Identifier
+    window_start: float = Field(description="Event time (epoch seconds) the window opens.")
+    window_end: float
+
+    @model_validator(mode="after")
+    def _window_ordered(self) -> WindowedTable:
+        if self.window_end < self.window_start:
+            raise ValueError(
+                f"window_end ({self.window_end}) is before window_start ({self.window_start})"
+            )
+        return self
+
+
+class CapacityRow(Frozen):
+    model: Identifier
+    model_version: Identifier
+    ready_endpoints: NonNegInt
+    kv_blocks_total: NonNegInt
+    kv_blocks_free: NonNegInt
+    queued: NonNegInt
+    running: NonNegInt
+    inflight_tokens: NonNegInt
+    prefill_tokens_per_s: NonNegFloat
+    decode_tokens_per_s: NonNegFloat
+    headroom: Fraction = Field(description="Estimated share of capacity still free.")
+    telemetry_age_s: NonNegFloat = Field(description="Age of the freshest telemetry.")
+
+
+class CapacityTable(WindowedTable):
+    schema_name = "tf.table.capacity"
+
+    rows: tuple[CapacityRow, ...]
+
+
+class KvInstanceRow(Frozen):
+    instance_id: Identifier
+    pressure: Fraction = Field(description="Share of KV blocks in use.")
+    prefix_hit_rate: Fraction
+    evictions_per_s: NonNegFloat
+    preemptions_per_s: NonNegFloat
+
+
+class KvTable(WindowedTable):
+    schema_name = "tf.table.kv"
+
+    pressure: Fraction
+    prefix_hit_rate: Fraction
+    evictions_per_s: NonNegFloat
+    preemptions_per_s: NonNegFloat
+    instances: tuple[KvInstanceRow, ...]
+
+
+class GoodputRow(Frozen):
+    """Outcomes of one class or one tenant over the window."""
+
+    key: Identifier = Field(description="A task class or a tenant id.")
+    completed: NonNegInt
+    output_tokens: NonNegInt
+    goodput_tokens: NonNegInt = Field(description="Output tokens of requests that met the SLO.")
+    compliance: Fraction
+    ttft_p50_s: NonNegFloat
+    ttft_p95_s: NonNegFloat
+    ttft_p99_s: NonNegFloat
+    tpot_p50_s: NonNegFloat
+    tpot_p95_s: NonNegFloat
+    tpot_p99_s: NonNegFloat
+    failures: NonNegInt
+    cancellations: NonNegInt
+    timeouts: NonNegInt
+    retries: NonNegInt
+    repeated_executions: NonNegInt
+    wasted_tokens: NonNegInt
+    late_events: NonNegInt = Field(description="Events that arrived after the window's grace.")
+
+
+class GoodputTable(WindowedTable):
+    schema_name = "tf.table.goodput"
+
+    classes: tuple[GoodputRow, ...]
+    tenants: tuple[GoodputRow, ...]
+
+    @model_validator(mode="after")
+    def _known_classes(self) -> GoodputTable:
+        known = {c.value for c in TaskClass}
+        unknown = sorted(row.key for row in self.classes if row.key not in known)
+        if unknown:
+            raise ValueError(f"unknown task classes in classes: {unknown}")
+        return self

@@ -1,0 +1,1 @@
+"""Workloads and trace loaders; the instance model, simulator and emulator come next."""

@@ -1,0 +1,165 @@
+"""The event bus: publish keyed events, subscribe from a position, read a compacted topic.
+
+Two implementations share this contract (tests/integration/test_bus_contract.py runs the
+same suite against both): ``InMemoryBus`` for the embedded mode and the simulator,
+``KafkaBus`` for the live system. They differ only in where raw records come from; decoding,
+dead-lettering and compaction are done here, once.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from schemas import DEADLETTER_TOPIC, DecodeError, Envelope, decode, encode, topic_for
+from schemas.deadletter import DeadLetter
+
+log = logging.getLogger(__name__)
+
+StartFrom = Literal["earliest", "latest"] | Mapping[int, int]
+"""Where a subscription starts: the oldest record, the next new one, or given offsets per
+partition (partitions not named start from the oldest record)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    value: bytes | None
+    """None is a tombstone: on a compacted topic it deletes the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A decoded event and where it was read from."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    envelope: Envelope
+
+
+class RecordStream(ABC):
+    """Raw records of one topic from a position fixed when the stream was opened."""
+
+    @abstractmethod
+    def __aiter__(self) -> AsyncIterator[RawRecord]: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+class EventBus(ABC):
+    """The shared behaviour of every bus over primitives a subclass provides.
+
+    ``publish`` writes one record and returns once the bus holds it (for Kafka: acknowledged
+    by all in-sync replicas). ``_open`` positions a record stream before it returns, so a
+    subscription "from latest" sees exactly what is published after it was entered.
+    ``_records_to_end`` returns the records present when it is called.
+    """
+
+    source: str = "tokenfleet"
+
+    @abstractmethod
+    async def publish(self, topic: str, key: str, value: bytes | None) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    @abstractmethod
+    async def _open(self, topic: str, start: StartFrom) -> RecordStream: ...
+
+    @abstractmethod
+    async def _records_to_end(self, topic: str) -> Iterable[RawRecord]: ...
+
+    async def publish_event(self, envelope: Envelope) -> None:
+        """Publish on the payload's topic, keyed by the topic's key field."""
+        topic = topic_for(type(envelope.payload))
+        await self.publish(topic.name, topic.key_of(envelope.payload), encode(envelope))
+
+    def subscribe(self, topic: str, start: StartFrom = "earliest") -> Subscription:
+        """Decoded events of ``topic``, in order per partition, waiting for new ones.
+
+        Use as ``async with bus.subscribe(topic) as events: async for event in events``.
+        Undecodable records go to the dead-letter topic and are skipped.
+        """
+        return Subscription(self, topic, start)
+
+    async def read_latest(self, topic: str) -> dict[str, Envelope]:
+        """The latest decodable value per key of a (compacted) topic, as of now."""
+        latest: dict[str, Envelope] = {}
+        for record in await self._records_to_end(topic):
+            key = record.key or ""
+            if record.value is None:
+                latest.pop(key, None)
+                continue
+            envelope = await self._decode_or_dead_letter(record)
+            if envelope is not None:
+                latest[key] = envelope
+        return latest
+
+    async def _decode_or_dead_letter(self, record: RawRecord) -> Envelope | None:
+        assert record.value is not None
+        try:
+            return decode(record.value)
+        except DecodeError as exc:
+            await self._dead_letter(record, str(exc))
+            return None
+
+    async def _dead_letter(self, record: RawRecord, reason: str) -> None:
+        log.warning(
+            "undecodable record %s[%d]@%d: %s",
+            record.topic,
+            record.partition,
+            record.offset,
+            reason,
+        )
+        if record.topic == DEADLETTER_TOPIC:
+            return  # never loop: a broken dead letter is logged and left where it is
+        letter = DeadLetter(
+            source_topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            key=record.key,
+            reason=reason,
+            raw_b64=base64.b64encode(record.value or b"").decode(),
+        )
+        # One id per bad record, so the letters of several consumers deduplicate.
+        event_id = f"{record.topic}/{record.partition}/{record.offset}"
+        await self.publish_event(Envelope.wrap(letter, source=self.source, event_id=event_id))
+
+
+class Subscription:
+    """An open subscription; see ``EventBus.subscribe``."""
+
+    def __init__(self, bus: EventBus, topic: str, start: StartFrom) -> None:
+        self._bus = bus
+        self._topic = topic
+        self._start = start
+        self._stream: RecordStream | None = None
+
+    async def __aenter__(self) -> Subscription:
+        self._stream = await self._bus._open(self._topic, self._start)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._stream is not None:
+            await self._stream.close()
+            self._stream = None
+
+    async def __aiter__(self) -> AsyncIterator[Received]:
+        if self._stream is None:
+            raise RuntimeError("enter the subscription with 'async with' before iterating")
+        async for record in self._stream:
+            if record.value is None:
+                continue
+            envelope = await self._bus._decode_or_dead_letter(record)
+            if envelope is not None:
+                yield Received(record.topic, record.partition, record.offset, record.key, envelope)

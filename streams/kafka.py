@@ -1,0 +1,178 @@
+"""The Kafka bus (aiokafka) and idempotent topic creation from the catalog."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable, Mapping
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError, for_code
+
+from schemas import TOPICS, Topic
+from streams.bus import EventBus, RawRecord, RecordStream, StartFrom
+
+log = logging.getLogger(__name__)
+
+
+class UnknownTopicError(LookupError):
+    """The topic does not exist on the broker; ``tokenfleet topics create`` makes them."""
+
+
+class KafkaBus(EventBus):
+    """Publishes with an idempotent producer (``acks=all``) and reads without a consumer
+    group: every subscription sees every partition, which is what gateways and controllers
+    that keep a full view need. Stream processors with shared work use Faust instead.
+
+    ``delivery_timeout_s`` bounds how long a publish keeps retrying while the broker is
+    away; within it a restarted broker receives every event exactly once.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        *,
+        source: str = "tokenfleet",
+        delivery_timeout_s: float = 60.0,
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.source = source
+        self._delivery_timeout_ms = int(delivery_timeout_s * 1000)
+        self._producer: AIOKafkaProducer | None = None
+
+    async def publish(self, topic: str, key: str, value: bytes | None) -> None:
+        producer = await self._started_producer()
+        await producer.send_and_wait(topic, value, key=key.encode())
+
+    async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def _started_producer(self) -> AIOKafkaProducer:
+        if self._producer is None:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=self.bootstrap,
+                client_id=self.source,
+                enable_idempotence=True,
+                acks="all",
+                request_timeout_ms=self._delivery_timeout_ms,
+            )
+            await producer.start()
+            self._producer = producer
+        return self._producer
+
+    async def _open(self, topic: str, start: StartFrom) -> RecordStream:
+        consumer, partitions = await self._assigned_consumer(topic)
+        try:
+            await _seek(consumer, partitions, start)
+        except BaseException:
+            await consumer.stop()
+            raise
+        return _KafkaStream(consumer)
+
+    async def _records_to_end(self, topic: str) -> Iterable[RawRecord]:
+        consumer, partitions = await self._assigned_consumer(topic)
+        try:
+            begin = await consumer.beginning_offsets(partitions)
+            end = await consumer.end_offsets(partitions)
+            for tp in partitions:
+                consumer.seek(tp, begin[tp])
+            records: list[RawRecord] = []
+            pending = {tp for tp in partitions if begin[tp] < end[tp]}
+            while pending:
+                batches = await consumer.getmany(*pending, timeout_ms=1000)
+                for tp, messages in batches.items():
+                    records.extend(_raw(m) for m in messages if m.offset < end[tp])
+                    if messages and messages[-1].offset >= end[tp] - 1:
+                        pending.discard(tp)
+            return records
+        finally:
+            await consumer.stop()
+
+    async def _assigned_consumer(self, topic: str) -> tuple[AIOKafkaConsumer, list[TopicPartition]]:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            client_id=self.source,
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",  # an offset compacted or expired away: go to the oldest
+        )
+        await consumer.start()
+        try:
+            # aiokafka has no public call that refreshes a consumer's metadata for a topic
+            # it is not subscribed to; fetch_all_metadata returns a fresh view instead.
+            cluster = await consumer._client.fetch_all_metadata()
+            numbers = cluster.partitions_for_topic(topic)
+            if not numbers:
+                raise UnknownTopicError(f"topic {topic!r} does not exist on {self.bootstrap}")
+        except BaseException:
+            await consumer.stop()
+            raise
+        partitions = [TopicPartition(topic, p) for p in sorted(numbers)]
+        consumer.assign(partitions)
+        return consumer, partitions
+
+
+async def _seek(
+    consumer: AIOKafkaConsumer, partitions: list[TopicPartition], start: StartFrom
+) -> None:
+    """Seek every partition to an explicit offset, resolved now rather than at first fetch."""
+    if start == "latest":
+        targets = await consumer.end_offsets(partitions)
+    else:
+        targets = await consumer.beginning_offsets(partitions)
+    if isinstance(start, Mapping):
+        targets.update({tp: start[tp.partition] for tp in partitions if tp.partition in start})
+    for tp, offset in targets.items():
+        consumer.seek(tp, offset)
+
+
+class _KafkaStream(RecordStream):
+    def __init__(self, consumer: AIOKafkaConsumer) -> None:
+        self._consumer = consumer
+
+    async def __aiter__(self) -> AsyncIterator[RawRecord]:
+        async for message in self._consumer:
+            yield _raw(message)
+
+    async def close(self) -> None:
+        await self._consumer.stop()
+
+
+def _raw(message) -> RawRecord:
+    key = message.key.decode(errors="replace") if message.key is not None else None
+    return RawRecord(message.topic, message.partition, message.offset, key, message.value)
+
+
+async def create_topics(
+    bootstrap: str, topics: Iterable[Topic] = TOPICS, replication: int = 1
+) -> list[str]:
+    """Create the catalog's topics that are missing; return the names created.
+
+    Safe to run any number of times and concurrently: existing topics are left as they are.
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="tokenfleet-admin")
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [
+            NewTopic(t.name, t.partitions, replication, topic_configs=t.broker_config())
+            for t in topics
+            if t.name not in existing
+        ]
+        if not missing:
+            return []
+        response = await admin.create_topics(missing)
+        created = []
+        for name, code, *_ in response.topic_errors:
+            error = for_code(code)
+            if error is TopicAlreadyExistsError:
+                log.info("topic %s was created concurrently", name)
+            elif code != 0:
+                raise error(f"creating topic {name!r}")
+            else:
+                created.append(name)
+        return created
+    finally:
+        await admin.close()

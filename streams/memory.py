@@ -1,0 +1,75 @@
+"""An in-process bus: partitioned, ordered per key, replayable, gone when the process ends."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import AsyncIterator, Mapping
+
+from schemas import TOPICS
+from streams.bus import EventBus, RawRecord, RecordStream, StartFrom
+
+_DEFAULT_PARTITIONS = {t.name: t.partitions for t in TOPICS}
+
+
+class InMemoryBus(EventBus):
+    """Keeps every record of every topic in one append-only list per topic.
+
+    A record's partition comes from a stable hash of its key (like Kafka's keyed
+    partitioner, though not the same function), and offsets count per partition, so
+    positions mean what they mean on Kafka.
+    """
+
+    def __init__(self, source: str = "tokenfleet") -> None:
+        self.source = source
+        self._logs: dict[str, list[RawRecord]] = {}
+        self._next_offset: dict[tuple[str, int], int] = {}
+        self._changed = asyncio.Condition()
+
+    async def publish(self, topic: str, key: str, value: bytes | None) -> None:
+        partitions = _DEFAULT_PARTITIONS.get(topic, 1)
+        partition = zlib.crc32(key.encode()) % partitions
+        offset = self._next_offset.get((topic, partition), 0)
+        self._next_offset[(topic, partition)] = offset + 1
+        self._logs.setdefault(topic, []).append(RawRecord(topic, partition, offset, key, value))
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def close(self) -> None:
+        return None
+
+    async def _open(self, topic: str, start: StartFrom) -> RecordStream:
+        log = self._logs.setdefault(topic, [])
+        first = len(log) if start == "latest" else 0
+        offsets = start if isinstance(start, Mapping) else {}
+        return _MemoryStream(log, first, offsets, self._changed)
+
+    async def _records_to_end(self, topic: str) -> list[RawRecord]:
+        return list(self._logs.get(topic, []))
+
+
+class _MemoryStream(RecordStream):
+    def __init__(
+        self,
+        log: list[RawRecord],
+        first: int,
+        offsets: Mapping[int, int],
+        changed: asyncio.Condition,
+    ) -> None:
+        self._log = log
+        self._index = first
+        self._offsets = offsets
+        self._changed = changed
+
+    async def __aiter__(self) -> AsyncIterator[RawRecord]:
+        while True:
+            while self._index < len(self._log):
+                record = self._log[self._index]
+                self._index += 1
+                if record.offset >= self._offsets.get(record.partition, 0):
+                    yield record
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._index < len(self._log))
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,84 @@
+"""Session-wide real services. Under ``CI=true`` a service that cannot be had fails the
+run; elsewhere its tests are skipped with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import pytest
+
+from streams.kafka import create_topics
+from tests.services import Service, kafka_service, redis_service
+from tokenfleet.services.kafka import LocalKafka
+
+T = TypeVar("T")
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+_USED: list[Service] = []
+
+
+def _provide(
+    factory: contextlib.AbstractContextManager[Service], stack: contextlib.ExitStack
+) -> Service:
+    try:
+        service = stack.enter_context(factory)
+    except Exception as exc:
+        unavailable(exc)
+    _USED.append(service)
+    return service
+
+
+def unavailable(reason: object) -> NoReturn:
+    """Fail under CI (a missing service is a broken setup), skip with the reason elsewhere."""
+    message = f"service unavailable: {reason}"
+    if IN_CI:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> Iterator[LocalKafka]:
+    """A broker of this test's own, for tests that stop and start it."""
+    broker = LocalKafka(tmp_path / "broker")
+    try:
+        broker.start()
+    except Exception as exc:
+        broker.stop()
+        unavailable(exc)
+    _USED.append(Service("kafka", broker.bootstrap, "a test's own local broker"))
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """A real broker with the catalog's topics created."""
+    with contextlib.ExitStack() as stack:
+        service = _provide(kafka_service(tmp_path_factory.mktemp("kafka")), stack)
+        run_in_thread(create_topics(service.address))
+        yield service
+
+
+def run_in_thread(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion on a fresh loop, also when called inside a running one."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with contextlib.ExitStack() as stack:
+        yield _provide(redis_service(tmp_path_factory.mktemp("redis")), stack)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for service in _USED:
+        terminalreporter.write_line(f"real service used: {service.describe()}")

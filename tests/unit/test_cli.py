@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from schemas import MESSAGES
+from tokenfleet.cli import main
+
+
+def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("schemas", "topics", "kafka", "redis"):
+        assert command in out
+
+
+def test_schemas_export_writes_one_schema_per_message(tmp_path: Path) -> None:
+    assert main(["schemas", "export", str(tmp_path)]) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == len(MESSAGES) + 1
+    routed = json.loads((tmp_path / "tf.request.routed.v1.schema.json").read_text())
+    assert routed["$id"] == "tf.request.routed/1"
+    assert "candidates" in routed["required"]
+    envelope = json.loads((tmp_path / "envelope.schema.json").read_text())
+    assert {"schema", "event_id", "ts", "source", "payload"} <= set(envelope["properties"])
+
+
+def test_topics_create_without_a_broker_says_how_to_get_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setattr("tokenfleet.services.kafka.DEFAULT_HOME", tmp_path)
+    assert main(["topics", "create"]) == 2
+    assert "TOKENFLEET_KAFKA_BOOTSTRAP" in capsys.readouterr().err
+
+
+def test_an_unknown_command_exits_non_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch-rockets"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sim.traces import MOONCAKE_BUCKET_S, engine_blocks, load_mooncake
+from sim.workload import leading_prefix_hits
+from tokenfleet.demo import run_demo
+
+
+def test_shared_trace_blocks_become_shared_engine_blocks() -> None:
+    a = engine_blocks([7, 8, 9], input_tokens=3 * 512)
+    b = engine_blocks([7, 8, 10], input_tokens=2 * 512 + 100)
+    assert len(a) == 96
+    assert len(b) == 64 + 100 // 16
+    assert a[:64] == b[:64]
+    assert not set(a[64:]) & set(b[64:])
+
+
+def test_engine_blocks_depend_on_position_within_the_trace_block() -> None:
+    blocks = engine_blocks([1], input_tokens=512)
+    assert len(set(blocks)) == 32
+
+
+def test_a_partial_engine_block_gets_no_hash() -> None:
+    assert engine_blocks([1], input_tokens=15) == ()
+    assert len(engine_blocks([1], input_tokens=17)) == 1
+
+
+def test_leading_prefix_hits_stop_at_the_first_miss() -> None:
+    assert leading_prefix_hits([(1, 2, 3), (1, 2, 4), (9, 2, 3), (1, 2, 4, 5)]) == (2 + 3, 13)
+
+
+def test_mooncake_arrivals_are_spread_inside_their_bucket_and_seeded(tmp_path: Path) -> None:
+    rows = [{"timestamp": 3000 * (i // 4), "input_length": 600, "output_length": 5,
+             "hash_ids": [i, i + 100]} for i in range(12)]  # fmt: skip
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    requests = load_mooncake(path, seed=3)
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    for r in requests:
+        index = int(r.request_id.rsplit("-", 1)[1])
+        bucket = 3.0 * (index // 4)
+        assert bucket <= r.arrival_s < bucket + MOONCAKE_BUCKET_S
+    assert load_mooncake(path, seed=3) == requests
+    assert load_mooncake(path, seed=4) != requests
+
+
+async def test_the_demo_measures_prefix_reuse_from_the_events() -> None:
+    report = await run_demo(limit=300, seed=0)
+    requests = load_mooncake(limit=300, seed=0)
+    hits, blocks = leading_prefix_hits([r.prefix_blocks for r in requests])
+    assert report.requests == 300
+    assert report.prefix_hit_share == pytest.approx(hits / blocks)
+    assert report.input_tokens == sum(r.input_tokens for r in requests)

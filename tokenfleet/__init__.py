@@ -1,0 +1,1 @@
+"""The ``tokenfleet`` command line, fleet configuration and the embedded demo's wiring."""

@@ -1,0 +1,134 @@
+"""Starting, finding and stopping a local server process that outlives its caller if asked.
+
+A server's home folder holds its ``pid`` and ``address`` files, so another process (the
+CLI's ``stop`` or ``status``) can find it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+CACHE = Path(os.environ.get("TOKENFLEET_CACHE", Path.home() / ".cache" / "tokenfleet"))
+"""Downloads and default run folders live here, outside the work tree."""
+
+
+class ServiceError(RuntimeError):
+    """A local service could not be set up, started or reached."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One server process whose output goes to ``home/server.log``."""
+
+    def __init__(self, home: Path, address: str) -> None:
+        self.home = home
+        self.address = address
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.home / "server.log"
+
+    def launch(
+        self,
+        argv: Sequence[str],
+        *,
+        ready: Callable[[], bool],
+        timeout_s: float,
+        detach: bool = False,
+    ) -> None:
+        """Start the process and poll ``ready`` until it answers; ``detach`` lets it
+        outlive this one (for the CLI). Raises with the log's tail if it exits or times out.
+        """
+        self._spawn(argv, detach)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process is not None and self._process.poll() is not None:
+                raise ServiceError(f"{argv[0]} exited early; log tail:\n{self._log_tail()}")
+            if ready():
+                return
+            time.sleep(0.2)
+        self.terminate()
+        raise ServiceError(
+            f"{self.address} did not answer within {timeout_s:.0f} s; log tail:\n{self._log_tail()}"
+        )
+
+    def _log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+
+    def _spawn(self, argv: Sequence[str], detach: bool) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=detach,
+            )  # fmt: skip
+        (self.home / "pid").write_text(str(self._process.pid))
+        (self.home / "address").write_text(self.address)
+
+    def terminate(self, timeout_s: float = 30.0) -> None:
+        pid = self._process.pid if self._process else read_pid(self.home)
+        if pid is not None:
+            _signal_and_wait(pid, self._process, timeout_s)
+        self._process = None
+        for name in ("pid", "address"):
+            (self.home / name).unlink(missing_ok=True)
+
+
+def read_pid(home: Path) -> int | None:
+    try:
+        pid = int((home / "pid").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    return pid
+
+
+def read_address(home: Path) -> str | None:
+    """The address of a server started from ``home`` that is still running."""
+    if read_pid(home) is None:
+        return None
+    path = home / "address"
+    return path.read_text().strip() if path.exists() else None
+
+
+def _signal_and_wait(pid: int, process: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            return
+        if process is None and not _alive(pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    if process is not None:
+        process.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,14 @@
+"""Process settings from the environment (prefix ``TOKENFLEET_``)."""
+
+from __future__ import annotations
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_", frozen=True)
+
+    kafka_bootstrap: str | None = None
+    """``host:port`` of a Kafka broker; unset means: the local broker, if one runs."""
+    redis_url: str | None = None
+    """``redis://host:port/db``; unset means: the local server, if one runs."""
