@@ -31,3 +31,21 @@ async def test_redis_is_a_real_server_running_lua_atomically(redis_server: Servi
         assert int(await client.get("tf-test:counter")) == 5050
     finally:
         await client.aclose()
+
+
+@pytest.mark.kafka
+async def test_topic_creation_is_idempotent_and_follows_the_catalog(kafka: Service) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from schemas import TOPICS
+    from streams.kafka import create_topics
+
+    assert await create_topics(kafka.address) == []  # the fixture created them already
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.address)
+    await admin.start()
+    try:
+        described = {t["topic"]: t for t in await admin.describe_topics([t.name for t in TOPICS])}
+    finally:
+        await admin.close()
+    for t in TOPICS:
+        assert len(described[t.name]["partitions"]) == t.partitions, t.name
