@@ -43,3 +43,13 @@ def test_an_unknown_command_exits_non_zero(capsys: pytest.CaptureFixture[str]) -
         main(["launch-rockets"])
     assert exit_info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_server_that_exits_at_once_is_reported_and_forgotten(tmp_path: Path) -> None:
+    from tokenfleet.services.process import ServerProcess, ServiceError, read_address
+
+    server = ServerProcess(tmp_path, "127.0.0.1:1")
+    with pytest.raises(ServiceError, match="exited early"):
+        server.launch(["false"], ready=lambda: False, timeout_s=10)
+    assert read_address(tmp_path) is None
+    assert not (tmp_path / "pid").exists()

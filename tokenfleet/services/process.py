@@ -55,6 +55,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
+                self.terminate()  # forget its pid and address files
                 raise ServiceError(f"{argv[0]} exited early; log tail:\n{self._log_tail()}")
             if ready():
                 return
@@ -91,11 +92,7 @@ def read_pid(home: Path) -> int | None:
         pid = int((home / "pid").read_text())
     except (FileNotFoundError, ValueError):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    return pid
+    return pid if _alive(pid) else None
 
 
 def read_address(home: Path) -> str | None:
