@@ -1,0 +1,255 @@
+"""One inference instance, stepped like a vLLM v1 engine.
+
+Each step the scheduler spends a token budget (``max_num_batched_tokens``):
+
+1. running sequences first, in admission order: one token for a decoding sequence, the
+   next chunk of the prompt for one still in prefill (chunked prefill);
+2. when a running sequence needs a KV block and none is free, the most recently admitted
+   running sequence is preempted: its blocks are released and its tokens will be computed
+   again (recompute preemption, counted as repeated work); it goes back to the head of
+   the wait queue;
+3. then, if nothing was preempted, waiting sequences in arrival order while budget,
+   ``max_num_seqs`` and free blocks allow; each reuses its cached prompt prefix.
+
+A sequence's first output token exists at the end of the step that computes its last
+prompt token; each later step computes one token's KV and samples the next. The engine
+has no clock of its own: the host calls ``plan_step(now)``, waits the returned duration
+(in virtual or wall time), then calls ``finish_step`` with the end time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from sim.kv_cache import KvBlockPool, OutOfBlocks
+from sim.step_time import StepTime
+from sim.workload import TraceRequest
+
+
+class RequestTooLong(ValueError):
+    """Prompt plus output budget exceed what the engine can hold (vLLM answers 400)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    """Longest prompt plus output; never more than the KV cache holds."""
+
+    @property
+    def max_tokens_per_sequence(self) -> int:
+        capacity = self.num_blocks * self.block_size
+        return min(self.max_model_len or capacity, capacity)
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A request inside one engine."""
+
+    request: TraceRequest
+    enqueued_s: float
+    computed: int = 0
+    """Tokens whose KV is computed (prompt and generated)."""
+    generated: int = 0
+    blocks: list[int] = field(default_factory=list)
+    registered: int = 0
+    """Leading prompt blocks already registered in the prefix cache."""
+    cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first admission; -1 until then."""
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    cancelled: bool = False
+
+    @property
+    def target_tokens(self) -> int:
+        """Tokens whose KV must exist before the next output token can be sampled: the
+        prompt, then each generated token (its KV is computed in the step after it)."""
+        return self.request.input_tokens + self.generated
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    duration_s: float
+    scheduled: tuple[tuple[Sequence, int], ...]
+    prefill_tokens: int
+    decode_seqs: int
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    busy_s: float = 0.0
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, step_time: StepTime) -> None:
+        self.config = config
+        self.step_time = step_time
+        self.pool = KvBlockPool(config.num_blocks, config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.counters = EngineCounters()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def accepts(self, request: TraceRequest) -> bool:
+        return request.input_tokens + request.output_tokens <= self.config.max_tokens_per_sequence
+
+    def add(self, sequence: Sequence) -> None:
+        """Queue a sequence; RequestTooLong if it could never fit."""
+        if not self.accepts(sequence.request):
+            raise RequestTooLong(
+                f"{sequence.request.input_tokens} prompt + {sequence.request.output_tokens} "
+                f"output tokens exceed {self.config.max_tokens_per_sequence}"
+            )
+        self.waiting.append(sequence)
+
+    def cancel(self, sequence: Sequence) -> None:
+        """Stop a sequence now and free its blocks; a step in flight skips it."""
+        sequence.cancelled = True
+        if sequence in self.running:
+            self.running.remove(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self._release(sequence)
+
+    def plan_step(self) -> StepPlan | None:
+        """Choose what the next step computes; None when there is nothing to do."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preemptions_before = self.counters.preemptions
+        for sequence in list(self.running):
+            if budget == 0:
+                break
+            if sequence not in self.running:
+                continue  # preempted earlier in this loop
+            tokens = min(sequence.target_tokens - sequence.computed, budget)
+            if self._grow(sequence, tokens):
+                scheduled.append((sequence, tokens))
+                budget -= tokens
+        if self.counters.preemptions == preemptions_before:
+            self._admit_waiting(budget, scheduled)
+        if not scheduled:
+            return None
+        return self._plan(scheduled)
+
+    def finish_step(self, plan: StepPlan, end_s: float) -> list[Sequence]:
+        """Apply a planned step that ended at ``end_s``; return the sequences it finished."""
+        self.counters.steps += 1
+        self.counters.busy_s += plan.duration_s
+        self.counters.prefill_tokens += plan.prefill_tokens
+        self.counters.decode_tokens += plan.decode_seqs
+        finished = []
+        for sequence, tokens in plan.scheduled:
+            if sequence.cancelled:
+                continue
+            sequence.computed += tokens
+            self._register_full_blocks(sequence)
+            if sequence.computed >= sequence.target_tokens:
+                self._emit_token(sequence, end_s)
+                if sequence.generated >= sequence.request.output_tokens:
+                    sequence.finished_s = end_s
+                    self.running.remove(sequence)
+                    self._release(sequence)
+                    finished.append(sequence)
+        return finished
+
+    def _admit_waiting(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            sequence = self.waiting[0]
+            if not self._start(sequence, budget):
+                break
+            self.waiting.popleft()
+            self.running.append(sequence)
+            tokens = min(sequence.target_tokens - sequence.computed, budget)
+            scheduled.append((sequence, tokens))
+            budget -= tokens
+
+    def _start(self, sequence: Sequence, budget: int) -> bool:
+        """Reuse the cached prefix and take blocks for the first chunk, all or nothing."""
+        pool = self.pool
+        request = sequence.request
+        target = sequence.target_tokens
+        cached = pool.cached_prefix(request.prefix_blocks)
+        cached = min(cached, (target - 1) // pool.block_size)
+        tokens = min(target - cached * pool.block_size, budget)
+        new_blocks = _blocks_for(cached * pool.block_size + tokens, pool.block_size) - cached
+        try:
+            blocks, cached_tokens = pool.start_prompt(request.prefix_blocks, target, new_blocks)
+        except OutOfBlocks:
+            return False
+        sequence.blocks = blocks
+        sequence.computed = cached_tokens
+        sequence.registered = cached_tokens // pool.block_size
+        if sequence.cached_tokens < 0:
+            sequence.cached_tokens = cached_tokens
+        return True
+
+    def _grow(self, sequence: Sequence, tokens: int) -> bool:
+        """Take the blocks ``tokens`` more need, preempting the newest running sequences
+        while none are free. False when ``sequence`` itself had to go."""
+        needed = _blocks_for(sequence.computed + tokens, self.pool.block_size) - len(
+            sequence.blocks
+        )
+        while needed > 0:
+            try:
+                sequence.blocks.extend(self.pool.allocate(needed))
+                return True
+            except OutOfBlocks:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is sequence:
+                    return False
+        return True
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self.running.remove(sequence)
+        self._release(sequence)
+        sequence.recomputed_tokens += sequence.computed
+        sequence.computed = 0
+        sequence.registered = 0
+        sequence.preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(sequence)
+
+    def _release(self, sequence: Sequence) -> None:
+        self.pool.release(sequence.blocks)
+        sequence.blocks = []
+
+    def _register_full_blocks(self, sequence: Sequence) -> None:
+        hashes = sequence.request.prefix_blocks
+        full = min(sequence.computed // self.pool.block_size, len(hashes))
+        for index in range(sequence.registered, full):
+            self.pool.register(sequence.blocks[index], hashes[index])
+        sequence.registered = max(sequence.registered, full)
+
+    def _emit_token(self, sequence: Sequence, end_s: float) -> None:
+        sequence.generated += 1
+        if sequence.first_token_s is None:
+            sequence.first_token_s = end_s
+
+    def _plan(self, scheduled: list[tuple[Sequence, int]]) -> StepPlan:
+        prefill_tokens = decode_seqs = decode_context = 0
+        for sequence, tokens in scheduled:
+            if sequence.generated and sequence.computed + 1 == sequence.target_tokens:
+                decode_seqs += 1
+                decode_context += sequence.computed
+            else:
+                prefill_tokens += tokens
+        duration = self.step_time.step_s(prefill_tokens, decode_seqs, decode_context)
+        return StepPlan(duration, tuple(scheduled), prefill_tokens, decode_seqs)
+
+
+def _blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)

@@ -1,0 +1,84 @@
+"""How long one engine step takes, and the fixed latencies around it.
+
+Two forms:
+
+- ``KneeRoofline``: ``t = a + b*max(0, P + B - n0) + c*B + d*C``, with P the prefill tokens
+  of the step, B its decode sequences and C their context tokens. Below the knee ``n0`` a
+  step is bound by reading the weights (cost ``a``); past it, every token adds compute.
+  ``ttft_overhead_s`` is the fixed API cost (tokenising, detokenising, HTTP) a client
+  sees on top of the engine's time to first token.
+- ``Blackbox``: the form of the BLIS simulator (inference-sim, ``sim/latency/latency.go``
+  at commit b563c440): ``step = b0 + b1*uncached prefill tokens + b2*decode tokens``, a
+  queueing delay ``a0 + a1*input`` before a request enters the wait queue, and ``a2`` per
+  output token, reported but not advancing the clock. Coefficients in microseconds, as
+  BLIS publishes them, so runs compare with other simulators on identical numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+US = 1e-6
+
+
+class StepTime(Protocol):
+    ttft_overhead_s: float
+    """Added to each request's time to first token (does not advance the engine clock)."""
+    token_overhead_s: float
+    """Added to each output token's time (does not advance the engine clock)."""
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
+        """Duration of a step; a step with nothing scheduled is never asked for."""
+        ...
+
+    def admission_delay_s(self, input_tokens: int) -> float:
+        """Delay from a request's arrival to its entering the engine's wait queue."""
+        ...
+
+
+@dataclass(frozen=True)
+class KneeRoofline:
+    a_s: float
+    b_s_per_token: float
+    n0_tokens: float
+    c_s_per_seq: float
+    d_s_per_context_token: float
+    ttft_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
+        compute = max(0.0, prefill_tokens + decode_seqs - self.n0_tokens)
+        return (
+            self.a_s
+            + self.b_s_per_token * compute
+            + self.c_s_per_seq * decode_seqs
+            + self.d_s_per_context_token * decode_context
+        )
+
+    def admission_delay_s(self, input_tokens: int) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class Blackbox:
+    beta0_us: float
+    beta1_us: float
+    beta2_us: float
+    alpha0_us: float
+    alpha1_us: float
+    alpha2_us: float
+
+    @property
+    def ttft_overhead_s(self) -> float:
+        return self.alpha2_us * US
+
+    @property
+    def token_overhead_s(self) -> float:
+        return self.alpha2_us * US
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
+        return (self.beta0_us + self.beta1_us * prefill_tokens + self.beta2_us * decode_seqs) * US
+
+    def admission_delay_s(self, input_tokens: int) -> float:
+        return (self.alpha0_us + self.alpha1_us * input_tokens) * US

@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.engine import Engine, EngineConfig, RequestTooLong, Sequence
+from sim.step_time import KneeRoofline
+from sim.workload import TraceRequest
+
+ONE_SECOND_STEPS = KneeRoofline(a_s=1.0, b_s_per_token=0.0, n0_tokens=0, c_s_per_seq=0.0,
+                                d_s_per_context_token=0.0)  # fmt: skip
+
+
+def _request(name: str, prompt: int, output: int, prefix: tuple[int, ...] = ()) -> TraceRequest:
+    return TraceRequest(name, 0.0, prompt, output, prefix)
+
+
+def _run(engine: Engine, start: float = 0.0) -> float:
+    """Step until idle; return the end time."""
+    now = start
+    while (plan := engine.plan_step()) is not None:
+        now += plan.duration_s
+        engine.finish_step(plan, now)
+    return now
+
+
+def test_a_prompt_is_prefilled_in_chunks_then_decoded_one_token_a_step() -> None:
+    engine = Engine(EngineConfig(num_blocks=16, block_size=4, max_num_batched_tokens=16),
+                    ONE_SECOND_STEPS)  # fmt: skip
+    sequence = Sequence(_request("a", prompt=40, output=3), enqueued_s=0.0)
+    engine.add(sequence)
+    plans = []
+    now = 0.0
+    while (plan := engine.plan_step()) is not None:
+        plans.append((plan.prefill_tokens, plan.decode_seqs))
+        now += plan.duration_s
+        engine.finish_step(plan, now)
+    assert plans == [(16, 0), (16, 0), (8, 0), (0, 1), (0, 1)]
+    assert sequence.first_token_s == 3.0
+    assert sequence.finished_s == 5.0
+    assert sequence.generated == 3
+    assert engine.pool.used_blocks == 0
+
+
+def test_a_later_prompt_reuses_the_cached_prefix() -> None:
+    engine = Engine(EngineConfig(num_blocks=32, block_size=4), ONE_SECOND_STEPS)
+    first = Sequence(_request("a", 16, 1, prefix=(1, 2, 3, 4)), 0.0)
+    second = Sequence(_request("b", 18, 1, prefix=(1, 2, 3, 9)), 0.0)
+    engine.add(first)
+    _run(engine)
+    engine.add(second)
+    plan = engine.plan_step()
+    assert second.cached_tokens == 12
+    assert plan is not None
+    assert plan.prefill_tokens == 6
+    assert engine.pool.counters.prefix_hits_tokens == 12
+
+
+def test_decodes_go_first_and_a_new_prompt_takes_what_budget_is_left() -> None:
+    engine = Engine(EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=10),
+                    ONE_SECOND_STEPS)  # fmt: skip
+    for name in "ab":
+        engine.add(Sequence(_request(name, 4, 5), 0.0))
+    plan = engine.plan_step()
+    assert plan is not None
+    engine.finish_step(plan, 1.0)
+    engine.add(Sequence(_request("c", 20, 2), 1.0))
+    plan = engine.plan_step()
+    assert plan is not None
+    assert (plan.decode_seqs, plan.prefill_tokens) == (2, 8)
+
+
+def test_a_request_that_could_never_fit_is_refused() -> None:
+    engine = Engine(EngineConfig(num_blocks=4, block_size=4, max_model_len=12), ONE_SECOND_STEPS)
+    assert engine.accepts(_request("fits", 8, 4))
+    with pytest.raises(RequestTooLong, match="8 prompt \\+ 5 output tokens exceed 12"):
+        engine.add(Sequence(_request("long", 8, 5), 0.0))
+
+
+def test_no_more_than_max_num_seqs_run_at_once() -> None:
+    engine = Engine(EngineConfig(num_blocks=64, block_size=4, max_num_seqs=2), ONE_SECOND_STEPS)
+    for name in "abc":
+        engine.add(Sequence(_request(name, 4, 3), 0.0))
+    engine.plan_step()
+    assert len(engine.running) == 2
+    assert len(engine.waiting) == 1
+
+
+def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed() -> None:
+    engine = Engine(EngineConfig(num_blocks=6, block_size=4), ONE_SECOND_STEPS)
+    old = Sequence(_request("old", 8, 12), 0.0)
+    new = Sequence(_request("new", 8, 12), 0.0)
+    engine.add(old)
+    engine.add(new)
+    _run(engine)
+    assert new.preemptions >= 1
+    assert old.preemptions == 0
+    assert new.recomputed_tokens > 0
+    assert engine.counters.preemptions == new.preemptions
+    assert (old.generated, new.generated) == (12, 12)
+    assert engine.pool.used_blocks == 0
+
+
+def test_cancelling_frees_blocks_at_once_and_the_step_in_flight_skips_it() -> None:
+    engine = Engine(EngineConfig(num_blocks=32, block_size=4), ONE_SECOND_STEPS)
+    sequence = Sequence(_request("a", 20, 50), 0.0)
+    engine.add(sequence)
+    plan = engine.plan_step()
+    assert plan is not None
+    assert engine.pool.used_blocks == 5
+    engine.cancel(sequence)
+    assert engine.pool.used_blocks == 0
+    assert engine.finish_step(plan, 1.0) == []
+    assert sequence.first_token_s is None
+    assert engine.idle
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 60), st.integers(1, 20), st.lists(st.integers(0, 3), max_size=4)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(16, 40),
+)
+def test_every_workload_drains_with_each_token_generated_once(
+    requests: list[tuple[int, int, list[int]]], num_blocks: int
+) -> None:
+    engine = Engine(EngineConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32),
+                    ONE_SECOND_STEPS)  # fmt: skip
+    sequences = []
+    for index, (prompt, output, prefix) in enumerate(requests):
+        full_blocks = prompt // 4
+        hashes = tuple(hash(tuple(prefix[: i + 1])) for i in range(min(len(prefix), full_blocks)))
+        request = _request(str(index), prompt, output, hashes)
+        if not engine.accepts(request):
+            with pytest.raises(RequestTooLong):
+                engine.add(Sequence(request, 0.0))
+            continue
+        sequences.append(Sequence(request, 0.0))
+        engine.add(sequences[-1])
+    _run(engine)
+    for sequence in sequences:
+        assert sequence.generated == sequence.request.output_tokens
+        assert sequence.first_token_s is not None
+        assert sequence.finished_s is not None
+        assert sequence.first_token_s <= sequence.finished_s
+    assert engine.pool.used_blocks == 0
