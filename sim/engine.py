@@ -19,6 +19,7 @@ has no clock of its own: the host calls ``plan_step(now)``, waits the returned d
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,6 +61,8 @@ class Sequence:
     """Leading prompt blocks already registered in the prefix cache."""
     cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first admission; -1 until then."""
+    scheduled_s: float | None = None
+    """When the engine first computed anything for it: the end of its queue wait."""
     first_token_s: float | None = None
     finished_s: float | None = None
     preemptions: int = 0
@@ -81,6 +84,33 @@ class StepPlan:
     decode_seqs: int
 
 
+@dataclass(eq=False, slots=True)
+class DecodeRun:
+    """Consecutive decode-only steps of an unchanging batch, planned at once.
+
+    Planned only when nothing waits and every running sequence is decoding, for as many
+    steps as pass before the first of them finishes and as the free blocks allow; so no
+    step of the run can change the batch. ``ends_s`` holds each step's end time.
+    ``applied`` counts the steps already applied to the sequences.
+    """
+
+    sequences: tuple[Sequence, ...]
+    start_s: float
+    ends_s: list[float]
+    applied: int = 0
+
+    @property
+    def end_s(self) -> float:
+        return self.ends_s[-1]
+
+    def steps_ended_by(self, now: float) -> int:
+        return bisect_right(self.ends_s, now)
+
+
+Plan = StepPlan | DecodeRun
+MAX_RUN_STEPS = 4096
+
+
 @dataclass
 class EngineCounters:
     steps: int = 0
@@ -98,6 +128,8 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = EngineCounters()
+        self.inflight_tokens = 0
+        """Prompt plus not-yet-generated output tokens of every sequence held."""
 
     @property
     def idle(self) -> bool:
@@ -114,6 +146,7 @@ class Engine:
                 f"output tokens exceed {self.config.max_tokens_per_sequence}"
             )
         self.waiting.append(sequence)
+        self.inflight_tokens += sequence.request.input_tokens + sequence.request.output_tokens
 
     def cancel(self, sequence: Sequence) -> None:
         """Stop a sequence now and free its blocks; a step in flight skips it."""
@@ -122,10 +155,73 @@ class Engine:
             self.running.remove(sequence)
         elif sequence in self.waiting:
             self.waiting.remove(sequence)
+        else:
+            return  # already finished or cancelled
         self._release(sequence)
+        self.inflight_tokens -= _owed(sequence)
 
-    def plan_step(self) -> StepPlan | None:
-        """Choose what the next step computes; None when there is nothing to do."""
+    def plan(self, now: float, *, runs: bool = True) -> Plan | None:
+        """What to compute from ``now``: a decode run when ``runs`` allows and the batch
+        cannot change, else one step; None when there is nothing to do."""
+        if runs and (run := self._plan_run(now)) is not None:
+            return run
+        return self.plan_step(now)
+
+    def advance(self, run: DecodeRun, now: float) -> list[Sequence]:
+        """Apply the run's steps that ended by ``now``; return the sequences finished."""
+        steps = run.steps_ended_by(now) - run.applied
+        if steps <= 0:
+            return []
+        previous_end = run.ends_s[run.applied - 1] if run.applied else run.start_s
+        run.applied += steps
+        end = run.ends_s[run.applied - 1]
+        self.counters.steps += steps
+        self.counters.busy_s += end - previous_end
+        self.counters.decode_tokens += steps * len(run.sequences)
+        finished = []
+        for sequence in run.sequences:
+            if sequence.cancelled:
+                continue
+            sequence.computed += steps
+            missing = _blocks_for(sequence.computed, self.pool.block_size) - len(sequence.blocks)
+            if missing > 0:  # reserved by _plan_run: a shortage here is a bug, and raises
+                sequence.blocks.extend(self.pool.allocate(missing))
+            sequence.generated += steps
+            self.inflight_tokens -= steps
+            if sequence.generated >= sequence.request.output_tokens:
+                self._finish(sequence, end)
+                finished.append(sequence)
+        return finished
+
+    def cut(self, run: DecodeRun) -> None:
+        """End the run after the step in flight, so that new work can join the next step."""
+        del run.ends_s[min(run.applied + 1, len(run.ends_s)) :]
+
+    def _plan_run(self, now: float) -> DecodeRun | None:
+        if self.waiting or len(self.running) < 1:
+            return None
+        if any(s.generated == 0 or s.computed + 1 != s.target_tokens for s in self.running):
+            return None
+        steps = min(s.request.output_tokens - s.generated for s in self.running)
+        steps = min(steps, MAX_RUN_STEPS)
+        while steps > 1 and self._blocks_for_run(steps) > self.pool.free_blocks:
+            steps //= 2
+        if steps < 2:
+            return None
+        batch = len(self.running)
+        context = sum(s.computed for s in self.running)
+        ends, end = [], now
+        for step in range(steps):
+            end += self.step_time.step_s(0, batch, context + step * batch)
+            ends.append(end)
+        return DecodeRun(tuple(self.running), now, ends)
+
+    def _blocks_for_run(self, steps: int) -> int:
+        size = self.pool.block_size
+        return sum(_blocks_for(s.computed + steps, size) - len(s.blocks) for s in self.running)
+
+    def plan_step(self, now: float) -> StepPlan | None:
+        """Choose what the step starting at ``now`` computes; None when there is nothing."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preemptions_before = self.counters.preemptions
@@ -139,7 +235,7 @@ class Engine:
                 scheduled.append((sequence, tokens))
                 budget -= tokens
         if self.counters.preemptions == preemptions_before:
-            self._admit_waiting(budget, scheduled)
+            self._admit_waiting(budget, scheduled, now)
         if not scheduled:
             return None
         return self._plan(scheduled)
@@ -159,19 +255,27 @@ class Engine:
             if sequence.computed >= sequence.target_tokens:
                 self._emit_token(sequence, end_s)
                 if sequence.generated >= sequence.request.output_tokens:
-                    sequence.finished_s = end_s
-                    self.running.remove(sequence)
-                    self._release(sequence)
+                    self._finish(sequence, end_s)
                     finished.append(sequence)
         return finished
 
-    def _admit_waiting(self, budget: int, scheduled: list[tuple[Sequence, int]]) -> None:
+    def _finish(self, sequence: Sequence, end_s: float) -> None:
+        sequence.finished_s = end_s
+        self.running.remove(sequence)
+        self._release(sequence)
+        self.inflight_tokens -= _owed(sequence)
+
+    def _admit_waiting(
+        self, budget: int, scheduled: list[tuple[Sequence, int]], now: float
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             sequence = self.waiting[0]
             if not self._start(sequence, budget):
                 break
             self.waiting.popleft()
             self.running.append(sequence)
+            if sequence.scheduled_s is None:
+                sequence.scheduled_s = now
             tokens = min(sequence.target_tokens - sequence.computed, budget)
             scheduled.append((sequence, tokens))
             budget -= tokens
@@ -236,6 +340,7 @@ class Engine:
 
     def _emit_token(self, sequence: Sequence, end_s: float) -> None:
         sequence.generated += 1
+        self.inflight_tokens -= 1
         if sequence.first_token_s is None:
             sequence.first_token_s = end_s
 
@@ -249,6 +354,11 @@ class Engine:
                 prefill_tokens += tokens
         duration = self.step_time.step_s(prefill_tokens, decode_seqs, decode_context)
         return StepPlan(duration, tuple(scheduled), prefill_tokens, decode_seqs)
+
+
+def _owed(sequence: Sequence) -> int:
+    request = sequence.request
+    return request.input_tokens + request.output_tokens - sequence.generated
 
 
 def _blocks_for(tokens: int, block_size: int) -> int:

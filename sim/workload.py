@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.base import TaskClass
+
 ENGINE_BLOCK_TOKENS = 16
 """vLLM's default KV block size; prefix hashes are kept per full block of this size."""
 
@@ -17,6 +19,11 @@ class TraceRequest:
     prefix_blocks: tuple[int, ...]
     """Chained hashes of the prompt's full engine blocks: equal hashes at equal positions
     mean an equal prompt up to the end of that block."""
+    task_class: TaskClass = TaskClass.INTERACTIVE
+    tenant: str = "default"
+    region: str = "local"
+    deadline_s: float | None = None
+    """Seconds after arrival by which a batch request must finish."""
 
 
 def leading_prefix_hits(prefixes: list[tuple[int, ...]]) -> tuple[int, int]:

@@ -19,7 +19,7 @@ def _request(name: str, prompt: int, output: int, prefix: tuple[int, ...] = ()) 
 def _run(engine: Engine, start: float = 0.0) -> float:
     """Step until idle; return the end time."""
     now = start
-    while (plan := engine.plan_step()) is not None:
+    while (plan := engine.plan_step(now)) is not None:
         now += plan.duration_s
         engine.finish_step(plan, now)
     return now
@@ -32,7 +32,7 @@ def test_a_prompt_is_prefilled_in_chunks_then_decoded_one_token_a_step() -> None
     engine.add(sequence)
     plans = []
     now = 0.0
-    while (plan := engine.plan_step()) is not None:
+    while (plan := engine.plan_step(now)) is not None:
         plans.append((plan.prefill_tokens, plan.decode_seqs))
         now += plan.duration_s
         engine.finish_step(plan, now)
@@ -50,7 +50,7 @@ def test_a_later_prompt_reuses_the_cached_prefix() -> None:
     engine.add(first)
     _run(engine)
     engine.add(second)
-    plan = engine.plan_step()
+    plan = engine.plan_step(0.0)
     assert second.cached_tokens == 12
     assert plan is not None
     assert plan.prefill_tokens == 6
@@ -62,11 +62,11 @@ def test_decodes_go_first_and_a_new_prompt_takes_what_budget_is_left() -> None:
                     ONE_SECOND_STEPS)  # fmt: skip
     for name in "ab":
         engine.add(Sequence(_request(name, 4, 5), 0.0))
-    plan = engine.plan_step()
+    plan = engine.plan_step(0.0)
     assert plan is not None
     engine.finish_step(plan, 1.0)
     engine.add(Sequence(_request("c", 20, 2), 1.0))
-    plan = engine.plan_step()
+    plan = engine.plan_step(0.0)
     assert plan is not None
     assert (plan.decode_seqs, plan.prefill_tokens) == (2, 8)
 
@@ -82,7 +82,7 @@ def test_no_more_than_max_num_seqs_run_at_once() -> None:
     engine = Engine(EngineConfig(num_blocks=64, block_size=4, max_num_seqs=2), ONE_SECOND_STEPS)
     for name in "abc":
         engine.add(Sequence(_request(name, 4, 3), 0.0))
-    engine.plan_step()
+    engine.plan_step(0.0)
     assert len(engine.running) == 2
     assert len(engine.waiting) == 1
 
@@ -106,7 +106,7 @@ def test_cancelling_frees_blocks_at_once_and_the_step_in_flight_skips_it() -> No
     engine = Engine(EngineConfig(num_blocks=32, block_size=4), ONE_SECOND_STEPS)
     sequence = Sequence(_request("a", 20, 50), 0.0)
     engine.add(sequence)
-    plan = engine.plan_step()
+    plan = engine.plan_step(0.0)
     assert plan is not None
     assert engine.pool.used_blocks == 5
     engine.cancel(sequence)

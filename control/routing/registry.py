@@ -1,0 +1,37 @@
+"""Every routing policy by the name ``--policy`` takes: the one list."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from control.routing.baselines import LeastRequests, RoundRobin
+from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
+
+
+class Router(Protocol):
+    """Picks an instance for a request from a snapshot of the fleet.
+
+    ``route`` is synchronous and does no I/O; time and randomness come from the host
+    (``now``, and the generator the router was built with), so a simulator replays it.
+    """
+
+    name: str
+
+    def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision: ...
+
+
+ROUTERS: dict[str, Callable[[np.random.Generator], Router]] = {
+    RoundRobin.name: RoundRobin,
+    LeastRequests.name: LeastRequests,
+}
+
+
+def make_router(name: str, seed: int = 0) -> Router:
+    try:
+        factory = ROUTERS[name]
+    except KeyError:
+        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(ROUTERS))}") from None
+    return factory(np.random.default_rng(seed))

@@ -1,0 +1,90 @@
+"""What a router sees: one immutable snapshot of the candidate instances, and the request.
+
+The snapshot is a structure of arrays (one row per instance) so that policies can score
+every candidate at once with numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """Instance state at one moment. Arrays are read-only and aligned with ``instance_ids``."""
+
+    instance_ids: tuple[str, ...]
+    ready: BoolArray
+    waiting: IntArray
+    running: IntArray
+    inflight_tokens: IntArray
+    """Prompt tokens still to compute plus output tokens still to generate."""
+    kv_blocks_used: IntArray
+    kv_blocks_total: IntArray
+
+    def __post_init__(self) -> None:
+        size = len(self.instance_ids)
+        for name in ("ready", "waiting", "running", "inflight_tokens", "kv_blocks_used",
+                     "kv_blocks_total"):  # fmt: skip
+            array = getattr(self, name)
+            if array.shape != (size,):
+                raise ValueError(f"{name} has shape {array.shape}, expected ({size},)")
+            array.flags.writeable = False
+
+    def __len__(self) -> int:
+        return len(self.instance_ids)
+
+    @property
+    def requests(self) -> IntArray:
+        return self.waiting + self.running
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    request_id: str
+    input_tokens: int
+    output_budget: int
+    prefix_blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One instance's part in a decision: its score (lower is better) and the terms."""
+
+    instance_id: str
+    score: float
+    parts: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A routing decision with its reasons, kept as arrays aligned with the snapshot.
+
+    ``scores`` is lower-is-better, NaN for instances that were not eligible. ``chosen`` is
+    the row of the chosen instance, or None when nothing was eligible.
+    """
+
+    policy: str
+    chosen: int | None
+    scores: FloatArray
+    parts: Mapping[str, FloatArray] = field(default_factory=dict)
+
+    def candidates(self, fleet: FleetSnapshot) -> tuple[Candidate, ...]:
+        """The eligible candidates, for the decision record."""
+        rows = np.flatnonzero(~np.isnan(self.scores))
+        return tuple(
+            Candidate(
+                fleet.instance_ids[row],
+                float(self.scores[row]),
+                tuple((name, float(values[row])) for name, values in self.parts.items()),
+            )
+            for row in rows
+        )

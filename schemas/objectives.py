@@ -1,0 +1,31 @@
+"""Service objectives per task class, and whether a finished request met its class's.
+
+Defaults follow DESIGN.md (Measures); deployments override them in configuration.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.base import Frozen, TaskClass
+
+
+class ClassObjective(Frozen):
+    ttft_s: float | None = Field(default=None, gt=0, description="Time to first token, at most.")
+    tpot_s: float | None = Field(default=None, gt=0, description="Time per output token, at most.")
+    use_deadline: bool = Field(default=False, description="Must finish by its own deadline.")
+
+    def met(self, ttft_s: float, tpot_s: float, e2e_s: float, deadline_s: float | None) -> bool:
+        """Whether a completed request met this objective (a missing deadline is met)."""
+        if self.ttft_s is not None and ttft_s > self.ttft_s:
+            return False
+        if self.tpot_s is not None and tpot_s > self.tpot_s:
+            return False
+        return not (self.use_deadline and deadline_s is not None and e2e_s > deadline_s)
+
+
+DEFAULT_OBJECTIVES: dict[TaskClass, ClassObjective] = {
+    TaskClass.INTERACTIVE: ClassObjective(ttft_s=2.0, tpot_s=0.1),
+    TaskClass.LONG_DOCUMENT: ClassObjective(ttft_s=30.0),
+    TaskClass.BATCH: ClassObjective(use_deadline=True),
+}

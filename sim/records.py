@@ -1,0 +1,70 @@
+"""One record per request, as a simulator (or a replay) observed it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from sim.engine import Sequence
+from sim.workload import TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    request_id: str
+    task_class: str
+    tenant: str
+    outcome: str
+    """``completed`` or ``rejected``."""
+    arrival_s: float
+    dc: str | None
+    instance_id: str | None
+    queue_wait_s: float | None
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    preemptions: int
+    recomputed_tokens: int
+    deadline_s: float | None
+
+    @classmethod
+    def completed(
+        cls,
+        sequence: Sequence,
+        instance_id: str,
+        dc: str,
+        *,
+        ttft_overhead_s: float,
+        token_overhead_s: float,
+    ) -> RequestRecord:
+        """A finished sequence; the overheads are latencies the client sees on top of the
+        engine's (API work, network), which do not occupy the engine."""
+        request = sequence.request
+        assert sequence.first_token_s is not None
+        assert sequence.finished_s is not None
+        assert sequence.scheduled_s is not None
+        arrival = request.arrival_s
+        ttft = sequence.first_token_s - arrival + ttft_overhead_s
+        decode_tokens = request.output_tokens - 1
+        decode_s = sequence.finished_s - sequence.first_token_s + decode_tokens * token_overhead_s
+        tpot = decode_s / decode_tokens if decode_tokens else 0.0
+        return cls(
+            request.request_id, request.task_class.value, request.tenant, "completed",
+            arrival, dc, instance_id, sequence.scheduled_s - sequence.enqueued_s, ttft, tpot,
+            ttft + decode_s, request.input_tokens, max(sequence.cached_tokens, 0),
+            request.output_tokens, sequence.preemptions, sequence.recomputed_tokens,
+            request.deadline_s,
+        )  # fmt: skip
+
+    @classmethod
+    def rejected(cls, request: TraceRequest, at_s: float) -> RequestRecord:
+        return cls(
+            request.request_id, request.task_class.value, request.tenant, "rejected", at_s,
+            None, None, None, None, None, None, request.input_tokens, 0, 0, 0, 0,
+            request.deadline_s,
+        )  # fmt: skip
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)

@@ -1,0 +1,184 @@
+"""A discrete-event simulator of a cluster of engines behind a router, in virtual time.
+
+Three kinds of events drive it: a request arrives (the router picks its instance), a
+request enters an engine's wait queue (after the step model's admission delay), and an
+engine's step ends (its results apply and the next step is planned). Arrivals are read in
+order from the workload; the rest sit in one heap. Ties break by insertion order, so a
+run is a deterministic function of its inputs and seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from control.routing import FleetSnapshot, Router, RouteRequest
+from sim.cluster import Cluster
+from sim.engine import DecodeRun, Engine, Plan, Sequence
+from sim.records import RequestRecord
+from sim.workload import TraceRequest
+
+_ENTER, _STEP_END = 0, 1
+
+
+@dataclass
+class _Instance:
+    instance_id: str
+    dc: str
+    engine: Engine
+    plan: Plan | None = None
+    version: int = 0
+    """Bumped whenever the plan's end moves; step-end events of older versions are void."""
+    entering: int = 0
+    """Requests routed here still in their admission delay, and their tokens."""
+    entering_tokens: int = 0
+
+
+class Simulation:
+    """``decode_runs`` lets engines plan decode-only stretches as one event (the results
+    are the same; tests compare both ways); switch it off to step one step at a time."""
+
+    def __init__(self, cluster: Cluster, router: Router, *, decode_runs: bool = True) -> None:
+        self.decode_runs = decode_runs
+        self.cluster = cluster
+        self.router = router
+        self.instances = [
+            _Instance(f"{dc.name}/{n}", dc.name, Engine(dc.profile.engine, dc.profile.step_time))
+            for dc in cluster.data_centers
+            for n in range(dc.instances)
+        ]
+        size = len(self.instances)
+        self._ids = tuple(i.instance_id for i in self.instances)
+        self._ready = np.ones(size, dtype=np.bool_)
+        self._waiting = np.zeros(size, dtype=np.int64)
+        self._running = np.zeros(size, dtype=np.int64)
+        self._inflight = np.zeros(size, dtype=np.int64)
+        self._kv_used = np.zeros(size, dtype=np.int64)
+        self._kv_total = np.array([i.engine.config.num_blocks for i in self.instances])
+        self._heap: list[tuple[float, int, int, int, Sequence | int]] = []
+        self._order = 0
+        self.records: list[RequestRecord] = []
+        self.now = 0.0
+
+    def run(self, requests: Iterable[TraceRequest]) -> list[RequestRecord]:
+        """Serve every request to the end; records come in completion order."""
+        arrivals = iter(requests)
+        upcoming = next(arrivals, None)
+        while upcoming is not None or self._heap:
+            if upcoming is not None and (not self._heap or upcoming.arrival_s <= self._heap[0][0]):
+                self.now = upcoming.arrival_s
+                self._arrive(upcoming)
+                upcoming = next(arrivals, None)
+                continue
+            self.now, _, kind, index, payload = heapq.heappop(self._heap)
+            if kind == _ENTER:
+                assert isinstance(payload, Sequence)
+                self._enter(index, payload)
+            elif payload == self.instances[index].version:
+                self._end_step(index)
+        return self.records
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [i.engine for i in self.instances]
+
+    def fleet(self) -> FleetSnapshot:
+        return FleetSnapshot(
+            self._ids, self._ready.copy(), self._waiting.copy(), self._running.copy(),
+            self._inflight.copy(), self._kv_used.copy(), self._kv_total.copy(),
+        )  # fmt: skip
+
+    def _arrive(self, request: TraceRequest) -> None:
+        self._catch_up()
+        route = RouteRequest(
+            request.request_id, request.input_tokens, request.output_tokens,
+            request.prefix_blocks,
+        )  # fmt: skip
+        decision = self.router.route(route, self.fleet(), self.now)
+        index = decision.chosen
+        if index is None or not self.instances[index].engine.accepts(request):
+            self.records.append(RequestRecord.rejected(request, self.now))
+            return
+        instance = self.instances[index]
+        delay = instance.engine.step_time.admission_delay_s(request.input_tokens)
+        instance.entering += 1
+        instance.entering_tokens += request.input_tokens + request.output_tokens
+        self._refresh(index)
+        self._push(self.now + delay, _ENTER, index, Sequence(request, self.now))
+
+    def _enter(self, index: int, sequence: Sequence) -> None:
+        instance = self.instances[index]
+        instance.entering -= 1
+        instance.entering_tokens -= sequence.request.input_tokens + sequence.request.output_tokens
+        instance.engine.add(sequence)
+        plan = instance.plan
+        if plan is None:
+            self._start_next(index)
+            return
+        if isinstance(plan, DecodeRun):  # the newcomer joins after the step in flight
+            self._apply_run(index, plan)
+            instance.engine.cut(plan)
+            self._schedule_end(index, plan.end_s)
+        self._refresh(index)
+
+    def _catch_up(self) -> None:
+        """Bring every engine in a decode run up to now, so the router sees current state."""
+        for index, instance in enumerate(self.instances):
+            if isinstance(instance.plan, DecodeRun) and instance.plan.applied < len(
+                instance.plan.ends_s
+            ):
+                self._apply_run(index, instance.plan)
+                self._refresh(index)
+
+    def _apply_run(self, index: int, run: DecodeRun) -> None:
+        instance = self.instances[index]
+        for sequence in instance.engine.advance(run, self.now):
+            self.records.append(self._record(instance, sequence))
+
+    def _start_next(self, index: int) -> None:
+        instance = self.instances[index]
+        plan = instance.engine.plan(self.now, runs=self.decode_runs)
+        instance.plan = plan
+        if plan is not None:
+            end = plan.end_s if isinstance(plan, DecodeRun) else self.now + plan.duration_s
+            self._schedule_end(index, end)
+        self._refresh(index)
+
+    def _schedule_end(self, index: int, end_s: float) -> None:
+        instance = self.instances[index]
+        instance.version += 1
+        self._push(end_s, _STEP_END, index, instance.version)
+
+    def _end_step(self, index: int) -> None:
+        instance = self.instances[index]
+        plan = instance.plan
+        if isinstance(plan, DecodeRun):
+            self._apply_run(index, plan)
+        elif plan is not None:
+            for sequence in instance.engine.finish_step(plan, self.now):
+                self.records.append(self._record(instance, sequence))
+        self._start_next(index)
+
+    def _record(self, instance: _Instance, sequence: Sequence) -> RequestRecord:
+        step_time = instance.engine.step_time
+        rtt = self.cluster.rtt(sequence.request.region, instance.dc)
+        return RequestRecord.completed(
+            sequence, instance.instance_id, instance.dc,
+            ttft_overhead_s=step_time.ttft_overhead_s + rtt,
+            token_overhead_s=step_time.token_overhead_s,
+        )  # fmt: skip
+
+    def _refresh(self, index: int) -> None:
+        instance = self.instances[index]
+        engine = instance.engine
+        self._waiting[index] = len(engine.waiting) + instance.entering
+        self._running[index] = len(engine.running)
+        self._inflight[index] = engine.inflight_tokens + instance.entering_tokens
+        self._kv_used[index] = engine.pool.used_blocks
+
+    def _push(self, time: float, kind: int, index: int, payload: Sequence | int) -> None:
+        self._order += 1
+        heapq.heappush(self._heap, (time, self._order, kind, index, payload))

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from control.routing import make_router
+from sim.cluster import Cluster, InstanceProfile
+from sim.engine import EngineConfig
+from sim.metrics import summarize
+from sim.simulator import Simulation
+from sim.step_time import KneeRoofline
+from sim.workload import TraceRequest
+
+STEPS = KneeRoofline(a_s=0.01, b_s_per_token=1e-4, n0_tokens=32, c_s_per_seq=1e-4,
+                     d_s_per_context_token=1e-6, ttft_overhead_s=0.005)  # fmt: skip
+
+
+def _profile(num_blocks: int = 400, budget: int = 256) -> InstanceProfile:
+    engine = EngineConfig(num_blocks=num_blocks, block_size=16, max_num_batched_tokens=budget,
+                          max_num_seqs=16)  # fmt: skip
+    return InstanceProfile("test", "m", "cpu", engine, STEPS)
+
+
+def _workload(count: int, seed: int) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    requests, now = [], 0.0
+    for n in range(count):
+        now += rng.expovariate(20.0)
+        prompt = rng.randint(20, 600)
+        group = rng.randint(0, 3)
+        prefix = tuple(hash((group, i)) for i in range(min(prompt // 16, 8)))
+        requests.append(TraceRequest(f"r{n}", now, prompt, rng.randint(1, 80), prefix))
+    return requests
+
+
+def _run(workload: list[TraceRequest], *, instances: int = 3, decode_runs: bool = True,
+         policy: str = "least_requests", profile: InstanceProfile | None = None):  # fmt: skip
+    simulation = Simulation(Cluster.single(profile or _profile(), instances),
+                            make_router(policy, seed=7), decode_runs=decode_runs)  # fmt: skip
+    return simulation.run(workload), simulation
+
+
+def test_one_request_on_an_idle_instance_takes_its_prefill_then_its_decodes() -> None:
+    request = TraceRequest("r", 1.0, input_tokens=100, output_tokens=3, prefix_blocks=())
+    [record], _ = _run([request], instances=1)
+    prefill = STEPS.step_s(100, 0, 0)
+    decode_1, decode_2 = STEPS.step_s(0, 1, 100), STEPS.step_s(0, 1, 101)
+    assert record.queue_wait_s == 0.0
+    assert record.ttft_s == pytest.approx(prefill + STEPS.ttft_overhead_s)
+    assert record.tpot_s == pytest.approx((decode_1 + decode_2) / 2)
+    assert record.e2e_s == pytest.approx(record.ttft_s + decode_1 + decode_2)
+
+
+def test_decode_runs_change_nothing_but_speed() -> None:
+    workload = _workload(300, seed=1)
+    stepped, _ = _run(workload, decode_runs=False)
+    batched, simulation = _run(workload, decode_runs=True)
+
+    def by_id(records):
+        return sorted(records, key=lambda r: r.request_id)
+
+    assert by_id(stepped) == by_id(batched)
+    assert simulation.engines[0].counters.steps > 0
+
+
+def test_a_run_is_a_function_of_its_inputs() -> None:
+    first, _ = _run(_workload(200, seed=5))
+    second, _ = _run(_workload(200, seed=5))
+    assert first == second
+
+
+def test_requests_that_fit_nowhere_are_rejected_and_counted() -> None:
+    workload = [TraceRequest("small", 0.0, 50, 5, ()), TraceRequest("huge", 0.1, 9000, 5, ())]
+    records, simulation = _run(workload, instances=2, profile=_profile(num_blocks=100))
+    outcomes = {r.request_id: r.outcome for r in records}
+    assert outcomes == {"small": "completed", "huge": "rejected"}
+    summary = summarize(records, simulation.engines)
+    assert (summary["completed"], summary["rejected"]) == (1, 1)
+
+
+def test_every_request_is_served_once_under_pressure_and_the_books_balance() -> None:
+    workload = _workload(400, seed=9)
+    records, simulation = _run(workload, profile=_profile(num_blocks=60, budget=128))
+    assert sorted(r.request_id for r in records) == sorted(r.request_id for r in workload)
+    assert all(r.outcome == "completed" for r in records)
+    assert sum(e.counters.preemptions for e in simulation.engines) > 0
+    for engine in simulation.engines:
+        assert engine.idle
+        assert engine.pool.used_blocks == 0
+        assert engine.inflight_tokens == 0
+
+
+def test_shared_prefixes_show_up_as_cache_hits() -> None:
+    records, simulation = _run(_workload(300, seed=2), instances=1)
+    summary = summarize(records, simulation.engines)
+    assert 0.0 < summary["cache_hit_rate"] < 1.0
+    assert (
+        sum(r.cached_tokens for r in records)
+        == simulation.engines[0].pool.counters.prefix_hits_tokens
+    )
