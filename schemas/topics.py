@@ -57,15 +57,30 @@ class Topic:
 
 TOPICS: tuple[Topic, ...] = (
     Topic(
-        "tf.requests", "request_id", 6, False, 7 * DAY_MS,
-        (RequestArrived, RequestAdmitted, RequestQueued, RequestRejected, RequestRouted,
-         FirstToken, RequestRetried),
+        "tf.requests",
+        "request_id",
+        6,
+        False,
+        7 * DAY_MS,
+        (
+            RequestArrived,
+            RequestAdmitted,
+            RequestQueued,
+            RequestRejected,
+            RequestRouted,
+            FirstToken,
+            RequestRetried,
+        ),
     ),
     Topic("tf.completions", "request_id", 6, False, 7 * DAY_MS, (RequestCompleted, RequestFailed)),
     Topic("tf.cancellations", "request_id", 6, False, 7 * DAY_MS, (RequestCancelled,)),
     Topic("tf.telemetry", "instance_id", 3, False, 1 * DAY_MS, (InstanceTelemetry,)),
     Topic(
-        "tf.kv-events", "instance_id", 3, False, 1 * DAY_MS,
+        "tf.kv-events",
+        "instance_id",
+        3,
+        False,
+        1 * DAY_MS,
         (KvBlocksStored, KvBlocksRemoved, KvAllCleared),
     ),
     Topic("tf.tables.capacity", "dc", 1, True, None, (CapacityTable,)),
@@ -75,7 +90,7 @@ TOPICS: tuple[Topic, ...] = (
     Topic("tf.control.weights", "scope", 1, True, None, (RoutingWeights,)),
     Topic("tf.control.placement", "scope", 1, True, None, (PlacementRecommendation,)),
     Topic("tf.deadletter", "source_topic", 1, False, 14 * DAY_MS, (DeadLetter,)),
-)  # fmt: skip
+)
 
 DEADLETTER_TOPIC = "tf.deadletter"
 

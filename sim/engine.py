@@ -212,7 +212,7 @@ class Engine:
         context = sum(s.computed for s in self.running)
         ends, end = [], now
         for step in range(steps):
-            end += self.step_time.step_s(0, batch, context + step * batch)
+            end += self.step_time.step_s(0, 0, batch, context + step * batch)
             ends.append(end)
         return DecodeRun(tuple(self.running), now, ends)
 
@@ -345,14 +345,15 @@ class Engine:
             sequence.first_token_s = end_s
 
     def _plan(self, scheduled: list[tuple[Sequence, int]]) -> StepPlan:
-        prefill_tokens = decode_seqs = decode_context = 0
+        prefill_tokens = prefill_pairs = decode_seqs = decode_context = 0
         for sequence, tokens in scheduled:
             if sequence.generated and sequence.computed + 1 == sequence.target_tokens:
                 decode_seqs += 1
                 decode_context += sequence.computed
             else:
                 prefill_tokens += tokens
-        duration = self.step_time.step_s(prefill_tokens, decode_seqs, decode_context)
+                prefill_pairs += tokens * sequence.computed + tokens * (tokens + 1) // 2
+        duration = self.step_time.step_s(prefill_tokens, prefill_pairs, decode_seqs, decode_context)
         return StepPlan(duration, tuple(scheduled), prefill_tokens, decode_seqs)
 
 

@@ -1,53 +1,126 @@
-"""Named instance profiles: a model on some hardware, with its KV capacity and step times.
+"""Named instance profiles: a model on some hardware, its KV capacity and its step times.
 
-KV capacity: ``(TP x GPU memory x 0.9 - weights - 4 GiB activations per GPU)`` divided by
-the KV bytes per token ``2 x layers x kv_heads x head_dim x 2 bytes`` (fp16/bf16), in
-blocks of 16 tokens. Step-time coefficients: see ``sim/calibration.py`` and
-``docs/validation.md`` for how they were fitted and how well they match measurements.
+Each profile names the measured model its step times were fitted to, and which of that
+model's stages were used for the fit (the rest are held out). ``tokenfleet calibrate
+--profile NAME`` refits and prints the validation table; ``docs/validation.md`` holds the
+table for the coefficients below.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sim.cluster import InstanceProfile
-from sim.engine import EngineConfig
+from sim.hardware import H100, Hardware, ModelShape, engine_for
 from sim.step_time import KneeRoofline
 
-GIB = 1024**3
+TRAINING_STAGES = ("general/stage_0", "general/stage_1", "codegen/stage_0")
+"""Fitted on the general workload's two rates and codegen's lower one; the rest held out."""
 
 
-def kv_blocks(
-    *, gpus: int, gpu_gib: float, weights_gib: float, layers: int, kv_heads: int,
-    head_dim: int, block_size: int = 16, utilisation: float = 0.9,
-) -> int:  # fmt: skip
-    free_bytes = (gpus * gpu_gib * utilisation - weights_gib - 4 * gpus) * GIB
-    per_token = 2 * layers * kv_heads * head_dim * 2
-    return int(free_bytes // (per_token * block_size))
+@dataclass(frozen=True)
+class Calibrated:
+    profile: InstanceProfile
+    shape: ModelShape
+    hardware: Hardware
+    tp: int
+    measured_model: str
+    """Substring of the ground-truth experiment names this profile was fitted to."""
 
 
-LLAMA_70B_4XH100 = InstanceProfile(
-    name="llama3-70b-4xh100",
-    model="meta-llama/Llama-3.1-70B-Instruct",
-    hardware="4 x H100-SXM 80 GB, TP4",
-    engine=EngineConfig(
-        num_blocks=kv_blocks(
-            gpus=4, gpu_gib=80, weights_gib=131.4, layers=80, kv_heads=8, head_dim=128
-        ),
-        max_num_batched_tokens=8192,
-        max_num_seqs=256,
-        max_model_len=131072,
-    ),
-    step_time=KneeRoofline(
-        a_s=0.016,
-        b_s_per_token=55e-6,
-        n0_tokens=250,
-        c_s_per_seq=5e-6,
-        d_s_per_context_token=0.04e-6,
-        ttft_overhead_s=0.010,
-    ),
-    notes="Llama-3.1-70B shares Llama-2-70B's shape (80 layers, GQA 8 x 128, d 8192).",
+def _profile(
+    name: str,
+    model: str,
+    shape: ModelShape,
+    tp: int,
+    max_model_len: int,
+    measured: str,
+    fitted: dict[str, float],
+    notes: str = "",
+) -> Calibrated:
+    step_time = KneeRoofline(**{**shape.physics(H100, tp), **fitted})
+    engine = engine_for(shape, H100, tp, max_model_len)
+    hardware = f"{tp} x {H100.name} {H100.memory_gib:.0f} GB, TP{tp}"
+    return Calibrated(
+        InstanceProfile(name, model, hardware, engine, step_time, notes), shape, H100, tp, measured
+    )
+
+
+LLAMA_70B = ModelShape(
+    "llama-70b",
+    layers=80,
+    hidden=8192,
+    kv_heads=8,
+    head_dim=128,
+    params_b=69.0,
+    active_params_b=69.0,
+)
+MIXTRAL_8X7B = ModelShape(
+    "mixtral-8x7b",
+    layers=32,
+    hidden=4096,
+    kv_heads=8,
+    head_dim=128,
+    params_b=46.7,
+    active_params_b=12.9,
+)
+CODELLAMA_34B = ModelShape(
+    "codellama-34b",
+    layers=48,
+    hidden=8192,
+    kv_heads=8,
+    head_dim=128,
+    params_b=33.7,
+    active_params_b=33.7,
 )
 
-PROFILES: dict[str, InstanceProfile] = {p.name: p for p in (LLAMA_70B_4XH100,)}
+CALIBRATED: dict[str, Calibrated] = {
+    c.profile.name: c
+    for c in (
+        _profile(
+            "llama3-70b-4xh100",
+            "meta-llama/Llama-3.1-70B-Instruct",
+            LLAMA_70B,
+            4,
+            131072,
+            "llama-2-70b",
+            {
+                "a_s": 0.017100892807149905,
+                "b_s_per_token": 2.3579003218375232e-05,
+                "c_s_per_seq": 6.973720233946273e-06,
+                "ttft_overhead_s": 0.019209514387084375,
+            },
+            "Fitted to Llama-2-70B TP4, which has Llama-3.1-70B's shape (80 layers, GQA 8x128).",
+        ),
+        _profile(
+            "mixtral-8x7b-2xh100",
+            "mistralai/Mixtral-8x7B-v0.1",
+            MIXTRAL_8X7B,
+            2,
+            32768,
+            "mixtral-8x7b",
+            {
+                "a_s": 0.018082427707702485,
+                "b_s_per_token": 8.013753242833036e-06,
+                "n0_tokens": 378.0592411612572,
+                "c_s_per_seq": 7.0312485366828665e-06,
+                "ttft_overhead_s": 0.03550177363098773,
+            },
+            "Mixture of experts: 46.7 B weights, 12.9 B active per token.",
+        ),
+        _profile(
+            "codellama-34b-2xh100",
+            "codellama/CodeLlama-34b-hf",
+            CODELLAMA_34B,
+            2,
+            16384,
+            "codellama-34b",
+            {"a_s": 0.012, "b_s_per_token": 40e-6, "c_s_per_seq": 5e-6, "ttft_overhead_s": 0.01},
+        ),
+    )
+}
+
+PROFILES: dict[str, InstanceProfile] = {name: c.profile for name, c in CALIBRATED.items()}
 
 
 def profile(name: str) -> InstanceProfile:

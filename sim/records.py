@@ -51,20 +51,46 @@ class RequestRecord:
         decode_s = sequence.finished_s - sequence.first_token_s + decode_tokens * token_overhead_s
         tpot = decode_s / decode_tokens if decode_tokens else 0.0
         return cls(
-            request.request_id, request.task_class.value, request.tenant, "completed",
-            arrival, dc, instance_id, sequence.scheduled_s - sequence.enqueued_s, ttft, tpot,
-            ttft + decode_s, request.input_tokens, max(sequence.cached_tokens, 0),
-            request.output_tokens, sequence.preemptions, sequence.recomputed_tokens,
+            request.request_id,
+            request.task_class.value,
+            request.tenant,
+            "completed",
+            arrival,
+            dc,
+            instance_id,
+            sequence.scheduled_s - sequence.enqueued_s,
+            ttft,
+            tpot,
+            ttft + decode_s,
+            request.input_tokens,
+            max(sequence.cached_tokens, 0),
+            request.output_tokens,
+            sequence.preemptions,
+            sequence.recomputed_tokens,
             request.deadline_s,
-        )  # fmt: skip
+        )
 
     @classmethod
     def rejected(cls, request: TraceRequest, at_s: float) -> RequestRecord:
         return cls(
-            request.request_id, request.task_class.value, request.tenant, "rejected", at_s,
-            None, None, None, None, None, None, request.input_tokens, 0, 0, 0, 0,
+            request.request_id,
+            request.task_class.value,
+            request.tenant,
+            "rejected",
+            at_s,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            request.input_tokens,
+            0,
+            0,
+            0,
+            0,
             request.deadline_s,
-        )  # fmt: skip
+        )
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -87,16 +87,23 @@ class Simulation:
 
     def fleet(self) -> FleetSnapshot:
         return FleetSnapshot(
-            self._ids, self._ready.copy(), self._waiting.copy(), self._running.copy(),
-            self._inflight.copy(), self._kv_used.copy(), self._kv_total.copy(),
-        )  # fmt: skip
+            self._ids,
+            self._ready.copy(),
+            self._waiting.copy(),
+            self._running.copy(),
+            self._inflight.copy(),
+            self._kv_used.copy(),
+            self._kv_total.copy(),
+        )
 
     def _arrive(self, request: TraceRequest) -> None:
         self._catch_up()
         route = RouteRequest(
-            request.request_id, request.input_tokens, request.output_tokens,
+            request.request_id,
+            request.input_tokens,
+            request.output_tokens,
             request.prefix_blocks,
-        )  # fmt: skip
+        )
         decision = self.router.route(route, self.fleet(), self.now)
         index = decision.chosen
         if index is None or not self.instances[index].engine.accepts(request):
@@ -166,10 +173,12 @@ class Simulation:
         step_time = instance.engine.step_time
         rtt = self.cluster.rtt(sequence.request.region, instance.dc)
         return RequestRecord.completed(
-            sequence, instance.instance_id, instance.dc,
+            sequence,
+            instance.instance_id,
+            instance.dc,
             ttft_overhead_s=step_time.ttft_overhead_s + rtt,
             token_overhead_s=step_time.token_overhead_s,
-        )  # fmt: skip
+        )
 
     def _refresh(self, index: int) -> None:
         instance = self.instances[index]

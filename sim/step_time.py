@@ -2,11 +2,12 @@
 
 Two forms:
 
-- ``KneeRoofline``: ``t = a + b*max(0, P + B - n0) + c*B + d*C``, with P the prefill tokens
-  of the step, B its decode sequences and C their context tokens. Below the knee ``n0`` a
-  step is bound by reading the weights (cost ``a``); past it, every token adds compute.
-  ``ttft_overhead_s`` is the fixed API cost (tokenising, detokenising, HTTP) a client
-  sees on top of the engine's time to first token.
+- ``KneeRoofline``: ``t = a + b*max(0, P + B - n0) + c*B + d*C + e*A``, with P the prefill
+  tokens of the step, B its decode sequences, C their context tokens and A the prefill
+  attention pairs (each prefill token times the context it attends to). Below the knee
+  ``n0`` a step is bound by reading the weights (cost ``a``); past it, every token adds
+  compute. ``ttft_overhead_s`` is the fixed API cost (tokenising, detokenising, HTTP) a
+  client sees on top of the engine's time to first token.
 - ``Blackbox``: the form of the BLIS simulator (inference-sim, ``sim/latency/latency.go``
   at commit b563c440): ``step = b0 + b1*uncached prefill tokens + b2*decode tokens``, a
   queueing delay ``a0 + a1*input`` before a request enters the wait queue, and ``a2`` per
@@ -28,8 +29,13 @@ class StepTime(Protocol):
     token_overhead_s: float
     """Added to each output token's time (does not advance the engine clock)."""
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
-        """Duration of a step; a step with nothing scheduled is never asked for."""
+    def step_s(
+        self, prefill_tokens: int, prefill_pairs: int, decode_seqs: int, decode_context: int
+    ) -> float:
+        """Duration of a step; a step with nothing scheduled is never asked for.
+
+        ``prefill_pairs``: the sum over prefill tokens of the context each attends to.
+        """
         ...
 
     def admission_delay_s(self, input_tokens: int) -> float:
@@ -44,16 +50,20 @@ class KneeRoofline:
     n0_tokens: float
     c_s_per_seq: float
     d_s_per_context_token: float
+    e_s_per_prefill_pair: float = 0.0
     ttft_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
+    def step_s(
+        self, prefill_tokens: int, prefill_pairs: int, decode_seqs: int, decode_context: int
+    ) -> float:
         compute = max(0.0, prefill_tokens + decode_seqs - self.n0_tokens)
         return (
             self.a_s
             + self.b_s_per_token * compute
             + self.c_s_per_seq * decode_seqs
             + self.d_s_per_context_token * decode_context
+            + self.e_s_per_prefill_pair * prefill_pairs
         )
 
     def admission_delay_s(self, input_tokens: int) -> float:
@@ -77,7 +87,9 @@ class Blackbox:
     def token_overhead_s(self) -> float:
         return self.alpha2_us * US
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, decode_context: int) -> float:
+    def step_s(
+        self, prefill_tokens: int, prefill_pairs: int, decode_seqs: int, decode_context: int
+    ) -> float:
         return (self.beta0_us + self.beta1_us * prefill_tokens + self.beta2_us * decode_seqs) * US
 
     def admission_delay_s(self, input_tokens: int) -> float:

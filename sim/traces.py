@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import random
+from datetime import UTC, datetime
 from pathlib import Path
 
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
@@ -50,6 +52,69 @@ def load_mooncake(
                 )
             )
     requests.sort(key=lambda r: r.arrival_s)
+    return requests
+
+
+def load_azure(
+    kind: str, path: Path | None = None, *, limit: int | None = None, seed: int = 0
+) -> list[TraceRequest]:
+    """The Azure LLM inference trace 2023, ``code`` or ``conv`` (Patel et al., "Splitwise",
+    ISCA 2024; CC-BY-4.0). Arrival times are kept (100 ns resolution), relative to the
+    first row; the trace has no prefix information."""
+    path = path or traces_dir() / "azure_llm_2023" / f"AzureLLMInferenceTrace_{kind}.csv"
+    requests: list[TraceRequest] = []
+    with path.open() as rows:
+        first: int | None = None
+        for index, row in enumerate(csv.DictReader(rows)):
+            if limit is not None and index >= limit:
+                break
+            ticks = azure_ticks(row["TIMESTAMP"])
+            first = ticks if first is None else first
+            requests.append(
+                TraceRequest(
+                    f"azure-{kind}-{index}",
+                    (ticks - first) / 1e7,
+                    int(row["ContextTokens"]),
+                    max(1, int(row["GeneratedTokens"])),
+                    (),
+                )
+            )
+    return requests
+
+
+def azure_ticks(stamp: str) -> int:
+    """``2023-11-16 18:17:03.9799600`` (7 fractional digits, no zone) in 100 ns ticks since
+    the epoch: integers, since a float of epoch seconds cannot hold 100 ns."""
+    whole, _, fraction = stamp.partition(".")
+    moment = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=UTC)
+    return int(moment.timestamp()) * 10_000_000 + int(fraction.ljust(7, "0")[:7])
+
+
+def load_arxiv(
+    path: Path | None = None, *, limit: int | None = None, seed: int = 0, rate_rps: float = 2.0
+) -> list[TraceRequest]:
+    """Lengths of arXiv summarisation requests (Llama-2 tokenizer) from Vidur's processed
+    traces (Agrawal et al., MLSys 2024). They carry no times: arrivals are Poisson at
+    ``rate_rps``, seeded."""
+    path = path or traces_dir() / "vidur_processed" / (
+        "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
+    )
+    rng = random.Random(seed)
+    requests, now = [], 0.0
+    with path.open() as rows:
+        for index, row in enumerate(csv.DictReader(rows)):
+            if limit is not None and index >= limit:
+                break
+            now += rng.expovariate(rate_rps)
+            requests.append(
+                TraceRequest(
+                    f"arxiv-{index}",
+                    now,
+                    int(row["num_prefill_tokens"]),
+                    max(1, int(row["num_decode_tokens"])),
+                    (),
+                )
+            )
     return requests
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from schemas.base import TaskClass
@@ -24,18 +26,49 @@ class TraceRequest:
     region: str = "local"
     deadline_s: float | None = None
     """Seconds after arrival by which a batch request must finish."""
+    session_id: str | None = None
+    round: int = 0
+    """Turn within the session, from 0."""
+    prefix_group: str | None = None
+    """Requests of one group share a leading prompt (a system prompt, say)."""
+    prefix_tokens: int = 0
+    """Length of that shared leading prompt."""
 
 
-def leading_prefix_hits(prefixes: list[tuple[int, ...]]) -> tuple[int, int]:
-    """(hit blocks, all blocks) for prompts in this order against an unbounded prefix cache:
-    the best any cache-aware router could reuse."""
-    seen: set[int] = set()
-    hits = total = 0
-    for blocks in prefixes:
-        total += len(blocks)
-        for block in blocks:
-            if block not in seen:
-                break
-            hits += 1
-        seen.update(blocks)
-    return hits, total
+def reusable_blocks(blocks: Sequence[int], seen: set[int]) -> int:
+    """How many leading ``blocks`` an unbounded cache holding ``seen`` already has."""
+    for count, block in enumerate(blocks):
+        if block not in seen:
+            return count
+    return len(blocks)
+
+
+Segment = tuple[Hashable, int]
+"""A stretch of prompt: a key naming its content, and its length in tokens."""
+
+
+def segment_blocks(segments: Sequence[Segment]) -> tuple[int, ...]:
+    """Chained hashes of the full 16-token blocks of a prompt made of ``segments``.
+
+    Two prompts get equal hashes for block ``i`` exactly when their segments agree up to
+    the end of that block, as an engine's chained block hashes do for equal token ids.
+    """
+    total = sum(length for _, length in segments)
+    hashes: list[int] = []
+    parent = 0
+    segment, used = 0, 0
+    for _ in range(total // ENGINE_BLOCK_TOKENS):
+        needed = ENGINE_BLOCK_TOKENS
+        parts = []
+        while needed:
+            key, length = segments[segment]
+            take = min(length - used, needed)
+            parts.append((key, used, take))
+            used += take
+            needed -= take
+            if used == length:
+                segment, used = segment + 1, 0
+        digest = hashlib.blake2b(repr((parent, parts)).encode(), digest_size=8).digest()
+        parent = int.from_bytes(digest) >> 1
+        hashes.append(parent)
+    return tuple(hashes)

@@ -56,11 +56,13 @@ def _scalar(tp: Any, bounds: dict[str, Any]) -> st.SearchStrategy[Any]:
     if tp is int:
         return st.integers(bounds.get("low"), bounds.get("high"))
     if tp is float:
-        return st.floats(bounds.get("low"), bounds.get("high"), allow_nan=False,
-                         allow_infinity=False)  # fmt: skip
+        return st.floats(
+            bounds.get("low"), bounds.get("high"), allow_nan=False, allow_infinity=False
+        )
     if tp is str:
-        return st.text(_TEXT, min_size=bounds.get("min_len", 0),
-                       max_size=min(bounds.get("max_len", 24), 24))  # fmt: skip
+        return st.text(
+            _TEXT, min_size=bounds.get("min_len", 0), max_size=min(bounds.get("max_len", 24), 24)
+        )
     raise TypeError(f"no strategy for {tp!r}")
 
 

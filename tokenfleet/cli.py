@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Sequence
 
-from tokenfleet.services import kafka as local_kafka
-from tokenfleet.services import redis as local_redis
+from tokenfleet.commands import emulate, services, sim
+from tokenfleet.commands.errors import CliError
 from tokenfleet.services.process import ServiceError
-from tokenfleet.settings import Settings
-
-Handler = Callable[[argparse.Namespace], int]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,176 +21,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-class CliError(Exception):
-    """A problem the user can fix; printed without a traceback."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenfleet",
         description="TokenFleet: route, admit and place LLM requests across a fleet for goodput.",
     )
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    _add_demo(commands)
-    _add_schemas(commands)
-    _add_topics(commands)
-    _add_local_services(commands)
+    for area in (sim, emulate, services):
+        area.register(commands)
     return parser
-
-
-def _add_demo(commands: argparse._SubParsersAction) -> None:
-    demo = commands.add_parser(
-        "demo",
-        help="the embedded main job: no Kafka or Redis needed",
-        description="Replays the Mooncake conversation trace through the in-memory bus and "
-        "reports what a perfect prefix cache could reuse.",
-    )
-    demo.add_argument("--requests", type=int, default=2000, help="trace rows (default: 2000)")
-    demo.add_argument("--seed", type=int, default=0, help="arrival jitter seed (default: 0)")
-    demo.set_defaults(handler=_demo)
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from tokenfleet.demo import main as demo_main
-
-    if args.requests < 1:
-        raise CliError("--requests must be at least 1")
-    return demo_main(args.requests, args.seed)
-
-
-def _add_schemas(commands: argparse._SubParsersAction) -> None:
-    schemas = commands.add_parser("schemas", help="message schemas")
-    sub = schemas.add_subparsers(required=True, metavar="ACTION")
-    export = sub.add_parser("export", help="write one JSON Schema file per message to DIR")
-    export.add_argument("directory", type=Path, metavar="DIR")
-    export.set_defaults(handler=_schemas_export)
-
-
-def _schemas_export(args: argparse.Namespace) -> int:
-    from schemas.export import export_json_schemas
-
-    written = export_json_schemas(args.directory)
-    print(f"wrote {len(written)} JSON Schema files to {args.directory}")
-    return 0
-
-
-def _add_topics(commands: argparse._SubParsersAction) -> None:
-    topics = commands.add_parser("topics", help="Kafka topics of the catalog")
-    sub = topics.add_subparsers(required=True, metavar="ACTION")
-    create = sub.add_parser(
-        "create",
-        help="create the catalog's missing topics (idempotent)",
-        description="Broker: --bootstrap, else $TOKENFLEET_KAFKA_BOOTSTRAP, else the local one.",
-    )
-    create.add_argument("--bootstrap", help="host:port of a broker")
-    create.set_defaults(handler=_topics_create)
-    listing = sub.add_parser("list", help="print the topic catalog")
-    listing.set_defaults(handler=_topics_list)
-
-
-def _topics_create(args: argparse.Namespace) -> int:
-    from streams.kafka import create_topics
-
-    bootstrap = args.bootstrap or kafka_bootstrap()
-    created = asyncio.run(create_topics(bootstrap))
-    print(
-        f"{bootstrap}: created {len(created)} topics"
-        + (f": {', '.join(created)}" if created else "")
-    )
-    return 0
-
-
-def _topics_list(_: argparse.Namespace) -> int:
-    from schemas import TOPICS
-
-    print(f"{'topic':22} {'key':14} {'parts':>5}  cleanup   messages")
-    for t in TOPICS:
-        cleanup = "compact" if t.compacted else "delete"
-        names = ", ".join(m.schema_ref() for m in t.messages)
-        print(f"{t.name:22} {t.key_field:14} {t.partitions:>5}  {cleanup:8}  {names}")
-    return 0
-
-
-def kafka_bootstrap() -> str:
-    """The broker to use: the environment's, else the running local one."""
-    address = Settings().kafka_bootstrap or local_kafka.running_bootstrap()
-    if address is None:
-        raise CliError(
-            "no Kafka broker: set TOKENFLEET_KAFKA_BOOTSTRAP or run 'tokenfleet kafka start'"
-        )
-    return address
-
-
-@dataclass(frozen=True)
-class _LocalService:
-    """A local server the CLI starts, finds and stops; one entry per service."""
-
-    name: str
-    help: str
-    module: ModuleType
-    running: Callable[[Path], str | None]
-    server: Callable[[Path], local_kafka.LocalKafka | local_redis.LocalRedis]
-    fetch: Callable[[], Path] | None = None
-    """Downloads what the service needs ahead of its first start, if anything."""
-
-
-_LOCAL_SERVICES = (
-    _LocalService("kafka", "a local Kafka broker (KRaft, from Maven Central jars)", local_kafka,
-                  local_kafka.running_bootstrap, local_kafka.LocalKafka, local_kafka.fetch_jars),
-    _LocalService("redis", "a local Redis server (Debian's redis-server, no persistence)",
-                  local_redis, local_redis.running_url, local_redis.LocalRedis),
-)  # fmt: skip
-
-
-def _add_local_services(commands: argparse._SubParsersAction) -> None:
-    for service in _LOCAL_SERVICES:
-        parser = commands.add_parser(
-            service.name,
-            help=service.help,
-            description=service.module.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        actions = [
-            ("start", _service_start, "start it in the background; print its address"),
-            ("status", _service_status, "print the running one's address (exit 1 if none)"),
-            ("stop", _service_stop, "stop it"),
-        ]
-        if service.fetch is not None:
-            actions.insert(0, ("fetch", _service_fetch, "download what it needs to start"))
-        sub = parser.add_subparsers(required=True, metavar="ACTION")
-        for name, handler, text in actions:
-            action = sub.add_parser(name, help=text)
-            action.add_argument("--home", type=Path, default=service.module.DEFAULT_HOME,
-                                help="state folder (default: %(default)s)")  # fmt: skip
-            action.set_defaults(handler=partial(handler, service))
-
-
-def _service_fetch(service: _LocalService, _: argparse.Namespace) -> int:
-    assert service.fetch is not None
-    print(service.fetch())
-    return 0
-
-
-def _service_start(service: _LocalService, args: argparse.Namespace) -> int:
-    print(service.running(args.home) or service.server(args.home).start(detach=True))
-    return 0
-
-
-def _service_status(service: _LocalService, args: argparse.Namespace) -> int:
-    return _print_or_fail(service.running(args.home), f"no local {service.name} runs")
-
-
-def _service_stop(service: _LocalService, args: argparse.Namespace) -> int:
-    service.server(args.home).stop()
-    return 0
-
-
-def _print_or_fail(value: str | None, message: str) -> int:
-    if value is None:
-        print(message, file=sys.stderr)
-        return 1
-    print(value)
-    return 0
 
 
 if __name__ == "__main__":

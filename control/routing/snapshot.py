@@ -32,8 +32,14 @@ class FleetSnapshot:
 
     def __post_init__(self) -> None:
         size = len(self.instance_ids)
-        for name in ("ready", "waiting", "running", "inflight_tokens", "kv_blocks_used",
-                     "kv_blocks_total"):  # fmt: skip
+        for name in (
+            "ready",
+            "waiting",
+            "running",
+            "inflight_tokens",
+            "kv_blocks_used",
+            "kv_blocks_total",
+        ):
             array = getattr(self, name)
             if array.shape != (size,):
                 raise ValueError(f"{name} has shape {array.shape}, expected ({size},)")

@@ -8,8 +8,9 @@ from sim.engine import Engine, EngineConfig, RequestTooLong, Sequence
 from sim.step_time import KneeRoofline
 from sim.workload import TraceRequest
 
-ONE_SECOND_STEPS = KneeRoofline(a_s=1.0, b_s_per_token=0.0, n0_tokens=0, c_s_per_seq=0.0,
-                                d_s_per_context_token=0.0)  # fmt: skip
+ONE_SECOND_STEPS = KneeRoofline(
+    a_s=1.0, b_s_per_token=0.0, n0_tokens=0, c_s_per_seq=0.0, d_s_per_context_token=0.0
+)
 
 
 def _request(name: str, prompt: int, output: int, prefix: tuple[int, ...] = ()) -> TraceRequest:
@@ -26,8 +27,9 @@ def _run(engine: Engine, start: float = 0.0) -> float:
 
 
 def test_a_prompt_is_prefilled_in_chunks_then_decoded_one_token_a_step() -> None:
-    engine = Engine(EngineConfig(num_blocks=16, block_size=4, max_num_batched_tokens=16),
-                    ONE_SECOND_STEPS)  # fmt: skip
+    engine = Engine(
+        EngineConfig(num_blocks=16, block_size=4, max_num_batched_tokens=16), ONE_SECOND_STEPS
+    )
     sequence = Sequence(_request("a", prompt=40, output=3), enqueued_s=0.0)
     engine.add(sequence)
     plans = []
@@ -58,8 +60,9 @@ def test_a_later_prompt_reuses_the_cached_prefix() -> None:
 
 
 def test_decodes_go_first_and_a_new_prompt_takes_what_budget_is_left() -> None:
-    engine = Engine(EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=10),
-                    ONE_SECOND_STEPS)  # fmt: skip
+    engine = Engine(
+        EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=10), ONE_SECOND_STEPS
+    )
     for name in "ab":
         engine.add(Sequence(_request(name, 4, 5), 0.0))
     plan = engine.plan_step(0.0)
@@ -128,8 +131,10 @@ def test_cancelling_frees_blocks_at_once_and_the_step_in_flight_skips_it() -> No
 def test_every_workload_drains_with_each_token_generated_once(
     requests: list[tuple[int, int, list[int]]], num_blocks: int
 ) -> None:
-    engine = Engine(EngineConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32),
-                    ONE_SECOND_STEPS)  # fmt: skip
+    engine = Engine(
+        EngineConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32),
+        ONE_SECOND_STEPS,
+    )
     sequences = []
     for index, (prompt, output, prefix) in enumerate(requests):
         full_blocks = prompt // 4

@@ -34,9 +34,12 @@ def test_every_message_round_trips_through_the_codec(ref: str, data: st.DataObje
 
 def _routed() -> Envelope:
     payload = RequestRouted(
-        request_id="r-1", dc="dc-a", instance_id="i-1", policy="tokenpilot",
+        request_id="r-1",
+        dc="dc-a",
+        instance_id="i-1",
+        policy="tokenpilot",
         candidates=(CandidateScore(instance_id="i-1", score=0.25, parts={"queue_s": 0.1}),),
-    )  # fmt: skip
+    )
     return Envelope.wrap(payload, source="gateway-a", ts=1.0, event_id="e-1")
 
 
@@ -82,9 +85,14 @@ def test_a_non_finite_number_is_rejected() -> None:
 
 def test_models_are_frozen() -> None:
     arrived = RequestArrived(
-        request_id="r", tenant="t", task_class="interactive", model="m", input_tokens=10,
-        output_budget=5, source_region="eu",
-    )  # fmt: skip
+        request_id="r",
+        tenant="t",
+        task_class="interactive",
+        model="m",
+        input_tokens=10,
+        output_budget=5,
+        source_region="eu",
+    )
     with pytest.raises(ValueError, match="frozen"):
         arrived.input_tokens = 11  # type: ignore[misc]
 
@@ -92,11 +100,20 @@ def test_models_are_frozen() -> None:
 def test_cross_field_rules_name_the_fields() -> None:
     with pytest.raises(ValueError, match=r"kv_blocks_used \(9\) exceeds kv_blocks_total \(8\)"):
         InstanceTelemetry(
-            instance_id="i", dc="d", model="m", model_version="1", ready=True, waiting=0,
-            running=0, inflight_tokens=0, kv_blocks_used=9, kv_blocks_total=8,
-        )  # fmt: skip
-    quota = ClassQuota(task_class="batch", tokens_per_s=1, burst_tokens=1, max_concurrency=1,
-                       reserved_share=0.6)  # fmt: skip
+            instance_id="i",
+            dc="d",
+            model="m",
+            model_version="1",
+            ready=True,
+            waiting=0,
+            running=0,
+            inflight_tokens=0,
+            kv_blocks_used=9,
+            kv_blocks_total=8,
+        )
+    quota = ClassQuota(
+        task_class="batch", tokens_per_s=1, burst_tokens=1, max_concurrency=1, reserved_share=0.6
+    )
     with pytest.raises(ValueError, match=r"reserved shares add up to 1\.200"):
         AdmissionQuotas(scope="dc", version=1, issued_at=0, ttl_s=5, quotas=(quota, quota))
 

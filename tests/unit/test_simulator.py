@@ -12,13 +12,20 @@ from sim.simulator import Simulation
 from sim.step_time import KneeRoofline
 from sim.workload import TraceRequest
 
-STEPS = KneeRoofline(a_s=0.01, b_s_per_token=1e-4, n0_tokens=32, c_s_per_seq=1e-4,
-                     d_s_per_context_token=1e-6, ttft_overhead_s=0.005)  # fmt: skip
+STEPS = KneeRoofline(
+    a_s=0.01,
+    b_s_per_token=1e-4,
+    n0_tokens=32,
+    c_s_per_seq=1e-4,
+    d_s_per_context_token=1e-6,
+    ttft_overhead_s=0.005,
+)
 
 
 def _profile(num_blocks: int = 400, budget: int = 256) -> InstanceProfile:
-    engine = EngineConfig(num_blocks=num_blocks, block_size=16, max_num_batched_tokens=budget,
-                          max_num_seqs=16)  # fmt: skip
+    engine = EngineConfig(
+        num_blocks=num_blocks, block_size=16, max_num_batched_tokens=budget, max_num_seqs=16
+    )
     return InstanceProfile("test", "m", "cpu", engine, STEPS)
 
 
@@ -34,18 +41,27 @@ def _workload(count: int, seed: int) -> list[TraceRequest]:
     return requests
 
 
-def _run(workload: list[TraceRequest], *, instances: int = 3, decode_runs: bool = True,
-         policy: str = "least_requests", profile: InstanceProfile | None = None):  # fmt: skip
-    simulation = Simulation(Cluster.single(profile or _profile(), instances),
-                            make_router(policy, seed=7), decode_runs=decode_runs)  # fmt: skip
+def _run(
+    workload: list[TraceRequest],
+    *,
+    instances: int = 3,
+    decode_runs: bool = True,
+    policy: str = "least_requests",
+    profile: InstanceProfile | None = None,
+):
+    simulation = Simulation(
+        Cluster.single(profile or _profile(), instances),
+        make_router(policy, seed=7),
+        decode_runs=decode_runs,
+    )
     return simulation.run(workload), simulation
 
 
 def test_one_request_on_an_idle_instance_takes_its_prefill_then_its_decodes() -> None:
     request = TraceRequest("r", 1.0, input_tokens=100, output_tokens=3, prefix_blocks=())
     [record], _ = _run([request], instances=1)
-    prefill = STEPS.step_s(100, 0, 0)
-    decode_1, decode_2 = STEPS.step_s(0, 1, 100), STEPS.step_s(0, 1, 101)
+    prefill = STEPS.step_s(100, 100 * 101 // 2, 0, 0)
+    decode_1, decode_2 = STEPS.step_s(0, 0, 1, 100), STEPS.step_s(0, 0, 1, 101)
     assert record.queue_wait_s == 0.0
     assert record.ttft_s == pytest.approx(prefill + STEPS.ttft_overhead_s)
     assert record.tpot_s == pytest.approx((decode_1 + decode_2) / 2)

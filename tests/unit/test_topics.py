@@ -31,10 +31,19 @@ def test_compacted_topics_carry_versioned_snapshots_and_keep_them(t) -> None:
 
 def test_the_design_topics_exist() -> None:
     for name in (
-        "tf.requests", "tf.completions", "tf.cancellations", "tf.telemetry", "tf.kv-events",
-        "tf.tables.capacity", "tf.tables.kv", "tf.tables.goodput", "tf.control.quotas",
-        "tf.control.weights", "tf.control.placement", DEADLETTER_TOPIC,
-    ):  # fmt: skip
+        "tf.requests",
+        "tf.completions",
+        "tf.cancellations",
+        "tf.telemetry",
+        "tf.kv-events",
+        "tf.tables.capacity",
+        "tf.tables.kv",
+        "tf.tables.goodput",
+        "tf.control.quotas",
+        "tf.control.weights",
+        "tf.control.placement",
+        DEADLETTER_TOPIC,
+    ):
         assert topic(name).name == name
 
 

@@ -3,10 +3,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from sim.traces import MOONCAKE_BUCKET_S, engine_blocks, load_mooncake
-from sim.workload import leading_prefix_hits
+from sim.workload import reusable_blocks
 from tokenfleet.demo import run_demo
 
 
@@ -29,13 +27,22 @@ def test_a_partial_engine_block_gets_no_hash() -> None:
     assert len(engine_blocks([1], input_tokens=17)) == 1
 
 
-def test_leading_prefix_hits_stop_at_the_first_miss() -> None:
-    assert leading_prefix_hits([(1, 2, 3), (1, 2, 4), (9, 2, 3), (1, 2, 4, 5)]) == (2 + 3, 13)
+def test_reusable_blocks_stop_at_the_first_miss() -> None:
+    assert reusable_blocks((1, 2, 4, 5), {1, 2, 3, 4}) == 3
+    assert reusable_blocks((9, 2), {2}) == 0
+    assert reusable_blocks((1, 2), {1, 2}) == 2
 
 
 def test_mooncake_arrivals_are_spread_inside_their_bucket_and_seeded(tmp_path: Path) -> None:
-    rows = [{"timestamp": 3000 * (i // 4), "input_length": 600, "output_length": 5,
-             "hash_ids": [i, i + 100]} for i in range(12)]  # fmt: skip
+    rows = [
+        {
+            "timestamp": 3000 * (i // 4),
+            "input_length": 600,
+            "output_length": 5,
+            "hash_ids": [i, i + 100],
+        }
+        for i in range(12)
+    ]
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
     requests = load_mooncake(path, seed=3)
@@ -48,10 +55,8 @@ def test_mooncake_arrivals_are_spread_inside_their_bucket_and_seeded(tmp_path: P
     assert load_mooncake(path, seed=4) != requests
 
 
-async def test_the_demo_measures_prefix_reuse_from_the_events() -> None:
-    report = await run_demo(limit=300, seed=0)
-    requests = load_mooncake(limit=300, seed=0)
-    hits, blocks = leading_prefix_hits([r.prefix_blocks for r in requests])
-    assert report.requests == 300
-    assert report.prefix_hit_share == pytest.approx(hits / blocks)
-    assert report.input_tokens == sum(r.input_tokens for r in requests)
+def test_the_demo_compares_every_policy_on_the_same_requests() -> None:
+    figures = run_demo(requests=200, instances=2, seed=0)
+    assert set(figures) == {"round_robin", "least_requests"}
+    for row in figures.values():
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]

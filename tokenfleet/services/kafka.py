@@ -75,10 +75,15 @@ def fetch_jars() -> Path:
     pom = lib.parent / "pom.xml"
     pom.write_text(_POM.format(kafka=KAFKA_VERSION, log4j=LOG4J_VERSION))
     command = [
-        mvn, "-B", "-q", "-f", str(pom),
+        mvn,
+        "-B",
+        "-q",
+        "-f",
+        str(pom),
         "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
-        f"-DoutputDirectory={lib}", "-DincludeScope=runtime",
-    ]  # fmt: skip
+        f"-DoutputDirectory={lib}",
+        "-DincludeScope=runtime",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise ServiceError(f"mvn failed to fetch Kafka {KAFKA_VERSION}:\n{result.stdout[-3000:]}")
@@ -110,8 +115,17 @@ class LocalKafka:
         lib = fetch_jars()
         config = self._write_config()
         if not (self.home / "data" / "meta.properties").exists():
-            self._java(lib, "kafka.tools.StorageTool", "format", "-t", _cluster_id(),
-                       "-c", str(config), "--ignore-formatted", run=True)  # fmt: skip
+            self._java(
+                lib,
+                "kafka.tools.StorageTool",
+                "format",
+                "-t",
+                _cluster_id(),
+                "-c",
+                str(config),
+                "--ignore-formatted",
+                run=True,
+            )
         argv = self._java(lib, "kafka.Kafka", str(config), run=False)
         self._server.launch(argv, ready=self._answers, timeout_s=timeout_s, detach=detach)
         return self.bootstrap
@@ -127,35 +141,43 @@ class LocalKafka:
         (self.home / "log4j2.yaml").write_text(_LOG4J2)
         config = self.home / "server.properties"
         config.write_text(
-            "\n".join([
-                "process.roles=broker,controller",
-                "node.id=1",
-                f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
-                f"listeners=PLAINTEXT://127.0.0.1:{self.port},"
-                f"CONTROLLER://127.0.0.1:{self.controller_port}",
-                f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
-                "controller.listener.names=CONTROLLER",
-                "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-                "inter.broker.listener.name=PLAINTEXT",
-                f"log.dirs={self.home / 'data'}",
-                "num.partitions=1",
-                "offsets.topic.replication.factor=1",
-                "transaction.state.log.replication.factor=1",
-                "transaction.state.log.min.isr=1",
-                "group.initial.rebalance.delay.ms=0",
-                "auto.create.topics.enable=false",  # topics come from the catalog
-                "log.cleaner.backoff.ms=1000",
-                "",
-            ])
-        )  # fmt: skip
+            "\n".join(
+                [
+                    "process.roles=broker,controller",
+                    "node.id=1",
+                    f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
+                    f"listeners=PLAINTEXT://127.0.0.1:{self.port},"
+                    f"CONTROLLER://127.0.0.1:{self.controller_port}",
+                    f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+                    "controller.listener.names=CONTROLLER",
+                    "listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                    "inter.broker.listener.name=PLAINTEXT",
+                    f"log.dirs={self.home / 'data'}",
+                    "num.partitions=1",
+                    "offsets.topic.replication.factor=1",
+                    "transaction.state.log.replication.factor=1",
+                    "transaction.state.log.min.isr=1",
+                    "group.initial.rebalance.delay.ms=0",
+                    "auto.create.topics.enable=false",  # topics come from the catalog
+                    "log.cleaner.backoff.ms=1000",
+                    "",
+                ]
+            )
+        )
         return config
 
     def _java(self, lib: Path, main: str, *args: str, run: bool) -> list[str]:
         argv = [
-            "java", "-Xms256m", "-Xmx768m", "-XX:+UseG1GC",
+            "java",
+            "-Xms256m",
+            "-Xmx768m",
+            "-XX:+UseG1GC",
             f"-Dlog4j2.configurationFile={self.home / 'log4j2.yaml'}",
-            "-cp", f"{lib}/*", main, *args,
-        ]  # fmt: skip
+            "-cp",
+            f"{lib}/*",
+            main,
+            *args,
+        ]
         if run:
             result = subprocess.run(argv, capture_output=True, text=True, check=False)
             if result.returncode != 0:

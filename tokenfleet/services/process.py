@@ -72,9 +72,12 @@ class ServerProcess:
         self.home.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=detach,
-            )  # fmt: skip
+            )
         (self.home / "pid").write_text(str(self._process.pid))
         (self.home / "address").write_text(self.address)
 

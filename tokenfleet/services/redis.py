@@ -38,9 +38,18 @@ class LocalRedis:
         if not Path(binary).exists():
             raise ServiceError("redis-server is missing; install Debian's redis-server package")
         argv = [
-            binary, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.home),
-        ]  # fmt: skip
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.home),
+        ]
         self._server.launch(argv, ready=self._answers, timeout_s=timeout_s, detach=detach)
         return self.url
 

@@ -1,0 +1,61 @@
+"""Many emulated instances in one process, each on its own loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+
+from sim.cluster import InstanceProfile
+from sim.emulator.app import create_app
+from sim.emulator.driver import EngineDriver
+from sim.emulator.metrics import EngineMetrics
+from sim.engine import Engine
+
+
+@dataclass
+class EmulatedInstance:
+    url: str
+    driver: EngineDriver
+    app: FastAPI
+
+
+def build_instance(
+    profile: InstanceProfile, model: str, port: int, speedup: float
+) -> EmulatedInstance:
+    engine = Engine(profile.engine, profile.step_time)
+    metrics = EngineMetrics(engine, model)
+    driver = EngineDriver(engine, speedup, on_finish=metrics.observe)
+    return EmulatedInstance(f"http://127.0.0.1:{port}", driver, create_app(driver, model, metrics))
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    profile: InstanceProfile, model: str, ports: Sequence[int], speedup: float = 1.0
+) -> AsyncIterator[list[EmulatedInstance]]:
+    """Start one instance per port on 127.0.0.1; stop them all on exit."""
+    instances = [build_instance(profile, model, port, speedup) for port in ports]
+    servers = [
+        uvicorn.Server(
+            uvicorn.Config(i.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        )
+        for i, port in zip(instances, ports, strict=True)
+    ]
+    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    tasks += [asyncio.create_task(i.driver.run()) for i in instances]
+    try:
+        while not all(s.started for s in servers):
+            if any(t.done() for t in tasks):
+                await asyncio.gather(*tasks)  # surfaces the start-up error
+            await asyncio.sleep(0.01)
+        yield instances
+    finally:
+        for server in servers:
+            server.should_exit = True
+        for task in tasks[len(servers) :]:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

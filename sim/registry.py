@@ -1,0 +1,52 @@
+"""Every workload by the name ``--trace`` takes: the one list."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from sim.labels import label
+from sim.servegen import load_servegen
+from sim.synthetic import SharedPrefixSpec, shared_prefix
+from sim.traces import load_arxiv, load_azure, load_mooncake
+from sim.workload import TraceRequest
+
+
+@dataclass(frozen=True)
+class Source:
+    load: Callable[..., list[TraceRequest]]
+    """Called with ``limit`` and ``seed``."""
+    description: str
+    batch: bool = False
+    """Offline work: labelled batch with a deadline (see sim/labels.py)."""
+
+
+TRACES: dict[str, Source] = {
+    "mooncake": Source(load_mooncake, "Mooncake FAST'25 conversation trace, with prefixes"),
+    "azure-conv": Source(partial(load_azure, "conv"), "Azure LLM 2023 conversation trace"),
+    "azure-code": Source(partial(load_azure, "code"), "Azure LLM 2023 code trace"),
+    "arxiv": Source(load_arxiv, "arXiv summarisation lengths, Poisson at 2 req/s", batch=True),
+    "servegen": Source(load_servegen, "ServeGen deepseek-r1 clients, first hour"),
+    "shared-prefix": Source(
+        partial(shared_prefix, SharedPrefixSpec()), "llm-d's shared-prefix benchmark workload"
+    ),
+    "shared-prefix-chat": Source(
+        partial(shared_prefix, SharedPrefixSpec(rounds=4, rate_rps=2.0)),
+        "shared-prefix groups with 4-round sessions whose history grows",
+    ),
+}
+
+
+def load_trace(name_or_path: str, *, limit: int | None = None, seed: int = 0) -> list[TraceRequest]:
+    """A labelled workload by name (see ``TRACES``) or a Mooncake-format JSONL path."""
+    source = TRACES.get(name_or_path)
+    if source is not None:
+        return label(source.load(limit=limit, seed=seed), batch=source.batch, seed=seed)
+    path = Path(name_or_path)
+    if path.suffix == ".jsonl" and path.exists():
+        return label(load_mooncake(path, limit=limit, seed=seed), seed=seed)
+    raise ValueError(
+        f"unknown trace {name_or_path!r}: give one of {', '.join(TRACES)} or a .jsonl path"
+    )

@@ -1,0 +1,101 @@
+"""One simulation run from names and numbers: what ``tokenfleet sim`` and the benchmarks do."""
+
+from __future__ import annotations
+
+import csv
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from control.routing import make_router
+from sim.cluster import Cluster
+from sim.ladder import rate_scales
+from sim.metrics import summarize
+from sim.profiles import profile
+from sim.records import RequestRecord
+from sim.registry import load_trace
+from sim.simulator import Simulation
+from sim.workload import TraceRequest
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    trace: str
+    instances: int = 16
+    policy: str = "round_robin"
+    profile: str = "llama3-70b-4xh100"
+    requests: int | None = None
+    rate_scale: float = 1.0
+    seed: int = 0
+
+
+def scaled(requests: Iterable[TraceRequest], rate_scale: float) -> list[TraceRequest]:
+    """Arrivals ``rate_scale`` times as dense (2.0 = twice the request rate)."""
+    if rate_scale <= 0:
+        raise ValueError("rate scale must be positive")
+    return [replace(r, arrival_s=r.arrival_s / rate_scale) for r in requests]
+
+
+def simulate_run(
+    config: RunConfig,
+    *,
+    progress: bool = False,
+    workload: list[TraceRequest] | None = None,
+) -> tuple[dict, list[RequestRecord]]:
+    """Run ``config``; ``workload`` saves loading the trace again when it is at hand."""
+    if workload is None:
+        workload = load_trace(config.trace, limit=config.requests, seed=config.seed)
+    workload = scaled(workload, config.rate_scale)
+    cluster = Cluster.single(profile(config.profile), config.instances)
+    simulation = Simulation(cluster, make_router(config.policy, seed=config.seed))
+    started = time.perf_counter()
+    records = simulation.run(_with_progress(workload, progress, config.policy))
+    wall = time.perf_counter() - started
+    result = {
+        "trace": config.trace,
+        "instances": config.instances,
+        "profile": config.profile,
+        "policy": config.policy,
+        "seed": config.seed,
+        "rate_scale": config.rate_scale,
+        "summary": summarize(records, simulation.engines),
+        "wall_s": wall,
+        "simulated_requests_per_s": len(workload) / wall if wall > 0 else 0.0,
+    }
+    return result, records
+
+
+def write_records(records: Iterable[RequestRecord], path: Path) -> None:
+    rows = [r.as_dict() for r in records]
+    with path.open("w", newline="") as out:
+        if rows:
+            writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def _with_progress(
+    workload: list[TraceRequest], show: bool, label: str
+) -> Iterator[TraceRequest] | list[TraceRequest]:
+    if not show:
+        return workload
+    return iter(tqdm(workload, desc=label, unit="req", leave=False))
+
+
+def simulate_ladder(
+    config: RunConfig, levels: Sequence[float], *, progress: bool = False
+) -> tuple[dict, list[RequestRecord]]:
+    """The run at each load level (a share of the cluster's measured capacity)."""
+    workload = load_trace(config.trace, limit=config.requests, seed=config.seed)
+    scales = rate_scales(profile(config.profile), workload, config.instances, levels)
+    results, records = [], []
+    for level, scale in zip(levels, scales, strict=True):
+        result, level_records = simulate_run(
+            replace(config, rate_scale=scale), progress=progress, workload=workload
+        )
+        results.append({"level": level, **result})
+        records.extend(level_records)
+    return {"trace": config.trace, "ladder": list(levels), "levels": results}, records

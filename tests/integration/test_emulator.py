@@ -1,0 +1,164 @@
+"""The emulated vLLM server, spoken to as users speak to vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from control.routing import make_router
+from control.tokens import block_hashes, count_tokens
+from sim.cluster import Cluster
+from sim.emulator.server import EmulatedInstance, serve
+from sim.profiles import profile
+from sim.replay import prompt_text, replay
+from sim.simulator import Simulation
+from sim.workload import TraceRequest
+from tokenfleet.services.process import free_port
+
+MODEL = "emulated-70b"
+PROFILE = profile("llama3-70b-4xh100")
+
+
+@pytest.fixture
+async def instance() -> AsyncIterator[EmulatedInstance]:
+    async with serve(PROFILE, MODEL, [free_port()], speedup=10) as [emulated]:
+        yield emulated
+
+
+@pytest.fixture
+async def client(instance: EmulatedInstance) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=f"{instance.url}/v1", api_key="unused") as client:
+        yield client
+
+
+async def test_the_openai_client_streams_a_chat_completion(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello " * 100}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = "", None, None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert text.count("tok") == 12
+    assert finish == "length"
+    assert usage is not None
+    assert usage.completion_tokens == 12
+    assert usage.prompt_tokens == -(-len("<|user|>\n" + "hello " * 100 + "\n<|assistant|>\n") // 4)
+
+
+async def test_the_openai_client_gets_a_whole_completion(client: openai.AsyncOpenAI) -> None:
+    completion = await client.completions.create(model=MODEL, prompt="abcd" * 50, max_tokens=4)
+    assert completion.choices[0].text == "tok " * 4
+    assert completion.usage is not None
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (50, 4)
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_bad_requests_get_openai_errors(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        await client.completions.create(model="other", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=200_000)
+
+
+async def test_malformed_json_is_a_400_in_openai_format(instance: EmulatedInstance) -> None:
+    async with httpx.AsyncClient(base_url=instance.url) as http:
+        response = await http.post("/v1/chat/completions", content=b"{not json")
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert "Invalid JSON" in response.json()["error"]["message"]
+
+
+async def test_metrics_parse_and_count_prefix_hits(
+    instance: EmulatedInstance, client: openai.AsyncOpenAI
+) -> None:
+    prompt = "shared system prompt " * 40
+    for _ in range(2):
+        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    async with httpx.AsyncClient(base_url=instance.url) as http:
+        text = (await http.get("/metrics")).text
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+        "vllm:time_to_first_token_seconds_count",
+    ):
+        assert name in samples, name
+    queried = samples["vllm:prefix_cache_queries_total"].value
+    hits = samples["vllm:prefix_cache_hits_total"].value
+    assert queried == 2 * 210
+    assert hits == 208  # the second prompt reuses all its full blocks but the last token's
+    assert samples["vllm:time_to_first_token_seconds_count"].value == 2
+    assert samples["vllm:num_requests_running"].labels == {"model_name": MODEL}
+
+
+async def test_a_client_that_disconnects_frees_its_blocks(instance: EmulatedInstance) -> None:
+    engine = instance.driver.engine
+    body = {"model": MODEL, "prompt": "y" * 4000, "max_tokens": 5000, "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=instance.url, timeout=10) as http,
+        http.stream("POST", "/v1/completions", json=body) as response,
+    ):
+        lines = response.aiter_lines()
+        while "tok" not in await anext(lines):
+            pass
+        assert engine.pool.used_blocks > 0
+    for _ in range(100):
+        if not engine.running and engine.pool.used_blocks == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.running == []
+    assert engine.pool.used_blocks == 0
+
+
+async def test_replayed_prompts_keep_the_trace_s_shared_prefixes() -> None:
+    a = TraceRequest("a", 0.0, 100, 1, (11, 12, 13))
+    b = TraceRequest("b", 0.0, 100, 1, (11, 12, 99))
+    assert count_tokens(prompt_text(a)) == 100
+    assert block_hashes(prompt_text(a))[:2] == block_hashes(prompt_text(b))[:2]
+    assert block_hashes(prompt_text(a))[2] != block_hashes(prompt_text(b))[2]
+
+
+async def test_the_emulator_and_the_simulator_agree_on_ttft() -> None:
+    """One instance, the same 60 requests: emulated at 2x speed over HTTP, and simulated.
+
+    Tolerance: median TTFT within 25 %, 90th percentile within 35 % (the emulator adds
+    HTTP and event-loop time the model does not have, magnified by the speed-up)."""
+    rng = np.random.default_rng(3)
+    arrivals = np.cumsum(rng.exponential(1 / 6.0, 60))
+    workload = [
+        TraceRequest(
+            f"r{n}",
+            float(t),
+            int(rng.integers(200, 2000)),
+            int(rng.integers(5, 40)),
+            tuple(range(100 * (n % 4), 100 * (n % 4) + 8)),
+        )
+        for n, t in enumerate(arrivals)
+    ]
+    async with serve(PROFILE, MODEL, [free_port()], speedup=2) as [emulated]:
+        replayed = await replay(workload, emulated.url, MODEL, speedup=2)
+    simulated = Simulation(Cluster.single(PROFILE, 1), make_router("round_robin")).run(workload)
+    emulated_ttft = np.array([r.ttft_s for r in replayed])
+    simulated_ttft = np.array([r.ttft_s for r in simulated])
+    assert all(r.status == 200 for r in replayed)
+    for q, tolerance in ((50, 0.25), (90, 0.35)):
+        ratio = np.percentile(emulated_ttft, q) / np.percentile(simulated_ttft, q)
+        assert abs(ratio - 1) <= tolerance, f"p{q}: emulated / simulated = {ratio:.2f}"

@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from sim.export import export_csv
+from sim.ladder import instance_capacity_rps, offered_rate_rps
+from sim.profiles import profile
+from sim.workload import TraceRequest
+from tokenfleet.cli import main
+
+
+def test_sim_writes_its_summary_and_one_record_per_request(tmp_path: Path) -> None:
+    out, records = tmp_path / "run.json", tmp_path / "records.csv"
+    code = main(
+        [
+            "sim",
+            "--trace",
+            "azure-conv",
+            "--requests",
+            "200",
+            "--instances",
+            "2",
+            "--policy",
+            "least_requests",
+            "--json",
+            str(out),
+            "--records",
+            str(records),
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["summary"]["requests"] == 200
+    assert result["policy"] == "least_requests"
+    assert 0 < result["summary"]["ttft_p50_s"] <= result["summary"]["ttft_p99_s"]
+    with records.open() as rows:
+        assert len(list(csv.DictReader(rows))) == 200
+
+
+def test_a_ladder_runs_each_level_with_more_load(tmp_path: Path) -> None:
+    out = tmp_path / "ladder.json"
+    assert (
+        main(
+            [
+                "sim",
+                "--trace",
+                "azure-code",
+                "--requests",
+                "300",
+                "--instances",
+                "2",
+                "--ladder",
+                "0.3,1.5",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    low, high = json.loads(out.read_text())["levels"]
+    assert (low["level"], high["level"]) == (0.3, 1.5)
+    assert high["rate_scale"] == pytest.approx(5 * low["rate_scale"])
+    assert high["summary"]["e2e_p95_s"] > low["summary"]["e2e_p95_s"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trace", "nope"], "unknown trace 'nope'"),
+        (["--trace", "mooncake", "--instances", "0"], "at least 1"),
+        (["--trace", "mooncake", "--rate-scale", "-1"], "must be positive"),
+    ],
+)
+def test_bad_sim_arguments_exit_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["sim", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_burst_measures_capacity_and_a_trace_its_offered_rate() -> None:
+    requests = [TraceRequest(f"r{n}", n * 0.5, 500, 50, ()) for n in range(100)]
+    assert offered_rate_rps(requests) == pytest.approx(100 / 49.5)
+    capacity = instance_capacity_rps(profile("llama3-70b-4xh100"), requests, sample=50)
+    assert 1.0 < capacity < 1000.0
+    assert (
+        instance_capacity_rps(
+            profile("llama3-70b-4xh100"),
+            [TraceRequest(f"r{n}", 0.0, 5000, 50, ()) for n in range(100)],
+            sample=50,
+        )
+        < capacity
+    )  # longer prompts, fewer per second
+
+
+def test_export_writes_prefix_groups_and_reusable_prefixes(tmp_path: Path) -> None:
+    requests = [
+        TraceRequest("a", 0.0, 64, 4, (1, 2, 3, 4)),
+        TraceRequest("b", 0.5, 64, 4, (1, 2, 9, 9)),
+        TraceRequest(
+            "c", 1.0, 32, 4, (), session_id="s", round=1, prefix_group="g", prefix_tokens=16
+        ),
+    ]
+    path = tmp_path / "w.csv"
+    export_csv(requests, path)
+    with path.open() as rows:
+        a, b, c = csv.DictReader(rows)
+    assert (a["prefix_group"], a["prefix_tokens"]) == ("a", "0")
+    assert (b["prefix_group"], b["prefix_tokens"], b["arrival_us"]) == ("a", "32", "500000")
+    assert (c["prefix_group"], c["prefix_tokens"], c["session_id"], c["round"]) == (
+        "g",
+        "16",
+        "s",
+        "1",
+    )

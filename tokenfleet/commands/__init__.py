@@ -1,0 +1,1 @@
+"""The subcommands of ``tokenfleet``, one module per area; each has ``register``."""

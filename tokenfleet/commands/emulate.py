@@ -1,0 +1,113 @@
+"""Emulated instances and replaying workloads against an endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from tokenfleet.commands.errors import CliError
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    _add_emulate(commands)
+    _add_replay(commands)
+
+
+def _add_emulate(commands: argparse._SubParsersAction) -> None:
+    from sim.profiles import PROFILES
+
+    emulate = commands.add_parser(
+        "emulate",
+        help="emulated vLLM instances with an OpenAI-compatible API, on loopback ports",
+        description="Runs N emulated instances in this process, each on 127.0.0.1 and its own "
+        "port, stepping the simulator's engine in wall-clock time. Stop with Ctrl-C.",
+    )
+    emulate.add_argument("--instances", type=int, default=1, help="how many (default: 1)")
+    emulate.add_argument(
+        "--base-port",
+        type=int,
+        default=8100,
+        help="the first port; the others follow (default: 8100)",
+    )
+    emulate.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
+    emulate.add_argument("--model", default="emulated", help="the model name clients use")
+    emulate.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="run this many times faster than the modelled GPU (default: 1)",
+    )
+    emulate.set_defaults(handler=_emulate)
+
+
+def _emulate(args: argparse.Namespace) -> int:
+    from sim.emulator.server import serve
+    from sim.profiles import profile
+
+    if args.instances < 1 or args.speedup <= 0:
+        raise CliError("--instances must be at least 1 and --speedup positive")
+    ports = [args.base_port + n for n in range(args.instances)]
+
+    async def run() -> None:
+        async with serve(profile(args.profile), args.model, ports, args.speedup) as instances:
+            for instance in instances:
+                print(f"{args.model} at {instance.url}/v1", flush=True)
+            await asyncio.Event().wait()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        raise CliError(f"cannot listen on ports {ports[0]}..{ports[-1]}: {exc}") from None
+    return 0
+
+
+def _add_replay(commands: argparse._SubParsersAction) -> None:
+    replay = commands.add_parser(
+        "replay",
+        help="send a workload to an OpenAI-compatible endpoint at its arrival times",
+        description="Streams each request of the workload to TARGET/v1/completions at its "
+        "arrival time and reports TTFT and E2E as the client saw them.",
+    )
+    replay.add_argument("--trace", required=True, help="a named workload or a .jsonl path")
+    replay.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8100")
+    replay.add_argument("--model", default="emulated")
+    replay.add_argument("--requests", type=int, default=100, help="first N (default: 100)")
+    replay.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="the target's speed-up; arrivals are compressed to match",
+    )
+    replay.add_argument("--json", type=Path, help="write one record per request here")
+    replay.set_defaults(handler=_replay)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    import httpx
+
+    from sim.metrics import latency_stats
+    from sim.registry import load_trace
+    from sim.replay import replay
+
+    try:
+        workload = load_trace(args.trace, limit=args.requests)
+        records = asyncio.run(replay(workload, args.target, args.model, speedup=args.speedup))
+    except (ValueError, httpx.HTTPError) as exc:
+        raise CliError(str(exc)) from None
+    ok = [r for r in records if r.status == 200 and r.ttft_s is not None]
+    stats = latency_stats("ttft", [r.ttft_s for r in ok]) | latency_stats(
+        "e2e", [r.e2e_s for r in ok]
+    )
+    print(
+        f"{len(ok)} of {len(records)} requests succeeded; "
+        + ", ".join(f"{k} {v:.3f}" for k, v in stats.items())
+    )
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
+    return 0 if len(ok) == len(records) else 1

@@ -1,0 +1,263 @@
+"""Simulation commands: demo, sim, calibrate, workload, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenfleet.commands.errors import CliError
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    for add in (_add_demo, _add_sim, _add_calibrate, _add_workload, _add_bench):
+        add(commands)
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    demo = commands.add_parser(
+        "demo",
+        help="the embedded main job: no Kafka or Redis needed",
+        description="Simulates the first requests of the Mooncake conversation trace on a "
+        "small cluster under each routing policy, side by side.",
+    )
+    demo.add_argument("--requests", type=int, default=2000, help="trace rows (default: 2000)")
+    demo.add_argument("--instances", type=int, default=8, help="instances (default: 8)")
+    demo.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    demo.set_defaults(handler=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tokenfleet.demo import main as demo_main
+
+    if args.requests < 1 or args.instances < 1:
+        raise CliError("--requests and --instances must be at least 1")
+    return demo_main(args.requests, args.instances, args.seed)
+
+
+def _add_sim(commands: argparse._SubParsersAction) -> None:
+    from control.routing import ROUTERS
+    from sim.profiles import PROFILES
+    from sim.registry import TRACES
+
+    sim = commands.add_parser(
+        "sim",
+        help="simulate a trace on a cluster under one routing policy",
+        description="Runs a discrete-event simulation in virtual time and writes its summary.",
+    )
+    sim.add_argument("--trace", required=True, help=f"{', '.join(TRACES)}, or a .jsonl path")
+    sim.add_argument("--instances", type=int, default=16, help="instances (default: 16)")
+    sim.add_argument("--policy", default="round_robin", choices=sorted(ROUTERS))
+    sim.add_argument(
+        "--profile",
+        default="llama3-70b-4xh100",
+        choices=sorted(PROFILES),
+        help="model and hardware of every instance (default: %(default)s)",
+    )
+    sim.add_argument("--requests", type=int, help="only the first N requests of the trace")
+    load = sim.add_mutually_exclusive_group()
+    load.add_argument(
+        "--rate-scale", type=float, default=1.0, help="arrivals this many times as dense"
+    )
+    load.add_argument(
+        "--ladder",
+        type=_levels,
+        metavar="L1,L2,...",
+        help="one run at each share of measured capacity, e.g. 0.5,0.8,1,1.2",
+    )
+    sim.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    sim.add_argument("--json", type=Path, help="write the result here")
+    sim.add_argument("--records", type=Path, help="write one CSV row per request here")
+    sim.set_defaults(handler=_sim)
+
+
+def _sim(args: argparse.Namespace) -> int:
+    import json
+
+    from sim.run import RunConfig, simulate_ladder, simulate_run, write_records
+
+    if args.instances < 1 or (args.requests is not None and args.requests < 1):
+        raise CliError("--instances and --requests must be at least 1")
+    if args.rate_scale <= 0:
+        raise CliError("--rate-scale must be positive")
+    config = RunConfig(
+        args.trace,
+        args.instances,
+        args.policy,
+        args.profile,
+        args.requests,
+        args.rate_scale,
+        args.seed,
+    )
+    progress = sys.stderr.isatty()
+    try:
+        if args.ladder:
+            result, records = simulate_ladder(config, args.ladder, progress=progress)
+            runs = result["levels"]
+        else:
+            result, records = simulate_run(config, progress=progress)
+            runs = [result]
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.records:
+        write_records(records, args.records)
+    for run in runs:
+        _print_summary(run)
+    return 0
+
+
+def _levels(text: str) -> list[float]:
+    try:
+        levels = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not levels or any(level <= 0 for level in levels):
+        raise argparse.ArgumentTypeError("levels must be positive")
+    return levels
+
+
+def _print_summary(result: dict) -> None:
+    summary = result["summary"]
+    level = f" at {result['level']:g} x capacity" if "level" in result else ""
+    print(
+        f"{result['trace']}{level}: {summary['completed']} of {summary['requests']} requests "
+        f"on {result['instances']} x {result['profile']}, policy {result['policy']}"
+    )
+    for name in ("ttft", "tpot", "e2e"):
+        p50, p95, p99 = (summary[f"{name}_p{q}_s"] for q in (50, 95, 99))
+        print(f"  {name:5} p50 {p50:.3f} s   p95 {p95:.3f} s   p99 {p99:.3f} s")
+    print(
+        f"  throughput {summary['throughput_tok_s']:.0f} tok/s   goodput "
+        f"{summary['goodput_tok_s']:.0f} tok/s   cache hit rate {summary['cache_hit_rate']:.1%}"
+    )
+    print(
+        f"  simulated in {result['wall_s']:.1f} s "
+        f"({result['simulated_requests_per_s']:.0f} requests/s)"
+    )
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON")
+    sub = bench.add_subparsers(required=True, metavar="BENCHMARK")
+    sim = sub.add_parser(
+        "sim",
+        help="simulator speed: the Mooncake trace, and scaling with instances and requests",
+        description="Times the simulator on the whole Mooncake conversation trace "
+        "(12,031 requests) and how run time grows with instances (16, 64, 256) and requests.",
+    )
+    sim.add_argument("--json", type=Path, required=True, help="write the figures here")
+    sim.set_defaults(handler=_bench_sim)
+
+
+def _bench_sim(args: argparse.Namespace) -> int:
+    import json
+
+    from sim.bench import bench_sim
+
+    def report(label: str, figures: dict[str, float]) -> None:
+        print(
+            f"{label:28} {figures['requests']:>6} requests on {figures['instances']:>3} "
+            f"instances: {figures['wall_s']:6.1f} s "
+            f"({figures['simulated_requests_per_s']:.0f} requests/s)",
+            flush=True,
+        )
+
+    result = bench_sim(report=report)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _add_workload(commands: argparse._SubParsersAction) -> None:
+    from sim.registry import TRACES
+
+    workload = commands.add_parser("workload", help="workloads: list or export them")
+    sub = workload.add_subparsers(required=True, metavar="ACTION")
+    listing = sub.add_parser("list", help="the named workloads")
+    listing.set_defaults(
+        handler=lambda _: _print_lines(
+            f"{name:20} {source.description}" for name, source in TRACES.items()
+        )
+    )
+    export = sub.add_parser("export", help="write a labelled workload as CSV for other tools")
+    export.add_argument("--trace", required=True, help=f"{', '.join(TRACES)}, or a .jsonl path")
+    export.add_argument("--out", type=Path, required=True, help="the CSV file to write")
+    export.add_argument("--requests", type=int, help="only the first N requests")
+    export.add_argument("--seed", type=int, default=0)
+    export.set_defaults(handler=_workload_export)
+
+
+def _workload_export(args: argparse.Namespace) -> int:
+    from sim.export import export_csv
+    from sim.registry import load_trace
+
+    try:
+        requests = load_trace(args.trace, limit=args.requests, seed=args.seed)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    export_csv(requests, args.out)
+    print(f"wrote {len(requests)} requests to {args.out}")
+    return 0
+
+
+def _print_lines(lines: Iterable[str]) -> int:
+    for line in lines:
+        print(line)
+    return 0
+
+
+def _add_calibrate(commands: argparse._SubParsersAction) -> None:
+    from sim.profiles import CALIBRATED
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit a profile's step times to real vLLM measurements and validate them",
+        description="Fits a, b, c and the TTFT overhead of a profile by simulating the measured "
+        "stages (see sim/calibration.py), then prints the validation table over every stage, "
+        "fitted and held out.",
+    )
+    calibrate.add_argument("--profile", required=True, choices=sorted(CALIBRATED))
+    calibrate.add_argument(
+        "--iterations", type=int, default=80, help="Nelder-Mead steps (default: 80; 0: validate)"
+    )
+    calibrate.add_argument("--json", type=Path, help="write coefficients and rows here")
+    calibrate.set_defaults(handler=_calibrate)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict, replace
+
+    from tqdm import tqdm
+
+    from sim import calibration
+    from sim.profiles import CALIBRATED, TRAINING_STAGES
+
+    chosen = CALIBRATED[args.profile]
+    stages = [s for s in calibration.load_stages() if chosen.measured_model in s.experiment]
+    training = [s for s in stages if calibration.is_training(s, TRAINING_STAGES)]
+    profile = chosen.profile
+    if args.iterations > 0:
+        with tqdm(total=args.iterations, desc="fitting", unit="it", leave=False) as bar:
+
+            def progress(_: int, loss: float) -> None:
+                bar.set_postfix(loss=f"{loss:.4f}")
+                bar.update()
+
+            fitted = calibration.fit(
+                training, profile, iterations=args.iterations, progress=progress
+            )
+        profile = replace(profile, step_time=fitted)
+    rows = calibration.validate(stages, TRAINING_STAGES, profile)
+    print(f"{args.profile}: {profile.step_time}")
+    print(calibration.markdown_table(rows))
+    if args.json:
+        document = {
+            "profile": args.profile,
+            "step_time": asdict(profile.step_time),
+            "rows": [row.as_dict() for row in rows],
+        }
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    return 0
