@@ -85,10 +85,11 @@ CALIBRATED: dict[str, Calibrated] = {
             131072,
             "llama-2-70b",
             {
-                "a_s": 0.017100892807149905,
-                "b_s_per_token": 2.3579003218375232e-05,
-                "c_s_per_seq": 6.973720233946273e-06,
-                "ttft_overhead_s": 0.019209514387084375,
+                "a_s": 0.016830353941255743,
+                "b_s_per_token": 2.4484339744992757e-05,
+                "n0_tokens": 130.08810019453227,
+                "c_s_per_seq": 7.1136724973096175e-06,
+                "ttft_overhead_s": 0.018210630863338767,
             },
             "Fitted to Llama-2-70B TP4, which has Llama-3.1-70B's shape (80 layers, GQA 8x128).",
         ),
@@ -115,7 +116,13 @@ CALIBRATED: dict[str, Calibrated] = {
             2,
             16384,
             "codellama-34b",
-            {"a_s": 0.012, "b_s_per_token": 40e-6, "c_s_per_seq": 5e-6, "ttft_overhead_s": 0.01},
+            {
+                "a_s": 0.01351046018343911,
+                "b_s_per_token": 7.012523353836696e-06,
+                "n0_tokens": 103.89098080298712,
+                "c_s_per_seq": 9.664573235961876e-06,
+                "ttft_overhead_s": 0.022103432880054022,
+            },
         ),
     )
 }

@@ -11,13 +11,14 @@ from pathlib import Path
 from tqdm import tqdm
 
 from control.routing import make_router
-from sim.cluster import Cluster
+from sim.cluster import Cluster, InstanceProfile
 from sim.ladder import rate_scales
 from sim.metrics import summarize
 from sim.profiles import profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.simulator import Simulation
+from sim.step_time import Blackbox
 from sim.workload import TraceRequest
 
 
@@ -30,6 +31,12 @@ class RunConfig:
     requests: int | None = None
     rate_scale: float = 1.0
     seed: int = 0
+    blackbox: Blackbox | None = None
+    """BLIS-form coefficients to use instead of the profile's step times."""
+
+    def instance_profile(self) -> InstanceProfile:
+        chosen = profile(self.profile)
+        return chosen if self.blackbox is None else replace(chosen, step_time=self.blackbox)
 
 
 def scaled(requests: Iterable[TraceRequest], rate_scale: float) -> list[TraceRequest]:
@@ -49,7 +56,7 @@ def simulate_run(
     if workload is None:
         workload = load_trace(config.trace, limit=config.requests, seed=config.seed)
     workload = scaled(workload, config.rate_scale)
-    cluster = Cluster.single(profile(config.profile), config.instances)
+    cluster = Cluster.single(config.instance_profile(), config.instances)
     simulation = Simulation(cluster, make_router(config.policy, seed=config.seed))
     started = time.perf_counter()
     records = simulation.run(_with_progress(workload, progress, config.policy))
@@ -90,7 +97,7 @@ def simulate_ladder(
 ) -> tuple[dict, list[RequestRecord]]:
     """The run at each load level (a share of the cluster's measured capacity)."""
     workload = load_trace(config.trace, limit=config.requests, seed=config.seed)
-    scales = rate_scales(profile(config.profile), workload, config.instances, levels)
+    scales = rate_scales(config.instance_profile(), workload, config.instances, levels)
     results, records = [], []
     for level, scale in zip(levels, scales, strict=True):
         result, level_records = simulate_run(

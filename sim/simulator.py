@@ -10,6 +10,7 @@ run is a deterministic function of its inputs and seed.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,16 +34,24 @@ class _Instance:
     version: int = 0
     """Bumped whenever the plan's end moves; step-end events of older versions are void."""
     entering: int = 0
-    """Requests routed here still in their admission delay, and their tokens."""
-    entering_tokens: int = 0
+    """Requests routed here still in their admission delay."""
 
 
 class Simulation:
     """``decode_runs`` lets engines plan decode-only stretches as one event (the results
     are the same; tests compare both ways); switch it off to step one step at a time."""
 
-    def __init__(self, cluster: Cluster, router: Router, *, decode_runs: bool = True) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        router: Router,
+        *,
+        decode_runs: bool = True,
+        scrape_interval_s: float = 0.05,
+    ) -> None:
         self.decode_runs = decode_runs
+        self.scrape_interval_s = scrape_interval_s
+        self._scraped_at = -math.inf
         self.cluster = cluster
         self.router = router
         self.instances = [
@@ -97,7 +106,8 @@ class Simulation:
         )
 
     def _arrive(self, request: TraceRequest) -> None:
-        self._catch_up()
+        if self.now - self._scraped_at >= self.scrape_interval_s:
+            self._scrape()
         route = RouteRequest(
             request.request_id,
             request.input_tokens,
@@ -112,14 +122,12 @@ class Simulation:
         instance = self.instances[index]
         delay = instance.engine.step_time.admission_delay_s(request.input_tokens)
         instance.entering += 1
-        instance.entering_tokens += request.input_tokens + request.output_tokens
-        self._refresh(index)
+        self._inflight[index] += request.input_tokens + request.output_tokens
         self._push(self.now + delay, _ENTER, index, Sequence(request, self.now))
 
     def _enter(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
         instance.entering -= 1
-        instance.entering_tokens -= sequence.request.input_tokens + sequence.request.output_tokens
         instance.engine.add(sequence)
         plan = instance.plan
         if plan is None:
@@ -129,21 +137,21 @@ class Simulation:
             self._apply_run(index, plan)
             instance.engine.cut(plan)
             self._schedule_end(index, plan.end_s)
-        self._refresh(index)
 
-    def _catch_up(self) -> None:
-        """Bring every engine in a decode run up to now, so the router sees current state."""
+    def _scrape(self) -> None:
+        """Read every engine's metrics now, as a periodic scrape would."""
         for index, instance in enumerate(self.instances):
-            if isinstance(instance.plan, DecodeRun) and instance.plan.applied < len(
-                instance.plan.ends_s
-            ):
+            if isinstance(instance.plan, DecodeRun):
                 self._apply_run(index, instance.plan)
-                self._refresh(index)
+            engine = instance.engine
+            self._waiting[index] = len(engine.waiting) + instance.entering
+            self._running[index] = len(engine.running)
+            self._kv_used[index] = engine.pool.used_blocks
+        self._scraped_at = self.now
 
     def _apply_run(self, index: int, run: DecodeRun) -> None:
-        instance = self.instances[index]
-        for sequence in instance.engine.advance(run, self.now):
-            self.records.append(self._record(instance, sequence))
+        for sequence in self.instances[index].engine.advance(run, self.now):
+            self._complete(index, sequence)
 
     def _start_next(self, index: int) -> None:
         instance = self.instances[index]
@@ -152,7 +160,6 @@ class Simulation:
         if plan is not None:
             end = plan.end_s if isinstance(plan, DecodeRun) else self.now + plan.duration_s
             self._schedule_end(index, end)
-        self._refresh(index)
 
     def _schedule_end(self, index: int, end_s: float) -> None:
         instance = self.instances[index]
@@ -166,27 +173,24 @@ class Simulation:
             self._apply_run(index, plan)
         elif plan is not None:
             for sequence in instance.engine.finish_step(plan, self.now):
-                self.records.append(self._record(instance, sequence))
+                self._complete(index, sequence)
         self._start_next(index)
 
-    def _record(self, instance: _Instance, sequence: Sequence) -> RequestRecord:
-        step_time = instance.engine.step_time
-        rtt = self.cluster.rtt(sequence.request.region, instance.dc)
-        return RequestRecord.completed(
-            sequence,
-            instance.instance_id,
-            instance.dc,
-            ttft_overhead_s=step_time.ttft_overhead_s + rtt,
-            token_overhead_s=step_time.token_overhead_s,
-        )
-
-    def _refresh(self, index: int) -> None:
+    def _complete(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
-        engine = instance.engine
-        self._waiting[index] = len(engine.waiting) + instance.entering
-        self._running[index] = len(engine.running)
-        self._inflight[index] = engine.inflight_tokens + instance.entering_tokens
-        self._kv_used[index] = engine.pool.used_blocks
+        request = sequence.request
+        self._inflight[index] -= request.input_tokens + request.output_tokens
+        step_time = instance.engine.step_time
+        rtt = self.cluster.rtt(request.region, instance.dc)
+        self.records.append(
+            RequestRecord.completed(
+                sequence,
+                instance.instance_id,
+                instance.dc,
+                ttft_overhead_s=step_time.ttft_overhead_s + rtt,
+                token_overhead_s=step_time.token_overhead_s,
+            )
+        )
 
     def _push(self, time: float, kind: int, index: int, payload: Sequence | int) -> None:
         self._order += 1

@@ -19,14 +19,16 @@ BoolArray = npt.NDArray[np.bool_]
 
 @dataclass(frozen=True)
 class FleetSnapshot:
-    """Instance state at one moment. Arrays are read-only and aligned with ``instance_ids``."""
+    """Instance state as a router knows it. Arrays are read-only, aligned with
+    ``instance_ids``. ``waiting``, ``running`` and ``kv_blocks_used`` come from the engines'
+    metrics as last scraped; ``inflight_tokens`` from the router side's own accounting."""
 
     instance_ids: tuple[str, ...]
     ready: BoolArray
     waiting: IntArray
     running: IntArray
     inflight_tokens: IntArray
-    """Prompt tokens still to compute plus output tokens still to generate."""
+    """Prompt plus output budget of the requests routed there and not yet completed."""
     kv_blocks_used: IntArray
     kv_blocks_total: IntArray
 

@@ -117,3 +117,51 @@ def test_export_writes_prefix_groups_and_reusable_prefixes(tmp_path: Path) -> No
         "s",
         "1",
     )
+
+
+def test_blackbox_coefficients_replace_the_profile_s_step_times(tmp_path: Path) -> None:
+    """BLIS's llama-3.3-70b TP4 H100 coefficients (defaults.yaml at b563c440)."""
+    out = tmp_path / "bb.json"
+    blis = "12601.3,76.4228,66.844,2597.32,9.95091,11511.4"
+    assert (
+        main(
+            [
+                "sim",
+                "--trace",
+                "azure-conv",
+                "--requests",
+                "100",
+                "--instances",
+                "2",
+                "--blackbox",
+                blis,
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    summary = json.loads(out.read_text())["summary"]
+    # every TTFT carries the a2 overhead (11.5 ms) and a queueing delay a0 + a1 * input
+    assert summary["ttft_p50_s"] > 0.0115 + 0.0026
+
+
+def test_bad_blackbox_coefficients_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sim", "--trace", "mooncake", "--blackbox", "1,2,3"])
+    assert "six non-negative numbers" in capsys.readouterr().err
+
+
+def test_engine_state_becomes_instance_telemetry() -> None:
+    from sim.engine import Engine, Sequence
+    from sim.telemetry import instance_telemetry
+
+    engine = Engine(profile("llama3-70b-4xh100").engine, profile("llama3-70b-4xh100").step_time)
+    engine.add(Sequence(TraceRequest("r", 0.0, 100, 10, ()), 0.0))
+    engine.finish_step(engine.plan_step(0.0), 0.1)
+    telemetry = instance_telemetry(engine, "dc/0", "dc", "llama", "v1")
+    assert (telemetry.running, telemetry.waiting) == (1, 0)
+    assert telemetry.kv_blocks_used == 7
+    assert telemetry.inflight_tokens == 100 + 10 - 1
+    assert telemetry.kv_blocks_total == engine.pool.num_blocks
+    assert telemetry.prefix_cache_queries == 100

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from control.routing import make_router
@@ -115,3 +116,29 @@ def test_shared_prefixes_show_up_as_cache_hits() -> None:
         sum(r.cached_tokens for r in records)
         == simulation.engines[0].pool.counters.prefix_hits_tokens
     )
+
+
+class _Recording:
+    """Sends everything to instance 0 and keeps the snapshots it was shown."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.seen: list = []
+
+    def route(self, request, fleet, now):
+        from control.routing import Decision
+
+        self.seen.append(fleet)
+        return Decision(self.name, 0, np.zeros(len(fleet)))
+
+
+def test_routers_see_scraped_metrics_and_their_own_inflight_tokens() -> None:
+    router = _Recording()
+    workload = [TraceRequest(f"r{n}", t, 300, 50, ()) for n, t in enumerate((0.0, 0.01, 0.2))]
+    Simulation(Cluster.single(_profile(), 2), router, scrape_interval_s=0.1).run(workload)
+    first, second, third = router.seen
+    assert second.running.tolist() == first.running.tolist() == [0, 0]  # scraped at t = 0
+    assert second.inflight_tokens.tolist() == [350, 0]  # but its own accounting is exact
+    assert third.running.tolist() == [2, 0]  # a fresh scrape at t = 0.2
+    assert third.inflight_tokens.tolist() == [700, 0]

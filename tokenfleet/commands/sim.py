@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from sim.step_time import Blackbox
 from tokenfleet.commands.errors import CliError
 
 
@@ -67,6 +68,14 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
         help="one run at each share of measured capacity, e.g. 0.5,0.8,1,1.2",
     )
     sim.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    sim.add_argument(
+        "--blackbox",
+        type=_blackbox,
+        metavar="B0,B1,B2,A0,A1,A2",
+        help="BLIS blackbox coefficients in microseconds (step = b0 + b1*uncached prefill "
+        "tokens + b2*decode tokens; queueing a0 + a1*input; a2 per output token), "
+        "replacing the profile's step times",
+    )
     sim.add_argument("--json", type=Path, help="write the result here")
     sim.add_argument("--records", type=Path, help="write one CSV row per request here")
     sim.set_defaults(handler=_sim)
@@ -82,13 +91,14 @@ def _sim(args: argparse.Namespace) -> int:
     if args.rate_scale <= 0:
         raise CliError("--rate-scale must be positive")
     config = RunConfig(
-        args.trace,
-        args.instances,
-        args.policy,
-        args.profile,
-        args.requests,
-        args.rate_scale,
-        args.seed,
+        trace=args.trace,
+        instances=args.instances,
+        policy=args.policy,
+        profile=args.profile,
+        requests=args.requests,
+        rate_scale=args.rate_scale,
+        seed=args.seed,
+        blackbox=args.blackbox,
     )
     progress = sys.stderr.isatty()
     try:
@@ -107,6 +117,17 @@ def _sim(args: argparse.Namespace) -> int:
     for run in runs:
         _print_summary(run)
     return 0
+
+
+def _blackbox(text: str) -> Blackbox:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if len(values) != 6 or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError("give six non-negative numbers: b0,b1,b2,a0,a1,a2")
+    b0, b1, b2, a0, a1, a2 = values
+    return Blackbox(b0, b1, b2, a0, a1, a2)
 
 
 def _levels(text: str) -> list[float]:
