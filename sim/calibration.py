@@ -37,6 +37,10 @@ from sim.step_time import KneeRoofline
 from sim.traces import traces_dir
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
 
+WINDOW_S = 300.0
+"""Simulated seconds per stage, in the fit and in validation alike: long enough that a model
+slightly past capacity shows its growing queue (60 s hid one)."""
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -125,7 +129,7 @@ class Predicted:
     per_token_s: float
 
 
-def simulate_stage(stage: Stage, profile: InstanceProfile, seconds: float = 120.0) -> Predicted:
+def simulate_stage(stage: Stage, profile: InstanceProfile, seconds: float = WINDOW_S) -> Predicted:
     """Mean TTFT, E2E and per-token time of one instance serving the stage's workload.
 
     The first 10 % of the requests are a warm-up and left out of the means.
@@ -162,7 +166,7 @@ def fit(
     stages: Sequence[Stage],
     profile: InstanceProfile,
     *,
-    seconds: float = 60.0,
+    seconds: float = WINDOW_S,
     iterations: int = 120,
     progress: Callable[[int, float], None] | None = None,
 ) -> KneeRoofline:
@@ -252,7 +256,7 @@ def validate(
     stages: Sequence[Stage],
     training: Sequence[str],
     profile: InstanceProfile,
-    seconds: float = 120.0,
+    seconds: float = WINDOW_S,
 ) -> list[ValidationRow]:
     return [
         ValidationRow(

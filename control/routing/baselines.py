@@ -45,3 +45,25 @@ class LeastRequests:
         best = np.flatnonzero(scores == np.nanmin(scores))
         chosen = int(best[self._rng.integers(best.size)])
         return Decision(self.name, chosen, scores, {"requests": scores})
+
+
+class PowerOfTwo:
+    """Two ready instances drawn at random; the one with fewer requests (waiting plus
+    running) wins, the first drawn on a tie (Mitzenmacher, "The Power of Two Choices in
+    Randomized Load Balancing", IEEE TPDS 2001)."""
+
+    name = "power_of_two"
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self._rng = rng
+
+    def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
+        ready = np.flatnonzero(fleet.ready)
+        if ready.size == 0:
+            return _no_eligible(self.name, fleet)
+        drawn = self._rng.choice(ready, size=min(2, ready.size), replace=False)
+        requests = fleet.requests
+        chosen = int(min(drawn, key=lambda i: requests[i]))
+        scores = np.full(len(fleet), np.nan)
+        scores[drawn] = requests[drawn]
+        return Decision(self.name, chosen, scores, {"requests": scores})

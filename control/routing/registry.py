@@ -7,7 +7,8 @@ from typing import Protocol
 
 import numpy as np
 
-from control.routing.baselines import LeastRequests, RoundRobin
+from control.routing.baselines import LeastRequests, PowerOfTwo, RoundRobin
+from control.routing.llmd import LlmdDefault
 from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
 
 
@@ -26,6 +27,8 @@ class Router(Protocol):
 ROUTERS: dict[str, Callable[[np.random.Generator], Router]] = {
     RoundRobin.name: RoundRobin,
     LeastRequests.name: LeastRequests,
+    PowerOfTwo.name: PowerOfTwo,
+    LlmdDefault.name: LlmdDefault,
 }
 
 

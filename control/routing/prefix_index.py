@@ -1,0 +1,68 @@
+"""An approximate index of which instance holds which prompt prefix, learned from routing.
+
+Nothing is reported by the engines: after each decision the router records the request's
+block hashes as cached on the instance it chose. Each instance's entries live in an LRU
+sized like its KV cache (in blocks), so the index forgets roughly when the engine would.
+
+Semantics follow the Gateway API inference extension's prefix-cache scorer, which llm-d's
+default profile uses (``pkg/epp/scheduling/framework/plugins/prefixcachescorer/indexer.go``
+and ``plugin.go``): the match is greedy from the first block, and every instance holding
+block ``i`` gains one while any instance holds it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+
+class ApproximatePrefixIndex:
+    def __init__(self, default_capacity: int = 31_250) -> None:
+        self.default_capacity = default_capacity
+        self._lru: dict[int, OrderedDict[int, None]] = {}
+        self._capacity: dict[int, int] = {}
+        self._holders: dict[int, set[int]] = {}
+
+    def match(self, hashes: Sequence[int], instances: int) -> npt.NDArray[np.int64]:
+        """Matched leading blocks per instance (greedy, as the extension's scorer does)."""
+        matched = np.zeros(instances, dtype=np.int64)
+        for block in hashes:
+            holders = self._holders.get(block)
+            if not holders:
+                break
+            matched[list(holders)] += 1
+        return matched
+
+    def add(self, instance: int, hashes: Sequence[int], capacity: int | None = None) -> None:
+        """Record ``hashes`` as cached on ``instance``; its LRU is sized on first use."""
+        lru = self._lru.get(instance)
+        if lru is None:
+            lru = self._lru[instance] = OrderedDict()
+            self._capacity[instance] = (
+                capacity if capacity and capacity > 0 else (self.default_capacity)
+            )
+        limit = self._capacity[instance]
+        for block in hashes:
+            if block in lru:
+                lru.move_to_end(block)
+                continue
+            lru[block] = None
+            self._holders.setdefault(block, set()).add(instance)
+            if len(lru) > limit:
+                evicted, _ = lru.popitem(last=False)
+                self._forget(evicted, instance)
+
+    def remove_instance(self, instance: int) -> None:
+        for block in self._lru.pop(instance, {}):
+            self._forget(block, instance)
+        self._capacity.pop(instance, None)
+
+    def _forget(self, block: int, instance: int) -> None:
+        holders = self._holders.get(block)
+        if holders is not None:
+            holders.discard(instance)
+            if not holders:
+                del self._holders[block]
