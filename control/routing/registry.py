@@ -8,6 +8,7 @@ from typing import Protocol
 import numpy as np
 
 from control.routing.baselines import LeastRequests, PowerOfTwo, RoundRobin
+from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
 from control.routing.llmd import LlmdDefault
 from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
 
@@ -29,6 +30,9 @@ ROUTERS: dict[str, Callable[[np.random.Generator], Router]] = {
     LeastRequests.name: LeastRequests,
     PowerOfTwo.name: PowerOfTwo,
     LlmdDefault.name: LlmdDefault,
+    DynamoKv.name: DynamoKv,
+    SglangCacheAware.name: SglangCacheAware,
+    AibrixPrefixCache.name: AibrixPrefixCache,
 }
 
 

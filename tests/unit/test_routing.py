@@ -5,6 +5,7 @@ import pytest
 
 from control.routing import ROUTERS, FleetSnapshot, RouteRequest, make_router
 from control.routing.baselines import PowerOfTwo
+from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
 from control.routing.llmd import LlmdDefault, queue_score
 from control.routing.prefix_index import ApproximatePrefixIndex
 
@@ -87,3 +88,62 @@ def test_every_router_refuses_when_nothing_is_ready(name: str) -> None:
     )
     assert decision.chosen is None
     assert decision.candidates(fleet([0, 0])) == ()
+
+
+def _snapshot(requests, inflight=None) -> FleetSnapshot:
+    n = len(requests)
+    return FleetSnapshot(
+        tuple(f"i{k}" for k in range(n)),
+        np.ones(n, dtype=bool),
+        np.zeros(n, dtype=np.int64),
+        np.array(requests, dtype=np.int64),
+        np.array(inflight if inflight is not None else [0] * n, dtype=np.int64),
+        np.zeros(n, dtype=np.int64),
+        np.full(n, 1000, dtype=np.int64),
+    )
+
+
+PROMPT = RouteRequest("r", input_tokens=64, output_budget=8, prefix_blocks=(1, 2, 3, 4))
+
+
+def test_dynamo_weighs_blocks_to_prefill_against_blocks_in_flight() -> None:
+    router = DynamoKv(np.random.default_rng(0))
+    router.index.add(0, [1, 2, 3])
+    # i0: (64 - 48) / 16 + 160 / 16 = 11;  i1: 64 / 16 + 32 / 16 = 6
+    decision = router.route(PROMPT, _snapshot([0, 0], inflight=[160, 32]), 0.0)
+    np.testing.assert_allclose(decision.scores, [11.0, 6.0])
+    assert decision.chosen == 1
+    # with i0 nearly idle the cached prefix wins: 1 + 1 = 2 against 4 + 2 = 6
+    router = DynamoKv(np.random.default_rng(0))
+    router.index.add(0, [1, 2, 3])
+    assert router.route(PROMPT, _snapshot([0, 0], inflight=[16, 32]), 0.0).chosen == 0
+
+
+@pytest.mark.parametrize(
+    ("loads", "cached", "expected"),
+    [
+        ([100, 10], [1, 2, 3, 4], 1),  # imbalanced (90 > 64, 100 > 1.5 x 10): lowest load
+        ([5, 3], [1, 2, 3], 0),  # balanced, 75 % matched > 30 %: the match
+        ([5, 3], [1], 1),  # balanced, 25 % matched: lowest load
+    ],
+)
+def test_sglang_gates_on_imbalance_then_on_a_30_percent_match(
+    loads: list[int], cached: list[int], expected: int
+) -> None:
+    router = SglangCacheAware(np.random.default_rng(0))
+    router.index.add(0, cached)
+    assert router.route(PROMPT, _snapshot(loads), 0.0).chosen == expected
+
+
+def test_aibrix_balances_past_a_spread_of_16_and_skips_busy_matches() -> None:
+    router = AibrixPrefixCache(np.random.default_rng(0))
+    router.index.add(0, [1, 2, 3, 4])
+    assert router.route(PROMPT, _snapshot([20, 2, 3]), 0.0).chosen == 1  # spread 18 > 16
+    router = AibrixPrefixCache(np.random.default_rng(0))
+    router.index.add(2, [1, 2, 3])
+    assert router.route(PROMPT, _snapshot([5, 4, 6]), 0.0).chosen == 2  # best match, calm
+    # the only match runs 14 > mean 5 + 2 x std 3 = 11: least-request among the rest
+    router = AibrixPrefixCache(np.random.default_rng(0))
+    router.index.add(9, [1, 2, 3, 4])
+    decision = router.route(PROMPT, _snapshot([4] * 9 + [14]), 0.0)
+    assert decision.chosen in range(9)
