@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from control.routing import FleetSnapshot, Router, RouteRequest
+from control.routing import FleetSnapshot, Learner, Observation, Router, RouteRequest
 from sim.cluster import Cluster
 from sim.engine import DecodeRun, Engine, Plan, Sequence
 from sim.records import RequestRecord
@@ -182,15 +182,19 @@ class Simulation:
         self._inflight[index] -= request.input_tokens + request.output_tokens
         step_time = instance.engine.step_time
         rtt = self.cluster.rtt(request.region, instance.dc)
-        self.records.append(
-            RequestRecord.completed(
-                sequence,
-                instance.instance_id,
-                instance.dc,
-                ttft_overhead_s=step_time.ttft_overhead_s + rtt,
-                token_overhead_s=step_time.token_overhead_s,
-            )
+        record = RequestRecord.completed(
+            sequence,
+            instance.instance_id,
+            instance.dc,
+            ttft_overhead_s=step_time.ttft_overhead_s + rtt,
+            token_overhead_s=step_time.token_overhead_s,
         )
+        self.records.append(record)
+        if isinstance(self.router, Learner):  # learned at completion, not at first token
+            assert record.ttft_s is not None
+            self.router.observe(
+                Observation(request.request_id, index, record.ttft_s, request.output_tokens)
+            )
 
     def _push(self, time: float, kind: int, index: int, payload: Sequence | int) -> None:
         self._order += 1

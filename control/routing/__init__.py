@@ -1,13 +1,15 @@
 """Instance routing: which instance of a model pool serves a request."""
 
-from control.routing.registry import ROUTERS, Router, make_router
-from control.routing.snapshot import Candidate, Decision, FleetSnapshot, RouteRequest
+from control.routing.registry import ROUTERS, Learner, Router, make_router
+from control.routing.snapshot import Candidate, Decision, FleetSnapshot, Observation, RouteRequest
 
 __all__ = [
     "ROUTERS",
     "Candidate",
     "Decision",
     "FleetSnapshot",
+    "Learner",
+    "Observation",
     "RouteRequest",
     "Router",
     "make_router",

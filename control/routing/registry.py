@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from control.routing.baselines import LeastRequests, PowerOfTwo, RoundRobin
 from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
 from control.routing.llmd import LlmdDefault
-from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
+from control.routing.predicted_latency import LlmdPredictedLatency
+from control.routing.snapshot import Decision, FleetSnapshot, Observation, RouteRequest
 
 
 class Router(Protocol):
@@ -25,11 +26,19 @@ class Router(Protocol):
     def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision: ...
 
 
+@runtime_checkable
+class Learner(Protocol):
+    """A router that also learns from outcomes; the host calls ``observe`` for each."""
+
+    def observe(self, observation: Observation) -> None: ...
+
+
 ROUTERS: dict[str, Callable[[np.random.Generator], Router]] = {
     RoundRobin.name: RoundRobin,
     LeastRequests.name: LeastRequests,
     PowerOfTwo.name: PowerOfTwo,
     LlmdDefault.name: LlmdDefault,
+    LlmdPredictedLatency.name: LlmdPredictedLatency,
     DynamoKv.name: DynamoKv,
     SglangCacheAware.name: SglangCacheAware,
     AibrixPrefixCache.name: AibrixPrefixCache,

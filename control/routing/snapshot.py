@@ -96,3 +96,13 @@ class Decision:
             )
             for row in rows
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the host learned about a routed request, for routers that learn online."""
+
+    request_id: str
+    instance: int
+    ttft_s: float
+    output_tokens: int

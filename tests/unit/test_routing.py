@@ -3,10 +3,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control.routing import ROUTERS, FleetSnapshot, RouteRequest, make_router
+from control.routing import ROUTERS, FleetSnapshot, Observation, RouteRequest, make_router
 from control.routing.baselines import PowerOfTwo
 from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
 from control.routing.llmd import LlmdDefault, queue_score
+from control.routing.predicted_latency import LlmdPredictedLatency
 from control.routing.prefix_index import ApproximatePrefixIndex
 
 
@@ -147,3 +148,26 @@ def test_aibrix_balances_past_a_spread_of_16_and_skips_busy_matches() -> None:
     router.index.add(9, [1, 2, 3, 4])
     decision = router.route(PROMPT, _snapshot([4] * 9 + [14]), 0.0)
     assert decision.chosen in range(9)
+
+
+def test_the_predicted_latency_model_learns_ttft_online_and_routes_by_it() -> None:
+    rng = np.random.default_rng(1)
+    router = LlmdPredictedLatency(np.random.default_rng(0), refit_every=50)
+
+    def true_ttft(waiting: int, running: int, input_tokens: int) -> float:
+        return 0.05 + 0.2 * waiting + 0.01 * running + 1e-5 * input_tokens
+
+    for n in range(300):
+        waiting = rng.integers(0, 6, size=4)
+        running = rng.integers(0, 20, size=4)
+        snapshot = fleet(waiting.tolist(), running=running.tolist())
+        request = RouteRequest(f"r{n}", int(rng.integers(100, 4000)), 10)
+        decision = router.route(request, snapshot, 0.0)
+        chosen = decision.chosen
+        ttft = true_ttft(waiting[chosen], running[chosen], request.input_tokens)
+        router.observe(Observation(request.request_id, chosen, ttft, 10))
+    probe = fleet([0, 5, 2, 3], running=[10, 0, 1, 2])
+    decision = router.route(RouteRequest("probe", 1000, 10), probe, 0.0)
+    expected = [true_ttft(w, r, 1000) for w, r in ((0, 10), (5, 0), (2, 1), (3, 2))]
+    np.testing.assert_allclose(decision.parts["predicted_ttft_s"], expected, rtol=0.02)
+    assert decision.chosen == 0

@@ -1,0 +1,99 @@
+"""llm-d's predicted-latency routing, in the latency predictor's Bayesian-ridge mode.
+
+Source: the Gateway API inference extension's latency predictor client
+(``latencypredictor``: ``predictBayesianRidge``, a linear model of TTFT) and its
+predicted-latency scorer (``pkg/epp/scheduling/framework/plugins/predictedlatencyscorer/``):
+each candidate's TTFT is predicted from its KV-cache usage, the request's input length, the
+candidate's waiting and running requests, the request's prefix-cache score there, and its
+tokens in flight; the lowest prediction wins.
+
+Training is online: the features seen at each decision are paired with the TTFT observed
+for that request; the model is refitted by ridge regression on the latest ``window``
+samples every ``refit_every`` observations. Until the first fit it routes by llm-d's
+default scorers, whose prefix index it shares.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from control.routing.llmd import LlmdDefault
+from control.routing.snapshot import Decision, FleetSnapshot, Observation, RouteRequest
+
+FEATURES = ("kv_usage", "input_tokens", "waiting", "running", "prefix_score", "inflight_tokens")
+
+
+class LlmdPredictedLatency:
+    name = "llmd_predicted_latency"
+
+    def __init__(
+        self,
+        rng: np.random.Generator,
+        *,
+        window: int = 2000,
+        refit_every: int = 100,
+        ridge: float = 1e-3,
+    ) -> None:
+        self._rng = rng
+        self._scorers = LlmdDefault(rng)
+        self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self._pending: dict[str, np.ndarray] = {}
+        self._refit_every = refit_every
+        self._ridge = ridge
+        self._since_fit = 0
+        self._model: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
+        warm = self._scorers.route(request, fleet, now)  # also keeps the prefix index learning
+        if warm.chosen is None:
+            return warm
+        features = self._features(request, fleet, warm.parts["prefix"])
+        self._pending[request.request_id] = features[warm.chosen]
+        if self._model is None:
+            return Decision(self.name, warm.chosen, warm.scores, warm.parts)
+        predicted = np.where(fleet.ready, self._predict(features), np.nan)
+        best = np.flatnonzero(predicted == np.nanmin(predicted))
+        chosen = int(best[self._rng.integers(best.size)])
+        self._pending[request.request_id] = features[chosen]
+        return Decision(self.name, chosen, predicted, {"predicted_ttft_s": predicted})
+
+    def observe(self, observation: Observation) -> None:
+        features = self._pending.pop(observation.request_id, None)
+        if features is None:
+            return
+        self._window.append((features, observation.ttft_s))
+        self._since_fit += 1
+        if self._since_fit >= self._refit_every:
+            self._fit()
+
+    def _features(
+        self, request: RouteRequest, fleet: FleetSnapshot, prefix_score: np.ndarray
+    ) -> np.ndarray:
+        kv_usage = fleet.kv_blocks_used / np.maximum(fleet.kv_blocks_total, 1)
+        columns = (
+            kv_usage,
+            np.full(len(fleet), request.input_tokens),
+            fleet.waiting,
+            fleet.running,
+            prefix_score,
+            fleet.inflight_tokens,
+        )
+        return np.column_stack([np.asarray(c, dtype=np.float64) for c in columns])
+
+    def _fit(self) -> None:
+        x = np.array([f for f, _ in self._window])
+        y = np.array([t for _, t in self._window])
+        mean, scale = x.mean(axis=0), x.std(axis=0) + 1e-9
+        z = np.column_stack([np.ones(len(x)), (x - mean) / scale])
+        penalty = self._ridge * np.eye(z.shape[1])
+        penalty[0, 0] = 0.0  # the intercept is not shrunk
+        weights = np.linalg.solve(z.T @ z + penalty, z.T @ y)
+        self._model = (weights, mean, scale)
+        self._since_fit = 0
+
+    def _predict(self, features: np.ndarray) -> np.ndarray:
+        assert self._model is not None
+        weights, mean, scale = self._model
+        return weights[0] + ((features - mean) / scale) @ weights[1:]
