@@ -24,7 +24,9 @@ PROFILE = "llama3-70b-4xh100"
 
 
 def timed_run(requests: Sequence[TraceRequest], instances: int, policy: str) -> dict[str, float]:
-    simulation = Simulation(Cluster.single(profile(PROFILE), instances), make_router(policy))
+    chosen = profile(PROFILE)
+    router = make_router(policy, pool=chosen.pool_model())
+    simulation = Simulation(Cluster.single(chosen, instances), router)
     started = time.perf_counter()
     records = simulation.run(requests)
     wall = time.perf_counter() - started

@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from control.routing import make_router
+from control.step_time import KneeRoofline
 from sim.cluster import Cluster, InstanceProfile
 from sim.simulator import Simulation
-from sim.step_time import KneeRoofline
 from sim.traces import traces_dir
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from control.routing import PoolModel
+from control.step_time import StepTime
 from sim.engine import EngineConfig
-from sim.step_time import StepTime
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,10 @@ class InstanceProfile:
     engine: EngineConfig
     step_time: StepTime
     notes: str = ""
+
+    def pool_model(self) -> PoolModel:
+        """What routers may know of a pool of these instances."""
+        return PoolModel(self.step_time, self.engine.block_size, self.engine.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)

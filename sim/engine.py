@@ -23,8 +23,8 @@ from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
+from control.step_time import StepTime
 from sim.kv_cache import KvBlockPool, OutOfBlocks
-from sim.step_time import StepTime
 from sim.workload import TraceRequest
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from control.step_time import KneeRoofline
 from sim.cluster import InstanceProfile
 from sim.hardware import H100, Hardware, ModelShape, engine_for
-from sim.step_time import KneeRoofline
 
 TRAINING_STAGES = ("general/stage_0", "general/stage_1", "codegen/stage_0")
 """Fitted on the general workload's two rates and codegen's lower one; the rest held out."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from control.routing import make_router
+from control.step_time import Blackbox
 from sim.cluster import Cluster, InstanceProfile
 from sim.ladder import rate_scales
 from sim.metrics import summarize
@@ -18,7 +19,6 @@ from sim.profiles import profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.simulator import Simulation
-from sim.step_time import Blackbox
 from sim.workload import TraceRequest
 
 
@@ -56,8 +56,10 @@ def simulate_run(
     if workload is None:
         workload = load_trace(config.trace, limit=config.requests, seed=config.seed)
     workload = scaled(workload, config.rate_scale)
-    cluster = Cluster.single(config.instance_profile(), config.instances)
-    simulation = Simulation(cluster, make_router(config.policy, seed=config.seed))
+    chosen = config.instance_profile()
+    cluster = Cluster.single(chosen, config.instances)
+    router = make_router(config.policy, seed=config.seed, pool=chosen.pool_model())
+    simulation = Simulation(cluster, router)
     started = time.perf_counter()
     records = simulation.run(_with_progress(workload, progress, config.policy))
     wall = time.perf_counter() - started

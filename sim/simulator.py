@@ -113,6 +113,7 @@ class Simulation:
             request.input_tokens,
             request.output_tokens,
             request.prefix_blocks,
+            request.task_class.value,
         )
         decision = self.router.route(route, self.fleet(), self.now)
         index = decision.chosen

@@ -28,7 +28,7 @@ def main(requests: int, instances: int, seed: int) -> int:
         f"Mooncake conversation trace, first {requests} requests, {instances} simulated "
         f"Llama-70B instances (4 x H100 each):"
     )
-    print(f"{'policy':16}" + "".join(f"{c:>16}" for c in COLUMNS))
+    print(f"{'policy':24}" + "".join(f"{c:>16}" for c in COLUMNS))
     for policy, row in figures.items():
-        print(f"{policy:16}" + "".join(f"{row[c]:>16.3f}" for c in COLUMNS))
+        print(f"{policy:24}" + "".join(f"{row[c]:>16.3f}" for c in COLUMNS))
     return 0

@@ -1,7 +1,14 @@
 """Instance routing: which instance of a model pool serves a request."""
 
 from control.routing.registry import ROUTERS, Learner, Router, make_router
-from control.routing.snapshot import Candidate, Decision, FleetSnapshot, Observation, RouteRequest
+from control.routing.snapshot import (
+    Candidate,
+    Decision,
+    FleetSnapshot,
+    Observation,
+    PoolModel,
+    RouteRequest,
+)
 
 __all__ = [
     "ROUTERS",
@@ -10,6 +17,7 @@ __all__ = [
     "FleetSnapshot",
     "Learner",
     "Observation",
+    "PoolModel",
     "RouteRequest",
     "Router",
     "make_router",

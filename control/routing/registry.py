@@ -11,7 +11,8 @@ from control.routing.baselines import LeastRequests, PowerOfTwo, RoundRobin
 from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
 from control.routing.llmd import LlmdDefault
 from control.routing.predicted_latency import LlmdPredictedLatency
-from control.routing.snapshot import Decision, FleetSnapshot, Observation, RouteRequest
+from control.routing.snapshot import Decision, FleetSnapshot, Observation, PoolModel, RouteRequest
+from control.routing.tokenpilot import TokenPilot
 
 
 class Router(Protocol):
@@ -33,21 +34,36 @@ class Learner(Protocol):
     def observe(self, observation: Observation) -> None: ...
 
 
-ROUTERS: dict[str, Callable[[np.random.Generator], Router]] = {
-    RoundRobin.name: RoundRobin,
-    LeastRequests.name: LeastRequests,
-    PowerOfTwo.name: PowerOfTwo,
-    LlmdDefault.name: LlmdDefault,
-    LlmdPredictedLatency.name: LlmdPredictedLatency,
-    DynamoKv.name: DynamoKv,
-    SglangCacheAware.name: SglangCacheAware,
-    AibrixPrefixCache.name: AibrixPrefixCache,
+Factory = Callable[[np.random.Generator, PoolModel | None], Router]
+
+
+def _load_only(kind: Callable[[np.random.Generator], Router]) -> Factory:
+    return lambda rng, _pool: kind(rng)
+
+
+def _tokenpilot(rng: np.random.Generator, pool: PoolModel | None) -> Router:
+    if pool is None:
+        raise ValueError("tokenpilot needs the pool's step model (a PoolModel)")
+    return TokenPilot(rng, pool)
+
+
+ROUTERS: dict[str, Factory] = {
+    "tokenpilot": _tokenpilot,
+    RoundRobin.name: _load_only(RoundRobin),
+    LeastRequests.name: _load_only(LeastRequests),
+    PowerOfTwo.name: _load_only(PowerOfTwo),
+    LlmdDefault.name: _load_only(LlmdDefault),
+    LlmdPredictedLatency.name: _load_only(LlmdPredictedLatency),
+    DynamoKv.name: _load_only(DynamoKv),
+    SglangCacheAware.name: _load_only(SglangCacheAware),
+    AibrixPrefixCache.name: _load_only(AibrixPrefixCache),
 }
 
 
-def make_router(name: str, seed: int = 0) -> Router:
+def make_router(name: str, seed: int = 0, pool: PoolModel | None = None) -> Router:
+    """The router ``name``, seeded; ``pool`` describes the model pool to those that use it."""
     try:
         factory = ROUTERS[name]
     except KeyError:
         raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(ROUTERS))}") from None
-    return factory(np.random.default_rng(seed))
+    return factory(np.random.default_rng(seed), pool)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from control.step_time import StepTime
+
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
@@ -61,6 +63,16 @@ class RouteRequest:
     input_tokens: int
     output_budget: int
     prefix_blocks: tuple[int, ...] = ()
+    task_class: str = "interactive"
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    """What a router may know of the model pool: its step times and engine limits."""
+
+    step_time: StepTime
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from control.step_time import KneeRoofline
 from sim.engine import Engine, EngineConfig, RequestTooLong, Sequence
-from sim.step_time import KneeRoofline
 from sim.workload import TraceRequest
 
 ONE_SECOND_STEPS = KneeRoofline(

@@ -3,12 +3,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from control.routing import ROUTERS, FleetSnapshot, Observation, RouteRequest, make_router
+from control.routing import (
+    ROUTERS,
+    FleetSnapshot,
+    Observation,
+    PoolModel,
+    RouteRequest,
+    make_router,
+)
 from control.routing.baselines import PowerOfTwo
 from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
 from control.routing.llmd import LlmdDefault, queue_score
 from control.routing.predicted_latency import LlmdPredictedLatency
 from control.routing.prefix_index import ApproximatePrefixIndex
+from control.step_time import KneeRoofline
 
 
 def fleet(waiting, running=None, kv_used=None, kv_total=100, ready=None) -> FleetSnapshot:
@@ -84,7 +92,8 @@ def test_power_of_two_takes_the_less_loaded_of_two_random_instances() -> None:
 
 @pytest.mark.parametrize("name", sorted(ROUTERS))
 def test_every_router_refuses_when_nothing_is_ready(name: str) -> None:
-    decision = make_router(name).route(
+    pool = PoolModel(KneeRoofline(0.015, 3e-5, 150, 7e-6, 2.5e-8))
+    decision = make_router(name, pool=pool).route(
         RouteRequest("r", 10, 1), fleet([0, 0], ready=[False, False]), 0.0
     )
     assert decision.chosen is None

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from control.routing import make_router
+from control.step_time import KneeRoofline
 from sim.cluster import Cluster, InstanceProfile
 from sim.engine import EngineConfig
 from sim.metrics import summarize
 from sim.simulator import Simulation
-from sim.step_time import KneeRoofline
 from sim.workload import TraceRequest
 
 STEPS = KneeRoofline(

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from sim.step_time import Blackbox
+from control.step_time import Blackbox
 from tokenfleet.commands.errors import CliError
 
 

@@ -20,6 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
+Array = npt.NDArray[np.float64]
+
 US = 1e-6
 
 
@@ -40,6 +45,12 @@ class StepTime(Protocol):
 
     def admission_delay_s(self, input_tokens: int) -> float:
         """Delay from a request's arrival to its entering the engine's wait queue."""
+        ...
+
+    def step_s_array(
+        self, prefill_tokens: Array, prefill_pairs: Array, decode_seqs: Array, decode_context: Array
+    ) -> Array:
+        """``step_s`` over numpy arrays (element-wise), for routers scoring many instances."""
         ...
 
 
@@ -69,6 +80,18 @@ class KneeRoofline:
     def admission_delay_s(self, input_tokens: int) -> float:
         return 0.0
 
+    def step_s_array(
+        self, prefill_tokens: Array, prefill_pairs: Array, decode_seqs: Array, decode_context: Array
+    ) -> Array:
+        compute = np.maximum(0.0, prefill_tokens + decode_seqs - self.n0_tokens)
+        return (
+            self.a_s
+            + self.b_s_per_token * compute
+            + self.c_s_per_seq * decode_seqs
+            + self.d_s_per_context_token * decode_context
+            + self.e_s_per_prefill_pair * prefill_pairs
+        )
+
 
 @dataclass(frozen=True)
 class Blackbox:
@@ -94,3 +117,8 @@ class Blackbox:
 
     def admission_delay_s(self, input_tokens: int) -> float:
         return (self.alpha0_us + self.alpha1_us * input_tokens) * US
+
+    def step_s_array(
+        self, prefill_tokens: Array, prefill_pairs: Array, decode_seqs: Array, decode_context: Array
+    ) -> Array:
+        return (self.beta0_us + self.beta1_us * prefill_tokens + self.beta2_us * decode_seqs) * US

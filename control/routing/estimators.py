@@ -1,0 +1,87 @@
+"""The online estimators TokenPilot keeps: work it has sent, outputs, and its own bias."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class WorkLedger:
+    """Per-instance work this router sent and believes not yet done.
+
+    Each routed request adds its uncached prompt tokens to the instance's pending prefill
+    until its predicted first token, then counts as one decoding sequence until its
+    predicted finish. Entries expire by predicted time, so the ledger needs no feedback.
+    """
+
+    def __init__(self, instances: int) -> None:
+        self.prefill_tokens = np.zeros(instances, dtype=np.float64)
+        self.decoding = np.zeros(instances, dtype=np.float64)
+        self._events: list[tuple[float, int, int, float]] = []  # (time, seq, instance, tokens)
+        self._order = 0
+
+    def add(self, instance: int, tokens: float, first_token_at: float, finish_at: float) -> None:
+        self.prefill_tokens[instance] += tokens
+        self._push(first_token_at, instance, tokens)
+        self._push(finish_at, instance, -1.0)
+
+    def advance(self, now: float) -> None:
+        """Retire what should have happened by ``now``."""
+        while self._events and self._events[0][0] <= now:
+            _, _, instance, tokens = heapq.heappop(self._events)
+            if tokens >= 0:  # prefill done: the request starts decoding
+                self.prefill_tokens[instance] -= tokens
+                self.decoding[instance] += 1
+            else:
+                self.decoding[instance] -= 1
+
+    def _push(self, at: float, instance: int, tokens: float) -> None:
+        self._order += 1
+        heapq.heappush(self._events, (at, self._order, instance, tokens))
+
+
+@dataclass
+class OutputLengths:
+    """Expected output tokens per key (a task class), as an exponential moving average of
+    completions seen; the output budget is only a cap. Before any completion, half the
+    budget."""
+
+    smoothing: float = 0.05
+
+    def __post_init__(self) -> None:
+        self._mean: dict[str, float] = {}
+
+    def expected(self, key: str, budget: int) -> float:
+        mean = self._mean.get(key)
+        return budget / 2 if mean is None else min(mean, float(budget))
+
+    def observe(self, key: str, output_tokens: int) -> None:
+        mean = self._mean.get(key)
+        self._mean[key] = (
+            float(output_tokens)
+            if mean is None
+            else (mean + self.smoothing * (output_tokens - mean))
+        )
+
+
+class BiasCorrection:
+    """Per-instance ratio of observed to predicted TTFT (exponential moving average of the
+    log ratio, clipped to [1/4, 4]); predictions are multiplied by it."""
+
+    def __init__(self, instances: int, smoothing: float = 0.1) -> None:
+        self._log_ratio = np.zeros(instances, dtype=np.float64)
+        self.smoothing = smoothing
+
+    @property
+    def ratio(self) -> np.ndarray:
+        return np.exp(self._log_ratio)
+
+    def observe(self, instance: int, raw_prediction_s: float, observed_s: float) -> None:
+        """Move towards ``observed / raw prediction`` (the prediction before correction)."""
+        if raw_prediction_s <= 0 or observed_s <= 0:
+            return
+        error = np.log(observed_s / raw_prediction_s) - self._log_ratio[instance]
+        updated = self._log_ratio[instance] + self.smoothing * error
+        self._log_ratio[instance] = float(np.clip(updated, -np.log(4), np.log(4)))

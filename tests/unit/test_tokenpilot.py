@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from control.routing import FleetSnapshot, Observation, PoolModel, RouteRequest, make_router
+from control.routing.llmd import LlmdDefault
+from control.routing.tokenpilot import TokenPilot
+from control.step_time import KneeRoofline
+
+STEPS = KneeRoofline(
+    a_s=0.015,
+    b_s_per_token=30e-6,
+    n0_tokens=150,
+    c_s_per_seq=7e-6,
+    d_s_per_context_token=2.5e-8,
+    e_s_per_prefill_pair=1.5e-9,
+    ttft_overhead_s=0.02,
+)
+POOL = PoolModel(STEPS)
+PREFIX = tuple(range(500))  # 8,000 tokens of shared prompt
+
+
+def idle_fleet(size: int) -> FleetSnapshot:
+    zeros = np.zeros(size, dtype=np.int64)
+    return FleetSnapshot(
+        tuple(f"i{n}" for n in range(size)),
+        np.ones(size, dtype=bool),
+        zeros,
+        zeros,
+        zeros,
+        zeros,
+        np.full(size, 30_000, dtype=np.int64),
+    )
+
+
+def hot_request(n: int) -> RouteRequest:
+    return RouteRequest(f"r{n}", input_tokens=8_200, output_budget=200, prefix_blocks=PREFIX)
+
+
+def test_a_warm_instance_with_a_short_queue_wins() -> None:
+    pilot = TokenPilot(np.random.default_rng(0), POOL)
+    pilot.index.add(1, PREFIX)
+    decision = pilot.route(hot_request(0), idle_fleet(3), now=0.0)
+    assert decision.chosen == 1
+    assert decision.parts["cached_tokens"][1] == 8_000
+    assert decision.parts["prefill_s"][1] < decision.parts["prefill_s"][0] / 10
+
+
+def test_a_cold_instance_wins_once_the_warm_queue_costs_more_than_the_prefill_saved() -> None:
+    pilot = TokenPilot(np.random.default_rng(0), POOL)
+    pilot.index.add(0, PREFIX)
+    fleet = idle_fleet(4)
+    chosen = []
+    for n in range(100):  # a burst: all arrive at once, so the queues only grow
+        decision = pilot.route(hot_request(n), fleet, now=0.0)
+        chosen.append(decision.chosen)
+        predicted = decision.parts["queue_s"] + decision.parts["prefill_s"]
+        assert predicted[decision.chosen] == predicted.min()  # queue and prefill, weighed
+    # each warm request adds ~6 ms of queue; a cold prefill costs ~317 ms: ~50 fit first
+    first_cold = next(n for n, c in enumerate(chosen) if c != 0)
+    assert 40 <= first_cold <= 60
+    assert set(chosen[-20:]) == {0, 1, 2, 3}, "then the hot prefix spreads over every instance"
+
+
+def test_llmd_default_piles_the_same_burst_onto_the_prefix_home() -> None:
+    router = LlmdDefault(np.random.default_rng(0))
+    router.index.add(0, PREFIX)
+    fleet = idle_fleet(4)  # scraped metrics do not move within a burst
+    assert {router.route(hot_request(n), fleet, now=0.0).chosen for n in range(100)} == {0}
+
+
+def test_the_bias_correction_converges_to_the_observed_ratio() -> None:
+    pilot = TokenPilot(np.random.default_rng(0), POOL)
+    both = idle_fleet(2)
+    for n in range(200):  # only one instance is ready at a time, so both get observed
+        fleet = FleetSnapshot(
+            both.instance_ids,
+            np.array([n % 2 == 0, n % 2 == 1]),
+            both.waiting,
+            both.running,
+            both.inflight_tokens,
+            both.kv_blocks_used,
+            both.kv_blocks_total,
+        )
+        request = RouteRequest(f"r{n}", 2_000, 50)
+        decision = pilot.route(request, fleet, now=float(n))
+        raw = (decision.parts["queue_s"] + decision.parts["prefill_s"])[decision.chosen]
+        truth = {0: 2.0, 1: 0.5}[decision.chosen] * raw + STEPS.ttft_overhead_s
+        pilot.observe(Observation(request.request_id, decision.chosen, truth, 50))
+    np.testing.assert_allclose(
+        pilot.route(RouteRequest("x", 10, 1), both, 1e6).parts["correction"], [2.0, 0.5], rtol=0.05
+    )
+
+
+def test_every_candidate_s_terms_are_in_the_decision_record() -> None:
+    pilot = TokenPilot(np.random.default_rng(0), POOL)
+    fleet = idle_fleet(3)
+    decision = pilot.route(hot_request(0), fleet, now=0.0)
+    [candidate, *_] = decision.candidates(fleet)
+    assert {name for name, _ in candidate.parts} >= {
+        "queue_s",
+        "prefill_s",
+        "cached_tokens",
+        "survival",
+        "correction",
+        "tpot_s",
+    }
+
+
+def test_it_degrades_to_the_best_ready_instance_when_every_one_is_full() -> None:
+    pilot = TokenPilot(np.random.default_rng(0), POOL)
+    full = idle_fleet(2)
+    full = FleetSnapshot(
+        full.instance_ids,
+        full.ready,
+        full.waiting,
+        full.running,
+        full.inflight_tokens,
+        np.array([29_900, 29_950]),
+        full.kv_blocks_total,
+    )
+    assert pilot.route(hot_request(0), full, now=0.0).chosen in (0, 1)
+
+
+def test_tokenpilot_cannot_be_made_without_the_pool_s_step_model() -> None:
+    with pytest.raises(ValueError, match="needs the pool"):
+        make_router("tokenpilot")
