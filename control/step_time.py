@@ -69,13 +69,7 @@ class KneeRoofline:
         self, prefill_tokens: int, prefill_pairs: int, decode_seqs: int, decode_context: int
     ) -> float:
         compute = max(0.0, prefill_tokens + decode_seqs - self.n0_tokens)
-        return (
-            self.a_s
-            + self.b_s_per_token * compute
-            + self.c_s_per_seq * decode_seqs
-            + self.d_s_per_context_token * decode_context
-            + self.e_s_per_prefill_pair * prefill_pairs
-        )
+        return self._linear(compute, prefill_pairs, decode_seqs, decode_context)
 
     def admission_delay_s(self, input_tokens: int) -> float:
         return 0.0
@@ -84,6 +78,10 @@ class KneeRoofline:
         self, prefill_tokens: Array, prefill_pairs: Array, decode_seqs: Array, decode_context: Array
     ) -> Array:
         compute = np.maximum(0.0, prefill_tokens + decode_seqs - self.n0_tokens)
+        return self._linear(compute, prefill_pairs, decode_seqs, decode_context)
+
+    def _linear(self, compute, prefill_pairs, decode_seqs, decode_context):
+        """The form past the knee; scalars (the engine's hot path) or arrays alike."""
         return (
             self.a_s
             + self.b_s_per_token * compute
