@@ -165,3 +165,39 @@ def test_engine_state_becomes_instance_telemetry() -> None:
     assert telemetry.inflight_tokens == 100 + 10 - 1
     assert telemetry.kv_blocks_total == engine.pool.num_blocks
     assert telemetry.prefix_cache_queries == 100
+
+
+def test_the_routing_benchmark_writes_every_policy_and_the_lower_bound(tmp_path: Path) -> None:
+    out, plot = tmp_path / "routing.json", tmp_path / "ttft.png"
+    assert (
+        main(
+            [
+                "bench",
+                "routing",
+                "--trace",
+                "shared-prefix",
+                "--requests",
+                "120",
+                "--instances",
+                "2",
+                "--ladder",
+                "0.5,1",
+                "--policies",
+                "tokenpilot,round_robin,llmd_default",
+                "--json",
+                str(out),
+                "--plot",
+                str(plot),
+            ]
+        )
+        == 0
+    )
+    document = json.loads(out.read_text())
+    assert set(document["policies"]) == {"tokenpilot", "round_robin", "llmd_default"}
+    assert document["ladder"] == [0.5, 1.0]
+    bound = document["lower_bound"]
+    for figures in document["policies"].values():
+        assert len(figures["per_level"]) == 2
+        assert figures["ttft_p50_s"] >= bound["ttft_p50_s"]
+        assert figures["ttft_p95_s"] >= bound["ttft_p95_s"]
+    assert plot.read_bytes().startswith(b"\x89PNG")

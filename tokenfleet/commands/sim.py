@@ -171,6 +171,83 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
     sim.add_argument("--json", type=Path, required=True, help="write the figures here")
     sim.set_defaults(handler=_bench_sim)
+    _add_bench_routing(sub)
+
+
+def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
+    from control.routing import ROUTERS
+    from sim.ladder import DEFAULT_LADDER
+
+    routing = sub.add_parser(
+        "routing",
+        help="every routing policy on one trace and cluster across a load ladder",
+        description="Runs each policy on the same trace, cluster and seed at each ladder level "
+        "(shares of the cluster's measured capacity); writes pooled and per-level figures "
+        "and the lower bound no router can beat.",
+    )
+    routing.add_argument("--trace", required=True, help="a named workload or a .jsonl path")
+    routing.add_argument("--instances", type=int, default=16)
+    routing.add_argument("--profile", default="llama3-70b-4xh100")
+    routing.add_argument(
+        "--ladder",
+        type=_levels,
+        default=list(DEFAULT_LADDER),
+        metavar="L1,L2,...",
+        help="default: 0.5,0.8,1,1.2",
+    )
+    routing.add_argument("--requests", type=int, help="only the first N requests")
+    routing.add_argument("--seed", type=int, default=0)
+    routing.add_argument(
+        "--policies",
+        type=lambda t: t.split(","),
+        default=None,
+        help=f"comma-separated subset of: {', '.join(ROUTERS)}",
+    )
+    routing.add_argument("--json", type=Path, required=True, help="write the figures here")
+    routing.add_argument("--plot", type=Path, help="write TTFT CDFs per policy here (PNG)")
+    routing.set_defaults(handler=_bench_routing)
+
+
+def _bench_routing(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from control.routing import ROUTERS
+    from sim.routing_bench import bench_routing, plot_ttft_cdfs
+
+    policies = args.policies or list(ROUTERS)
+    unknown = sorted(set(policies) - set(ROUTERS))
+    if unknown:
+        raise CliError(f"unknown policies: {', '.join(unknown)}")
+    with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
+        try:
+            document, records = bench_routing(
+                args.trace,
+                instances=args.instances,
+                profile_name=args.profile,
+                ladder=args.ladder,
+                requests=args.requests,
+                seed=args.seed,
+                policies=policies,
+                progress=lambda label: (bar.set_postfix_str(label), bar.update()),
+            )
+        except (ValueError, KeyError) as exc:
+            raise CliError(str(exc)) from None
+    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    if args.plot:
+        plot_ttft_cdfs(
+            records, f"{args.trace}, {args.instances} instances, pooled ladder", args.plot
+        )
+    print(f"{'policy':24}{'TTFT p50':>10}{'TTFT p95':>10}{'E2E p95':>10}{'cache hit':>11}")
+    for policy, figures in document["policies"].items():
+        print(
+            f"{policy:24}{figures['ttft_p50_s']:>10.3f}{figures['ttft_p95_s']:>10.3f}"
+            f"{figures['e2e_p95_s']:>10.2f}{figures['cache_hit_rate']:>11.1%}"
+        )
+    bound = document["lower_bound"]
+    print(f"{'lower bound':24}{bound['ttft_p50_s']:>10.3f}{bound['ttft_p95_s']:>10.3f}")
+    return 0
 
 
 def _bench_sim(args: argparse.Namespace) -> int:

@@ -1,0 +1,130 @@
+"""Every routing policy on the same trace, cluster and seed, across a load ladder:
+``tokenfleet bench routing``.
+
+Figures are pooled over all levels (the records of every level together), with each level's
+summary beside them. ``lower_bound`` is what no router can beat: every request prefilled
+alone on an idle instance, with every block an earlier request of the trace had counted as
+cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from control.routing import ROUTERS
+from sim.cluster import InstanceProfile
+from sim.ladder import DEFAULT_LADDER, rate_scales
+from sim.metrics import latency_stats
+from sim.profiles import profile
+from sim.records import RequestRecord
+from sim.registry import load_trace
+from sim.run import RunConfig, simulate_run
+from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest, reusable_blocks
+
+POOLED = ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "tpot_p50_s", "e2e_p95_s")
+Progress = Callable[[str], None]
+
+
+def bench_routing(
+    trace: str,
+    *,
+    instances: int = 16,
+    profile_name: str = "llama3-70b-4xh100",
+    ladder: Sequence[float] = DEFAULT_LADDER,
+    requests: int | None = None,
+    seed: int = 0,
+    policies: Sequence[str] | None = None,
+    progress: Progress | None = None,
+) -> tuple[dict, dict[str, list[RequestRecord]]]:
+    """The benchmark's JSON document, and every policy's pooled records (for plots)."""
+    chosen = profile(profile_name)
+    workload = load_trace(trace, limit=requests, seed=seed)
+    scales = rate_scales(chosen, workload, instances, ladder)
+    document: dict = {
+        "trace": trace,
+        "instances": instances,
+        "model": chosen.model,
+        "profile": profile_name,
+        "ladder": list(ladder),
+        "seed": seed,
+        "requests": len(workload),
+        "policies": {},
+    }
+    pooled_records: dict[str, list[RequestRecord]] = {}
+    for policy in policies or list(ROUTERS):
+        levels, records = [], []
+        for level, scale in zip(ladder, scales, strict=True):
+            config = RunConfig(trace, instances, policy, profile_name, requests, scale, seed)
+            result, level_records = simulate_run(config, workload=workload)
+            levels.append({"level": level, "rate_scale": scale, **result["summary"]})
+            records.extend(level_records)
+            if progress:
+                progress(f"{policy} at {level:g}")
+        document["policies"][policy] = _pooled(records, levels)
+        pooled_records[policy] = records
+    document["lower_bound"] = lower_bound(workload, chosen)
+    return document, pooled_records
+
+
+def _pooled(records: list[RequestRecord], levels: list[dict]) -> dict:
+    done = [r for r in records if r.outcome == "completed"]
+    stats = latency_stats("ttft", [r.ttft_s for r in done])
+    stats |= latency_stats("tpot", [r.tpot_s for r in done if r.output_tokens > 1])
+    stats |= latency_stats("e2e", [r.e2e_s for r in done])
+    figures = {name: stats[name] for name in POOLED}
+    figures["throughput_tok_s"] = float(np.mean([lv["throughput_tok_s"] for lv in levels]))
+    figures["goodput_tok_s"] = float(np.mean([lv["goodput_tok_s"] for lv in levels]))
+    inputs = sum(r.input_tokens for r in done)
+    figures["cache_hit_rate"] = sum(r.cached_tokens for r in done) / max(inputs, 1)
+    figures["imbalance"] = float(np.mean([lv["imbalance"] for lv in levels]))
+    figures["rejected"] = len(records) - len(done)
+    figures["per_level"] = levels
+    return figures
+
+
+def lower_bound(workload: Sequence[TraceRequest], chosen: InstanceProfile) -> dict[str, float]:
+    """TTFT quantiles with no queueing and every reusable block cached."""
+    model, engine = chosen.step_time, chosen.engine
+    seen: set[int] = set()
+    ttfts = []
+    for request in workload:
+        cached = reusable_blocks(request.prefix_blocks, seen) * ENGINE_BLOCK_TOKENS
+        cached = min(cached, request.input_tokens - 1)
+        seen.update(request.prefix_blocks)
+        uncached = request.input_tokens - cached
+        steps = -(-uncached // engine.max_num_batched_tokens)
+        chunk = uncached / steps
+        pairs = uncached * cached + uncached * (uncached + 1) // 2
+        prefill = steps * model.step_s(int(chunk), 0, 0, 0) + model.step_s(0, pairs, 0, 0)
+        ttfts.append(prefill - model.step_s(0, 0, 0, 0) + model.ttft_overhead_s)
+    stats = latency_stats("ttft", ttfts)
+    return {"ttft_p50_s": stats["ttft_p50_s"], "ttft_p95_s": stats["ttft_p95_s"]}
+
+
+def plot_ttft_cdfs(records: dict[str, list[RequestRecord]], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for policy, policy_records in records.items():
+        ttft = np.sort([r.ttft_s for r in policy_records if r.ttft_s is not None])
+        axes.plot(
+            ttft,
+            np.arange(1, ttft.size + 1) / ttft.size,
+            label=policy,
+            linewidth=2.2 if policy == "tokenpilot" else 1.2,
+        )
+    axes.set_xscale("log")
+    axes.set_xlabel("time to first token (s, log scale)")
+    axes.set_ylabel("share of requests")
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
