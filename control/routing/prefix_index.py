@@ -20,20 +20,46 @@ import numpy.typing as npt
 
 
 class ApproximatePrefixIndex:
-    def __init__(self, default_capacity: int = 31_250) -> None:
+    """``stride`` > 1 keeps only every ``stride``-th block (the last of each group): since
+    block hashes chain, one block still identifies the whole prefix before it, so matching
+    costs ``stride`` times less at ``stride`` blocks of granularity."""
+
+    def __init__(self, default_capacity: int = 31_250, stride: int = 1) -> None:
         self.default_capacity = default_capacity
+        self.stride = stride
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._capacity: dict[int, int] = {}
         self._holders: dict[int, set[int]] = {}
 
     def match(self, hashes: Sequence[int], instances: int) -> npt.NDArray[np.int64]:
-        """Matched leading blocks per instance (greedy, as the extension's scorer does)."""
-        matched = np.zeros(instances, dtype=np.int64)
-        for block in hashes:
+        """Matched leading blocks per instance (greedy, as the extension's scorer does:
+        while any instance holds block ``k``, each that does gains one).
+
+        Counted in runs: an instance's credit accrues from when it joins the holders of
+        consecutive blocks until it leaves them, so each block costs only the change.
+        """
+        started: dict[int, int] = {}
+        credit: dict[int, int] = {}
+        previous: set[int] = set()
+        sampled = hashes[self.stride - 1 :: self.stride]
+        position = len(sampled)
+        for position, block in enumerate(sampled):
             holders = self._holders.get(block)
             if not holders:
                 break
-            matched[list(holders)] += 1
+            if holders != previous:
+                for instance in previous - holders:
+                    credit[instance] = credit.get(instance, 0) + position - started.pop(instance)
+                for instance in holders - previous:
+                    started[instance] = position
+                previous = holders
+        else:
+            position = len(sampled)
+        for instance, start in started.items():
+            credit[instance] = credit.get(instance, 0) + position - start
+        matched = np.zeros(instances, dtype=np.int64)
+        for instance, blocks in credit.items():
+            matched[instance] = blocks * self.stride
         return matched
 
     def add(self, instance: int, hashes: Sequence[int], capacity: int | None = None) -> None:
@@ -44,8 +70,8 @@ class ApproximatePrefixIndex:
             self._capacity[instance] = (
                 capacity if capacity and capacity > 0 else (self.default_capacity)
             )
-        limit = self._capacity[instance]
-        for block in hashes:
+        limit = self._capacity[instance] // self.stride
+        for block in hashes[self.stride - 1 :: self.stride]:
             if block in lru:
                 lru.move_to_end(block)
                 continue

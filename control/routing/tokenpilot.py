@@ -43,6 +43,8 @@ class TokenPilotParams:
     """Candidates fuller than this are filtered out (unless all are)."""
     max_waiting: int = 256
     """Candidates with more waiting requests are filtered out (unless all are)."""
+    index_stride: int = 4
+    """Index every 4th block: a quarter of the work, 64-token match granularity."""
 
 
 @dataclass
@@ -60,7 +62,7 @@ class TokenPilot:
     name: str = "tokenpilot"
 
     def __post_init__(self) -> None:
-        self.index = ApproximatePrefixIndex()
+        self.index = ApproximatePrefixIndex(stride=self.params.index_stride)
         self.outputs = OutputLengths()
         self._ledger: WorkLedger | None = None
         self._correction: BiasCorrection | None = None

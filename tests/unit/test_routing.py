@@ -180,3 +180,17 @@ def test_the_predicted_latency_model_learns_ttft_online_and_routes_by_it() -> No
     expected = [true_ttft(w, r, 1000) for w, r in ((0, 10), (5, 0), (2, 1), (3, 2))]
     np.testing.assert_allclose(decision.parts["predicted_ttft_s"], expected, rtol=0.02)
     assert decision.chosen == 0
+
+
+def test_matching_credits_every_block_an_instance_holds_while_anyone_holds_it() -> None:
+    index = ApproximatePrefixIndex()
+    index.add(0, [1, 3])
+    index.add(1, [1, 2, 3])
+    assert index.match([1, 2, 3, 4], instances=2).tolist() == [2, 3]
+
+
+def test_a_strided_index_keeps_every_nth_block_and_counts_in_blocks() -> None:
+    index = ApproximatePrefixIndex(stride=2)
+    index.add(0, [1, 2, 3, 4, 5])
+    assert index.match([1, 2, 3, 4, 5], instances=1).tolist() == [4]
+    assert index.match([1, 2, 9, 9], instances=1).tolist() == [2]

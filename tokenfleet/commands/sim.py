@@ -172,6 +172,30 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--json", type=Path, required=True, help="write the figures here")
     sim.set_defaults(handler=_bench_sim)
     _add_bench_routing(sub)
+    decision = sub.add_parser(
+        "decision",
+        help="time one routing decision at 16 to 4,096 instances (16k-token prompt)",
+        description="Times a router's decisions (prefix matching included) on fleets of "
+        "16, 256, 1024 and 4096 instances; prints P50 and P99 in microseconds.",
+    )
+    decision.add_argument("--policy", default="tokenpilot")
+    decision.add_argument("--json", type=Path, required=True, help="write the figures here")
+    decision.set_defaults(handler=_bench_decision)
+
+
+def _bench_decision(args: argparse.Namespace) -> int:
+    import json
+
+    from sim.decision_bench import bench_decisions
+
+    figures = bench_decisions(args.policy)
+    for row in figures:
+        print(
+            f"{row['instances']:>5} instances: p50 {row['p50_us']:8.1f} us   "
+            f"p99 {row['p99_us']:8.1f} us"
+        )
+    args.json.write_text(json.dumps({"policy": args.policy, "results": figures}, indent=2) + "\n")
+    return 0
 
 
 def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
