@@ -201,6 +201,7 @@ def _bench_decision(args: argparse.Namespace) -> int:
 def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
     from control.routing import ROUTERS
     from sim.ladder import DEFAULT_LADDER
+    from sim.profiles import PROFILES
 
     routing = sub.add_parser(
         "routing",
@@ -211,7 +212,7 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
     )
     routing.add_argument("--trace", required=True, help="a named workload or a .jsonl path")
     routing.add_argument("--instances", type=int, default=16)
-    routing.add_argument("--profile", default="llama3-70b-4xh100")
+    routing.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
     routing.add_argument(
         "--ladder",
         type=_levels,
