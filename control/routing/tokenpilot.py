@@ -8,9 +8,11 @@ For every candidate, vectorised over instances:
   request's turn: when the blocks the queue ahead will allocate exceed the free blocks,
   only ``free / ahead`` of the cached blocks are counted;
 - **queue** (``queue_s``): time for the candidate to prefill the tokens ahead of the
-  request (this router's ledger of what it sent there), each step sharing its token budget
-  with the candidate's decoding sequences and paying their cost, by the pool's calibrated
-  step model;
+  request, each step sharing its token budget with the candidate's decoding sequences and
+  paying their cost, by the pool's calibrated step model. Tokens ahead are the larger of
+  this router's ledger of what it sent there and the candidate's scraped waiting requests
+  times the mean prompt seen: the scrape also sees queues the ledger cannot (other
+  gateways' traffic, requests held back by KV or ``max_num_seqs`` limits);
 - **prefill** (``prefill_s``): the same for the request's own uncached tokens, plus their
   attention over the cached context;
 - **correction**: times the candidate's learned ratio of observed to predicted TTFT.
@@ -67,6 +69,8 @@ class TokenPilot:
         self._ledger: WorkLedger | None = None
         self._correction: BiasCorrection | None = None
         self._sent: dict[str, _Sent] = {}
+        self._mean_prompt_tokens = 0.0
+        """Moving average of prompt lengths, to size queues known only by their count."""
 
     def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
         if not fleet.ready.any():
@@ -107,7 +111,8 @@ class TokenPilot:
         cached_blocks = np.minimum(
             self.index.match(request.prefix_blocks, len(fleet)), (prompt - 1) // size
         )
-        ahead = ledger.prefill_tokens
+        self._mean_prompt_tokens += 0.05 * (prompt - self._mean_prompt_tokens)
+        ahead = np.maximum(ledger.prefill_tokens, fleet.waiting * self._mean_prompt_tokens)
         free_blocks = np.maximum(fleet.kv_blocks_total - fleet.kv_blocks_used, 0)
         ahead_blocks = ahead / size
         survival = np.where(

@@ -126,3 +126,21 @@ def test_it_degrades_to_the_best_ready_instance_when_every_one_is_full() -> None
 def test_tokenpilot_cannot_be_made_without_the_pool_s_step_model() -> None:
     with pytest.raises(ValueError, match="needs the pool"):
         make_router("tokenpilot")
+
+
+def test_a_scraped_queue_the_ledger_cannot_see_counts_too() -> None:
+    pilot = TokenPilot(np.random.default_rng(0), POOL)
+    idle = idle_fleet(2)
+    busy = FleetSnapshot(
+        idle.instance_ids,
+        idle.ready,
+        np.array([12, 0]),
+        idle.running,
+        idle.inflight_tokens,
+        idle.kv_blocks_used,
+        idle.kv_blocks_total,
+    )
+    decision = pilot.route(RouteRequest("r", 4_000, 50), busy, now=0.0)
+    assert decision.parts["ahead_tokens"][0] > 0
+    assert decision.parts["queue_s"][0] > decision.parts["queue_s"][1] == 0.0
+    assert decision.chosen == 1
