@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -74,15 +76,7 @@ def test_the_bias_correction_converges_to_the_observed_ratio() -> None:
     pilot = TokenPilot(np.random.default_rng(0), POOL)
     both = idle_fleet(2)
     for n in range(200):  # only one instance is ready at a time, so both get observed
-        fleet = FleetSnapshot(
-            both.instance_ids,
-            np.array([n % 2 == 0, n % 2 == 1]),
-            both.waiting,
-            both.running,
-            both.inflight_tokens,
-            both.kv_blocks_used,
-            both.kv_blocks_total,
-        )
+        fleet = replace(both, ready=np.array([n % 2 == 0, n % 2 == 1]))
         request = RouteRequest(f"r{n}", 2_000, 50)
         decision = pilot.route(request, fleet, now=float(n))
         raw = (decision.parts["queue_s"] + decision.parts["prefill_s"])[decision.chosen]
@@ -111,15 +105,7 @@ def test_every_candidate_s_terms_are_in_the_decision_record() -> None:
 def test_it_degrades_to_the_best_ready_instance_when_every_one_is_full() -> None:
     pilot = TokenPilot(np.random.default_rng(0), POOL)
     full = idle_fleet(2)
-    full = FleetSnapshot(
-        full.instance_ids,
-        full.ready,
-        full.waiting,
-        full.running,
-        full.inflight_tokens,
-        np.array([29_900, 29_950]),
-        full.kv_blocks_total,
-    )
+    full = replace(full, kv_blocks_used=np.array([29_900, 29_950]))
     assert pilot.route(hot_request(0), full, now=0.0).chosen in (0, 1)
 
 
@@ -131,15 +117,7 @@ def test_tokenpilot_cannot_be_made_without_the_pool_s_step_model() -> None:
 def test_a_scraped_queue_the_ledger_cannot_see_counts_too() -> None:
     pilot = TokenPilot(np.random.default_rng(0), POOL)
     idle = idle_fleet(2)
-    busy = FleetSnapshot(
-        idle.instance_ids,
-        idle.ready,
-        np.array([12, 0]),
-        idle.running,
-        idle.inflight_tokens,
-        idle.kv_blocks_used,
-        idle.kv_blocks_total,
-    )
+    busy = replace(idle, waiting=np.array([12, 0]))
     decision = pilot.route(RouteRequest("r", 4_000, 50), busy, now=0.0)
     assert decision.parts["ahead_tokens"][0] > 0
     assert decision.parts["queue_s"][0] > decision.parts["queue_s"][1] == 0.0
