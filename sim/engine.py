@@ -285,8 +285,7 @@ class Engine:
         pool = self.pool
         request = sequence.request
         target = sequence.target_tokens
-        cached = pool.cached_prefix(request.prefix_blocks)
-        cached = min(cached, (target - 1) // pool.block_size)
+        cached = pool.usable_prefix(request.prefix_blocks, target)
         tokens = min(target - cached * pool.block_size, budget)
         new_blocks = _blocks_for(cached * pool.block_size + tokens, pool.block_size) - cached
         try:

@@ -59,17 +59,19 @@ class KvBlockPool:
                 return count
         return len(hashes)
 
+    def usable_prefix(self, hashes: Sequence[int], prompt_tokens: int) -> int:
+        """Cached leading blocks a new prompt may reuse now: at most all but the block of
+        its last token, which the engine must compute to produce the first output token."""
+        return min(self.cached_prefix(hashes), (prompt_tokens - 1) // self.block_size)
+
     def start_prompt(
         self, hashes: Sequence[int], prompt_tokens: int, new_blocks: int
     ) -> tuple[list[int], int]:
         """Reuse a new prompt's cached leading blocks and allocate ``new_blocks`` more, all
         or nothing (OutOfBlocks leaves the pool as it was). Returns the blocks, prefix
-        first, and how many tokens the prefix covers.
-
-        At most ``(prompt_tokens - 1) // block_size`` blocks are reused, since the engine
-        must compute at least the prompt's last token to produce the first output token.
+        first, and how many tokens the prefix covers (see ``usable_prefix``).
         """
-        usable = min(self.cached_prefix(hashes), (prompt_tokens - 1) // self.block_size)
+        usable = self.usable_prefix(hashes, prompt_tokens)
         prefix = [self._block_of[h] for h in hashes[:usable]]
         idle_prefix = sum(1 for block in prefix if self._refs[block] == 0)
         if new_blocks > len(self._free) - idle_prefix:

@@ -13,7 +13,7 @@ from sim.kv_cache import KvBlockPool, OutOfBlocks
 def _compute_prompt(pool: KvBlockPool, hashes: list[int], tokens: int) -> list[int]:
     """What an engine does for a prompt: reuse the cached prefix, allocate and register
     the rest."""
-    reusable = min(pool.cached_prefix(hashes), (tokens - 1) // pool.block_size)
+    reusable = pool.usable_prefix(hashes, tokens)
     needed = -(-tokens // pool.block_size) - reusable
     blocks, _ = pool.start_prompt(hashes, tokens, needed)
     for block, block_hash in zip(blocks, hashes, strict=False):
