@@ -40,23 +40,30 @@ def summarize(
     start = min((r.arrival_s for r in records), default=0.0)
     end = max((r.arrival_s + (r.e2e_s or 0.0) for r in records), default=0.0)
     duration = max(end - start, 1e-9)
-    summary: dict[str, object] = {
-        "requests": len(records),
-        "completed": len(done),
-        "rejected": len(records) - len(done),
-        "duration_s": duration,
-    }
-    summary |= latency_stats("ttft", [r.ttft_s for r in done])
-    summary |= latency_stats("tpot", [r.tpot_s for r in done if r.output_tokens > 1])
-    summary |= latency_stats("e2e", [r.e2e_s for r in done])
-    summary |= latency_stats("queue_wait", [r.queue_wait_s for r in done])
+    summary: dict[str, object] = {"duration_s": duration, **record_figures(records)}
     summary["throughput_tok_s"] = sum(r.output_tokens for r in done) / duration
     summary["classes"] = _per_class(records, objectives, duration)
     summary["goodput_tok_s"] = sum(c["goodput_tok_s"] for c in summary["classes"].values())
-    input_tokens = sum(r.input_tokens for r in done)
-    summary["cache_hit_rate"] = sum(r.cached_tokens for r in done) / max(input_tokens, 1)
     summary |= _balance(engines, duration)
     return summary
+
+
+def record_figures(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """What records alone tell, whatever span they cover: counts, latency quantiles of
+    the completed requests, and the share of their prompt tokens the cache served."""
+    done = [r for r in records if r.outcome == "completed"]
+    figures: dict[str, float] = {
+        "requests": len(records),
+        "completed": len(done),
+        "rejected": len(records) - len(done),
+    }
+    figures |= latency_stats("ttft", [r.ttft_s for r in done])
+    figures |= latency_stats("tpot", [r.tpot_s for r in done if r.output_tokens > 1])
+    figures |= latency_stats("e2e", [r.e2e_s for r in done])
+    figures |= latency_stats("queue_wait", [r.queue_wait_s for r in done])
+    input_tokens = sum(r.input_tokens for r in done)
+    figures["cache_hit_rate"] = sum(r.cached_tokens for r in done) / max(input_tokens, 1)
+    return figures
 
 
 def met_objective(record: RequestRecord, objectives: Mapping[TaskClass, ClassObjective]) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 from control.routing import ROUTERS
 from sim.cluster import InstanceProfile
 from sim.ladder import DEFAULT_LADDER, rate_scales
-from sim.metrics import latency_stats
+from sim.metrics import latency_stats, record_figures
 from sim.profiles import profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
@@ -70,17 +70,11 @@ def bench_routing(
 
 
 def _pooled(records: list[RequestRecord], levels: list[dict]) -> dict:
-    done = [r for r in records if r.outcome == "completed"]
-    stats = latency_stats("ttft", [r.ttft_s for r in done])
-    stats |= latency_stats("tpot", [r.tpot_s for r in done if r.output_tokens > 1])
-    stats |= latency_stats("e2e", [r.e2e_s for r in done])
-    figures = {name: stats[name] for name in POOLED}
-    figures["throughput_tok_s"] = float(np.mean([lv["throughput_tok_s"] for lv in levels]))
-    figures["goodput_tok_s"] = float(np.mean([lv["goodput_tok_s"] for lv in levels]))
-    inputs = sum(r.input_tokens for r in done)
-    figures["cache_hit_rate"] = sum(r.cached_tokens for r in done) / max(inputs, 1)
-    figures["imbalance"] = float(np.mean([lv["imbalance"] for lv in levels]))
-    figures["rejected"] = len(records) - len(done)
+    """Record figures over every level's records together; rates averaged over levels."""
+    pooled = record_figures(records)
+    figures: dict = {name: pooled[name] for name in (*POOLED, "cache_hit_rate", "rejected")}
+    for rate in ("throughput_tok_s", "goodput_tok_s", "imbalance"):
+        figures[rate] = float(np.mean([level[rate] for level in levels]))
     figures["per_level"] = levels
     return figures
 
