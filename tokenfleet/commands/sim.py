@@ -337,9 +337,9 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
     calibrate = commands.add_parser(
         "calibrate",
         help="fit a profile's step times to real vLLM measurements and validate them",
-        description="Fits a, b, c and the TTFT overhead of a profile by simulating the measured "
-        "stages (see sim/calibration.py), then prints the validation table over every stage, "
-        "fitted and held out.",
+        description="Fits a, b, n0, c and the TTFT overhead of a profile by simulating the "
+        "measured stages (see sim/calibration.py), starting from the profile's coefficients, "
+        "then prints the validation table over every stage, fitted and held out.",
     )
     calibrate.add_argument("--profile", required=True, choices=sorted(CALIBRATED))
     calibrate.add_argument(
