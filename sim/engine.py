@@ -116,8 +116,6 @@ class EngineCounters:
     steps: int = 0
     busy_s: float = 0.0
     preemptions: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
 
 
 class Engine:
@@ -177,7 +175,6 @@ class Engine:
         end = run.ends_s[run.applied - 1]
         self.counters.steps += steps
         self.counters.busy_s += end - previous_end
-        self.counters.decode_tokens += steps * len(run.sequences)
         finished = []
         for sequence in run.sequences:
             if sequence.cancelled:
@@ -244,8 +241,6 @@ class Engine:
         """Apply a planned step that ended at ``end_s``; return the sequences it finished."""
         self.counters.steps += 1
         self.counters.busy_s += plan.duration_s
-        self.counters.prefill_tokens += plan.prefill_tokens
-        self.counters.decode_tokens += plan.decode_seqs
         finished = []
         for sequence, tokens in plan.scheduled:
             if sequence.cancelled:

@@ -113,12 +113,6 @@ class KvBlockPool:
             elif self._refs[block] < 0:
                 raise AssertionError(f"block {block} released more often than referenced")
 
-    def clear(self) -> None:
-        """Forget every cached hash (as after a reset); referenced blocks stay allocated."""
-        for block in range(self.num_blocks):
-            self._hash_of[block] = None
-        self._block_of.clear()
-
     def _reference(self, block: int) -> None:
         if self._refs[block] == 0:
             del self._free[block]
