@@ -6,6 +6,7 @@ we do. Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -60,13 +61,26 @@ class ApiError(Exception):
     """An error to answer in OpenAI's format."""
 
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, error_type: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        error_type: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.error_type = error_type or _TYPES.get(status, "api_error")
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` in whole seconds (at least 1) when the error says when to retry."""
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -82,8 +96,12 @@ class ApiError(Exception):
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
+    502: "upstream_error",
     503: "service_unavailable",
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,6 +83,11 @@ class EventBus(ABC):
         """Publish on the payload's topic, keyed by the topic's key field."""
         topic = topic_for(type(envelope.payload))
         await self.publish(topic.name, topic.key_of(envelope.payload), encode(envelope))
+
+    async def publish_events(self, envelopes: Sequence[Envelope]) -> None:
+        """Publish several events, in order; returns once the bus holds them all."""
+        for envelope in envelopes:
+            await self.publish_event(envelope)
 
     def subscribe(self, topic: str, start: StartFrom = "earliest") -> Subscription:
         """Decoded events of ``topic``, in order per partition, waiting for new ones.

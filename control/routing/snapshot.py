@@ -33,9 +33,15 @@ class FleetSnapshot:
     """Prompt plus output budget of the requests routed there and not yet completed."""
     kv_blocks_used: IntArray
     kv_blocks_total: IntArray
+    pending_prefill_tokens: FloatArray | None = None
+    """Uncached prompt tokens routed there whose first token has not come back yet, as the
+    hosts' shared accounting knows them (all gateways together). None (zeros) where the
+    host does not track first tokens; routers then rely on their own estimates."""
 
     def __post_init__(self) -> None:
         size = len(self.instance_ids)
+        if self.pending_prefill_tokens is None:
+            object.__setattr__(self, "pending_prefill_tokens", np.zeros(size))
         for name in (
             "ready",
             "waiting",
@@ -43,6 +49,7 @@ class FleetSnapshot:
             "inflight_tokens",
             "kv_blocks_used",
             "kv_blocks_total",
+            "pending_prefill_tokens",
         ):
             array = getattr(self, name)
             if array.shape != (size,):
@@ -64,6 +71,9 @@ class RouteRequest:
     output_budget: int
     prefix_blocks: tuple[int, ...] = ()
     task_class: str = "interactive"
+    known_matches: IntArray | None = None
+    """Leading blocks of ``prefix_blocks`` each instance holds, from an index the host keeps
+    (the gateways share one); None: a cache-aware router consults its own index."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,12 @@ class Decision:
     chosen: int | None
     scores: FloatArray
     parts: Mapping[str, FloatArray] = field(default_factory=dict)
+
+    def ranked(self) -> list[int]:
+        """Rows of the scored instances, best first; the chosen row leads."""
+        rows = np.flatnonzero(~np.isnan(self.scores))
+        order = sorted(rows.tolist(), key=lambda row: (row != self.chosen, self.scores[row]))
+        return order
 
     def candidates(self, fleet: FleetSnapshot) -> tuple[Candidate, ...]:
         """The eligible candidates, for the decision record."""

@@ -9,10 +9,11 @@ For every candidate, vectorised over instances:
   only ``free / ahead`` of the cached blocks are counted;
 - **queue** (``queue_s``): time for the candidate to prefill the tokens ahead of the
   request, each step sharing its token budget with the candidate's decoding sequences and
-  paying their cost, by the pool's calibrated step model. Tokens ahead are the larger of
-  this router's ledger of what it sent there and the candidate's scraped waiting requests
-  times the mean prompt seen: the scrape also sees queues the ledger cannot (other
-  gateways' traffic, requests held back by KV or ``max_num_seqs`` limits);
+  paying their cost, by the pool's calibrated step model. Tokens ahead are the largest of
+  this router's ledger of what it sent there, the hosts' shared count of prefill tokens
+  awaiting a first token (all gateways), and the candidate's scraped waiting requests
+  times the mean prompt seen: the scrape also sees queues neither count can (traffic from
+  elsewhere, requests held back by KV or ``max_num_seqs`` limits);
 - **prefill** (``prefill_s``): the same for the request's own uncached tokens, plus their
   attention over the cached context;
 - **correction**: times the candidate's learned ratio of observed to predicted TTFT.
@@ -108,11 +109,18 @@ class TokenPilot:
     ) -> dict[str, np.ndarray]:
         size = self.pool.block_size
         prompt = request.input_tokens
-        cached_blocks = np.minimum(
-            self.index.match(request.prefix_blocks, len(fleet)), (prompt - 1) // size
-        )
+        matched = request.known_matches
+        if matched is None:
+            matched = self.index.match(request.prefix_blocks, len(fleet))
+        cached_blocks = np.minimum(matched, (prompt - 1) // size)
         self._mean_prompt_tokens += 0.05 * (prompt - self._mean_prompt_tokens)
-        ahead = np.maximum(ledger.prefill_tokens, fleet.waiting * self._mean_prompt_tokens)
+        ahead = np.maximum.reduce(
+            [
+                ledger.prefill_tokens,
+                fleet.pending_prefill_tokens,
+                fleet.waiting * self._mean_prompt_tokens,
+            ]
+        )
         free_blocks = np.maximum(fleet.kv_blocks_total - fleet.kv_blocks_used, 0)
         ahead_blocks = ahead / size
         survival = np.where(
@@ -183,5 +191,6 @@ class TokenPilot:
             first_token,
             first_token + decode_s,
         )
-        self.index.add(chosen, request.prefix_blocks, int(fleet.kv_blocks_total[chosen]))
+        if request.known_matches is None:
+            self.index.add(chosen, request.prefix_blocks, int(fleet.kv_blocks_total[chosen]))
         self._sent[request.request_id] = _Sent(chosen, raw_prediction_s, key)

@@ -1,0 +1,255 @@
+"""The gateway's HTTP app: OpenAI-compatible endpoints in front of the fleet.
+
+Per request: authenticate -> read and size it -> idempotency check -> admit -> choose the
+DC -> choose the instance -> proxy (``gateway.exchange``). Every error is answered in
+OpenAI's format. The app owns its background work (event publishing, feeds) through its
+lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from control.routing.registry import Router
+from gateway.decide import Decider
+from gateway.events import EventSink
+from gateway.exchange import Exchange
+from gateway.feeds import follow
+from gateway.fleet_view import FleetView
+from gateway.inbound import CHAT_PATH, COMPLETIONS_PATH, Inbound, authenticate, read_inbound
+from gateway.metrics import GatewayMetrics
+from gateway.redis_state import FallbackState
+from gateway.settings import GatewaySettings
+from gateway.state import IN_PROGRESS, Outcome, SharedState
+from schemas.control import AdmissionQuotas, RoutingWeights
+from schemas.fleet import FleetConfig
+from schemas.lifecycle import RejectReason, RequestArrived, RequestRejected
+from schemas.openai_api import ApiError, ChatRequest, CompletionRequest
+from schemas.telemetry import InstanceTelemetry
+from streams.bus import EventBus
+
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+
+@dataclass
+class GatewayParts:
+    """What a gateway is built from; the command line wires real ones, tests their own."""
+
+    fleet: FleetConfig
+    settings: GatewaySettings
+    state: SharedState
+    bus: EventBus
+    make_router: Callable[[str], Router]
+    """A fresh router for a model's pool (one per model and DC)."""
+
+
+def create_app(parts: GatewayParts) -> FastAPI:
+    settings, fleet = parts.settings, parts.fleet
+    metrics = GatewayMetrics()
+    if isinstance(parts.state, FallbackState):
+        parts.state.on_fallback = metrics.state_fallbacks.inc
+    view = FleetView(fleet, settings.failure_cooldown_s)
+    local_dc = settings.dc or fleet.dcs[0].name
+    regions = {dc.name: dc.region for dc in fleet.dcs}
+    if local_dc not in regions:
+        raise ValueError(f"the gateway's dc {local_dc!r} is not in the fleet file")
+    decider = Decider(view, parts.state, parts.make_router, local_dc, metrics)
+    events = EventSink(
+        parts.bus,
+        settings.name,
+        settings.event_buffer,
+        on_drop=lambda reason, count: metrics.events_dropped.labels(reason).inc(count),
+    )
+    background: set[asyncio.Task[None]] = set()
+
+    def spawn(work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        background.add(task)
+        task.add_done_callback(background.discard)
+
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
+        ),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+    )
+    exchange = Exchange(
+        client, parts.state, events, view, decider, metrics, spawn, settings.idempotency_ttl_s
+    )
+
+    def on_telemetry(message: object) -> None:
+        if isinstance(message, InstanceTelemetry):
+            view.observe(message)
+
+    def on_control(message: object) -> None:
+        if isinstance(message, AdmissionQuotas):
+            decider.quotas.offer(message)
+        elif isinstance(message, RoutingWeights):
+            decider.weights.offer(message)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loops = [
+            asyncio.create_task(events.run()),
+            asyncio.create_task(follow(parts.bus, "tf.telemetry", on_telemetry, "latest")),
+            asyncio.create_task(follow(parts.bus, "tf.control.quotas", on_control, "earliest")),
+            asyncio.create_task(follow(parts.bus, "tf.control.weights", on_control, "earliest")),
+        ]
+        try:
+            yield
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            await asyncio.gather(*background, return_exceptions=True)
+            await events.flush(timeout_s=2.0)
+            await client.aclose()
+
+    app = FastAPI(title="TokenFleet gateway", version="1", lifespan=lifespan)
+    app.state.parts = parts
+    app.state.view = view
+    app.state.decider = decider
+    app.state.metrics = metrics
+    app.state.events = events
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        error = ApiError(exc.status_code, str(exc.detail))
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """The process is up."""
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Some instance of the fleet can take requests (503 when none can)."""
+        ok = view.any_ready()
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.events_queued.set(events.queued)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        authenticate(fleet, request.headers.get("authorization"))
+        cards = [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "tokenfleet"}
+            for m in fleet.models
+        ]
+        return {"object": "list", "data": cards}
+
+    async def complete(request: Request, path: str) -> Response:
+        arrived = time.monotonic()
+        metrics.in_progress.inc()
+        model = "-"
+        try:
+            inbound = await _inbound(request, path, fleet, settings.max_body_bytes)
+            model = inbound.model.name
+            response = await _serve(inbound, request, arrived)
+            metrics.requests.labels(model, str(response.status_code)).inc()
+            return response
+        except ApiError as exc:
+            metrics.requests.labels(model, str(exc.status)).inc()
+            raise
+        finally:
+            metrics.in_progress.dec()
+
+    async def _serve(inbound: Inbound, request: Request, arrived: float) -> Response:
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        scoped = f"{inbound.tenant.name}:{key}" if key else None
+        if scoped is not None:
+            held = await parts.state.claim(scoped, settings.idempotency_ttl_s)
+            if isinstance(held, Outcome):
+                return Response(
+                    held.body,
+                    held.status,
+                    media_type=held.media_type,
+                    headers={"idempotent-replayed": "true"},
+                )
+            if held is IN_PROGRESS:
+                raise ApiError(409, "A request with this Idempotency-Key is still running.")
+        try:
+            events.emit(_arrived_event(inbound, regions[local_dc]))
+            await decider.admit(inbound)
+            plan = await decider.route(inbound, decider.choose_dc(inbound))
+            return await exchange.serve(inbound, plan, request, arrived, scoped)
+        except ApiError as exc:
+            if scoped is not None:
+                await parts.state.release(scoped)
+            if exc.status in _REJECTIONS:
+                events.emit(
+                    RequestRejected(
+                        request_id=inbound.request_id,
+                        reason=_REJECTIONS[exc.status],
+                        detail=exc.message,
+                        retry_after_s=exc.retry_after_s,
+                    )
+                )
+            raise
+
+    @app.post(CHAT_PATH, openapi_extra=_body_schema(ChatRequest))
+    async def chat(request: Request) -> Response:
+        """Chat completion, streamed (SSE) or whole, by the chosen instance."""
+        return await complete(request, CHAT_PATH)
+
+    @app.post(COMPLETIONS_PATH, openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        """Text completion, streamed (SSE) or whole, by the chosen instance."""
+        return await complete(request, COMPLETIONS_PATH)
+
+    return app
+
+
+_REJECTIONS = {429: RejectReason.QUOTA, 503: RejectReason.NO_CAPACITY}
+
+
+async def _inbound(request: Request, path: str, fleet: FleetConfig, limit: int) -> Inbound:
+    tenant = authenticate(fleet, request.headers.get("authorization"))
+    declared = request.headers.get("content-length", "0")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"The request body exceeds {limit} bytes.")
+    body = await request.body()
+    if len(body) > limit:
+        raise ApiError(413, f"The request body exceeds {limit} bytes.")
+    return read_inbound(fleet, tenant, path, body, request.headers)
+
+
+def _arrived_event(inbound: Inbound, region: str) -> RequestArrived:
+    return RequestArrived(
+        request_id=inbound.request_id,
+        tenant=inbound.tenant.name,
+        task_class=inbound.task_class,
+        model=inbound.model.name,
+        input_tokens=inbound.input_tokens,
+        output_budget=inbound.output_budget,
+        prefix_blocks=inbound.blocks,
+        source_region=region,
+        residency=inbound.residency,
+        deadline_s=inbound.deadline_s,
+    )
+
+
+def _body_schema(model: type[ChatRequest] | type[CompletionRequest]) -> dict[str, Any]:
+    """Describe the JSON body in the OpenAPI document (the handlers parse it themselves,
+    to answer errors in OpenAI's format)."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

@@ -1,0 +1,139 @@
+"""The decision path: admit -> choose the DC -> choose the instance.
+
+Admission and the DC choice are hooks with simple behaviour until SLOMax and FleetMind
+land; routing is the configured policy (TokenPilot by default) on a snapshot built from
+last-known telemetry and the shared accounting.
+
+Safe defaults when control is silent (no snapshot, or past its TTL):
+
+- **quotas**: admit; the engines' queues and the router's filters bound the load;
+- **weights**: the local DC if it serves the model and the request may run there, else the
+  allowed DC that serves it, first in the fleet file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from control.routing.registry import Router
+from control.routing.snapshot import Decision, RouteRequest
+from control.tokens import BLOCK_TOKENS
+from gateway.fleet_view import FleetView, LastKnown, Pool
+from gateway.inbound import Inbound
+from gateway.metrics import GatewayMetrics
+from gateway.state import SharedState
+from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
+from schemas.openai_api import ApiError
+
+INDEX_STRIDE = 4
+"""Index every 4th prefix block (hashes chain, so one block stands for its whole prefix)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A routed request: where it goes first, and where a retry goes."""
+
+    dc: str
+    pool: Pool
+    decision: Decision
+    order: list[int]
+    """Rows of ``pool``, best first."""
+    cached_tokens: float
+    """The prefix the chosen instance is expected to hold, in tokens."""
+
+
+class Decider:
+    def __init__(
+        self,
+        view: FleetView,
+        state: SharedState,
+        make_router: Callable[[str], Router],
+        local_dc: str,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.view = view
+        self.state = state
+        self.local_dc = local_dc
+        self.metrics = metrics
+        self.quotas: LastKnown[AdmissionQuotas] = LastKnown()
+        self.weights: LastKnown[RoutingWeights] = LastKnown()
+        self._make_router = make_router
+        self._routers: dict[tuple[str, str], Router] = {}
+
+    async def admit(self, inbound: Inbound) -> None:
+        """Take the request's tokens from its quota's bucket; ApiError(429) if empty."""
+        quotas = self.quotas.current(self.local_dc)
+        self.metrics.control_defaults.labels("quotas").set(quotas is None)
+        quota = _quota_for(quotas, inbound) if quotas else None
+        if quota is None:
+            return
+        amount = min(inbound.input_tokens + inbound.output_budget, quota.burst_tokens)
+        bucket = f"{self.local_dc}:{quota.task_class.value}:{quota.tenant or '*'}"
+        wait = await self.state.take(bucket, quota.tokens_per_s, quota.burst_tokens, amount)
+        if wait > 0:
+            raise ApiError(
+                429,
+                f"Quota for {inbound.task_class.value} requests is exhausted; retry later.",
+                retry_after_s=wait if wait != float("inf") else 60.0,
+            )
+
+    def choose_dc(self, inbound: Inbound) -> str:
+        """The DC to run in; ApiError(503) when no allowed DC serves the model."""
+        regions = {dc.name: dc.region for dc in self.view.fleet.dcs}
+        allowed = [
+            dc
+            for dc in self.view.dcs_serving(inbound.model.name)
+            if not inbound.residency or regions[dc] in inbound.residency
+        ]
+        if not allowed:
+            raise ApiError(
+                503, f"No data center allowed for this request serves `{inbound.model.name}`."
+            )
+        weights = self.weights.current(self.local_dc)
+        self.metrics.control_defaults.labels("weights").set(weights is None)
+        if weights is not None:
+            weight = {w.dc: w.weight for w in weights.weights if w.model == inbound.model.name}
+            best = max(allowed, key=lambda dc: weight.get(dc, 0.0))
+            if weight.get(best, 0.0) > 0:
+                return best
+        return self.local_dc if self.local_dc in allowed else allowed[0]
+
+    async def route(self, inbound: Inbound, dc: str) -> Plan:
+        """Pick the instance; ApiError(503) when none of the pool is ready."""
+        pool = self.view.pool(inbound.model.name, dc)
+        assert pool is not None  # choose_dc only returns DCs serving the model
+        sampled = inbound.blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
+        shared = await self.state.view(pool.ids, sampled)
+        request = RouteRequest(
+            inbound.request_id,
+            inbound.input_tokens,
+            inbound.output_budget,
+            inbound.blocks,
+            inbound.task_class.value,
+            known_matches=shared.matched_blocks * INDEX_STRIDE,
+        )
+        router = self.router(inbound.model.name, dc)
+        decision = router.route(request, self.view.snapshot(pool, shared), time.monotonic())
+        if decision.chosen is None:
+            raise ApiError(503, f"No instance of `{inbound.model.name}` is ready in {dc}.")
+        cached = decision.parts.get("cached_tokens")
+        matched = float(shared.matched_blocks[decision.chosen] * INDEX_STRIDE * BLOCK_TOKENS)
+        cached_tokens = float(cached[decision.chosen]) if cached is not None else matched
+        self.metrics.decisions.labels(decision.policy, pool.ids[decision.chosen]).inc()
+        return Plan(dc, pool, decision, decision.ranked(), min(cached_tokens, inbound.input_tokens))
+
+    def router(self, model: str, dc: str) -> Router:
+        key = (model, dc)
+        if key not in self._routers:
+            self._routers[key] = self._make_router(model)
+        return self._routers[key]
+
+
+def _quota_for(quotas: AdmissionQuotas, inbound: Inbound) -> ClassQuota | None:
+    """The tenant's own quota for the class, else the class-wide one."""
+    fits = [q for q in quotas.quotas if q.task_class == inbound.task_class]
+    return next((q for q in fits if q.tenant == inbound.tenant.name), None) or next(
+        (q for q in fits if q.tenant is None), None
+    )

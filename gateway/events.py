@@ -1,0 +1,78 @@
+"""Lifecycle events leave the request path through a bounded buffer.
+
+``emit`` never waits: it puts the event in a queue, or, when the queue is full, counts it
+as dropped. One sender task publishes what is queued in batches, in order. While the bus
+is away (Kafka down) the sender keeps retrying its batch, the queue fills, and later
+events are dropped and counted; serving goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from schemas import Envelope, Message
+from streams.bus import EventBus
+
+log = logging.getLogger(__name__)
+
+
+class EventSink:
+    def __init__(
+        self,
+        bus: EventBus,
+        source: str,
+        capacity: int = 10_000,
+        batch: int = 512,
+        retry_s: float = 0.5,
+        on_drop: Callable[[str, int], None] = lambda reason, count: None,
+    ) -> None:
+        self.bus = bus
+        self.source = source
+        self.batch = batch
+        self.retry_s = retry_s
+        self._on_drop = on_drop
+        self._queue: asyncio.Queue[Envelope] = asyncio.Queue(capacity)
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def emit(self, payload: Message) -> None:
+        try:
+            self._queue.put_nowait(Envelope.wrap(payload, source=self.source))
+        except asyncio.QueueFull:
+            self._on_drop("buffer_full", 1)
+
+    async def run(self) -> None:
+        """Publish until cancelled; a failed batch is retried until it goes through."""
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self.batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            await self._publish(batch)
+
+    async def flush(self, timeout_s: float) -> None:
+        """Publish what is queued, for at most ``timeout_s``; what is left is dropped."""
+        batch = []
+        while not self._queue.empty():
+            batch.append(self._queue.get_nowait())
+        if not batch:
+            return
+        try:
+            await asyncio.wait_for(self.bus.publish_events(batch), timeout_s)
+        except Exception as exc:  # shutting down: count, never raise
+            log.warning("dropping %d events at shutdown: %s", len(batch), exc)
+            self._on_drop("shutdown", len(batch))
+
+    async def _publish(self, batch: list[Envelope]) -> None:
+        while True:
+            try:
+                await self.bus.publish_events(batch)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any bus failure: keep serving, retry
+                log.warning("event bus failed (%s); retrying %d events", exc, len(batch))
+                await asyncio.sleep(self.retry_s)

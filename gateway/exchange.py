@@ -1,0 +1,408 @@
+"""One routed request's trip through an instance: proxy, retry, account, report.
+
+- An instance that fails before the first token (connection error, 5xx, a stream that
+  breaks early) is left out for a cooldown and the request goes once to the next-best
+  instance, counted as a retry. A stream that breaks after tokens reached the client ends
+  with an error event; it is never run twice.
+- A client that goes away aborts the upstream call (closing the connection cancels the
+  request in vLLM) and is reported as a cancellation.
+- Shared accounting follows the request: its uncached prompt counts as pending prefill
+  until the first token, its prompt and budget as in flight until it ends.
+
+Clean-up after a stream runs as a task of its own: when a client disconnects, the ASGI
+server cancels whatever awaits inside the response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from control.routing.registry import Learner
+from control.routing.snapshot import Observation
+from gateway.decide import INDEX_STRIDE, Decider, Plan
+from gateway.events import EventSink
+from gateway.fleet_view import FleetView
+from gateway.inbound import Inbound
+from gateway.metrics import GatewayMetrics
+from gateway.state import Outcome, SharedState
+from schemas.fleet import InstanceConfig
+from schemas.lifecycle import (
+    CancelReason,
+    CandidateScore,
+    FirstToken,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    RequestRetried,
+    RequestRouted,
+)
+from schemas.openai_api import ApiError
+
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+_DONE = b"data: [DONE]"
+
+
+class UpstreamFailed(Exception):
+    """The instance could not serve the request (before any token reached the client)."""
+
+
+@dataclass
+class Trip:
+    """What the gateway tracks of one request on one instance."""
+
+    inbound: Inbound
+    plan: Plan
+    row: int
+    arrived: float
+    idempotency_key: str | None
+    sent_at: float = 0.0
+    first_token_at: float | None = None
+    output_tokens: int = 0
+    pending: float = 0.0
+    inflight: float = 0.0
+    captured: bytearray = field(default_factory=bytearray)
+
+    @property
+    def instance(self) -> InstanceConfig:
+        return self.plan.pool.instances[self.row]
+
+
+class Exchange:
+    """Serves routed requests; one per gateway app."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        state: SharedState,
+        events: EventSink,
+        view: FleetView,
+        decider: Decider,
+        metrics: GatewayMetrics,
+        spawn: Spawn,
+        idempotency_ttl_s: float,
+    ) -> None:
+        self.client = client
+        self.state = state
+        self.events = events
+        self.view = view
+        self.decider = decider
+        self.metrics = metrics
+        self.spawn = spawn
+        self.idempotency_ttl_s = idempotency_ttl_s
+
+    async def serve(
+        self,
+        inbound: Inbound,
+        plan: Plan,
+        request: Request,
+        arrived: float,
+        idempotency_key: str | None,
+    ) -> Response:
+        self.events.emit(_routed_event(inbound, plan))
+        order = plan.order[:2]
+        for attempt, row in enumerate(order, start=1):
+            trip = Trip(inbound, plan, row, arrived, idempotency_key)
+            if attempt > 1:
+                self._retried(trip, order[0])
+            try:
+                return await self._attempt(trip, request)
+            except UpstreamFailed as exc:
+                self.view.failed(trip.instance.id)
+                await self._release(trip)
+                error = str(exc)
+        self.events.emit(
+            RequestFailed(request_id=inbound.request_id, instance_id=trip.instance.id, error=error)
+        )
+        raise ApiError(502, f"The model instance failed: {error}")
+
+    async def _attempt(self, trip: Trip, request: Request) -> Response:
+        inbound = trip.inbound
+        trip.inflight = float(inbound.input_tokens + inbound.output_budget)
+        trip.pending = float(inbound.input_tokens) - trip.plan.cached_tokens
+        sampled = inbound.blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
+        capacity = self.view.kv_capacity(trip.instance.id) // INDEX_STRIDE
+        await self.state.routed(trip.instance.id, sampled, capacity, trip.pending, trip.inflight)
+        trip.sent_at = time.monotonic()
+        self.metrics.added_latency.observe(trip.sent_at - trip.arrived)
+        upstream = await self._open(trip)
+        if upstream.status_code >= 400:  # the instance refused the request itself: pass it on
+            body = await upstream.aread()
+            await upstream.aclose()
+            await self._release(trip)
+            self._failed(trip, f"instance answered {upstream.status_code}")
+            return Response(body, upstream.status_code, media_type="application/json")
+        if inbound.stream:
+            return await self._stream(trip, upstream)
+        return await self._whole(trip, upstream, request)
+
+    async def _open(self, trip: Trip) -> httpx.Response:
+        url = f"{str(trip.instance.url).rstrip('/')}{trip.inbound.path}"
+        outgoing = self.client.build_request(
+            "POST", url, content=trip.inbound.body, headers={"content-type": "application/json"}
+        )
+        try:
+            upstream = await self.client.send(outgoing, stream=True)
+        except httpx.HTTPError as exc:
+            self.metrics.upstream_errors.labels(trip.instance.id, "connect").inc()
+            raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
+        if upstream.status_code >= 500:
+            await upstream.aclose()
+            self.metrics.upstream_errors.labels(trip.instance.id, "status").inc()
+            raise UpstreamFailed(f"{trip.instance.id} answered {upstream.status_code}")
+        return upstream
+
+    async def _whole(self, trip: Trip, upstream: httpx.Response, request: Request) -> Response:
+        reading = asyncio.ensure_future(upstream.aread())
+        gone = asyncio.ensure_future(_disconnected(request))
+        done, _ = await asyncio.wait({reading, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if reading not in done:
+            reading.cancel()
+            await upstream.aclose()
+            await self._cancelled(trip)
+            return Response(status_code=499)
+        gone.cancel()
+        await upstream.aclose()
+        try:
+            body = reading.result()
+            usage = json.loads(body).get("usage") or {}
+        except (httpx.HTTPError, ValueError) as exc:
+            self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
+            raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
+        trip.first_token_at = time.monotonic()  # unseen: a whole response counts TTFT as E2E
+        trip.output_tokens = int(usage.get("completion_tokens", 0))
+        trip.captured.extend(body)
+        await self._completed(trip)
+        return Response(body, media_type="application/json", headers=_headers(trip))
+
+    async def _stream(self, trip: Trip, upstream: httpx.Response) -> Response:
+        events = _sse_events(upstream.aiter_raw())
+        head: list[bytes] = []
+        try:
+            async for event in events:
+                head.append(event)
+                if _carries_token(event):
+                    break
+            else:
+                raise UpstreamFailed(f"{trip.instance.id} ended the stream before a token")
+        except httpx.HTTPError as exc:
+            await upstream.aclose()
+            self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
+            raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
+        except UpstreamFailed:
+            await upstream.aclose()
+            raise
+        await self._first_token(trip)
+        return StreamingResponse(
+            self._relay(trip, upstream, head, events),
+            media_type="text/event-stream",
+            headers=_headers(trip),
+        )
+
+    async def _relay(
+        self,
+        trip: Trip,
+        upstream: httpx.Response,
+        head: list[bytes],
+        events: AsyncIterator[bytes],
+    ) -> AsyncIterator[bytes]:
+        ended = "cancelled"
+        try:
+            for event in head:
+                yield self._counted(trip, event)
+            async for event in events:
+                yield self._counted(trip, event)
+            ended = "completed"
+        except httpx.HTTPError as exc:
+            ended = f"{trip.instance.id}: {type(exc).__name__}"
+            self.metrics.upstream_errors.labels(trip.instance.id, "after_first_token").inc()
+            yield _error_event(f"The model instance failed mid-stream ({type(exc).__name__}).")
+        finally:
+            self.spawn(self._stream_ended(trip, upstream, ended))
+
+    def _counted(self, trip: Trip, event: bytes) -> bytes:
+        if b'"usage"' in event and b'"completion_tokens"' in event:
+            usage = json.loads(event[len(b"data:") :]).get("usage") or {}
+            trip.output_tokens = int(usage.get("completion_tokens", trip.output_tokens))
+        elif _carries_token(event):
+            trip.output_tokens += 1
+        if trip.idempotency_key is not None:
+            trip.captured.extend(event)
+        return event
+
+    async def _stream_ended(self, trip: Trip, upstream: httpx.Response, ended: str) -> None:
+        await upstream.aclose()
+        if ended == "completed":
+            await self._completed(trip)
+        elif ended == "cancelled":
+            await self._cancelled(trip)
+        else:
+            await self._release(trip)
+            self._failed(trip, ended)
+            await self._forget_key(trip)
+
+    async def _first_token(self, trip: Trip) -> None:
+        trip.first_token_at = time.monotonic()
+        await self.state.adjust(trip.instance.id, -trip.pending, 0.0)
+        trip.pending = 0.0
+        self.events.emit(
+            FirstToken(
+                request_id=trip.inbound.request_id,
+                instance_id=trip.instance.id,
+                ttft_s=trip.first_token_at - trip.arrived,
+            )
+        )
+
+    async def _completed(self, trip: Trip) -> None:
+        await self._release(trip)
+        now = time.monotonic()
+        first = trip.first_token_at or now
+        ttft, e2e = first - trip.arrived, now - trip.arrived
+        tpot = (now - first) / (trip.output_tokens - 1) if trip.output_tokens > 1 else 0.0
+        inbound = trip.inbound
+        self.events.emit(
+            RequestCompleted(
+                request_id=inbound.request_id,
+                dc=trip.plan.dc,
+                instance_id=trip.instance.id,
+                task_class=inbound.task_class,
+                tenant=inbound.tenant.name,
+                input_tokens=inbound.input_tokens,
+                cached_tokens=int(trip.plan.cached_tokens),
+                output_tokens=trip.output_tokens,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                e2e_s=e2e,
+            )
+        )
+        router = self.decider.router(inbound.model.name, trip.plan.dc)
+        if inbound.stream and isinstance(router, Learner):
+            router.observe(
+                Observation(inbound.request_id, trip.row, first - trip.sent_at, trip.output_tokens)
+            )
+        if trip.idempotency_key is not None:
+            media = "text/event-stream" if inbound.stream else "application/json"
+            outcome = Outcome(200, media, bytes(trip.captured))
+            await self.state.settle(trip.idempotency_key, outcome, self.idempotency_ttl_s)
+
+    async def _cancelled(self, trip: Trip) -> None:
+        await self._release(trip)
+        self.metrics.cancellations.inc()
+        self.events.emit(
+            RequestCancelled(
+                request_id=trip.inbound.request_id,
+                instance_id=trip.instance.id,
+                reason=CancelReason.CLIENT_DISCONNECT,
+                output_tokens=trip.output_tokens,
+            )
+        )
+        await self._forget_key(trip)
+
+    async def _forget_key(self, trip: Trip) -> None:
+        """A request that did not complete leaves its idempotency key free for a retry."""
+        if trip.idempotency_key is not None:
+            await self.state.release(trip.idempotency_key)
+
+    def _failed(self, trip: Trip, error: str) -> None:
+        self.events.emit(
+            RequestFailed(
+                request_id=trip.inbound.request_id,
+                instance_id=trip.instance.id,
+                error=error,
+                output_tokens=trip.output_tokens,
+            )
+        )
+
+    async def _release(self, trip: Trip) -> None:
+        """Undo what is left of the trip's accounting."""
+        await self.state.adjust(trip.instance.id, -trip.pending, -trip.inflight)
+        trip.pending = trip.inflight = 0.0
+
+    def _retried(self, trip: Trip, first_row: int) -> None:
+        self.metrics.retries.inc()
+        self.events.emit(
+            RequestRetried(
+                request_id=trip.inbound.request_id,
+                attempt=2,
+                from_instance=trip.plan.pool.instances[first_row].id,
+                to_instance=trip.instance.id,
+                reason="upstream failed before the first token",
+            )
+        )
+
+
+async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Whole server-sent events (each ending in a blank line) from raw chunks."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while (end := buffer.find(b"\n\n")) >= 0:
+            yield buffer[: end + 2]
+            buffer = buffer[end + 2 :]
+    if buffer.strip():
+        yield buffer
+
+
+def _carries_token(event: bytes) -> bool:
+    """Whether an SSE event holds generated text (a role-only chunk or the end does not)."""
+    if not event.startswith(b"data:") or event.startswith(_DONE):
+        return False
+    try:
+        choices = json.loads(event[len(b"data:") :]).get("choices") or []
+    except ValueError:
+        return False
+    for choice in choices:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+def _error_event(message: str) -> bytes:
+    body = ApiError(502, message).body()
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def _headers(trip: Trip) -> dict[str, str]:
+    return {
+        "x-tokenfleet-request-id": trip.inbound.request_id,
+        "x-tokenfleet-instance": trip.instance.id,
+        "x-tokenfleet-dc": trip.plan.dc,
+    }
+
+
+def _routed_event(inbound: Inbound, plan: Plan) -> RequestRouted:
+    decision = plan.decision
+    candidates = []
+    for row in np.flatnonzero(np.isfinite(decision.scores)):
+        parts = {name: float(values[row]) for name, values in decision.parts.items()}
+        candidates.append(
+            CandidateScore(
+                instance_id=plan.pool.ids[row],
+                score=float(decision.scores[row]),
+                parts={k: v for k, v in parts.items() if np.isfinite(v)},
+            )
+        )
+    assert decision.chosen is not None
+    return RequestRouted(
+        request_id=inbound.request_id,
+        dc=plan.dc,
+        instance_id=plan.pool.ids[decision.chosen],
+        policy=decision.policy,
+        candidates=tuple(candidates),
+    )
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body was read, so only that can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

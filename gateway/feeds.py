@@ -1,0 +1,37 @@
+"""Background readers that keep a gateway's last-known state fresh from the bus.
+
+Each feed resubscribes after any failure (Kafka down, a topic not yet created) and keeps
+what it had meanwhile; a feed never stops the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from schemas import Message
+from streams.bus import EventBus, StartFrom
+
+log = logging.getLogger(__name__)
+
+
+async def follow(
+    bus: EventBus,
+    topic: str,
+    apply: Callable[[Message], object],
+    start: StartFrom = "latest",
+    retry_s: float = 1.0,
+) -> None:
+    """Apply every event of ``topic`` from ``start`` until cancelled; after a failure,
+    subscribe again from ``start`` (the appliers ignore what they already have)."""
+    while True:
+        try:
+            async with bus.subscribe(topic, start) as events:
+                async for event in events:
+                    apply(event.envelope.payload)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any bus failure: keep last-known, retry
+            log.warning("feed %s failed (%s); retrying in %.1f s", topic, exc, retry_s)
+        await asyncio.sleep(retry_s)

@@ -1,0 +1,118 @@
+"""What a gateway knows of its fleet: instances from the fleet file, their last telemetry,
+their recent upstream failures, and the last control snapshots it heard.
+
+Everything here is last-known: when the feeds go quiet (Kafka down, collector stopped) the
+gateway keeps routing on what it last heard, and on its own failure observations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from control.routing.snapshot import FleetSnapshot
+from gateway.state import SharedView
+from schemas.control import ControlSnapshot
+from schemas.fleet import FleetConfig, InstanceConfig
+from schemas.telemetry import InstanceTelemetry
+
+UNKNOWN_KV_BLOCKS = 1 << 20
+"""KV blocks assumed for an instance until its telemetry reports the real size: large, so
+that an unknown cache never looks full."""
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The instances of one model in one DC, in fleet-file order (a snapshot's rows)."""
+
+    model: str
+    dc: str
+    instances: tuple[InstanceConfig, ...]
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(i.id for i in self.instances)
+
+
+class FleetView:
+    def __init__(self, fleet: FleetConfig, failure_cooldown_s: float = 5.0) -> None:
+        self.fleet = fleet
+        self.failure_cooldown_s = failure_cooldown_s
+        self._telemetry: dict[str, InstanceTelemetry] = {}
+        self._failed_until: dict[str, float] = {}
+        self._pools: dict[tuple[str, str], Pool] = {}
+        for instance in fleet.instances:
+            key = (instance.model, instance.dc)
+            known = self._pools.get(key)
+            members = (known.instances if known else ()) + (instance,)
+            self._pools[key] = Pool(instance.model, instance.dc, members)
+
+    def pool(self, model: str, dc: str) -> Pool | None:
+        return self._pools.get((model, dc))
+
+    def dcs_serving(self, model: str) -> list[str]:
+        return [dc for (m, dc) in self._pools if m == model]
+
+    def observe(self, telemetry: InstanceTelemetry) -> None:
+        if any(i.id == telemetry.instance_id for i in self.fleet.instances):
+            self._telemetry[telemetry.instance_id] = telemetry
+
+    def failed(self, instance_id: str) -> None:
+        """An upstream call failed: keep the instance out of decisions for a cooldown."""
+        self._failed_until[instance_id] = time.monotonic() + self.failure_cooldown_s
+
+    def ready(self, instance_id: str) -> bool:
+        if time.monotonic() < self._failed_until.get(instance_id, 0.0):
+            return False
+        telemetry = self._telemetry.get(instance_id)
+        return telemetry is None or telemetry.ready
+
+    def kv_capacity(self, instance_id: str) -> int:
+        """The instance's KV cache in blocks, as last reported."""
+        telemetry = self._telemetry.get(instance_id)
+        return telemetry.kv_blocks_total if telemetry else UNKNOWN_KV_BLOCKS
+
+    def any_ready(self) -> bool:
+        return any(self.ready(i.id) for i in self.fleet.instances)
+
+    def snapshot(self, pool: Pool, shared: SharedView) -> FleetSnapshot:
+        rows = [self._telemetry.get(i) for i in pool.ids]
+        return FleetSnapshot(
+            instance_ids=pool.ids,
+            ready=np.array([self.ready(i) for i in pool.ids]),
+            waiting=np.array([t.waiting if t else 0 for t in rows], dtype=np.int64),
+            running=np.array([t.running if t else 0 for t in rows], dtype=np.int64),
+            inflight_tokens=np.maximum(shared.inflight_tokens, 0).astype(np.int64),
+            kv_blocks_used=np.array([t.kv_blocks_used if t else 0 for t in rows], dtype=np.int64),
+            kv_blocks_total=np.array(
+                [t.kv_blocks_total if t else UNKNOWN_KV_BLOCKS for t in rows], dtype=np.int64
+            ),
+            pending_prefill_tokens=np.maximum(shared.pending_prefill, 0.0),
+        )
+
+
+SnapshotT = TypeVar("SnapshotT", bound=ControlSnapshot)
+
+
+class LastKnown(Generic[SnapshotT]):
+    """The newest control snapshot per scope; a snapshot past its TTL reads as None, which
+    callers answer with their documented safe default."""
+
+    def __init__(self) -> None:
+        self._by_scope: dict[str, SnapshotT] = {}
+
+    def offer(self, snapshot: SnapshotT) -> bool:
+        """Keep ``snapshot`` if it is newer than the one held; True if it was kept."""
+        if not snapshot.supersedes(self._by_scope.get(snapshot.scope)):
+            return False
+        self._by_scope[snapshot.scope] = snapshot
+        return True
+
+    def current(self, scope: str, now: float | None = None) -> SnapshotT | None:
+        snapshot = self._by_scope.get(scope)
+        if snapshot is None or snapshot.expired(time.time() if now is None else now):
+            return None
+        return snapshot

@@ -1,0 +1,71 @@
+"""The gateway's Prometheus metrics, one registry per app (tests build several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_ADDED_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tokenfleet_gateway_requests",
+            "Requests answered, by model and HTTP status.",
+            ("model", "status"),
+            registry=r,
+        )
+        self.decisions = Counter(
+            "tokenfleet_gateway_decisions",
+            "Routing decisions, by policy and chosen instance.",
+            ("policy", "instance"),
+            registry=r,
+        )
+        self.in_progress = Gauge(
+            "tokenfleet_gateway_requests_in_progress",
+            "Requests this gateway is serving now.",
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "tokenfleet_gateway_upstream_errors",
+            "Failed upstream calls, by instance and whether tokens had streamed.",
+            ("instance", "stage"),
+            registry=r,
+        )
+        self.retries = Counter(
+            "tokenfleet_gateway_retries", "Requests retried on another instance.", registry=r
+        )
+        self.cancellations = Counter(
+            "tokenfleet_gateway_cancellations", "Requests the client abandoned.", registry=r
+        )
+        self.added_latency = Histogram(
+            "tokenfleet_gateway_added_latency_seconds",
+            "Time from a request's arrival to its upstream call: the gateway's own work.",
+            registry=r,
+            buckets=_ADDED_BUCKETS,
+        )
+        self.events_dropped = Counter(
+            "tokenfleet_gateway_events_dropped",
+            "Lifecycle events not published, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        self.events_queued = Gauge(
+            "tokenfleet_gateway_events_queued",
+            "Lifecycle events waiting for the bus.",
+            registry=r,
+        )
+        self.state_fallbacks = Counter(
+            "tokenfleet_gateway_shared_state_fallbacks",
+            "Shared-state calls answered locally because Redis failed.",
+            registry=r,
+        )
+        self.control_defaults = Gauge(
+            "tokenfleet_gateway_control_defaults",
+            "1 while a control kind (quotas, weights) is missing or expired and its safe "
+            "default applies.",
+            ("kind",),
+            registry=r,
+        )

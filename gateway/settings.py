@@ -1,0 +1,33 @@
+"""The gateway's settings, from the environment (prefix ``TOKENFLEET_GATEWAY_``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_GATEWAY_", frozen=True)
+
+    fleet_file: Path = Path("fleet.toml")
+    """The fleet file: DCs, models, instances (the only upstream URLs), tenants."""
+    dc: str | None = None
+    """The DC this gateway serves; unset: the fleet file's first DC."""
+    policy: str = "tokenpilot"
+    """The routing policy, by the name ``tokenfleet sim --policy`` takes."""
+    name: str = Field(default_factory=lambda: f"gateway-{socket.gethostname()}-{os.getpid()}")
+    """The ``source`` of this gateway's events."""
+    event_buffer: int = Field(default=10_000, ge=1)
+    """Lifecycle events held while Kafka is slow or away; beyond it they are dropped."""
+    upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
+    upstream_read_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest silence from an instance within a response (a stream's gap between chunks)."""
+    failure_cooldown_s: float = Field(default=5.0, ge=0)
+    """An instance whose call failed is left out of decisions this long."""
+    idempotency_ttl_s: float = Field(default=600.0, gt=0)
+    """How long an ``Idempotency-Key``'s outcome is kept."""
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)

@@ -1,0 +1,167 @@
+"""The hot state gateway replicas share, behind one interface.
+
+``LocalState`` keeps it in this process (the embedded mode, and the fallback while Redis is
+away); ``gateway.redis_state.RedisState`` keeps it in Redis so that every replica behind
+one address sees the same counts. Both pass ``tests/integration/test_shared_state.py``.
+
+What is shared:
+
+- **accounting** per instance: prefill tokens routed whose first token has not come back
+  (``pending``) and prompt-plus-budget tokens of requests not finished (``inflight``);
+- **the approximate prefix index**: which instance was sent which prefix blocks, each
+  instance's entries forgotten least-recently-used first beyond its KV capacity;
+- **admission token buckets**, one per quota;
+- **idempotency keys**: a client's ``Idempotency-Key`` and the outcome it got.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from control.routing.prefix_index import ApproximatePrefixIndex
+from control.routing.snapshot import FloatArray, IntArray
+
+
+@dataclass(frozen=True)
+class SharedView:
+    """Arrays aligned with the instance ids asked for."""
+
+    pending_prefill: FloatArray
+    inflight_tokens: FloatArray
+    matched_blocks: IntArray
+    """Leading prefix entries (as passed) each instance holds, counted greedily."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished response, kept under an idempotency key."""
+
+    status: int
+    media_type: str
+    body: bytes
+
+
+class InProgress:
+    """An idempotency key whose first request has not finished."""
+
+
+IN_PROGRESS = InProgress()
+
+
+class SharedState(Protocol):
+    async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
+        """Accounting of ``instance_ids`` and their match of ``blocks``, in one read."""
+        ...
+
+    async def routed(
+        self,
+        instance_id: str,
+        blocks: Sequence[int],
+        capacity_blocks: int,
+        pending_prefill: float,
+        inflight_tokens: float,
+    ) -> None:
+        """A request went to ``instance_id``: index its blocks, count its tokens."""
+        ...
+
+    async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
+        """Add (usually subtract) these amounts, at a first token or an end."""
+        ...
+
+    async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
+        """Take ``amount`` from a token bucket; 0.0 if taken, else seconds until it could be."""
+        ...
+
+    async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
+        """Claim an idempotency key: None if it is new (and now held), else what it holds."""
+        ...
+
+    async def settle(self, key: str, outcome: Outcome, ttl_s: float) -> None: ...
+
+    async def release(self, key: str) -> None:
+        """Give a claimed key up (the request failed), so that a retry runs."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+_SWEEP_AT = 10_000
+"""Past this many idempotency keys, expired ones are dropped."""
+
+
+class LocalState:
+    """Shared state of one process. Not thread-safe; one event loop uses it."""
+
+    def __init__(self) -> None:
+        self._index = ApproximatePrefixIndex()
+        self._rows: dict[str, int] = {}
+        self._pending: dict[str, float] = {}
+        self._inflight: dict[str, float] = {}
+        self._buckets: dict[str, tuple[float, float]] = {}  # level, at
+        self._keys: dict[str, tuple[Outcome | InProgress, float]] = {}  # value, expiry
+
+    async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
+        matched = self._index.match(blocks, len(self._rows))
+        return SharedView(
+            np.array([self._pending.get(i, 0.0) for i in instance_ids]),
+            np.array([self._inflight.get(i, 0.0) for i in instance_ids]),
+            np.array(
+                [matched[self._rows[i]] if i in self._rows else 0 for i in instance_ids],
+                dtype=np.int64,
+            ),
+        )
+
+    async def routed(
+        self,
+        instance_id: str,
+        blocks: Sequence[int],
+        capacity_blocks: int,
+        pending_prefill: float,
+        inflight_tokens: float,
+    ) -> None:
+        row = self._rows.setdefault(instance_id, len(self._rows))
+        self._index.add(row, blocks, capacity_blocks)
+        await self.adjust(instance_id, pending_prefill, inflight_tokens)
+
+    async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
+        self._pending[instance_id] = self._pending.get(instance_id, 0.0) + pending_prefill
+        self._inflight[instance_id] = self._inflight.get(instance_id, 0.0) + inflight
+
+    async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
+        now = time.monotonic()
+        level, at = self._buckets.get(bucket, (burst, now))
+        level = min(burst, level + (now - at) * rate_per_s)
+        wait = token_bucket_wait(level, rate_per_s, amount)
+        self._buckets[bucket] = (level - amount if wait == 0.0 else level, now)
+        return wait
+
+    async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
+        now = time.monotonic()
+        if len(self._keys) > _SWEEP_AT:
+            self._keys = {k: v for k, v in self._keys.items() if v[1] > now}
+        held = self._keys.get(key)
+        if held is not None and held[1] > now:
+            return held[0]
+        self._keys[key] = (IN_PROGRESS, now + ttl_s)
+        return None
+
+    async def settle(self, key: str, outcome: Outcome, ttl_s: float) -> None:
+        self._keys[key] = (outcome, time.monotonic() + ttl_s)
+
+    async def release(self, key: str) -> None:
+        self._keys.pop(key, None)
+
+    async def close(self) -> None:
+        return None
+
+
+def token_bucket_wait(level: float, rate_per_s: float, amount: float) -> float:
+    """Seconds until a bucket at ``level`` holds ``amount``; inf if it never refills."""
+    if level >= amount:
+        return 0.0
+    return (amount - level) / rate_per_s if rate_per_s > 0 else float("inf")

@@ -1,0 +1,112 @@
+"""The fleet file: data centers, models, instances, tenants and class objectives.
+
+Gateways (and the collector) learn every upstream address from this file and nowhere
+else. It is TOML or JSON; ``examples/fleet.toml`` is a complete sample that tests load.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, HttpUrl, ValidationError, field_validator, model_validator
+
+from schemas.base import Frozen, Identifier, TaskClass
+from schemas.envelope import describe
+from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
+
+
+class DataCenter(Frozen):
+    name: Identifier
+    region: Identifier
+
+
+class ModelConfig(Frozen):
+    name: Identifier = Field(description="The name clients put in the request's `model`.")
+    profile: Identifier | None = Field(
+        default=None,
+        description="A calibrated step-time profile (`tokenfleet sim --help` lists them); "
+        "TokenPilot needs one to price queues and prefills.",
+    )
+    context_tokens: int = Field(
+        default=32_768, ge=1, description="Prompt plus output budget may not exceed this."
+    )
+
+
+class InstanceConfig(Frozen):
+    id: Identifier
+    dc: Identifier
+    url: HttpUrl = Field(description="Base URL; the OpenAI API is under /v1.")
+    model: Identifier
+    version: Identifier = "1"
+    engine: Literal["vllm", "sglang"] = "vllm"
+
+
+class TenantConfig(Frozen):
+    name: Identifier
+    api_keys: tuple[str, ...] = Field(min_length=1)
+    classes: tuple[TaskClass, ...] = Field(
+        default=tuple(TaskClass), description="Task classes the tenant may ask for."
+    )
+
+
+class FleetConfig(Frozen):
+    version: Literal[1] = 1
+    dcs: tuple[DataCenter, ...] = Field(min_length=1)
+    models: tuple[ModelConfig, ...] = Field(min_length=1)
+    instances: tuple[InstanceConfig, ...] = Field(min_length=1)
+    tenants: tuple[TenantConfig, ...] = ()
+    objectives: dict[TaskClass, ClassObjective] = Field(
+        default_factory=lambda: dict(DEFAULT_OBJECTIVES),
+        description="Per-class objectives; classes not named keep the defaults.",
+    )
+
+    @field_validator("objectives", mode="after")
+    @classmethod
+    def _over_defaults(
+        cls, given: dict[TaskClass, ClassObjective]
+    ) -> dict[TaskClass, ClassObjective]:
+        return DEFAULT_OBJECTIVES | given
+
+    @model_validator(mode="after")
+    def _references_resolve(self) -> FleetConfig:
+        dcs = {d.name for d in self.dcs}
+        models = {m.name for m in self.models}
+        for instance in self.instances:
+            if instance.dc not in dcs:
+                raise ValueError(f"instance {instance.id!r} names unknown dc {instance.dc!r}")
+            if instance.model not in models:
+                raise ValueError(f"instance {instance.id!r} names unknown model {instance.model!r}")
+        for name, items in (
+            ("dc", [d.name for d in self.dcs]),
+            ("model", [m.name for m in self.models]),
+            ("instance", [i.id for i in self.instances]),
+            ("tenant", [t.name for t in self.tenants]),
+            ("API key", [k for t in self.tenants for k in t.api_keys]),
+        ):
+            if len(set(items)) != len(items):
+                raise ValueError(f"a {name} appears twice")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+class FleetFileError(ValueError):
+    """The fleet file cannot be read or is not a valid fleet."""
+
+
+def load_fleet(path: Path) -> FleetConfig:
+    """The fleet in ``path`` (``.toml`` or ``.json``), or FleetFileError saying what is wrong."""
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        return FleetConfig.model_validate(data)
+    except OSError as exc:
+        raise FleetFileError(f"cannot read fleet file {path}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise FleetFileError(f"fleet file {path} is not valid: {exc}") from None
+    except ValidationError as exc:
+        raise FleetFileError(f"fleet file {path}: {describe(exc)}") from None

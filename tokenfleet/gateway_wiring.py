@@ -1,0 +1,98 @@
+"""Builds a gateway from a fleet file and the environment.
+
+Embedded default (no ``TOKENFLEET_KAFKA_BOOTSTRAP``): an in-process bus, with the
+telemetry collector running in the gateway's process. With a broker: Kafka, and the
+collector runs apart (``tokenfleet collect``). With ``TOKENFLEET_REDIS_URL``: shared state
+in Redis, falling back to local state while Redis is away; without: local state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from control.routing import make_router
+from control.routing.registry import Router
+from gateway.app import GatewayParts, create_app
+from gateway.redis_state import FallbackState, RedisState
+from gateway.settings import GatewaySettings
+from gateway.state import LocalState, SharedState
+from schemas.fleet import FleetConfig
+from sim.profiles import PROFILES, profile
+from streams.bus import EventBus
+from streams.collector import Collector
+from streams.kafka import KafkaBus
+from streams.memory import InMemoryBus
+from tokenfleet.settings import Settings
+
+
+def router_factory(fleet: FleetConfig, policy: str, seed: int = 0) -> Callable[[str], Router]:
+    """Routers for the fleet's models; a model's ``profile`` gives TokenPilot its step model."""
+    for model in fleet.models:
+        if model.profile is not None and model.profile not in PROFILES:
+            known = ", ".join(sorted(PROFILES))
+            raise ValueError(f"model {model.name!r}: unknown profile {model.profile!r}; {known}")
+
+    def make(model_name: str) -> Router:
+        model = fleet.model(model_name)
+        assert model is not None
+        pool = profile(model.profile).pool_model() if model.profile else None
+        return make_router(policy, seed, pool)
+
+    make(fleet.models[0].name)  # fail at start-up, not at the first request
+    return make
+
+
+def gateway_parts(
+    fleet: FleetConfig, settings: GatewaySettings, bus: EventBus, state: SharedState
+) -> GatewayParts:
+    return GatewayParts(fleet, settings, state, bus, router_factory(fleet, settings.policy))
+
+
+def shared_state(services: Settings) -> SharedState:
+    if services.redis_url is None:
+        return LocalState()
+    return FallbackState(RedisState(services.redis_url), LocalState())
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(
+    fleet: FleetConfig,
+    settings: GatewaySettings,
+    services: Settings,
+    host: str,
+    port: int,
+) -> AsyncIterator[FastAPI]:
+    """Serve a gateway on ``host:port`` until the context exits."""
+    bus: EventBus = (
+        KafkaBus(services.kafka_bootstrap, source=settings.name)
+        if services.kafka_bootstrap
+        else InMemoryBus(source=settings.name)
+    )
+    state = shared_state(services)
+    app = create_app(gateway_parts(fleet, settings, bus, state))
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    tasks = [asyncio.create_task(server.serve())]
+    async with httpx.AsyncClient() as scraper:
+        if services.kafka_bootstrap is None:
+            tasks.append(asyncio.create_task(Collector(fleet.instances, bus, scraper).run()))
+        try:
+            while not server.started:
+                if tasks[0].done():
+                    await tasks[0]  # surfaces the start-up error
+                    raise OSError(f"the gateway did not start on {host}:{port}")
+                await asyncio.sleep(0.01)
+            yield app
+        finally:
+            server.should_exit = True
+            for task in tasks[1:]:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await state.close()
+            await bus.close()
