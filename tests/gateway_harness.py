@@ -1,0 +1,102 @@
+"""Building blocks for gateway tests: emulated instances, a fleet for them, a gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from gateway.settings import GatewaySettings
+from schemas.fleet import FleetConfig
+from sim.emulator.server import EmulatedInstance, serve
+from sim.profiles import profile
+from tokenfleet.gateway_wiring import running_gateway
+from tokenfleet.services.process import free_port
+from tokenfleet.settings import Settings
+
+MODEL = "emulated"
+KEY = "sk-test"
+PROFILE = "llama3-70b-4xh100"
+
+
+def fleet_for(urls: Sequence[str], **extra: Any) -> FleetConfig:
+    """One DC, one model, an instance per URL (ids ``i0``, ``i1``, ...), one tenant."""
+    return FleetConfig.model_validate(
+        {
+            "dcs": [{"name": "dc-a", "region": "eu-west"}],
+            "models": [{"name": MODEL, "profile": PROFILE, "context_tokens": 8192}],
+            "instances": [
+                {"id": f"i{n}", "dc": "dc-a", "url": url, "model": MODEL}
+                for n, url in enumerate(urls)
+            ],
+            "tenants": [{"name": "tenant-a", "api_keys": [KEY]}],
+            **extra,
+        }
+    )
+
+
+@contextlib.asynccontextmanager
+async def emulated(count: int, speedup: float = 10.0) -> AsyncIterator[list[EmulatedInstance]]:
+    ports = [free_port() for _ in range(count)]
+    async with serve(profile(PROFILE), MODEL, ports, speedup) as instances:
+        yield instances
+
+
+@dataclass
+class Gateway:
+    url: str
+    app: FastAPI
+
+    def client(self, key: str = KEY) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.url, headers={"authorization": f"Bearer {key}"}, timeout=30
+        )
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    fleet: FleetConfig,
+    kafka: str | None = None,
+    redis: str | None = None,
+    **settings: Any,
+) -> AsyncIterator[Gateway]:
+    port = free_port()
+    services = Settings(kafka_bootstrap=kafka, redis_url=redis)
+    async with running_gateway(
+        fleet, GatewaySettings(**settings), services, "127.0.0.1", port
+    ) as app:
+        yield Gateway(f"http://127.0.0.1:{port}", app)
+
+
+def chat(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+@contextlib.asynccontextmanager
+async def http_server(app: Any) -> AsyncIterator[str]:
+    """Serve an ASGI app on a free loopback port; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task  # surfaces the start-up error
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task

@@ -1,0 +1,283 @@
+"""The gateway as users call it: the official openai client, in front of emulated vLLM
+instances, on real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from schemas import Envelope
+from schemas.base import TaskClass
+from schemas.control import AdmissionQuotas, ClassQuota
+from sim.emulator.server import EmulatedInstance
+from tests.gateway_harness import (
+    KEY,
+    MODEL,
+    Gateway,
+    chat,
+    emulated,
+    fleet_for,
+    gateway,
+    http_server,
+)
+from tokenfleet.services.process import free_port
+
+
+@pytest.fixture
+async def instances() -> AsyncIterator[list[EmulatedInstance]]:
+    async with emulated(2) as running:
+        yield running
+
+
+@pytest.fixture
+async def front(instances: list[EmulatedInstance]) -> AsyncIterator[Gateway]:
+    async with gateway(fleet_for([i.url for i in instances])) as running:
+        yield running
+
+
+@pytest.fixture
+async def client(front: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=KEY) as client:
+        yield client
+
+
+async def metric(front: Gateway, name: str, **labels: str) -> float:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{front.url}/metrics")).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def test_a_streamed_chat_completion_passes_through(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello " * 200}],
+        max_tokens=7,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert text.count("tok") == 7
+    assert usage is not None
+    assert usage.completion_tokens == 7
+
+
+async def test_whole_completions_and_models(client: openai.AsyncOpenAI) -> None:
+    answer = await client.completions.create(model=MODEL, prompt="the sky is " * 30, max_tokens=3)
+    assert answer.choices[0].text == "tok " * 3
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 3
+    chat_answer = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert chat_answer.choices[0].message.content == "tok tok "
+    assert [m.id async for m in client.models.list()] == [MODEL]
+
+
+async def test_the_answer_names_the_instance_and_metrics_count_it(front: Gateway) -> None:
+    async with front.client() as http:
+        response = await http.post("/v1/chat/completions", json=chat("hi " * 100))
+    assert response.status_code == 200
+    instance = response.headers["x-tokenfleet-instance"]
+    assert instance in {"i0", "i1"}
+    assert await metric(front, "tokenfleet_gateway_decisions_total", instance=instance) == 1
+    assert await metric(front, "tokenfleet_gateway_requests_total", status="200") == 1
+    assert await metric(front, "tokenfleet_gateway_added_latency_seconds_count") == 1
+
+
+async def test_errors_use_openai_statuses_and_format(front: Gateway) -> None:
+    async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="wrong") as stranger:
+        with pytest.raises(openai.AuthenticationError) as denied:
+            await stranger.models.list()
+    assert denied.value.status_code == 401
+    async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=KEY) as client:
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert "no-such-model" in unknown.value.message
+        with pytest.raises(openai.BadRequestError) as long:
+            await client.completions.create(model=MODEL, prompt="x" * 40_000, max_tokens=10)
+        assert "maximum context length is 8192" in long.value.message
+        with pytest.raises(openai.BadRequestError) as malformed:
+            await client.chat.completions.create(model=MODEL, messages=[], max_tokens=-1)
+        assert malformed.value.body["param"] in {"messages", "max_tokens"}
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"x-tokenfleet-class": "urgent"},
+            )
+
+
+async def test_a_request_no_allowed_dc_can_run_gets_503(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.InternalServerError) as refused:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"x-tokenfleet-residency": "us-east"},
+        )
+    assert refused.value.status_code == 503
+
+
+async def test_a_quota_answers_429_with_retry_after(front: Gateway) -> None:
+    quotas = AdmissionQuotas(
+        version=1,
+        scope="dc-a",
+        issued_at=time.time(),
+        ttl_s=60,
+        quotas=(
+            ClassQuota(
+                task_class=TaskClass.INTERACTIVE,
+                tokens_per_s=10,
+                burst_tokens=200,
+                max_concurrency=100,
+            ),
+        ),
+    )
+    bus = front.app.state.parts.bus
+    await bus.publish_event(Envelope.wrap(quotas, source="test"))
+    async with front.client() as http:
+        for _ in range(100):
+            if front.app.state.decider.quotas.current("dc-a"):
+                break
+            await asyncio.sleep(0.02)
+        first = await http.post("/v1/chat/completions", json=chat("a" * 400, max_tokens=50))
+        second = await http.post("/v1/chat/completions", json=chat("a" * 400, max_tokens=50))
+    assert first.status_code == 200
+    assert second.status_code == 429
+    assert second.json()["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(second.headers["retry-after"]) <= 20
+
+
+async def test_an_instance_that_stops_answering_is_left_out() -> None:
+    async with emulated(1) as [alive]:
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with gateway(fleet_for([dead, alive.url]), policy="round_robin") as front:
+            view = front.app.state.view
+            for _ in range(100):  # the collector's first round marks it not ready
+                if not view.ready("i0"):
+                    break
+                await asyncio.sleep(0.02)
+            async with front.client() as http:
+                answers = [
+                    await http.post("/v1/chat/completions", json=chat(f"{n} " * 50))
+                    for n in range(4)
+                ]
+            assert [a.status_code for a in answers] == [200] * 4
+            assert {a.headers["x-tokenfleet-instance"] for a in answers} == {"i1"}
+            assert await metric(front, "tokenfleet_gateway_retries_total") == 0
+
+
+async def _finished(instance: EmulatedInstance) -> float:
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{instance.url}/metrics")).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "vllm:e2e_request_latency_seconds_count"
+    )
+
+
+def _breaking_upstream(tokens_before_break: int) -> Starlette:
+    """An instance whose streams die after some tokens (the connection drops)."""
+
+    async def stream(_: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            for _ in range(tokens_before_break):
+                chunk = {"choices": [{"index": 0, "text": "tok ", "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                await asyncio.sleep(0.01)
+            raise RuntimeError("the engine died")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def metrics(_: Request) -> PlainTextResponse:
+        return PlainTextResponse("")  # a valid, empty exposition: the instance looks ready
+
+    return Starlette(
+        routes=[Route("/v1/completions", stream, methods=["POST"]), Route("/metrics", metrics)]
+    )
+
+
+async def test_a_stream_broken_after_tokens_ends_with_an_error_not_a_rerun() -> None:
+    async with http_server(_breaking_upstream(3)) as broken, emulated(1) as [alive]:
+        fleet = fleet_for([broken, alive.url])
+        async with gateway(fleet, policy="round_robin") as front, front.client() as http:
+            body = {"model": MODEL, "prompt": "x " * 40, "max_tokens": 8, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                events = [line async for line in response.aiter_lines() if line]
+            assert response.headers["x-tokenfleet-instance"] == "i0"
+            assert len(events) == 4  # three tokens, then the error
+            assert json.loads(events[-1][len("data: ") :])["error"]["code"] == 502
+            assert await metric(front, "tokenfleet_gateway_retries_total") == 0
+
+
+async def test_a_stream_broken_before_its_first_token_is_retried_elsewhere() -> None:
+    async with http_server(_breaking_upstream(0)) as broken, emulated(1) as [alive]:
+        fleet = fleet_for([broken, alive.url])
+        async with gateway(fleet, policy="round_robin") as front, front.client() as http:
+            body = {"model": MODEL, "prompt": "x " * 40, "max_tokens": 3, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                events = [line async for line in response.aiter_lines() if line]
+            assert response.headers["x-tokenfleet-instance"] == "i1"
+            assert events[-1] == "data: [DONE]"
+            assert len(events) == 4
+            assert await metric(front, "tokenfleet_gateway_retries_total") == 1
+
+
+async def test_an_idempotency_key_returns_the_first_outcome(
+    front: Gateway, instances: list[EmulatedInstance]
+) -> None:
+    headers = {"idempotency-key": "order-42"}
+    async with front.client() as http:
+        first = await http.post("/v1/chat/completions", json=chat("pay " * 30), headers=headers)
+        again = await http.post("/v1/chat/completions", json=chat("pay " * 30), headers=headers)
+    assert again.status_code == 200
+    assert again.json() == first.json()
+    assert again.headers["idempotent-replayed"] == "true"
+    assert sum([await _finished(i) for i in instances]) == 1
+
+
+async def test_a_client_that_leaves_cancels_the_upstream_request(
+    front: Gateway, instances: list[EmulatedInstance]
+) -> None:
+    body = chat("long " * 100, max_tokens=5000, stream=True)
+    async with (
+        front.client() as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        async for line in response.aiter_lines():
+            if "tok" in line:
+                break
+    for _ in range(200):
+        engines = [i.driver.engine for i in instances]
+        if not any(e.running or e.waiting for e in engines):
+            break
+        await asyncio.sleep(0.02)
+    assert not any(e.running or e.waiting for e in engines)
+    for _ in range(100):
+        if await metric(front, "tokenfleet_gateway_cancellations_total") == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert await metric(front, "tokenfleet_gateway_cancellations_total") == 1

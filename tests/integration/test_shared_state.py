@@ -1,0 +1,97 @@
+"""One contract for the gateways' shared state, run on the in-process state and on a real
+Redis server; and the fallback from Redis to local state."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from gateway.redis_state import FallbackState, RedisState
+from gateway.state import IN_PROGRESS, LocalState, Outcome, SharedState
+from tests.services import Service
+from tokenfleet.services.process import free_port
+
+
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
+async def state(request: pytest.FixtureRequest) -> AsyncIterator[SharedState]:
+    if request.param == "local":
+        yield LocalState()
+        return
+    service: Service = request.getfixturevalue("redis_server")
+    redis = RedisState(service.address, prefix=f"test-{uuid.uuid4().hex}:")
+    try:
+        yield redis
+    finally:
+        await redis.close()
+
+
+async def test_accounting_adds_up_per_instance(state: SharedState) -> None:
+    await state.routed("a", (), 100, pending_prefill=500.0, inflight_tokens=700.0)
+    await state.routed("a", (), 100, pending_prefill=300.0, inflight_tokens=400.0)
+    await state.adjust("a", -500.0, 0.0)
+    view = await state.view(["a", "b"], ())
+    np.testing.assert_allclose(view.pending_prefill, [300.0, 0.0])
+    np.testing.assert_allclose(view.inflight_tokens, [1100.0, 0.0])
+
+
+async def test_prefix_match_is_greedy_from_the_first_block(state: SharedState) -> None:
+    await state.routed("a", (1, 2, 3, 4), 100, 0.0, 0.0)
+    await state.routed("b", (1, 2), 100, 0.0, 0.0)
+    await state.routed("c", (9, 3, 4), 100, 0.0, 0.0)
+    view = await state.view(["a", "b", "c", "d"], (1, 2, 3, 4, 5))
+    # As in the prefix-cache scorer, each holder of block k gains one while anyone holds
+    # every block up to k; c gains for 3 and 4 though it lacks 1 and 2.
+    assert view.matched_blocks.tolist() == [4, 2, 2, 0]
+    assert (await state.view(["a"], (7, 1))).matched_blocks.tolist() == [0]
+
+
+async def test_an_instance_forgets_its_least_recently_used_blocks(state: SharedState) -> None:
+    await state.routed("a", (1, 2, 3), 4, 0.0, 0.0)
+    await state.routed("a", (1,), 4, 0.0, 0.0)  # 1 is now the most recently used
+    await state.routed("a", (7, 8), 4, 0.0, 0.0)  # five blocks in four places: 2 goes
+    assert (await state.view(["a"], (1, 2))).matched_blocks.tolist() == [1]
+    assert (await state.view(["a"], (7, 8))).matched_blocks.tolist() == [2]
+
+
+async def test_a_token_bucket_admits_its_burst_then_says_when(state: SharedState) -> None:
+    bucket = f"b-{uuid.uuid4().hex}"
+    assert await state.take(bucket, 10.0, 100.0, 60.0) == 0.0
+    assert await state.take(bucket, 10.0, 100.0, 40.0) == 0.0
+    wait = await state.take(bucket, 10.0, 100.0, 50.0)
+    assert 4.0 < wait <= 5.0  # 50 tokens at 10 a second, less what refilled meanwhile
+    assert await state.take(bucket, 0.0, 10.0, 20.0) == float("inf")
+
+
+async def test_an_idempotency_key_is_held_then_settled(state: SharedState) -> None:
+    key = f"k-{uuid.uuid4().hex}"
+    assert await state.claim(key, 60.0) is None
+    assert await state.claim(key, 60.0) is IN_PROGRESS
+    outcome = Outcome(200, "application/json", b'{"ok": true}')
+    await state.settle(key, outcome, 60.0)
+    assert await state.claim(key, 60.0) == outcome
+
+
+async def test_a_released_key_runs_again(state: SharedState) -> None:
+    key = f"k-{uuid.uuid4().hex}"
+    assert await state.claim(key, 60.0) is None
+    await state.release(key)
+    assert await state.claim(key, 60.0) is None
+
+
+async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
+    fallbacks = []
+    state = FallbackState(
+        RedisState(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2),
+        LocalState(),
+        on_fallback=lambda: fallbacks.append(1),
+    )
+    await state.routed("a", (1, 2), 100, 10.0, 20.0)
+    view = await state.view(["a"], (1, 2))
+    assert view.matched_blocks.tolist() == [2]
+    assert view.pending_prefill.tolist() == [10.0]
+    assert state.degraded
+    assert len(fallbacks) == 1  # one failure, then local answers until the retry time
+    await state.close()
