@@ -30,4 +30,6 @@ class GatewaySettings(BaseSettings):
     """An instance whose call failed is left out of decisions this long."""
     idempotency_ttl_s: float = Field(default=600.0, gt=0)
     """How long an ``Idempotency-Key``'s outcome is kept."""
+    redis_prefix: str = "tf:"
+    """Prefix of every key the gateways share in Redis (one per fleet)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)

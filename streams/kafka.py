@@ -71,7 +71,7 @@ class KafkaBus(EventBus):
                 acks="all",
                 request_timeout_ms=self._delivery_timeout_ms,
             )
-            await producer.start()
+            await _started(producer)
             self._producer = producer
         return self._producer
 
@@ -111,7 +111,7 @@ class KafkaBus(EventBus):
             enable_auto_commit=False,
             auto_offset_reset="earliest",  # an offset compacted or expired away: go to the oldest
         )
-        await consumer.start()
+        await _started(consumer)
         try:
             # aiokafka has no public call that refreshes a consumer's metadata for a topic
             # it is not subscribed to; fetch_all_metadata returns a fresh view instead.
@@ -125,6 +125,15 @@ class KafkaBus(EventBus):
         partitions = [TopicPartition(topic, p) for p in sorted(numbers)]
         consumer.assign(partitions)
         return consumer, partitions
+
+
+async def _started(client: AIOKafkaProducer | AIOKafkaConsumer) -> None:
+    """Start a client; one that fails to start is stopped, so it leaks no connection."""
+    try:
+        await client.start()
+    except BaseException:
+        await client.stop()
+        raise
 
 
 async def _seek(

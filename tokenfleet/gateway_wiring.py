@@ -54,10 +54,10 @@ def gateway_parts(
     return GatewayParts(fleet, settings, state, bus, router_factory(fleet, settings.policy))
 
 
-def shared_state(services: Settings) -> SharedState:
+def shared_state(services: Settings, settings: GatewaySettings) -> SharedState:
     if services.redis_url is None:
         return LocalState()
-    return FallbackState(RedisState(services.redis_url), LocalState())
+    return FallbackState(RedisState(services.redis_url, settings.redis_prefix), LocalState())
 
 
 @contextlib.asynccontextmanager
@@ -74,7 +74,7 @@ async def running_gateway(
         if services.kafka_bootstrap
         else InMemoryBus(source=settings.name)
     )
-    state = shared_state(services)
+    state = shared_state(services, settings)
     app = create_app(gateway_parts(fleet, settings, bus, state))
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
