@@ -68,7 +68,8 @@ def parse_metrics(text: str, engine: str) -> Scraped:
     blocks: int | None = None
     block_size = 16
     for family in text_string_to_metric_families(text):
-        field = names.get(family.name)
+        # Counters come as ``name`` or ``name_total`` families, by exposition version.
+        field = names.get(family.name.removesuffix("_total"))
         if field is not None:
             values[field] = values.get(field, 0.0) + sum(
                 s.value for s in family.samples if not s.name.endswith("_created")

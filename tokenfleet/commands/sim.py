@@ -181,6 +181,37 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     decision.add_argument("--policy", default="tokenpilot")
     decision.add_argument("--json", type=Path, required=True, help="write the figures here")
     decision.set_defaults(handler=_bench_decision)
+    gateway = sub.add_parser(
+        "gateway",
+        help="the gateway's added latency and request rate, against emulated instances",
+        description="Starts emulated instances and a gateway as processes of their own, "
+        "then measures added latency (P50, P99: through the gateway minus direct, requests "
+        "alternating one at a time) and the rate one gateway process sustains.",
+    )
+    gateway.add_argument("--requests", type=int, default=1000, help="latency samples each way")
+    gateway.add_argument("--concurrency", type=int, default=32, help="clients in the rate run")
+    gateway.add_argument("--duration", type=float, default=10.0, help="seconds of the rate run")
+    gateway.add_argument("--json", type=Path, required=True, help="write the figures here")
+    gateway.set_defaults(handler=_bench_gateway)
+
+
+def _bench_gateway(args: argparse.Namespace) -> int:
+    import json
+
+    from sim.gateway_bench import bench_gateway
+
+    if args.requests < 1 or args.concurrency < 1 or args.duration <= 0:
+        raise CliError("--requests and --concurrency must be at least 1, --duration positive")
+    figures = bench_gateway(args.requests, args.concurrency, args.duration)
+    print(
+        f"added latency p50 {figures['added_latency_p50_ms']:.2f} ms, "
+        f"p99 {figures['added_latency_p99_ms']:.2f} ms "
+        f"(direct p50 {figures['direct_p50_ms']:.2f} ms); "
+        f"{figures['max_rps']:.0f} requests/s at concurrency {args.concurrency} "
+        f"(direct: {figures['direct_rps']:.0f})"
+    )
+    args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
 
 
 def _bench_decision(args: argparse.Namespace) -> int:

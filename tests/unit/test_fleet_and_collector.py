@@ -1,0 +1,78 @@
+"""The fleet file, and the collector's reading of vLLM's and SGLang's metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from schemas.base import TaskClass
+from schemas.fleet import FleetFileError, load_fleet
+from streams.collector import NOMINAL_KV_BLOCKS, parse_metrics, telemetry_of
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "fleet.toml"
+
+VLLM = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 5.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{model_name="m"} 1000.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{model_name="m"} 400.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="2000"} 1.0
+"""
+
+SGLANG = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{model_name="m"} 2.0
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="m"} 7.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="m"} 0.5
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{model_name="m"} 0.3
+"""
+
+
+def test_the_example_fleet_file_loads_with_default_objectives_kept() -> None:
+    fleet = load_fleet(EXAMPLE)
+    assert [i.id for i in fleet.instances] == ["a-0", "a-1"]
+    assert fleet.objectives[TaskClass.INTERACTIVE].ttft_s == 2.0
+    assert fleet.objectives[TaskClass.BATCH].use_deadline  # not named there: the default
+
+
+def test_a_fleet_file_naming_an_unknown_dc_is_refused(tmp_path: Path) -> None:
+    broken = tmp_path / "fleet.toml"
+    broken.write_text(EXAMPLE.read_text().replace('dc = "dc-a"', 'dc = "dc-z"', 1))
+    with pytest.raises(FleetFileError, match="unknown dc 'dc-z'"):
+        load_fleet(broken)
+    with pytest.raises(FleetFileError, match="cannot read"):
+        load_fleet(tmp_path / "missing.toml")
+
+
+def test_vllm_metrics_become_telemetry() -> None:
+    fleet = load_fleet(EXAMPLE)
+    telemetry = telemetry_of(fleet.instances[0], parse_metrics(VLLM, "vllm"))
+    assert (telemetry.running, telemetry.waiting) == (3, 5)
+    assert (telemetry.kv_blocks_used, telemetry.kv_blocks_total) == (500, 2000)
+    assert (telemetry.prefix_cache_hits, telemetry.prefix_cache_queries) == (400, 1000)
+    assert telemetry.ready
+
+
+def test_sglang_metrics_become_telemetry() -> None:
+    fleet = load_fleet(EXAMPLE)
+    telemetry = telemetry_of(fleet.instances[0], parse_metrics(SGLANG, "sglang"))
+    assert (telemetry.running, telemetry.waiting) == (2, 7)
+    assert telemetry.kv_blocks_total == NOMINAL_KV_BLOCKS
+    assert telemetry.kv_blocks_used == NOMINAL_KV_BLOCKS // 2
+    assert telemetry.prefix_cache_hits == 300
+
+
+def test_an_instance_that_did_not_answer_is_not_ready() -> None:
+    fleet = load_fleet(EXAMPLE)
+    assert not telemetry_of(fleet.instances[1], None).ready
