@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -49,6 +49,10 @@ from schemas.lifecycle import (
 from schemas.openai_api import ApiError
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
+"""What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
+_JSON = {"content-type": "application/json"}
 
 _DONE = b"data: [DONE]"
 
@@ -83,7 +87,6 @@ class Exchange:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
         state: SharedState,
         events: EventSink,
         view: FleetView,
@@ -92,7 +95,8 @@ class Exchange:
         spawn: Spawn,
         idempotency_ttl_s: float,
     ) -> None:
-        self.client = client
+        self.client: aiohttp.ClientSession | None = None
+        """Set by the app's lifespan: a session belongs to the loop that serves."""
         self.state = state
         self.events = events
         self.view = view
@@ -136,47 +140,47 @@ class Exchange:
         trip.sent_at = time.monotonic()
         self.metrics.added_latency.observe(trip.sent_at - trip.arrived)
         upstream = await self._open(trip)
-        if upstream.status_code >= 400:  # the instance refused the request itself: pass it on
-            body = await upstream.aread()
-            await upstream.aclose()
+        if upstream.status >= 400:  # the instance refused the request itself: pass it on
+            body = await upstream.read()
+            upstream.release()
             await self._release(trip)
-            self._failed(trip, f"instance answered {upstream.status_code}")
-            return Response(body, upstream.status_code, media_type="application/json")
+            self._failed(trip, f"instance answered {upstream.status}")
+            return Response(body, upstream.status, media_type="application/json")
         if inbound.stream:
             return await self._stream(trip, upstream)
         return await self._whole(trip, upstream, request)
 
-    async def _open(self, trip: Trip) -> httpx.Response:
+    async def _open(self, trip: Trip) -> aiohttp.ClientResponse:
         url = f"{str(trip.instance.url).rstrip('/')}{trip.inbound.path}"
-        outgoing = self.client.build_request(
-            "POST", url, content=trip.inbound.body, headers={"content-type": "application/json"}
-        )
+        assert self.client is not None, "the app's lifespan has not started"
         try:
-            upstream = await self.client.send(outgoing, stream=True)
-        except httpx.HTTPError as exc:
+            upstream = await self.client.post(url, data=trip.inbound.body, headers=_JSON)
+        except UPSTREAM_ERRORS as exc:
             self.metrics.upstream_errors.labels(trip.instance.id, "connect").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
-        if upstream.status_code >= 500:
-            await upstream.aclose()
+        if upstream.status >= 500:
+            upstream.close()
             self.metrics.upstream_errors.labels(trip.instance.id, "status").inc()
-            raise UpstreamFailed(f"{trip.instance.id} answered {upstream.status_code}")
+            raise UpstreamFailed(f"{trip.instance.id} answered {upstream.status}")
         return upstream
 
-    async def _whole(self, trip: Trip, upstream: httpx.Response, request: Request) -> Response:
-        reading = asyncio.ensure_future(upstream.aread())
+    async def _whole(
+        self, trip: Trip, upstream: aiohttp.ClientResponse, request: Request
+    ) -> Response:
+        reading = asyncio.ensure_future(upstream.read())
         gone = asyncio.ensure_future(_disconnected(request))
         done, _ = await asyncio.wait({reading, gone}, return_when=asyncio.FIRST_COMPLETED)
         if reading not in done:
             reading.cancel()
-            await upstream.aclose()
+            upstream.close()
             await self._cancelled(trip)
             return Response(status_code=499)
         gone.cancel()
-        await upstream.aclose()
+        upstream.release()
         try:
             body = reading.result()
             usage = json.loads(body).get("usage") or {}
-        except (httpx.HTTPError, ValueError) as exc:
+        except (*UPSTREAM_ERRORS, ValueError) as exc:
             self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
         trip.first_token_at = time.monotonic()  # unseen: a whole response counts TTFT as E2E
@@ -185,8 +189,8 @@ class Exchange:
         await self._completed(trip)
         return Response(body, media_type="application/json", headers=_headers(trip))
 
-    async def _stream(self, trip: Trip, upstream: httpx.Response) -> Response:
-        events = _sse_events(upstream.aiter_raw())
+    async def _stream(self, trip: Trip, upstream: aiohttp.ClientResponse) -> Response:
+        events = _sse_events(upstream.content.iter_any())
         head: list[bytes] = []
         try:
             async for event in events:
@@ -195,12 +199,12 @@ class Exchange:
                     break
             else:
                 raise UpstreamFailed(f"{trip.instance.id} ended the stream before a token")
-        except httpx.HTTPError as exc:
-            await upstream.aclose()
+        except UPSTREAM_ERRORS as exc:
+            upstream.close()
             self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
         except UpstreamFailed:
-            await upstream.aclose()
+            upstream.close()
             raise
         await self._first_token(trip)
         return StreamingResponse(
@@ -212,7 +216,7 @@ class Exchange:
     async def _relay(
         self,
         trip: Trip,
-        upstream: httpx.Response,
+        upstream: aiohttp.ClientResponse,
         head: list[bytes],
         events: AsyncIterator[bytes],
     ) -> AsyncIterator[bytes]:
@@ -223,7 +227,7 @@ class Exchange:
             async for event in events:
                 yield self._counted(trip, event)
             ended = "completed"
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             ended = f"{trip.instance.id}: {type(exc).__name__}"
             self.metrics.upstream_errors.labels(trip.instance.id, "after_first_token").inc()
             yield _error_event(f"The model instance failed mid-stream ({type(exc).__name__}).")
@@ -240,8 +244,11 @@ class Exchange:
             trip.captured.extend(event)
         return event
 
-    async def _stream_ended(self, trip: Trip, upstream: httpx.Response, ended: str) -> None:
-        await upstream.aclose()
+    async def _stream_ended(self, trip: Trip, upstream: aiohttp.ClientResponse, ended: str) -> None:
+        if ended == "completed":
+            upstream.release()
+        else:
+            upstream.close()  # closing the connection is how vLLM learns to abort
         if ended == "completed":
             await self._completed(trip)
         elif ended == "cancelled":

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 from tqdm import tqdm
@@ -123,18 +124,33 @@ def _body(n: int) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
 
 
+def _session(connections: int = 100) -> aiohttp.ClientSession:
+    """The sending client: aiohttp, the lightest Python client, so that the sender's own
+    cost (shared with the gateway on small machines) stays low."""
+    return aiohttp.ClientSession(
+        headers={"authorization": f"Bearer {KEY}"},
+        connector=aiohttp.TCPConnector(limit=connections),
+        timeout=aiohttp.ClientTimeout(total=30),
+    )
+
+
+async def _post(http: aiohttp.ClientSession, base: str, n: int) -> None:
+    async with http.post(f"{base}/v1/chat/completions", json=_body(n)) as response:
+        await response.read()
+        response.raise_for_status()
+
+
 async def _latency(direct: list[str], front: str, requests: int) -> dict[str, float]:
-    headers = {"authorization": f"Bearer {KEY}"}
     times: dict[str, list[float]] = {"direct": [], "gateway": []}
-    async with httpx.AsyncClient(headers=headers, timeout=30) as http:
+    async with _session() as http:
         for n in range(50):  # warm connections and caches
-            await http.post(f"{front}/v1/chat/completions", json=_body(n))
+            await _post(http, front, n)
+            await _post(http, direct[n % len(direct)], n)
         for n in tqdm(range(requests), desc="latency", unit="req"):
             for kind, base in (("direct", direct[n % len(direct)]), ("gateway", front)):
                 started = time.perf_counter()
-                response = await http.post(f"{base}/v1/chat/completions", json=_body(n))
+                await _post(http, base, n)
                 times[kind].append(time.perf_counter() - started)
-                response.raise_for_status()
     figures = {}
     for quantile in (50, 99):
         d = float(np.percentile(times["direct"], quantile)) * 1000
@@ -149,21 +165,18 @@ async def _latency(direct: list[str], front: str, requests: int) -> dict[str, fl
 
 async def _rate(targets: list[str], concurrency: int, duration_s: float) -> float:
     """Completed requests per second, ``concurrency`` clients spread over ``targets``."""
-    headers = {"authorization": f"Bearer {KEY}"}
     done = 0
     stop = time.monotonic() + duration_s
-    limits = httpx.Limits(max_connections=concurrency)
 
-    async def client(http: httpx.AsyncClient, offset: int) -> None:
+    async def client(http: aiohttp.ClientSession, offset: int) -> None:
         nonlocal done
         n, target = offset, targets[offset % len(targets)]
         while time.monotonic() < stop:
-            response = await http.post(f"{target}/v1/chat/completions", json=_body(n))
-            response.raise_for_status()
+            await _post(http, target, n)
             done += 1
             n += concurrency
 
-    async with httpx.AsyncClient(headers=headers, timeout=30, limits=limits) as http:
+    async with _session(concurrency) as http:
         started = time.monotonic()
         await asyncio.gather(*(client(http, i) for i in range(concurrency)))
         elapsed = time.monotonic() - started

@@ -76,3 +76,20 @@ def test_sglang_metrics_become_telemetry() -> None:
 def test_an_instance_that_did_not_answer_is_not_ready() -> None:
     fleet = load_fleet(EXAMPLE)
     assert not telemetry_of(fleet.instances[1], None).ready
+
+
+def test_garbage_is_not_an_exposition() -> None:
+    with pytest.raises(ValueError, match="not a Prometheus sample"):
+        parse_metrics("<html>not found</html>", "vllm")
+
+
+def test_samples_read_as_prometheus_clients_parser_reads_them() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from streams.collector import samples
+
+    ours = [(n, v) for n, _, v in samples(VLLM + SGLANG)]
+    theirs = [
+        (s.name, s.value) for f in text_string_to_metric_families(VLLM + SGLANG) for s in f.samples
+    ]
+    assert ours == theirs
