@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from schemas import Envelope
 from schemas.fleet import InstanceConfig
@@ -155,7 +155,7 @@ class Collector:
         self,
         instances: Iterable[InstanceConfig],
         bus: EventBus,
-        client: httpx.AsyncClient,
+        client: aiohttp.ClientSession,
         interval_s: float = 0.2,
         timeout_s: float = 1.0,
     ) -> None:
@@ -183,9 +183,10 @@ class Collector:
     async def _scrape(self, instance: InstanceConfig) -> Scraped | None:
         url = f"{str(instance.url).rstrip('/')}/metrics"
         try:
-            response = await asyncio.wait_for(self.client.get(url), self.timeout_s)
-            response.raise_for_status()
-            return parse_metrics(response.text, instance.engine)
-        except (httpx.HTTPError, ValueError, TimeoutError) as exc:
+            async with asyncio.timeout(self.timeout_s), self.client.get(url) as response:
+                response.raise_for_status()
+                text = await response.text()
+            return parse_metrics(text, instance.engine)
+        except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
             log.info("scraping %s failed: %s", instance.id, exc)
             return None

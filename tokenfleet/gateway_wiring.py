@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-import httpx
+import aiohttp
 import uvicorn
 from fastapi import FastAPI
 
@@ -79,7 +79,7 @@ async def running_gateway(
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     tasks = [asyncio.create_task(server.serve())]
-    async with httpx.AsyncClient() as scraper:
+    async with aiohttp.ClientSession() as scraper:
         if services.kafka_bootstrap is None:
             tasks.append(asyncio.create_task(Collector(fleet.instances, bus, scraper).run()))
         try:

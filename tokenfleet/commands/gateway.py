@@ -80,7 +80,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _collect(args: argparse.Namespace) -> int:
-    import httpx
+    import aiohttp
 
     from schemas.fleet import FleetFileError, load_fleet
     from streams.collector import Collector
@@ -99,7 +99,7 @@ def _collect(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         bus = KafkaBus(bootstrap, source="collector")
-        async with httpx.AsyncClient() as client:
+        async with aiohttp.ClientSession() as client:
             try:
                 await Collector(fleet.instances, bus, client, args.interval, args.timeout).run()
             finally:
