@@ -1,0 +1,165 @@
+"""One DC's windowed state, and the builder that feeds every DC from decoded events."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import Envelope
+from schemas.base import TaskClass
+from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
+from schemas.tables import CapacityTable, GoodputTable, KvTable, WindowedTable
+from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
+from streams.tables import outcomes
+from streams.tables.capacity import FleetSlice
+from streams.tables.goodput import GoodputCounts, group_keys, rows
+from streams.tables.outcomes import Outcome, RequestState
+from streams.tables.windows import WindowSpec
+
+DEDUP_MEMORY = 100_000
+"""Telemetry and KV event ids remembered for deduplication."""
+
+
+@dataclass
+class DcTables:
+    """One DC's slices: goodput groups and fleet state, by slice start."""
+
+    goodput: dict[float, dict[str, GoodputCounts]] = field(default_factory=dict)
+    fleet: dict[float, FleetSlice] = field(default_factory=dict)
+    watermark: float = float("-inf")
+    """The latest event time seen for this DC."""
+
+    def add_outcome(self, outcome: Outcome, objective: ClassObjective, spec: WindowSpec) -> None:
+        self.watermark = max(self.watermark, outcome.ts)
+        late = spec.is_late(outcome.ts, self.watermark)
+        at = spec.slice_of(self.watermark if late else outcome.ts)
+        groups = self.goodput.setdefault(at, {})
+        for key in group_keys(outcome):
+            counts = groups.setdefault(key, GoodputCounts())
+            if late:
+                counts.late_events += 1
+            else:
+                counts.add(outcome, objective)
+        if not late and outcome.kind is outcomes.OutcomeKind.COMPLETED and not outcome.repeated:
+            prefill = outcome.input_tokens - outcome.cached_tokens
+            self._fleet(at).deliver(outcome.model, prefill, outcome.output_tokens)
+
+    def add_telemetry(self, telemetry: InstanceTelemetry, ts: float, spec: WindowSpec) -> None:
+        self.watermark = max(self.watermark, ts)
+        if not spec.is_late(ts, self.watermark):
+            self._fleet(spec.slice_of(ts)).observe(telemetry, ts)
+
+    def add_evictions(self, instance: str, blocks: int, ts: float, spec: WindowSpec) -> None:
+        self.watermark = max(self.watermark, ts)
+        if not spec.is_late(ts, self.watermark):
+            self._fleet(spec.slice_of(ts)).evicted(instance, blocks)
+
+    def expire(self, spec: WindowSpec) -> None:
+        for slices in (self.goodput, self.fleet):
+            for start in [s for s in slices if spec.expired(s, self.watermark)]:
+                del slices[start]
+
+    def tables(self, dc: str, spec: WindowSpec, now: float) -> list[WindowedTable]:
+        """The three tables of the latest whole window at ``now``."""
+        start, end = spec.window_ending(now)
+        groups: dict[str, GoodputCounts] = {}
+        fleet = FleetSlice()
+        for at in spec.slices(start, end):
+            for key, counts in self.goodput.get(at, {}).items():
+                groups.setdefault(key, GoodputCounts()).merge(counts)
+            if at in self.fleet:
+                fleet.merge(self.fleet[at])
+        window = {"dc": dc, "version": int(end * 1000), "window_start": start, "window_end": end}
+        classes, tenants = rows(groups)
+        return [
+            CapacityTable(**window, rows=fleet.capacity_rows(spec.size_s, now)),
+            KvTable(**window, **fleet.kv_totals(spec.size_s), instances=fleet.kv_rows(spec.size_s)),
+            GoodputTable(**window, classes=classes, tenants=tenants),
+        ]
+
+    def _fleet(self, at: float) -> FleetSlice:
+        return self.fleet.setdefault(at, FleetSlice())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "goodput": {
+                str(at): {k: c.to_dict() for k, c in groups.items()}
+                for at, groups in self.goodput.items()
+            },
+            "fleet": {str(at): s.to_dict() for at, s in self.fleet.items()},
+            "watermark": self.watermark,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DcTables:
+        return cls(
+            {
+                float(at): {k: GoodputCounts.from_dict(c) for k, c in groups.items()}
+                for at, groups in data["goodput"].items()
+            },
+            {float(at): FleetSlice.from_dict(s) for at, s in data["fleet"].items()},
+            data["watermark"],
+        )
+
+
+class TableBuilder:
+    """Every table of every DC from events fed in any order, duplicates included.
+
+    Lifecycle events are joined per request (``streams.tables.outcomes``); telemetry and
+    KV events are deduplicated by event id and attributed to the DC of their instance.
+    """
+
+    def __init__(
+        self,
+        spec: WindowSpec | None = None,
+        objectives: dict[TaskClass, ClassObjective] | None = None,
+    ) -> None:
+        self.spec = spec or WindowSpec()
+        self.objectives = objectives or DEFAULT_OBJECTIVES
+        self.dcs: dict[str, DcTables] = {}
+        self.requests: dict[str, RequestState] = {}
+        self._instance_dc: dict[str, str] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def feed(self, envelope: Envelope) -> None:
+        payload = envelope.payload
+        if outcomes.relevant(envelope):
+            request_id = payload.request_id
+            state = self.requests.setdefault(request_id, outcomes.new_state())
+            for outcome in outcomes.apply(state, envelope):
+                self.add_outcome(outcome)
+        elif isinstance(payload, InstanceTelemetry | KvBlocksRemoved) and self._first(envelope):
+            if isinstance(payload, InstanceTelemetry):
+                self._instance_dc[payload.instance_id] = payload.dc
+                self._dc(payload.dc).add_telemetry(payload, envelope.ts, self.spec)
+            elif (dc := self._instance_dc.get(payload.instance_id)) is not None:
+                blocks = len(payload.block_hashes)
+                self._dc(dc).add_evictions(payload.instance_id, blocks, envelope.ts, self.spec)
+
+    def add_outcome(self, outcome: Outcome) -> None:
+        objective = self.objectives[TaskClass(outcome.task_class)]
+        self._dc(outcome.dc).add_outcome(outcome, objective, self.spec)
+
+    def tables(self, now: float) -> list[WindowedTable]:
+        """Every DC's tables for the latest whole window at ``now``. Old slices go, and so
+        do requests quiet for longer than a window and its grace (a request whose end never
+        matched its start is dropped with them)."""
+        horizon = now - self.spec.size_s - self.spec.grace_s
+        self.requests = {k: s for k, s in self.requests.items() if s["last_ts"] >= horizon}
+        published = []
+        for dc, state in sorted(self.dcs.items()):
+            state.expire(self.spec)
+            published.extend(state.tables(dc, self.spec, now))
+        return published
+
+    def _dc(self, dc: str) -> DcTables:
+        return self.dcs.setdefault(dc, DcTables())
+
+    def _first(self, envelope: Envelope) -> bool:
+        if envelope.event_id in self._seen:
+            return False
+        self._seen[envelope.event_id] = None
+        if len(self._seen) > DEDUP_MEMORY:
+            self._seen.popitem(last=False)
+        return True

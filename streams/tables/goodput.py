@@ -1,0 +1,109 @@
+"""Goodput per (DC, class) and per (DC, tenant): one mergeable aggregate per group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from schemas.base import TaskClass
+from schemas.objectives import ClassObjective
+from schemas.tables import GoodputRow
+from streams.tables.outcomes import Outcome, OutcomeKind
+from streams.tables.sketch import QuantileSketch
+
+
+@dataclass
+class GoodputCounts:
+    completed: int = 0
+    output_tokens: int = 0
+    goodput_tokens: int = 0
+    met: int = 0
+    failures: int = 0
+    cancellations: int = 0
+    timeouts: int = 0
+    retries: int = 0
+    repeated_executions: int = 0
+    wasted_tokens: int = 0
+    late_events: int = 0
+    ttft: QuantileSketch = field(default_factory=QuantileSketch)
+    tpot: QuantileSketch = field(default_factory=QuantileSketch)
+
+    def add(self, outcome: Outcome, objective: ClassObjective) -> None:
+        """Count one outcome. Tokens of failed, cancelled, timed-out and repeated
+        executions are wasted; a completion counts as goodput when it met its objective."""
+        self.retries += outcome.retries
+        if outcome.repeated:
+            self.repeated_executions += 1
+            self.wasted_tokens += outcome.output_tokens
+            return
+        if outcome.kind is not OutcomeKind.COMPLETED:
+            self.wasted_tokens += outcome.output_tokens
+            self.failures += outcome.kind is OutcomeKind.FAILED
+            self.cancellations += outcome.kind is OutcomeKind.CANCELLED
+            self.timeouts += outcome.kind is OutcomeKind.TIMED_OUT
+            return
+        self.completed += 1
+        self.output_tokens += outcome.output_tokens
+        self.ttft.add(outcome.ttft_s)
+        self.tpot.add(outcome.tpot_s)
+        if objective.met(outcome.ttft_s, outcome.tpot_s, outcome.e2e_s, outcome.deadline_s):
+            self.met += 1
+            self.goodput_tokens += outcome.output_tokens
+
+    def merge(self, other: GoodputCounts) -> None:
+        for name in _COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.ttft.merge(other.ttft)
+        self.tpot.merge(other.tpot)
+
+    def row(self, key: str) -> GoodputRow:
+        return GoodputRow(
+            key=key,
+            completed=self.completed,
+            output_tokens=self.output_tokens,
+            goodput_tokens=self.goodput_tokens,
+            compliance=self.met / self.completed if self.completed else 0.0,
+            ttft_p50_s=self.ttft.quantile(0.5),
+            ttft_p95_s=self.ttft.quantile(0.95),
+            ttft_p99_s=self.ttft.quantile(0.99),
+            tpot_p50_s=self.tpot.quantile(0.5),
+            tpot_p95_s=self.tpot.quantile(0.95),
+            tpot_p99_s=self.tpot.quantile(0.99),
+            failures=self.failures,
+            cancellations=self.cancellations,
+            timeouts=self.timeouts,
+            retries=self.retries,
+            repeated_executions=self.repeated_executions,
+            wasted_tokens=self.wasted_tokens,
+            late_events=self.late_events,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {name: getattr(self, name) for name in _COUNTERS}
+        return data | {"ttft": self.ttft.to_dict(), "tpot": self.tpot.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GoodputCounts:
+        counts = cls(**{name: data[name] for name in _COUNTERS})
+        counts.ttft = QuantileSketch.from_dict(data["ttft"])
+        counts.tpot = QuantileSketch.from_dict(data["tpot"])
+        return counts
+
+
+_COUNTERS = tuple(f.name for f in fields(GoodputCounts) if f.type == "int")
+
+
+def group_keys(outcome: Outcome) -> tuple[str, str]:
+    """The two groups an outcome counts in: its class and its tenant."""
+    return f"class:{outcome.task_class}", f"tenant:{outcome.tenant}"
+
+
+def rows(groups: dict[str, GoodputCounts]) -> tuple[tuple[GoodputRow, ...], tuple[GoodputRow, ...]]:
+    """Class rows (every class, even without traffic) and tenant rows, sorted by key."""
+    classes = tuple(groups.get(f"class:{c.value}", GoodputCounts()).row(c.value) for c in TaskClass)
+    tenants = tuple(
+        counts.row(key.removeprefix("tenant:"))
+        for key, counts in sorted(groups.items())
+        if key.startswith("tenant:")
+    )
+    return classes, tenants

@@ -1,0 +1,166 @@
+"""Joining a request's lifecycle events into its outcome, under at-least-once delivery.
+
+Events of one request share its key (``request_id``), so one partition sees all of them,
+in publication order per producer but not across producers (the gateway publishes the
+start, another gateway or a retry may publish the end). The join therefore:
+
+- ignores an ``event_id`` it has already seen (a redelivery);
+- holds an end (completed, failed, cancelled) until the request's arrival and its DC are
+  known, then releases it; nothing is dropped for arriving early;
+- marks a second completion of one request as a repeated execution.
+
+State is a plain JSON-able dict, so a Faust table can store it as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from schemas import Envelope
+from schemas.lifecycle import (
+    CancelReason,
+    RequestArrived,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    RequestRetried,
+    RequestRouted,
+)
+
+RequestState = dict[str, Any]
+SEEN_LIMIT = 64
+"""Event ids remembered per request; a request has far fewer events."""
+
+
+class OutcomeKind(StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one execution of a request ended, with what the tables need of its request."""
+
+    request_id: str
+    ts: float
+    dc: str
+    model: str
+    task_class: str
+    tenant: str
+    kind: OutcomeKind
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    e2e_s: float = 0.0
+    deadline_s: float | None = None
+    retries: int = 0
+    repeated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Outcome:
+        return cls(**{**data, "kind": OutcomeKind(data["kind"])})
+
+
+def new_state() -> RequestState:
+    return {
+        "seen": [],
+        "arrived": None,
+        "dc": None,
+        "retries": 0,
+        "held": [],
+        "ended": 0,
+        "last_ts": float("-inf"),
+    }
+
+
+_LIFECYCLE = (
+    RequestArrived,
+    RequestRouted,
+    RequestRetried,
+    RequestCompleted,
+    RequestFailed,
+    RequestCancelled,
+)
+
+
+def relevant(envelope: Envelope) -> bool:
+    return isinstance(envelope.payload, _LIFECYCLE)
+
+
+def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:
+    """Fold one event into its request's ``state`` (in place); return the outcomes it
+    releases. A redelivered event changes nothing."""
+    if envelope.event_id in state["seen"]:
+        return []
+    state["seen"] = [*state["seen"][-(SEEN_LIMIT - 1) :], envelope.event_id]
+    state["last_ts"] = max(state["last_ts"], envelope.ts)
+    payload = envelope.payload
+    if isinstance(payload, RequestArrived):
+        state["arrived"] = {
+            "model": payload.model,
+            "task_class": payload.task_class.value,
+            "tenant": payload.tenant,
+            "deadline_s": payload.deadline_s,
+        }
+    elif isinstance(payload, RequestRouted):
+        state["dc"] = payload.dc
+    elif isinstance(payload, RequestRetried):
+        state["retries"] += 1
+    elif isinstance(payload, RequestCompleted | RequestFailed | RequestCancelled):
+        if isinstance(payload, RequestCompleted):
+            state["dc"] = state["dc"] or payload.dc
+        state["held"].append({"ts": envelope.ts, **payload.model_dump(mode="json")})
+    return _release(state)
+
+
+def _release(state: RequestState) -> list[Outcome]:
+    arrived, dc = state["arrived"], state["dc"]
+    if arrived is None or dc is None or not state["held"]:
+        return []
+    outcomes = []
+    for end in sorted(state["held"], key=lambda e: e["ts"]):
+        kind = _kind(end)
+        repeated = kind is OutcomeKind.COMPLETED and state["ended"] > 0
+        if kind is OutcomeKind.COMPLETED:
+            state["ended"] += 1
+        outcomes.append(
+            Outcome(
+                request_id=end["request_id"],
+                ts=end["ts"],
+                dc=dc,
+                model=arrived["model"],
+                task_class=arrived["task_class"],
+                tenant=arrived["tenant"],
+                kind=kind,
+                input_tokens=end.get("input_tokens", 0),
+                cached_tokens=end.get("cached_tokens", 0),
+                output_tokens=end.get("output_tokens", 0),
+                ttft_s=end.get("ttft_s", 0.0),
+                tpot_s=end.get("tpot_s", 0.0),
+                e2e_s=end.get("e2e_s", 0.0),
+                deadline_s=arrived["deadline_s"],
+                retries=state["retries"],
+                repeated=repeated,
+            )
+        )
+    state["held"] = []
+    return outcomes
+
+
+def _kind(end: dict[str, Any]) -> OutcomeKind:
+    if "ttft_s" in end:
+        return OutcomeKind.COMPLETED
+    if "error" in end:
+        return OutcomeKind.FAILED
+    if end.get("reason") in (CancelReason.TIMEOUT, CancelReason.DEADLINE):
+        return OutcomeKind.TIMED_OUT
+    return OutcomeKind.CANCELLED

@@ -1,0 +1,196 @@
+"""The table logic: what the stream processors compute, checked against the records a
+simulated run produced, under reordering, duplicates, early ends and late events."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from schemas import Envelope
+from schemas.base import TaskClass
+from schemas.lifecycle import (
+    CancelReason,
+    RequestArrived,
+    RequestCancelled,
+    RequestCompleted,
+    RequestRouted,
+)
+from schemas.objectives import DEFAULT_OBJECTIVES
+from schemas.tables import CapacityTable, GoodputTable, KvTable
+from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
+from sim.events import lifecycle_events
+from sim.records import RequestRecord
+from sim.run import RunConfig, simulate_run
+from streams.tables.builder import TableBuilder
+from streams.tables.sketch import QuantileSketch
+from streams.tables.windows import WindowSpec
+
+SPEC = WindowSpec(size_s=600.0, slide_s=60.0, grace_s=600.0)
+EPOCH = 1_800_000_000.0  # a slide boundary
+
+
+@pytest.fixture(scope="module")
+def records() -> list[RequestRecord]:
+    _, records = simulate_run(RunConfig("azure-conv", instances=4, requests=300))
+    return records
+
+
+def goodput(tables: Sequence[object]) -> GoodputTable:
+    return next(t for t in tables if isinstance(t, GoodputTable))
+
+
+def build(events: Sequence[Envelope], now: float) -> list[object]:
+    builder = TableBuilder(SPEC)
+    for event in events:
+        builder.feed(event)
+    return builder.tables(now)
+
+
+def test_goodput_totals_equal_the_simulated_records(records: list[RequestRecord]) -> None:
+    events = lifecycle_events(records, model="m", epoch=EPOCH)
+    now = EPOCH + SPEC.size_s
+    row = goodput(build(events, now)).classes[0]
+    done = [r for r in records if r.outcome == "completed" and r.arrival_s + r.e2e_s < 600]
+    objective = DEFAULT_OBJECTIVES[TaskClass.INTERACTIVE]
+    met = [r for r in done if objective.met(r.ttft_s, r.tpot_s, r.e2e_s, r.deadline_s)]
+    assert row.key == "interactive"
+    assert row.completed == len(done) > 0
+    assert row.output_tokens == sum(r.output_tokens for r in done)
+    assert row.goodput_tokens == sum(r.output_tokens for r in met)
+    assert row.compliance == pytest.approx(len(met) / len(done))
+    true_p95 = float(np.quantile([r.ttft_s for r in done], 0.95, method="lower"))
+    assert row.ttft_p95_s == pytest.approx(true_p95, rel=0.02)
+
+
+def test_reordered_and_redelivered_events_give_the_same_tables(
+    records: list[RequestRecord],
+) -> None:
+    events = lifecycle_events(records, model="m", epoch=EPOCH)
+    shaken = events + random.Random(1).sample(events, len(events) // 3)  # redeliveries
+    random.Random(2).shuffle(shaken)  # completions now often come before arrivals
+    now = EPOCH + SPEC.size_s
+    assert build(shaken, now) == build(events, now)
+
+
+def _request(n: int, at: float) -> list[Envelope]:
+    rid = f"r{n}"
+    return [
+        Envelope.wrap(
+            RequestArrived(
+                request_id=rid,
+                tenant="t",
+                task_class=TaskClass.INTERACTIVE,
+                model="m",
+                input_tokens=100,
+                output_budget=10,
+                source_region="eu",
+            ),
+            source="test",
+            ts=at,
+        ),
+        Envelope.wrap(
+            RequestRouted(request_id=rid, dc="dc-a", instance_id="i0", policy="p", candidates=()),
+            source="test",
+            ts=at,
+        ),
+    ]
+
+
+def _completed(n: int, at: float, output_tokens: int = 10) -> Envelope:
+    done = RequestCompleted(
+        request_id=f"r{n}",
+        dc="dc-a",
+        instance_id="i0",
+        task_class=TaskClass.INTERACTIVE,
+        tenant="t",
+        input_tokens=100,
+        cached_tokens=0,
+        output_tokens=output_tokens,
+        ttft_s=0.5,
+        tpot_s=0.05,
+        e2e_s=1.0,
+    )
+    return Envelope.wrap(done, source="test", ts=at)
+
+
+def test_ends_repeats_and_late_events_are_counted_not_lost() -> None:
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    start = EPOCH
+    builder.feed(_completed(1, start + 1))  # before its start: held
+    for event in _request(1, start):
+        builder.feed(event)
+    builder.feed(_completed(1, start + 2, output_tokens=7))  # run twice
+    for event in _request(2, start):
+        builder.feed(event)
+    cancelled = RequestCancelled(
+        request_id="r2", reason=CancelReason.TIMEOUT, output_tokens=4, instance_id="i0"
+    )
+    builder.feed(Envelope.wrap(cancelled, source="test", ts=start + 3))
+    builder.feed(_completed(4, start + 1))  # r4's start never comes: held, not counted
+    early = goodput(builder.tables(start + 60)).classes[0]
+    assert (early.completed, early.output_tokens, early.repeated_executions) == (1, 10, 1)
+    assert (early.timeouts, early.wasted_tokens) == (1, 4 + 7)
+    for event in _request(3, start + 100):  # moves the watermark on
+        builder.feed(event)
+    builder.feed(_completed(3, start + 101))
+    for event in _request(5, start):
+        builder.feed(event)
+    builder.feed(_completed(5, start + 4))  # 97 s behind the watermark: late
+    later = goodput(builder.tables(start + 110)).classes[0]
+    assert (later.completed, later.late_events) == (1, 1)
+
+
+def _telemetry(instance: str, used: int, hits: int, queries: int, ready: bool = True):
+    return InstanceTelemetry(
+        instance_id=instance,
+        dc="dc-a",
+        model="m",
+        model_version="1",
+        ready=ready,
+        waiting=2,
+        running=3,
+        inflight_tokens=100,
+        kv_blocks_used=used,
+        kv_blocks_total=1000,
+        prefix_cache_hits=hits,
+        prefix_cache_queries=queries,
+    )
+
+
+def test_capacity_and_kv_come_from_the_latest_telemetry_and_counter_growth() -> None:
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    feed = [
+        (_telemetry("i0", 100, 0, 0), 1.0),
+        (_telemetry("i0", 400, 300, 1000), 30.0),
+        (_telemetry("i1", 900, 0, 0, ready=False), 20.0),
+    ]
+    for telemetry, at in feed:
+        builder.feed(Envelope.wrap(telemetry, source="test", ts=EPOCH + at))
+    removed = KvBlocksRemoved(instance_id="i0", block_hashes=(1, 2, 3))
+    builder.feed(Envelope.wrap(removed, source="test", ts=EPOCH + 31))
+    tables = builder.tables(EPOCH + 60)
+    capacity = next(t for t in tables if isinstance(t, CapacityTable))
+    kv = next(t for t in tables if isinstance(t, KvTable))
+    [row] = capacity.rows
+    assert (row.ready_endpoints, row.kv_blocks_total, row.kv_blocks_free) == (1, 1000, 600)
+    assert row.telemetry_age_s == pytest.approx(30.0)  # freshest at 30 s, read at 60 s
+    assert kv.pressure == pytest.approx((400 + 900) / 2000)
+    assert kv.prefix_hit_rate == pytest.approx(0.3)
+    assert kv.evictions_per_s == pytest.approx(3 / 60)
+
+
+@given(st.lists(st.floats(0.001, 1000.0), min_size=1, max_size=300), st.floats(0, 1))
+def test_the_sketch_is_within_its_relative_accuracy(values: list[float], q: float) -> None:
+    sketch, halves = QuantileSketch(), (QuantileSketch(), QuantileSketch())
+    for n, value in enumerate(values):
+        sketch.add(value)
+        halves[n % 2].add(value)
+    truth = float(np.quantile(values, q, method="lower"))
+    assert sketch.quantile(q) == pytest.approx(truth, rel=0.0101)
+    halves[0].merge(halves[1])
+    assert halves[0].quantile(q) == sketch.quantile(q)
