@@ -128,17 +128,22 @@ class EventBus(ABC):
         )
         if record.topic == DEADLETTER_TOPIC:
             return  # never loop: a broken dead letter is logged and left where it is
-        letter = DeadLetter(
-            source_topic=record.topic,
-            partition=record.partition,
-            offset=record.offset,
-            key=record.key,
-            reason=reason,
-            raw_b64=base64.b64encode(record.value or b"").decode(),
-        )
-        # One id per bad record, so the letters of several consumers deduplicate.
-        event_id = f"{record.topic}/{record.partition}/{record.offset}"
-        await self.publish_event(Envelope.wrap(letter, source=self.source, event_id=event_id))
+        await self.publish_event(dead_letter(record, reason, self.source))
+
+
+def dead_letter(record: RawRecord, reason: str, source: str) -> Envelope:
+    """The dead letter of an undecodable record. Its event id names the record, so the
+    letters several consumers write for one record deduplicate."""
+    letter = DeadLetter(
+        source_topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        key=record.key,
+        reason=reason,
+        raw_b64=base64.b64encode(record.value or b"").decode(),
+    )
+    event_id = f"{record.topic}/{record.partition}/{record.offset}"
+    return Envelope.wrap(letter, source=source, event_id=event_id)
 
 
 class Subscription:

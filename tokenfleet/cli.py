@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tokenfleet.commands import emulate, gateway, services, sim
+from tokenfleet.commands import emulate, gateway, services, sim, streams
 from tokenfleet.commands.errors import CliError
 from tokenfleet.services.process import ServiceError
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="TokenFleet: route, admit and place LLM requests across a fleet for goodput.",
     )
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    for area in (sim, emulate, gateway, services):
+    for area in (sim, emulate, gateway, streams, services):
         area.register(commands)
     return parser
 

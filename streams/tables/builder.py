@@ -27,10 +27,15 @@ class DcTables:
 
     goodput: dict[float, dict[str, GoodputCounts]] = field(default_factory=dict)
     fleet: dict[float, FleetSlice] = field(default_factory=dict)
+    counted: dict[float, set[str]] = field(default_factory=dict)
+    """Ids of the outcomes and evictions counted, by slice: a host that delivers one twice
+    (a replay after a crash) counts it once."""
     watermark: float = float("-inf")
     """The latest event time seen for this DC."""
 
     def add_outcome(self, outcome: Outcome, objective: ClassObjective, spec: WindowSpec) -> None:
+        if not self._first(outcome.event_id, spec.slice_of(outcome.ts)):
+            return
         self.watermark = max(self.watermark, outcome.ts)
         late = spec.is_late(outcome.ts, self.watermark)
         at = spec.slice_of(self.watermark if late else outcome.ts)
@@ -50,13 +55,24 @@ class DcTables:
         if not spec.is_late(ts, self.watermark):
             self._fleet(spec.slice_of(ts)).observe(telemetry, ts)
 
-    def add_evictions(self, instance: str, blocks: int, ts: float, spec: WindowSpec) -> None:
+    def add_evictions(
+        self, event_id: str, instance: str, blocks: int, ts: float, spec: WindowSpec
+    ) -> None:
+        if not self._first(event_id, spec.slice_of(ts)):
+            return
         self.watermark = max(self.watermark, ts)
         if not spec.is_late(ts, self.watermark):
             self._fleet(spec.slice_of(ts)).evicted(instance, blocks)
 
+    def _first(self, event_id: str, at: float) -> bool:
+        ids = self.counted.setdefault(at, set())
+        if event_id in ids:
+            return False
+        ids.add(event_id)
+        return True
+
     def expire(self, spec: WindowSpec) -> None:
-        for slices in (self.goodput, self.fleet):
+        for slices in (self.goodput, self.fleet, self.counted):
             for start in [s for s in slices if spec.expired(s, self.watermark)]:
                 del slices[start]
 
@@ -88,6 +104,7 @@ class DcTables:
                 for at, groups in self.goodput.items()
             },
             "fleet": {str(at): s.to_dict() for at, s in self.fleet.items()},
+            "counted": {str(at): sorted(ids) for at, ids in self.counted.items()},
             "watermark": self.watermark,
         }
 
@@ -99,6 +116,7 @@ class DcTables:
                 for at, groups in data["goodput"].items()
             },
             {float(at): FleetSlice.from_dict(s) for at, s in data["fleet"].items()},
+            {float(at): set(ids) for at, ids in data["counted"].items()},
             data["watermark"],
         )
 
@@ -134,8 +152,13 @@ class TableBuilder:
                 self._instance_dc[payload.instance_id] = payload.dc
                 self._dc(payload.dc).add_telemetry(payload, envelope.ts, self.spec)
             elif (dc := self._instance_dc.get(payload.instance_id)) is not None:
-                blocks = len(payload.block_hashes)
-                self._dc(dc).add_evictions(payload.instance_id, blocks, envelope.ts, self.spec)
+                self._dc(dc).add_evictions(
+                    envelope.event_id,
+                    payload.instance_id,
+                    len(payload.block_hashes),
+                    envelope.ts,
+                    self.spec,
+                )
 
     def add_outcome(self, outcome: Outcome) -> None:
         objective = self.objectives[TaskClass(outcome.task_class)]

@@ -46,6 +46,8 @@ class Outcome:
     """How one execution of a request ended, with what the tables need of its request."""
 
     request_id: str
+    event_id: str
+    """The id of the event that ended this execution: the outcome's own identity."""
     ts: float
     dc: str
     model: str
@@ -118,7 +120,8 @@ def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:
     elif isinstance(payload, RequestCompleted | RequestFailed | RequestCancelled):
         if isinstance(payload, RequestCompleted):
             state["dc"] = state["dc"] or payload.dc
-        state["held"].append({"ts": envelope.ts, **payload.model_dump(mode="json")})
+        end = {"ts": envelope.ts, "event_id": envelope.event_id}
+        state["held"].append(end | payload.model_dump(mode="json"))
     return _release(state)
 
 
@@ -135,6 +138,7 @@ def _release(state: RequestState) -> list[Outcome]:
         outcomes.append(
             Outcome(
                 request_id=end["request_id"],
+                event_id=end["event_id"],
                 ts=end["ts"],
                 dc=dc,
                 model=arrived["model"],

@@ -1,0 +1,185 @@
+"""The table logic hosted by Faust on Kafka: `tokenfleet worker`.
+
+Three agents, each keyed so that its table is co-partitioned with its input:
+
+1. **join** reads ``tf.requests``, ``tf.completions`` and ``tf.cancellations`` (6
+   partitions each, keyed by request id) into the ``join`` table (request id -> join
+   state) and sends each released outcome to ``tf.dc-updates`` keyed by its DC;
+2. **fleet** reads ``tf.telemetry`` and ``tf.kv-events`` (3 partitions, keyed by
+   instance id), remembers each instance's DC in ``instance-dc``, and sends telemetry and
+   evictions to ``tf.dc-updates`` keyed by DC (the re-keying ``group_by`` would do);
+3. **aggregate** reads ``tf.dc-updates`` in batches into ``dc-tables`` (DC -> its
+   slices), and a timer publishes each DC's tables to the compacted ``tf.tables.*``.
+
+At-least-once: a restarted worker recovers its tables from their changelogs and reads
+again from its last committed offsets. Events it sees again are ignored by id (the join
+keeps a request's event ids, the DC state the ids of what it counted), so totals come out
+as if it had never stopped. Every mutated value is written back to its table: Faust
+persists only assignments.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import faust
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas import DEADLETTER_TOPIC, DecodeError, Envelope, decode, encode, topic_for
+from schemas.base import TaskClass
+from schemas.objectives import DEFAULT_OBJECTIVES
+from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
+from streams.bus import RawRecord, dead_letter
+from streams.tables import outcomes
+from streams.tables.builder import DcTables
+from streams.tables.outcomes import Outcome
+from streams.tables.windows import WindowSpec
+
+LIFECYCLE_TOPICS = ("tf.requests", "tf.completions", "tf.cancellations")
+FLEET_TOPICS = ("tf.telemetry", "tf.kv-events")
+UPDATES_TOPIC = "tf.dc-updates"
+
+
+class WorkerSettings(BaseSettings):
+    """From the environment, prefix ``TOKENFLEET_WORKER_``."""
+
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_WORKER_", frozen=True)
+
+    app_id: str = "tokenfleet-tables"
+    """The consumer group; workers with one id share the partitions."""
+    window_s: float = Field(default=60.0, gt=0)
+    slide_s: float = Field(default=5.0, gt=0)
+    grace_s: float = Field(default=10.0, ge=0)
+    publish_s: float = Field(default=2.0, gt=0)
+    """Seconds between table snapshots."""
+    batch: int = Field(default=1000, ge=1)
+    """Updates applied to the DC tables per write."""
+
+    @property
+    def spec(self) -> WindowSpec:
+        return WindowSpec(self.window_s, self.slide_s, self.grace_s)
+
+
+def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
+    app = faust.App(
+        settings.app_id,
+        broker=f"kafka://{bootstrap}",
+        store="memory://",
+        web_enabled=False,
+        topic_replication_factor=1,
+        consumer_auto_offset_reset="earliest",
+        key_serializer="raw",
+        value_serializer="raw",
+    )
+    spec = settings.spec
+    raw = {"key_serializer": "raw", "value_serializer": "raw"}
+    lifecycle = app.topic(*LIFECYCLE_TOPICS, **raw)
+    fleet_events = app.topic(*FLEET_TOPICS, **raw)
+    updates = app.topic(UPDATES_TOPIC, partitions=1, internal=True, value_serializer="json")
+    dead_letters = app.topic(DEADLETTER_TOPIC, **raw)
+    as_json = faust.Schema(key_serializer="json", value_serializer="json")
+    joins = app.Table("join", partitions=6, schema=as_json)
+    instance_dc = app.Table("instance-dc", partitions=3, schema=as_json)
+    # Written per batch, outside any one event: one partition, placed by the partitioner.
+    dc_tables = app.Table("dc-tables", partitions=1, schema=as_json, use_partitioner=True)
+
+    async def decoded(event: faust.EventT) -> Envelope | None:
+        try:
+            return decode(event.value)
+        except DecodeError as exc:
+            message = event.message
+            key = message.key.decode(errors="replace") if message.key else None
+            record = RawRecord(message.topic, message.partition, message.offset, key, message.value)
+            letter = encode(dead_letter(record, str(exc), settings.app_id))
+            await dead_letters.send(key=message.topic.encode(), value=letter)
+            return None
+
+    @app.agent(lifecycle)
+    async def join(stream: faust.StreamT) -> None:
+        async for event in stream.events():
+            envelope = await decoded(event)
+            if envelope is None or not outcomes.relevant(envelope):
+                continue
+            key = envelope.payload.request_id  # type: ignore[attr-defined]
+            state = joins.get(key) or outcomes.new_state()
+            released = outcomes.apply(state, envelope)
+            joins[key] = state
+            for outcome in released:
+                await updates.send(key=outcome.dc.encode(), value=_update("outcome", outcome))
+
+    @app.agent(fleet_events)
+    async def fleet(stream: faust.StreamT) -> None:
+        async for event in stream.events():
+            envelope = await decoded(event)
+            payload = envelope.payload if envelope else None
+            if isinstance(payload, InstanceTelemetry):
+                instance_dc[payload.instance_id] = payload.dc
+                reading = payload.model_dump(mode="json")
+                update = {
+                    "kind": "telemetry",
+                    "dc": payload.dc,
+                    "ts": envelope.ts,
+                    "reading": reading,
+                }
+                await updates.send(key=payload.dc.encode(), value=update)
+            elif isinstance(payload, KvBlocksRemoved):
+                dc = instance_dc.get(payload.instance_id)
+                if dc is not None:
+                    update = {
+                        "kind": "evictions",
+                        "dc": dc,
+                        "event_id": envelope.event_id,
+                        "instance": payload.instance_id,
+                        "blocks": len(payload.block_hashes),
+                        "ts": envelope.ts,
+                    }
+                    await updates.send(key=dc.encode(), value=update)
+
+    @app.agent(updates)
+    async def aggregate(stream: faust.StreamT) -> None:
+        async for batch in stream.take(settings.batch, within=0.25):
+            by_dc: dict[str, list[dict[str, Any]]] = defaultdict(list)
+            for update in batch:
+                by_dc[update["dc"]].append(update)
+            for dc, items in by_dc.items():
+                stored = dc_tables.get(dc)
+                state = DcTables.from_dict(stored) if stored else DcTables()
+                for item in items:
+                    _apply(state, item, spec)
+                state.expire(spec)
+                dc_tables[dc] = state.to_dict()
+
+    @app.timer(interval=settings.publish_s)
+    async def publish() -> None:
+        now = time.time()
+        for dc, stored in list(dc_tables.items()):
+            for table in DcTables.from_dict(stored).tables(dc, spec, now):
+                envelope = Envelope.wrap(table, source=settings.app_id)
+                topic = app.topic(topic_for(type(table)).name, **raw)
+                await topic.send(key=dc.encode(), value=encode(envelope))
+
+    @app.timer(interval=30.0)
+    async def forget_quiet_requests() -> None:
+        horizon = time.time() - spec.size_s - spec.grace_s
+        for key in [k for k, state in joins.items() if state["last_ts"] < horizon]:
+            del joins[key]
+
+    return app
+
+
+def _update(kind: str, outcome: Outcome) -> dict[str, Any]:
+    return {"kind": kind, "dc": outcome.dc, "outcome": outcome.to_dict()}
+
+
+def _apply(state: DcTables, item: dict[str, Any], spec: WindowSpec) -> None:
+    if item["kind"] == "outcome":
+        outcome = Outcome.from_dict(item["outcome"])
+        objective = DEFAULT_OBJECTIVES[TaskClass(outcome.task_class)]
+        state.add_outcome(outcome, objective, spec)
+    elif item["kind"] == "telemetry":
+        state.add_telemetry(InstanceTelemetry.model_validate(item["reading"]), item["ts"], spec)
+    else:
+        state.add_evictions(item["event_id"], item["instance"], item["blocks"], item["ts"], spec)

@@ -1,0 +1,204 @@
+"""The Faust worker on a real broker: the tables it publishes equal what the pure logic
+computes from the same events, through a crash and with two workers sharing the work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from schemas import Envelope
+from schemas.tables import CapacityTable, GoodputTable, KvTable
+from schemas.telemetry import InstanceTelemetry
+from sim.events import lifecycle_events
+from sim.run import RunConfig, simulate_run
+from streams.kafka import KafkaBus
+from streams.tables.builder import TableBuilder
+from streams.tables.windows import WindowSpec
+from tests.services import Service
+
+pytestmark = pytest.mark.kafka
+
+SPEC = WindowSpec(size_s=600.0, slide_s=60.0, grace_s=600.0)
+_RECORDS = None
+
+
+def _events(dc: str) -> list[Envelope]:
+    """A simulated run's lifecycle events in DC ``dc``, ending about 4 minutes ago, with
+    telemetry of two instances."""
+    global _RECORDS
+    if _RECORDS is None:
+        _, _RECORDS = simulate_run(RunConfig("azure-conv", instances=4, requests=200))
+    # Request ids are unique in a real fleet; make them unique per test too.
+    records = [dataclasses.replace(r, dc=dc, request_id=f"{dc}-{r.request_id}") for r in _RECORDS]
+    epoch = time.time() - 300
+    events = lifecycle_events(records, model="m", epoch=epoch)
+    for n, used in enumerate((100, 700)):
+        telemetry = InstanceTelemetry(
+            instance_id=f"{dc}-i{n}",
+            dc=dc,
+            model="m",
+            model_version="1",
+            ready=True,
+            waiting=n,
+            running=2,
+            inflight_tokens=10,
+            kv_blocks_used=used,
+            kv_blocks_total=1000,
+        )
+        events.append(Envelope.wrap(telemetry, source="test", ts=epoch + 10 + n))
+    return events
+
+
+@contextlib.contextmanager
+def worker(kafka: Service, app_id: str) -> Iterator[subprocess.Popen[bytes]]:
+    environment = os.environ | {
+        "TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address,
+        "TOKENFLEET_WORKER_APP_ID": app_id,
+        "TOKENFLEET_WORKER_WINDOW_S": str(SPEC.size_s),
+        "TOKENFLEET_WORKER_SLIDE_S": str(SPEC.slide_s),
+        "TOKENFLEET_WORKER_GRACE_S": str(SPEC.grace_s),
+        "TOKENFLEET_WORKER_PUBLISH_S": "1",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet.cli", "worker"],
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+async def _publish(kafka: Service, events: Sequence[Envelope]) -> None:
+    bus = KafkaBus(kafka.address)
+    try:
+        await bus.publish_events(events)
+    finally:
+        await bus.close()
+
+
+def _comparable(table: object) -> object:
+    if isinstance(table, CapacityTable):  # the age depends on when it was published
+        rows = tuple(r.model_copy(update={"telemetry_age_s": 0.0}) for r in table.rows)
+        return table.model_copy(update={"rows": rows})
+    return table
+
+
+async def _published_equal_reference(
+    kafka: Service, dc: str, events: Sequence[Envelope], timeout_s: float = 120.0
+) -> tuple[list[object], list[object]]:
+    """Wait until the three published tables of ``dc`` equal the pure logic's tables for
+    the same window; return the last published and expected tables."""
+    bus = KafkaBus(kafka.address)
+    deadline = time.monotonic() + timeout_s
+    published: list[object] = []
+    expected: list[object] = []
+    try:
+        while time.monotonic() < deadline:
+            published = []
+            for topic in ("tf.tables.capacity", "tf.tables.kv", "tf.tables.goodput"):
+                latest = (await bus.read_latest(topic)).get(dc)
+                if latest is not None:
+                    published.append(latest.payload)
+            if len(published) == 3 and len({t.window_end for t in published}) == 1:
+                builder = TableBuilder(SPEC)
+                for event in events:
+                    builder.feed(event)
+                expected = builder.tables(published[0].window_end)
+                if [_comparable(t) for t in published] == [_comparable(t) for t in expected]:
+                    return published, expected
+            await asyncio.sleep(1.0)
+    finally:
+        await bus.close()
+    return published, expected
+
+
+async def _tables_appear(kafka: Service, dc: str, timeout_s: float = 120.0) -> None:
+    bus = KafkaBus(kafka.address)
+    try:
+        async with (
+            asyncio.timeout(timeout_s),
+            bus.subscribe("tf.tables.goodput", "earliest") as tables,
+        ):
+            async for table in tables:
+                if table.key == dc:
+                    return
+    finally:
+        await bus.close()
+
+
+def _assert_equal(published: list[object], expected: list[object]) -> None:
+    assert published, "no tables were published"
+    goodput = next(t for t in published if isinstance(t, GoodputTable))
+    assert goodput.classes[0].completed > 0
+    assert [_comparable(t) for t in published] == [_comparable(t) for t in expected]
+    assert any(isinstance(t, KvTable) and t.pressure > 0 for t in published)
+
+
+async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_lettered(
+    kafka: Service,
+) -> None:
+    dc = f"dc-{uuid.uuid4().hex[:8]}"
+    events = _events(dc)
+    bus = KafkaBus(kafka.address)
+    try:
+        await bus.publish("tf.completions", f"{dc}-bad", b"{not json")
+        async with bus.subscribe("tf.deadletter", "latest") as letters:
+            with worker(kafka, f"tables-{dc}"):
+                await _publish(kafka, events)
+                published, expected = await _published_equal_reference(kafka, dc, events)
+                async with asyncio.timeout(60):
+                    async for letter in letters:
+                        if letter.envelope.payload.key == f"{dc}-bad":
+                            break
+    finally:
+        await bus.close()
+    _assert_equal(published, expected)
+
+
+async def test_a_worker_killed_mid_stream_recovers_to_the_same_totals(kafka: Service) -> None:
+    dc = f"dc-{uuid.uuid4().hex[:8]}"
+    events = _events(dc)
+    half = len(events) // 2
+    app_id = f"tables-{dc}"
+    with worker(kafka, app_id) as first:
+        await _publish(kafka, events[:half])
+        await _tables_appear(kafka, dc)  # it is working: kill it, unwarned
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    await _publish(kafka, events[half:])
+    with worker(kafka, app_id):
+        published, expected = await _published_equal_reference(kafka, dc, events)
+    _assert_equal(published, expected)
+
+
+async def test_two_workers_sharing_the_partitions_end_with_the_same_totals(
+    kafka: Service,
+) -> None:
+    dc = f"dc-{uuid.uuid4().hex[:8]}"
+    events = _events(dc)
+    app_id = f"tables-{dc}"
+    with worker(kafka, app_id):
+        await _publish(kafka, events[: len(events) // 3])
+        with worker(kafka, app_id):  # joins while the first is running: a rebalance
+            await _publish(kafka, events[len(events) // 3 :])
+            published, expected = await _published_equal_reference(kafka, dc, events)
+    _assert_equal(published, expected)

@@ -1,0 +1,89 @@
+"""The stream processors and the telemetry collector, as long-running commands."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+from pathlib import Path
+
+from tokenfleet.commands.errors import CliError
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    worker = commands.add_parser(
+        "worker",
+        help="the Faust stream processors that keep the per-DC tables",
+        description="Joins request lifecycles, aggregates telemetry, KV events and outcomes "
+        "into rolling per-DC capacity, KV and goodput tables, and publishes them to "
+        "tf.tables.* every few seconds. Needs TOKENFLEET_KAFKA_BOOTSTRAP; workers with one "
+        "TOKENFLEET_WORKER_APP_ID share the partitions. Window, slide, grace and publish "
+        "interval: TOKENFLEET_WORKER_WINDOW_S, _SLIDE_S, _GRACE_S, _PUBLISH_S.",
+    )
+    worker.set_defaults(handler=_worker)
+
+    collect = commands.add_parser(
+        "collect",
+        help="scrape every instance's /metrics and publish tf.telemetry",
+        description="Scrapes the fleet file's instances (vLLM and SGLang metric names) "
+        "concurrently and publishes one tf.telemetry event per instance per round, to the "
+        "broker in TOKENFLEET_KAFKA_BOOTSTRAP.",
+    )
+    collect.add_argument("--fleet", type=Path, required=True, help="the fleet file")
+    collect.add_argument(
+        "--interval", type=float, default=0.2, help="seconds between rounds (default: 0.2)"
+    )
+    collect.add_argument(
+        "--timeout", type=float, default=1.0, help="seconds one scrape may take (default: 1)"
+    )
+    collect.set_defaults(handler=_collect)
+
+
+def _bootstrap() -> str:
+    from tokenfleet.settings import Settings
+
+    bootstrap = Settings().kafka_bootstrap
+    if bootstrap is None:
+        raise CliError("set TOKENFLEET_KAFKA_BOOTSTRAP to the broker (tokenfleet kafka start)")
+    return bootstrap
+
+
+def _worker(_: argparse.Namespace) -> int:
+    from faust.worker import Worker
+
+    from streams.faust_app import WorkerSettings, build_app
+    from streams.kafka import create_topics
+
+    bootstrap = _bootstrap()
+    asyncio.run(create_topics(bootstrap))
+    app = build_app(bootstrap, WorkerSettings())
+    Worker(app, loglevel="WARNING", quiet=True).execute_from_commandline()
+    return 0
+
+
+def _collect(args: argparse.Namespace) -> int:
+    import aiohttp
+
+    from schemas.fleet import FleetFileError, load_fleet
+    from streams.collector import Collector
+    from streams.kafka import KafkaBus
+
+    bootstrap = _bootstrap()
+    if args.interval <= 0 or args.timeout <= 0:
+        raise CliError("--interval and --timeout must be positive")
+    try:
+        fleet = load_fleet(args.fleet)
+    except FleetFileError as exc:
+        raise CliError(str(exc)) from None
+
+    async def run() -> None:
+        bus = KafkaBus(bootstrap, source="collector")
+        async with aiohttp.ClientSession() as client:
+            try:
+                await Collector(fleet.instances, bus, client, args.interval, args.timeout).run()
+            finally:
+                await bus.close()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
