@@ -1,9 +1,10 @@
 """Builds a gateway from a fleet file and the environment.
 
 Embedded default (no ``TOKENFLEET_KAFKA_BOOTSTRAP``): an in-process bus, with the
-telemetry collector running in the gateway's process. With a broker: Kafka, and the
-collector runs apart (``tokenfleet collect``). With ``TOKENFLEET_REDIS_URL``: shared state
-in Redis, falling back to local state while Redis is away; without: local state.
+telemetry collector and the table processors running in the gateway's process. With a
+broker: Kafka, and both run apart (``tokenfleet collect``, ``tokenfleet worker``). With
+``TOKENFLEET_REDIS_URL``: shared state in Redis, falling back to local state while Redis
+is away; without: local state.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from streams.bus import EventBus
 from streams.collector import Collector
 from streams.kafka import KafkaBus
 from streams.memory import InMemoryBus
+from streams.settings import WorkerSettings
+from streams.table_host import TableHost
+from streams.tables.builder import TableBuilder
 from tokenfleet.settings import Settings
 
 
@@ -80,8 +84,11 @@ async def running_gateway(
     server = uvicorn.Server(config)
     tasks = [asyncio.create_task(server.serve())]
     async with aiohttp.ClientSession() as scraper:
-        if services.kafka_bootstrap is None:
+        if services.kafka_bootstrap is None:  # embedded: the collector and tables run here
+            tables = WorkerSettings()
+            host = TableHost(bus, TableBuilder(tables.spec, fleet.objectives), tables.publish_s)
             tasks.append(asyncio.create_task(Collector(fleet.instances, bus, scraper).run()))
+            tasks.append(asyncio.create_task(host.run()))
         try:
             while not server.started:
                 if tasks[0].done():

@@ -33,9 +33,13 @@ class DcTables:
     watermark: float = float("-inf")
     """The latest event time seen for this DC."""
 
-    def add_outcome(self, outcome: Outcome, objective: ClassObjective, spec: WindowSpec) -> None:
-        if not self._first(outcome.event_id, spec.slice_of(outcome.ts)):
-            return
+    def add_outcome(
+        self, outcome: Outcome, objective: ClassObjective, spec: WindowSpec
+    ) -> set[float]:
+        """Count an outcome; returns the slices it changed (none for one counted before)."""
+        counted_in = spec.slice_of(outcome.ts)
+        if not self._first(outcome.event_id, counted_in):
+            return set()
         self.watermark = max(self.watermark, outcome.ts)
         late = spec.is_late(outcome.ts, self.watermark)
         at = spec.slice_of(self.watermark if late else outcome.ts)
@@ -49,20 +53,27 @@ class DcTables:
         if not late and outcome.kind is outcomes.OutcomeKind.COMPLETED and not outcome.repeated:
             prefill = outcome.input_tokens - outcome.cached_tokens
             self._fleet(at).deliver(outcome.model, prefill, outcome.output_tokens)
+        return {counted_in, at}
 
-    def add_telemetry(self, telemetry: InstanceTelemetry, ts: float, spec: WindowSpec) -> None:
+    def add_telemetry(
+        self, telemetry: InstanceTelemetry, ts: float, spec: WindowSpec
+    ) -> set[float]:
         self.watermark = max(self.watermark, ts)
-        if not spec.is_late(ts, self.watermark):
-            self._fleet(spec.slice_of(ts)).observe(telemetry, ts)
+        if spec.is_late(ts, self.watermark):
+            return set()
+        self._fleet(spec.slice_of(ts)).observe(telemetry, ts)
+        return {spec.slice_of(ts)}
 
     def add_evictions(
         self, event_id: str, instance: str, blocks: int, ts: float, spec: WindowSpec
-    ) -> None:
-        if not self._first(event_id, spec.slice_of(ts)):
-            return
+    ) -> set[float]:
+        at = spec.slice_of(ts)
+        if not self._first(event_id, at):
+            return set()
         self.watermark = max(self.watermark, ts)
         if not spec.is_late(ts, self.watermark):
-            self._fleet(spec.slice_of(ts)).evicted(instance, blocks)
+            self._fleet(at).evicted(instance, blocks)
+        return {at}
 
     def _first(self, event_id: str, at: float) -> bool:
         ids = self.counted.setdefault(at, set())
@@ -71,10 +82,14 @@ class DcTables:
         ids.add(event_id)
         return True
 
-    def expire(self, spec: WindowSpec) -> None:
+    def expire(self, spec: WindowSpec) -> set[float]:
+        """Drop the slices no window can use any more; returns their starts."""
+        gone = set()
         for slices in (self.goodput, self.fleet, self.counted):
             for start in [s for s in slices if spec.expired(s, self.watermark)]:
                 del slices[start]
+                gone.add(start)
+        return gone
 
     def tables(self, dc: str, spec: WindowSpec, now: float) -> list[WindowedTable]:
         """The three tables of the latest whole window at ``now``."""
@@ -97,28 +112,23 @@ class DcTables:
     def _fleet(self, at: float) -> FleetSlice:
         return self.fleet.setdefault(at, FleetSlice())
 
-    def to_dict(self) -> dict[str, Any]:
+    def slice_starts(self) -> set[float]:
+        return set(self.goodput) | set(self.fleet) | set(self.counted)
+
+    def slice_dict(self, at: float) -> dict[str, Any]:
+        """One slice as JSON-able data, for a host that stores slices one by one."""
+        fleet = self.fleet.get(at)
         return {
-            "goodput": {
-                str(at): {k: c.to_dict() for k, c in groups.items()}
-                for at, groups in self.goodput.items()
-            },
-            "fleet": {str(at): s.to_dict() for at, s in self.fleet.items()},
-            "counted": {str(at): sorted(ids) for at, ids in self.counted.items()},
-            "watermark": self.watermark,
+            "goodput": {k: c.to_dict() for k, c in self.goodput.get(at, {}).items()},
+            "fleet": fleet.to_dict() if fleet else None,
+            "counted": sorted(self.counted.get(at, ())),
         }
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DcTables:
-        return cls(
-            {
-                float(at): {k: GoodputCounts.from_dict(c) for k, c in groups.items()}
-                for at, groups in data["goodput"].items()
-            },
-            {float(at): FleetSlice.from_dict(s) for at, s in data["fleet"].items()},
-            {float(at): set(ids) for at, ids in data["counted"].items()},
-            data["watermark"],
-        )
+    def load_slice(self, at: float, data: dict[str, Any]) -> None:
+        self.goodput[at] = {k: GoodputCounts.from_dict(c) for k, c in data["goodput"].items()}
+        if data["fleet"] is not None:
+            self.fleet[at] = FleetSlice.from_dict(data["fleet"])
+        self.counted[at] = set(data["counted"])
 
 
 class TableBuilder:

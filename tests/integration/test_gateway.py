@@ -281,3 +281,26 @@ async def test_a_client_that_leaves_cancels_the_upstream_request(
             break
         await asyncio.sleep(0.02)
     assert await metric(front, "tokenfleet_gateway_cancellations_total") == 1
+
+
+async def test_the_embedded_gateway_keeps_goodput_tables_of_its_requests(
+    instances: list[EmulatedInstance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENFLEET_WORKER_SLIDE_S", "0.5")
+    monkeypatch.setenv("TOKENFLEET_WORKER_WINDOW_S", "30")
+    monkeypatch.setenv("TOKENFLEET_WORKER_PUBLISH_S", "0.2")
+    async with gateway(fleet_for([i.url for i in instances])) as front, front.client() as http:
+        for n in range(5):
+            body = chat(f"count me {n} " * 20, max_tokens=3, stream=n % 2 == 0)
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        bus = front.app.state.parts.bus
+        completed, tokens = 0, 0
+        for _ in range(100):
+            latest = (await bus.read_latest("tf.tables.goodput")).get("dc-a")
+            if latest is not None:
+                row = latest.payload.classes[0]
+                completed, tokens = row.completed, row.output_tokens
+                if completed == 5:
+                    break
+            await asyncio.sleep(0.1)
+    assert (completed, tokens) == (5, 15)

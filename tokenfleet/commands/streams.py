@@ -51,8 +51,9 @@ def _bootstrap() -> str:
 def _worker(_: argparse.Namespace) -> int:
     from faust.worker import Worker
 
-    from streams.faust_app import WorkerSettings, build_app
+    from streams.faust_app import build_app
     from streams.kafka import create_topics
+    from streams.settings import WorkerSettings
 
     bootstrap = _bootstrap()
     asyncio.run(create_topics(bootstrap))

@@ -1,0 +1,189 @@
+"""What one table worker sustains on a broker, and how soon an event shows in a table.
+
+- **Rate**: requests' lifecycle events (arrived, routed, completed) are published before
+  the worker starts; the rate is the events it consumed between its first published table
+  and the table that counts every request.
+- **Lag**: then, on another DC, requests are published at a steady pace below that rate;
+  a completion's lag is the time from its publication (acknowledged) to the first
+  published table counting it. The window's slide bounds how soon that can be: a slice
+  enters the published window when it closes, so the bench runs with a short slide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from schemas import Envelope
+from schemas.base import TaskClass
+from schemas.lifecycle import RequestArrived, RequestCompleted, RequestRouted
+from streams.kafka import KafkaBus, create_topics
+
+WORKER_SETTINGS = {
+    "TOKENFLEET_WORKER_WINDOW_S": "120",
+    "TOKENFLEET_WORKER_SLIDE_S": "1",
+    "TOKENFLEET_WORKER_GRACE_S": "60",
+    "TOKENFLEET_WORKER_PUBLISH_S": "0.25",
+}
+
+
+def bench_streams(
+    bootstrap: str, requests: int = 20_000, paced_per_s: float = 500.0, paced_s: float = 20.0
+) -> dict[str, Any]:
+    asyncio.run(create_topics(bootstrap))
+    tag = uuid.uuid4().hex[:8]
+    bulk = [e for n in range(requests) for e in _request(f"bulk-{tag}", n)]
+    asyncio.run(_publish_all(bootstrap, bulk))
+    with _worker(bootstrap, f"bench-{tag}"):
+        elapsed = asyncio.run(_until_counted(bootstrap, f"bulk-{tag}", requests))
+        lags = asyncio.run(_paced(bootstrap, f"paced-{tag}", paced_per_s, paced_s))
+    return {
+        "events": len(bulk),
+        "events_per_s": len(bulk) / elapsed,
+        "paced_requests_per_s": paced_per_s,
+        "paced_events_per_s": 3 * paced_per_s,
+        "lag_p50_s": float(np.percentile(lags, 50)),
+        "lag_p95_s": float(np.percentile(lags, 95)),
+        "lag_samples": len(lags),
+        "window": {
+            k.removeprefix("TOKENFLEET_WORKER_").lower(): v for k, v in WORKER_SETTINGS.items()
+        },
+        "cpus": os.cpu_count(),
+    }
+
+
+def _request(dc: str, n: int, at: float | None = None) -> list[Envelope]:
+    at = time.time() if at is None else at
+    rid = f"{dc}-{n}"
+    payloads = (
+        RequestArrived(
+            request_id=rid,
+            tenant=f"tenant-{n % 4}",
+            task_class=TaskClass.INTERACTIVE,
+            model="m",
+            input_tokens=500,
+            output_budget=100,
+            source_region="here",
+        ),
+        RequestRouted(request_id=rid, dc=dc, instance_id=f"i{n % 8}", policy="p", candidates=()),
+        RequestCompleted(
+            request_id=rid,
+            dc=dc,
+            instance_id=f"i{n % 8}",
+            task_class=TaskClass.INTERACTIVE,
+            tenant=f"tenant-{n % 4}",
+            input_tokens=500,
+            cached_tokens=0,
+            output_tokens=100,
+            ttft_s=0.2 + (n % 10) / 10,
+            tpot_s=0.02,
+            e2e_s=3.0,
+        ),
+    )
+    return [Envelope.wrap(p, source="bench", ts=at) for p in payloads]
+
+
+@contextlib.contextmanager
+def _worker(bootstrap: str, app_id: str) -> Iterator[None]:
+    environment = (
+        os.environ
+        | WORKER_SETTINGS
+        | {
+            "TOKENFLEET_KAFKA_BOOTSTRAP": bootstrap,
+            "TOKENFLEET_WORKER_APP_ID": app_id,
+        }
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet.cli", "worker"],
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+async def _publish_all(bootstrap: str, events: list[Envelope]) -> None:
+    bus = KafkaBus(bootstrap)
+    try:
+        for start in tqdm(range(0, len(events), 5000), desc="publish", unit="batch"):
+            await bus.publish_events(events[start : start + 5000])
+    finally:
+        await bus.close()
+
+
+def _completed(envelope: Envelope) -> int:
+    return sum(row.completed for row in envelope.payload.classes)  # type: ignore[attr-defined]
+
+
+async def _until_counted(bootstrap: str, dc: str, requests: int) -> float:
+    """Seconds from the worker's first table of ``dc`` to the one counting every request."""
+    bus = KafkaBus(bootstrap)
+    first = None
+    try:
+        async with bus.subscribe("tf.tables.goodput", "latest") as tables:
+            progress = tqdm(total=requests, desc="consume", unit="req")
+            async for table in tables:
+                if table.key != dc:
+                    continue
+                counted = _completed(table.envelope)
+                first = first or time.monotonic()
+                progress.update(counted - progress.n)
+                if counted >= requests:
+                    progress.close()
+                    return time.monotonic() - first
+    finally:
+        await bus.close()
+    raise RuntimeError("the table stream ended")
+
+
+async def _paced(bootstrap: str, dc: str, per_s: float, seconds: float) -> list[float]:
+    bus = KafkaBus(bootstrap)
+    published: list[float] = []
+    seen: list[tuple[float, int]] = []
+    caught_up = asyncio.Event()
+
+    async def watch() -> None:
+        async with bus.subscribe("tf.tables.goodput", "latest") as tables:
+            async for table in tables:
+                if table.key == dc:
+                    seen.append((time.monotonic(), _completed(table.envelope)))
+                    if published and seen[-1][1] >= len(published):
+                        caught_up.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.sleep(1.0)
+        step, n, start = 0.05, 0, time.monotonic()
+        while time.monotonic() - start < seconds:
+            batch = max(1, round(per_s * step))
+            events = [e for k in range(n, n + batch) for e in _request(dc, k)]
+            await bus.publish_events(events)
+            published.extend([time.monotonic()] * batch)
+            n += batch
+            await asyncio.sleep(max(0.0, start + len(published) / per_s - time.monotonic()))
+        caught_up.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(caught_up.wait(), 30)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await bus.close()
+    return [_first_seen(seen, k + 1) - at for k, at in enumerate(published)]
+
+
+def _first_seen(seen: list[tuple[float, int]], count: int) -> float:
+    return next((at for at, counted in seen if counted >= count), float("inf"))
