@@ -25,6 +25,7 @@ from collections import defaultdict
 from typing import Any
 
 import faust
+from faust.types import TP
 
 from schemas import DEADLETTER_TOPIC, DecodeError, Envelope, decode, encode, topic_for
 from schemas.base import TaskClass
@@ -135,8 +136,14 @@ def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
                     changed |= _apply(state, item, spec)
                 live.store(dc, state, changed, state.expire(spec))
 
+    owner_of_updates = TP(UPDATES_TOPIC, 0)
+
     @app.timer(interval=settings.publish_s)
     async def publish() -> None:
+        # Only the worker now assigned the DC state publishes it: after a rebalance the
+        # other one still holds a copy that no longer changes.
+        if owner_of_updates not in app.consumer.assignment():
+            return
         now = time.time()
         for dc in live.dcs():
             for table in live.of(dc).tables(dc, spec, now):
