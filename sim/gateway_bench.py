@@ -39,58 +39,107 @@ KEY = "sk-bench"
 
 
 def bench_gateway(
-    requests: int = 1000, concurrency: int = 32, duration_s: float = 10.0, instances: int = 2
+    requests: int = 1000,
+    concurrency: int = 32,
+    duration_s: float = 10.0,
+    instances: int = 2,
+    litellm: str | None = None,
 ) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as home, _fleet(Path(home), instances) as (direct, front):
-        latency = asyncio.run(_latency(direct, front, requests))
-        rate = asyncio.run(_rate([front], concurrency, duration_s))
+    """Figures for our gateway (top-level keys) and, with the path of LiteLLM's ``litellm``
+    command, the same for its proxy in front of the same instances (under ``litellm``)."""
+    with tempfile.TemporaryDirectory() as home, contextlib.ExitStack() as stack:
+        direct = stack.enter_context(_instances(instances))
+        fronts = {"gateway": stack.enter_context(_gateway(Path(home), direct))}
+        if litellm:
+            fronts["litellm"] = stack.enter_context(_litellm(Path(home), litellm, direct))
+        latency = asyncio.run(_latency(direct, fronts, requests))
+        rates = {
+            name: asyncio.run(_rate([url], concurrency, duration_s)) for name, url in fronts.items()
+        }
         direct_rate = asyncio.run(_rate(direct, concurrency, duration_s))
-    return {
+    figures = {
         "requests": requests,
         "instances": instances,
         "concurrency": concurrency,
         "duration_s": duration_s,
-        **latency,
-        "max_rps": rate,
+        "direct_p50_ms": latency["direct"][50],
+        "direct_p99_ms": latency["direct"][99],
         "direct_rps": direct_rate,
         "cpus": os.cpu_count(),
     }
+    for name in fronts:
+        added = {
+            f"added_latency_p{q}_ms": latency[name][q] - latency["direct"][q] for q in (50, 99)
+        }
+        own = {f"p{q}_ms": latency[name][q] for q in (50, 99)} | added | {"max_rps": rates[name]}
+        if name == "gateway":
+            figures |= added | {"max_rps": rates[name], "gateway_p50_ms": own["p50_ms"]}
+            figures["gateway_p99_ms"] = own["p99_ms"]
+        else:
+            figures[name] = own
+    return figures
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
 
 
 @contextlib.contextmanager
-def _fleet(home: Path, instances: int) -> Iterator[tuple[list[str], str]]:
-    base = free_port()
-    ports = [base + n for n in range(instances)]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    fleet = home / "fleet.toml"
-    fleet.write_text(_fleet_file(urls))
-    gateway_port = free_port()
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")} | {
-        "TOKENFLEET_GATEWAY_NAME": "bench-gateway"
-    }
-    cli = [sys.executable, "-m", "tokenfleet.cli"]
-    emulate = [*cli, "emulate", "--instances", str(instances), "--base-port", str(base)]
-    processes = [
-        subprocess.Popen(
-            [*emulate, "--model", MODEL, "--speedup", "1000"],
-            env=environment,
-            stdout=subprocess.DEVNULL,
-        ),
-        subprocess.Popen(
-            [*cli, "gateway", "--fleet", str(fleet), "--port", str(gateway_port)],
-            env=environment,
-            stdout=subprocess.DEVNULL,
-        ),
-    ]
-    front = f"http://127.0.0.1:{gateway_port}"
+def _serving(argv: list[str], url: str, health: str = "/health", **env: str) -> Iterator[str]:
+    process = subprocess.Popen(
+        argv, env=_environment() | env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
-        _wait_until_up([*urls, front])
-        yield urls, front
+        _wait_until_up(url, health)
+        yield url
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(30)
+        process.terminate()
+        process.wait(30)
+
+
+@contextlib.contextmanager
+def _instances(count: int) -> Iterator[list[str]]:
+    base = free_port()
+    urls = [f"http://127.0.0.1:{base + n}" for n in range(count)]
+    argv = [*_CLI, "emulate", "--instances", str(count), "--base-port", str(base)]
+    with _serving([*argv, "--model", MODEL, "--speedup", "1000"], urls[-1]):
+        _wait_until_up(urls[0], "/health")
+        yield urls
+
+
+@contextlib.contextmanager
+def _gateway(home: Path, instances: list[str]) -> Iterator[str]:
+    fleet = home / "fleet.toml"
+    fleet.write_text(_fleet_file(instances))
+    port = free_port()
+    argv = [*_CLI, "gateway", "--fleet", str(fleet), "--port", str(port)]
+    with _serving(argv, f"http://127.0.0.1:{port}", TOKENFLEET_GATEWAY_NAME="bench") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _litellm(home: Path, command: str, instances: list[str]) -> Iterator[str]:
+    """LiteLLM's proxy with one deployment per instance (its default shuffle router)."""
+    config = home / "litellm.yaml"
+    deployments = "".join(
+        f"  - model_name: {MODEL}\n    litellm_params:\n      model: openai/{MODEL}\n"
+        f"      api_base: {url}/v1\n      api_key: unused\n"
+        for url in instances
+    )
+    config.write_text(f"model_list:\n{deployments}general_settings:\n  master_key: {KEY}\n")
+    port = free_port()
+    argv = [command, "--config", str(config), "--port", str(port), "--num_workers", "1"]
+    with _serving(
+        argv,
+        f"http://127.0.0.1:{port}",
+        "/health/liveliness",
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+        LITELLM_LOG="ERROR",
+    ) as url:
+        yield url
+
+
+_CLI = [sys.executable, "-m", "tokenfleet.cli"]
 
 
 def _fleet_file(urls: list[str]) -> str:
@@ -105,18 +154,17 @@ def _fleet_file(urls: list[str]) -> str:
     )
 
 
-def _wait_until_up(urls: list[str], timeout_s: float = 60.0) -> None:
+def _wait_until_up(url: str, health: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    for url in urls:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not come up in {timeout_s:.0f} s")
-            time.sleep(0.1)
+    while True:
+        try:
+            if httpx.get(f"{url}{health}", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up in {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 def _body(n: int) -> dict[str, Any]:
@@ -140,27 +188,24 @@ async def _post(http: aiohttp.ClientSession, base: str, n: int) -> None:
         response.raise_for_status()
 
 
-async def _latency(direct: list[str], front: str, requests: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {"direct": [], "gateway": []}
+async def _latency(
+    direct: list[str], fronts: dict[str, str], requests: int
+) -> dict[str, dict[int, float]]:
+    """P50 and P99 in ms per target, requests one at a time, targets taking turns."""
+    times: dict[str, list[float]] = {"direct": [], **{name: [] for name in fronts}}
     async with _session() as http:
         for n in range(50):  # warm connections and caches
-            await _post(http, front, n)
-            await _post(http, direct[n % len(direct)], n)
+            for base in [direct[n % len(direct)], *fronts.values()]:
+                await _post(http, base, n)
         for n in tqdm(range(requests), desc="latency", unit="req"):
-            for kind, base in (("direct", direct[n % len(direct)]), ("gateway", front)):
+            for name, base in (("direct", direct[n % len(direct)]), *fronts.items()):
                 started = time.perf_counter()
                 await _post(http, base, n)
-                times[kind].append(time.perf_counter() - started)
-    figures = {}
-    for quantile in (50, 99):
-        d = float(np.percentile(times["direct"], quantile)) * 1000
-        g = float(np.percentile(times["gateway"], quantile)) * 1000
-        figures |= {
-            f"direct_p{quantile}_ms": d,
-            f"gateway_p{quantile}_ms": g,
-            f"added_latency_p{quantile}_ms": g - d,
-        }
-    return figures
+                times[name].append(time.perf_counter() - started)
+    return {
+        name: {q: float(np.percentile(samples, q)) * 1000 for q in (50, 99)}
+        for name, samples in times.items()
+    }
 
 
 async def _rate(targets: list[str], concurrency: int, duration_s: float) -> float:

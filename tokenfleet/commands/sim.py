@@ -191,6 +191,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument("--requests", type=int, default=1000, help="latency samples each way")
     gateway.add_argument("--concurrency", type=int, default=32, help="clients in the rate run")
     gateway.add_argument("--duration", type=float, default=10.0, help="seconds of the rate run")
+    gateway.add_argument(
+        "--litellm",
+        metavar="COMMAND",
+        help="LiteLLM's `litellm` command: measure its proxy the same way, side by side",
+    )
     gateway.add_argument("--json", type=Path, required=True, help="write the figures here")
     gateway.set_defaults(handler=_bench_gateway)
     streams = sub.add_parser(
@@ -243,7 +248,7 @@ def _bench_gateway(args: argparse.Namespace) -> int:
 
     if args.requests < 1 or args.concurrency < 1 or args.duration <= 0:
         raise CliError("--requests and --concurrency must be at least 1, --duration positive")
-    figures = bench_gateway(args.requests, args.concurrency, args.duration)
+    figures = bench_gateway(args.requests, args.concurrency, args.duration, litellm=args.litellm)
     print(
         f"added latency p50 {figures['added_latency_p50_ms']:.2f} ms, "
         f"p99 {figures['added_latency_p99_ms']:.2f} ms "
@@ -251,6 +256,12 @@ def _bench_gateway(args: argparse.Namespace) -> int:
         f"{figures['max_rps']:.0f} requests/s at concurrency {args.concurrency} "
         f"(direct: {figures['direct_rps']:.0f})"
     )
+    if "litellm" in figures:
+        other = figures["litellm"]
+        print(
+            f"LiteLLM: added p50 {other['added_latency_p50_ms']:.2f} ms, "
+            f"p99 {other['added_latency_p99_ms']:.2f} ms; {other['max_rps']:.0f} requests/s"
+        )
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
