@@ -21,12 +21,28 @@ from schemas.tables import CapacityTable, GoodputTable, KvTable
 from schemas.telemetry import InstanceTelemetry
 from sim.events import lifecycle_events
 from sim.run import RunConfig, simulate_run
-from streams.kafka import KafkaBus
+from streams.kafka import KafkaBus, create_topics
 from streams.tables.builder import TableBuilder
 from streams.tables.windows import WindowSpec
-from tests.services import Service
+from tests.conftest import run_in_thread, unavailable
+from tests.services import Service, kafka_service
 
 pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture(scope="module")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """A broker of this module's own (unless one is given by the environment): a new
+    worker reads every input topic from its start, and the other tests' events there
+    would only slow it down."""
+    with contextlib.ExitStack() as stack:
+        try:
+            service = stack.enter_context(kafka_service(tmp_path_factory.mktemp("tables")))
+        except Exception as exc:
+            unavailable(exc)
+        run_in_thread(create_topics(service.address))
+        yield service
+
 
 SPEC = WindowSpec(size_s=600.0, slide_s=60.0, grace_s=600.0)
 _RECORDS = None
