@@ -4,12 +4,12 @@ Three agents, each keyed so that its table is co-partitioned with its input:
 
 1. **join** reads ``tf.requests``, ``tf.completions`` and ``tf.cancellations`` (6
    partitions each, keyed by request id) into the ``join`` table (request id -> join
-   state) and sends each released outcome to ``tf.dc-updates`` keyed by its DC;
+   state) and sends each released outcome to ``APP_ID-dc-updates`` keyed by its DC;
 2. **fleet** reads ``tf.telemetry`` and ``tf.kv-events`` (3 partitions, keyed by
    instance id), remembers each instance's DC in ``instance-dc``, and sends telemetry and
-   evictions to ``tf.dc-updates`` keyed by DC (the re-keying ``group_by`` would do);
-3. **aggregate** reads ``tf.dc-updates`` in batches into ``dc-slices`` (DC and slice -> its
-   slices), and a timer publishes each DC's tables to the compacted ``tf.tables.*``.
+   evictions to ``APP_ID-dc-updates`` keyed by DC (the re-keying ``group_by`` would do);
+3. **aggregate** reads ``APP_ID-dc-updates`` in batches into ``dc-slices`` (one key per DC and
+   slice), and a timer publishes each DC's tables to the compacted ``tf.tables.*``.
 
 At-least-once: a restarted worker recovers its tables from their changelogs and reads
 again from its last committed offsets. Events it sees again are ignored by id (the join
@@ -40,7 +40,6 @@ from streams.tables.windows import WindowSpec
 
 LIFECYCLE_TOPICS = ("tf.requests", "tf.completions", "tf.cancellations")
 FLEET_TOPICS = ("tf.telemetry", "tf.kv-events")
-UPDATES_TOPIC = "tf.dc-updates"
 
 
 def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
@@ -61,7 +60,9 @@ def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
     raw = {"key_serializer": "raw", "value_serializer": "raw"}
     lifecycle = app.topic(*LIFECYCLE_TOPICS, **raw)
     fleet_events = app.topic(*FLEET_TOPICS, **raw)
-    updates = app.topic(UPDATES_TOPIC, partitions=1, internal=True, value_serializer="json")
+    # The re-keyed stream is the app's own: two deployments (two app ids) never share it.
+    updates_topic = f"{settings.app_id}-dc-updates"
+    updates = app.topic(updates_topic, partitions=1, internal=True, value_serializer="json")
     dead_letters = app.topic(DEADLETTER_TOPIC, **raw)
     as_json = faust.Schema(key_serializer="json", value_serializer="json")
     joins = app.Table("join", partitions=6, schema=as_json)
@@ -136,7 +137,7 @@ def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
                     changed |= _apply(state, item, spec)
                 live.store(dc, state, changed, state.expire(spec))
 
-    owner_of_updates = TP(UPDATES_TOPIC, 0)
+    owner_of_updates = TP(updates_topic, 0)
 
     @app.timer(interval=settings.publish_s)
     async def publish() -> None:
