@@ -3,9 +3,36 @@
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
+
+V = TypeVar("V")
+
+
+class AwaitingOutcome(Generic[V]):
+    """What a learning router remembers of each request until its outcome is observed.
+
+    Some outcomes never come (a request that failed, or whose host reports only streamed
+    completions), so the oldest entries are dropped beyond ``capacity``.
+    """
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, V] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, request_id: str, value: V) -> None:
+        self._entries[request_id] = value
+        if len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def pop(self, request_id: str) -> V | None:
+        return self._entries.pop(request_id, None)
 
 
 class WorkLedger:

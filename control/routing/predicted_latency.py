@@ -19,6 +19,7 @@ from collections import deque
 
 import numpy as np
 
+from control.routing.estimators import AwaitingOutcome
 from control.routing.llmd import LlmdDefault
 from control.routing.snapshot import Decision, FleetSnapshot, Observation, RouteRequest
 
@@ -39,7 +40,7 @@ class LlmdPredictedLatency:
         self._rng = rng
         self._scorers = LlmdDefault(rng)
         self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
-        self._pending: dict[str, np.ndarray] = {}
+        self._pending: AwaitingOutcome[np.ndarray] = AwaitingOutcome()
         self._refit_every = refit_every
         self._ridge = ridge
         self._since_fit = 0
@@ -50,17 +51,17 @@ class LlmdPredictedLatency:
         if warm.chosen is None:
             return warm
         features = self._features(request, fleet, warm.parts["prefix"])
-        self._pending[request.request_id] = features[warm.chosen]
+        self._pending.put(request.request_id, features[warm.chosen])
         if self._model is None:
             return Decision(self.name, warm.chosen, warm.scores, warm.parts)
         predicted = np.where(fleet.ready, self._predict(features), np.nan)
         best = np.flatnonzero(predicted == np.nanmin(predicted))
         chosen = int(best[self._rng.integers(best.size)])
-        self._pending[request.request_id] = features[chosen]
+        self._pending.put(request.request_id, features[chosen])
         return Decision(self.name, chosen, predicted, {"predicted_ttft_s": predicted})
 
     def observe(self, observation: Observation) -> None:
-        features = self._pending.pop(observation.request_id, None)
+        features = self._pending.pop(observation.request_id)
         if features is None:
             return
         self._window.append((features, observation.ttft_s))

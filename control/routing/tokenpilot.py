@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from control.routing.estimators import BiasCorrection, OutputLengths, WorkLedger
+from control.routing.estimators import (
+    AwaitingOutcome,
+    BiasCorrection,
+    OutputLengths,
+    WorkLedger,
+)
 from control.routing.prefix_index import ApproximatePrefixIndex
 from control.routing.snapshot import (
     Decision,
@@ -69,7 +74,7 @@ class TokenPilot:
         self.outputs = OutputLengths()
         self._ledger: WorkLedger | None = None
         self._correction: BiasCorrection | None = None
-        self._sent: dict[str, _Sent] = {}
+        self._sent: AwaitingOutcome[_Sent] = AwaitingOutcome()
         self._mean_prompt_tokens = 0.0
         """Moving average of prompt lengths, to size queues known only by their count."""
 
@@ -89,7 +94,7 @@ class TokenPilot:
         return Decision(self.name, chosen, np.where(fleet.ready, predicted, np.nan), parts)
 
     def observe(self, observation: Observation) -> None:
-        sent = self._sent.pop(observation.request_id, None)
+        sent = self._sent.pop(observation.request_id)
         if sent is None or self._correction is None:
             return
         overhead = self.pool.step_time.ttft_overhead_s
@@ -193,4 +198,4 @@ class TokenPilot:
         )
         if request.known_matches is None:
             self.index.add(chosen, request.prefix_blocks, int(fleet.kv_blocks_total[chosen]))
-        self._sent[request.request_id] = _Sent(chosen, raw_prediction_s, key)
+        self._sent.put(request.request_id, _Sent(chosen, raw_prediction_s, key))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from control.routing import FleetSnapshot, Observation, PoolModel, RouteRequest, make_router
+from control.routing.estimators import AwaitingOutcome
 from control.routing.llmd import LlmdDefault
 from control.routing.tokenpilot import TokenPilot
 from control.step_time import KneeRoofline
@@ -122,3 +123,12 @@ def test_a_scraped_queue_the_ledger_cannot_see_counts_too() -> None:
     assert decision.parts["ahead_tokens"][0] > 0
     assert decision.parts["queue_s"][0] > decision.parts["queue_s"][1] == 0.0
     assert decision.chosen == 1
+
+
+def test_requests_whose_outcome_never_comes_are_forgotten_oldest_first() -> None:
+    awaiting: AwaitingOutcome[int] = AwaitingOutcome(capacity=3)
+    for n in range(5):
+        awaiting.put(f"r{n}", n)
+    assert len(awaiting) == 3
+    assert awaiting.pop("r1") is None
+    assert awaiting.pop("r4") == 4
