@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.settings import GatewaySettings
 from schemas.fleet import FleetConfig
@@ -72,6 +73,18 @@ async def gateway(
         fleet, GatewaySettings(**settings), services, "127.0.0.1", port
     ) as app:
         yield Gateway(f"http://127.0.0.1:{port}", app)
+
+
+async def scraped(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples named ``name`` (with these labels) on ``url``/metrics."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"{url}/metrics")).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def chat(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:

@@ -8,10 +8,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
@@ -30,6 +28,7 @@ from tests.gateway_harness import (
     fleet_for,
     gateway,
     http_server,
+    scraped,
 )
 from tokenfleet.services.process import free_port
 
@@ -53,14 +52,7 @@ async def client(front: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
 
 
 async def metric(front: Gateway, name: str, **labels: str) -> float:
-    async with httpx.AsyncClient() as http:
-        text = (await http.get(f"{front.url}/metrics")).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-    )
+    return await scraped(front.url, name, **labels)
 
 
 async def test_a_streamed_chat_completion_passes_through(client: openai.AsyncOpenAI) -> None:
@@ -188,17 +180,6 @@ async def test_an_instance_that_stops_answering_is_left_out() -> None:
             assert await metric(front, "tokenfleet_gateway_retries_total") == 0
 
 
-async def _finished(instance: EmulatedInstance) -> float:
-    async with httpx.AsyncClient() as http:
-        text = (await http.get(f"{instance.url}/metrics")).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "vllm:e2e_request_latency_seconds_count"
-    )
-
-
 def _breaking_upstream(tokens_before_break: int) -> Starlette:
     """An instance whose streams die after some tokens (the connection drops)."""
 
@@ -256,7 +237,10 @@ async def test_an_idempotency_key_returns_the_first_outcome(
     assert again.status_code == 200
     assert again.json() == first.json()
     assert again.headers["idempotent-replayed"] == "true"
-    assert sum([await _finished(i) for i in instances]) == 1
+    assert (
+        sum([await scraped(i.url, "vllm:e2e_request_latency_seconds_count") for i in instances])
+        == 1
+    )
 
 
 async def test_a_client_that_leaves_cancels_the_upstream_request(

@@ -9,30 +9,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.lifecycle import FirstToken, RequestArrived, RequestCompleted, RequestRouted
 from sim.emulator.server import EmulatedInstance
 from streams.kafka import KafkaBus
-from tests.gateway_harness import Gateway, chat, emulated, fleet_for, gateway
+from tests.gateway_harness import Gateway, chat, emulated, fleet_for, gateway, scraped
 from tests.services import Service
 from tokenfleet.services.process import free_port
-
-
-async def _metric(front: Gateway, name: str, **labels: str) -> float:
-    async with httpx.AsyncClient() as http:
-        text = (await http.get(f"{front.url}/metrics")).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 @pytest.fixture
@@ -93,8 +80,8 @@ async def test_with_kafka_down_it_serves_and_counts_the_dropped_events(
         assert [a.status_code for a in answers] == [200] * 4
         # 4 requests make 12 events: the sender holds a batch, the buffer holds 4, the
         # rest are dropped and counted.
-        assert await _metric(front, "tokenfleet_gateway_events_queued") == 4
-        assert await _metric(front, "tokenfleet_gateway_events_dropped_total") >= 1
+        assert await scraped(front.url, "tokenfleet_gateway_events_queued") == 4
+        assert await scraped(front.url, "tokenfleet_gateway_events_dropped_total") >= 1
 
 
 async def test_with_redis_down_it_serves_on_local_state(
@@ -105,7 +92,7 @@ async def test_with_redis_down_it_serves_on_local_state(
     async with gateway(fleet, redis=nowhere) as front, front.client() as http:
         answers = [await http.post("/v1/chat/completions", json=chat("r " * 30)) for _ in range(3)]
         assert [a.status_code for a in answers] == [200] * 3
-        assert await _metric(front, "tokenfleet_gateway_shared_state_fallbacks_total") >= 1
+        assert await scraped(front.url, "tokenfleet_gateway_shared_state_fallbacks_total") >= 1
 
 
 async def test_when_controllers_fall_silent_quotas_expire_to_the_default(
@@ -123,7 +110,7 @@ async def test_when_controllers_fall_silent_quotas_expire_to_the_default(
         await asyncio.sleep(0.6)
         admitted = await http.post("/v1/chat/completions", json=chat("q " * 30))
         assert admitted.status_code == 200
-        assert await _metric(front, "tokenfleet_gateway_control_defaults", kind="quotas") == 1
+        assert await scraped(front.url, "tokenfleet_gateway_control_defaults", kind="quotas") == 1
 
 
 def _closed_quota(version: int, ttl_s: float) -> AdmissionQuotas:
@@ -157,18 +144,6 @@ async def _burst(fronts: list[Gateway], groups: int, per_group: int) -> list[str
     return [a.headers["x-tokenfleet-instance"] for a in answers]
 
 
-async def _hit_tokens(instances: list[EmulatedInstance]) -> float:
-    async with httpx.AsyncClient() as http:
-        texts = [(await http.get(f"{i.url}/metrics")).text for i in instances]
-    return sum(
-        s.value
-        for text in texts
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "vllm:prefix_cache_hits_total"
-    )
-
-
 @pytest.mark.redis
 async def test_two_gateways_sharing_redis_route_a_burst_like_one(redis_server: Service) -> None:
     outcomes = {}
@@ -185,7 +160,10 @@ async def test_two_gateways_sharing_redis_route_a_burst_like_one(redis_server: S
                 ]
                 placed = await _burst(fronts, groups=8, per_group=6)
             counts = np.array([placed.count(f"i{n}") for n in range(4)])
-            outcomes[replicas] = (counts, await _hit_tokens(running))
+            outcomes[replicas] = (
+                counts,
+                sum([await scraped(i.url, "vllm:prefix_cache_hits_total") for i in running]),
+            )
     (one_counts, one_hits), (two_counts, two_hits) = outcomes[1], outcomes[2]
     print(f"one gateway: {one_counts} hits {one_hits}; two: {two_counts} hits {two_hits}")
     assert two_hits >= 0.9 * one_hits
