@@ -27,10 +27,11 @@ from typing import Any
 import faust
 from faust.types import TP
 
-from schemas import DEADLETTER_TOPIC, DecodeError, Envelope, decode, encode, topic_for
+from schemas import DEADLETTER_TOPIC, DecodeError, Envelope, Topic, decode, encode, topic_for
 from schemas.base import TaskClass
 from schemas.objectives import DEFAULT_OBJECTIVES
 from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
+from schemas.topics import DAY_MS
 from streams.bus import RawRecord, dead_letter
 from streams.settings import WorkerSettings
 from streams.tables import outcomes
@@ -40,6 +41,13 @@ from streams.tables.windows import WindowSpec
 
 LIFECYCLE_TOPICS = ("tf.requests", "tf.completions", "tf.cancellations")
 FLEET_TOPICS = ("tf.telemetry", "tf.kv-events")
+
+
+def updates_topic_of(settings: WorkerSettings) -> Topic:
+    """The re-keyed stream, the app's own (two app ids never share it). Create it before
+    the worker starts: a topic that appears after the consumer group formed is only
+    assigned at the next metadata refresh, minutes later."""
+    return Topic(f"{settings.app_id}-dc-updates", "dc", 1, False, DAY_MS, ())
 
 
 def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
@@ -60,8 +68,7 @@ def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
     raw = {"key_serializer": "raw", "value_serializer": "raw"}
     lifecycle = app.topic(*LIFECYCLE_TOPICS, **raw)
     fleet_events = app.topic(*FLEET_TOPICS, **raw)
-    # The re-keyed stream is the app's own: two deployments (two app ids) never share it.
-    updates_topic = f"{settings.app_id}-dc-updates"
+    updates_topic = updates_topic_of(settings).name
     updates = app.topic(updates_topic, partitions=1, internal=True, value_serializer="json")
     dead_letters = app.topic(DEADLETTER_TOPIC, **raw)
     as_json = faust.Schema(key_serializer="json", value_serializer="json")

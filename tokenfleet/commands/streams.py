@@ -51,13 +51,15 @@ def _bootstrap() -> str:
 def _worker(_: argparse.Namespace) -> int:
     from faust.worker import Worker
 
-    from streams.faust_app import build_app
+    from schemas import TOPICS
+    from streams.faust_app import build_app, updates_topic_of
     from streams.kafka import create_topics
     from streams.settings import WorkerSettings
 
     bootstrap = _bootstrap()
-    asyncio.run(create_topics(bootstrap))
-    app = build_app(bootstrap, WorkerSettings())
+    settings = WorkerSettings()
+    asyncio.run(create_topics(bootstrap, (*TOPICS, updates_topic_of(settings))))
+    app = build_app(bootstrap, settings)
     Worker(app, loglevel="WARNING", quiet=True).execute_from_commandline()
     return 0
 
