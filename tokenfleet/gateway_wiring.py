@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -55,7 +56,10 @@ def router_factory(fleet: FleetConfig, policy: str, seed: int = 0) -> Callable[[
 def gateway_parts(
     fleet: FleetConfig, settings: GatewaySettings, bus: EventBus, state: SharedState
 ) -> GatewayParts:
-    return GatewayParts(fleet, settings, state, bus, router_factory(fleet, settings.policy))
+    # Each replica its own seed: with one seed, replicas break ties alike and pile onto
+    # the same instance.
+    seed = secrets.randbits(32)
+    return GatewayParts(fleet, settings, state, bus, router_factory(fleet, settings.policy, seed))
 
 
 def shared_state(services: Settings, settings: GatewaySettings) -> SharedState:
