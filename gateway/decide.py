@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from control.routing.registry import Router
 from control.routing.snapshot import Decision, RouteRequest
+from control.routing.tokenpilot import TokenPilotParams
 from control.tokens import BLOCK_TOKENS
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
@@ -27,8 +28,9 @@ from gateway.state import SharedState
 from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
 from schemas.openai_api import ApiError
 
-INDEX_STRIDE = 4
-"""Index every 4th prefix block (hashes chain, so one block stands for its whole prefix)."""
+INDEX_STRIDE = TokenPilotParams().index_stride
+"""The shared index keeps every block TokenPilot's own index would (every 4th: hashes
+chain, so one block stands for its whole prefix)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class Plan:
     """Rows of ``pool``, best first."""
     cached_tokens: float
     """The prefix the chosen instance is expected to hold, in tokens."""
+    index_blocks: tuple[int, ...]
+    """The request's blocks as the shared prefix index keeps them."""
 
 
 class Decider:
@@ -122,7 +126,8 @@ class Decider:
         matched = float(shared.matched_blocks[decision.chosen] * INDEX_STRIDE * BLOCK_TOKENS)
         cached_tokens = float(cached[decision.chosen]) if cached is not None else matched
         self.metrics.decisions.labels(decision.policy, pool.ids[decision.chosen]).inc()
-        return Plan(dc, pool, decision, decision.ranked(), min(cached_tokens, inbound.input_tokens))
+        cached_tokens = min(cached_tokens, inbound.input_tokens)
+        return Plan(dc, pool, decision, decision.ranked(), cached_tokens, sampled)
 
     def router(self, model: str, dc: str) -> Router:
         key = (model, dc)

@@ -134,9 +134,9 @@ class Exchange:
         inbound = trip.inbound
         trip.inflight = float(inbound.input_tokens + inbound.output_budget)
         trip.pending = float(inbound.input_tokens) - trip.plan.cached_tokens
-        sampled = inbound.blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
         capacity = self.view.kv_capacity(trip.instance.id) // INDEX_STRIDE
-        await self.state.routed(trip.instance.id, sampled, capacity, trip.pending, trip.inflight)
+        blocks = trip.plan.index_blocks
+        await self.state.routed(trip.instance.id, blocks, capacity, trip.pending, trip.inflight)
         trip.sent_at = time.monotonic()
         self.metrics.added_latency.observe(trip.sent_at - trip.arrived)
         upstream = await self._open(trip)
