@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import pytest
 
 from schemas import MESSAGES
 from tokenfleet.cli import main
+from tokenfleet.services import kafka
 
 
 def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,3 +55,13 @@ def test_a_server_that_exits_at_once_is_reported_and_forgotten(tmp_path: Path) -
         server.launch(["false"], ready=lambda: False, timeout_s=10)
     assert read_address(tmp_path) is None
     assert not (tmp_path / "pid").exists()
+
+
+def test_kafka_cluster_ids_never_look_like_an_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The storage tool parses ``-t -abc`` as a missing value; one CI run drew such an id."""
+    # 0xf8 encodes to "-" as the first base64 character; the second draw does not.
+    draws = iter([uuid.UUID(bytes=b"\xf8" + b"\x00" * 15), uuid.UUID(int=7)])
+    monkeypatch.setattr(kafka.uuid, "uuid4", lambda: next(draws))
+    cluster_id = kafka._cluster_id()
+    assert not cluster_id.startswith("-")
+    assert len(cluster_id) == 22

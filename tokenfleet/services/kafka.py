@@ -192,8 +192,15 @@ def running_bootstrap(home: Path | None = None) -> str | None:
 
 
 def _cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes in URL-safe base64 without padding."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A KRaft cluster id: 16 random bytes in URL-safe base64 without padding.
+
+    One id in 64 would start with ``-``, which the storage tool's argument parser takes
+    for an option; Kafka's own ``Uuid.randomUuid`` draws again in that case, and so do we.
+    """
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
 
 
 def metadata_broker_count(host: str, port: int, timeout_s: float = 2.0) -> int:
