@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import numpy as np
 from tqdm import tqdm
 
-from tokenfleet.services.process import free_port
+from tokenfleet.services.process import answers_http, free_port, http_service
 
 MODEL = "emulated"
 KEY = "sk-bench"
@@ -48,7 +46,7 @@ def bench_gateway(
     """Figures for our gateway (top-level keys) and, with the path of LiteLLM's ``litellm``
     command, the same for its proxy in front of the same instances (under ``litellm``)."""
     with tempfile.TemporaryDirectory() as home, contextlib.ExitStack() as stack:
-        direct = stack.enter_context(_instances(instances))
+        direct = stack.enter_context(_instances(Path(home), instances))
         fronts = {"gateway": stack.enter_context(_gateway(Path(home), direct))}
         if litellm:
             fronts["litellm"] = stack.enter_context(_litellm(Path(home), litellm, direct))
@@ -85,25 +83,14 @@ def _environment() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _serving(argv: list[str], url: str, health: str = "/health", **env: str) -> Iterator[str]:
-    process = subprocess.Popen(
-        argv, env=_environment() | env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        _wait_until_up(url, health)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(30)
-
-
-@contextlib.contextmanager
-def _instances(count: int) -> Iterator[list[str]]:
+def _instances(home: Path, count: int) -> Iterator[list[str]]:
     base = free_port()
     urls = [f"http://127.0.0.1:{base + n}" for n in range(count)]
     argv = [*_CLI, "emulate", "--instances", str(count), "--base-port", str(base)]
-    with _serving([*argv, "--model", MODEL, "--speedup", "1000"], urls[-1]):
-        _wait_until_up(urls[0], "/health")
+    argv += ["--model", MODEL, "--speedup", "1000"]
+    with http_service(home / "instances", argv, urls[-1], env=_environment()):
+        if not all(answers_http(f"{url}/health") for url in urls):
+            raise RuntimeError("an emulated instance did not come up")
         yield urls
 
 
@@ -113,7 +100,8 @@ def _gateway(home: Path, instances: list[str]) -> Iterator[str]:
     fleet.write_text(_fleet_file(instances))
     port = free_port()
     argv = [*_CLI, "gateway", "--fleet", str(fleet), "--port", str(port)]
-    with _serving(argv, f"http://127.0.0.1:{port}", TOKENFLEET_GATEWAY_NAME="bench") as url:
+    env = _environment() | {"TOKENFLEET_GATEWAY_NAME": "bench"}
+    with http_service(home / "gateway", argv, f"http://127.0.0.1:{port}", env=env) as url:
         yield url
 
 
@@ -129,13 +117,9 @@ def _litellm(home: Path, command: str, instances: list[str]) -> Iterator[str]:
     config.write_text(f"model_list:\n{deployments}general_settings:\n  master_key: {KEY}\n")
     port = free_port()
     argv = [command, "--config", str(config), "--port", str(port), "--num_workers", "1"]
-    with _serving(
-        argv,
-        f"http://127.0.0.1:{port}",
-        "/health/liveliness",
-        LITELLM_LOCAL_MODEL_COST_MAP="True",
-        LITELLM_LOG="ERROR",
-    ) as url:
+    env = _environment() | {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+    url = f"http://127.0.0.1:{port}"
+    with http_service(home / "litellm", argv, url, health="/health/liveliness", env=env):
         yield url
 
 
@@ -152,19 +136,6 @@ def _fleet_file(urls: list[str]) -> str:
         f'[[models]]\nname = "{MODEL}"\nprofile = "llama3-70b-4xh100"\n\n'
         f'{instances}[[tenants]]\nname = "bench"\napi_keys = ["{KEY}"]\n'
     )
-
-
-def _wait_until_up(url: str, health: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}{health}", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not come up in {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def _body(n: int) -> dict[str, Any]:

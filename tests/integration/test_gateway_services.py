@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
+from schemas.fleet import FleetConfig
 from schemas.lifecycle import FirstToken, RequestArrived, RequestCompleted, RequestRouted
 from sim.emulator.server import EmulatedInstance
 from streams.kafka import KafkaBus
-from tests.gateway_harness import Gateway, chat, emulated, fleet_for, gateway, scraped
+from tests.gateway_harness import KEY, chat, emulated, fleet_for, gateway, scraped
 from tests.services import Service
-from tokenfleet.services.process import free_port
+from tokenfleet.services.process import free_port, http_service
 
 
 @pytest.fixture
@@ -122,20 +126,22 @@ def _closed_quota(version: int, ttl_s: float) -> AdmissionQuotas:
     )
 
 
-async def _burst(fronts: list[Gateway], groups: int, per_group: int) -> list[str]:
+async def _burst(urls: list[str], groups: int, per_group: int) -> list[str]:
     """Send ``groups`` x ``per_group`` requests sharing long prefixes by group, alternating
     gateways, 5 ms apart; return the instance each ran on."""
     prefixes = [f"document {g} " + f"{g}-lorem ipsum " * 500 for g in range(groups)]
-    clients = [f.client() for f in fronts]
+    headers = {"authorization": f"Bearer {KEY}"}
     async with contextlib.AsyncExitStack() as stack:
-        for client in clients:
-            await stack.enter_async_context(client)
+        clients = [
+            await stack.enter_async_context(httpx.AsyncClient(base_url=u, headers=headers))
+            for u in urls
+        ]
         calls = []
         for n in range(groups * per_group):
             body = chat(prefixes[n % groups] + f" question {n}", max_tokens=8)
             calls.append(
                 asyncio.create_task(
-                    clients[n % len(clients)].post("/v1/chat/completions", json=body)
+                    clients[n % len(clients)].post("/v1/chat/completions", json=body, timeout=60)
                 )
             )
             await asyncio.sleep(0.005)
@@ -144,21 +150,39 @@ async def _burst(fronts: list[Gateway], groups: int, per_group: int) -> list[str
     return [a.headers["x-tokenfleet-instance"] for a in answers]
 
 
+@contextlib.contextmanager
+def _gateway_processes(
+    count: int, fleet: FleetConfig, home: Path, redis: str
+) -> Iterator[list[str]]:
+    """``count`` ``tokenfleet gateway`` processes on one fleet file and one Redis (with a
+    key prefix of their own, so runs do not share state)."""
+    home.mkdir(parents=True)
+    fleet_file = home / "fleet.json"
+    fleet_file.write_text(fleet.model_dump_json())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
+    env |= {"TOKENFLEET_REDIS_URL": redis, "TOKENFLEET_GATEWAY_REDIS_PREFIX": f"{home.name}:"}
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for n in range(count):
+            port = free_port()
+            argv = [sys.executable, "-m", "tokenfleet.cli", "gateway", "--port", str(port)]
+            argv += ["--fleet", str(fleet_file)]
+            url = f"http://127.0.0.1:{port}"
+            urls.append(stack.enter_context(http_service(home / f"g{n}", argv, url, env=env)))
+        yield urls
+
+
 @pytest.mark.redis
-async def test_two_gateways_sharing_redis_route_a_burst_like_one(redis_server: Service) -> None:
+async def test_two_gateway_processes_sharing_redis_route_a_burst_like_one(
+    redis_server: Service, tmp_path: Path
+) -> None:
     outcomes = {}
     for replicas in (1, 2):
         async with emulated(4, speedup=20) as running:
             fleet = fleet_for([i.url for i in running])
-            prefix = f"test-{uuid.uuid4().hex}:"
-            async with contextlib.AsyncExitStack() as stack:
-                fronts = [
-                    await stack.enter_async_context(
-                        gateway(fleet, redis=redis_server.address, redis_prefix=prefix)
-                    )
-                    for _ in range(replicas)
-                ]
-                placed = await _burst(fronts, groups=8, per_group=6)
+            home = tmp_path / f"replicas-{replicas}"
+            with _gateway_processes(replicas, fleet, home, redis_server.address) as urls:
+                placed = await _burst(urls, groups=8, per_group=6)
             counts = np.array([placed.count(f"i{n}") for n in range(4)])
             outcomes[replicas] = (
                 counts,

@@ -6,12 +6,15 @@ CLI's ``stop`` or ``status``) can find it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 CACHE = Path(os.environ.get("TOKENFLEET_CACHE", Path.home() / ".cache" / "tokenfleet"))
@@ -47,11 +50,13 @@ class ServerProcess:
         ready: Callable[[], bool],
         timeout_s: float,
         detach: bool = False,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """Start the process and poll ``ready`` until it answers; ``detach`` lets it
-        outlive this one (for the CLI). Raises with the log's tail if it exits or times out.
+        outlive this one (for the CLI); ``env`` replaces the inherited environment.
+        Raises with the log's tail if it exits or times out.
         """
-        self._spawn(argv, detach)
+        self._spawn(argv, detach, env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
@@ -68,7 +73,7 @@ class ServerProcess:
     def _log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
 
-    def _spawn(self, argv: Sequence[str], detach: bool) -> None:
+    def _spawn(self, argv: Sequence[str], detach: bool, env: Mapping[str, str] | None) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
@@ -77,6 +82,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=detach,
+                env=env,
             )
         (self.home / "pid").write_text(str(self._process.pid))
         (self.home / "address").write_text(self.address)
@@ -88,6 +94,38 @@ class ServerProcess:
         self._process = None
         for name in ("pid", "address"):
             (self.home / name).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def http_service(
+    home: Path,
+    argv: Sequence[str],
+    url: str,
+    *,
+    health: str = "/health",
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> Iterator[str]:
+    """Run ``argv`` as a child process serving HTTP at ``url`` while the block runs: it is
+    up once ``url + health`` answers 200; it is stopped on the way out."""
+    server = ServerProcess(home, url)
+    server.launch(argv, ready=lambda: answers_http(url + health), timeout_s=timeout_s, env=env)
+    try:
+        yield url
+    finally:
+        server.terminate()
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Local services are asked directly, whatever proxy the environment names."""
+
+
+def answers_http(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with _DIRECT.open(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def read_pid(home: Path) -> int | None:
