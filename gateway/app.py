@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control.routing.registry import Router
 from gateway.decide import Decider
@@ -120,7 +121,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+        return error_response(exc)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -211,7 +212,37 @@ def create_app(parts: GatewayParts) -> FastAPI:
         """Text completion, streamed (SSE) or whole, by the chosen instance."""
         return await complete(request, COMPLETIONS_PATH)
 
+    app.add_middleware(FastLane, routes={CHAT_PATH: chat, COMPLETIONS_PATH: completions})
     return app
+
+
+class FastLane:
+    """Answers the completion endpoints straight from ASGI, before FastAPI's router.
+
+    The routes stay declared on the app (they describe the endpoints in the OpenAPI
+    document), but every request to them is served here: the router, its dependency
+    solving and two exception middlewares cost about a fifth of the gateway's CPU per
+    request, for endpoints that read their body themselves and raise only ``ApiError``.
+    """
+
+    def __init__(self, app: ASGIApp, routes: dict[str, Callable[[Request], Awaitable[Response]]]):
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            response = await route(Request(scope, receive))
+        except ApiError as exc:
+            response = error_response(exc)
+        await response(scope, receive, send)
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
 def _upstream_client(settings: GatewaySettings) -> aiohttp.ClientSession:

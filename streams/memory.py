@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
-from schemas import TOPICS
+from schemas import TOPICS, Envelope, encode, topic_for
 from streams.bus import EventBus, RawRecord, RecordStream, StartFrom
 
 _DEFAULT_PARTITIONS = {t.name: t.partitions for t in TOPICS}
@@ -27,13 +28,34 @@ class InMemoryBus(EventBus):
         self._changed = asyncio.Condition()
 
     async def publish(self, topic: str, key: str, value: bytes | None) -> None:
+        await self._append(topic, key, value, None)
+
+    async def publish_event(self, envelope: Envelope) -> None:
+        """Keep the envelope beside its bytes: subscribers in this process get it without
+        decoding what was just encoded (the bytes stay, for raw readers)."""
+        topic = topic_for(type(envelope.payload))
+        await self._append(topic.name, topic.key_of(envelope.payload), encode(envelope), envelope)
+
+    async def _append(
+        self, topic: str, key: str, value: bytes | None, envelope: Envelope | None
+    ) -> None:
         partitions = _DEFAULT_PARTITIONS.get(topic, 1)
         partition = zlib.crc32(key.encode()) % partitions
         offset = self._next_offset.get((topic, partition), 0)
         self._next_offset[(topic, partition)] = offset + 1
-        self._logs.setdefault(topic, []).append(RawRecord(topic, partition, offset, key, value))
+        record = (
+            RawRecord(topic, partition, offset, key, value)
+            if envelope is None
+            else _HeldRecord(topic, partition, offset, key, value, envelope)
+        )
+        self._logs.setdefault(topic, []).append(record)
         async with self._changed:
             self._changed.notify_all()
+
+    async def _decode_or_dead_letter(self, record: RawRecord) -> Envelope | None:
+        if isinstance(record, _HeldRecord):
+            return record.envelope
+        return await super()._decode_or_dead_letter(record)
 
     async def close(self) -> None:
         return None
@@ -46,6 +68,13 @@ class InMemoryBus(EventBus):
 
     async def _records_to_end(self, topic: str) -> list[RawRecord]:
         return list(self._logs.get(topic, []))
+
+
+@dataclass(frozen=True, slots=True)
+class _HeldRecord(RawRecord):
+    """A record published as an envelope, which it keeps (envelopes are immutable)."""
+
+    envelope: Envelope
 
 
 class _MemoryStream(RecordStream):
