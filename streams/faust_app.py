@@ -14,7 +14,8 @@ Three agents, each keyed so that its table is co-partitioned with its input:
 At-least-once: a restarted worker recovers its tables from their changelogs and reads
 again from its last committed offsets. Events it sees again are ignored by id (the join
 keeps a request's event ids, the DC state the ids of what it counted), so totals come out
-as if it had never stopped. Every mutated value is written back to its table: Faust
+as if it had never stopped. A request's join state is forgotten once no event has touched
+it for a window and its grace. Every mutated value is written back to its table: Faust
 persists only assignments.
 """
 
@@ -88,6 +89,8 @@ def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
             await dead_letters.send(key=message.topic.encode(), value=letter)
             return None
 
+    quiet = _QuietRequests(joins, spec.size_s + spec.grace_s)
+
     @app.agent(lifecycle)
     async def join(stream: faust.StreamT) -> None:
         async for event in stream.events():
@@ -95,11 +98,13 @@ def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
             if envelope is None or not outcomes.relevant(envelope):
                 continue
             key = envelope.payload.request_id  # type: ignore[attr-defined]
+            partition = event.message.partition
             state = joins.get(key) or outcomes.new_state()
             released = outcomes.apply(state, envelope)
-            joins[key] = state
+            joins[key] = quiet.touched(state, partition)
             for outcome in released:
                 await updates.send(key=outcome.dc.encode(), value=_update("outcome", outcome))
+            quiet.forget(partition)
 
     @app.agent(fleet_events)
     async def fleet(stream: faust.StreamT) -> None:
@@ -159,13 +164,39 @@ def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
                 topic = app.topic(topic_for(type(table)).name, **raw)
                 await topic.send(key=dc.encode(), value=encode(envelope))
 
-    @app.timer(interval=30.0)
-    async def forget_quiet_requests() -> None:
-        horizon = time.time() - spec.size_s - spec.grace_s
-        for key in [k for k, state in joins.items() if state["last_ts"] < horizon]:
-            del joins[key]
-
     return app
+
+
+class _QuietRequests:
+    """Forgets the join state of requests no event has touched for ``after_s`` seconds.
+
+    Faust writes a table change to the changelog partition of the event being processed,
+    so a key may only be deleted while an event of its own partition is: each state
+    records its partition, and processing an event of partition P sweeps P's quiet states,
+    at most every ``after_s / 2``. Quiet is measured in processing time, not event time,
+    so a worker replaying old events does not forget a request between its own events.
+    """
+
+    def __init__(self, table: faust.types.TableT, after_s: float) -> None:
+        self.table = table
+        self.after_s = after_s
+        self._next_sweep: dict[int, float] = {}
+
+    def touched(self, state: outcomes.RequestState, partition: int) -> outcomes.RequestState:
+        return state | {"partition": partition, "touched": time.time()}
+
+    def forget(self, partition: int) -> None:
+        now = time.time()
+        if now < self._next_sweep.get(partition, 0.0):
+            return
+        self._next_sweep[partition] = now + self.after_s / 2
+        horizon = now - self.after_s
+        for key in [
+            key
+            for key, state in self.table.items()
+            if state.get("partition") == partition and state.get("touched", now) < horizon
+        ]:
+            del self.table[key]
 
 
 class _LiveStates:

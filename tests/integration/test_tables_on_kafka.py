@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 
 import pytest
+from aiokafka import AIOKafkaConsumer
 
 from schemas import Envelope
 from schemas.tables import CapacityTable, GoodputTable, KvTable
@@ -76,13 +78,15 @@ def _events(dc: str) -> list[Envelope]:
 
 
 @contextlib.contextmanager
-def worker(kafka: Service, app_id: str) -> Iterator[subprocess.Popen[bytes]]:
+def worker(
+    kafka: Service, app_id: str, spec: WindowSpec = SPEC
+) -> Iterator[subprocess.Popen[bytes]]:
     environment = os.environ | {
         "TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address,
         "TOKENFLEET_WORKER_APP_ID": app_id,
-        "TOKENFLEET_WORKER_WINDOW_S": str(SPEC.size_s),
-        "TOKENFLEET_WORKER_SLIDE_S": str(SPEC.slide_s),
-        "TOKENFLEET_WORKER_GRACE_S": str(SPEC.grace_s),
+        "TOKENFLEET_WORKER_WINDOW_S": str(spec.size_s),
+        "TOKENFLEET_WORKER_SLIDE_S": str(spec.slide_s),
+        "TOKENFLEET_WORKER_GRACE_S": str(spec.grace_s),
         "TOKENFLEET_WORKER_PUBLISH_S": "1",
     }
     process = subprocess.Popen(
@@ -218,3 +222,44 @@ async def test_two_workers_sharing_the_partitions_end_with_the_same_totals(
             await _publish(kafka, events[len(events) // 3 :])
             published, expected = await _published_equal_reference(kafka, dc, events)
     _assert_equal(published, expected)
+
+
+async def test_quiet_requests_are_forgotten_and_the_worker_goes_on(kafka: Service) -> None:
+    """Join states untouched for a window and its grace are deleted (tombstones on the
+    changelog, each in its own partition, swept while later events flow), and the worker
+    keeps serving."""
+    dc = f"dc-{uuid.uuid4().hex[:8]}"
+    app_id = f"tables-{dc}"
+    short = WindowSpec(size_s=2.0, slide_s=1.0, grace_s=1.0)
+    quiet = {e.payload.request_id for e in _events(dc) if hasattr(e.payload, "request_id")}
+    with worker(kafka, app_id, short) as process:
+        await _publish(kafka, _events(dc))
+        await _tables_appear(kafka, dc)
+        forgotten = await _forgotten_while_events_flow(kafka, f"{app_id}-join-changelog", quiet)
+        assert process.poll() is None
+    assert quiet <= forgotten
+
+
+async def _forgotten_while_events_flow(
+    kafka: Service, changelog: str, keys: set[str], timeout_s: float = 90.0
+) -> set[str]:
+    """Keys deleted on ``changelog`` (JSON strings), read while a few new requests are
+    published every second, until all of ``keys`` are or ``timeout_s`` passes."""
+    consumer = AIOKafkaConsumer(
+        changelog, bootstrap_servers=kafka.address, auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    deleted: set[str] = set()
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not keys <= deleted:
+                await _publish(kafka, _events(f"nudge-{uuid.uuid4().hex[:8]}")[:90])
+                await asyncio.sleep(1.0)
+                batches = await consumer.getmany(timeout_ms=100)
+                for records in batches.values():
+                    deleted |= {json.loads(r.key) for r in records if r.value is None and r.key}
+    except TimeoutError:
+        pass
+    finally:
+        await consumer.stop()
+    return deleted
