@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import faust
@@ -30,7 +31,7 @@ from faust.types import TP
 
 from schemas import DEADLETTER_TOPIC, DecodeError, Envelope, Topic, decode, encode, topic_for
 from schemas.base import TaskClass
-from schemas.objectives import DEFAULT_OBJECTIVES
+from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
 from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from schemas.topics import DAY_MS
 from streams.bus import RawRecord, dead_letter
@@ -51,7 +52,12 @@ def updates_topic_of(settings: WorkerSettings) -> Topic:
     return Topic(f"{settings.app_id}-dc-updates", "dc", 1, False, DAY_MS, ())
 
 
-def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
+def build_app(
+    bootstrap: str,
+    settings: WorkerSettings,
+    objectives: Mapping[TaskClass, ClassObjective] = DEFAULT_OBJECTIVES,
+) -> faust.App:
+    """The worker's app; ``objectives`` decide which completions count as goodput."""
     app = faust.App(
         settings.app_id,
         broker=f"kafka://{bootstrap}",
@@ -146,7 +152,7 @@ def build_app(bootstrap: str, settings: WorkerSettings) -> faust.App:
                 state = live.of(dc)
                 changed: set[float] = set()
                 for item in items:
-                    changed |= _apply(state, item, spec)
+                    changed |= _apply(state, item, spec, objectives)
                 live.store(dc, state, changed, state.expire(spec))
 
     owner_of_updates = TP(updates_topic, 0)
@@ -244,11 +250,16 @@ def _update(kind: str, outcome: Outcome) -> dict[str, Any]:
     return {"kind": kind, "dc": outcome.dc, "outcome": outcome.to_dict()}
 
 
-def _apply(state: DcTables, item: dict[str, Any], spec: WindowSpec) -> set[float]:
+def _apply(
+    state: DcTables,
+    item: dict[str, Any],
+    spec: WindowSpec,
+    objectives: Mapping[TaskClass, ClassObjective],
+) -> set[float]:
     """Apply one update; returns the slices it changed."""
     if item["kind"] == "outcome":
         outcome = Outcome.from_dict(item["outcome"])
-        objective = DEFAULT_OBJECTIVES[TaskClass(outcome.task_class)]
+        objective = objectives[TaskClass(outcome.task_class)]
         return state.add_outcome(outcome, objective, spec)
     if item["kind"] == "telemetry":
         reading = InstanceTelemetry.model_validate(item["reading"])

@@ -9,16 +9,21 @@ import dataclasses
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer
 
 from schemas import Envelope
+from schemas.base import TaskClass
+from schemas.lifecycle import RequestCompleted
+from schemas.objectives import ClassObjective
 from schemas.tables import CapacityTable, GoodputTable, KvTable
 from schemas.telemetry import InstanceTelemetry
 from sim.events import lifecycle_events
@@ -27,6 +32,7 @@ from streams.kafka import KafkaBus, create_topics
 from streams.tables.builder import TableBuilder
 from streams.tables.windows import WindowSpec
 from tests.conftest import run_in_thread, unavailable
+from tests.gateway_harness import fleet_for
 from tests.services import Service, kafka_service
 
 pytestmark = pytest.mark.kafka
@@ -79,7 +85,7 @@ def _events(dc: str) -> list[Envelope]:
 
 @contextlib.contextmanager
 def worker(
-    kafka: Service, app_id: str, spec: WindowSpec = SPEC
+    kafka: Service, app_id: str, spec: WindowSpec = SPEC, fleet_file: Path | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     environment = os.environ | {
         "TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address,
@@ -89,8 +95,9 @@ def worker(
         "TOKENFLEET_WORKER_GRACE_S": str(spec.grace_s),
         "TOKENFLEET_WORKER_PUBLISH_S": "1",
     }
+    argv = [sys.executable, "-m", "tokenfleet.cli", "worker"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.cli", "worker"],
+        argv + (["--fleet", str(fleet_file)] if fleet_file else []),
         env=environment,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -123,7 +130,11 @@ def _comparable(table: object) -> object:
 
 
 async def _published_equal_reference(
-    kafka: Service, dc: str, events: Sequence[Envelope], timeout_s: float = 120.0
+    kafka: Service,
+    dc: str,
+    events: Sequence[Envelope],
+    objectives: dict[TaskClass, ClassObjective] | None = None,
+    timeout_s: float = 120.0,
 ) -> tuple[list[object], list[object]]:
     """Wait until the three published tables of ``dc`` equal the pure logic's tables for
     the same window; return the last published and expected tables."""
@@ -139,16 +150,22 @@ async def _published_equal_reference(
                 if latest is not None:
                     published.append(latest.payload)
             if len(published) == 3 and len({t.window_end for t in published}) == 1:
-                builder = TableBuilder(SPEC)
-                for event in events:
-                    builder.feed(event)
-                expected = builder.tables(published[0].window_end)
+                expected = _reference(events, published[0].window_end, objectives)
                 if [_comparable(t) for t in published] == [_comparable(t) for t in expected]:
                     return published, expected
             await asyncio.sleep(1.0)
     finally:
         await bus.close()
     return published, expected
+
+
+def _reference(
+    events: Sequence[Envelope], at: float, objectives: dict[TaskClass, ClassObjective] | None
+) -> list[object]:
+    builder = TableBuilder(SPEC, objectives)
+    for event in events:
+        builder.feed(event)
+    return builder.tables(at)
 
 
 async def _tables_appear(kafka: Service, dc: str, timeout_s: float = 120.0) -> None:
@@ -174,17 +191,27 @@ def _assert_equal(published: list[object], expected: list[object]) -> None:
 
 
 async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_lettered(
-    kafka: Service,
+    kafka: Service, tmp_path: Path
 ) -> None:
+    """With the class objectives of a fleet file: a TTFT objective at the run's median, so
+    that goodput differs from what the built-in objectives give."""
     dc = f"dc-{uuid.uuid4().hex[:8]}"
     events = _events(dc)
+    median_ttft = statistics.median(
+        e.payload.ttft_s for e in events if isinstance(e.payload, RequestCompleted)
+    )
+    objectives = {TaskClass.INTERACTIVE: ClassObjective(ttft_s=median_ttft)}
+    fleet = fleet_for(["http://127.0.0.1:1"], objectives=objectives)
+    (tmp_path / "fleet.json").write_text(fleet.model_dump_json())
     bus = KafkaBus(kafka.address)
     try:
         await bus.publish("tf.completions", f"{dc}-bad", b"{not json")
         async with bus.subscribe("tf.deadletter", "latest") as letters:
-            with worker(kafka, f"tables-{dc}"):
+            with worker(kafka, f"tables-{dc}", fleet_file=tmp_path / "fleet.json"):
                 await _publish(kafka, events)
-                published, expected = await _published_equal_reference(kafka, dc, events)
+                published, expected = await _published_equal_reference(
+                    kafka, dc, events, fleet.objectives
+                )
                 async with asyncio.timeout(60):
                     async for letter in letters:
                         if letter.envelope.payload.key == f"{dc}-bad":
@@ -192,6 +219,13 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
     finally:
         await bus.close()
     _assert_equal(published, expected)
+    with_defaults = _reference(events, published[0].window_end, None)  # type: ignore[attr-defined]
+    assert _goodput_tokens(expected) < _goodput_tokens(with_defaults)
+
+
+def _goodput_tokens(tables: list[object]) -> int:
+    goodput = next(t for t in tables if isinstance(t, GoodputTable))
+    return sum(row.goodput_tokens for row in goodput.classes)
 
 
 async def test_a_worker_killed_mid_stream_recovers_to_the_same_totals(kafka: Service) -> None:

@@ -20,6 +20,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "TOKENFLEET_WORKER_APP_ID share the partitions. Window, slide, grace and publish "
         "interval: TOKENFLEET_WORKER_WINDOW_S, _SLIDE_S, _GRACE_S, _PUBLISH_S.",
     )
+    worker.add_argument(
+        "--fleet",
+        type=Path,
+        help="the fleet file, for its class objectives (default: the built-in objectives)",
+    )
     worker.set_defaults(handler=_worker)
 
     collect = commands.add_parser(
@@ -48,18 +53,24 @@ def _bootstrap() -> str:
     return bootstrap
 
 
-def _worker(_: argparse.Namespace) -> int:
+def _worker(args: argparse.Namespace) -> int:
     from faust.worker import Worker
 
     from schemas import TOPICS
+    from schemas.fleet import FleetFileError, load_fleet
+    from schemas.objectives import DEFAULT_OBJECTIVES
     from streams.faust_app import build_app, updates_topic_of
     from streams.kafka import create_topics
     from streams.settings import WorkerSettings
 
     bootstrap = _bootstrap()
+    try:
+        objectives = load_fleet(args.fleet).objectives if args.fleet else DEFAULT_OBJECTIVES
+    except FleetFileError as exc:
+        raise CliError(str(exc)) from None
     settings = WorkerSettings()
     asyncio.run(create_topics(bootstrap, (*TOPICS, updates_topic_of(settings))))
-    app = build_app(bootstrap, settings)
+    app = build_app(bootstrap, settings, objectives)
     worker = Worker(app, loglevel="WARNING", quiet=True)
     # Faust's start-up spinner lowers the root logger to DEBUG to spin on every record:
     # each debug call of Faust and aiokafka then builds a record (a sixth of the CPU).
