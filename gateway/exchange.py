@@ -293,7 +293,10 @@ class Exchange:
             )
         )
         router = self.decider.router(inbound.model.name, trip.plan.dc)
-        if inbound.stream and isinstance(router, Learner):
+        # Only a streamed answer shows its first token, and only the instance the router
+        # chose was predicted for: a retry's TTFT would train the wrong instance.
+        first_choice = trip.row == trip.plan.decision.chosen
+        if inbound.stream and first_choice and isinstance(router, Learner):
             router.observe(
                 Observation(inbound.request_id, trip.row, first - trip.sent_at, trip.output_tokens)
             )
