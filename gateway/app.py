@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from schemas.lifecycle import RejectReason, RequestArrived, RequestRejected
 from schemas.openai_api import ApiError, ChatRequest, CompletionRequest
 from schemas.telemetry import InstanceTelemetry
 from streams.bus import EventBus
+
+log = logging.getLogger(__name__)
 
 IDEMPOTENCY_HEADER = "idempotency-key"
 
@@ -101,6 +104,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
             asyncio.create_task(follow(parts.bus, "tf.telemetry", on_telemetry, "latest")),
             asyncio.create_task(follow(parts.bus, "tf.control.quotas", on_control, "earliest")),
             asyncio.create_task(follow(parts.bus, "tf.control.weights", on_control, "earliest")),
+            asyncio.create_task(_every(settings.share_sync_s, parts.state.reconcile)),
         ]
         try:
             yield
@@ -243,6 +247,16 @@ class FastLane:
 
 def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+async def _every(period_s: float, work: Callable[[], Awaitable[None]]) -> None:
+    """Run ``work`` every ``period_s`` until cancelled; a failed round is logged, not fatal."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await work()
+        except Exception:
+            log.exception("periodic %s failed", getattr(work, "__name__", work))
 
 
 def _upstream_client(settings: GatewaySettings) -> aiohttp.ClientSession:

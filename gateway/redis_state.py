@@ -2,7 +2,11 @@
 
 Keys, all under a prefix (default ``tf:``):
 
-- ``pending`` and ``inflight``: hashes of instance id -> tokens;
+- ``acct:<replica>:pending`` and ``acct:<replica>:inflight``: each replica's share of the
+  accounting, hashes of instance id -> tokens; ``replicas``: a sorted set of replicas
+  scored by when their share expires. A view sums the shares of live replicas. Each
+  replica rewrites its share from its own record every few seconds (``reconcile``), so a
+  replica that died, or an update lost while Redis was away, is gone within a TTL;
 - ``px:<block>``: the set of instances holding a prefix block;
 - ``lru:<instance>``: that instance's blocks, scored by a global sequence number, so the
   lowest scores are the least recently used;
@@ -19,6 +23,7 @@ import base64
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,33 +31,91 @@ import numpy as np
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.state import IN_PROGRESS, InProgress, LocalState, Outcome, SharedView
+from gateway.state import IN_PROGRESS, Accounting, InProgress, LocalState, Outcome, SharedView
 
 log = logging.getLogger(__name__)
 
-_VIEW = """
+_NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
+"""
+
+_VIEW = (
+    _NOW
+    + """
 local p, n = ARGV[1], tonumber(ARGV[2])
-local ids = {}
-for i = 1, n do ids[i] = ARGV[2 + i] end
-local pending = redis.call('HMGET', p .. 'pending', unpack(ids))
-local inflight = redis.call('HMGET', p .. 'inflight', unpack(ids))
+local ids, pending, inflight = {}, {}, {}
+for i = 1, n do ids[i] = ARGV[2 + i]; pending[i] = 0; inflight[i] = 0 end
+for _, r in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')) do
+  local a = redis.call('HMGET', p .. 'acct:' .. r .. ':pending', unpack(ids))
+  local b = redis.call('HMGET', p .. 'acct:' .. r .. ':inflight', unpack(ids))
+  for i = 1, n do
+    pending[i] = pending[i] + (tonumber(a[i]) or 0)
+    inflight[i] = inflight[i] + (tonumber(b[i]) or 0)
+  end
+end
 local credit = {}
 for k = 3 + n, #ARGV do
   local holders = redis.call('SMEMBERS', p .. 'px:' .. ARGV[k])
   if #holders == 0 then break end
   for _, holder in ipairs(holders) do credit[holder] = (credit[holder] or 0) + 1 end
 end
-local matched = {}
-for i = 1, n do matched[i] = credit[ids[i]] or 0 end
-return {pending, inflight, matched}
+local sums, matched = {}, {}
+for i = 1, n do
+  sums[i] = tostring(pending[i]); sums[n + i] = tostring(inflight[i])
+  matched[i] = credit[ids[i]] or 0
+end
+return {sums, matched}
 """
+)
 
-_ROUTED = """
-local p, id, capacity = ARGV[1], ARGV[2], tonumber(ARGV[3])
-redis.call('HINCRBYFLOAT', p .. 'pending', id, ARGV[4])
-redis.call('HINCRBYFLOAT', p .. 'inflight', id, ARGV[5])
+_ACCOUNT = (
+    _NOW
+    + """
+local p, r, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local share = p .. 'acct:' .. r
+local function account(id, pending, inflight)
+  redis.call('HINCRBYFLOAT', share .. ':pending', id, pending)
+  redis.call('HINCRBYFLOAT', share .. ':inflight', id, inflight)
+end
+local function keep_alive()
+  redis.call('PEXPIRE', share .. ':pending', math.ceil(ttl * 1000))
+  redis.call('PEXPIRE', share .. ':inflight', math.ceil(ttl * 1000))
+  redis.call('ZADD', p .. 'replicas', now + ttl, r)
+end
+"""
+)
+"""Lua shared by the scripts that write a replica's share: ARGV starts prefix, replica, TTL."""
+
+_ADJUST = (
+    _ACCOUNT
+    + """
+account(ARGV[4], ARGV[5], ARGV[6])
+keep_alive()
+return 0
+"""
+)
+
+_SYNC = (
+    _ACCOUNT
+    + """
+redis.call('DEL', share .. ':pending', share .. ':inflight')
+local n = tonumber(ARGV[4])
+for i = 1, n do account(ARGV[4 + i], ARGV[4 + n + i], ARGV[4 + 2 * n + i]) end
+keep_alive()
+redis.call('ZREMRANGEBYSCORE', p .. 'replicas', '-inf', now)
+return 0
+"""
+)
+
+_ROUTED = (
+    _ACCOUNT
+    + """
+local id, capacity = ARGV[4], tonumber(ARGV[5])
+account(id, ARGV[6], ARGV[7])
+keep_alive()
 local lru = p .. 'lru:' .. id
-for k = 6, #ARGV do
+for k = 8, #ARGV do
   local order = redis.call('INCR', p .. 'lru-seq')
   redis.call('ZADD', lru, order, ARGV[k])
   redis.call('SADD', p .. 'px:' .. ARGV[k], id)
@@ -64,6 +127,7 @@ if excess > 0 then
 end
 return 0
 """
+)
 
 _TAKE = """
 local key, rate, burst, amount = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -84,27 +148,40 @@ return tostring(wait)
 
 
 class RedisState:
-    """``SharedState`` on a Redis server; one client, shared by all requests."""
+    """``SharedState`` on a Redis server; one client, shared by all requests.
 
-    def __init__(self, url: str, prefix: str = "tf:", timeout_s: float = 0.5) -> None:
+    ``replica`` names this process's share of the accounting; it keeps its own record of
+    that share too, updated before Redis is, so that ``reconcile`` can rewrite it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str = "tf:",
+        timeout_s: float = 0.5,
+        replica: str | None = None,
+        share_ttl_s: float = 10.0,
+    ) -> None:
         self.url = url
         self.prefix = prefix
+        self.replica = replica or uuid.uuid4().hex
+        self.share_ttl_s = share_ttl_s
+        self._own = Accounting()
         self._redis = Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
         self._view = self._redis.register_script(_VIEW)
         self._routed = self._redis.register_script(_ROUTED)
+        self._adjust = self._redis.register_script(_ADJUST)
+        self._sync = self._redis.register_script(_SYNC)
         self._take = self._redis.register_script(_TAKE)
 
     async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
-        pending, inflight, matched = await self._view(
+        sums, matched = await self._view(
             args=[self.prefix, len(instance_ids), *instance_ids, *blocks]
         )
-        return SharedView(
-            np.array([float(v or 0.0) for v in pending]),
-            np.array([float(v or 0.0) for v in inflight]),
-            np.array(matched, dtype=np.int64),
-        )
+        totals = np.array([float(v) for v in sums]).reshape(2, len(instance_ids))
+        return SharedView(totals[0], totals[1], np.array(matched, dtype=np.int64))
 
     async def routed(
         self,
@@ -114,9 +191,10 @@ class RedisState:
         pending_prefill: float,
         inflight_tokens: float,
     ) -> None:
+        self._own.add(instance_id, pending_prefill, inflight_tokens)
         await self._routed(
             args=[
-                self.prefix,
+                *self._share(),
                 instance_id,
                 capacity_blocks,
                 pending_prefill,
@@ -126,10 +204,24 @@ class RedisState:
         )
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hincrbyfloat(f"{self.prefix}pending", instance_id, pending_prefill)
-            pipe.hincrbyfloat(f"{self.prefix}inflight", instance_id, inflight)
-            await pipe.execute()
+        self._own.add(instance_id, pending_prefill, inflight)
+        await self._adjust(args=[*self._share(), instance_id, pending_prefill, inflight])
+
+    async def reconcile(self) -> None:
+        pending, inflight = self._own.pending, self._own.inflight
+        ids = sorted(pending.keys() | inflight.keys())
+        await self._sync(
+            args=[
+                *self._share(),
+                len(ids),
+                *ids,
+                *(pending.get(i, 0.0) for i in ids),
+                *(inflight.get(i, 0.0) for i in ids),
+            ]
+        )
+
+    def _share(self) -> list[Any]:
+        return [self.prefix, self.replica, self.share_ttl_s]
 
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
         wait = float(
@@ -219,6 +311,9 @@ class FallbackState:
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         await self._run("adjust", instance_id, pending_prefill, inflight)
+
+    async def reconcile(self) -> None:
+        await self._run("reconcile")
 
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
         return await self._run("take", bucket, rate_per_s, burst, amount)

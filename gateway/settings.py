@@ -32,4 +32,8 @@ class GatewaySettings(BaseSettings):
     """How long an ``Idempotency-Key``'s outcome is kept."""
     redis_prefix: str = "tf:"
     """Prefix of every key the gateways share in Redis (one per fleet)."""
+    share_sync_s: float = Field(default=2.0, gt=0)
+    """How often a replica rewrites its share of the shared accounting from its own record."""
+    share_ttl_s: float = Field(default=10.0, gt=0)
+    """A replica's share that is not rewritten for this long (it died) stops counting."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)

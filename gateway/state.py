@@ -73,6 +73,11 @@ class SharedState(Protocol):
         """Add (usually subtract) these amounts, at a first token or an end."""
         ...
 
+    async def reconcile(self) -> None:
+        """Rewrite this replica's share of the accounting from its own record (the
+        gateway calls it every few seconds; where nothing is shared it does nothing)."""
+        ...
+
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
         """Take ``amount`` from a token bucket; 0.0 if taken, else seconds until it could be."""
         ...
@@ -90,6 +95,18 @@ class SharedState(Protocol):
     async def close(self) -> None: ...
 
 
+class Accounting:
+    """Pending prefill and in-flight tokens per instance, as one process counted them."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, float] = {}
+        self.inflight: dict[str, float] = {}
+
+    def add(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
+        self.pending[instance_id] = self.pending.get(instance_id, 0.0) + pending_prefill
+        self.inflight[instance_id] = self.inflight.get(instance_id, 0.0) + inflight
+
+
 _SWEEP_AT = 10_000
 """Past this many idempotency keys, expired ones are dropped."""
 
@@ -100,16 +117,15 @@ class LocalState:
     def __init__(self) -> None:
         self._index = ApproximatePrefixIndex()
         self._rows: dict[str, int] = {}
-        self._pending: dict[str, float] = {}
-        self._inflight: dict[str, float] = {}
+        self._accounting = Accounting()
         self._buckets: dict[str, tuple[float, float]] = {}  # level, at
         self._keys: dict[str, tuple[Outcome | InProgress, float]] = {}  # value, expiry
 
     async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
         matched = self._index.match(blocks, len(self._rows))
         return SharedView(
-            np.array([self._pending.get(i, 0.0) for i in instance_ids]),
-            np.array([self._inflight.get(i, 0.0) for i in instance_ids]),
+            np.array([self._accounting.pending.get(i, 0.0) for i in instance_ids]),
+            np.array([self._accounting.inflight.get(i, 0.0) for i in instance_ids]),
             np.array(
                 [matched[self._rows[i]] if i in self._rows else 0 for i in instance_ids],
                 dtype=np.int64,
@@ -129,8 +145,10 @@ class LocalState:
         await self.adjust(instance_id, pending_prefill, inflight_tokens)
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
-        self._pending[instance_id] = self._pending.get(instance_id, 0.0) + pending_prefill
-        self._inflight[instance_id] = self._inflight.get(instance_id, 0.0) + inflight
+        self._accounting.add(instance_id, pending_prefill, inflight)
+
+    async def reconcile(self) -> None:
+        return None
 
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
         now = time.monotonic()

@@ -65,7 +65,13 @@ def gateway_parts(
 def shared_state(services: Settings, settings: GatewaySettings) -> SharedState:
     if services.redis_url is None:
         return LocalState()
-    return FallbackState(RedisState(services.redis_url, settings.redis_prefix), LocalState())
+    redis = RedisState(
+        services.redis_url,
+        settings.redis_prefix,
+        replica=f"{settings.name}-{secrets.token_hex(4)}",
+        share_ttl_s=settings.share_ttl_s,
+    )
+    return FallbackState(redis, LocalState())
 
 
 @contextlib.asynccontextmanager

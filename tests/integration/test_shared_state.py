@@ -3,11 +3,13 @@ Redis server; and the fallback from Redis to local state."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from redis.asyncio import Redis
 
 from gateway.redis_state import FallbackState, RedisState
 from gateway.state import IN_PROGRESS, LocalState, Outcome, SharedState
@@ -95,3 +97,48 @@ async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
     assert state.degraded
     assert len(fallbacks) == 1  # one failure, then local answers until the retry time
     await state.close()
+
+
+@pytest.mark.redis
+async def test_a_replica_that_stops_rewriting_its_share_stops_counting(
+    redis_server: Service,
+) -> None:
+    """A replica that died mid-request must not leave its tokens on the instance forever."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    alive = RedisState(redis_server.address, prefix, replica="alive", share_ttl_s=0.5)
+    dead = RedisState(redis_server.address, prefix, replica="dead", share_ttl_s=0.5)
+    try:
+        await alive.routed("a", (), 100, 10.0, 20.0)
+        await dead.routed("a", (), 100, 1.0, 2.0)
+        assert (await alive.view(["a"], ())).inflight_tokens.tolist() == [22.0]
+        for _ in range(4):  # the living one reconciles; the dead one is silent
+            await asyncio.sleep(0.25)
+            await alive.reconcile()
+        view = await alive.view(["a"], ())
+        assert view.pending_prefill.tolist() == [10.0]
+        assert view.inflight_tokens.tolist() == [20.0]
+    finally:
+        await alive.close()
+        await dead.close()
+
+
+@pytest.mark.redis
+async def test_reconcile_rewrites_a_share_from_the_replicas_own_record(
+    redis_server: Service,
+) -> None:
+    """An update lost on the way (here: overwritten behind the replica's back) is mended."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    state = RedisState(redis_server.address, prefix, replica="r")
+    other = Redis.from_url(redis_server.address)
+    try:
+        await state.routed("a", (), 100, 10.0, 20.0)
+        await state.adjust("a", -10.0, 0.0)
+        await other.hset(f"{prefix}acct:r:inflight", "a", 999.0)
+        assert (await state.view(["a"], ())).inflight_tokens.tolist() == [999.0]
+        await state.reconcile()
+        view = await state.view(["a"], ())
+        assert view.pending_prefill.tolist() == [0.0]
+        assert view.inflight_tokens.tolist() == [20.0]
+    finally:
+        await state.close()
+        await other.aclose()
