@@ -30,6 +30,10 @@ class ApproximatePrefixIndex:
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._capacity: dict[int, int] = {}
         self._holders: dict[int, set[int]] = {}
+        self._print: dict[int, int] = {}
+        """Per block, the XOR of its holders' keys: equal sets have equal prints, so a
+        match compares sets only where the print changes (two different sets sharing a
+        print is a 64-bit coincidence)."""
 
     def match(self, hashes: Sequence[int], instances: int) -> npt.NDArray[np.int64]:
         """Matched leading blocks per instance (greedy, as the extension's scorer does:
@@ -41,25 +45,29 @@ class ApproximatePrefixIndex:
         started: dict[int, int] = {}
         credit: dict[int, int] = {}
         previous: set[int] = set()
+        previous_print = 0
+        print_of, holders_of = self._print.get, self._holders.__getitem__
         sampled = hashes[self.stride - 1 :: self.stride]
         position = len(sampled)
         for position, block in enumerate(sampled):
-            holders = self._holders.get(block)
-            if not holders:
+            block_print = print_of(block)
+            if block_print is None:
                 break
-            if holders != previous:
+            if block_print != previous_print:
+                holders = holders_of(block)
                 for instance in previous - holders:
                     credit[instance] = credit.get(instance, 0) + position - started.pop(instance)
                 for instance in holders - previous:
                     started[instance] = position
-                previous = holders
+                previous, previous_print = holders, block_print
         else:
             position = len(sampled)
         for instance, start in started.items():
             credit[instance] = credit.get(instance, 0) + position - start
         matched = np.zeros(instances, dtype=np.int64)
-        for instance, blocks in credit.items():
-            matched[instance] = blocks * self.stride
+        if credit:
+            matched[list(credit)] = np.fromiter(credit.values(), np.int64, len(credit))
+            matched *= self.stride
         return matched
 
     def add(self, instance: int, hashes: Sequence[int], capacity: int | None = None) -> None:
@@ -71,12 +79,16 @@ class ApproximatePrefixIndex:
                 capacity if capacity and capacity > 0 else (self.default_capacity)
             )
         limit = self._capacity[instance] // self.stride
+        key = _instance_key(instance)
+        seen, touch, holders_of = lru.__contains__, lru.move_to_end, self._holders.setdefault
+        prints = self._print
         for block in hashes[self.stride - 1 :: self.stride]:
-            if block in lru:
-                lru.move_to_end(block)
+            if seen(block):
+                touch(block)
                 continue
             lru[block] = None
-            self._holders.setdefault(block, set()).add(instance)
+            holders_of(block, set()).add(instance)
+            prints[block] = prints.get(block, 0) ^ key
             if len(lru) > limit:
                 evicted, _ = lru.popitem(last=False)
                 self._forget(evicted, instance)
@@ -88,7 +100,22 @@ class ApproximatePrefixIndex:
 
     def _forget(self, block: int, instance: int) -> None:
         holders = self._holders.get(block)
-        if holders is not None:
-            holders.discard(instance)
-            if not holders:
-                del self._holders[block]
+        if holders is None or instance not in holders:
+            return
+        holders.remove(instance)
+        self._print[block] ^= _instance_key(instance)
+        if not holders:
+            del self._holders[block]
+            del self._print[block]
+
+
+_MASK = (1 << 64) - 1
+
+
+def _instance_key(instance: int) -> int:
+    """A fixed pseudo-random 64-bit key per instance (splitmix64's finaliser), so that
+    prints are the same in every run."""
+    z = (instance + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)

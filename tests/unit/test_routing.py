@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from control.routing import (
     ROUTERS,
@@ -48,6 +50,36 @@ def test_the_prefix_index_forgets_least_recently_used_blocks_per_instance() -> N
     assert index.match([2, 3], instances=1).tolist() == [2]
     index.remove_instance(0)
     assert index.match([2, 3], instances=1).tolist() == [0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.lists(st.integers(0, 6), max_size=6)), max_size=30),
+    st.lists(st.integers(0, 6), max_size=8),
+)
+def test_the_prefix_index_matches_like_a_plain_greedy_count(
+    adds: list[tuple[int, list[int]]], prompt: list[int]
+) -> None:
+    """Against the rule written plainly: while any instance holds block k, each holder
+    gains one. Small LRUs make evictions (and so changing holder sets) common."""
+    index = ApproximatePrefixIndex()
+    held: dict[int, list[int]] = {}
+    for instance, blocks in adds:
+        index.add(instance, blocks, capacity=3)
+        lru = held.setdefault(instance, [])
+        for block in blocks:
+            if block in lru:
+                lru.remove(block)
+            lru.append(block)
+            del lru[:-3]
+    expected = [0] * 4
+    for block in prompt:
+        holders = [i for i, lru in held.items() if block in lru]
+        if not holders:
+            break
+        for i in holders:
+            expected[i] += 1
+    assert index.match(prompt, instances=4).tolist() == expected
 
 
 def test_the_queue_score_scales_between_the_candidates_shortest_and_longest_queue() -> None:
