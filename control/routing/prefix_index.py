@@ -80,18 +80,23 @@ class ApproximatePrefixIndex:
             )
         limit = self._capacity[instance] // self.stride
         key = _instance_key(instance)
-        seen, touch, holders_of = lru.__contains__, lru.move_to_end, self._holders.setdefault
-        prints = self._print
+        seen, touch = lru.__contains__, lru.move_to_end
+        holders, prints = self._holders, self._print
         for block in hashes[self.stride - 1 :: self.stride]:
             if seen(block):
                 touch(block)
                 continue
             lru[block] = None
-            holders_of(block, set()).add(instance)
-            prints[block] = prints.get(block, 0) ^ key
-            if len(lru) > limit:
-                evicted, _ = lru.popitem(last=False)
-                self._forget(evicted, instance)
+            held_by = holders.get(block)
+            if held_by is None:
+                holders[block] = {instance}
+                prints[block] = key
+            else:
+                held_by.add(instance)
+                prints[block] ^= key
+        while len(lru) > limit:
+            evicted, _ = lru.popitem(last=False)
+            self._forget(evicted, instance)
 
     def remove_instance(self, instance: int) -> None:
         for block in self._lru.pop(instance, {}):
