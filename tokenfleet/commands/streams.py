@@ -54,6 +54,7 @@ def _bootstrap() -> str:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    import mode.loop
     from faust.worker import Worker
 
     from schemas import TOPICS
@@ -63,6 +64,7 @@ def _worker(args: argparse.Namespace) -> int:
     from streams.kafka import create_topics
     from streams.settings import WorkerSettings
 
+    mode.loop.use("uvloop")  # uvloop comes with uvicorn[standard]
     bootstrap = _bootstrap()
     try:
         objectives = load_fleet(args.fleet).objectives if args.fleet else DEFAULT_OBJECTIVES
