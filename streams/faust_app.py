@@ -81,8 +81,11 @@ def build_app(
     as_json = faust.Schema(key_serializer="json", value_serializer="json")
     joins = app.Table("join", partitions=6, schema=as_json)
     instance_dc = app.Table("instance-dc", partitions=3, schema=as_json)
-    # Written per batch, outside any one event: one partition, placed by the partitioner.
-    dc_slices = app.Table("dc-slices", partitions=1, schema=as_json, use_partitioner=True)
+    dc_slices = app.tables.add(
+        _SinglePartitionTable(
+            app, name="dc-slices", beacon=app.tables.beacon, partitions=1, schema=as_json
+        )
+    )
 
     async def decoded(event: faust.EventT) -> Envelope | None:
         try:
@@ -171,6 +174,18 @@ def build_app(
                 await topic.send(key=dc.encode(), value=encode(envelope))
 
     return app
+
+
+class _SinglePartitionTable(faust.Table):
+    """A table with one partition, written per batch of updates rather than per event.
+
+    Faust places a change in the partition of the event being processed, or, with
+    ``use_partitioner``, asks the producer; but at start-up the producer's metadata may not
+    list the changelog topic yet, and the write fails. One partition has one answer.
+    """
+
+    def partition_for_key(self, key: Any) -> int:
+        return 0
 
 
 class _QuietRequests:

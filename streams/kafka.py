@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
 from schemas import TOPICS, Envelope, Topic, encode, topic_for
@@ -170,9 +171,13 @@ def _raw(message) -> RawRecord:
 async def create_topics(
     bootstrap: str, topics: Iterable[Topic] = TOPICS, replication: int = 1
 ) -> list[str]:
-    """Create the catalog's topics that are missing; return the names created.
+    """Create the catalog's topics that are missing; return the names created, once the
+    broker's metadata lists them.
 
     Safe to run any number of times and concurrently: existing topics are left as they are.
+    Waiting matters to consumer groups: a group that forms while a topic it subscribes to
+    is missing from the metadata gets none of its partitions until the next metadata
+    refresh, minutes later.
     """
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="tokenfleet-admin")
     await admin.start()
@@ -195,6 +200,21 @@ async def create_topics(
                 raise error(f"creating topic {name!r}")
             else:
                 created.append(name)
-        return created
     finally:
         await admin.close()
+    await _listed(bootstrap, [t.name for t in missing])
+    return created
+
+
+async def _listed(bootstrap: str, names: Sequence[str], timeout_s: float = 30.0) -> None:
+    client = AIOKafkaClient(bootstrap_servers=bootstrap, client_id="tokenfleet-admin")
+    await client.bootstrap()
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                cluster = await client.fetch_all_metadata()
+                if all(cluster.partitions_for_topic(name) for name in names):
+                    return
+                await asyncio.sleep(0.1)
+    finally:
+        await client.close()

@@ -12,6 +12,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -96,22 +97,25 @@ def worker(
         "TOKENFLEET_WORKER_PUBLISH_S": "1",
     }
     argv = [sys.executable, "-m", "tokenfleet.cli", "worker"]
-    process = subprocess.Popen(
-        argv + (["--fleet", str(fleet_file)] if fleet_file else []),
-        env=environment,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            argv + (["--fleet", str(fleet_file)] if fleet_file else []),
+            env=environment,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            yield process
+        finally:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            log.seek(0)
+            print(f"worker {app_id} log tail:", log.read()[-4000:].decode(errors="replace"))
 
 
 async def _publish(kafka: Service, events: Sequence[Envelope]) -> None:
