@@ -150,8 +150,9 @@ return tostring(wait)
 class RedisState:
     """``SharedState`` on a Redis server; one client, shared by all requests.
 
-    ``replica`` names this process's share of the accounting; it keeps its own record of
-    that share too, updated before Redis is, so that ``reconcile`` can rewrite it.
+    ``replica`` names this process's share of the accounting. ``own`` is this process's
+    record of that share, updated once Redis has taken a change (a ``LocalState`` standing
+    in while Redis is away updates it otherwise); ``reconcile`` rewrites the share from it.
     """
 
     def __init__(
@@ -161,12 +162,13 @@ class RedisState:
         timeout_s: float = 0.5,
         replica: str | None = None,
         share_ttl_s: float = 10.0,
+        own: Accounting | None = None,
     ) -> None:
         self.url = url
         self.prefix = prefix
         self.replica = replica or uuid.uuid4().hex
         self.share_ttl_s = share_ttl_s
-        self._own = Accounting()
+        self._own = own or Accounting()
         self._redis = Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
@@ -191,7 +193,6 @@ class RedisState:
         pending_prefill: float,
         inflight_tokens: float,
     ) -> None:
-        self._own.add(instance_id, pending_prefill, inflight_tokens)
         await self._routed(
             args=[
                 *self._share(),
@@ -202,10 +203,11 @@ class RedisState:
                 *blocks,
             ]
         )
+        self._own.add(instance_id, pending_prefill, inflight_tokens)
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
-        self._own.add(instance_id, pending_prefill, inflight)
         await self._adjust(args=[*self._share(), instance_id, pending_prefill, inflight])
+        self._own.add(instance_id, pending_prefill, inflight)
 
     async def reconcile(self) -> None:
         pending, inflight = self._own.pending, self._own.inflight

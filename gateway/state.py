@@ -112,12 +112,16 @@ _SWEEP_AT = 10_000
 
 
 class LocalState:
-    """Shared state of one process. Not thread-safe; one event loop uses it."""
+    """Shared state of one process. Not thread-safe; one event loop uses it.
 
-    def __init__(self) -> None:
+    ``accounting`` may be shared with a ``RedisState`` that this state stands in for, so
+    that the replica's own record sees every request, whichever state served it.
+    """
+
+    def __init__(self, accounting: Accounting | None = None) -> None:
         self._index = ApproximatePrefixIndex()
         self._rows: dict[str, int] = {}
-        self._accounting = Accounting()
+        self._accounting = accounting or Accounting()
         self._buckets: dict[str, tuple[float, float]] = {}  # level, at
         self._keys: dict[str, tuple[Outcome | InProgress, float]] = {}  # value, expiry
 

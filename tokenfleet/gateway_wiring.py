@@ -23,7 +23,7 @@ from control.routing.registry import Router
 from gateway.app import GatewayParts, create_app
 from gateway.redis_state import FallbackState, RedisState
 from gateway.settings import GatewaySettings
-from gateway.state import LocalState, SharedState
+from gateway.state import Accounting, LocalState, SharedState
 from schemas.fleet import FleetConfig
 from sim.profiles import PROFILES, profile
 from streams.bus import EventBus
@@ -65,13 +65,15 @@ def gateway_parts(
 def shared_state(services: Settings, settings: GatewaySettings) -> SharedState:
     if services.redis_url is None:
         return LocalState()
+    own = Accounting()  # one record of this replica's requests, whichever state serves
     redis = RedisState(
         services.redis_url,
         settings.redis_prefix,
         replica=f"{settings.name}-{secrets.token_hex(4)}",
         share_ttl_s=settings.share_ttl_s,
+        own=own,
     )
-    return FallbackState(redis, LocalState())
+    return FallbackState(redis, LocalState(own))
 
 
 @contextlib.asynccontextmanager

@@ -6,15 +6,17 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 from redis.asyncio import Redis
 
 from gateway.redis_state import FallbackState, RedisState
-from gateway.state import IN_PROGRESS, LocalState, Outcome, SharedState
+from gateway.state import IN_PROGRESS, Accounting, LocalState, Outcome, SharedState
 from tests.services import Service
 from tokenfleet.services.process import free_port
+from tokenfleet.services.redis import LocalRedis
 
 
 @pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
@@ -142,3 +144,34 @@ async def test_reconcile_rewrites_a_share_from_the_replicas_own_record(
     finally:
         await state.close()
         await other.aclose()
+
+
+@pytest.mark.redis
+async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_reconcile(
+    tmp_path: Path,
+) -> None:
+    """Redis pauses (data kept); the request's first token times out against it and its
+    end is served locally; once Redis is back, the share shows the request gone."""
+    server = LocalRedis(tmp_path)
+    url = server.start()
+    own = Accounting()
+    state = FallbackState(
+        RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=0.1
+    )
+    admin = Redis.from_url(url)
+    try:
+        await state.routed("a", (), 100, 10.0, 20.0)
+        await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        await state.adjust("a", -10.0, 0.0)  # times out: local from here on
+        assert state.degraded
+        await state.adjust("a", 0.0, -20.0)
+        await asyncio.sleep(1.2)
+        await state.reconcile()
+        assert not state.degraded
+        view = await state.view(["a"], ())
+        assert view.pending_prefill.tolist() == [0.0]
+        assert view.inflight_tokens.tolist() == [0.0]
+    finally:
+        await admin.aclose()
+        await state.close()
+        server.stop()
