@@ -269,9 +269,10 @@ async def test_quiet_requests_are_forgotten_and_the_worker_goes_on(kafka: Servic
     dc = f"dc-{uuid.uuid4().hex[:8]}"
     app_id = f"tables-{dc}"
     short = WindowSpec(size_s=2.0, slide_s=1.0, grace_s=1.0)
-    quiet = {e.payload.request_id for e in _events(dc) if hasattr(e.payload, "request_id")}
+    events = _events(dc)
+    quiet = {e.payload.request_id for e in events if hasattr(e.payload, "request_id")}
     with worker(kafka, app_id, short) as process:
-        await _publish(kafka, _events(dc))
+        await _publish(kafka, events)
         await _tables_appear(kafka, dc)
         forgotten = await _forgotten_while_events_flow(kafka, f"{app_id}-join-changelog", quiet)
         assert process.poll() is None
