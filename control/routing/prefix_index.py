@@ -96,19 +96,21 @@ class ApproximatePrefixIndex:
                 prints[block] ^= key
         while len(lru) > limit:
             evicted, _ = lru.popitem(last=False)
-            self._forget(evicted, instance)
+            self._forget(evicted, instance, key)
 
     def remove_instance(self, instance: int) -> None:
+        key = _instance_key(instance)
         for block in self._lru.pop(instance, {}):
-            self._forget(block, instance)
+            self._forget(block, instance, key)
         self._capacity.pop(instance, None)
 
-    def _forget(self, block: int, instance: int) -> None:
+    def _forget(self, block: int, instance: int, key: int) -> None:
+        """Drop ``instance`` (whose key is ``key``) from the holders of ``block``."""
         holders = self._holders.get(block)
         if holders is None or instance not in holders:
             return
         holders.remove(instance)
-        self._print[block] ^= _instance_key(instance)
+        self._print[block] ^= key
         if not holders:
             del self._holders[block]
             del self._print[block]
