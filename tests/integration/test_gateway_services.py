@@ -8,6 +8,7 @@ import contextlib
 import os
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -160,7 +161,8 @@ def _gateway_processes(
     fleet_file = home / "fleet.json"
     fleet_file.write_text(fleet.model_dump_json())
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
-    env |= {"TOKENFLEET_REDIS_URL": redis, "TOKENFLEET_GATEWAY_REDIS_PREFIX": f"{home.name}:"}
+    prefix = f"test-{uuid.uuid4().hex}:"
+    env |= {"TOKENFLEET_REDIS_URL": redis, "TOKENFLEET_GATEWAY_REDIS_PREFIX": prefix}
     with contextlib.ExitStack() as stack:
         urls = []
         for n in range(count):
