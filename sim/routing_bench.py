@@ -9,7 +9,8 @@ cached.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -37,9 +38,13 @@ def bench_routing(
     requests: int | None = None,
     seed: int = 0,
     policies: Sequence[str] | None = None,
+    jobs: int = 1,
     progress: Progress | None = None,
 ) -> tuple[dict, dict[str, list[RequestRecord]]]:
-    """The benchmark's JSON document, and every policy's pooled records (for plots)."""
+    """The benchmark's JSON document, and every policy's pooled records (for plots).
+
+    With ``jobs`` above 1 the runs go to that many worker processes; each run is the same
+    deterministic simulation either way, so the figures do not depend on ``jobs``."""
     chosen = profile(profile_name)
     workload = load_trace(trace, limit=requests, seed=seed)
     scales = rate_scales(chosen, workload, instances, ladder)
@@ -53,20 +58,44 @@ def bench_routing(
         "requests": len(workload),
         "policies": {},
     }
+    names = list(policies or ROUTERS)
+    levels_of = {
+        RunConfig(trace, instances, policy, profile_name, requests, scale, seed): level
+        for policy in names
+        for level, scale in zip(ladder, scales, strict=True)
+    }
+    outcomes = {}
+    for config, outcome in _run_all(list(levels_of), workload, jobs):
+        outcomes[config] = outcome
+        if progress:
+            progress(f"{config.policy} at {levels_of[config]:g}")
     pooled_records: dict[str, list[RequestRecord]] = {}
-    for policy in policies or list(ROUTERS):
+    for policy in names:
         levels, records = [], []
-        for level, scale in zip(ladder, scales, strict=True):
-            config = RunConfig(trace, instances, policy, profile_name, requests, scale, seed)
-            result, level_records = simulate_run(config, workload=workload)
-            levels.append({"level": level, "rate_scale": scale, **result["summary"]})
+        for config, level in levels_of.items():
+            if config.policy != policy:
+                continue
+            result, level_records = outcomes[config]
+            levels.append({"level": level, "rate_scale": config.rate_scale, **result["summary"]})
             records.extend(level_records)
-            if progress:
-                progress(f"{policy} at {level:g}")
         document["policies"][policy] = _pooled(records, levels)
         pooled_records[policy] = records
     document["lower_bound"] = lower_bound(workload, chosen)
     return document, pooled_records
+
+
+def _run_all(
+    configs: list[RunConfig], workload: list[TraceRequest], jobs: int
+) -> Iterator[tuple[RunConfig, tuple[dict, list[RequestRecord]]]]:
+    """Each run's outcome, as runs finish; worker processes load the trace themselves."""
+    if jobs <= 1:
+        for config in configs:
+            yield config, simulate_run(config, workload=workload)
+        return
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(simulate_run, config): config for config in configs}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
 
 
 def _pooled(records: list[RequestRecord], levels: list[dict]) -> dict:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from control.routing import FleetSnapshot, Learner, Observation, Router, RouteRequest
+from control.routing import Decision, FleetSnapshot, Learner, Observation, Router, RouteRequest
 from sim.cluster import Cluster
 from sim.engine import DecodeRun, Engine, Plan, Sequence
 from sim.records import RequestRecord
@@ -67,6 +67,8 @@ class Simulation:
         self._inflight = np.zeros(size, dtype=np.int64)
         self._kv_used = np.zeros(size, dtype=np.int64)
         self._kv_total = np.array([i.engine.config.num_blocks for i in self.instances])
+        self._pending_prefill = np.zeros(size, dtype=np.float64)
+        self._awaiting_first_token: dict[str, float] = {}
         self._heap: list[tuple[float, int, int, int, Sequence | int]] = []
         self._order = 0
         self.records: list[RequestRecord] = []
@@ -103,6 +105,7 @@ class Simulation:
             self._inflight.copy(),
             self._kv_used.copy(),
             self._kv_total.copy(),
+            self._pending_prefill.copy(),
         )
 
     def _arrive(self, request: TraceRequest) -> None:
@@ -121,10 +124,20 @@ class Simulation:
             self.records.append(RequestRecord.rejected(request, self.now))
             return
         instance = self.instances[index]
+        self._count_pending(index, request, decision)
         delay = instance.engine.step_time.admission_delay_s(request.input_tokens)
         instance.entering += 1
         self._inflight[index] += request.input_tokens + request.output_tokens
         self._push(self.now + delay, _ENTER, index, Sequence(request, self.now))
+
+    def _count_pending(self, index: int, request: TraceRequest, decision: Decision) -> None:
+        """The host's shared accounting, as the gateway keeps it: a routed request's prompt,
+        less what the router expected cached, is pending prefill until its first token."""
+        expected_cached = decision.parts.get("cached_tokens")
+        cached = 0.0 if expected_cached is None else float(expected_cached[index])
+        pending = request.input_tokens - cached
+        self._pending_prefill[index] += pending
+        self._awaiting_first_token[request.request_id] = pending
 
     def _enter(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
@@ -173,7 +186,12 @@ class Simulation:
         if isinstance(plan, DecodeRun):
             self._apply_run(index, plan)
         elif plan is not None:
-            for sequence in instance.engine.finish_step(plan, self.now):
+            finished = instance.engine.finish_step(plan, self.now)
+            for sequence, _ in plan.scheduled:
+                if sequence.first_token_s == self.now:
+                    pending = self._awaiting_first_token.pop(sequence.request.request_id, 0.0)
+                    self._pending_prefill[index] -= pending
+            for sequence in finished:
                 self._complete(index, sequence)
         self._start_next(index)
 

@@ -1,12 +1,13 @@
 """TokenPilot: route each request to the instance with the lowest predicted time to first
-token, weighing the prefix cache it would reuse against the queue it would join.
+token, weighing the prefix cache it would reuse against the queue it would join, plus the
+delay its own prefill adds to the requests that will queue behind it.
 
 For every candidate, vectorised over instances:
 
 - **reusable prefix**: the request's leading blocks the approximate index places there,
-  at most all but the last token, discounted by the chance they survive until the
-  request's turn: when the blocks the queue ahead will allocate exceed the free blocks,
-  only ``free / ahead`` of the cached blocks are counted;
+  at most all but the last token. The index is written in routing order, so every request
+  already queued there has written its blocks and evicted what it would evict: the match
+  is what should still be cached when this request's turn comes;
 - **queue** (``queue_s``): time for the candidate to prefill the tokens ahead of the
   request, each step sharing its token budget with the candidate's decoding sequences and
   paying their cost, by the pool's calibrated step model. Tokens ahead are the largest of
@@ -16,11 +17,16 @@ For every candidate, vectorised over instances:
   elsewhere, requests held back by KV or ``max_num_seqs`` limits);
 - **prefill** (``prefill_s``): the same for the request's own uncached tokens, plus their
   attention over the cached context;
-- **correction**: times the candidate's learned ratio of observed to predicted TTFT.
+- **correction**: times the candidate's learned ratio of observed to predicted TTFT;
+- **delay to others** (``delay_to_others_s``): the corrected prefill times the requests
+  expected to queue behind it, the pool's mean queue in prompts. On an idle pool it is
+  nothing and the fastest first token wins; on a saturated one each recomputed token is
+  capacity every later request waits for, so cache hits weigh more than short queues.
 
-Candidates must be ready, under 97 % KV usage and under 256 waiting requests; when none
-is, the ready instance with the lowest prediction takes the request (never refuse for
-load). Ties break at random. The decision record keeps every term of every candidate.
+Candidates must be ready, have free KV blocks for the request's uncached prompt and fewer
+than 256 waiting requests; when none has, the ready instance with the lowest score takes
+the request (never refuse for load). Ties break at random. The decision record keeps every
+term of every candidate.
 """
 
 from __future__ import annotations
@@ -47,8 +53,6 @@ from control.routing.snapshot import (
 
 @dataclass(frozen=True)
 class TokenPilotParams:
-    max_kv_usage: float = 0.97
-    """Candidates fuller than this are filtered out (unless all are)."""
     max_waiting: int = 256
     """Candidates with more waiting requests are filtered out (unless all are)."""
     index_stride: int = 4
@@ -86,12 +90,15 @@ class TokenPilot:
         parts = self._predict(request, fleet, ledger)
         raw = parts["queue_s"] + parts["prefill_s"]
         predicted = raw * correction.ratio
-        chosen = self._pick(predicted, fleet)
+        behind = self._queued_behind(parts["ahead_tokens"], fleet)
+        parts["delay_to_others_s"] = behind * parts["prefill_s"] * correction.ratio
+        scores = predicted + parts["delay_to_others_s"]
+        chosen = self._pick(scores, fleet, request.input_tokens - parts["cached_tokens"])
         self._record(
             request, fleet, now, chosen, parts, float(raw[chosen]), float(predicted[chosen])
         )
         parts |= {"correction": correction.ratio}
-        return Decision(self.name, chosen, np.where(fleet.ready, predicted, np.nan), parts)
+        return Decision(self.name, chosen, np.where(fleet.ready, scores, np.nan), parts)
 
     def observe(self, observation: Observation) -> None:
         sent = self._sent.pop(observation.request_id)
@@ -117,7 +124,9 @@ class TokenPilot:
         matched = request.known_matches
         if matched is None:
             matched = self.index.match(request.prefix_blocks, len(fleet))
-        cached_blocks = np.minimum(matched, (prompt - 1) // size)
+        cached = np.minimum(matched, (prompt - 1) // size) * size
+        if self._mean_prompt_tokens == 0:
+            self._mean_prompt_tokens = float(prompt)
         self._mean_prompt_tokens += 0.05 * (prompt - self._mean_prompt_tokens)
         ahead = np.maximum.reduce(
             [
@@ -126,12 +135,6 @@ class TokenPilot:
                 fleet.waiting * self._mean_prompt_tokens,
             ]
         )
-        free_blocks = np.maximum(fleet.kv_blocks_total - fleet.kv_blocks_used, 0)
-        ahead_blocks = ahead / size
-        survival = np.where(
-            ahead_blocks <= free_blocks, 1.0, free_blocks / np.maximum(ahead_blocks, 1.0)
-        )
-        cached = cached_blocks * size * survival
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
         context = fleet.kv_blocks_used * size
@@ -147,10 +150,16 @@ class TokenPilot:
             "queue_s": queue,
             "prefill_s": with_own - queue + attention,
             "cached_tokens": cached,
-            "survival": survival,
             "ahead_tokens": ahead,
             "tpot_s": model.step_s_array(zero, zero, decoders + 1, context),
         }
+
+    def _queued_behind(self, ahead_tokens: np.ndarray, fleet: FleetSnapshot) -> float:
+        """Requests expected to queue behind this one wherever it goes: the ready
+        instances' mean queue, in prompts of the mean length seen."""
+        if self._mean_prompt_tokens <= 0:
+            return 0.0
+        return float(ahead_tokens[fleet.ready].mean() / self._mean_prompt_tokens)
 
     def _prefill_seconds(
         self, tokens: np.ndarray, decoders: np.ndarray, context: np.ndarray
@@ -163,16 +172,19 @@ class TokenPilot:
         per_step = self.pool.step_time.step_s_array(chunk, np.zeros_like(chunk), decoders, context)
         return steps * per_step
 
-    def _pick(self, predicted: np.ndarray, fleet: FleetSnapshot) -> int:
-        usage = fleet.kv_blocks_used / np.maximum(fleet.kv_blocks_total, 1)
+    def _pick(self, scores: np.ndarray, fleet: FleetSnapshot, uncached: np.ndarray) -> int:
+        """The best eligible candidate. An engine short of free blocks for the prompt
+        holds it back or, once its chunks are running, preempts the newest sequence (often
+        this prompt itself) to compute it again later: such an instance is no candidate."""
+        free_blocks = fleet.kv_blocks_total - fleet.kv_blocks_used
         eligible = (
             fleet.ready
-            & (usage < self.params.max_kv_usage)
+            & (uncached / self.pool.block_size <= free_blocks)
             & (fleet.waiting < self.params.max_waiting)
         )
         if not eligible.any():
             eligible = fleet.ready
-        scores = np.where(eligible, predicted, np.nan)
+        scores = np.where(eligible, scores, np.nan)
         best = np.flatnonzero(scores == np.nanmin(scores))
         return int(best[self.rng.integers(best.size)])
 

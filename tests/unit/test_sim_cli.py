@@ -201,3 +201,14 @@ def test_the_routing_benchmark_writes_every_policy_and_the_lower_bound(tmp_path:
         assert figures["ttft_p50_s"] >= bound["ttft_p50_s"]
         assert figures["ttft_p95_s"] >= bound["ttft_p95_s"]
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_runs_in_worker_processes_give_the_same_figures() -> None:
+    from sim.routing_bench import bench_routing
+
+    options = dict(
+        instances=2, ladder=(0.5, 1.0), requests=60, policies=["tokenpilot", "dynamo_kv"]
+    )
+    alone, _ = bench_routing("shared-prefix", **options)
+    shared, _ = bench_routing("shared-prefix", jobs=2, **options)
+    assert shared == alone

@@ -142,3 +142,25 @@ def test_routers_see_scraped_metrics_and_their_own_inflight_tokens() -> None:
     assert second.inflight_tokens.tolist() == [350, 0]  # but its own accounting is exact
     assert third.running.tolist() == [2, 0]  # a fresh scrape at t = 0.2
     assert third.inflight_tokens.tolist() == [700, 0]
+
+
+class _ExpectingCache(_Recording):
+    """Like ``_Recording``, and says it expects 100 of each prompt's tokens cached."""
+
+    def route(self, request, fleet, now):
+        from control.routing import Decision
+
+        self.seen.append(fleet)
+        return Decision(self.name, 0, np.zeros(len(fleet)), {"cached_tokens": np.full(2, 100)})
+
+
+@pytest.mark.parametrize(("router", "expected"), [(_Recording(), 300), (_ExpectingCache(), 200)])
+def test_the_host_counts_prefill_pending_until_the_first_token(router, expected) -> None:
+    """As the gateway's shared accounting does: the prompt less what the router expected
+    cached is pending on its instance from routing until its first token."""
+    workload = [TraceRequest(f"r{n}", t, 300, 50, ()) for n, t in enumerate((0.0, 0.01, 0.5))]
+    Simulation(Cluster.single(_profile(), 2), router, scrape_interval_s=0.1).run(workload)
+    first, second, third = router.seen
+    assert first.pending_prefill_tokens.tolist() == [0, 0]
+    assert second.pending_prefill_tokens.tolist() == [expected, 0]  # still in its prefill
+    assert third.pending_prefill_tokens.tolist() == [0, 0]  # both have their first token

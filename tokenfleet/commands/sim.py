@@ -311,6 +311,12 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
         default=None,
         help=f"comma-separated subset of: {', '.join(ROUTERS)}",
     )
+    routing.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once, each in its own process (default 1); figures do not depend on it",
+    )
     routing.add_argument("--json", type=Path, required=True, help="write the figures here")
     routing.add_argument("--plot", type=Path, help="write TTFT CDFs per policy here (PNG)")
     routing.set_defaults(handler=_bench_routing)
@@ -338,6 +344,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
                 requests=args.requests,
                 seed=args.seed,
                 policies=policies,
+                jobs=args.jobs,
                 progress=lambda label: (bar.set_postfix_str(label), bar.update()),
             )
         except (ValueError, KeyError) as exc:
