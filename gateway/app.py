@@ -38,7 +38,7 @@ from schemas.control import AdmissionQuotas, RoutingWeights
 from schemas.fleet import FleetConfig
 from schemas.lifecycle import RejectReason, RequestArrived, RequestRejected
 from schemas.openai_api import ApiError, ChatRequest, CompletionRequest
-from schemas.telemetry import InstanceTelemetry
+from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved
 from streams.bus import EventBus
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,15 @@ def create_app(parts: GatewayParts) -> FastAPI:
         if isinstance(message, InstanceTelemetry):
             view.observe(message)
 
+    def on_kv_event(message: object) -> None:
+        """Evictions correct the shared prefix index. Stored blocks add nothing: this
+        gateway indexed what it sent when it sent it, and every replica applies the same
+        events, which is harmless (removing twice removes once)."""
+        if isinstance(message, KvBlocksRemoved):
+            spawn(parts.state.evicted(message.instance_id, message.block_hashes))
+        elif isinstance(message, KvAllCleared):
+            spawn(parts.state.cleared(message.instance_id))
+
     def on_control(message: object) -> None:
         if isinstance(message, AdmissionQuotas):
             decider.quotas.offer(message)
@@ -102,6 +111,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
         loops = [
             asyncio.create_task(events.run()),
             asyncio.create_task(follow(parts.bus, "tf.telemetry", on_telemetry, "latest")),
+            asyncio.create_task(follow(parts.bus, "tf.kv-events", on_kv_event, "latest")),
             asyncio.create_task(follow(parts.bus, "tf.control.quotas", on_control, "earliest")),
             asyncio.create_task(follow(parts.bus, "tf.control.weights", on_control, "earliest")),
             asyncio.create_task(_every(settings.share_sync_s, parts.state.reconcile)),

@@ -129,6 +129,25 @@ return 0
 """
 )
 
+_EVICTED = """
+local p, id = ARGV[1], ARGV[2]
+local lru = p .. 'lru:' .. id
+for k = 3, #ARGV do
+  if redis.call('ZREM', lru, ARGV[k]) == 1 then redis.call('SREM', p .. 'px:' .. ARGV[k], id) end
+end
+return 0
+"""
+
+_CLEARED = """
+local p, id = ARGV[1], ARGV[2]
+local lru = p .. 'lru:' .. id
+for _, block in ipairs(redis.call('ZRANGE', lru, 0, -1)) do
+  redis.call('SREM', p .. 'px:' .. block, id)
+end
+redis.call('DEL', lru)
+return 0
+"""
+
 _TAKE = """
 local key, rate, burst, amount = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local clock = redis.call('TIME')
@@ -176,6 +195,8 @@ class RedisState:
         self._routed = self._redis.register_script(_ROUTED)
         self._adjust = self._redis.register_script(_ADJUST)
         self._sync = self._redis.register_script(_SYNC)
+        self._evicted = self._redis.register_script(_EVICTED)
+        self._cleared = self._redis.register_script(_CLEARED)
         self._take = self._redis.register_script(_TAKE)
 
     async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
@@ -208,6 +229,12 @@ class RedisState:
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         await self._adjust(args=[*self._share(), instance_id, pending_prefill, inflight])
         self._own.add(instance_id, pending_prefill, inflight)
+
+    async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:
+        await self._evicted(args=[self.prefix, instance_id, *blocks])
+
+    async def cleared(self, instance_id: str) -> None:
+        await self._cleared(args=[self.prefix, instance_id])
 
     async def reconcile(self) -> None:
         pending, inflight = self._own.pending, self._own.inflight
@@ -313,6 +340,12 @@ class FallbackState:
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         await self._run("adjust", instance_id, pending_prefill, inflight)
+
+    async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:
+        await self._run("evicted", instance_id, blocks)
+
+    async def cleared(self, instance_id: str) -> None:
+        await self._run("cleared", instance_id)
 
     async def reconcile(self) -> None:
         await self._run("reconcile")

@@ -73,6 +73,14 @@ class SharedState(Protocol):
         """Add (usually subtract) these amounts, at a first token or an end."""
         ...
 
+    async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:
+        """The instance's engine reports these blocks gone (a KV event): unindex them."""
+        ...
+
+    async def cleared(self, instance_id: str) -> None:
+        """The instance's engine reports its whole cache cleared: unindex all of it."""
+        ...
+
     async def reconcile(self) -> None:
         """Rewrite this replica's share of the accounting from its own record (the
         gateway calls it every few seconds; where nothing is shared it does nothing)."""
@@ -150,6 +158,14 @@ class LocalState:
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         self._accounting.add(instance_id, pending_prefill, inflight)
+
+    async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:
+        if instance_id in self._rows:
+            self._index.evicted(self._rows[instance_id], blocks)
+
+    async def cleared(self, instance_id: str) -> None:
+        if instance_id in self._rows:
+            self._index.remove_instance(self._rows[instance_id])
 
     async def reconcile(self) -> None:
         return None

@@ -1,8 +1,9 @@
 """An approximate index of which instance holds which prompt prefix, learned from routing.
 
-Nothing is reported by the engines: after each decision the router records the request's
-block hashes as cached on the instance it chose. Each instance's entries live in an LRU
-sized like its KV cache (in blocks), so the index forgets roughly when the engine would.
+After each decision the router records the request's block hashes as cached on the
+instance it chose. Each instance's entries live in an LRU sized like its KV cache (in
+blocks), so the index forgets roughly when the engine would; where an engine publishes KV
+events, its evictions correct the guess (``evicted``, ``cleared``).
 
 Semantics follow the Gateway API inference extension's prefix-cache scorer, which llm-d's
 default profile uses (``pkg/epp/scheduling/framework/plugins/prefixcachescorer/indexer.go``
@@ -98,7 +99,20 @@ class ApproximatePrefixIndex:
             evicted, _ = lru.popitem(last=False)
             self._forget(evicted, instance, key)
 
+    def evicted(self, instance: int, hashes: Sequence[int]) -> None:
+        """The engine reports these blocks gone from ``instance`` (a KV event); hashes the
+        index never sampled are ignored."""
+        entries = self._lru.get(instance)
+        if entries is None:
+            return
+        key = _instance_key(instance)
+        for block in hashes:
+            if block in entries:
+                del entries[block]
+                self._forget(block, instance, key)
+
     def remove_instance(self, instance: int) -> None:
+        """Forget everything of ``instance`` (it left, or its engine cleared its cache)."""
         key = _instance_key(instance)
         for block in self._lru.pop(instance, {}):
             self._forget(block, instance, key)

@@ -15,9 +15,12 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from control.tokens import block_hashes, chat_text
+from gateway.decide import INDEX_STRIDE
 from schemas import Envelope
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
+from schemas.telemetry import KvBlocksRemoved
 from sim.emulator.server import EmulatedInstance
 from tests.gateway_harness import (
     KEY,
@@ -159,6 +162,30 @@ async def test_a_quota_answers_429_with_retry_after(front: Gateway) -> None:
     assert second.status_code == 429
     assert second.json()["error"]["type"] == "rate_limit_error"
     assert 1 <= int(second.headers["retry-after"]) <= 20
+
+
+async def test_kv_events_correct_the_shared_prefix_index(front: Gateway) -> None:
+    prompt = "the same long system prompt " * 40
+    messages = chat(prompt)["messages"]
+    blocks = block_hashes(chat_text(messages))
+    state, bus = front.app.state.parts.state, front.app.state.parts.bus
+    async with front.client() as http:
+        assert (await http.post("/v1/chat/completions", json=chat(prompt))).status_code == 200
+
+    async def matched() -> list[int]:
+        return (
+            await state.view(["i0", "i1"], blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE])
+        ).matched_blocks.tolist()
+
+    assert max(await matched()) > 0
+    for instance in ("i0", "i1"):
+        removed = KvBlocksRemoved(instance_id=instance, block_hashes=blocks)
+        await bus.publish_event(Envelope.wrap(removed, source="test"))
+    for _ in range(100):
+        if await matched() == [0, 0]:
+            break
+        await asyncio.sleep(0.02)
+    assert await matched() == [0, 0]
 
 
 async def test_an_instance_that_stops_answering_is_left_out() -> None:

@@ -60,6 +60,18 @@ async def test_an_instance_forgets_its_least_recently_used_blocks(state: SharedS
     assert (await state.view(["a"], (7, 8))).matched_blocks.tolist() == [2]
 
 
+async def test_kv_events_correct_the_index(state: SharedState) -> None:
+    await state.routed("a", (1, 2, 3), 100, 0.0, 0.0)
+    await state.routed("b", (1, 2, 3), 100, 0.0, 0.0)
+    await state.evicted("a", (3, 99))  # 99 was never indexed there
+    await state.evicted("c", (1,))  # nor was anything of c
+    assert (await state.view(["a", "b"], (1, 2, 3))).matched_blocks.tolist() == [2, 3]
+    await state.cleared("b")
+    assert (await state.view(["a", "b"], (1, 2, 3))).matched_blocks.tolist() == [2, 0]
+    await state.routed("b", (1,), 100, 0.0, 0.0)  # and it learns again afterwards
+    assert (await state.view(["a", "b"], (1, 2, 3))).matched_blocks.tolist() == [2, 1]
+
+
 async def test_a_token_bucket_admits_its_burst_then_says_when(state: SharedState) -> None:
     bucket = f"b-{uuid.uuid4().hex}"
     assert await state.take(bucket, 10.0, 100.0, 60.0) == 0.0

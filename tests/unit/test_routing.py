@@ -226,3 +226,14 @@ def test_a_strided_index_keeps_every_nth_block_and_counts_in_blocks() -> None:
     index.add(0, [1, 2, 3, 4, 5])
     assert index.match([1, 2, 3, 4, 5], instances=1).tolist() == [4]
     assert index.match([1, 2, 9, 9], instances=1).tolist() == [2]
+
+
+def test_evictions_reported_by_the_engine_correct_the_index() -> None:
+    index = ApproximatePrefixIndex(stride=2)
+    index.add(0, [1, 2, 3, 4, 5, 6])  # keeps 2, 4 and 6
+    index.add(1, [1, 2, 3, 4])
+    index.evicted(0, [3])  # never sampled: nothing to correct
+    assert index.match([1, 2, 3, 4, 5, 6], instances=2).tolist() == [6, 4]
+    index.evicted(0, [4, 5, 6])
+    assert index.match([1, 2, 3, 4, 5, 6], instances=2).tolist() == [2, 4]
+    index.evicted(7, [2])  # an instance the index never saw
