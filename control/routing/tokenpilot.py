@@ -18,10 +18,12 @@ For every candidate, vectorised over instances:
 - **prefill** (``prefill_s``): the same for the request's own uncached tokens, plus their
   attention over the cached context;
 - **correction**: times the candidate's learned ratio of observed to predicted TTFT;
-- **delay to others** (``delay_to_others_s``): the corrected prefill times the requests
-  expected to queue behind it, the pool's mean queue in prompts. On an idle pool it is
-  nothing and the fastest first token wins; on a saturated one each recomputed token is
-  capacity every later request waits for, so cache hits weigh more than short queues.
+- **delay to others** (``delay_to_others_s``): the time the request's prefill adds to the
+  candidate's timeline (``work_s``: its steps' time beyond what the same steps would take
+  without it, so not the decoding it waits for) times the requests expected to queue
+  behind it, the pool's mean queue in prompts, corrected. On an idle pool it is nothing
+  and the fastest first token wins; on a saturated one each recomputed token is capacity
+  every later request waits for, so cache hits weigh more than short queues.
 
 Candidates must be ready, have free KV blocks for the request's uncached prompt and fewer
 than 256 waiting requests; when none has, the ready instance with the lowest score takes
@@ -91,7 +93,7 @@ class TokenPilot:
         raw = parts["queue_s"] + parts["prefill_s"]
         predicted = raw * correction.ratio
         behind = self._queued_behind(parts["ahead_tokens"], fleet)
-        parts["delay_to_others_s"] = behind * parts["prefill_s"] * correction.ratio
+        parts["delay_to_others_s"] = behind * parts["work_s"] * correction.ratio
         scores = predicted + parts["delay_to_others_s"]
         chosen = self._pick(scores, fleet, request.input_tokens - parts["cached_tokens"])
         self._record(
@@ -146,9 +148,12 @@ class TokenPilot:
         attention = model.step_s_array(zero, pairs, zero, zero) - model.step_s_array(
             zero, zero, zero, zero
         )
+        alone = self._prefill_seconds(uncached, zero, zero)
+        idle_steps = np.ceil(uncached / self.pool.max_num_batched_tokens)
         return {
             "queue_s": queue,
             "prefill_s": with_own - queue + attention,
+            "work_s": alone - idle_steps * model.step_s_array(zero, zero, zero, zero) + attention,
             "cached_tokens": cached,
             "ahead_tokens": ahead,
             "tpot_s": model.step_s_array(zero, zero, decoders + 1, context),
