@@ -18,7 +18,7 @@ import numpy as np
 
 from control.routing import Decision, FleetSnapshot, Learner, Observation, Router, RouteRequest
 from sim.cluster import Cluster
-from sim.engine import DecodeRun, Engine, Plan, Sequence
+from sim.engine import DecodeRun, Engine, Plan, Sequence, StepPlan
 from sim.records import RequestRecord
 from sim.workload import TraceRequest
 
@@ -139,6 +139,13 @@ class Simulation:
         self._pending_prefill[index] += pending
         self._awaiting_first_token[request.request_id] = pending
 
+    def _first_tokens(self, index: int, plan: StepPlan) -> None:
+        """Settle the pending prefill of the sequences whose first token the step made."""
+        for sequence, _ in plan.scheduled:
+            if sequence.first_token_s == self.now:
+                pending = self._awaiting_first_token.pop(sequence.request.request_id, 0.0)
+                self._pending_prefill[index] -= pending
+
     def _enter(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
         instance.entering -= 1
@@ -187,10 +194,7 @@ class Simulation:
             self._apply_run(index, plan)
         elif plan is not None:
             finished = instance.engine.finish_step(plan, self.now)
-            for sequence, _ in plan.scheduled:
-                if sequence.first_token_s == self.now:
-                    pending = self._awaiting_first_token.pop(sequence.request.request_id, 0.0)
-                    self._pending_prefill[index] -= pending
+            self._first_tokens(index, plan)
             for sequence in finished:
                 self._complete(index, sequence)
         self._start_next(index)
