@@ -46,6 +46,8 @@ class Plan:
     """The prefix the chosen instance is expected to hold, in tokens."""
     index_blocks: tuple[int, ...]
     """The request's blocks as the shared prefix index keeps them."""
+    version: int = 0
+    """The shared state's version the decision was made on."""
 
 
 class Decider:
@@ -127,7 +129,7 @@ class Decider:
         cached_tokens = float(cached[decision.chosen]) if cached is not None else matched
         self.metrics.decisions.labels(decision.policy, pool.ids[decision.chosen]).inc()
         cached_tokens = min(cached_tokens, inbound.input_tokens)
-        return Plan(dc, pool, decision, decision.ranked(), cached_tokens, sampled)
+        return Plan(dc, pool, decision, decision.ranked(), cached_tokens, sampled, shared.version)
 
     def router(self, model: str, dc: str) -> Router:
         key = (model, dc)

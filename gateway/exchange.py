@@ -27,6 +27,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from control.routing import Withdrawing
 from control.routing.registry import Learner
 from control.routing.snapshot import Observation
 from gateway.decide import INDEX_STRIDE, Decider, Plan
@@ -55,6 +56,10 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 _JSON = {"content-type": "application/json"}
 
 _DONE = b"data: [DONE]"
+
+
+REPLANS = 2
+"""Decisions made again at most, when other requests were routed since their view."""
 
 
 class UpstreamFailed(Exception):
@@ -113,12 +118,16 @@ class Exchange:
         arrived: float,
         idempotency_key: str | None,
     ) -> Response:
+        plan = await self._reserve(inbound, plan)
         self.events.emit(_routed_event(inbound, plan))
         order = plan.order[:2]
         for attempt, row in enumerate(order, start=1):
             trip = Trip(inbound, plan, row, arrived, idempotency_key)
             if attempt > 1:
                 self._retried(trip, order[0])
+                await self._charge(trip)
+            else:
+                trip.pending, trip.inflight = _charges(inbound, plan)
             try:
                 return await self._attempt(trip, request)
             except UpstreamFailed as exc:
@@ -130,13 +139,40 @@ class Exchange:
         )
         raise ApiError(502, f"The model instance failed: {error}")
 
-    async def _attempt(self, trip: Trip, request: Request) -> Response:
-        inbound = trip.inbound
-        trip.inflight = float(inbound.input_tokens + inbound.output_budget)
-        trip.pending = float(inbound.input_tokens) - trip.plan.cached_tokens
+    async def _reserve(self, inbound: Inbound, plan: Plan) -> Plan:
+        """Charge the first choice in the shared state, unless another request was routed
+        since the view it was decided on: then the router forgets it and decides again on
+        a fresh view (at most ``REPLANS`` times, then the charge is written anyway).
+        Decisions made at once, by replicas or by one replica's concurrent requests, would
+        otherwise read the same view and pile a burst of new prefixes onto one instance.
+        A router that cannot forget a decision is charged as it decided, at once."""
+        router = self.decider.router(inbound.model.name, plan.dc)
+        forgetful = router if isinstance(router, Withdrawing) else None
+        replans = REPLANS if forgetful is not None else 0
+        for replan in range(replans + 1):
+            seen = plan.version if replan < replans else None
+            pending, inflight = _charges(inbound, plan)
+            instance = plan.pool.instances[plan.order[0]].id
+            capacity = self.view.kv_capacity(instance) // INDEX_STRIDE
+            if await self.state.routed(
+                instance, plan.index_blocks, capacity, pending, inflight, seen
+            ):
+                break
+            assert forgetful is not None  # only the last try writes unconditionally
+            self.metrics.replans.inc()
+            forgetful.withdraw(inbound.request_id)
+            plan = await self.decider.route(inbound, plan.dc)
+        return plan
+
+    async def _charge(self, trip: Trip) -> None:
+        """Charge a retry's instance (``_reserve`` charged the first choice)."""
+        trip.pending, trip.inflight = _charges(trip.inbound, trip.plan)
         capacity = self.view.kv_capacity(trip.instance.id) // INDEX_STRIDE
         blocks = trip.plan.index_blocks
         await self.state.routed(trip.instance.id, blocks, capacity, trip.pending, trip.inflight)
+
+    async def _attempt(self, trip: Trip, request: Request) -> Response:
+        inbound = trip.inbound
         trip.sent_at = time.monotonic()
         self.metrics.added_latency.observe(trip.sent_at - trip.arrived)
         upstream = await self._open(trip)
@@ -388,6 +424,14 @@ def _headers(trip: Trip) -> dict[str, str]:
         "x-tokenfleet-instance": trip.instance.id,
         "x-tokenfleet-dc": trip.plan.dc,
     }
+
+
+def _charges(inbound: Inbound, plan: Plan) -> tuple[float, float]:
+    """What a request counts on its instance: pending prefill and tokens in flight."""
+    return (
+        float(inbound.input_tokens) - plan.cached_tokens,
+        float(inbound.input_tokens + inbound.output_budget),
+    )
 
 
 def _routed_event(inbound: Inbound, plan: Plan) -> RequestRouted:

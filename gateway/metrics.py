@@ -37,6 +37,11 @@ class GatewayMetrics:
         self.retries = Counter(
             "tokenfleet_gateway_retries", "Requests retried on another instance.", registry=r
         )
+        self.replans = Counter(
+            "tokenfleet_gateway_replans",
+            "Decisions made again because another request was routed since their view.",
+            registry=r,
+        )
         self.cancellations = Counter(
             "tokenfleet_gateway_cancellations", "Requests the client abandoned.", registry=r
         )

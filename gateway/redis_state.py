@@ -65,7 +65,7 @@ for i = 1, n do
   sums[i] = tostring(pending[i]); sums[n + i] = tostring(inflight[i])
   matched[i] = credit[ids[i]] or 0
 end
-return {sums, matched}
+return {sums, matched, tonumber(redis.call('GET', p .. 'routes') or 0)}
 """
 )
 
@@ -111,11 +111,15 @@ return 0
 _ROUTED = (
     _ACCOUNT
     + """
-local id, capacity = ARGV[4], tonumber(ARGV[5])
+local id, capacity, seen = ARGV[4], tonumber(ARGV[5]), ARGV[8]
+if seen ~= '' and tonumber(redis.call('GET', p .. 'routes') or 0) ~= tonumber(seen) then
+  return 0
+end
+redis.call('INCR', p .. 'routes')
 account(id, ARGV[6], ARGV[7])
 keep_alive()
 local lru = p .. 'lru:' .. id
-for k = 8, #ARGV do
+for k = 9, #ARGV do
   local order = redis.call('INCR', p .. 'lru-seq')
   redis.call('ZADD', lru, order, ARGV[k])
   redis.call('SADD', p .. 'px:' .. ARGV[k], id)
@@ -125,7 +129,7 @@ if excess > 0 then
   local gone = redis.call('ZPOPMIN', lru, excess)
   for k = 1, #gone, 2 do redis.call('SREM', p .. 'px:' .. gone[k], id) end
 end
-return 0
+return 1
 """
 )
 
@@ -200,11 +204,11 @@ class RedisState:
         self._take = self._redis.register_script(_TAKE)
 
     async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
-        sums, matched = await self._view(
+        sums, matched, version = await self._view(
             args=[self.prefix, len(instance_ids), *instance_ids, *blocks]
         )
         totals = np.array([float(v) for v in sums]).reshape(2, len(instance_ids))
-        return SharedView(totals[0], totals[1], np.array(matched, dtype=np.int64))
+        return SharedView(totals[0], totals[1], np.array(matched, dtype=np.int64), int(version))
 
     async def routed(
         self,
@@ -213,18 +217,22 @@ class RedisState:
         capacity_blocks: int,
         pending_prefill: float,
         inflight_tokens: float,
-    ) -> None:
-        await self._routed(
+        seen_version: int | None = None,
+    ) -> bool:
+        written = await self._routed(
             args=[
                 *self._share(),
                 instance_id,
                 capacity_blocks,
                 pending_prefill,
                 inflight_tokens,
+                "" if seen_version is None else seen_version,
                 *blocks,
             ]
         )
-        self._own.add(instance_id, pending_prefill, inflight_tokens)
+        if written:
+            self._own.add(instance_id, pending_prefill, inflight_tokens)
+        return bool(written)
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         await self._adjust(args=[*self._share(), instance_id, pending_prefill, inflight])
@@ -333,9 +341,16 @@ class FallbackState:
         capacity_blocks: int,
         pending_prefill: float,
         inflight_tokens: float,
-    ) -> None:
-        await self._run(
-            "routed", instance_id, blocks, capacity_blocks, pending_prefill, inflight_tokens
+        seen_version: int | None = None,
+    ) -> bool:
+        return await self._run(
+            "routed",
+            instance_id,
+            blocks,
+            capacity_blocks,
+            pending_prefill,
+            inflight_tokens,
+            seen_version,
         )
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:

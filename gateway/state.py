@@ -35,6 +35,8 @@ class SharedView:
     inflight_tokens: FloatArray
     matched_blocks: IntArray
     """Leading prefix entries (as passed) each instance holds, counted greedily."""
+    version: int = 0
+    """How many requests had been routed when this view was read (see ``routed``)."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,11 @@ class SharedState(Protocol):
         capacity_blocks: int,
         pending_prefill: float,
         inflight_tokens: float,
-    ) -> None:
-        """A request went to ``instance_id``: index its blocks, count its tokens."""
+        seen_version: int | None = None,
+    ) -> bool:
+        """A request went to ``instance_id``: index its blocks, count its tokens. With
+        ``seen_version`` (the version of the view the decision was made on), only if no
+        other request was routed since; False, and nothing written, otherwise."""
         ...
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
@@ -132,6 +137,7 @@ class LocalState:
         self._accounting = accounting or Accounting()
         self._buckets: dict[str, tuple[float, float]] = {}  # level, at
         self._keys: dict[str, tuple[Outcome | InProgress, float]] = {}  # value, expiry
+        self._version = 0
 
     async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
         matched = self._index.match(blocks, len(self._rows))
@@ -142,6 +148,7 @@ class LocalState:
                 [matched[self._rows[i]] if i in self._rows else 0 for i in instance_ids],
                 dtype=np.int64,
             ),
+            self._version,
         )
 
     async def routed(
@@ -151,10 +158,15 @@ class LocalState:
         capacity_blocks: int,
         pending_prefill: float,
         inflight_tokens: float,
-    ) -> None:
+        seen_version: int | None = None,
+    ) -> bool:
+        if seen_version is not None and seen_version != self._version:
+            return False
+        self._version += 1
         row = self._rows.setdefault(instance_id, len(self._rows))
         self._index.add(row, blocks, capacity_blocks)
         await self.adjust(instance_id, pending_prefill, inflight_tokens)
+        return True
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         self._accounting.add(instance_id, pending_prefill, inflight)

@@ -1,6 +1,6 @@
 """Instance routing: which instance of a model pool serves a request."""
 
-from control.routing.registry import ROUTERS, Learner, Router, make_router
+from control.routing.registry import ROUTERS, Learner, Router, Withdrawing, make_router
 from control.routing.snapshot import (
     Candidate,
     Decision,
@@ -20,5 +20,6 @@ __all__ = [
     "PoolModel",
     "RouteRequest",
     "Router",
+    "Withdrawing",
     "make_router",
 ]

@@ -40,33 +40,48 @@ class WorkLedger:
 
     Each routed request adds its uncached prompt tokens to the instance's pending prefill
     until its predicted first token, then counts as one decoding sequence until its
-    predicted finish. Entries expire by predicted time, so the ledger needs no feedback.
+    predicted finish. Entries expire by predicted time, so the ledger needs no feedback;
+    a host that routes a request elsewhere after all withdraws its entry.
     """
 
     def __init__(self, instances: int) -> None:
         self.prefill_tokens = np.zeros(instances, dtype=np.float64)
         self.decoding = np.zeros(instances, dtype=np.float64)
-        self._events: list[tuple[float, int, int, float]] = []  # (time, seq, instance, tokens)
-        self._order = 0
+        self._events: list[tuple[float, int, bool]] = []  # (time, entry, is the finish)
+        self._open: dict[int, tuple[int, float, bool]] = {}  # instance, tokens, decoding
+        self._entries = 0
 
-    def add(self, instance: int, tokens: float, first_token_at: float, finish_at: float) -> None:
+    def add(self, instance: int, tokens: float, first_token_at: float, finish_at: float) -> int:
+        """Count a routed request; returns its entry, for ``withdraw``."""
+        self._entries += 1
+        entry = self._entries
         self.prefill_tokens[instance] += tokens
-        self._push(first_token_at, instance, tokens)
-        self._push(finish_at, instance, -1.0)
+        self._open[entry] = (instance, tokens, False)
+        heapq.heappush(self._events, (first_token_at, entry, False))
+        heapq.heappush(self._events, (finish_at, entry, True))
+        return entry
 
     def advance(self, now: float) -> None:
         """Retire what should have happened by ``now``."""
         while self._events and self._events[0][0] <= now:
-            _, _, instance, tokens = heapq.heappop(self._events)
-            if tokens >= 0:  # prefill done: the request starts decoding
-                self.prefill_tokens[instance] -= tokens
-                self.decoding[instance] += 1
-            else:
-                self.decoding[instance] -= 1
+            _, entry, finish = heapq.heappop(self._events)
+            if entry in self._open:
+                self._retire(entry, finished=finish)
 
-    def _push(self, at: float, instance: int, tokens: float) -> None:
-        self._order += 1
-        heapq.heappush(self._events, (at, self._order, instance, tokens))
+    def withdraw(self, entry: int) -> None:
+        """Forget an entry whose request did not go where it was counted."""
+        if entry in self._open:
+            self._retire(entry, finished=True)
+
+    def _retire(self, entry: int, *, finished: bool) -> None:
+        instance, tokens, decoding = self._open.pop(entry)
+        if decoding:
+            self.decoding[instance] -= 1
+        else:
+            self.prefill_tokens[instance] -= tokens
+            if not finished:  # prefill done: the request starts decoding
+                self.decoding[instance] += 1
+                self._open[entry] = (instance, tokens, True)
 
 
 @dataclass

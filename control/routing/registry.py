@@ -34,6 +34,13 @@ class Learner(Protocol):
     def observe(self, observation: Observation) -> None: ...
 
 
+@runtime_checkable
+class Withdrawing(Protocol):
+    """A router that counts what it routes, and can forget a decision the host dropped."""
+
+    def withdraw(self, request_id: str) -> None: ...
+
+
 Factory = Callable[[np.random.Generator, PoolModel | None], Router]
 
 

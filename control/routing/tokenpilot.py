@@ -66,6 +66,7 @@ class _Sent:
     instance: int
     raw_prediction_s: float
     output_key: str
+    ledger_entry: int
 
 
 @dataclass
@@ -111,6 +112,14 @@ class TokenPilot:
             sent.instance, sent.raw_prediction_s, observation.ttft_s - overhead
         )
         self.outputs.observe(sent.output_key, observation.output_tokens)
+
+    def withdraw(self, request_id: str) -> None:
+        """The host routed this request elsewhere after all (it decided again on a fresher
+        view): forget the work counted for it. What the request wrote into this router's
+        own prefix index stays; hosts that decide again pass ``known_matches``."""
+        sent = self._sent.pop(request_id)
+        if sent is not None and self._ledger is not None:
+            self._ledger.withdraw(sent.ledger_entry)
 
     def _state(self, instances: int) -> tuple[WorkLedger, BiasCorrection]:
         if self._ledger is None or len(self._ledger.prefill_tokens) != instances:
@@ -207,7 +216,7 @@ class TokenPilot:
         first_token = now + prediction_s
         decode_s = self.outputs.expected(key, request.output_budget) * parts["tpot_s"][chosen]
         assert self._ledger is not None
-        self._ledger.add(
+        entry = self._ledger.add(
             chosen,
             float(request.input_tokens - parts["cached_tokens"][chosen]),
             first_token,
@@ -215,4 +224,4 @@ class TokenPilot:
         )
         if request.known_matches is None:
             self.index.add(chosen, request.prefix_blocks, int(fleet.kv_blocks_total[chosen]))
-        self._sent.put(request.request_id, _Sent(chosen, raw_prediction_s, key))
+        self._sent.put(request.request_id, _Sent(chosen, raw_prediction_s, key, entry))

@@ -60,6 +60,17 @@ async def test_an_instance_forgets_its_least_recently_used_blocks(state: SharedS
     assert (await state.view(["a"], (7, 8))).matched_blocks.tolist() == [2]
 
 
+async def test_a_route_decided_on_a_stale_view_is_refused(state: SharedState) -> None:
+    seen = (await state.view(["a", "b"], ())).version
+    assert await state.routed("a", (1,), 100, 10.0, 20.0, seen_version=seen)
+    assert not await state.routed("b", (2,), 100, 10.0, 20.0, seen_version=seen)
+    view = await state.view(["a", "b"], (2,))
+    assert view.pending_prefill.tolist() == [10.0, 0.0]  # the refused one wrote nothing
+    assert view.matched_blocks.tolist() == [0, 0]
+    assert await state.routed("b", (2,), 100, 10.0, 20.0, seen_version=view.version)
+    assert await state.routed("b", (2,), 100, 10.0, 20.0)  # without a version: always
+
+
 async def test_kv_events_correct_the_index(state: SharedState) -> None:
     await state.routed("a", (1, 2, 3), 100, 0.0, 0.0)
     await state.routed("b", (1, 2, 3), 100, 0.0, 0.0)

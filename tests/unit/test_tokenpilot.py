@@ -140,6 +140,18 @@ def test_it_degrades_to_the_best_ready_instance_when_every_one_is_full() -> None
     assert pilot.route(hot_request(0), full, now=0.0).chosen in (0, 1)
 
 
+def test_a_withdrawn_decision_no_longer_counts_as_work_sent() -> None:
+    pilot = TokenPilot(np.random.default_rng(0), POOL)
+    fleet = idle_fleet(2)
+    first = pilot.route(RouteRequest("r0", 4_000, 50), fleet, now=0.0)
+    busy = pilot.route(RouteRequest("r1", 4_000, 50), fleet, now=0.0)
+    assert busy.parts["ahead_tokens"][first.chosen] == 4_000
+    pilot.withdraw("r0")  # the host routed r0 elsewhere after all
+    pilot.withdraw("r1")
+    again = pilot.route(RouteRequest("r2", 4_000, 50), fleet, now=0.0)
+    assert again.parts["ahead_tokens"].tolist() == [0.0, 0.0]
+
+
 def test_tokenpilot_cannot_be_made_without_the_pool_s_step_model() -> None:
     with pytest.raises(ValueError, match="needs the pool"):
         make_router("tokenpilot")
