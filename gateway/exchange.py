@@ -123,11 +123,10 @@ class Exchange:
         order = plan.order[:2]
         for attempt, row in enumerate(order, start=1):
             trip = Trip(inbound, plan, row, arrived, idempotency_key)
-            if attempt > 1:
+            trip.pending, trip.inflight = _charges(inbound, plan)
+            if attempt > 1:  # ``_reserve`` charged the first choice
                 self._retried(trip, order[0])
-                await self._charge(trip)
-            else:
-                trip.pending, trip.inflight = _charges(inbound, plan)
+                await self._charge(inbound, plan, row)
             try:
                 return await self._attempt(trip, request)
             except UpstreamFailed as exc:
@@ -151,12 +150,7 @@ class Exchange:
         replans = REPLANS if forgetful is not None else 0
         for replan in range(replans + 1):
             seen = plan.version if replan < replans else None
-            pending, inflight = _charges(inbound, plan)
-            instance = plan.pool.instances[plan.order[0]].id
-            capacity = self.view.kv_capacity(instance) // INDEX_STRIDE
-            if await self.state.routed(
-                instance, plan.index_blocks, capacity, pending, inflight, seen
-            ):
+            if await self._charge(inbound, plan, plan.order[0], seen):
                 break
             assert forgetful is not None  # only the last try writes unconditionally
             self.metrics.replans.inc()
@@ -164,12 +158,17 @@ class Exchange:
             plan = await self.decider.route(inbound, plan.dc)
         return plan
 
-    async def _charge(self, trip: Trip) -> None:
-        """Charge a retry's instance (``_reserve`` charged the first choice)."""
-        trip.pending, trip.inflight = _charges(trip.inbound, trip.plan)
-        capacity = self.view.kv_capacity(trip.instance.id) // INDEX_STRIDE
-        blocks = trip.plan.index_blocks
-        await self.state.routed(trip.instance.id, blocks, capacity, trip.pending, trip.inflight)
+    async def _charge(
+        self, inbound: Inbound, plan: Plan, row: int, seen_version: int | None = None
+    ) -> bool:
+        """Index the request's blocks on ``plan``'s instance ``row`` and count its tokens
+        there (see ``SharedState.routed`` for ``seen_version``)."""
+        pending, inflight = _charges(inbound, plan)
+        instance = plan.pool.instances[row].id
+        capacity = self.view.kv_capacity(instance) // INDEX_STRIDE
+        return await self.state.routed(
+            instance, plan.index_blocks, capacity, pending, inflight, seen_version
+        )
 
     async def _attempt(self, trip: Trip, request: Request) -> Response:
         inbound = trip.inbound

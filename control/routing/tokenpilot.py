@@ -154,15 +154,14 @@ class TokenPilot:
         model = self.pool.step_time
         zero = np.zeros(len(fleet))
         pairs = uncached * cached + uncached * (uncached + 1) / 2
-        attention = model.step_s_array(zero, pairs, zero, zero) - model.step_s_array(
-            zero, zero, zero, zero
-        )
+        idle_step = model.step_s_array(zero, zero, zero, zero)
+        attention = model.step_s_array(zero, pairs, zero, zero) - idle_step
         alone = self._prefill_seconds(uncached, zero, zero)
         idle_steps = np.ceil(uncached / self.pool.max_num_batched_tokens)
         return {
             "queue_s": queue,
             "prefill_s": with_own - queue + attention,
-            "work_s": alone - idle_steps * model.step_s_array(zero, zero, zero, zero) + attention,
+            "work_s": alone - idle_steps * idle_step + attention,
             "cached_tokens": cached,
             "ahead_tokens": ahead,
             "tpot_s": model.step_s_array(zero, zero, decoders + 1, context),
