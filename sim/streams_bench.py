@@ -1,9 +1,10 @@
 """What one table worker sustains on a broker, and how soon an event shows in a table.
 
-- **Rate**: once the worker is up (it has counted a warm-up request), the lifecycle
-  events (arrived, routed, completed) of ``requests`` requests are published as fast as
-  the broker takes them; the rate is their number over the time from the first
-  publication to the first table that counts them all.
+- **Rate**: once the worker is up (it has counted a warm-up request), it is paused
+  (SIGSTOP) while the lifecycle events (arrived, routed, completed) of ``requests``
+  requests are published, then resumed; the rate is their number over the time from the
+  resumption to the first table that counts them all. Pausing keeps the publisher's own
+  work out of the figure: on a small machine it would share the worker's cores.
 - **Lag**: then, on another DC, requests are published at a steady pace, half the
   measured rate (or ``paced_per_s`` if lower); a completion's lag is the time from its
   publication (acknowledged) to the first published table counting it. The window's
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -44,9 +46,9 @@ def bench_streams(
 ) -> dict[str, Any]:
     asyncio.run(create_topics(bootstrap))
     tag = uuid.uuid4().hex[:8]
-    with _worker(bootstrap, f"bench-{tag}"):
-        asyncio.run(_counted(bootstrap, f"warm-{tag}", 10, timeout_s=300))
-        elapsed = asyncio.run(_counted(bootstrap, f"bulk-{tag}", requests, timeout_s=1800))
+    with _worker(bootstrap, f"bench-{tag}") as worker:
+        asyncio.run(_counted(bootstrap, worker, f"warm-{tag}", 10, timeout_s=300))
+        elapsed = asyncio.run(_counted(bootstrap, worker, f"bulk-{tag}", requests, timeout_s=1800))
         events_per_s = 3 * requests / elapsed
         pace = min(paced_per_s, events_per_s / 3 / 2)
         lags = asyncio.run(_paced(bootstrap, f"paced-{tag}", pace, paced_s))
@@ -97,7 +99,7 @@ def _request(dc: str, n: int, at: float | None = None) -> list[Envelope]:
 
 
 @contextlib.contextmanager
-def _worker(bootstrap: str, app_id: str) -> Iterator[None]:
+def _worker(bootstrap: str, app_id: str) -> Iterator[subprocess.Popen[bytes]]:
     environment = (
         os.environ
         | WORKER_SETTINGS
@@ -113,7 +115,7 @@ def _worker(bootstrap: str, app_id: str) -> Iterator[None]:
         stderr=subprocess.DEVNULL,
     )
     try:
-        yield
+        yield process
     finally:
         process.terminate()
         process.wait(60)
@@ -123,9 +125,11 @@ def _completed(envelope: Envelope) -> int:
     return sum(row.completed for row in envelope.payload.classes)  # type: ignore[attr-defined]
 
 
-async def _counted(bootstrap: str, dc: str, requests: int, timeout_s: float) -> float:
-    """Publish ``requests`` requests in ``dc`` as fast as the broker takes them; return the
-    seconds from the first publication to the first table counting them all."""
+async def _counted(
+    bootstrap: str, worker: subprocess.Popen[bytes], dc: str, requests: int, timeout_s: float
+) -> float:
+    """Publish ``requests`` requests in ``dc`` with the worker stopped; return the seconds
+    from its resumption to the first table counting them all."""
     bus = KafkaBus(bootstrap)
     events = [e for n in range(requests) for e in _request(dc, n)]
     try:
@@ -133,9 +137,13 @@ async def _counted(bootstrap: str, dc: str, requests: int, timeout_s: float) -> 
             asyncio.timeout(timeout_s),
             bus.subscribe("tf.tables.goodput", "latest") as tables,
         ):
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                for at in tqdm(range(0, len(events), 5000), desc=f"publish {dc}", unit="batch"):
+                    await bus.publish_events(events[at : at + 5000])
+            finally:
+                worker.send_signal(signal.SIGCONT)
             started = time.monotonic()
-            for at in tqdm(range(0, len(events), 5000), desc=f"publish {dc}", unit="batch"):
-                await bus.publish_events(events[at : at + 5000])
             progress = tqdm(total=requests, desc="consume", unit="req")
             async for table in tables:
                 if table.key == dc:

@@ -5,6 +5,9 @@ The Faust worker and the embedded host read the same ones.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -24,7 +27,11 @@ class WorkerSettings(BaseSettings):
     publish_s: float = Field(default=2.0, gt=0)
     """Seconds between table snapshots."""
     batch: int = Field(default=1000, ge=1)
-    """Updates applied to the DC tables per write."""
+    """Events joined, and updates applied to the DC tables, per write."""
+    batch_s: float = Field(default=0.05, gt=0)
+    """Longest wait for a batch to fill: the delay a quiet stream adds."""
+    data_dir: Path = Path(tempfile.gettempdir()) / "tokenfleet-worker"
+    """Faust's folder (it keeps tables in memory but still makes one), not the cwd."""
 
     @property
     def spec(self) -> WindowSpec:

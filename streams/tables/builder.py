@@ -41,7 +41,7 @@ class DcTables:
         if not self._first(outcome.event_id, counted_in):
             return set()
         self.watermark = max(self.watermark, outcome.ts)
-        late = spec.is_late(outcome.ts, self.watermark)
+        late = outcome.unmatched or spec.is_late(outcome.ts, self.watermark)
         at = spec.slice_of(self.watermark if late else outcome.ts)
         groups = self.goodput.setdefault(at, {})
         for key in group_keys(outcome):
@@ -176,10 +176,12 @@ class TableBuilder:
 
     def tables(self, now: float) -> list[WindowedTable]:
         """Every DC's tables for the latest whole window at ``now``. Old slices go, and so
-        do requests quiet for longer than a window and its grace (a request whose end never
-        matched its start is dropped with them)."""
+        do requests quiet for longer than a window and its grace (ends still held for
+        them count as late events)."""
         horizon = now - self.spec.size_s - self.spec.grace_s
-        self.requests = {k: s for k, s in self.requests.items() if s["last_ts"] >= horizon}
+        for key in [k for k, s in self.requests.items() if s["last_ts"] < horizon]:
+            for outcome in outcomes.unmatched(self.requests.pop(key)):
+                self.add_outcome(outcome)
         published = []
         for dc, state in sorted(self.dcs.items()):
             state.expire(self.spec)
