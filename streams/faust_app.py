@@ -135,16 +135,18 @@ def build_app(
             items = []
             for event in events:
                 envelope = await decoded(event)
-                payload = envelope.payload if envelope else None
+                if envelope is None:
+                    continue
+                payload = envelope.payload
                 if isinstance(payload, InstanceTelemetry):
                     placed = {"dc": payload.dc, "partition": event.message.partition}
                     if instance_dc.get(payload.instance_id) != placed:
                         instance_dc[payload.instance_id] = placed
-                    items.append(_telemetry_item(envelope, payload))  # type: ignore[arg-type]
+                    items.append(_telemetry_item(envelope, payload))
                 elif isinstance(payload, KvBlocksRemoved):
                     placed = instance_dc.get(payload.instance_id)
                     if placed is not None:
-                        items.append(_evictions_item(envelope, payload, placed["dc"]))  # type: ignore[arg-type]
+                        items.append(_evictions_item(envelope, payload, placed["dc"]))
             await send_updates(items)
 
     async def send_updates(items: list[dict[str, Any]]) -> None:
