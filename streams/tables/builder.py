@@ -92,7 +92,7 @@ class DcTables:
         return gone
 
     def tables(self, dc: str, spec: WindowSpec, now: float) -> list[WindowedTable]:
-        """The three tables of the latest whole window at ``now``."""
+        """The three tables of the window up to ``now`` (rates over the time it spans)."""
         start, end = spec.window_ending(now)
         groups: dict[str, GoodputCounts] = {}
         fleet = FleetSlice()
@@ -103,9 +103,10 @@ class DcTables:
                 fleet.merge(self.fleet[at])
         window = {"dc": dc, "version": int(end * 1000), "window_start": start, "window_end": end}
         classes, tenants = rows(groups)
+        span = end - start
         return [
-            CapacityTable(**window, rows=fleet.capacity_rows(spec.size_s, now)),
-            KvTable(**window, **fleet.kv_totals(spec.size_s), instances=fleet.kv_rows(spec.size_s)),
+            CapacityTable(**window, rows=fleet.capacity_rows(span, now)),
+            KvTable(**window, **fleet.kv_totals(span), instances=fleet.kv_rows(span)),
             GoodputTable(**window, classes=classes, tenants=tenants),
         ]
 
