@@ -3,13 +3,11 @@
 Three agents, each keyed so that its table is co-partitioned with its input:
 
 1. **join** reads ``tf.requests``, ``tf.completions`` and ``tf.cancellations`` (6
-   partitions each, keyed by request id) in batches into the ``join`` table (request id
-   -> join state, one write per request per batch) and sends the batch's released
-   outcomes to ``APP_ID-dc-updates``, one record per DC;
+   partitions each, keyed by request id) into the ``join`` table (request id -> join
+   state) and sends each released outcome to ``APP_ID-dc-updates`` keyed by its DC;
 2. **fleet** reads ``tf.telemetry`` and ``tf.kv-events`` (3 partitions, keyed by
-   instance id) in batches, remembers each instance's DC in ``instance-dc``, and sends
-   telemetry and evictions to ``APP_ID-dc-updates`` keyed by DC (the re-keying
-   ``group_by`` would do), one record per DC per batch;
+   instance id), remembers each instance's DC in ``instance-dc``, and sends telemetry and
+   evictions to ``APP_ID-dc-updates`` keyed by DC (the re-keying ``group_by`` would do);
 3. **aggregate** reads ``APP_ID-dc-updates`` in batches into ``dc-slices`` (one key per DC and
    slice), and a timer publishes each DC's tables to the compacted ``tf.tables.*``.
 
@@ -17,8 +15,8 @@ At-least-once: a restarted worker recovers its tables from their changelogs and 
 again from its last committed offsets. Events it sees again are ignored by id (the join
 keeps a request's event ids, the DC state the ids of what it counted), so totals come out
 as if it had never stopped. A request's join state is forgotten once no event has touched
-it for a window and its grace; ends it still holds are counted as late events. Every
-mutated value is written back to its table: Faust persists only assignments.
+it for a window and its grace. Every mutated value is written back to its table: Faust
+persists only assignments.
 """
 
 from __future__ import annotations
@@ -75,9 +73,6 @@ def build_app(
         # them for 5 ms instead of sending each on its own.
         producer_linger=0.005,
     )
-    # Table writes wait in this buffer until sent. Past its bound (100 by default) every
-    # batch would log "producer buffer full"; a batch writes up to ``batch`` states.
-    app.producer.buffer.max_messages = 2 * settings.batch
     spec = settings.spec
     raw = {"key_serializer": "raw", "value_serializer": "raw"}
     lifecycle = app.topic(*LIFECYCLE_TOPICS, **raw)
@@ -86,12 +81,8 @@ def build_app(
     updates = app.topic(updates_topic, partitions=1, internal=True, value_serializer="json")
     dead_letters = app.topic(DEADLETTER_TOPIC, **raw)
     as_json = faust.Schema(key_serializer="json", value_serializer="json")
-    joins, instance_dc = (
-        app.tables.add(
-            _PlacedTable(app, name=name, beacon=app.tables.beacon, partitions=n, schema=as_json)
-        )
-        for name, n in (("join", 6), ("instance-dc", 3))
-    )
+    joins = app.Table("join", partitions=6, schema=as_json)
+    instance_dc = app.Table("instance-dc", partitions=3, schema=as_json)
     dc_slices = app.tables.add(
         _SinglePartitionTable(
             app, name="dc-slices", beacon=app.tables.beacon, partitions=1, schema=as_json
@@ -113,58 +104,55 @@ def build_app(
 
     @app.agent(lifecycle)
     async def join(stream: faust.StreamT) -> None:
-        async for events in stream.take_events(settings.batch, within=settings.batch_s):
-            touched: dict[str, outcomes.RequestState] = {}
-            released: list[Outcome] = []
-            for event in events:
-                envelope = await decoded(event)
-                if envelope is None or not outcomes.relevant(envelope):
-                    continue
-                key = envelope.payload.request_id  # type: ignore[attr-defined]
-                state = touched.get(key) or joins.get(key) or outcomes.new_state()
-                released += outcomes.apply(state, envelope)
-                touched[key] = quiet.touched(state, event.message.partition)
-            joins.update(touched)
-            for partition in {state["partition"] for state in touched.values()}:
-                released += quiet.forget(partition)
-            await send_updates([_outcome_item(outcome) for outcome in released])
+        async for event in stream.events():
+            envelope = await decoded(event)
+            if envelope is None or not outcomes.relevant(envelope):
+                continue
+            key = envelope.payload.request_id  # type: ignore[attr-defined]
+            partition = event.message.partition
+            state = joins.get(key) or outcomes.new_state()
+            released = outcomes.apply(state, envelope)
+            joins[key] = quiet.touched(state, partition)
+            for outcome in released:
+                await updates.send(key=outcome.dc.encode(), value=_update("outcome", outcome))
+            quiet.forget(partition)
 
     @app.agent(fleet_events)
     async def fleet(stream: faust.StreamT) -> None:
-        async for events in stream.take_events(settings.batch, within=settings.batch_s):
-            items = []
-            for event in events:
-                envelope = await decoded(event)
-                if envelope is None:
-                    continue
-                payload = envelope.payload
-                if isinstance(payload, InstanceTelemetry):
-                    placed = {"dc": payload.dc, "partition": event.message.partition}
-                    if instance_dc.get(payload.instance_id) != placed:
-                        instance_dc[payload.instance_id] = placed
-                    items.append(_telemetry_item(envelope, payload))
-                elif isinstance(payload, KvBlocksRemoved):
-                    placed = instance_dc.get(payload.instance_id)
-                    if placed is not None:
-                        items.append(_evictions_item(envelope, payload, placed["dc"]))
-            await send_updates(items)
-
-    async def send_updates(items: list[dict[str, Any]]) -> None:
-        """A batch's updates as one record per DC: the aggregate reads far fewer."""
-        by_dc: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for item in items:
-            by_dc[item["dc"]].append(item)
-        for dc, of_dc in by_dc.items():
-            await updates.send(key=dc.encode(), value={"dc": dc, "items": of_dc})
+        async for event in stream.events():
+            envelope = await decoded(event)
+            payload = envelope.payload if envelope else None
+            if isinstance(payload, InstanceTelemetry):
+                instance_dc[payload.instance_id] = payload.dc
+                reading = payload.model_dump(mode="json")
+                update = {
+                    "kind": "telemetry",
+                    "dc": payload.dc,
+                    "ts": envelope.ts,
+                    "reading": reading,
+                }
+                await updates.send(key=payload.dc.encode(), value=update)
+            elif isinstance(payload, KvBlocksRemoved):
+                dc = instance_dc.get(payload.instance_id)
+                if dc is not None:
+                    update = {
+                        "kind": "evictions",
+                        "dc": dc,
+                        "event_id": envelope.event_id,
+                        "instance": payload.instance_id,
+                        "blocks": len(payload.block_hashes),
+                        "ts": envelope.ts,
+                    }
+                    await updates.send(key=dc.encode(), value=update)
 
     live = _LiveStates(dc_slices)
 
     @app.agent(updates)
     async def aggregate(stream: faust.StreamT) -> None:
-        async for batch in stream.take(settings.batch, within=settings.batch_s):
+        async for batch in stream.take(settings.batch, within=0.25):
             by_dc: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for update in batch:
-                by_dc[update["dc"]] += update["items"]
+                by_dc[update["dc"]].append(update)
             for dc, items in by_dc.items():
                 state = live.of(dc)
                 changed: set[float] = set()
@@ -202,32 +190,14 @@ class _SinglePartitionTable(faust.Table):
         return 0
 
 
-class _PlacedTable(faust.Table):
-    """A table whose values record (``partition``) the input partition their key's events
-    come from, and are written to that changelog partition.
-
-    The agents write once per batch of events from several partitions; Faust's own rule
-    (the partition of the event being processed) would name only the batch's last one,
-    and a value in the wrong changelog partition is recovered by the wrong worker.
-    """
-
-    def on_key_set(self, key: Any, value: Any) -> None:
-        self.send_changelog(value["partition"], key, value)
-        self._sensor_on_set(self, key, value)
-
-    def on_key_del(self, key: Any) -> None:
-        partition = self.data[key]["partition"]
-        self.send_changelog(partition, key, value=None, value_serializer="raw")
-        self._sensor_on_del(self, key)
-
-
 class _QuietRequests:
     """Forgets the join state of requests no event has touched for ``after_s`` seconds.
 
-    A partition's quiet states are swept while a batch holds events of that partition
-    (so the worker owns it), at most every ``after_s / 2``. Quiet is measured in
-    processing time, not event time, so a worker replaying old events does not forget a
-    request between its own events. Ends still held are returned, to be counted late.
+    Faust writes a table change to the changelog partition of the event being processed,
+    so a key may only be deleted while an event of its own partition is: each state
+    records its partition, and processing an event of partition P sweeps P's quiet states,
+    at most every ``after_s / 2``. Quiet is measured in processing time, not event time,
+    so a worker replaying old events does not forget a request between its own events.
     """
 
     def __init__(self, table: faust.types.TableT, after_s: float) -> None:
@@ -238,21 +208,18 @@ class _QuietRequests:
     def touched(self, state: outcomes.RequestState, partition: int) -> outcomes.RequestState:
         return state | {"partition": partition, "touched": time.time()}
 
-    def forget(self, partition: int) -> list[Outcome]:
+    def forget(self, partition: int) -> None:
         now = time.time()
         if now < self._next_sweep.get(partition, 0.0):
-            return []
+            return
         self._next_sweep[partition] = now + self.after_s / 2
         horizon = now - self.after_s
-        quiet = [
+        for key in [
             key
             for key, state in self.table.items()
             if state.get("partition") == partition and state.get("touched", now) < horizon
-        ]
-        unmatched = []
-        for key in quiet:
-            unmatched += outcomes.unmatched(self.table.pop(key))
-        return unmatched
+        ]:
+            del self.table[key]
 
 
 class _LiveStates:
@@ -296,24 +263,8 @@ class _LiveStates:
         self._states[dc] = (state, meta)
 
 
-def _outcome_item(outcome: Outcome) -> dict[str, Any]:
-    return {"kind": "outcome", "dc": outcome.dc, "outcome": outcome.to_dict()}
-
-
-def _telemetry_item(envelope: Envelope, payload: InstanceTelemetry) -> dict[str, Any]:
-    reading = payload.model_dump(mode="json")
-    return {"kind": "telemetry", "dc": payload.dc, "ts": envelope.ts, "reading": reading}
-
-
-def _evictions_item(envelope: Envelope, payload: KvBlocksRemoved, dc: str) -> dict[str, Any]:
-    return {
-        "kind": "evictions",
-        "dc": dc,
-        "event_id": envelope.event_id,
-        "instance": payload.instance_id,
-        "blocks": len(payload.block_hashes),
-        "ts": envelope.ts,
-    }
+def _update(kind: str, outcome: Outcome) -> dict[str, Any]:
+    return {"kind": kind, "dc": outcome.dc, "outcome": outcome.to_dict()}
 
 
 def _apply(

@@ -27,9 +27,7 @@ class WorkerSettings(BaseSettings):
     publish_s: float = Field(default=2.0, gt=0)
     """Seconds between table snapshots."""
     batch: int = Field(default=1000, ge=1)
-    """Events joined, and updates applied to the DC tables, per write."""
-    batch_s: float = Field(default=0.05, gt=0)
-    """Longest wait for a batch to fill: the delay a quiet stream adds."""
+    """Updates applied to the DC tables per write."""
     data_dir: Path = Path(tempfile.gettempdir()) / "tokenfleet-worker"
     """Faust's folder (it keeps tables in memory but still makes one), not the cwd."""
 

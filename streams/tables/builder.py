@@ -41,7 +41,7 @@ class DcTables:
         if not self._first(outcome.event_id, counted_in):
             return set()
         self.watermark = max(self.watermark, outcome.ts)
-        late = outcome.unmatched or spec.is_late(outcome.ts, self.watermark)
+        late = spec.is_late(outcome.ts, self.watermark)
         at = spec.slice_of(self.watermark if late else outcome.ts)
         groups = self.goodput.setdefault(at, {})
         for key in group_keys(outcome):
@@ -92,7 +92,7 @@ class DcTables:
         return gone
 
     def tables(self, dc: str, spec: WindowSpec, now: float) -> list[WindowedTable]:
-        """The three tables of the window up to ``now`` (rates over the time it spans)."""
+        """The three tables of the latest whole window at ``now``."""
         start, end = spec.window_ending(now)
         groups: dict[str, GoodputCounts] = {}
         fleet = FleetSlice()
@@ -103,10 +103,9 @@ class DcTables:
                 fleet.merge(self.fleet[at])
         window = {"dc": dc, "version": int(end * 1000), "window_start": start, "window_end": end}
         classes, tenants = rows(groups)
-        span = end - start
         return [
-            CapacityTable(**window, rows=fleet.capacity_rows(span, now)),
-            KvTable(**window, **fleet.kv_totals(span), instances=fleet.kv_rows(span)),
+            CapacityTable(**window, rows=fleet.capacity_rows(spec.size_s, now)),
+            KvTable(**window, **fleet.kv_totals(spec.size_s), instances=fleet.kv_rows(spec.size_s)),
             GoodputTable(**window, classes=classes, tenants=tenants),
         ]
 
@@ -177,12 +176,10 @@ class TableBuilder:
 
     def tables(self, now: float) -> list[WindowedTable]:
         """Every DC's tables for the latest whole window at ``now``. Old slices go, and so
-        do requests quiet for longer than a window and its grace (ends still held for
-        them count as late events)."""
+        do requests quiet for longer than a window and its grace (a request whose end never
+        matched its start is dropped with them)."""
         horizon = now - self.spec.size_s - self.spec.grace_s
-        for key in [k for k, s in self.requests.items() if s["last_ts"] < horizon]:
-            for outcome in outcomes.unmatched(self.requests.pop(key)):
-                self.add_outcome(outcome)
+        self.requests = {k: s for k, s in self.requests.items() if s["last_ts"] >= horizon}
         published = []
         for dc, state in sorted(self.dcs.items()):
             state.expire(self.spec)

@@ -24,16 +24,12 @@ class WindowSpec:
         return math.floor(ts / self.slide_s) * self.slide_s
 
     def window_ending(self, now: float) -> tuple[float, float]:
-        """The window up to ``now``: the slice still open at ``now`` and the whole slices
-        before it, ``size_s`` in all, so an event counts as soon as it is applied rather
-        than when its slice closes. It spans ``now - start`` seconds, between
-        ``size_s - slide_s`` and ``size_s``."""
-        start = self.slice_of(now) + self.slide_s - self.size_s
-        return start, now
+        """The latest whole window at ``now``: it ends at the last slide boundary."""
+        end = self.slice_of(now)
+        return end - self.size_s, end
 
     def slices(self, start: float, end: float) -> list[float]:
-        """The starts of the slices from ``start`` (a slice start) up to ``end``."""
-        count = math.ceil((end - start) / self.slide_s - 1e-9)
+        count = round((end - start) / self.slide_s)
         return [start + n * self.slide_s for n in range(count)]
 
     def is_late(self, ts: float, watermark: float) -> bool:
