@@ -7,9 +7,7 @@
   work out of the figure: on a small machine it would share the worker's cores.
 - **Lag**: then, on another DC, requests are published at a steady pace, half the
   measured rate (or ``paced_per_s`` if lower); a completion's lag is the time from its
-  publication (acknowledged) to the first published table counting it. The window's
-  slide bounds how soon that can be: a slice enters the published window when it
-  closes, so the bench runs with a short slide.
+  publication (acknowledged) to the first published table counting it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ At-least-once: a restarted worker recovers its tables from their changelogs and 
 again from its last committed offsets. Events it sees again are ignored by id (the join
 keeps a request's event ids, the DC state the ids of what it counted), so totals come out
 as if it had never stopped. A request's join state is forgotten once no event has touched
-it for a window and its grace. Every mutated value is written back to its table: Faust
+it for a window and its grace; ends it still holds (its start never came) then count as
+late events. Every mutated value is written back to its table: Faust
 persists only assignments.
 """
 
@@ -113,9 +114,8 @@ def build_app(
             state = joins.get(key) or outcomes.new_state()
             released = outcomes.apply(state, envelope)
             joins[key] = quiet.touched(state, partition)
-            for outcome in released:
+            for outcome in released + quiet.forget(partition):
                 await updates.send(key=outcome.dc.encode(), value=_update("outcome", outcome))
-            quiet.forget(partition)
 
     @app.agent(fleet_events)
     async def fleet(stream: faust.StreamT) -> None:
@@ -208,18 +208,21 @@ class _QuietRequests:
     def touched(self, state: outcomes.RequestState, partition: int) -> outcomes.RequestState:
         return state | {"partition": partition, "touched": time.time()}
 
-    def forget(self, partition: int) -> None:
+    def forget(self, partition: int) -> list[Outcome]:
+        """Delete ``partition``'s quiet states; returns the ends they held, as late events."""
         now = time.time()
         if now < self._next_sweep.get(partition, 0.0):
-            return
+            return []
         self._next_sweep[partition] = now + self.after_s / 2
         horizon = now - self.after_s
+        given_up = []
         for key in [
             key
             for key, state in self.table.items()
             if state.get("partition") == partition and state.get("touched", now) < horizon
         ]:
-            del self.table[key]
+            given_up += outcomes.unmatched(self.table.pop(key), now)
+        return given_up
 
 
 class _LiveStates:

@@ -40,9 +40,10 @@ class DcTables:
         counted_in = spec.slice_of(outcome.ts)
         if not self._first(outcome.event_id, counted_in):
             return set()
-        self.watermark = max(self.watermark, outcome.ts)
-        late = spec.is_late(outcome.ts, self.watermark)
-        at = spec.slice_of(self.watermark if late else outcome.ts)
+        if not outcome.unmatched:  # its time is when it was given up, not an event's
+            self.watermark = max(self.watermark, outcome.ts)
+        late = outcome.unmatched or spec.is_late(outcome.ts, self.watermark)
+        at = spec.slice_of(max(self.watermark, outcome.ts) if late else outcome.ts)
         groups = self.goodput.setdefault(at, {})
         for key in group_keys(outcome):
             counts = groups.setdefault(key, GoodputCounts())
@@ -92,20 +93,21 @@ class DcTables:
         return gone
 
     def tables(self, dc: str, spec: WindowSpec, now: float) -> list[WindowedTable]:
-        """The three tables of the latest whole window at ``now``."""
+        """The three tables of the window up to ``now`` (rates over the time it spans)."""
         start, end = spec.window_ending(now)
         groups: dict[str, GoodputCounts] = {}
         fleet = FleetSlice()
-        for at in spec.slices(start, end):
+        for at in spec.slices(now):
             for key, counts in self.goodput.get(at, {}).items():
                 groups.setdefault(key, GoodputCounts()).merge(counts)
             if at in self.fleet:
                 fleet.merge(self.fleet[at])
         window = {"dc": dc, "version": int(end * 1000), "window_start": start, "window_end": end}
         classes, tenants = rows(groups)
+        span = end - start
         return [
-            CapacityTable(**window, rows=fleet.capacity_rows(spec.size_s, now)),
-            KvTable(**window, **fleet.kv_totals(spec.size_s), instances=fleet.kv_rows(spec.size_s)),
+            CapacityTable(**window, rows=fleet.capacity_rows(span, now)),
+            KvTable(**window, **fleet.kv_totals(span), instances=fleet.kv_rows(span)),
             GoodputTable(**window, classes=classes, tenants=tenants),
         ]
 
@@ -175,11 +177,13 @@ class TableBuilder:
         self._dc(outcome.dc).add_outcome(outcome, objective, self.spec)
 
     def tables(self, now: float) -> list[WindowedTable]:
-        """Every DC's tables for the latest whole window at ``now``. Old slices go, and so
-        do requests quiet for longer than a window and its grace (a request whose end never
-        matched its start is dropped with them)."""
+        """Every DC's tables for the window up to ``now``. Old slices go, and so do
+        requests quiet for longer than a window and its grace (ends they still hold count
+        as late events at ``now``)."""
         horizon = now - self.spec.size_s - self.spec.grace_s
-        self.requests = {k: s for k, s in self.requests.items() if s["last_ts"] >= horizon}
+        for key in [k for k, s in self.requests.items() if s["last_ts"] < horizon]:
+            for outcome in outcomes.unmatched(self.requests.pop(key), now):
+                self.add_outcome(outcome)
         published = []
         for dc, state in sorted(self.dcs.items()):
             state.expire(self.spec)

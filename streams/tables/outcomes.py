@@ -7,7 +7,9 @@ start, another gateway or a retry may publish the end). The join therefore:
 - ignores an ``event_id`` it has already seen (a redelivery);
 - holds an end (completed, failed, cancelled) until the request's arrival and its DC are
   known, then releases it; nothing is dropped for arriving early;
-- marks a second completion of one request as a repeated execution.
+- marks a second completion of one request as a repeated execution;
+- when a request is forgotten with ends still held (its start came later than a window
+  and its grace, or never), counts them as late events (``unmatched``), not as nothing.
 
 State is a plain JSON-able dict, so a Faust table can store it as it is.
 """
@@ -63,6 +65,9 @@ class Outcome:
     deadline_s: float | None = None
     retries: int = 0
     repeated: bool = False
+    unmatched: bool = False
+    """An end whose request's start never came: counted as a late event only, and ``ts`` is
+    when the request was given up."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,20 +136,13 @@ def _release(state: RequestState) -> list[Outcome]:
         return []
     outcomes = []
     for end in sorted(state["held"], key=lambda e: e["ts"]):
-        kind = _kind(end)
-        repeated = kind is OutcomeKind.COMPLETED and state["ended"] > 0
-        if kind is OutcomeKind.COMPLETED:
-            state["ended"] += 1
+        completed = _kind(end) is OutcomeKind.COMPLETED
         outcomes.append(
-            Outcome(
-                request_id=end["request_id"],
-                event_id=end["event_id"],
+            _outcome(
+                end,
+                dc,
+                arrived,
                 ts=end["ts"],
-                dc=dc,
-                model=arrived["model"],
-                task_class=arrived["task_class"],
-                tenant=arrived["tenant"],
-                kind=kind,
                 input_tokens=end.get("input_tokens", 0),
                 cached_tokens=end.get("cached_tokens", 0),
                 output_tokens=end.get("output_tokens", 0),
@@ -153,11 +151,40 @@ def _release(state: RequestState) -> list[Outcome]:
                 e2e_s=end.get("e2e_s", 0.0),
                 deadline_s=arrived["deadline_s"],
                 retries=state["retries"],
-                repeated=repeated,
+                repeated=completed and state["ended"] > 0,
             )
         )
+        state["ended"] += completed
     state["held"] = []
     return outcomes
+
+
+def unmatched(state: RequestState, at: float) -> list[Outcome]:
+    """The ends a forgotten request still holds, as late events counted at ``at``, the
+    time it is forgotten: the windows of their own times may be long gone. An end counts
+    if it and its request name a DC and a class between them (a completion names both); a
+    cancellation or failure of a request never seen routed belongs to no DC's table."""
+    arrived = state["arrived"] or {}
+    return [
+        _outcome(end, state["dc"] or end["dc"], arrived, ts=at, unmatched=True)
+        for end in state["held"]
+        if (state["dc"] or end.get("dc")) and (arrived or end.get("task_class"))
+    ]
+
+
+def _outcome(end: dict[str, Any], dc: str, arrived: dict[str, Any], **counted: Any) -> Outcome:
+    """The outcome of one held ``end``; the class and tenant come from the request's
+    arrival or, where it never came, from the end itself (a completion names them)."""
+    return Outcome(
+        request_id=end["request_id"],
+        event_id=end["event_id"],
+        dc=dc,
+        model=arrived.get("model", ""),
+        task_class=arrived.get("task_class") or end["task_class"],
+        tenant=arrived.get("tenant") or end.get("tenant", ""),
+        kind=_kind(end),
+        **counted,
+    )
 
 
 def _kind(end: dict[str, Any]) -> OutcomeKind:

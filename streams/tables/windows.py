@@ -24,13 +24,18 @@ class WindowSpec:
         return math.floor(ts / self.slide_s) * self.slide_s
 
     def window_ending(self, now: float) -> tuple[float, float]:
-        """The latest whole window at ``now``: it ends at the last slide boundary."""
-        end = self.slice_of(now)
-        return end - self.size_s, end
+        """The window up to ``now``: the slice still open at ``now`` and the whole slices
+        before it, ``size_s`` in all, so an event counts as soon as it is applied rather
+        than when its slice closes. It spans ``now - start`` seconds, between
+        ``size_s - slide_s`` and ``size_s``."""
+        return self.slices(now)[0], now
 
-    def slices(self, start: float, end: float) -> list[float]:
-        count = round((end - start) / self.slide_s)
-        return [start + n * self.slide_s for n in range(count)]
+    def slices(self, now: float) -> list[float]:
+        """The starts of the window's slices up to ``now``, the open one last. Each is a
+        whole number of slides, as ``slice_of`` makes them, so they match its keys."""
+        count = round(self.size_s / self.slide_s)
+        last = math.floor(now / self.slide_s)
+        return [n * self.slide_s for n in range(last - count + 1, last + 1)]
 
     def is_late(self, ts: float, watermark: float) -> bool:
         """Whether an event at ``ts`` comes after every window holding it has closed."""

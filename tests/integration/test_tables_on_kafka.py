@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -172,7 +172,14 @@ def _reference(
     return builder.tables(at)
 
 
-async def _tables_appear(kafka: Service, dc: str, timeout_s: float = 120.0) -> None:
+async def _tables_appear(
+    kafka: Service,
+    dc: str,
+    holding: Callable[[GoodputTable], bool] = lambda table: True,
+    timeout_s: float = 120.0,
+) -> bool:
+    """Whether a goodput table of ``dc`` that is ``holding`` is published (any since the
+    topic's start) within ``timeout_s``."""
     bus = KafkaBus(kafka.address)
     try:
         async with (
@@ -180,10 +187,13 @@ async def _tables_appear(kafka: Service, dc: str, timeout_s: float = 120.0) -> N
             bus.subscribe("tf.tables.goodput", "earliest") as tables,
         ):
             async for table in tables:
-                if table.key == dc:
-                    return
+                if table.key == dc and holding(table.envelope.payload):
+                    return True
+    except TimeoutError:
+        return False
     finally:
         await bus.close()
+    return False
 
 
 def _assert_equal(published: list[object], expected: list[object]) -> None:
@@ -239,7 +249,7 @@ async def test_a_worker_killed_mid_stream_recovers_to_the_same_totals(kafka: Ser
     app_id = f"tables-{dc}"
     with worker(kafka, app_id) as first:
         await _publish(kafka, events[:half])
-        await _tables_appear(kafka, dc)  # it is working: kill it, unwarned
+        assert await _tables_appear(kafka, dc)  # it is working: kill it, unwarned
         first.send_signal(signal.SIGKILL)
         first.wait()
     await _publish(kafka, events[half:])
@@ -265,18 +275,39 @@ async def test_two_workers_sharing_the_partitions_end_with_the_same_totals(
 async def test_quiet_requests_are_forgotten_and_the_worker_goes_on(kafka: Service) -> None:
     """Join states untouched for a window and its grace are deleted (tombstones on the
     changelog, each in its own partition, swept while later events flow), and the worker
-    keeps serving."""
+    keeps serving. A completion whose request never started is then counted late."""
     dc = f"dc-{uuid.uuid4().hex[:8]}"
     app_id = f"tables-{dc}"
-    short = WindowSpec(size_s=2.0, slide_s=1.0, grace_s=1.0)
-    events = _events(dc)
+    short = WindowSpec(size_s=5.0, slide_s=1.0, grace_s=1.0)
+    orphan = _orphan_completion(dc)
+    events = [*_events(dc), orphan]
     quiet = {e.payload.request_id for e in events if hasattr(e.payload, "request_id")}
     with worker(kafka, app_id, short) as process:
         await _publish(kafka, events)
-        await _tables_appear(kafka, dc)
+        assert await _tables_appear(kafka, dc)
         forgotten = await _forgotten_while_events_flow(kafka, f"{app_id}-join-changelog", quiet)
         assert process.poll() is None
+        late = await _tables_appear(kafka, dc, lambda t: t.classes[0].late_events > 0, 30.0)
     assert quiet <= forgotten
+    assert late, "no published table counted the orphan completion late"
+
+
+def _orphan_completion(dc: str) -> Envelope:
+    """A completion of a request no other event names: held until forgotten."""
+    completed = RequestCompleted(
+        request_id=f"{dc}-orphan",
+        dc=dc,
+        instance_id=f"{dc}-i0",
+        task_class=TaskClass.INTERACTIVE,
+        tenant="t",
+        input_tokens=10,
+        cached_tokens=0,
+        output_tokens=5,
+        ttft_s=0.1,
+        tpot_s=0.01,
+        e2e_s=0.2,
+    )
+    return Envelope.wrap(completed, source="test", ts=time.time() - 300)
 
 
 async def _forgotten_while_events_flow(

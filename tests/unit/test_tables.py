@@ -53,7 +53,7 @@ def build(events: Sequence[Envelope], now: float) -> list[object]:
 
 def test_goodput_totals_equal_the_simulated_records(records: list[RequestRecord]) -> None:
     events = lifecycle_events(records, model="m", epoch=EPOCH)
-    now = EPOCH + SPEC.size_s
+    now = EPOCH + SPEC.size_s - 1  # the window's last slice is still open: [EPOCH, now]
     row = goodput(build(events, now)).classes[0]
     done = [r for r in records if r.outcome == "completed" and r.arrival_s + r.e2e_s < 600]
     objective = DEFAULT_OBJECTIVES[TaskClass.INTERACTIVE]
@@ -132,7 +132,7 @@ def test_ends_repeats_and_late_events_are_counted_not_lost() -> None:
     )
     builder.feed(Envelope.wrap(cancelled, source="test", ts=start + 3))
     builder.feed(_completed(4, start + 1))  # r4's start never comes: held, not counted
-    early = goodput(builder.tables(start + 60)).classes[0]
+    early = goodput(builder.tables(start + 59)).classes[0]  # the window [start, start + 59]
     assert (early.completed, early.output_tokens, early.repeated_executions) == (1, 10, 1)
     assert (early.timeouts, early.wasted_tokens) == (1, 4 + 7)
     for event in _request(3, start + 100):  # moves the watermark on
@@ -142,7 +142,8 @@ def test_ends_repeats_and_late_events_are_counted_not_lost() -> None:
         builder.feed(event)
     builder.feed(_completed(5, start + 4))  # 97 s behind the watermark: late
     later = goodput(builder.tables(start + 110)).classes[0]
-    assert (later.completed, later.late_events) == (1, 1)
+    # r4, quiet for longer than a window and its grace, is forgotten: its held end is late too
+    assert (later.completed, later.late_events) == (1, 2)
 
 
 def _telemetry(instance: str, used: int, hits: int, queries: int, ready: bool = True):
@@ -173,15 +174,15 @@ def test_capacity_and_kv_come_from_the_latest_telemetry_and_counter_growth() -> 
         builder.feed(Envelope.wrap(telemetry, source="test", ts=EPOCH + at))
     removed = KvBlocksRemoved(instance_id="i0", block_hashes=(1, 2, 3))
     builder.feed(Envelope.wrap(removed, source="test", ts=EPOCH + 31))
-    tables = builder.tables(EPOCH + 60)
+    tables = builder.tables(EPOCH + 59)  # the window [EPOCH, EPOCH + 59]: 59 s
     capacity = next(t for t in tables if isinstance(t, CapacityTable))
     kv = next(t for t in tables if isinstance(t, KvTable))
     [row] = capacity.rows
     assert (row.ready_endpoints, row.kv_blocks_total, row.kv_blocks_free) == (1, 1000, 600)
-    assert row.telemetry_age_s == pytest.approx(30.0)  # freshest at 30 s, read at 60 s
+    assert row.telemetry_age_s == pytest.approx(29.0)  # freshest at 30 s, read at 59 s
     assert kv.pressure == pytest.approx((400 + 900) / 2000)
     assert kv.prefix_hit_rate == pytest.approx(0.3)
-    assert kv.evictions_per_s == pytest.approx(3 / 60)
+    assert kv.evictions_per_s == pytest.approx(3 / 59)  # over the time the window spans
 
 
 @given(st.lists(st.floats(0.001, 1000.0), min_size=1, max_size=300), st.floats(0, 1))
@@ -194,3 +195,25 @@ def test_the_sketch_is_within_its_relative_accuracy(values: list[float], q: floa
     assert sketch.quantile(q) == pytest.approx(truth, rel=0.0101)
     halves[0].merge(halves[1])
     assert halves[0].quantile(q) == sketch.quantile(q)
+
+
+def test_an_event_counts_before_its_slice_closes() -> None:
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    for event in _request(1, EPOCH + 2):
+        builder.feed(event)
+    builder.feed(_completed(1, EPOCH + 3))
+    table = goodput(builder.tables(EPOCH + 4))
+    assert table.classes[0].completed == 1
+    # the open slice [EPOCH, EPOCH + 10) and the five whole ones before it
+    assert (table.window_start, table.window_end) == (EPOCH - 50, EPOCH + 4)
+
+
+def test_an_end_whose_start_never_comes_counts_late_when_given_up() -> None:
+    """Its own slice is long gone by then: it counts in the window of the time it is
+    given up, though the DC has seen nothing since."""
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    builder.feed(_completed(9, EPOCH))
+    assert builder.tables(EPOCH + 30) == []  # held: no DC has counted anything yet
+    row = goodput(builder.tables(EPOCH + 1000)).classes[0]
+    assert (row.completed, row.late_events) == (0, 1)
+    assert goodput(builder.tables(EPOCH + 1001)).classes[0].late_events == 1
