@@ -7,7 +7,11 @@
   work out of the figure: on a small machine it would share the worker's cores.
 - **Lag**: then, on another DC, requests are published at a steady pace, half the
   measured rate (or ``paced_per_s`` if lower); a completion's lag is the time from its
-  publication (acknowledged) to the first published table counting it.
+  publication (acknowledged) to the first published table counting it. A table holds the
+  slice still open, so the publish interval (0.25 s here), not the slide, bounds it.
+- **Ceiling**: last, with the worker gone, the bulk events are copied to a topic of their
+  own and consumed by a Faust agent that only counts them (``sim.faust_ceiling``): no
+  worker built on Faust goes faster on this broker and these cores.
 """
 
 from __future__ import annotations
@@ -26,14 +30,15 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from schemas import Envelope
+from schemas import Envelope, Topic, topic_for
 from schemas.base import TaskClass
 from schemas.lifecycle import RequestArrived, RequestCompleted, RequestRouted
+from schemas.topics import DAY_MS
 from streams.kafka import KafkaBus, create_topics
 
 WORKER_SETTINGS = {
     "TOKENFLEET_WORKER_WINDOW_S": "120",
-    "TOKENFLEET_WORKER_SLIDE_S": "1",
+    "TOKENFLEET_WORKER_SLIDE_S": "5",
     "TOKENFLEET_WORKER_GRACE_S": "60",
     "TOKENFLEET_WORKER_PUBLISH_S": "0.25",
 }
@@ -50,9 +55,12 @@ def bench_streams(
         events_per_s = 3 * requests / elapsed
         pace = min(paced_per_s, events_per_s / 3 / 2)
         lags = asyncio.run(_paced(bootstrap, f"paced-{tag}", pace, paced_s))
+    ceiling_per_s = 3 * requests / _ceiling(bootstrap, f"bench-ceiling-{tag}", requests)
     return {
         "events": 3 * requests,
         "events_per_s": events_per_s,
+        "faust_ceiling_events_per_s": ceiling_per_s,
+        "share_of_ceiling": events_per_s / ceiling_per_s,
         "paced_requests_per_s": pace,
         "paced_events_per_s": 3 * pace,
         "lag_p50_s": float(np.percentile(lags, 50)),
@@ -117,6 +125,29 @@ def _worker(bootstrap: str, app_id: str) -> Iterator[subprocess.Popen[bytes]]:
     finally:
         process.terminate()
         process.wait(60)
+
+
+def _ceiling(bootstrap: str, topic: str, requests: int) -> float:
+    """Seconds a Faust agent that only counts takes to consume the bulk run's events,
+    copied to a topic of their own with as many partitions as the lifecycle topics."""
+    partitions = topic_for(RequestArrived).partitions
+    asyncio.run(
+        create_topics(bootstrap, [Topic(topic, "request_id", partitions, False, DAY_MS, ())])
+    )
+    events = [e for n in range(requests) for e in _request(topic, n)]
+    asyncio.run(_publish_copy(bootstrap, events, topic))
+    argv = [sys.executable, "-m", "sim.faust_ceiling", bootstrap, topic, str(len(events))]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True)
+    return float(done.stdout.split()[-1])
+
+
+async def _publish_copy(bootstrap: str, events: list[Envelope], topic: str) -> None:
+    bus = KafkaBus(bootstrap)
+    try:
+        for at in tqdm(range(0, len(events), 5000), desc=f"publish {topic}", unit="batch"):
+            await bus.publish_events(events[at : at + 5000], to=topic)
+    finally:
+        await bus.close()
 
 
 def _completed(envelope: Envelope) -> int:

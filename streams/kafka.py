@@ -46,16 +46,17 @@ class KafkaBus(EventBus):
         producer = await self._started_producer()
         await producer.send_and_wait(topic, value, key=key.encode())
 
-    async def publish_events(self, envelopes: Sequence[Envelope]) -> None:
+    async def publish_events(self, envelopes: Sequence[Envelope], to: str | None = None) -> None:
         """Hands every event to the producer first, then waits for all acknowledgements,
         so a batch costs about one round trip. Order per key holds: the idempotent
-        producer keeps each partition's records in the order they were handed over."""
+        producer keeps each partition's records in the order they were handed over.
+        ``to`` sends them all to that topic instead of each to its own (a bench's copy)."""
         producer = await self._started_producer()
         sent = []
         for envelope in envelopes:
             topic = topic_for(type(envelope.payload))
             key = topic.key_of(envelope.payload).encode()
-            sent.append(await producer.send(topic.name, encode(envelope), key=key))
+            sent.append(await producer.send(to or topic.name, encode(envelope), key=key))
         await asyncio.gather(*sent)
 
     async def close(self) -> None:

@@ -18,10 +18,13 @@ from tokenfleet.cli import main
 
 
 @pytest.mark.kafka
-def test_the_streams_bench_times_a_worker_draining_and_a_paced_stream(kafka: Service) -> None:
+def test_the_streams_bench_times_the_worker_and_faust_alone(kafka: Service) -> None:
     figures = bench_streams(kafka.address, requests=200, paced_per_s=20.0, paced_s=3.0)
     assert figures["events"] == 600
     assert figures["events_per_s"] > 0
+    assert figures["faust_ceiling_events_per_s"] > 0
+    ratio = figures["events_per_s"] / figures["faust_ceiling_events_per_s"]
+    assert figures["share_of_ceiling"] == pytest.approx(ratio)
     assert figures["lag_samples"] >= 50
     # an infinite lag would mean a paced request never showed in a table
     assert 0 < figures["lag_p50_s"] <= figures["lag_p95_s"] < math.inf
