@@ -11,7 +11,10 @@ the gateway's own work.
 - **Rate**: a closed loop of ``concurrency`` clients through the gateway for
   ``duration_s``, completed requests per second (``max_rps``); and the same straight to
   the instances (``direct_rps``). On a small machine the sender, the gateway and the
-  instances share the cores, so ``max_rps`` is a floor for the gateway alone.
+  instances share the cores, so ``max_rps`` is a floor for the gateway alone. The
+  gateway's CPU time over its run (``process_cpu_seconds_total`` from its ``/metrics``)
+  per request gives ``gateway_cpu_ms_per_request``: what one request costs it, whoever
+  else shares the cores.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,7 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from tokenfleet.services.process import answers_http, free_port, http_service
+from tokenfleet.services.process import answers_http, free_port, http_service, read_http
 
 MODEL = "emulated"
 KEY = "sk-bench"
@@ -51,9 +55,11 @@ def bench_gateway(
         if litellm:
             fronts["litellm"] = stack.enter_context(_litellm(Path(home), litellm, direct))
         latency = asyncio.run(_latency(direct, fronts, requests))
-        rates = {
-            name: asyncio.run(_rate([url], concurrency, duration_s)) for name, url in fronts.items()
-        }
+        cpu_before = _cpu_seconds(fronts["gateway"])
+        rates = {"gateway": asyncio.run(_rate([fronts["gateway"]], concurrency, duration_s))}
+        cpu_s = _cpu_seconds(fronts["gateway"]) - cpu_before
+        if litellm:
+            rates["litellm"] = asyncio.run(_rate([fronts["litellm"]], concurrency, duration_s))
         direct_rate = asyncio.run(_rate(direct, concurrency, duration_s))
     figures = {
         "requests": requests,
@@ -62,16 +68,18 @@ def bench_gateway(
         "duration_s": duration_s,
         "direct_p50_ms": latency["direct"][50],
         "direct_p99_ms": latency["direct"][99],
-        "direct_rps": direct_rate,
+        "direct_rps": direct_rate.per_s,
+        "gateway_cpu_ms_per_request": cpu_s * 1000 / rates["gateway"].requests,
         "cpus": os.cpu_count(),
     }
     for name in fronts:
         added = {
             f"added_latency_p{q}_ms": latency[name][q] - latency["direct"][q] for q in (50, 99)
         }
-        own = {f"p{q}_ms": latency[name][q] for q in (50, 99)} | added | {"max_rps": rates[name]}
+        own = {f"p{q}_ms": latency[name][q] for q in (50, 99)} | added
+        own["max_rps"] = rates[name].per_s
         if name == "gateway":
-            figures |= added | {"max_rps": rates[name], "gateway_p50_ms": own["p50_ms"]}
+            figures |= added | {"max_rps": own["max_rps"], "gateway_p50_ms": own["p50_ms"]}
             figures["gateway_p99_ms"] = own["p99_ms"]
         else:
             figures[name] = own
@@ -179,8 +187,18 @@ async def _latency(
     }
 
 
-async def _rate(targets: list[str], concurrency: int, duration_s: float) -> float:
-    """Completed requests per second, ``concurrency`` clients spread over ``targets``."""
+@dataclass(frozen=True)
+class Rate:
+    requests: int
+    seconds: float
+
+    @property
+    def per_s(self) -> float:
+        return self.requests / self.seconds
+
+
+async def _rate(targets: list[str], concurrency: int, duration_s: float) -> Rate:
+    """Requests completed by ``concurrency`` clients spread over ``targets``."""
     done = 0
     stop = time.monotonic() + duration_s
 
@@ -195,5 +213,12 @@ async def _rate(targets: list[str], concurrency: int, duration_s: float) -> floa
     async with _session(concurrency) as http:
         started = time.monotonic()
         await asyncio.gather(*(client(http, i) for i in range(concurrency)))
-        elapsed = time.monotonic() - started
-    return done / elapsed
+        return Rate(done, time.monotonic() - started)
+
+
+def _cpu_seconds(gateway: str) -> float:
+    """The gateway process's CPU time so far, from its ``/metrics``."""
+    for line in read_http(f"{gateway}/metrics").splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    raise RuntimeError("the gateway's /metrics has no process_cpu_seconds_total")

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.loop import run_fast
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -56,7 +57,7 @@ def _emulate(args: argparse.Namespace) -> int:
             await asyncio.Event().wait()
 
     try:
-        asyncio.run(run())
+        run_fast(run())
     except KeyboardInterrupt:
         pass
     except OSError as exc:

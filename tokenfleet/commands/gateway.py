@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.loop import run_fast
 
 _ENVIRONMENT = (
     "Environment: TOKENFLEET_KAFKA_BOOTSTRAP (unset: an in-process bus, and the gateway "
@@ -54,7 +55,7 @@ def _gateway(args: argparse.Namespace) -> int:
             await asyncio.Event().wait()
 
     try:
-        asyncio.run(run())
+        run_fast(run())
     except KeyboardInterrupt:
         pass
     except (OSError, ValueError, KeyError) as exc:

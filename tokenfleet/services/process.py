@@ -120,6 +120,12 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 """Local services are asked directly, whatever proxy the environment names."""
 
 
+def read_http(url: str, timeout_s: float = 10.0) -> str:
+    """The body a local service answers at ``url``."""
+    with _DIRECT.open(url, timeout=timeout_s) as response:
+        return response.read().decode()
+
+
 def answers_http(url: str, timeout_s: float = 1.0) -> bool:
     try:
         with _DIRECT.open(url, timeout=timeout_s) as response:
