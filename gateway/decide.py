@@ -49,6 +49,11 @@ class Plan:
     version: int = 0
     """The shared state's version the decision was made on."""
 
+    def predicted_ttft_s(self, row: int) -> float | None:
+        """The router's TTFT prediction for ``row``, if it makes one."""
+        predicted = self.decision.parts.get("predicted_ttft_s")
+        return None if predicted is None else float(predicted[row])
+
 
 class Decider:
     def __init__(

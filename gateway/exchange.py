@@ -7,7 +7,9 @@
 - A client that goes away aborts the upstream call (closing the connection cancels the
   request in vLLM) and is reported as a cancellation.
 - Shared accounting follows the request: its uncached prompt counts as pending prefill
-  until the first token, its prompt and budget as in flight until it ends.
+  until the first token, its prompt and budget as in flight until it ends. A whole
+  (non-streamed) answer shows no first token: its prefill stops counting when the router
+  predicted the first token would come, or at its end if the router predicts nothing.
 
 Clean-up after a stream runs as a task of its own: when a client disconnects, the ASGI
 server cancels whatever awaits inside the response.
@@ -174,16 +176,22 @@ class Exchange:
         inbound = trip.inbound
         trip.sent_at = time.monotonic()
         self.metrics.added_latency.observe(trip.sent_at - trip.arrived)
-        upstream = await self._open(trip)
-        if upstream.status >= 400:  # the instance refused the request itself: pass it on
-            body = await upstream.read()
-            upstream.release()
-            await self._release(trip)
-            self._failed(trip, f"instance answered {upstream.status}")
-            return Response(body, upstream.status, media_type="application/json")
-        if inbound.stream:
-            return await self._stream(trip, upstream)
-        return await self._whole(trip, upstream, request)
+        # A whole answer's headers come with its end: no first token is seen before.
+        settling = None if inbound.stream else self._settle_at_predicted_first_token(trip)
+        try:
+            upstream = await self._open(trip)
+            if upstream.status >= 400:  # the instance refused the request itself: pass it on
+                body = await upstream.read()
+                upstream.release()
+                await self._release(trip)
+                self._failed(trip, f"instance answered {upstream.status}")
+                return Response(body, upstream.status, media_type="application/json")
+            if inbound.stream:
+                return await self._stream(trip, upstream)
+            return await self._whole(trip, upstream, request)
+        finally:
+            if settling is not None:
+                settling.cancel()
 
     async def _open(self, trip: Trip) -> aiohttp.ClientResponse:
         url = f"{str(trip.instance.url).rstrip('/')}{trip.inbound.path}"
@@ -293,10 +301,25 @@ class Exchange:
             self._failed(trip, ended)
             await self._forget_key(trip)
 
+    def _settle_at_predicted_first_token(self, trip: Trip) -> asyncio.TimerHandle | None:
+        """Stop counting the trip's prefill as pending once the router's predicted TTFT
+        has passed, as a first token would; the caller cancels the timer at the end.
+        (TTFT is predicted from the decision, a few hundred microseconds earlier.)"""
+        predicted = trip.plan.predicted_ttft_s(trip.row)
+        if predicted is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return loop.call_later(max(predicted, 0.0), lambda: self.spawn(self._prefill_done(trip)))
+
+    async def _prefill_done(self, trip: Trip) -> None:
+        # Taken before the await: the end of the trip may release it meanwhile.
+        pending, trip.pending = trip.pending, 0.0
+        if pending:
+            await self.state.adjust(trip.instance.id, -pending, 0.0)
+
     async def _first_token(self, trip: Trip) -> None:
         trip.first_token_at = time.monotonic()
-        await self.state.adjust(trip.instance.id, -trip.pending, 0.0)
-        trip.pending = 0.0
+        await self._prefill_done(trip)
         self.events.emit(
             FirstToken(
                 request_id=trip.inbound.request_id,
@@ -370,8 +393,9 @@ class Exchange:
 
     async def _release(self, trip: Trip) -> None:
         """Undo what is left of the trip's accounting."""
-        await self.state.adjust(trip.instance.id, -trip.pending, -trip.inflight)
+        pending, inflight = trip.pending, trip.inflight
         trip.pending = trip.inflight = 0.0
+        await self.state.adjust(trip.instance.id, -pending, -inflight)
 
     def _retried(self, trip: Trip, first_row: int) -> None:
         self.metrics.retries.inc()

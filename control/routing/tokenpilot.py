@@ -100,7 +100,7 @@ class TokenPilot:
         self._record(
             request, fleet, now, chosen, parts, float(raw[chosen]), float(predicted[chosen])
         )
-        parts |= {"correction": correction.ratio}
+        parts |= {"correction": correction.ratio, "predicted_ttft_s": predicted}
         return Decision(self.name, chosen, np.where(fleet.ready, scores, np.nan), parts)
 
     def observe(self, observation: Observation) -> None:

@@ -188,6 +188,27 @@ async def test_kv_events_correct_the_shared_prefix_index(front: Gateway) -> None
     assert await matched() == [0, 0]
 
 
+async def test_a_whole_answer_stops_counting_its_prefill_at_the_predicted_first_token() -> None:
+    """A non-streamed answer shows no first token; its prefill must not count as pending
+    on its instance for the whole of its decode."""
+    async with emulated(1, speedup=5.0) as [instance], gateway(fleet_for([instance.url])) as front:
+        state = front.app.state.parts.state
+        async with front.client() as http:
+            answer = asyncio.create_task(
+                http.post("/v1/chat/completions", json=chat("word " * 1000, max_tokens=400))
+            )
+            samples = []
+            while not answer.done():
+                view = await state.view(["i0"], [])
+                samples.append((view.pending_prefill[0], view.inflight_tokens[0]))
+                await asyncio.sleep(0.01)
+            assert (await answer).status_code == 200
+        end = await state.view(["i0"], [])
+    first_pending = next(n for n, (pending, _) in enumerate(samples) if pending > 0)
+    assert any(pending == 0 and inflight > 0 for pending, inflight in samples[first_pending:])
+    assert (end.pending_prefill[0], end.inflight_tokens[0]) == (0, 0)
+
+
 async def test_an_instance_that_stops_answering_is_left_out() -> None:
     async with emulated(1) as [alive]:
         dead = f"http://127.0.0.1:{free_port()}"
