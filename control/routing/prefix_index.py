@@ -23,53 +23,41 @@ import numpy.typing as npt
 class ApproximatePrefixIndex:
     """``stride`` > 1 keeps only every ``stride``-th block (the last of each group): since
     block hashes chain, one block still identifies the whole prefix before it, so matching
-    costs ``stride`` times less at ``stride`` blocks of granularity."""
+    costs ``stride`` times less at ``stride`` blocks of granularity.
+
+    A block's holders are a bitmask, bit ``i`` for instance ``i``: a plain int, which the
+    garbage collector never scans (a set per block made its pauses the tail of a routing
+    decision), and which compares whole in one step.
+    """
 
     def __init__(self, default_capacity: int = 31_250, stride: int = 1) -> None:
         self.default_capacity = default_capacity
         self.stride = stride
         self._lru: dict[int, OrderedDict[int, None]] = {}
         self._capacity: dict[int, int] = {}
-        self._holders: dict[int, set[int]] = {}
-        self._print: dict[int, int] = {}
-        """Per block, the XOR of its holders' keys: equal sets have equal prints, so a
-        match compares sets only where the print changes (two different sets sharing a
-        print is a 64-bit coincidence)."""
+        self._holders: dict[int, int] = {}
 
     def match(self, hashes: Sequence[int], instances: int) -> npt.NDArray[np.int64]:
         """Matched leading blocks per instance (greedy, as the extension's scorer does:
         while any instance holds block ``k``, each that does gains one).
 
-        Counted in runs: an instance's credit accrues from when it joins the holders of
-        consecutive blocks until it leaves them, so each block costs only the change.
+        Counted in runs of blocks with the same holders, so a block costs one comparison
+        and each change of holders one vector update.
         """
-        started: dict[int, int] = {}
-        credit: dict[int, int] = {}
-        previous: set[int] = set()
-        previous_print = 0
-        print_of, holders_of = self._print.get, self._holders.__getitem__
-        sampled = hashes[self.stride - 1 :: self.stride]
-        position = len(sampled)
-        for position, block in enumerate(sampled):
-            block_print = print_of(block)
-            if block_print is None:
-                break
-            if block_print != previous_print:
-                holders = holders_of(block)
-                for instance in previous - holders:
-                    credit[instance] = credit.get(instance, 0) + position - started.pop(instance)
-                for instance in holders - previous:
-                    started[instance] = position
-                previous, previous_print = holders, block_print
-        else:
-            position = len(sampled)
-        for instance, start in started.items():
-            credit[instance] = credit.get(instance, 0) + position - start
         matched = np.zeros(instances, dtype=np.int64)
-        if credit:
-            matched[list(credit)] = np.fromiter(credit.values(), np.int64, len(credit))
-            matched *= self.stride
-        return matched
+        holders_of = self._holders.get
+        sampled = hashes[self.stride - 1 :: self.stride]
+        run, run_start, position = 0, 0, len(sampled)
+        for at, block in enumerate(sampled):
+            holders = holders_of(block)
+            if holders is None:
+                position = at
+                break
+            if holders != run:
+                matched += (at - run_start) * _members(run, instances)
+                run, run_start = holders, at
+        matched += (position - run_start) * _members(run, instances)
+        return matched * self.stride
 
     def add(self, instance: int, hashes: Sequence[int], capacity: int | None = None) -> None:
         """Record ``hashes`` as cached on ``instance``; its LRU is sized on first use."""
@@ -80,24 +68,18 @@ class ApproximatePrefixIndex:
                 capacity if capacity and capacity > 0 else (self.default_capacity)
             )
         limit = self._capacity[instance] // self.stride
-        key = _instance_key(instance)
+        bit = 1 << instance
         seen, touch = lru.__contains__, lru.move_to_end
-        holders, prints = self._holders, self._print
+        holders = self._holders
         for block in hashes[self.stride - 1 :: self.stride]:
             if seen(block):
                 touch(block)
                 continue
             lru[block] = None
-            held_by = holders.get(block)
-            if held_by is None:
-                holders[block] = {instance}
-                prints[block] = key
-            else:
-                held_by.add(instance)
-                prints[block] ^= key
+            holders[block] = holders.get(block, 0) | bit
         while len(lru) > limit:
             evicted, _ = lru.popitem(last=False)
-            self._forget(evicted, instance, key)
+            self._forget(evicted, bit)
 
     def evicted(self, instance: int, hashes: Sequence[int]) -> None:
         """The engine reports these blocks gone from ``instance`` (a KV event); hashes the
@@ -105,38 +87,32 @@ class ApproximatePrefixIndex:
         entries = self._lru.get(instance)
         if entries is None:
             return
-        key = _instance_key(instance)
+        bit = 1 << instance
         for block in hashes:
             if block in entries:
                 del entries[block]
-                self._forget(block, instance, key)
+                self._forget(block, bit)
 
     def remove_instance(self, instance: int) -> None:
         """Forget everything of ``instance`` (it left, or its engine cleared its cache)."""
-        key = _instance_key(instance)
+        bit = 1 << instance
         for block in self._lru.pop(instance, {}):
-            self._forget(block, instance, key)
+            self._forget(block, bit)
         self._capacity.pop(instance, None)
 
-    def _forget(self, block: int, instance: int, key: int) -> None:
-        """Drop ``instance`` (whose key is ``key``) from the holders of ``block``."""
-        holders = self._holders.get(block)
-        if holders is None or instance not in holders:
-            return
-        holders.remove(instance)
-        self._print[block] ^= key
-        if not holders:
-            del self._holders[block]
-            del self._print[block]
+    def _forget(self, block: int, bit: int) -> None:
+        """Drop the instance whose bit is ``bit`` from the holders of ``block``."""
+        holders = self._holders.get(block, 0) & ~bit
+        if holders:
+            self._holders[block] = holders
+        else:
+            self._holders.pop(block, None)
 
 
-_MASK = (1 << 64) - 1
-
-
-def _instance_key(instance: int) -> int:
-    """A fixed pseudo-random 64-bit key per instance (splitmix64's finaliser), so that
-    prints are the same in every run."""
-    z = (instance + 0x9E3779B97F4A7C15) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return z ^ (z >> 31)
+def _members(holders: int, instances: int) -> npt.NDArray[np.int64]:
+    """Bitmask ``holders`` as 0/1 per instance, for the first ``instances``."""
+    if not holders:
+        return np.zeros(instances, dtype=np.int64)
+    raw = holders.to_bytes((max(holders.bit_length(), instances) + 7) // 8, "little")
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=instances, bitorder="little")
+    return bits.astype(np.int64)

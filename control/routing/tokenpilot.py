@@ -92,15 +92,16 @@ class TokenPilot:
         ledger.advance(now)
         parts = self._predict(request, fleet, ledger)
         raw = parts["queue_s"] + parts["prefill_s"]
-        predicted = raw * correction.ratio
+        ratio = correction.ratio
+        predicted = raw * ratio
         behind = self._queued_behind(parts["ahead_tokens"], fleet)
-        parts["delay_to_others_s"] = behind * parts["work_s"] * correction.ratio
+        parts["delay_to_others_s"] = behind * parts["work_s"] * ratio
         scores = predicted + parts["delay_to_others_s"]
         chosen = self._pick(scores, fleet, request.input_tokens - parts["cached_tokens"])
         self._record(
             request, fleet, now, chosen, parts, float(raw[chosen]), float(predicted[chosen])
         )
-        parts |= {"correction": correction.ratio, "predicted_ttft_s": predicted}
+        parts |= {"correction": ratio, "predicted_ttft_s": predicted}
         return Decision(self.name, chosen, np.where(fleet.ready, scores, np.nan), parts)
 
     def observe(self, observation: Observation) -> None:
