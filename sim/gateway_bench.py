@@ -47,19 +47,25 @@ def bench_gateway(
     instances: int = 2,
     litellm: str | None = None,
 ) -> dict[str, Any]:
-    """Figures for our gateway (top-level keys) and, with the path of LiteLLM's ``litellm``
-    command, the same for its proxy in front of the same instances (under ``litellm``)."""
+    """Figures for our gateway (top-level keys), for a bare pass-through proxy on the same
+    stack (under ``bare_proxy``, ``sim.bare_proxy``: the floor under the gateway's cost)
+    and, with the path of LiteLLM's ``litellm`` command, for its proxy in front of the same
+    instances (under ``litellm``)."""
     with tempfile.TemporaryDirectory() as home, contextlib.ExitStack() as stack:
         direct = stack.enter_context(_instances(Path(home), instances))
-        fronts = {"gateway": stack.enter_context(_gateway(Path(home), direct))}
+        fronts = {
+            "gateway": stack.enter_context(_gateway(Path(home), direct)),
+            "bare_proxy": stack.enter_context(_bare_proxy(Path(home), direct)),
+        }
         if litellm:
             fronts["litellm"] = stack.enter_context(_litellm(Path(home), litellm, direct))
         latency = asyncio.run(_latency(direct, fronts, requests))
-        cpu_before = _cpu_seconds(fronts["gateway"])
-        rates = {"gateway": asyncio.run(_rate([fronts["gateway"]], concurrency, duration_s))}
-        cpu_s = _cpu_seconds(fronts["gateway"]) - cpu_before
-        if litellm:
-            rates["litellm"] = asyncio.run(_rate([fronts["litellm"]], concurrency, duration_s))
+        rates, cpu_ms = {}, {}
+        for name, url in fronts.items():
+            cpu_before = _cpu_seconds(url) if name in _MEASURED_CPU else 0.0
+            rates[name] = asyncio.run(_rate([url], concurrency, duration_s))
+            if name in _MEASURED_CPU:
+                cpu_ms[name] = (_cpu_seconds(url) - cpu_before) * 1000 / rates[name].requests
         direct_rate = asyncio.run(_rate(direct, concurrency, duration_s))
     figures = {
         "requests": requests,
@@ -69,7 +75,7 @@ def bench_gateway(
         "direct_p50_ms": latency["direct"][50],
         "direct_p99_ms": latency["direct"][99],
         "direct_rps": direct_rate.per_s,
-        "gateway_cpu_ms_per_request": cpu_s * 1000 / rates["gateway"].requests,
+        "gateway_cpu_ms_per_request": cpu_ms["gateway"],
         "cpus": os.cpu_count(),
     }
     for name in fronts:
@@ -78,6 +84,8 @@ def bench_gateway(
         }
         own = {f"p{q}_ms": latency[name][q] for q in (50, 99)} | added
         own["max_rps"] = rates[name].per_s
+        if name in cpu_ms:
+            own["cpu_ms_per_request"] = cpu_ms[name]
         if name == "gateway":
             figures |= added | {"max_rps": own["max_rps"], "gateway_p50_ms": own["p50_ms"]}
             figures["gateway_p99_ms"] = own["p99_ms"]
@@ -114,6 +122,14 @@ def _gateway(home: Path, instances: list[str]) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def _bare_proxy(home: Path, instances: list[str]) -> Iterator[str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "sim.bare_proxy", str(port), ",".join(instances)]
+    with http_service(home / "bare", argv, f"http://127.0.0.1:{port}", env=_environment()) as url:
+        yield url
+
+
+@contextlib.contextmanager
 def _litellm(home: Path, command: str, instances: list[str]) -> Iterator[str]:
     """LiteLLM's proxy with one deployment per instance (its default shuffle router)."""
     config = home / "litellm.yaml"
@@ -132,6 +148,8 @@ def _litellm(home: Path, command: str, instances: list[str]) -> Iterator[str]:
 
 
 _CLI = [sys.executable, "-m", "tokenfleet.cli"]
+_MEASURED_CPU = ("gateway", "bare_proxy")
+"""Fronts whose ``/metrics`` carry ``process_cpu_seconds_total``."""
 
 
 def _fleet_file(urls: list[str]) -> str:

@@ -38,6 +38,8 @@ def test_the_gateway_bench_measures_the_gateway_beside_the_instances(tmp_path: P
     assert figures["max_rps"] > 0
     assert figures["direct_rps"] > 0
     assert figures["gateway_cpu_ms_per_request"] > 0
+    assert figures["bare_proxy"]["cpu_ms_per_request"] > 0
+    assert figures["bare_proxy"]["max_rps"] > 0
     for q in (50, 99):
         added = figures[f"gateway_p{q}_ms"] - figures[f"direct_p{q}_ms"]
         assert figures[f"added_latency_p{q}_ms"] == pytest.approx(added)

@@ -256,14 +256,16 @@ def _bench_gateway(args: argparse.Namespace) -> int:
         f"p99 {figures['added_latency_p99_ms']:.2f} ms "
         f"(direct p50 {figures['direct_p50_ms']:.2f} ms); "
         f"{figures['max_rps']:.0f} requests/s at concurrency {args.concurrency} "
-        f"(direct: {figures['direct_rps']:.0f})"
+        f"(direct: {figures['direct_rps']:.0f}); {figures['gateway_cpu_ms_per_request']:.2f} "
+        "ms of CPU per request"
     )
-    if "litellm" in figures:
-        other = figures["litellm"]
-        print(
-            f"LiteLLM: added p50 {other['added_latency_p50_ms']:.2f} ms, "
-            f"p99 {other['added_latency_p99_ms']:.2f} ms; {other['max_rps']:.0f} requests/s"
-        )
+    for name, label in (("bare_proxy", "bare proxy"), ("litellm", "LiteLLM")):
+        if name in figures:
+            other = figures[name]
+            print(
+                f"{label}: added p50 {other['added_latency_p50_ms']:.2f} ms, "
+                f"p99 {other['added_latency_p99_ms']:.2f} ms; {other['max_rps']:.0f} requests/s"
+            )
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
