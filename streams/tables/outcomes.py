@@ -16,6 +16,7 @@ State is a plain JSON-able dict, so a Faust table can store it as it is.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -30,6 +31,8 @@ from schemas.lifecycle import (
     RequestRetried,
     RequestRouted,
 )
+
+log = logging.getLogger(__name__)
 
 RequestState = dict[str, Any]
 SEEN_LIMIT = 64
@@ -163,13 +166,22 @@ def unmatched(state: RequestState, at: float) -> list[Outcome]:
     """The ends a forgotten request still holds, as late events counted at ``at``, the
     time it is forgotten: the windows of their own times may be long gone. An end counts
     if it and its request name a DC and a class between them (a completion names both); a
-    cancellation or failure of a request never seen routed belongs to no DC's table."""
+    cancellation or failure of a request never seen routed belongs to no DC's table, and
+    is logged as left out instead."""
     arrived = state["arrived"] or {}
-    return [
-        _outcome(end, state["dc"] or end["dc"], arrived, ts=at, unmatched=True)
-        for end in state["held"]
-        if (state["dc"] or end.get("dc")) and (arrived or end.get("task_class"))
-    ]
+    counted = []
+    for end in state["held"]:
+        dc = state["dc"] or end.get("dc")
+        if dc and (arrived or end.get("task_class")):
+            counted.append(_outcome(end, dc, arrived, ts=at, unmatched=True))
+        else:
+            log.warning(
+                "event %s ended request %s, which no event placed in a DC or class: "
+                "left out of every table",
+                end["event_id"],
+                end["request_id"],
+            )
+    return counted
 
 
 def _outcome(end: dict[str, Any], dc: str, arrived: dict[str, Any], **counted: Any) -> Outcome:

@@ -217,3 +217,14 @@ def test_an_end_whose_start_never_comes_counts_late_when_given_up() -> None:
     row = goodput(builder.tables(EPOCH + 1000)).classes[0]
     assert (row.completed, row.late_events) == (0, 1)
     assert goodput(builder.tables(EPOCH + 1001)).classes[0].late_events == 1
+
+
+def test_an_end_no_event_places_in_a_dc_is_logged_when_given_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    cancelled = RequestCancelled(request_id="r7", reason=CancelReason.CLIENT_DISCONNECT)
+    builder.feed(Envelope.wrap(cancelled, source="test", ts=EPOCH))
+    with caplog.at_level("WARNING", logger="streams.tables.outcomes"):
+        assert builder.tables(EPOCH + 1000) == []
+    assert "request r7, which no event placed in a DC" in caplog.text
