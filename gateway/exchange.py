@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -459,23 +460,24 @@ def _charges(inbound: Inbound, plan: Plan) -> tuple[float, float]:
 
 def _routed_event(inbound: Inbound, plan: Plan) -> RequestRouted:
     decision = plan.decision
-    candidates = []
-    for row in np.flatnonzero(np.isfinite(decision.scores)):
-        parts = {name: float(values[row]) for name, values in decision.parts.items()}
-        candidates.append(
-            CandidateScore(
-                instance_id=plan.pool.ids[row],
-                score=float(decision.scores[row]),
-                parts={k: v for k, v in parts.items() if np.isfinite(v)},
-            )
+    rows = np.flatnonzero(np.isfinite(decision.scores))
+    scores = decision.scores[rows].tolist()
+    columns = {name: values[rows].tolist() for name, values in decision.parts.items()}
+    candidates = tuple(
+        CandidateScore(
+            instance_id=plan.pool.ids[row],
+            score=scores[n],
+            parts={name: v[n] for name, v in columns.items() if math.isfinite(v[n])},
         )
+        for n, row in enumerate(rows.tolist())
+    )
     assert decision.chosen is not None
     return RequestRouted(
         request_id=inbound.request_id,
         dc=plan.dc,
         instance_id=plan.pool.ids[decision.chosen],
         policy=decision.policy,
-        candidates=tuple(candidates),
+        candidates=candidates,
     )
 
 

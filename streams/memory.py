@@ -25,7 +25,8 @@ class InMemoryBus(EventBus):
         self.source = source
         self._logs: dict[str, list[RawRecord]] = {}
         self._next_offset: dict[tuple[str, int], int] = {}
-        self._changed = asyncio.Condition()
+        self._changed: dict[str, asyncio.Condition] = {}
+        """One per topic, so a record wakes only the readers of its own topic."""
 
     async def publish(self, topic: str, key: str, value: bytes | None) -> None:
         await self._append(topic, key, value, None)
@@ -49,8 +50,9 @@ class InMemoryBus(EventBus):
             else _HeldRecord(topic, partition, offset, key, value, envelope)
         )
         self._logs.setdefault(topic, []).append(record)
-        async with self._changed:
-            self._changed.notify_all()
+        changed = self._changed_of(topic)
+        async with changed:
+            changed.notify_all()
 
     async def _decode_or_dead_letter(self, record: RawRecord) -> Envelope | None:
         if isinstance(record, _HeldRecord):
@@ -64,7 +66,10 @@ class InMemoryBus(EventBus):
         log = self._logs.setdefault(topic, [])
         first = len(log) if start == "latest" else 0
         offsets = start if isinstance(start, Mapping) else {}
-        return _MemoryStream(log, first, offsets, self._changed)
+        return _MemoryStream(log, first, offsets, self._changed_of(topic))
+
+    def _changed_of(self, topic: str) -> asyncio.Condition:
+        return self._changed.setdefault(topic, asyncio.Condition())
 
     async def _records_to_end(self, topic: str) -> list[RawRecord]:
         return list(self._logs.get(topic, []))
