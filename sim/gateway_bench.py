@@ -234,9 +234,9 @@ async def _rate(targets: list[str], concurrency: int, duration_s: float) -> Rate
         return Rate(done, time.monotonic() - started)
 
 
-def _cpu_seconds(gateway: str) -> float:
-    """The gateway process's CPU time so far, from its ``/metrics``."""
-    for line in read_http(f"{gateway}/metrics").splitlines():
+def _cpu_seconds(front: str) -> float:
+    """The CPU time a front's process has used so far, from its ``/metrics``."""
+    for line in read_http(f"{front}/metrics").splitlines():
         if line.startswith("process_cpu_seconds_total "):
             return float(line.split()[1])
-    raise RuntimeError("the gateway's /metrics has no process_cpu_seconds_total")
+    raise RuntimeError(f"{front}/metrics has no process_cpu_seconds_total")
