@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from aiokafka.admin import AIOKafkaAdminClient
 from tqdm import tqdm
 
 from schemas import Envelope, Topic, topic_for
@@ -129,16 +130,29 @@ def _worker(bootstrap: str, app_id: str) -> Iterator[subprocess.Popen[bytes]]:
 
 def _ceiling(bootstrap: str, topic: str, requests: int) -> float:
     """Seconds a Faust agent that only counts takes to consume the bulk run's events,
-    copied to a topic of their own with as many partitions as the lifecycle topics."""
+    copied to a topic of their own with as many partitions as the lifecycle topics (and
+    deleted after: on a broker of the user's, it would only take space)."""
     partitions = topic_for(RequestArrived).partitions
     asyncio.run(
         create_topics(bootstrap, [Topic(topic, "request_id", partitions, False, DAY_MS, ())])
     )
-    events = [e for n in range(requests) for e in _request(topic, n)]
-    asyncio.run(_publish_copy(bootstrap, events, topic))
-    argv = [sys.executable, "-m", "sim.faust_ceiling", bootstrap, topic, str(len(events))]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True)
-    return float(done.stdout.split()[-1])
+    try:
+        events = [e for n in range(requests) for e in _request(topic, n)]
+        asyncio.run(_publish_copy(bootstrap, events, topic))
+        argv = [sys.executable, "-m", "sim.faust_ceiling", bootstrap, topic, str(len(events))]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True)
+        return float(done.stdout.split()[-1])
+    finally:
+        asyncio.run(_delete_topic(bootstrap, topic))
+
+
+async def _delete_topic(bootstrap: str, topic: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics([topic])
+    finally:
+        await admin.close()
 
 
 async def _publish_copy(bootstrap: str, events: list[Envelope], topic: str) -> None:

@@ -6,13 +6,16 @@ real runs: every paced request was seen in a table, every front answered.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
 
 from sim.streams_bench import bench_streams
+from tests.conftest import run_in_thread
 from tests.services import Service
 from tokenfleet.cli import main
 
@@ -28,6 +31,23 @@ def test_the_streams_bench_times_the_worker_and_faust_alone(kafka: Service) -> N
     assert figures["lag_samples"] >= 50
     # an infinite lag would mean a paced request never showed in a table
     assert 0 < figures["lag_p50_s"] <= figures["lag_p95_s"] < math.inf
+    assert not run_in_thread(_copies_left(kafka.address)), "the ceiling's copy was not deleted"
+
+
+async def _copies_left(bootstrap: str, wait_s: float = 10.0) -> list[str]:
+    """Topics the ceiling copied events to, still listed after ``wait_s`` (a broker
+    deletes a topic a moment after it is asked to)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        for _ in range(int(wait_s * 10)):
+            left = [t for t in await admin.list_topics() if t.startswith("bench-ceiling-")]
+            if not left:
+                break
+            await asyncio.sleep(0.1)
+        return left
+    finally:
+        await admin.close()
 
 
 def test_the_gateway_bench_measures_the_gateway_beside_the_instances(tmp_path: Path) -> None:
