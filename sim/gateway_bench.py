@@ -34,7 +34,13 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from tokenfleet.services.process import answers_http, free_port, http_service, read_http
+from tokenfleet.services.process import (
+    answers_http,
+    free_port,
+    free_ports,
+    http_service,
+    read_http,
+)
 
 MODEL = "emulated"
 KEY = "sk-bench"
@@ -100,7 +106,7 @@ def _environment() -> dict[str, str]:
 
 @contextlib.contextmanager
 def _instances(home: Path, count: int) -> Iterator[list[str]]:
-    base = free_port()
+    base = free_ports(count)
     urls = [f"http://127.0.0.1:{base + n}" for n in range(count)]
     argv = [*_CLI, "emulate", "--instances", str(count), "--base-port", str(base)]
     argv += ["--model", MODEL, "--speedup", "1000"]

@@ -31,6 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports that are all free now, for a server that
+    takes a base port (``tokenfleet emulate``): the ports after a free one may be taken,
+    by a listener or by the other end of an outgoing connection."""
+    while True:
+        base = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:  # one is taken (or past 65535): try another base
+                continue
+        return base
+
+
 class ServerProcess:
     """One server process whose output goes to ``home/server.log``."""
 
