@@ -94,17 +94,18 @@ class DcTables:
 
     def tables(self, dc: str, spec: WindowSpec, now: float) -> list[WindowedTable]:
         """The three tables of the window up to ``now`` (rates over the time it spans)."""
-        start, end = spec.window_ending(now)
+        slices = spec.slices(now)
         groups: dict[str, GoodputCounts] = {}
         fleet = FleetSlice()
-        for at in spec.slices(now):
+        for at in slices:
             for key, counts in self.goodput.get(at, {}).items():
                 groups.setdefault(key, GoodputCounts()).merge(counts)
             if at in self.fleet:
                 fleet.merge(self.fleet[at])
-        window = {"dc": dc, "version": int(end * 1000), "window_start": start, "window_end": end}
+        start = slices[0]
+        window = {"dc": dc, "version": int(now * 1000), "window_start": start, "window_end": now}
         classes, tenants = rows(groups)
-        span = end - start
+        span = now - start
         return [
             CapacityTable(**window, rows=fleet.capacity_rows(span, now)),
             KvTable(**window, **fleet.kv_totals(span), instances=fleet.kv_rows(span)),

@@ -23,16 +23,13 @@ class WindowSpec:
     def slice_of(self, ts: float) -> float:
         return math.floor(ts / self.slide_s) * self.slide_s
 
-    def window_ending(self, now: float) -> tuple[float, float]:
-        """The window up to ``now``: the slice still open at ``now`` and the whole slices
-        before it, ``size_s`` in all, so an event counts as soon as it is applied rather
-        than when its slice closes. It spans ``now - start`` seconds, between
-        ``size_s - slide_s`` and ``size_s``."""
-        return self.slices(now)[0], now
-
     def slices(self, now: float) -> list[float]:
-        """The starts of the window's slices up to ``now``, the open one last. Each is a
-        whole number of slides, as ``slice_of`` makes them, so they match its keys."""
+        """The starts of the slices of the window up to ``now``: the slice still open at
+        ``now`` (last) and the whole slices before it, ``size_s`` in all, so an event counts
+        as soon as it is applied rather than when its slice closes. The window spans from
+        the first start to ``now``, between ``size_s - slide_s`` and ``size_s`` seconds.
+        Each start is a whole number of slides, as ``slice_of`` makes them, so they match
+        its keys."""
         count = round(self.size_s / self.slide_s)
         last = math.floor(now / self.slide_s)
         return [n * self.slide_s for n in range(last - count + 1, last + 1)]
