@@ -3,8 +3,8 @@
 No table worker can go faster on the same broker and cores, so the streams bench reports
 this rate next to the worker's, measured in the same run, on the same events. Run as
 ``python -m sim.faust_ceiling BOOTSTRAP TOPIC COUNT``; it prints the seconds from the
-first event to the ``COUNT``-th and exits. It runs as the worker does: uvloop, Faust's
-start-up spinner off.
+first event to the ``COUNT``-th and exits. It runs as the worker does
+(``streams.faust_app.run_worker``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import faust
-import mode.loop
-from faust.worker import Worker
+
+from streams.faust_app import run_worker
 
 
 def counting_app(bootstrap: str, topic: str, count: int) -> faust.App:
@@ -49,15 +49,7 @@ def counting_app(bootstrap: str, topic: str, count: int) -> faust.App:
 
 def main() -> None:
     bootstrap, topic, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    mode.loop.use("uvloop")
-    worker = Worker(
-        counting_app(bootstrap, topic, count),
-        loglevel="WARNING",
-        quiet=True,
-        redirect_stdouts=False,
-    )
-    worker.spinner = None
-    worker.execute_from_commandline()
+    run_worker(lambda: counting_app(bootstrap, topic, count), redirect_stdouts=False)
 
 
 if __name__ == "__main__":

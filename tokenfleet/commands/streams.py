@@ -54,17 +54,13 @@ def _bootstrap() -> str:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import mode.loop
-    from faust.worker import Worker
-
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
     from schemas.objectives import DEFAULT_OBJECTIVES
-    from streams.faust_app import build_app, updates_topic_of
+    from streams.faust_app import build_app, run_worker, updates_topic_of
     from streams.kafka import create_topics
     from streams.settings import WorkerSettings
 
-    mode.loop.use("uvloop")  # uvloop comes with uvicorn[standard]
     bootstrap = _bootstrap()
     try:
         objectives = load_fleet(args.fleet).objectives if args.fleet else DEFAULT_OBJECTIVES
@@ -72,12 +68,7 @@ def _worker(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     settings = WorkerSettings()
     asyncio.run(create_topics(bootstrap, (*TOPICS, updates_topic_of(settings))))
-    app = build_app(bootstrap, settings, objectives)
-    worker = Worker(app, loglevel="WARNING", quiet=True)
-    # Faust's start-up spinner lowers the root logger to DEBUG to spin on every record:
-    # each debug call of Faust and aiokafka then builds a record (a sixth of the CPU).
-    worker.spinner = None
-    worker.execute_from_commandline()
+    run_worker(lambda: build_app(bootstrap, settings, objectives))
     return 0
 
 
