@@ -30,8 +30,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from control.routing import Withdrawing
-from control.routing.registry import Learner
+from control.routing import Learner, Withdrawing, implements
 from control.routing.snapshot import Observation
 from gateway.decide import INDEX_STRIDE, Decider, Plan
 from gateway.events import EventSink
@@ -149,7 +148,7 @@ class Exchange:
         otherwise read the same view and pile a burst of new prefixes onto one instance.
         A router that cannot forget a decision is charged as it decided, at once."""
         router = self.decider.router(inbound.model.name, plan.dc)
-        forgetful = router if isinstance(router, Withdrawing) else None
+        forgetful = router if implements(router, Withdrawing) else None
         replans = REPLANS if forgetful is not None else 0
         for replan in range(replans + 1):
             seen = plan.version if replan < replans else None
@@ -355,7 +354,7 @@ class Exchange:
         # Only a streamed answer shows its first token, and only the instance the router
         # chose was predicted for: a retry's TTFT would train the wrong instance.
         first_choice = trip.row == trip.plan.decision.chosen
-        if inbound.stream and first_choice and isinstance(router, Learner):
+        if inbound.stream and first_choice and implements(router, Learner):
             router.observe(
                 Observation(inbound.request_id, trip.row, first - trip.sent_at, trip.output_tokens)
             )

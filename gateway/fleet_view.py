@@ -7,6 +7,7 @@ gateway keeps routing on what it last heard, and on its own failure observations
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -32,8 +33,9 @@ class Pool:
     dc: str
     instances: tuple[InstanceConfig, ...]
 
-    @property
+    @functools.cached_property
     def ids(self) -> tuple[str, ...]:
+        """Asked several times per request, so computed once."""
         return tuple(i.id for i in self.instances)
 
 

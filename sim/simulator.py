@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from control.routing import Decision, FleetSnapshot, Learner, Observation, Router, RouteRequest
+from control.routing import (
+    Decision,
+    FleetSnapshot,
+    Learner,
+    Observation,
+    Router,
+    RouteRequest,
+    implements,
+)
 from sim.cluster import Cluster
 from sim.engine import DecodeRun, Engine, Plan, Sequence, StepPlan
 from sim.records import RequestRecord
@@ -213,7 +221,7 @@ class Simulation:
             token_overhead_s=step_time.token_overhead_s,
         )
         self.records.append(record)
-        if isinstance(self.router, Learner):  # learned at completion, not at first token
+        if implements(self.router, Learner):  # learned at completion, not at first token
             assert record.ttft_s is not None
             self.router.observe(
                 Observation(request.request_id, index, record.ttft_s, request.output_tokens)

@@ -1,6 +1,13 @@
 """Instance routing: which instance of a model pool serves a request."""
 
-from control.routing.registry import ROUTERS, Learner, Router, Withdrawing, make_router
+from control.routing.registry import (
+    ROUTERS,
+    Learner,
+    Router,
+    Withdrawing,
+    implements,
+    make_router,
+)
 from control.routing.snapshot import (
     Candidate,
     Decision,
@@ -21,5 +28,6 @@ __all__ = [
     "RouteRequest",
     "Router",
     "Withdrawing",
+    "implements",
     "make_router",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -39,6 +40,18 @@ class Withdrawing(Protocol):
     """A router that counts what it routes, and can forget a decision the host dropped."""
 
     def withdraw(self, request_id: str) -> None: ...
+
+
+def implements(router: Router, protocol: type) -> bool:
+    """``isinstance(router, protocol)`` for ``Learner`` and ``Withdrawing``, answered once
+    per router type: an ``isinstance`` against a runtime-checkable Protocol walks the
+    protocol's members on every call, which took about 4 % of the gateway's CPU."""
+    return _type_implements(type(router), protocol)
+
+
+@functools.cache
+def _type_implements(kind: type, protocol: type) -> bool:
+    return issubclass(kind, protocol)
 
 
 Factory = Callable[[np.random.Generator, PoolModel | None], Router]

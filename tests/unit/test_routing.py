@@ -8,9 +8,12 @@ from hypothesis import strategies as st
 from control.routing import (
     ROUTERS,
     FleetSnapshot,
+    Learner,
     Observation,
     PoolModel,
     RouteRequest,
+    Withdrawing,
+    implements,
     make_router,
 )
 from control.routing.baselines import PowerOfTwo
@@ -137,6 +140,14 @@ def test_every_router_refuses_when_nothing_is_ready(name: str) -> None:
     )
     assert decision.chosen is None
     assert decision.candidates(fleet([0, 0])) == ()
+
+
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_implements_answers_as_isinstance_does(name: str) -> None:
+    pool = PoolModel(KneeRoofline(0.015, 3e-5, 150, 7e-6, 2.5e-8))
+    router = make_router(name, pool=pool)
+    for protocol in (Learner, Withdrawing):
+        assert implements(router, protocol) == isinstance(router, protocol)
 
 
 def _snapshot(requests, inflight=None) -> FleetSnapshot:
