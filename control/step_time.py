@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 Array = npt.NDArray[np.float64]
+Values = Array | npt.NDArray[np.int64] | float
 
 US = 1e-6
 
@@ -48,9 +49,14 @@ class StepTime(Protocol):
         ...
 
     def step_s_array(
-        self, prefill_tokens: Array, prefill_pairs: Array, decode_seqs: Array, decode_context: Array
+        self,
+        prefill_tokens: Values,
+        prefill_pairs: Values,
+        decode_seqs: Values,
+        decode_context: Values,
     ) -> Array:
-        """``step_s`` over numpy arrays (element-wise), for routers scoring many instances."""
+        """``step_s`` over numpy arrays (element-wise), for routers scoring many instances; a
+        scalar argument stands for the same value on every instance."""
         ...
 
 
@@ -75,7 +81,11 @@ class KneeRoofline:
         return 0.0
 
     def step_s_array(
-        self, prefill_tokens: Array, prefill_pairs: Array, decode_seqs: Array, decode_context: Array
+        self,
+        prefill_tokens: Values,
+        prefill_pairs: Values,
+        decode_seqs: Values,
+        decode_context: Values,
     ) -> Array:
         compute = np.maximum(0.0, prefill_tokens + decode_seqs - self.n0_tokens)
         return self._linear(compute, prefill_pairs, decode_seqs, decode_context)
@@ -117,6 +127,10 @@ class Blackbox:
         return (self.alpha0_us + self.alpha1_us * input_tokens) * US
 
     def step_s_array(
-        self, prefill_tokens: Array, prefill_pairs: Array, decode_seqs: Array, decode_context: Array
+        self,
+        prefill_tokens: Values,
+        prefill_pairs: Values,
+        decode_seqs: Values,
+        decode_context: Values,
     ) -> Array:
         return (self.beta0_us + self.beta1_us * prefill_tokens + self.beta2_us * decode_seqs) * US

@@ -153,11 +153,12 @@ class TokenPilot:
         queue = self._prefill_seconds(ahead, decoders, context)
         with_own = self._prefill_seconds(ahead + uncached, decoders, context)
         model = self.pool.step_time
-        zero = np.zeros(len(fleet))
+        # Terms that are the same on every candidate stay scalars (numpy broadcasts them):
+        # each array operation costs microseconds at a thousand candidates.
         pairs = uncached * cached + uncached * (uncached + 1) / 2
-        idle_step = model.step_s_array(zero, zero, zero, zero)
-        attention = model.step_s_array(zero, pairs, zero, zero) - idle_step
-        alone = self._prefill_seconds(uncached, zero, zero)
+        idle_step = model.step_s(0, 0, 0, 0)
+        attention = model.step_s_array(0, pairs, 0, 0) - idle_step
+        alone = self._prefill_seconds(uncached, 0, 0)
         idle_steps = np.ceil(uncached / self.pool.max_num_batched_tokens)
         return {
             "queue_s": queue,
@@ -165,7 +166,7 @@ class TokenPilot:
             "work_s": alone - idle_steps * idle_step + attention,
             "cached_tokens": cached,
             "ahead_tokens": ahead,
-            "tpot_s": model.step_s_array(zero, zero, decoders + 1, context),
+            "tpot_s": model.step_s_array(0, 0, decoders + 1, context),
         }
 
     def _queued_behind(self, ahead_tokens: np.ndarray, fleet: FleetSnapshot) -> float:
@@ -176,14 +177,14 @@ class TokenPilot:
         return float(ahead_tokens[fleet.ready].mean() / self._mean_prompt_tokens)
 
     def _prefill_seconds(
-        self, tokens: np.ndarray, decoders: np.ndarray, context: np.ndarray
+        self, tokens: np.ndarray, decoders: np.ndarray | int, context: np.ndarray | int
     ) -> np.ndarray:
         """Time to push ``tokens`` of prefill through equal chunks, each step also carrying
         ``decoders`` decoding sequences over ``context`` tokens."""
         budget = np.maximum(self.pool.max_num_batched_tokens - decoders, 1)
         steps = np.ceil(tokens / budget)
         chunk = tokens / np.maximum(steps, 1)
-        per_step = self.pool.step_time.step_s_array(chunk, np.zeros_like(chunk), decoders, context)
+        per_step = self.pool.step_time.step_s_array(chunk, 0, decoders, context)
         return steps * per_step
 
     def _pick(self, scores: np.ndarray, fleet: FleetSnapshot, uncached: np.ndarray) -> int:

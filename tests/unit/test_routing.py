@@ -20,7 +20,7 @@ from control.routing.baselines import PowerOfTwo
 from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
 from control.routing.llmd import LlmdDefault, queue_score
 from control.routing.predicted_latency import LlmdPredictedLatency
-from control.routing.prefix_index import ApproximatePrefixIndex
+from control.routing.prefix_index import ApproximatePrefixIndex, Recency
 from control.step_time import KneeRoofline
 
 
@@ -90,6 +90,43 @@ def test_the_prefix_index_matches_like_a_plain_greedy_count(
         for i in holders:
             expected[i] += 1
     assert index.match(prompt, instances=len(expected)).tolist() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("touch"), st.lists(st.integers(0, 9), max_size=8)),
+            st.tuples(st.just("evict"), st.integers(0, 6)),
+            st.tuples(st.just("discard"), st.integers(0, 9)),
+        ),
+        max_size=40,
+    )
+)
+def test_an_instance_lru_evicts_in_order_of_last_use(
+    operations: list[tuple[str, object]],
+) -> None:
+    """Against a plain list in order of use; no slack makes the queue compact often."""
+    lru, expected = Recency(slack=0), []
+    for kind, argument in operations:
+        if kind == "touch":
+            assert isinstance(argument, list)
+            new = [b for n, b in enumerate(argument) if b not in expected + argument[:n]]
+            assert lru.touch(argument) == new
+            for block in argument:
+                if block in expected:
+                    expected.remove(block)
+                expected.append(block)
+        elif kind == "evict":
+            assert isinstance(argument, int)
+            dropped = expected[: max(len(expected) - argument, 0)]
+            assert list(lru.evict_beyond(argument)) == dropped
+            del expected[: len(dropped)]
+        else:
+            assert lru.discard(argument) == (argument in expected)
+            if argument in expected:
+                expected.remove(argument)
+        assert sorted(lru.blocks()) == sorted(expected)
 
 
 def test_the_queue_score_scales_between_the_candidates_shortest_and_longest_queue() -> None:
