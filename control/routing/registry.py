@@ -61,10 +61,10 @@ def _load_only(kind: Callable[[np.random.Generator], Router]) -> Factory:
     return lambda rng, _pool: kind(rng)
 
 
-def _tokenpilot(rng: np.random.Generator, pool: PoolModel | None) -> Router:
+def _tokenpilot(_rng: np.random.Generator, pool: PoolModel | None) -> Router:
     if pool is None:
         raise ValueError("tokenpilot needs the pool's step model (a PoolModel)")
-    return TokenPilot(rng, pool)
+    return TokenPilot(pool)
 
 
 ROUTERS: dict[str, Factory] = {
