@@ -27,8 +27,8 @@ For every candidate, vectorised over instances:
 
 Candidates must be ready, have free KV blocks for the request's uncached prompt and fewer
 than 256 waiting requests; when none has, the ready instance with the lowest score takes
-the request (never refuse for load). Scores within 2 % of the best are ties, taken in turn
-(the one sent work least recently wins). The decision record keeps every
+the request (never refuse for load). Scores within 2 % of the best are ties: the one with
+the fewest tokens in flight wins, then the one sent work least recently. The decision record keeps every
 term of every candidate.
 """
 
@@ -197,11 +197,13 @@ class TokenPilot:
         holds it back or, once its chunks are running, preempts the newest sequence (often
         this prompt itself) to compute it again later: such an instance is no candidate.
 
-        Among ties (``tie_band``) the candidate sent work least recently wins. Ties are
-        common on a lightly loaded pool, where candidates differ only by a few decoding
-        sequences; taking them in turn keeps a burst of arrivals off one instance, as
-        round-robin does. On the Azure trace at half load, the lowest score alone sent 14 %
-        of requests to an instance that had been sent one less than 50 ms before.
+        Among ties (``tie_band``) the candidate with the fewest tokens in flight wins, then
+        the one this router sent work least recently. Ties are common on a lightly loaded
+        pool, where candidates differ only by a few decoding sequences; spreading them keeps
+        a burst of arrivals off one instance, as round-robin does. On the Azure trace at
+        half load, the lowest score alone sent 14 % of requests to an instance that had
+        been sent one less than 50 ms before. Tokens in flight come first because the host
+        shares them between gateway replicas, and a router's own turns are not shared.
         """
         free_blocks = fleet.kv_blocks_total - fleet.kv_blocks_used
         eligible = (
@@ -213,7 +215,8 @@ class TokenPilot:
             eligible = fleet.ready
         scores = np.where(eligible, scores, np.nan)
         ties = np.flatnonzero(scores <= np.nanmin(scores) * (1 + self.params.tie_band))
-        return int(ties[np.argmin(ledger.last_entry[ties])])
+        fewest_first = np.lexsort((ledger.last_entry[ties], fleet.inflight_tokens[ties]))
+        return int(ties[fewest_first[0]])
 
     def _record(
         self,

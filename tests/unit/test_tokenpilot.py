@@ -129,6 +129,17 @@ def test_a_bias_seen_on_one_instance_corrects_the_whole_pool_at_once() -> None:
     np.testing.assert_allclose(correction, 1.5, rtol=0.05)
 
 
+def test_a_tie_goes_to_the_candidate_with_the_fewest_tokens_in_flight() -> None:
+    """The host's count of tokens in flight is shared by every gateway replica, where each
+    replica's own turns are not: replicas that took turns alone would pile a burst's cold
+    prefixes onto whichever instance came first in each one's order."""
+    pilot = TokenPilot(POOL)
+    shared = replace(idle_fleet(4), inflight_tokens=np.array([900, 300, 600, 300]))
+    decision = pilot.route(RouteRequest("r", 100, 10), shared, now=0.0)
+    assert decision.scores.max() <= decision.scores.min() * (1 + pilot.params.tie_band)
+    assert decision.chosen == 1  # fewest in flight; of 1 and 3, the first in turn
+
+
 def test_candidates_within_the_tie_band_take_turns() -> None:
     """A few running sequences more or less (a score 0.1 % higher) is a tie: a burst goes
     round the instances. Sixty more (5 % higher) is not: the idle one takes every request."""
