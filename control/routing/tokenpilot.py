@@ -28,8 +28,8 @@ For every candidate, vectorised over instances:
 Candidates must be ready, have free KV blocks for the request's uncached prompt and fewer
 than 256 waiting requests; when none has, the ready instance with the lowest score takes
 the request (never refuse for load). Scores within 2 % of the best are ties: the one with
-the fewest tokens in flight wins, then the one sent work least recently. The decision record keeps every
-term of every candidate.
+the fewest tokens in flight wins, then the one sent work least recently. The decision
+record keeps every term of every candidate.
 """
 
 from __future__ import annotations
