@@ -94,7 +94,7 @@ def test_llmd_default_piles_the_same_burst_onto_the_prefix_home() -> None:
     assert {router.route(hot_request(n), fleet, now=0.0).chosen for n in range(100)} == {0}
 
 
-def _observe_truth(pilot: TokenPilot, fleet: FleetSnapshot, n: int, ratio: float) -> int:
+def _observe_truth(pilot: TokenPilot, fleet: FleetSnapshot, n: int, ratio: float) -> None:
     """Route a request on ``fleet`` and report a TTFT ``ratio`` times the raw prediction."""
     request = RouteRequest(f"r{n}", 2_000, 50)
     decision = pilot.route(request, fleet, now=float(n))
@@ -102,7 +102,6 @@ def _observe_truth(pilot: TokenPilot, fleet: FleetSnapshot, n: int, ratio: float
     raw = (decision.parts["queue_s"] + decision.parts["prefill_s"])[decision.chosen]
     truth = ratio * raw + STEPS.ttft_overhead_s
     pilot.observe(Observation(request.request_id, decision.chosen, truth, 50))
-    return decision.chosen
 
 
 def test_the_bias_correction_converges_to_each_instance_s_observed_ratio() -> None:
