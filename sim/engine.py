@@ -119,10 +119,13 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, step_time: StepTime) -> None:
+    def __init__(
+        self, config: EngineConfig, step_time: StepTime, *, kv_events: bool = False
+    ) -> None:
+        """``kv_events``: the pool logs its stored and evicted blocks (``take_events``)."""
         self.config = config
         self.step_time = step_time
-        self.pool = KvBlockPool(config.num_blocks, config.block_size)
+        self.pool = KvBlockPool(config.num_blocks, config.block_size, kv_events=kv_events)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.counters = EngineCounters()

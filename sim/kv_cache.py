@@ -10,6 +10,8 @@
   start, which other prompts are likelier to share.
 
 The pool itself is unaware of sequences: callers hold the list of block ids they own.
+Built with ``kv_events``, it also logs what vLLM publishes with ``--kv-events-config``:
+each hash it stores (BlockStored) and each it evicts (BlockRemoved), in order.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from control.routing import KvEvent
 
 
 class OutOfBlocks(Exception):
@@ -33,7 +37,7 @@ class KvCounters:
 
 
 class KvBlockPool:
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, *, kv_events: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be at least 1")
         self.num_blocks = num_blocks
@@ -43,6 +47,7 @@ class KvBlockPool:
         self._hash_of: list[int | None] = [None] * num_blocks
         self._block_of: dict[int, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._events: list[KvEvent] | None = [] if kv_events else None
 
     @property
     def free_blocks(self) -> int:
@@ -51,6 +56,15 @@ class KvBlockPool:
     @property
     def used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    def take_events(self) -> list[KvEvent]:
+        """The KV events logged since the last call, oldest first; none unless the pool was
+        built with ``kv_events``."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
 
     def cached_prefix(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` are cached now; changes nothing."""
@@ -103,6 +117,8 @@ class KvBlockPool:
         if block_hash not in self._block_of and self._hash_of[block] is None:
             self._block_of[block_hash] = block
             self._hash_of[block] = block_hash
+            if self._events is not None:
+                self._events.append((block_hash, True))
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block; blocks nobody holds become free, tail first."""
@@ -124,3 +140,5 @@ class KvBlockPool:
             del self._block_of[block_hash]
             self._hash_of[block] = None
             self.counters.evicted_blocks += 1
+            if self._events is not None:
+                self._events.append((block_hash, False))

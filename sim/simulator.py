@@ -4,7 +4,8 @@ Three kinds of events drive it: a request arrives (the router picks its instance
 request enters an engine's wait queue (after the step model's admission delay), and an
 engine's step ends (its results apply and the next step is planned). Arrivals are read in
 order from the workload; the rest sit in one heap. Ties break by insertion order, so a
-run is a deterministic function of its inputs and seed.
+run is a deterministic function of its inputs and seed. A router that reads KV events gets
+each engine's stored and evicted blocks at the end of the step that stored or evicted them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from control.routing import (
     FleetSnapshot,
     Learner,
     Observation,
+    ReadsKvEvents,
     Router,
     RouteRequest,
     implements,
@@ -62,8 +64,13 @@ class Simulation:
         self._scraped_at = -math.inf
         self.cluster = cluster
         self.router = router
+        self._kv_events = implements(router, ReadsKvEvents)
         self.instances = [
-            _Instance(f"{dc.name}/{n}", dc.name, Engine(dc.profile.engine, dc.profile.step_time))
+            _Instance(
+                f"{dc.name}/{n}",
+                dc.name,
+                Engine(dc.profile.engine, dc.profile.step_time, kv_events=self._kv_events),
+            )
             for dc in cluster.data_centers
             for n in range(dc.instances)
         ]
@@ -181,6 +188,7 @@ class Simulation:
     def _apply_run(self, index: int, run: DecodeRun) -> None:
         for sequence in self.instances[index].engine.advance(run, self.now):
             self._complete(index, sequence)
+        self._publish_kv_events(index)
 
     def _start_next(self, index: int) -> None:
         instance = self.instances[index]
@@ -205,7 +213,20 @@ class Simulation:
             self._first_tokens(index, plan)
             for sequence in finished:
                 self._complete(index, sequence)
+            self._publish_kv_events(index)
         self._start_next(index)
+
+    def _publish_kv_events(self, index: int) -> None:
+        """The KV events of the steps that have ended, as vLLM publishes a step's events
+        with its output: blocks they stored, and blocks they evicted to make room. (A
+        decode run's steps are applied when the run is read or ends, so their events come
+        out then.)"""
+        if not self._kv_events:
+            return
+        events = self.instances[index].engine.pool.take_events()
+        if events:
+            assert isinstance(self.router, ReadsKvEvents)
+            self.router.kv_events(index, events)
 
     def _complete(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]

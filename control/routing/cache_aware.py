@@ -1,18 +1,22 @@
 """Cache-aware baselines of NVIDIA Dynamo, SGLang and AIBrix, with their published defaults.
 
 Each learns which instance holds which prefix from its own decisions (the approximate
-index, in 16-token blocks), as SGLang's and AIBrix's routers do and as Dynamo does without
-KV events; "load" is what each router counts itself: requests or tokens in flight.
+index, in 16-token blocks), as SGLang's and AIBrix's routers do; Dynamo does so only until
+the engines' KV events reach it, then follows them. "Load" is what each router counts
+itself: requests or tokens in flight.
 """
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from operator import itemgetter
 
 import numpy as np
 
 from control.routing.prefix_index import ApproximatePrefixIndex
-from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
+from control.routing.snapshot import Decision, FleetSnapshot, KvEvent, RouteRequest
 
 BLOCK_TOKENS = 16
 
@@ -37,10 +41,15 @@ class _Learning(ABC):
         matched = self.index.match(request.prefix_blocks, len(fleet))
         decision = self._decide(request, fleet, matched)
         assert decision.chosen is not None
-        self.index.add(
-            decision.chosen, request.prefix_blocks, int(fleet.kv_blocks_total[decision.chosen])
-        )
+        if self._learns_from_decisions:
+            self.index.add(
+                decision.chosen, request.prefix_blocks, int(fleet.kv_blocks_total[decision.chosen])
+            )
         return decision
+
+    @property
+    def _learns_from_decisions(self) -> bool:
+        return True
 
     @abstractmethod
     def _decide(
@@ -57,6 +66,25 @@ class DynamoKv(_Learning):
 
     name = "dynamo_kv"
     overlap_weight = 1.0
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        super().__init__(rng)
+        self._follows_events = False
+
+    def kv_events(self, instance: int, events: Sequence[KvEvent]) -> None:
+        """With KV events (Dynamo's default; ``--no-kv-events`` is its approximate mode),
+        the index holds what the workers report, and no longer what the router sent."""
+        self._follows_events = True
+        for stored, run in itertools.groupby(events, key=itemgetter(1)):
+            blocks = [block for block, _ in run]
+            if stored:
+                self.index.add(instance, blocks)
+            else:
+                self.index.evicted(instance, blocks)
+
+    @property
+    def _learns_from_decisions(self) -> bool:
+        return not self._follows_events
 
     def _decide(self, request: RouteRequest, fleet: FleetSnapshot, matched: np.ndarray) -> Decision:
         prefill = (request.input_tokens - matched * BLOCK_TOKENS) / BLOCK_TOKENS

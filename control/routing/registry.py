@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -12,7 +12,14 @@ from control.routing.baselines import LeastRequests, PowerOfTwo, RoundRobin
 from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
 from control.routing.llmd import LlmdDefault
 from control.routing.predicted_latency import LlmdPredictedLatency
-from control.routing.snapshot import Decision, FleetSnapshot, Observation, PoolModel, RouteRequest
+from control.routing.snapshot import (
+    Decision,
+    FleetSnapshot,
+    KvEvent,
+    Observation,
+    PoolModel,
+    RouteRequest,
+)
 from control.routing.tokenpilot import TokenPilot
 
 
@@ -42,8 +49,17 @@ class Withdrawing(Protocol):
     def withdraw(self, request_id: str) -> None: ...
 
 
+@runtime_checkable
+class ReadsKvEvents(Protocol):
+    """A router whose prefix index follows the engines' KV events (vLLM's BlockStored and
+    BlockRemoved, from ``--kv-events-config``); the host passes each instance's events
+    in the order the engine published them. ``instance`` is its row in the snapshot."""
+
+    def kv_events(self, instance: int, events: Sequence[KvEvent]) -> None: ...
+
+
 def implements(router: Router, protocol: type) -> bool:
-    """``isinstance(router, protocol)`` for ``Learner`` and ``Withdrawing``, answered once
+    """``isinstance(router, protocol)`` for the protocols above, answered once
     per router type: an ``isinstance`` against a runtime-checkable Protocol walks the
     protocol's members on every call, which took about 4 % of the gateway's CPU."""
     return _type_implements(type(router), protocol)

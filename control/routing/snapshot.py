@@ -18,6 +18,10 @@ IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
+KvEvent = tuple[int, bool]
+"""One KV event of an engine: a block hash, and whether the block was stored (True) or
+removed (False)."""
+
 
 @dataclass(frozen=True)
 class FleetSnapshot:

@@ -34,6 +34,7 @@ record keeps every term of every candidate.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +49,7 @@ from control.routing.prefix_index import ApproximatePrefixIndex
 from control.routing.snapshot import (
     Decision,
     FleetSnapshot,
+    KvEvent,
     Observation,
     PoolModel,
     RouteRequest,
@@ -124,6 +126,13 @@ class TokenPilot:
         sent = self._sent.pop(request_id)
         if sent is not None and self._ledger is not None:
             self._ledger.withdraw(sent.ledger_entry)
+
+    def kv_events(self, instance: int, events: Sequence[KvEvent]) -> None:
+        """Evictions correct the index: an engine whose KV is full of running sequences
+        keeps far fewer idle prefixes than its size, and forgets them sooner than an LRU
+        of that size would. Stored blocks add nothing: the index recorded each request's
+        blocks when it routed it, before the engine computed them."""
+        self.index.evicted(instance, [block for block, stored in events if not stored])
 
     def _state(self, instances: int) -> tuple[WorkLedger, BiasCorrection]:
         if self._ledger is None or len(self._ledger.prefill_tokens) != instances:

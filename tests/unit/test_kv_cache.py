@@ -55,6 +55,18 @@ def test_freed_blocks_stay_cached_until_handed_out_again() -> None:
     assert pool.counters.evicted_blocks == 1
 
 
+def test_a_pool_built_with_kv_events_logs_what_it_stores_and_evicts_in_order() -> None:
+    pool = KvBlockPool(num_blocks=2, block_size=4, kv_events=True)
+    pool.release(_compute_prompt(pool, [1, 2], tokens=8))
+    assert pool.take_events() == [(1, True), (2, True)]
+    assert pool.take_events() == []  # each event is taken once
+    _compute_prompt(pool, [3], tokens=4)  # evicts the tail of [1, 2] first
+    assert pool.take_events() == [(2, False), (3, True)]
+    silent = KvBlockPool(num_blocks=2, block_size=4)
+    silent.release(_compute_prompt(silent, [1, 2], tokens=8))
+    assert silent.take_events() == []
+
+
 def test_a_referenced_block_is_never_evicted() -> None:
     pool = KvBlockPool(num_blocks=3, block_size=4)
     held = _compute_prompt(pool, [1], tokens=4)

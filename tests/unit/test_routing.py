@@ -11,6 +11,7 @@ from control.routing import (
     Learner,
     Observation,
     PoolModel,
+    ReadsKvEvents,
     RouteRequest,
     Withdrawing,
     implements,
@@ -183,7 +184,7 @@ def test_every_router_refuses_when_nothing_is_ready(name: str) -> None:
 def test_implements_answers_as_isinstance_does(name: str) -> None:
     pool = PoolModel(KneeRoofline(0.015, 3e-5, 150, 7e-6, 2.5e-8))
     router = make_router(name, pool=pool)
-    for protocol in (Learner, Withdrawing):
+    for protocol in (Learner, Withdrawing, ReadsKvEvents):
         assert implements(router, protocol) == isinstance(router, protocol)
 
 
@@ -214,6 +215,17 @@ def test_dynamo_weighs_blocks_to_prefill_against_blocks_in_flight() -> None:
     router = DynamoKv(np.random.default_rng(0))
     router.index.add(0, [1, 2, 3])
     assert router.route(PROMPT, _snapshot([0, 0], inflight=[16, 32]), 0.0).chosen == 0
+
+
+def test_dynamo_follows_kv_events_once_they_come_instead_of_its_own_decisions() -> None:
+    router = DynamoKv(np.random.default_rng(0))
+    request = RouteRequest("r", input_tokens=64, output_budget=8, prefix_blocks=(1, 2, 3, 4))
+    chosen = router.route(request, _snapshot([0, 0]), 0.0).chosen
+    assert router.index.match((1, 2, 3, 4), 2)[chosen] == 4  # approximate: what it sent
+    router.kv_events(1, [(5, True), (6, True), (9, True), (9, False)])
+    router.route(RouteRequest("s", 64, 8, (7, 8)), _snapshot([0, 0]), 0.0)
+    assert router.index.match((7, 8), 2).tolist() == [0, 0]  # decisions no longer indexed
+    assert router.index.match((5, 6, 9), 2).tolist() == [0, 2]  # events, in their order
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,39 @@ def test_shared_prefixes_show_up_as_cache_hits() -> None:
     )
 
 
+class _ReadingKvEvents:
+    """Least requests, keeping each instance's KV events as they are published."""
+
+    name = "reading"
+
+    def __init__(self) -> None:
+        self._route = make_router("least_requests", seed=7).route
+        self.events: dict[int, list[tuple[int, bool]]] = {}
+
+    def route(self, request, fleet, now):
+        return self._route(request, fleet, now)
+
+    def kv_events(self, instance, events):
+        self.events.setdefault(instance, []).extend(events)
+
+
+def test_a_router_that_reads_kv_events_can_follow_each_engine_s_cache_exactly() -> None:
+    router = _ReadingKvEvents()
+    simulation = Simulation(Cluster.single(_profile(num_blocks=60, budget=128), 3), router)
+    workload = _workload(400, seed=9)
+    simulation.run(workload)
+    every_block = {block for request in workload for block in request.prefix_blocks}
+    for index, engine in enumerate(simulation.engines):
+        held: set[int] = set()
+        for block, stored in router.events[index]:
+            assert (block in held) != stored  # stored when absent, removed when held
+            (held.add if stored else held.remove)(block)
+        removed = sum(1 for _, stored in router.events[index] if not stored)
+        assert removed == engine.pool.counters.evicted_blocks > 0
+        assert {b for b in every_block if engine.pool.cached_prefix([b])} == held
+        assert engine.pool.take_events() == []  # everything was published
+
+
 class _Recording:
     """Sends everything to instance 0 and keeps the snapshots it was shown."""
 

@@ -50,6 +50,19 @@ def test_a_warm_instance_with_a_short_queue_wins() -> None:
     assert decision.parts["prefill_s"][1] < decision.parts["prefill_s"][0] / 10
 
 
+def test_blocks_an_engine_reports_evicted_no_longer_draw_requests() -> None:
+    pilot = TokenPilot(POOL)
+    pilot.index.add(1, PREFIX)
+    stride = pilot.params.index_stride
+    evicted = [(block, False) for block in PREFIX[len(PREFIX) // 2 :]]
+    pilot.kv_events(1, [(block, True) for block in PREFIX[:8]] + evicted)
+    decision = pilot.route(hot_request(0), idle_fleet(3), now=0.0)
+    assert decision.parts["cached_tokens"][1] == (len(PREFIX) // 2 // stride) * stride * 16
+    pilot.kv_events(1, [(block, False) for block in PREFIX])
+    decision = pilot.route(hot_request(1), idle_fleet(3), now=0.0)
+    assert decision.parts["cached_tokens"][decision.chosen] == 0
+
+
 def test_a_cold_instance_wins_once_the_warm_queue_costs_more_than_the_prefill_saved() -> None:
     pilot = TokenPilot(POOL)
     pilot.index.add(0, PREFIX)
