@@ -1,25 +1,35 @@
-"""The telemetry collector: scrape every instance's ``/metrics``, publish ``tf.telemetry``.
+"""The telemetry collector: scrape every instance's ``/metrics``, publish ``tf.telemetry``;
+read the KV events of instances that serve them over HTTP, publish ``tf.kv-events``.
 
 Understands vLLM's names (v1, and the older ``gpu_cache_usage_perc``) and SGLang's.
 Scrapes run concurrently, each under a timeout, so one slow instance delays no other. An
 instance that does not answer (or answers garbage) is published not ready; the next good
 scrape publishes it ready again.
+
+KV events come from ``/kv-events`` (the emulator's feed, ``sim/emulator/kv_feed.py``); an
+instance that answers 404 (vLLM and SGLang, which publish theirs on ZMQ) is not asked
+again. Events the feed dropped before they were read, or a restarted instance (a new
+epoch), are published as the instance's cache cleared, so that no index keeps blocks the
+engine may have evicted unseen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import aiohttp
+from pydantic import BaseModel
 
 from schemas import Envelope
 from schemas.fleet import InstanceConfig
-from schemas.telemetry import InstanceTelemetry
+from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved, KvBlocksStored
 from streams.bus import EventBus
 
 log = logging.getLogger(__name__)
@@ -148,8 +158,34 @@ def telemetry_of(instance: InstanceConfig, scraped: Scraped | None) -> InstanceT
     )
 
 
+class KvEventPage(BaseModel):
+    """One answer of an instance's ``/kv-events``: events as ``[hash, stored]``."""
+
+    epoch: str
+    next: int
+    complete: bool
+    events: list[tuple[int, bool]]
+
+
+KvMessage = KvBlocksStored | KvBlocksRemoved | KvAllCleared
+
+
+def kv_messages(
+    instance_id: str, events: Sequence[tuple[int, bool]], lost: str | None = None
+) -> list[KvMessage]:
+    """The ``tf.kv-events`` messages for an instance's events, a message per run of stored
+    or removed blocks, in order; first the cache cleared, when events were ``lost``."""
+    messages: list[KvMessage] = [KvAllCleared(instance_id=instance_id, reason=lost)] if lost else []
+    for stored, run in itertools.groupby(events, key=itemgetter(1)):
+        hashes = tuple(block for block, _ in run)
+        kind = KvBlocksStored if stored else KvBlocksRemoved
+        messages.append(kind(instance_id=instance_id, block_hashes=hashes))
+    return messages
+
+
 class Collector:
-    """Scrapes ``instances`` every ``interval_s`` and publishes one event per instance."""
+    """Scrapes ``instances`` every ``interval_s`` and publishes one telemetry event per
+    instance, and the KV events each instance with a feed made since the last round."""
 
     def __init__(
         self,
@@ -164,20 +200,34 @@ class Collector:
         self.client = client
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self._kv_cursors: dict[str, tuple[str, int]] = {}
+        """Per instance with a feed: its epoch and the number of the last event read."""
+        self._without_feed: set[str] = set()
+        self._unpublished: set[str] = set()
+        """Instances whose KV events were read but could not be published."""
 
     async def scrape_once(self) -> list[InstanceTelemetry]:
         scraped = await asyncio.gather(*(self._scrape(i) for i in self.instances))
         return [telemetry_of(i, s) for i, s in zip(self.instances, scraped, strict=True)]
 
+    async def kv_events_once(self) -> list[KvMessage]:
+        """The KV events of every instance with a feed since the last read."""
+        readers = [self._kv_events(i) for i in self.instances if i.id not in self._without_feed]
+        return [message for messages in await asyncio.gather(*readers) for message in messages]
+
     async def run(self) -> None:
-        """Scrape and publish until cancelled, one round per interval."""
+        """Scrape and publish until cancelled, one round per interval. A bus outage loses
+        that round's telemetry; KV events read in it are lost too, and their instances are
+        published cleared at the next round (their index is relearned from routing)."""
         while True:
             started = time.monotonic()
-            events = [Envelope.wrap(t, source="collector") for t in await self.scrape_once()]
+            telemetry, kv_events = await asyncio.gather(self.scrape_once(), self.kv_events_once())
+            events = [Envelope.wrap(m, source="collector") for m in (*telemetry, *kv_events)]
             try:
                 await self.bus.publish_events(events)
             except Exception as exc:  # a bus outage loses one round, not the loop
                 log.warning("publishing telemetry failed: %s", exc)
+                self._unpublished.update(message.instance_id for message in kv_events)
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def _scrape(self, instance: InstanceConfig) -> Scraped | None:
@@ -190,3 +240,37 @@ class Collector:
         except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
             log.info("scraping %s failed: %s", instance.id, exc)
             return None
+
+    async def _kv_events(self, instance: InstanceConfig) -> list[KvMessage]:
+        url = f"{str(instance.url).rstrip('/')}/kv-events"
+        cursor = self._kv_cursors.get(instance.id)
+        after = cursor[1] if cursor else 0
+        try:
+            async with (
+                asyncio.timeout(self.timeout_s),
+                self.client.get(url, params={"after": after}) as response,
+            ):
+                if response.status == 404:
+                    log.info("%s serves no KV events over HTTP", instance.id)
+                    self._without_feed.add(instance.id)
+                    return []
+                response.raise_for_status()
+                page = KvEventPage.model_validate(await response.json(content_type=None))
+        except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
+            log.info("reading the KV events of %s failed: %s", instance.id, exc)
+            return []
+        self._kv_cursors[instance.id] = (page.epoch, page.next)
+        return kv_messages(instance.id, page.events, self._lost(instance.id, cursor, page))
+
+    def _lost(
+        self, instance_id: str, cursor: tuple[str, int] | None, page: KvEventPage
+    ) -> str | None:
+        """Why events of the instance may have gone unseen since the last read, if they may."""
+        if instance_id in self._unpublished:
+            self._unpublished.discard(instance_id)
+            return "KV events read but not published"
+        if cursor is None:  # the first read: what happened before concerns no index yet
+            return None
+        if cursor[0] != page.epoch:
+            return "instance restarted"
+        return None if page.complete else "KV events dropped before they were read"

@@ -3,7 +3,8 @@
 Prompts become tokens and prefix blocks by ``control.tokens`` (the gateway's rule too);
 the output is exactly the requested number of tokens (``max_tokens``, else the defaults in
 ``schemas.openai_api``), each the 4-byte text ``"tok "``. A client that disconnects
-cancels its request and frees its blocks.
+cancels its request and frees its blocks. ``/kv-events`` serves the engine's KV events,
+which vLLM would publish on ZMQ, to the collector.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from control.tokens import block_hashes, chat_text, count_tokens
 from schemas.openai_api import ApiError, ChatRequest, CompletionRequest, parse_request
 from sim.emulator.driver import EngineDriver
+from sim.emulator.kv_feed import KvEventFeed
 from sim.emulator.metrics import EngineMetrics
 from sim.engine import RequestTooLong, Sequence
 from sim.workload import TraceRequest
 
 TOKEN_TEXT = "tok "
+KV_EVENTS_PER_PAGE = 10_000
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,9 @@ class _Call:
     created: int
 
 
-def create_app(driver: EngineDriver, model: str, metrics: EngineMetrics) -> FastAPI:
+def create_app(
+    driver: EngineDriver, model: str, metrics: EngineMetrics, kv_feed: KvEventFeed
+) -> FastAPI:
     app = FastAPI(title=f"TokenFleet emulated vLLM ({model})")
 
     @app.exception_handler(ApiError)
@@ -64,6 +69,12 @@ def create_app(driver: EngineDriver, model: str, metrics: EngineMetrics) -> Fast
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/kv-events")
+    async def kv_events(after: str = "0", limit: str = str(KV_EVENTS_PER_PAGE)) -> dict[str, Any]:
+        """The engine's KV events numbered past ``after`` (``sim/emulator/kv_feed.py``)."""
+        most = min(_count(limit, "limit", 1), KV_EVENTS_PER_PAGE)
+        return kv_feed.page(_count(after, "after", 0), most).body()
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_request(CompletionRequest, await request.body())
@@ -82,6 +93,17 @@ def create_app(driver: EngineDriver, model: str, metrics: EngineMetrics) -> Fast
         return await _serve(request, driver, model, body, True, text, count_tokens(text))
 
     return app
+
+
+def _count(value: str, name: str, least: int) -> int:
+    """A whole-number query parameter, or ApiError(400) naming it."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = least - 1
+    if number < least:
+        raise ApiError(400, f"`{name}` must be a whole number of at least {least}.", param=name)
+    return number
 
 
 async def _serve(

@@ -28,12 +28,15 @@ class EngineDriver:
         engine: Engine,
         speedup: float = 1.0,
         on_finish: Callable[[Sequence], None] | None = None,
+        on_step: Callable[[], None] | None = None,
     ) -> None:
+        """``on_finish`` is called with each finished sequence, ``on_step`` after each step."""
         if speedup <= 0:
             raise ValueError("speedup must be positive")
         self.engine = engine
         self.speedup = speedup
         self._on_finish = on_finish
+        self._on_step = on_step
         self._start = time.monotonic()
         self._wake = asyncio.Event()
         self._streams: dict[Sequence, asyncio.Queue[int | None]] = {}
@@ -92,4 +95,6 @@ class EngineDriver:
         if self._on_finish is not None:
             for sequence in finished:
                 self._on_finish(sequence)
+        if self._on_step is not None:
+            self._on_step()
         return end

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from sim.cluster import InstanceProfile
 from sim.emulator.app import create_app
 from sim.emulator.driver import EngineDriver
+from sim.emulator.kv_feed import KvEventFeed
 from sim.emulator.metrics import EngineMetrics
 from sim.engine import Engine
 
@@ -21,16 +22,19 @@ from sim.engine import Engine
 class EmulatedInstance:
     url: str
     driver: EngineDriver
+    kv_feed: KvEventFeed
     app: FastAPI
 
 
 def build_instance(
     profile: InstanceProfile, model: str, port: int, speedup: float
 ) -> EmulatedInstance:
-    engine = Engine(profile.engine, profile.step_time)
+    engine = Engine(profile.engine, profile.step_time, kv_events=True)
     metrics = EngineMetrics(engine, model)
-    driver = EngineDriver(engine, speedup, on_finish=metrics.observe)
-    return EmulatedInstance(f"http://127.0.0.1:{port}", driver, create_app(driver, model, metrics))
+    feed = KvEventFeed(engine.pool)
+    driver = EngineDriver(engine, speedup, on_finish=metrics.observe, on_step=feed.collect)
+    app = create_app(driver, model, metrics, feed)
+    return EmulatedInstance(f"http://127.0.0.1:{port}", driver, feed, app)
 
 
 @contextlib.asynccontextmanager

@@ -11,12 +11,14 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
+from control.tokens import block_hashes
 from schemas.fleet import InstanceConfig
+from schemas.telemetry import KvAllCleared, KvBlocksStored
 from sim.emulator.server import serve
 from sim.profiles import profile
 from streams.collector import Collector
 from streams.memory import InMemoryBus
-from tests.gateway_harness import PROFILE, emulated, http_server
+from tests.gateway_harness import MODEL, PROFILE, emulated, http_server
 from tokenfleet.services.process import free_port
 
 
@@ -61,3 +63,74 @@ async def test_an_instance_that_answers_again_is_published_ready_again() -> None
             [up] = await collector.scrape_once()
     assert not down.ready
     assert up.ready
+
+
+async def test_kv_events_are_read_once_and_a_restart_clears_the_instance() -> None:
+    port = free_port()
+    instance = _instance("emulated", f"http://127.0.0.1:{port}")
+    prompt = "the same long system prompt " * 30
+    async with aiohttp.ClientSession() as client:
+        collector = Collector([instance], InMemoryBus(), client, timeout_s=2.0)
+        async with serve(profile(PROFILE), MODEL, [port], speedup=10.0):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+            url = f"{str(instance.url).rstrip('/')}/v1/completions"
+            async with client.post(url, json=body) as answer:
+                assert answer.status == 200
+            [stored] = await collector.kv_events_once()
+            assert await collector.kv_events_once() == []  # nothing new
+        async with serve(profile(PROFILE), MODEL, [port], speedup=10.0):  # restarted
+            [cleared] = await collector.kv_events_once()
+    assert isinstance(stored, KvBlocksStored)
+    assert stored.instance_id == "emulated"
+    assert stored.block_hashes == block_hashes(prompt)
+    assert isinstance(cleared, KvAllCleared)
+    assert cleared.reason == "instance restarted"
+
+
+async def test_an_instance_without_a_kv_event_feed_is_asked_once() -> None:
+    asked = 0
+
+    async def missing(_: Request) -> PlainTextResponse:
+        nonlocal asked
+        asked += 1
+        return PlainTextResponse("Not Found", status_code=404)
+
+    app = Starlette(routes=[Route("/kv-events", missing)])
+    async with http_server(app) as url, aiohttp.ClientSession() as client:
+        collector = Collector([_instance("vllm", url)], InMemoryBus(), client, timeout_s=0.5)
+        assert await collector.kv_events_once() == []
+        assert await collector.kv_events_once() == []
+    assert asked == 1
+
+
+class _FailingOnce(InMemoryBus):
+    """A bus whose first publication fails, as during an outage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    async def publish_events(self, envelopes) -> None:
+        if not self.failed:
+            self.failed = True
+            raise ConnectionError("broker away")
+        await super().publish_events(envelopes)
+
+
+async def test_kv_events_lost_to_a_bus_outage_clear_their_instance() -> None:
+    async with emulated(1) as [alive], aiohttp.ClientSession() as client:
+        prompt = "a prompt that stores blocks " * 20
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        async with client.post(f"{alive.url}/v1/completions", json=body) as answer:
+            assert answer.status == 200
+        bus = _FailingOnce()
+        collector = Collector([_instance("alive", alive.url)], bus, client, interval_s=0.05)
+        task = asyncio.create_task(collector.run())
+        try:
+            async with asyncio.timeout(5), bus.subscribe("tf.kv-events") as events:
+                received = await anext(aiter(events))
+        finally:
+            task.cancel()
+    assert bus.failed
+    assert isinstance(received.envelope.payload, KvAllCleared)
+    assert received.envelope.payload.reason == "KV events read but not published"

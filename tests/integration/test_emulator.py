@@ -109,6 +109,22 @@ async def test_metrics_parse_and_count_prefix_hits(
     assert samples["vllm:num_requests_running"].labels == {"model_name": MODEL}
 
 
+async def test_kv_events_name_the_blocks_a_prompt_stored_and_refuse_bad_numbers(
+    instance: EmulatedInstance, client: openai.AsyncOpenAI
+) -> None:
+    prompt = "a prompt of a few blocks " * 20
+    await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    async with httpx.AsyncClient(base_url=instance.url) as http:
+        page = (await http.get("/kv-events", params={"after": 0})).json()
+        bad = await http.get("/kv-events", params={"after": "-1"})
+    assert page["complete"]
+    assert page["epoch"] == instance.kv_feed.epoch
+    assert page["events"] == [[block, True] for block in block_hashes(prompt)]
+    assert page["next"] == len(page["events"])
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "after"
+
+
 async def test_a_client_that_disconnects_frees_its_blocks(instance: EmulatedInstance) -> None:
     engine = instance.driver.engine
     body = {"model": MODEL, "prompt": "y" * 4000, "max_tokens": 5000, "stream": True}

@@ -8,7 +8,8 @@ import pytest
 
 from schemas.base import TaskClass
 from schemas.fleet import FleetFileError, load_fleet
-from streams.collector import NOMINAL_KV_BLOCKS, parse_metrics, telemetry_of
+from schemas.telemetry import KvAllCleared, KvBlocksRemoved, KvBlocksStored
+from streams.collector import NOMINAL_KV_BLOCKS, kv_messages, parse_metrics, telemetry_of
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "fleet.toml"
 
@@ -93,3 +94,14 @@ def test_samples_read_as_prometheus_clients_parser_reads_them() -> None:
         (s.name, s.value) for f in text_string_to_metric_families(VLLM + SGLANG) for s in f.samples
     ]
     assert ours == theirs
+
+
+def test_kv_events_become_one_message_per_run_in_order() -> None:
+    events = [(1, True), (2, True), (1, False), (3, True)]
+    messages = kv_messages("i0", events)
+    assert [type(m) for m in messages] == [KvBlocksStored, KvBlocksRemoved, KvBlocksStored]
+    assert [m.block_hashes for m in messages] == [(1, 2), (1,), (3,)]
+    [cleared, stored] = kv_messages("i0", [(4, True)], lost="instance restarted")
+    assert isinstance(cleared, KvAllCleared)
+    assert cleared.reason == "instance restarted"
+    assert stored.block_hashes == (4,)

@@ -29,10 +29,11 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     collect = commands.add_parser(
         "collect",
-        help="scrape every instance's /metrics and publish tf.telemetry",
+        help="scrape every instance's /metrics and publish tf.telemetry and tf.kv-events",
         description="Scrapes the fleet file's instances (vLLM and SGLang metric names) "
         "concurrently and publishes one tf.telemetry event per instance per round, to the "
-        "broker in TOKENFLEET_KAFKA_BOOTSTRAP.",
+        "broker in TOKENFLEET_KAFKA_BOOTSTRAP. Instances that serve their KV events over "
+        "HTTP (/kv-events: the emulator) have them published to tf.kv-events as well.",
     )
     collect.add_argument("--fleet", type=Path, required=True, help="the fleet file")
     collect.add_argument(
