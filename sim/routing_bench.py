@@ -4,11 +4,13 @@
 Figures are pooled over all levels (the records of every level together), with each level's
 summary beside them. ``lower_bound`` is what no router can beat: every request prefilled
 alone on an idle instance, with every block an earlier request of the trace had counted as
-cached.
+cached. ``fleet_cache_reference`` is the same with the fleet's KV blocks as one LRU cache:
+what perfect placement could reach with the cache the fleet has.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -81,6 +83,8 @@ def bench_routing(
         document["policies"][policy] = _pooled(records, levels)
         pooled_records[policy] = records
     document["lower_bound"] = lower_bound(workload, chosen)
+    fleet_blocks = instances * chosen.engine.num_blocks
+    document["fleet_cache_reference"] = lower_bound(workload, chosen, fleet_blocks)
     return document, pooled_records
 
 
@@ -108,15 +112,27 @@ def _pooled(records: list[RequestRecord], levels: list[dict]) -> dict:
     return figures
 
 
-def lower_bound(workload: Sequence[TraceRequest], chosen: InstanceProfile) -> dict[str, float]:
-    """TTFT quantiles with no queueing and every reusable block cached."""
+def lower_bound(
+    workload: Sequence[TraceRequest], chosen: InstanceProfile, capacity_blocks: int | None = None
+) -> dict[str, float]:
+    """TTFT quantiles with no queueing (each request prefilled alone on an idle instance)
+    and every reusable block cached: by a cache without limit (``capacity_blocks`` None,
+    the bound no router can beat), or by one LRU cache of ``capacity_blocks``. With the
+    fleet's KV blocks, the second is a reference for what perfect placement could reach
+    with the cache the fleet has (not a bound: LRU is not the best eviction, and running
+    sequences hold KV too); ``cache_hit_rate`` is the share of prompt tokens it served."""
     model, engine = chosen.step_time, chosen.engine
-    seen: set[int] = set()
-    ttfts = []
+    held: OrderedDict[int, None] = OrderedDict()
+    ttfts, hits = [], 0
     for request in workload:
-        cached = reusable_blocks(request.prefix_blocks, seen) * ENGINE_BLOCK_TOKENS
+        cached = reusable_blocks(request.prefix_blocks, held) * ENGINE_BLOCK_TOKENS
         cached = min(cached, request.input_tokens - 1)
-        seen.update(request.prefix_blocks)
+        hits += cached
+        for block in request.prefix_blocks:
+            held[block] = None
+            held.move_to_end(block)
+        while capacity_blocks is not None and len(held) > capacity_blocks:
+            held.popitem(last=False)
         uncached = request.input_tokens - cached
         steps = -(-uncached // engine.max_num_batched_tokens)
         chunk = uncached / steps
@@ -124,7 +140,12 @@ def lower_bound(workload: Sequence[TraceRequest], chosen: InstanceProfile) -> di
         prefill = steps * model.step_s(int(chunk), 0, 0, 0) + model.step_s(0, pairs, 0, 0)
         ttfts.append(prefill - model.step_s(0, 0, 0, 0) + model.ttft_overhead_s)
     stats = latency_stats("ttft", ttfts)
-    return {"ttft_p50_s": stats["ttft_p50_s"], "ttft_p95_s": stats["ttft_p95_s"]}
+    prompt_tokens = max(sum(request.input_tokens for request in workload), 1)
+    return {
+        "ttft_p50_s": stats["ttft_p50_s"],
+        "ttft_p95_s": stats["ttft_p95_s"],
+        "cache_hit_rate": hits / prompt_tokens,
+    }
 
 
 def plot_ttft_cdfs(records: dict[str, list[RequestRecord]], title: str, path: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Container, Hashable, Sequence
 from dataclasses import dataclass
 
 from schemas.base import TaskClass
@@ -35,8 +35,8 @@ class TraceRequest:
     """Length of that shared leading prompt."""
 
 
-def reusable_blocks(blocks: Sequence[int], seen: set[int]) -> int:
-    """How many leading ``blocks`` an unbounded cache holding ``seen`` already has."""
+def reusable_blocks(blocks: Sequence[int], seen: Container[int]) -> int:
+    """How many leading ``blocks`` a cache holding ``seen`` already has."""
     for count, block in enumerate(blocks):
         if block not in seen:
             return count

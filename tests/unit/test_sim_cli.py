@@ -195,12 +195,30 @@ def test_the_routing_benchmark_writes_every_policy_and_the_lower_bound(tmp_path:
     document = json.loads(out.read_text())
     assert set(document["policies"]) == {"tokenpilot", "round_robin", "llmd_default"}
     assert document["ladder"] == [0.5, 1.0]
-    bound = document["lower_bound"]
+    bound, reference = document["lower_bound"], document["fleet_cache_reference"]
+    assert reference["ttft_p50_s"] >= bound["ttft_p50_s"]
+    assert reference["cache_hit_rate"] <= bound["cache_hit_rate"]
     for figures in document["policies"].values():
         assert len(figures["per_level"]) == 2
         assert figures["ttft_p50_s"] >= bound["ttft_p50_s"]
         assert figures["ttft_p95_s"] >= bound["ttft_p95_s"]
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_fleet_cache_reference_forgets_what_its_capacity_cannot_hold() -> None:
+    from sim.routing_bench import lower_bound
+
+    def request(name: str, arrival_s: float, blocks: range) -> TraceRequest:
+        return TraceRequest(name, arrival_s, 16 * len(blocks) + 1, 8, tuple(blocks))
+
+    # the third request repeats the first's prompt, after another prompt as long as the cache
+    workload = [request("a", 0, range(10)), request("b", 1, range(10, 20))]
+    workload.append(request("c", 2, range(10)))
+    chosen = profile("llama3-70b-4xh100")
+    unbounded, small = lower_bound(workload, chosen), lower_bound(workload, chosen, 10)
+    assert unbounded["cache_hit_rate"] == pytest.approx(160 / (3 * 161))
+    assert small["cache_hit_rate"] == 0.0
+    assert lower_bound(workload, chosen, 20) == unbounded
 
 
 def test_runs_in_worker_processes_give_the_same_figures() -> None:
