@@ -22,7 +22,9 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         "emulate",
         help="emulated vLLM instances with an OpenAI-compatible API, on loopback ports",
         description="Runs N emulated instances in this process, each on 127.0.0.1 and its own "
-        "port, stepping the simulator's engine in wall-clock time. Stop with Ctrl-C.",
+        "port, stepping the simulator's engine in wall-clock time: the OpenAI API under /v1, "
+        "vLLM's metrics at /metrics, the engine's KV events at /kv-events (for tokenfleet "
+        "collect). Stop with Ctrl-C.",
     )
     emulate.add_argument("--instances", type=int, default=1, help="how many (default: 1)")
     emulate.add_argument(
