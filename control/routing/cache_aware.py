@@ -34,6 +34,7 @@ class _Learning(ABC):
     def __init__(self, rng: np.random.Generator) -> None:
         self._rng = rng
         self.index = ApproximatePrefixIndex()
+        self._learns_from_decisions = True
 
     def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
         if not fleet.ready.any():
@@ -46,10 +47,6 @@ class _Learning(ABC):
                 decision.chosen, request.prefix_blocks, int(fleet.kv_blocks_total[decision.chosen])
             )
         return decision
-
-    @property
-    def _learns_from_decisions(self) -> bool:
-        return True
 
     @abstractmethod
     def _decide(
@@ -67,24 +64,16 @@ class DynamoKv(_Learning):
     name = "dynamo_kv"
     overlap_weight = 1.0
 
-    def __init__(self, rng: np.random.Generator) -> None:
-        super().__init__(rng)
-        self._follows_events = False
-
     def kv_events(self, instance: int, events: Sequence[KvEvent]) -> None:
         """With KV events (Dynamo's default; ``--no-kv-events`` is its approximate mode),
         the index holds what the workers report, and no longer what the router sent."""
-        self._follows_events = True
+        self._learns_from_decisions = False
         for stored, run in itertools.groupby(events, key=itemgetter(1)):
             blocks = [block for block, _ in run]
             if stored:
                 self.index.add(instance, blocks)
             else:
                 self.index.evicted(instance, blocks)
-
-    @property
-    def _learns_from_decisions(self) -> bool:
-        return not self._follows_events
 
     def _decide(self, request: RouteRequest, fleet: FleetSnapshot, matched: np.ndarray) -> Decision:
         prefill = (request.input_tokens - matched * BLOCK_TOKENS) / BLOCK_TOKENS
