@@ -22,27 +22,34 @@ from sim.engine import Engine
 class EmulatedInstance:
     url: str
     driver: EngineDriver
-    kv_feed: KvEventFeed
+    kv_feed: KvEventFeed | None
     app: FastAPI
 
 
 def build_instance(
-    profile: InstanceProfile, model: str, port: int, speedup: float
+    profile: InstanceProfile, model: str, port: int, speedup: float, kv_events: bool = False
 ) -> EmulatedInstance:
-    engine = Engine(profile.engine, profile.step_time, kv_events=True)
+    """``kv_events``: keep the engine's KV events and serve them at ``/kv-events``; off by
+    default, as vLLM publishes none without ``--kv-events-config``."""
+    engine = Engine(profile.engine, profile.step_time, kv_events=kv_events)
     metrics = EngineMetrics(engine, model)
-    feed = KvEventFeed(engine.pool)
-    driver = EngineDriver(engine, speedup, on_finish=metrics.observe, on_step=feed.collect)
+    feed = KvEventFeed(engine.pool) if kv_events else None
+    on_step = feed.collect if feed is not None else None
+    driver = EngineDriver(engine, speedup, on_finish=metrics.observe, on_step=on_step)
     app = create_app(driver, model, metrics, feed)
     return EmulatedInstance(f"http://127.0.0.1:{port}", driver, feed, app)
 
 
 @contextlib.asynccontextmanager
 async def serve(
-    profile: InstanceProfile, model: str, ports: Sequence[int], speedup: float = 1.0
+    profile: InstanceProfile,
+    model: str,
+    ports: Sequence[int],
+    speedup: float = 1.0,
+    kv_events: bool = False,
 ) -> AsyncIterator[list[EmulatedInstance]]:
     """Start one instance per port on 127.0.0.1; stop them all on exit."""
-    instances = [build_instance(profile, model, port, speedup) for port in ports]
+    instances = [build_instance(profile, model, port, speedup, kv_events) for port in ports]
     servers = [
         uvicorn.Server(
             uvicorn.Config(i.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")

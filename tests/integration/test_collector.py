@@ -71,14 +71,14 @@ async def test_kv_events_are_read_once_and_a_restart_clears_the_instance() -> No
     prompt = "the same long system prompt " * 30
     async with aiohttp.ClientSession() as client:
         collector = Collector([instance], InMemoryBus(), client, timeout_s=2.0)
-        async with serve(profile(PROFILE), MODEL, [port], speedup=10.0):
+        async with serve(profile(PROFILE), MODEL, [port], speedup=10.0, kv_events=True):
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
             url = f"{str(instance.url).rstrip('/')}/v1/completions"
             async with client.post(url, json=body) as answer:
                 assert answer.status == 200
             [stored] = await collector.kv_events_once()
             assert await collector.kv_events_once() == []  # nothing new
-        async with serve(profile(PROFILE), MODEL, [port], speedup=10.0):  # restarted
+        async with serve(profile(PROFILE), MODEL, [port], 10.0, kv_events=True):  # restarted
             [cleared] = await collector.kv_events_once()
     assert isinstance(stored, KvBlocksStored)
     assert stored.instance_id == "emulated"
@@ -104,27 +104,31 @@ async def test_an_instance_without_a_kv_event_feed_is_asked_once() -> None:
 
 
 class _FailingOnce(InMemoryBus):
-    """A bus whose first publication fails, as during an outage."""
+    """A bus whose first publication of KV events fails, as during an outage."""
 
     def __init__(self) -> None:
         super().__init__()
         self.failed = False
 
     async def publish_events(self, envelopes) -> None:
-        if not self.failed:
+        carries_kv = any(isinstance(e.payload, KvBlocksStored) for e in envelopes)
+        if carries_kv and not self.failed:
             self.failed = True
             raise ConnectionError("broker away")
         await super().publish_events(envelopes)
 
 
 async def test_kv_events_lost_to_a_bus_outage_clear_their_instance() -> None:
-    async with emulated(1) as [alive], aiohttp.ClientSession() as client:
+    async with (
+        serve(profile(PROFILE), MODEL, [free_port()], 10.0, kv_events=True) as [alive],
+        aiohttp.ClientSession() as client,
+    ):
         prompt = "a prompt that stores blocks " * 20
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
         async with client.post(f"{alive.url}/v1/completions", json=body) as answer:
             assert answer.status == 200
         bus = _FailingOnce()
-        collector = Collector([_instance("alive", alive.url)], bus, client, interval_s=0.05)
+        collector = Collector([_instance("alive", alive.url)], bus, client, kv_interval_s=0.05)
         task = asyncio.create_task(collector.run())
         try:
             async with asyncio.timeout(5), bus.subscribe("tf.kv-events") as events:

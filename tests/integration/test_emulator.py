@@ -109,20 +109,29 @@ async def test_metrics_parse_and_count_prefix_hits(
     assert samples["vllm:num_requests_running"].labels == {"model_name": MODEL}
 
 
-async def test_kv_events_name_the_blocks_a_prompt_stored_and_refuse_bad_numbers(
-    instance: EmulatedInstance, client: openai.AsyncOpenAI
-) -> None:
+async def test_kv_events_name_the_blocks_a_prompt_stored_and_refuse_bad_numbers() -> None:
     prompt = "a prompt of a few blocks " * 20
-    await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-    async with httpx.AsyncClient(base_url=instance.url) as http:
+    async with (
+        serve(PROFILE, MODEL, [free_port()], speedup=10, kv_events=True) as [instance],
+        httpx.AsyncClient(base_url=instance.url) as http,
+    ):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
         page = (await http.get("/kv-events", params={"after": 0})).json()
         bad = await http.get("/kv-events", params={"after": "-1"})
+    assert instance.kv_feed is not None
     assert page["complete"]
     assert page["epoch"] == instance.kv_feed.epoch
     assert page["events"] == [[block, True] for block in block_hashes(prompt)]
     assert page["next"] == len(page["events"])
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "after"
+
+
+async def test_kv_events_are_served_only_where_asked_for(instance: EmulatedInstance) -> None:
+    async with httpx.AsyncClient(base_url=instance.url) as http:
+        assert (await http.get("/kv-events")).status_code == 404
+    assert instance.kv_feed is None
 
 
 async def test_a_client_that_disconnects_frees_its_blocks(instance: EmulatedInstance) -> None:

@@ -22,9 +22,8 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         "emulate",
         help="emulated vLLM instances with an OpenAI-compatible API, on loopback ports",
         description="Runs N emulated instances in this process, each on 127.0.0.1 and its own "
-        "port, stepping the simulator's engine in wall-clock time: the OpenAI API under /v1, "
-        "vLLM's metrics at /metrics, the engine's KV events at /kv-events (for tokenfleet "
-        "collect). Stop with Ctrl-C.",
+        "port, stepping the simulator's engine in wall-clock time: the OpenAI API under /v1 "
+        "and vLLM's metrics at /metrics. Stop with Ctrl-C.",
     )
     emulate.add_argument("--instances", type=int, default=1, help="how many (default: 1)")
     emulate.add_argument(
@@ -41,6 +40,12 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         default=1.0,
         help="run this many times faster than the modelled GPU (default: 1)",
     )
+    emulate.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="serve the engines' KV events at /kv-events, for tokenfleet collect (vLLM "
+        "publishes its own only with --kv-events-config)",
+    )
     emulate.set_defaults(handler=_emulate)
 
 
@@ -53,7 +58,8 @@ def _emulate(args: argparse.Namespace) -> int:
     ports = [args.base_port + n for n in range(args.instances)]
 
     async def run() -> None:
-        async with serve(profile(args.profile), args.model, ports, args.speedup) as instances:
+        emulated = serve(profile(args.profile), args.model, ports, args.speedup, args.kv_events)
+        async with emulated as instances:
             for instance in instances:
                 print(f"{args.model} at {instance.url}/v1", flush=True)
             await asyncio.Event().wait()
