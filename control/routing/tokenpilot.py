@@ -23,7 +23,12 @@ For every candidate, vectorised over instances:
   without it, so not the decoding it waits for) times the requests expected to queue
   behind it, the pool's mean queue in prompts, corrected. On an idle pool it is nothing
   and the fastest first token wins; on a saturated one each recomputed token is capacity
-  every later request waits for, so cache hits weigh more than short queues.
+  every later request waits for, so cache hits weigh more than short queues;
+- **KV pressure** (``kv_pressure``): the sum of the above is weighed by one plus the share
+  of the candidate's KV blocks in use, so that time on a full cache counts double. A fuller
+  cache keeps fewer idle prefixes (the conversations homed there lose theirs sooner) and
+  decodes every step over more context; scoring time alone left the instances' KV use
+  uneven and their caches holding less that later prompts could reuse.
 
 Candidates must be ready, have free KV blocks for the request's uncached prompt and fewer
 than 256 waiting requests; when none has, the ready instance with the lowest score takes
@@ -65,6 +70,9 @@ class TokenPilotParams:
     tie_band: float = 0.02
     """Scores within 2 % of the best are ties, below what the step model resolves (its
     calibration matches vLLM's time per output token within 2 %, docs/validation.md)."""
+    kv_pressure_weight: float = 1.0
+    """Scores are multiplied by ``1 + weight * KV usage``: a full cache's time counts
+    double (``docs/routing.md``, "KV pressure")."""
 
 
 @dataclass
@@ -101,7 +109,9 @@ class TokenPilot:
         predicted = raw * ratio
         behind = self._queued_behind(parts["ahead_tokens"], fleet)
         parts["delay_to_others_s"] = behind * parts["work_s"] * ratio
-        scores = predicted + parts["delay_to_others_s"]
+        usage = fleet.kv_blocks_used / np.maximum(fleet.kv_blocks_total, 1)
+        parts["kv_pressure"] = 1 + self.params.kv_pressure_weight * usage
+        scores = (predicted + parts["delay_to_others_s"]) * parts["kv_pressure"]
         chosen = self._pick(scores, fleet, request.input_tokens - parts["cached_tokens"], ledger)
         self._record(
             request, fleet, now, chosen, parts, float(raw[chosen]), float(predicted[chosen])

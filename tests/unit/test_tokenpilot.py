@@ -178,7 +178,20 @@ def test_every_candidate_s_terms_are_in_the_decision_record() -> None:
         "delay_to_others_s",
         "correction",
         "tpot_s",
+        "kv_pressure",
     }
+
+
+def test_a_fuller_kv_cache_weighs_a_candidate_s_time_up_to_double() -> None:
+    pilot = TokenPilot(POOL)
+    fleet = replace(idle_fleet(2), kv_blocks_used=np.array([18_000, 0]))  # 60 % and empty
+    decision = pilot.route(RouteRequest("r", 8_200, 200), fleet, now=0.0)
+    np.testing.assert_allclose(decision.parts["kv_pressure"], [1.6, 1.0])
+    assert decision.chosen == 1
+    unweighed = decision.parts["predicted_ttft_s"] + decision.parts["delay_to_others_s"]
+    np.testing.assert_allclose(decision.scores, unweighed * [1.6, 1.0])
+    pilot.index.add(0, PREFIX)  # a cached 8,000-token prefix saves more than the pressure costs
+    assert pilot.route(hot_request(1), fleet, now=10.0).chosen == 0
 
 
 def test_an_instance_without_free_blocks_for_the_uncached_prompt_is_skipped() -> None:
