@@ -266,11 +266,11 @@ class Collector:
     async def _kv_events(self, instance: InstanceConfig) -> list[KvMessage]:
         url = f"{str(instance.url).rstrip('/')}/kv-events"
         cursor = self._kv_cursors.get(instance.id)
-        after = cursor[1] if cursor else 0
+        params = {"epoch": cursor[0], "after": cursor[1]} if cursor else {"after": 0}
         try:
             async with (
                 asyncio.timeout(self.timeout_s),
-                self.client.get(url, params={"after": after}) as response,
+                self.client.get(url, params=params) as response,
             ):
                 if response.status == 404:
                     log.info("%s serves no KV events over HTTP", instance.id)

@@ -95,12 +95,14 @@ def create_app(
 
 def _serve_kv_events(app: FastAPI, kv_feed: KvEventFeed) -> None:
     @app.get("/kv-events")
-    async def kv_events(after: str = "0", limit: str = str(KV_EVENTS_PER_PAGE)) -> Response:
+    async def kv_events(
+        after: str = "0", limit: str = str(KV_EVENTS_PER_PAGE), epoch: str | None = None
+    ) -> Response:
         """The engine's KV events numbered past ``after`` (``sim/emulator/kv_feed.py``),
         encoded by ``json`` itself: FastAPI's encoder took 23 ms for 6,000 events, time the
         instances sharing this event loop would lose."""
         most = min(_count(limit, "limit", 1), KV_EVENTS_PER_PAGE)
-        page = kv_feed.page(_count(after, "after", 0), most)
+        page = kv_feed.page(_count(after, "after", 0), most, epoch)
         return Response(json.dumps(page.body()), media_type="application/json")
 
 

@@ -2,14 +2,16 @@
 
 vLLM publishes its KV events (``--kv-events-config``: BlockStored, BlockRemoved) on a ZMQ
 socket. An emulated instance keeps them instead, numbered from 1 in the order the engine
-made them, and answers ``GET /kv-events?after=N`` with those numbered past ``N``::
+made them, and answers ``GET /kv-events?after=N&epoch=E`` with those numbered past ``N``::
 
     {"epoch": "3f2a...", "next": 120, "complete": true, "events": [[hash, true], ...]}
 
 ``true`` marks a stored block, ``false`` an evicted one. Only the newest ``capacity`` events
 are kept: ``complete`` is false when some past ``N`` were dropped (or ``N`` is not one of
 this run's). ``epoch`` names this run of the instance; a restarted one starts a new epoch,
-with an empty cache.
+with an empty cache. A reader that names the epoch it last read gets a restarted
+instance's events from the first: its ``N`` counted another run's, and past it it would
+miss what the new run stored first.
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ class KvEventFeed:
         self._events.extend(events)
         self._last += len(events)
 
-    def page(self, after: int, limit: int) -> KvEventPage:
-        """At most ``limit`` events numbered past ``after``, oldest first."""
+    def page(self, after: int, limit: int, epoch: str | None = None) -> KvEventPage:
+        """At most ``limit`` events numbered past ``after`` (from the first, when ``epoch``
+        names another run), oldest first."""
         self.collect()
+        if epoch is not None and epoch != self.epoch:
+            after = 0
         oldest = self._last - len(self._events)
         complete = oldest <= after <= self._last
         start = after if complete else oldest

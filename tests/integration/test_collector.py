@@ -79,12 +79,17 @@ async def test_kv_events_are_read_once_and_a_restart_clears_the_instance() -> No
             [stored] = await collector.kv_events_once()
             assert await collector.kv_events_once() == []  # nothing new
         async with serve(profile(PROFILE), MODEL, [port], 10.0, kv_events=True):  # restarted
-            [cleared] = await collector.kv_events_once()
+            body = {"model": MODEL, "prompt": prompt.upper(), "max_tokens": 2}
+            async with client.post(url, json=body) as answer:
+                assert answer.status == 200
+            [cleared, stored_since] = await collector.kv_events_once()
     assert isinstance(stored, KvBlocksStored)
     assert stored.instance_id == "emulated"
     assert stored.block_hashes == block_hashes(prompt)
     assert isinstance(cleared, KvAllCleared)
     assert cleared.reason == "instance restarted"
+    assert isinstance(stored_since, KvBlocksStored)  # the new run's first events are not skipped
+    assert stored_since.block_hashes == block_hashes(prompt.upper())
 
 
 async def test_an_instance_without_a_kv_event_feed_is_asked_once() -> None:

@@ -41,3 +41,14 @@ def test_a_number_from_another_run_is_not_complete() -> None:
     assert not page.complete
     assert page.events == ((100, True), (101, True))
     assert KvEventFeed(_pool_with_events(1)).epoch != feed.epoch
+
+
+def test_a_reader_of_another_epoch_gets_this_run_s_events_from_the_first() -> None:
+    feed = KvEventFeed(_pool_with_events(3))
+    page = feed.page(after=2, limit=10, epoch="the run before")
+    assert (page.complete, page.next, page.events) == (
+        True,
+        3,
+        ((100, True), (101, True), (102, True)),
+    )
+    assert feed.page(after=2, limit=10, epoch=feed.epoch).events == ((102, True),)
