@@ -1,11 +1,12 @@
-"""Session-wide real services. Under ``CI=true`` a service that cannot be had fails the
-run; elsewhere its tests are skipped with the reason."""
+"""Session-wide real services (under ``CI=true`` a service that cannot be had fails the
+run; elsewhere its tests are skipped with the reason), and a port another listener holds."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import socket
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +41,15 @@ def unavailable(reason: object) -> NoReturn:
     if IN_CI:
         pytest.fail(message, pytrace=False)
     pytest.skip(message)
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port that a listener holds for the test's duration."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
 
 
 @pytest.fixture

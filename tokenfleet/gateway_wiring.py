@@ -33,6 +33,7 @@ from streams.memory import InMemoryBus
 from streams.settings import WorkerSettings
 from streams.table_host import TableHost
 from streams.tables.builder import TableBuilder
+from tokenfleet.services.process import listening_socket
 from tokenfleet.settings import Settings
 
 
@@ -84,7 +85,9 @@ async def running_gateway(
     host: str,
     port: int,
 ) -> AsyncIterator[FastAPI]:
-    """Serve a gateway on ``host:port`` until the context exits."""
+    """Serve a gateway on ``host:port`` until the context exits (``OSError`` when the port
+    is taken)."""
+    listening = listening_socket(host, port)
     bus: EventBus = (
         KafkaBus(services.kafka_bootstrap, source=settings.name)
         if services.kafka_bootstrap
@@ -94,7 +97,7 @@ async def running_gateway(
     app = create_app(gateway_parts(fleet, settings, bus, state))
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
-    tasks = [asyncio.create_task(server.serve())]
+    tasks = [asyncio.create_task(server.serve([listening]))]
     async with aiohttp.ClientSession() as scraper:
         if services.kafka_bootstrap is None:  # embedded: the collector and tables run here
             tables = WorkerSettings()

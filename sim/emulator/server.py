@@ -16,6 +16,7 @@ from sim.emulator.driver import EngineDriver
 from sim.emulator.kv_feed import KvEventFeed
 from sim.emulator.metrics import EngineMetrics
 from sim.engine import Engine
+from tokenfleet.services.process import listening_socket
 
 
 @dataclass
@@ -48,7 +49,11 @@ async def serve(
     speedup: float = 1.0,
     kv_events: bool = False,
 ) -> AsyncIterator[list[EmulatedInstance]]:
-    """Start one instance per port on 127.0.0.1; stop them all on exit."""
+    """Start one instance per port on 127.0.0.1; stop them all on exit. A port taken
+    raises ``OSError`` before any starts."""
+    with contextlib.ExitStack() as bound:
+        sockets = [bound.enter_context(listening_socket("127.0.0.1", port)) for port in ports]
+        bound.pop_all()  # every port is ours: the servers own the sockets from here
     instances = [build_instance(profile, model, port, speedup, kv_events) for port in ports]
     servers = [
         uvicorn.Server(
@@ -56,7 +61,7 @@ async def serve(
         )
         for i, port in zip(instances, ports, strict=True)
     ]
-    tasks = [asyncio.create_task(s.serve()) for s in servers]
+    tasks = [asyncio.create_task(s.serve([sock])) for s, sock in zip(servers, sockets, strict=True)]
     tasks += [asyncio.create_task(i.driver.run()) for i in instances]
     try:
         while not all(s.started for s in servers):

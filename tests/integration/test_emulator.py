@@ -19,6 +19,7 @@ from sim.profiles import profile
 from sim.replay import prompt_text, replay
 from sim.simulator import Simulation
 from sim.workload import TraceRequest
+from tokenfleet.cli import main
 from tokenfleet.services.process import free_port
 
 MODEL = "emulated-70b"
@@ -187,3 +188,18 @@ async def test_the_emulator_and_the_simulator_agree_on_ttft() -> None:
     for q, tolerance in ((50, 0.25), (90, 0.35)):
         ratio = np.percentile(emulated_ttft, q) / np.percentile(simulated_ttft, q)
         assert abs(ratio - 1) <= tolerance, f"p{q}: emulated / simulated = {ratio:.2f}"
+
+
+async def test_a_taken_port_raises_before_any_instance_starts(taken_port: int) -> None:
+    # uvicorn, left to bind, logs the error and exits the process (which broke the test
+    # runner's event loop for every later test of the module)
+    with pytest.raises(OSError, match="in use"):
+        async with serve(PROFILE, MODEL, [free_port(), taken_port]):
+            pass
+
+
+def test_emulate_on_a_taken_port_exits_2_naming_the_ports(
+    taken_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["emulate", "--instances", "1", "--base-port", str(taken_port)]) == 2
+    assert f"cannot listen on ports {taken_port}..{taken_port}" in capsys.readouterr().err

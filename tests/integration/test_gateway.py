@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -33,6 +34,7 @@ from tests.gateway_harness import (
     http_server,
     scraped,
 )
+from tokenfleet.cli import main
 from tokenfleet.services.process import free_port
 
 
@@ -336,3 +338,12 @@ async def test_the_embedded_gateway_keeps_goodput_tables_of_its_requests(
                     break
             await asyncio.sleep(0.1)
     assert (completed, tokens) == (5, 15)
+
+
+def test_the_gateway_on_a_taken_port_exits_2_with_a_message(
+    taken_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = Path(__file__).parents[2] / "examples" / "fleet.toml"
+    argv = ["gateway", "--fleet", str(fleet), "--host", "127.0.0.1", "--port", str(taken_port)]
+    assert main(argv) == 2
+    assert "the gateway cannot start" in capsys.readouterr().err
