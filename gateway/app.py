@@ -200,8 +200,9 @@ def create_app(parts: GatewayParts) -> FastAPI:
         try:
             events.emit(_arrived_event(inbound, regions[local_dc]))
             await decider.admit(inbound)
-            plan = await decider.route(inbound, decider.choose_dc(inbound))
-            return await exchange.serve(inbound, plan, request, arrived, scoped)
+            return await exchange.serve(
+                inbound, decider.choose_dc(inbound), request, arrived, scoped
+            )
         except ApiError as exc:
             if scoped is not None:
                 await parts.state.release(scoped)

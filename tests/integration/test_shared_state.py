@@ -170,6 +170,25 @@ async def test_reconcile_rewrites_a_share_from_the_replicas_own_record(
 
 
 @pytest.mark.redis
+async def test_a_reconcile_amid_writes_loses_none_of_them(redis_server: Service) -> None:
+    """A rewrite of the share from the replica's record must not run while a write is
+    between Redis and that record: the record would lack it, and the rewrite erase it."""
+    state = RedisState(redis_server.address, f"test-{uuid.uuid4().hex}:", replica="r")
+    try:
+        calls = []
+        for n in range(80):  # with the rewrites, within the client's 100 connections
+            calls.append(state.routed("a", (), 100, 1.0, 2.0))
+            if n % 10 == 0:
+                calls.append(state.reconcile())
+        await asyncio.gather(*calls)
+        view = await state.view(["a"], ())
+        assert view.pending_prefill.tolist() == [80.0]
+        assert view.inflight_tokens.tolist() == [160.0]
+    finally:
+        await state.close()
+
+
+@pytest.mark.redis
 async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_reconcile(
     tmp_path: Path,
 ) -> None:
