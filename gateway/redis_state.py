@@ -30,12 +30,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import numpy as np
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.exceptions import RedisError
 
 from gateway.state import IN_PROGRESS, Accounting, InProgress, LocalState, Outcome, SharedView
 
 log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 100
+"""Connections one replica opens to Redis at most (redis-py's default)."""
 
 _NOW = """
 local clock = redis.call('TIME')
@@ -229,9 +232,16 @@ class RedisState:
         self.share_ttl_s = share_ttl_s
         self._own = own or Accounting()
         self._gate = _ShareGate()
-        self._redis = Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        # More calls at once than connections wait for one (up to the timeout): the
+        # default pool raises instead, which sent a burst of 500 to the local fallback.
+        pool = BlockingConnectionPool.from_url(
+            url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
         )
+        self._redis = Redis.from_pool(pool)  # closing the client closes its pool
         self._view = self._redis.register_script(_VIEW)
         self._routed = self._redis.register_script(_ROUTED)
         self._adjust = self._redis.register_script(_ADJUST)

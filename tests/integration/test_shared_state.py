@@ -189,6 +189,17 @@ async def test_a_reconcile_amid_writes_loses_none_of_them(redis_server: Service)
 
 
 @pytest.mark.redis
+async def test_more_calls_at_once_than_connections_wait_for_one(redis_server: Service) -> None:
+    state = RedisState(redis_server.address, f"test-{uuid.uuid4().hex}:", replica="r")
+    try:
+        await asyncio.gather(*(state.adjust("a", 1.0, 2.0) for _ in range(500)))
+        view = await state.view(["a"], ())
+        assert view.pending_prefill.tolist() == [500.0]
+    finally:
+        await state.close()
+
+
+@pytest.mark.redis
 async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_reconcile(
     tmp_path: Path,
 ) -> None:
