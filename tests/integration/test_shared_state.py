@@ -190,7 +190,10 @@ async def test_a_reconcile_amid_writes_loses_none_of_them(redis_server: Service)
 
 @pytest.mark.redis
 async def test_more_calls_at_once_than_connections_wait_for_one(redis_server: Service) -> None:
-    state = RedisState(redis_server.address, f"test-{uuid.uuid4().hex}:", replica="r")
+    # a timeout that a loaded machine's connection set-up cannot reach: waiting is the point
+    state = RedisState(
+        redis_server.address, f"test-{uuid.uuid4().hex}:", timeout_s=5.0, replica="r"
+    )
     try:
         await asyncio.gather(*(state.adjust("a", 1.0, 2.0) for _ in range(500)))
         view = await state.view(["a"], ())
