@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from schemas.fleet import FleetConfig
 from sim.emulator.server import EmulatedInstance, serve
 from sim.profiles import profile
 from tokenfleet.gateway_wiring import running_gateway
-from tokenfleet.services.process import distinct_free_ports, free_port, listening_socket
+from tokenfleet.services.process import free_port, listening_socket
 from tokenfleet.settings import Settings
 
 MODEL = "emulated"
@@ -42,27 +42,9 @@ def fleet_for(urls: Sequence[str], **extra: Any) -> FleetConfig:
     )
 
 
-async def _on_free_ports(
-    stack: contextlib.AsyncExitStack, count: int, start: Callable[[list[int]], Any]
-) -> tuple[list[int], Any]:
-    """Enter ``start(ports)`` on ``count`` free ports, on fresh ones when a port was taken
-    between choosing and binding it (by another process's outgoing connection)."""
-    for attempt in range(3):
-        ports = distinct_free_ports(count)
-        try:
-            return ports, await stack.enter_async_context(start(ports))
-        except OSError:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
 @contextlib.asynccontextmanager
 async def emulated(count: int, speedup: float = 10.0) -> AsyncIterator[list[EmulatedInstance]]:
-    async with contextlib.AsyncExitStack() as stack:
-        _, instances = await _on_free_ports(
-            stack, count, lambda ports: serve(profile(PROFILE), MODEL, ports, speedup)
-        )
+    async with serve(profile(PROFILE), MODEL, [0] * count, speedup) as instances:
         yield instances
 
 
@@ -86,13 +68,16 @@ async def gateway(
 ) -> AsyncIterator[Gateway]:
     services = Settings(kafka_bootstrap=kafka, redis_url=redis)
     async with contextlib.AsyncExitStack() as stack:
-        [port], app = await _on_free_ports(
-            stack,
-            1,
-            lambda ports: running_gateway(
-                fleet, GatewaySettings(**settings), services, "127.0.0.1", ports[0]
-            ),
-        )
+        for attempt in range(3):  # a port can be taken between choosing and binding it
+            port = free_port()
+            try:
+                app = await stack.enter_async_context(
+                    running_gateway(fleet, GatewaySettings(**settings), services, "127.0.0.1", port)
+                )
+                break
+            except OSError:
+                if attempt == 2:
+                    raise
         yield Gateway(f"http://127.0.0.1:{port}", app)
 
 
@@ -120,8 +105,8 @@ def chat(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def http_server(app: Any) -> AsyncIterator[str]:
     """Serve an ASGI app on a free loopback port; yields its base URL."""
-    port = free_port()
-    listening = listening_socket("127.0.0.1", port)
+    listening = listening_socket("127.0.0.1", 0)
+    port = listening.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     )

@@ -49,11 +49,12 @@ async def serve(
     speedup: float = 1.0,
     kv_events: bool = False,
 ) -> AsyncIterator[list[EmulatedInstance]]:
-    """Start one instance per port on 127.0.0.1; stop them all on exit. A port taken
-    raises ``OSError`` before any starts."""
+    """Start one instance per port on 127.0.0.1 (port 0: any free one); stop them all on
+    exit. A port taken raises ``OSError`` before any starts."""
     with contextlib.ExitStack() as bound:
         sockets = [bound.enter_context(listening_socket("127.0.0.1", port)) for port in ports]
         bound.pop_all()  # every port is ours: the servers own the sockets from here
+    ports = [sock.getsockname()[1] for sock in sockets]
     instances = [build_instance(profile, model, port, speedup, kv_events) for port in ports]
     servers = [
         uvicorn.Server(

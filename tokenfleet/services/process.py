@@ -44,16 +44,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def distinct_free_ports(count: int) -> list[int]:
-    """``count`` ports free now and different from each other: ports asked for one at a
-    time may repeat, since a port released is free to be handed out again."""
-    with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive ports that are all free now, for a server that
     takes a base port (``tokenfleet emulate``): the ports after a free one may be taken,
