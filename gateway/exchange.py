@@ -279,6 +279,8 @@ class Exchange:
             for event in head:
                 yield self._counted(trip, event)
             async for event in events:
+                if _carries_token(event):
+                    self.view.tokens_streamed(trip.instance.id)
                 yield self._counted(trip, event)
             ended = "completed"
         except UPSTREAM_ERRORS as exc:
@@ -330,6 +332,7 @@ class Exchange:
 
     async def _first_token(self, trip: Trip) -> None:
         trip.first_token_at = time.monotonic()
+        self.view.tokens_streamed(trip.instance.id)
         await self._prefill_done(trip)
         self.events.emit(
             FirstToken(

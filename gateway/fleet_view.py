@@ -45,6 +45,7 @@ class FleetView:
         self.failure_cooldown_s = failure_cooldown_s
         self._telemetry: dict[str, InstanceTelemetry] = {}
         self._failed_until: dict[str, float] = {}
+        self._tokens_seen: dict[str, float] = {}
         self._pools: dict[tuple[str, str], Pool] = {}
         for instance in fleet.instances:
             key = (instance.model, instance.dc)
@@ -65,6 +66,12 @@ class FleetView:
     def failed(self, instance_id: str) -> None:
         """An upstream call failed: keep the instance out of decisions for a cooldown."""
         self._failed_until[instance_id] = time.monotonic() + self.failure_cooldown_s
+
+    def tokens_streamed(self, instance_id: str) -> None:
+        """A streamed answer's token came back from the instance: one of its steps ended
+        just now, and the next began. Each replica sees the streams it relays; with many
+        sequences decoding on an instance, those are enough to see most steps end."""
+        self._tokens_seen[instance_id] = time.monotonic()
 
     def ready(self, instance_id: str) -> bool:
         if time.monotonic() < self._failed_until.get(instance_id, 0.0):
@@ -93,6 +100,7 @@ class FleetView:
                 [t.kv_blocks_total if t else UNKNOWN_KV_BLOCKS for t in rows], dtype=np.int64
             ),
             pending_prefill_tokens=np.maximum(shared.pending_prefill, 0.0),
+            last_step_end_s=np.array([self._tokens_seen.get(i, -np.inf) for i in pool.ids]),
         )
 
 

@@ -49,7 +49,8 @@ class _Instance:
 
 class Simulation:
     """``decode_runs`` lets engines plan decode-only stretches as one event (the results
-    are the same; tests compare both ways); switch it off to step one step at a time."""
+    are the same; tests compare both ways); switch it off to step one step at a time.
+    ``token_lag_s``: how long after a step's end the host sees its streamed tokens."""
 
     def __init__(
         self,
@@ -58,7 +59,9 @@ class Simulation:
         *,
         decode_runs: bool = True,
         scrape_interval_s: float = 0.05,
+        token_lag_s: float = 0.002,
     ) -> None:
+        self.token_lag_s = token_lag_s
         self.decode_runs = decode_runs
         self.scrape_interval_s = scrape_interval_s
         self._scraped_at = -math.inf
@@ -84,6 +87,8 @@ class Simulation:
         self._kv_total = np.array([i.engine.config.num_blocks for i in self.instances])
         self._pending_prefill = np.zeros(size, dtype=np.float64)
         self._awaiting_first_token: dict[str, float] = {}
+        self._token_steps = np.full((size, 2), -np.inf)
+        """Each engine's last two ends of a step that streamed tokens: older, newer."""
         self._heap: list[tuple[float, int, int, int, Sequence | int]] = []
         self._order = 0
         self.records: list[RequestRecord] = []
@@ -121,7 +126,23 @@ class Simulation:
             self._kv_used.copy(),
             self._kv_total.copy(),
             self._pending_prefill.copy(),
+            self._last_step_ends(),
         )
+
+    def _last_step_ends(self) -> np.ndarray:
+        """When the host saw each engine's last step end with tokens: ``token_lag_s``
+        after it (a decode run's steps end on a schedule known in advance)."""
+        seen_by = self.now - self.token_lag_s
+        newer, older = self._token_steps[:, 1], self._token_steps[:, 0]
+        ends = np.where(newer <= seen_by, newer, np.where(older <= seen_by, older, -np.inf))
+        for index, instance in enumerate(self.instances):
+            plan = instance.plan
+            if isinstance(plan, DecodeRun) and (ended := plan.steps_ended_by(seen_by)):
+                ends[index] = plan.ends_s[ended - 1]
+        return ends + self.token_lag_s
+
+    def _tokens_streamed(self, index: int) -> None:
+        self._token_steps[index] = (self._token_steps[index, 1], self.now)
 
     def _arrive(self, request: TraceRequest) -> None:
         if self.now - self._scraped_at >= self.scrape_interval_s:
@@ -208,9 +229,12 @@ class Simulation:
         plan = instance.plan
         if isinstance(plan, DecodeRun):
             self._apply_run(index, plan)
+            self._tokens_streamed(index)
         elif plan is not None:
             finished = instance.engine.finish_step(plan, self.now)
             self._first_tokens(index, plan)
+            if any(sequence.generated for sequence, _ in plan.scheduled):
+                self._tokens_streamed(index)
             for sequence in finished:
                 self._complete(index, sequence)
             self._publish_kv_events(index)

@@ -35,6 +35,10 @@ class AwaitingOutcome(Generic[V]):
         return self._entries.pop(request_id, None)
 
 
+RECENT_SENDS = 4
+"""Sends remembered per instance: more than one engine step ever gets, in practice."""
+
+
 class WorkLedger:
     """Per-instance work this router sent and believes not yet done.
 
@@ -50,15 +54,26 @@ class WorkLedger:
         self.last_entry = np.zeros(instances, dtype=np.int64)
         """Each instance's newest entry (0: none yet): the order in which they were last sent
         work."""
+        self.recent_sent_s = np.full((instances, RECENT_SENDS), -np.inf)
+        """When each instance was sent its last few requests (a ring per instance)..."""
+        self.recent_tokens = np.zeros((instances, RECENT_SENDS))
+        """... and their uncached prompt tokens."""
+        self._sends = np.zeros(instances, dtype=np.int64)
         self._events: list[tuple[float, int, bool]] = []  # (time, entry, is the finish)
         self._open: dict[int, tuple[int, float, bool]] = {}  # instance, tokens, decoding
         self._entries = 0
 
-    def add(self, instance: int, tokens: float, first_token_at: float, finish_at: float) -> int:
+    def add(
+        self, instance: int, tokens: float, sent_at: float, first_token_at: float, finish_at: float
+    ) -> int:
         """Count a routed request; returns its entry, for ``withdraw``."""
         self._entries += 1
         entry = self._entries
         self.last_entry[instance] = entry
+        slot = self._sends[instance] % RECENT_SENDS
+        self.recent_sent_s[instance, slot] = sent_at
+        self.recent_tokens[instance, slot] = tokens
+        self._sends[instance] += 1
         self.prefill_tokens[instance] += tokens
         self._open[entry] = (instance, tokens, False)
         heapq.heappush(self._events, (first_token_at, entry, False))

@@ -41,11 +41,17 @@ class FleetSnapshot:
     """Uncached prompt tokens routed there whose first token has not come back yet, as the
     hosts' shared accounting knows them (all gateways together). None (zeros) where the
     host does not track first tokens; routers then rely on their own estimates."""
+    last_step_end_s: FloatArray | None = None
+    """When each instance last ended a step that streamed tokens, as the host saw them
+    come back (an engine streams every sequence's new token at each step's end): so the
+    step in flight began then. None (-inf): not known."""
 
     def __post_init__(self) -> None:
         size = len(self.instance_ids)
         if self.pending_prefill_tokens is None:
             object.__setattr__(self, "pending_prefill_tokens", np.zeros(size))
+        if self.last_step_end_s is None:
+            object.__setattr__(self, "last_step_end_s", np.full(size, -np.inf))
         for name in (
             "ready",
             "waiting",
@@ -54,6 +60,7 @@ class FleetSnapshot:
             "kv_blocks_used",
             "kv_blocks_total",
             "pending_prefill_tokens",
+            "last_step_end_s",
         ):
             array = getattr(self, name)
             if array.shape != (size,):

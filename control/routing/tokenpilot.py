@@ -15,15 +15,24 @@ For every candidate, vectorised over instances:
   awaiting a first token (all gateways), and the candidate's scraped waiting requests
   times the mean prompt seen: the scrape also sees queues neither count can (traffic from
   elsewhere, requests held back by KV or ``max_num_seqs`` limits);
+- **the step in flight** (``wait_s``, ``unstarted_tokens``): where the host has seen the
+  candidate's last step end (tokens streamed back), the requests this router sent since
+  cannot be in the step that began then; they will share their first step with this
+  request. The rest of the queue is in flight, and the request waits only what remains of
+  it, or of the decoding step when nothing is: arrivals that land just as a step ends
+  wait least;
 - **prefill** (``prefill_s``): the same for the request's own uncached tokens, plus their
   attention over the cached context;
 - **correction**: times the candidate's learned ratio of observed to predicted TTFT;
 - **delay to others** (``delay_to_others_s``): the time the request's prefill adds to the
   candidate's timeline (``work_s``: its steps' time beyond what the same steps would take
   without it, so not the decoding it waits for) times the requests expected to queue
-  behind it, the pool's mean queue in prompts, corrected. On an idle pool it is nothing
-  and the fastest first token wins; on a saturated one each recomputed token is capacity
-  every later request waits for, so cache hits weigh more than short queues;
+  behind it, the pool's mean queue in prompts; plus what its first chunk adds to the step
+  it shares with the unstarted requests ahead (``shared_step_s`` times
+  ``unstarted_ahead``), each of whose first tokens it delays; all corrected. On an idle
+  pool it is nothing and the fastest first token wins; on a saturated one each recomputed
+  token is capacity every later request waits for, so cache hits weigh more than short
+  queues;
 - **KV pressure** (``kv_pressure``): the sum of the above is weighed by one plus the share
   of the candidate's KV blocks in use, so that time on a full cache counts double. A fuller
   cache keeps fewer idle prefixes (the conversations homed there lose theirs sooner) and
@@ -70,6 +79,12 @@ class TokenPilotParams:
     tie_band: float = 0.02
     """Scores within 2 % of the best are ties, below what the step model resolves (its
     calibration matches vLLM's time per output token within 2 %, docs/validation.md)."""
+    token_lag_s: float = 0.002
+    """From a step's end to its streamed tokens reaching the host (the engine's output
+    path, detokenising, the network): the host sees each step begin this much late. An
+    assumption, not a measurement; set it to what the deployment measures: on the Azure
+    trace, a host 3 ms later than assumed loses the gain of knowing the steps' phase
+    (``docs/routing.md``, "The step in flight")."""
     kv_pressure_weight: float = 1.0
     """Scores are multiplied by ``1 + weight * KV usage``: a full cache's time counts
     double (``docs/routing.md``, "KV pressure")."""
@@ -103,12 +118,13 @@ class TokenPilot:
             return Decision(self.name, None, np.full(len(fleet), np.nan))
         ledger, correction = self._state(len(fleet))
         ledger.advance(now)
-        parts = self._predict(request, fleet, ledger)
+        parts = self._predict(request, fleet, ledger, now)
         raw = parts["queue_s"] + parts["prefill_s"]
         ratio = correction.ratio
         predicted = raw * ratio
         behind = self._queued_behind(parts["ahead_tokens"], fleet)
-        parts["delay_to_others_s"] = behind * parts["work_s"] * ratio
+        delay = behind * parts["work_s"] + parts["unstarted_ahead"] * parts["shared_step_s"]
+        parts["delay_to_others_s"] = delay * ratio
         usage = fleet.kv_blocks_used / np.maximum(fleet.kv_blocks_total, 1)
         parts["kv_pressure"] = 1 + self.params.kv_pressure_weight * usage
         scores = (predicted + parts["delay_to_others_s"]) * parts["kv_pressure"]
@@ -151,7 +167,7 @@ class TokenPilot:
         return self._ledger, self._correction
 
     def _predict(
-        self, request: RouteRequest, fleet: FleetSnapshot, ledger: WorkLedger
+        self, request: RouteRequest, fleet: FleetSnapshot, ledger: WorkLedger, now: float
     ) -> dict[str, np.ndarray]:
         size = self.pool.block_size
         prompt = request.input_tokens
@@ -172,8 +188,10 @@ class TokenPilot:
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
         context = fleet.kv_blocks_used * size
-        queue = self._prefill_seconds(ahead, decoders, context)
-        with_own = self._prefill_seconds(ahead + uncached, decoders, context)
+        step = self._step_in_flight(fleet, ledger, ahead, decoders, context, now)
+        unstarted = step["unstarted_tokens"]
+        queue = step["wait_s"] + self._prefill_seconds(unstarted, decoders, context)
+        with_own = step["wait_s"] + self._prefill_seconds(unstarted + uncached, decoders, context)
         model = self.pool.step_time
         # Terms that are the same on every candidate stay scalars (numpy broadcasts them):
         # each array operation costs microseconds at a thousand candidates.
@@ -182,14 +200,80 @@ class TokenPilot:
         attention = model.step_s_array(0, pairs, 0, 0) - idle_step
         alone = self._prefill_seconds(uncached, 0, 0)
         idle_steps = np.ceil(uncached / self.pool.max_num_batched_tokens)
-        return {
+        return step | {
             "queue_s": queue,
             "prefill_s": with_own - queue + attention,
             "work_s": alone - idle_steps * idle_step + attention,
+            "shared_step_s": self._shared_step_s(unstarted, uncached, decoders, context),
             "cached_tokens": cached,
             "ahead_tokens": ahead,
             "tpot_s": model.step_s_array(0, 0, decoders + 1, context),
         }
+
+    def _step_in_flight(
+        self,
+        fleet: FleetSnapshot,
+        ledger: WorkLedger,
+        ahead: np.ndarray,
+        decoders: np.ndarray,
+        context: np.ndarray,
+        now: float,
+    ) -> dict[str, np.ndarray]:
+        """Where each candidate is in its current step, when the host has seen where it
+        began (``last_step_end_s``, from the tokens streamed at each step's end).
+
+        What this router sent since that step began cannot be in it
+        (``unstarted_tokens``, ``unstarted_ahead``): such requests share their first
+        step with this one. The rest of the tokens ahead are in the step in flight, or
+        in the steps after it that finish a prompt already started; the request waits
+        what remains of that work (``wait_s``). Without this, an instance whose first
+        tokens just came back looked free, though its next step had only begun: on the
+        Azure trace TokenPilot's requests waited 0.9 ms longer for a decoding step to
+        end than round-robin's, whose arrivals fall at random points of a step."""
+        began = fleet.last_step_end_s - self.params.token_lag_s
+        unstarted_tokens, unstarted = self._sent_since(ledger, began)
+        started = np.maximum(ahead - unstarted_tokens, 0)
+        decode_step = self.pool.step_time.step_s_array(0, 0, decoders, context)
+        in_flight = np.where(
+            started > 0, self._prefill_seconds(started, decoders, context), decode_step
+        )
+        elapsed = now - began
+        # The step in flight has ended, its tokens not seen yet: the next began then.
+        ended = elapsed > in_flight
+        next_began = np.where(ended, began + in_flight, began)
+        unstarted_tokens, unstarted = self._sent_since(ledger, next_began)
+        wait = np.where(ended, decode_step - (elapsed - in_flight), in_flight - elapsed)
+        # No tokens for longer than a step more (a long prompt's chunks, or no streamed
+        # answers) leave the phase unknown: the whole queue ahead is waited for.
+        fresh = elapsed <= in_flight + decode_step
+        blind = np.where(ahead > 0, self._prefill_seconds(ahead, decoders, context), 0.0)
+        return {
+            "wait_s": np.where(fresh, np.maximum(wait, 0.0), blind),
+            "unstarted_tokens": np.where(fresh, unstarted_tokens, 0.0),
+            "unstarted_ahead": np.where(fresh, unstarted, 0),
+        }
+
+    @staticmethod
+    def _sent_since(ledger: WorkLedger, began: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens and requests this router sent each instance after ``began``."""
+        since = ledger.recent_sent_s > began[:, None]
+        return (ledger.recent_tokens * since).sum(axis=1), since.sum(axis=1)
+
+    def _shared_step_s(
+        self,
+        unstarted: np.ndarray,
+        uncached: np.ndarray,
+        decoders: np.ndarray,
+        context: np.ndarray,
+    ) -> np.ndarray:
+        """The time this request's first chunk adds to the step that ends the unstarted
+        prompts ahead: each of them gets its first token that much later."""
+        budget = np.maximum(self.pool.max_num_batched_tokens - decoders, 1)
+        last = unstarted - np.floor(np.maximum(unstarted - 1, 0) / budget) * budget
+        added = np.where(unstarted > 0, np.minimum(uncached, budget - last), 0)
+        model = self.pool.step_time
+        joined = model.step_s_array(last + added, 0, decoders, context)
+        return joined - model.step_s_array(last, 0, decoders, context)
 
     def _queued_behind(self, ahead_tokens: np.ndarray, fleet: FleetSnapshot) -> float:
         """Requests expected to queue behind this one wherever it goes: the ready
@@ -254,6 +338,7 @@ class TokenPilot:
         entry = self._ledger.add(
             chosen,
             float(request.input_tokens - parts["cached_tokens"][chosen]),
+            now,
             first_token,
             first_token + decode_s,
         )

@@ -211,6 +211,29 @@ async def test_a_whole_answer_stops_counting_its_prefill_at_the_predicted_first_
     assert (end.pending_prefill[0], end.inflight_tokens[0]) == (0, 0)
 
 
+async def test_routers_see_when_each_instance_last_streamed_a_token(front: Gateway) -> None:
+    """A streamed token marks the end of one of its instance's steps, which TokenPilot
+    reads as where the next one began; a whole answer shows none."""
+    view = front.app.state.view
+    pool = view.pool(MODEL, view.dcs_serving(MODEL)[0])
+
+    async def step_ends() -> dict[str, float]:
+        shared = await front.app.state.parts.state.view(pool.ids, [])
+        return dict(zip(pool.ids, view.snapshot(pool, shared).last_step_end_s, strict=True))
+
+    async with front.client() as http:
+        whole = await http.post("/v1/chat/completions", json=chat("hi " * 50))
+        assert whole.status_code == 200
+        assert all(end == -float("inf") for end in (await step_ends()).values())
+        started = time.monotonic()
+        streamed = await http.post("/v1/chat/completions", json=chat("hi " * 50, stream=True))
+        ended = time.monotonic()
+    ends = await step_ends()
+    instance = streamed.headers["x-tokenfleet-instance"]
+    assert started < ends[instance] <= ended
+    assert all(end == -float("inf") for other, end in ends.items() if other != instance)
+
+
 async def test_an_instance_that_stops_answering_is_left_out() -> None:
     async with emulated(1) as [alive]:
         dead = f"http://127.0.0.1:{free_port()}"

@@ -197,3 +197,31 @@ def test_the_host_counts_prefill_pending_until_the_first_token(router, expected)
     assert first.pending_prefill_tokens.tolist() == [0, 0]
     assert second.pending_prefill_tokens.tolist() == [expected, 0]  # still in its prefill
     assert third.pending_prefill_tokens.tolist() == [0, 0]  # both have their first token
+
+
+def _step_ends_seen(decode_runs: bool, lag_s: float) -> list[np.ndarray]:
+    router = _Recording()
+    workload = [TraceRequest(f"r{n}", t, 300, 80, ()) for n, t in enumerate((0.0, 0.01, 0.5))]
+    simulation = Simulation(
+        Cluster.single(_profile(), 2), router, decode_runs=decode_runs, token_lag_s=lag_s
+    )
+    simulation.run(workload)
+    return [fleet.last_step_end_s for fleet in router.seen]
+
+
+@pytest.mark.parametrize("decode_runs", [True, False])
+@pytest.mark.parametrize("lag_s", [0.0, 0.004])
+def test_routers_see_the_last_step_end_that_streamed_tokens(decode_runs, lag_s) -> None:
+    """As a gateway sees tokens stream back, ``lag_s`` after each step's end: the first
+    prompt's opening chunk streams nothing, so at 10 ms no step end is known; at 0.5 s
+    the prompt decodes, and the last step end seen is at most one decode step (11 ms
+    here) and the lag old."""
+    first, second, third = _step_ends_seen(decode_runs, lag_s)
+    assert np.isneginf(first).all()
+    assert np.isneginf(second).all()
+    assert np.isneginf(third[1])  # never sent anything
+    assert 0.5 - lag_s - 0.011 < third[0] - lag_s <= 0.5 - lag_s
+
+
+def test_both_ways_of_stepping_show_the_same_step_ends() -> None:
+    assert _step_ends_seen(True, 0.0)[2][0] == _step_ends_seen(False, 0.0)[2][0]

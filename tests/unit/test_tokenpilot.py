@@ -8,7 +8,7 @@ import pytest
 from control.routing import FleetSnapshot, Observation, PoolModel, RouteRequest, make_router
 from control.routing.estimators import AwaitingOutcome
 from control.routing.llmd import LlmdDefault
-from control.routing.tokenpilot import TokenPilot
+from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.step_time import KneeRoofline
 
 STEPS = KneeRoofline(
@@ -244,3 +244,74 @@ def test_requests_whose_outcome_never_comes_are_forgotten_oldest_first() -> None
     assert len(awaiting) == 3
     assert awaiting.pop("r1") is None
     assert awaiting.pop("r4") == 4
+
+
+UNLAGGED = TokenPilotParams(token_lag_s=0.0)
+"""The host sees tokens the moment their step ends."""
+
+
+def _stepping(size: int, began: list[float]) -> FleetSnapshot:
+    """An idle-queued fleet whose instances each began a step at ``began`` (the host saw
+    their last tokens then), with 40 sequences decoding on each."""
+    return replace(
+        idle_fleet(size),
+        running=np.full(size, 40),
+        last_step_end_s=np.array(began, dtype=float),
+    )
+
+
+def test_a_request_goes_where_the_step_in_flight_ends_soonest() -> None:
+    """A queue-blind router sees two equal instances; the host has seen one of them
+    begin its step 1 ms ago and the other 14 ms ago: the second frees its next step
+    sooner."""
+    pilot = TokenPilot(POOL, UNLAGGED)
+    decode_step = STEPS.step_s(0, 0, 40, 0)
+    decision = pilot.route(RouteRequest("r", 300, 50), _stepping(2, [0.014, 0.001]), now=0.015)
+    np.testing.assert_allclose(decision.parts["wait_s"], [decode_step - 0.001, decode_step - 0.014])
+    assert decision.chosen == 1
+
+
+def test_a_request_sent_since_the_step_began_shares_the_next_step_with_the_next_one() -> None:
+    """A short prompt sent to instance 0 after its step began waits for the next step;
+    a long prompt sent there too would join that step and delay the short one's first
+    token by its whole first chunk, which the score counts: the long one goes to
+    instance 1, though that one's step ends 13 ms later."""
+    pilot = TokenPilot(POOL, UNLAGGED)
+    assert pilot.route(RouteRequest("short", 200, 50), _stepping(2, [0, 0]), now=0.009).chosen == 0
+    decision = pilot.route(RouteRequest("long", 4_000, 50), _stepping(2, [0, 0.013]), now=0.014)
+    parts = decision.parts
+    assert parts["unstarted_ahead"].tolist() == [1, 0]
+    assert parts["unstarted_tokens"].tolist() == [200, 0]
+    added = STEPS.step_s(4_200, 0, 40, 0) - STEPS.step_s(200, 0, 40, 0)
+    np.testing.assert_allclose(parts["shared_step_s"][0], added)
+    assert parts["wait_s"][1] - parts["wait_s"][0] > 0.012  # far more than 200 tokens cost
+    assert decision.chosen == 1
+    later = pilot.route(RouteRequest("next", 4_000, 50), _stepping(2, [0.03, 0.03]), now=0.031)
+    assert later.parts["unstarted_ahead"].tolist() == [0, 0]  # both are in a later step
+
+
+def test_without_a_boundary_seen_within_a_step_the_whole_queue_ahead_is_waited_for() -> None:
+    """No tokens streamed for longer than the work in flight would take (a long prompt's
+    chunks, or only non-streamed answers): the phase is unknown."""
+    pilot = TokenPilot(POOL, UNLAGGED)
+    pending = replace(_stepping(2, [0.0, 0.49]), pending_prefill_tokens=np.array([4e3, 0]))
+    stale = pilot.route(RouteRequest("r", 300, 50), pending, now=0.5)
+    queue = STEPS.step_s(4_000, 0, 40, 0)
+    decode_step = STEPS.step_s(0, 0, 40, 0)
+    np.testing.assert_allclose(stale.parts["wait_s"], [queue, decode_step - 0.01])
+    assert stale.parts["unstarted_ahead"].tolist() == [0, 0]
+
+
+def test_a_step_end_seen_late_is_placed_back_by_the_lag() -> None:
+    """The host sees tokens 2 ms after their step ends. Instance 0's step was seen ending
+    11 ms ago, so it began 13 ms ago and has 2 ms to go. Instance 1's, seen 14 ms ago,
+    began 16 ms ago: it has ended unseen, and the next decoding step has barely begun. A
+    router that took the tokens' arrival for the step's end would choose instance 1."""
+    decode_step = STEPS.step_s(0, 0, 40, 0)  # 15.3 ms
+    fleet = _stepping(2, [0.009, 0.006])
+    request = RouteRequest("r", 300, 50)
+    decision = TokenPilot(POOL, TokenPilotParams(token_lag_s=0.002)).route(request, fleet, 0.02)
+    expected = [decode_step - 0.013, decode_step - (0.016 - decode_step)]
+    np.testing.assert_allclose(decision.parts["wait_s"], expected)
+    assert decision.chosen == 0
+    assert TokenPilot(POOL, UNLAGGED).route(request, fleet, now=0.02).chosen == 1
