@@ -1,15 +1,16 @@
 """How long one routing decision takes: ``tokenfleet bench decision``.
 
-A fleet of N instances with varied load, an index holding shared prefixes on many of them,
-and a 16k-token prompt (1,000 blocks) half of which some instances hold: the router is
-timed over repeated decisions (prefix matching and the decision record included), after a
-warm-up, with ``time.perf_counter_ns``.
+A fleet of N instances with varied load, each seen ending a step in the last 30 ms, an
+index holding shared prefixes on many of them, and a 16k-token prompt (1,000 blocks) half
+of which some instances hold: the router is timed over repeated decisions (prefix matching
+and the decision record included), after a warm-up, with ``time.perf_counter_ns``.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -44,8 +45,10 @@ def time_decisions(policy: str, size: int, decisions: int = 2_000, seed: int = 0
     for n in range(decisions + 200):
         prompt = shared + tuple(10**9 + n * blocks + k for k in range(blocks - len(shared)))
         request = RouteRequest(f"r{n}", PROMPT_TOKENS, 256, prompt)
+        now = n * 0.01
+        stepping = replace(fleet, last_step_end_s=now - rng.uniform(0, 0.03, size))
         started = time.perf_counter_ns()
-        router.route(request, fleet, now=n * 0.01)
+        router.route(request, stepping, now=now)
         elapsed = time.perf_counter_ns() - started
         if n >= 200:
             times.append(elapsed / 1_000)

@@ -35,8 +35,9 @@ class AwaitingOutcome(Generic[V]):
         return self._entries.pop(request_id, None)
 
 
-RECENT_SENDS = 4
-"""Sends remembered per instance: more than one engine step ever gets, in practice."""
+RECENT_SENDS = 256
+"""Sends the ledger remembers for ``sent_since``: more than a router makes within one
+engine step (tens of milliseconds) at any rate it decides (a few thousand a second)."""
 
 
 class WorkLedger:
@@ -54,11 +55,9 @@ class WorkLedger:
         self.last_entry = np.zeros(instances, dtype=np.int64)
         """Each instance's newest entry (0: none yet): the order in which they were last sent
         work."""
-        self.recent_sent_s = np.full((instances, RECENT_SENDS), -np.inf)
-        """When each instance was sent its last few requests (a ring per instance)..."""
-        self.recent_tokens = np.zeros((instances, RECENT_SENDS))
-        """... and their uncached prompt tokens."""
-        self._sends = np.zeros(instances, dtype=np.int64)
+        self._recent_s = np.full(RECENT_SENDS, -np.inf)  # the last sends, a ring by entry
+        self._recent_instance = np.zeros(RECENT_SENDS, dtype=np.int64)
+        self._recent_tokens = np.zeros(RECENT_SENDS)
         self._events: list[tuple[float, int, bool]] = []  # (time, entry, is the finish)
         self._open: dict[int, tuple[int, float, bool]] = {}  # instance, tokens, decoding
         self._entries = 0
@@ -70,10 +69,10 @@ class WorkLedger:
         self._entries += 1
         entry = self._entries
         self.last_entry[instance] = entry
-        slot = self._sends[instance] % RECENT_SENDS
-        self.recent_sent_s[instance, slot] = sent_at
-        self.recent_tokens[instance, slot] = tokens
-        self._sends[instance] += 1
+        slot = entry % RECENT_SENDS
+        self._recent_s[slot] = sent_at
+        self._recent_instance[slot] = instance
+        self._recent_tokens[slot] = tokens
         self.prefill_tokens[instance] += tokens
         self._open[entry] = (instance, tokens, False)
         heapq.heappush(self._events, (first_token_at, entry, False))
@@ -87,10 +86,20 @@ class WorkLedger:
             if entry in self._open:
                 self._retire(entry, finished=finish)
 
+    def sent_since(self, began: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Uncached tokens, and requests, sent to each instance after its ``began``."""
+        after = self._recent_s > began[self._recent_instance]
+        rows = self._recent_instance[after]
+        size = len(began)
+        tokens = np.bincount(rows, self._recent_tokens[after], minlength=size)
+        return tokens, np.bincount(rows, minlength=size)
+
     def withdraw(self, entry: int) -> None:
         """Forget an entry whose request did not go where it was counted."""
         if entry in self._open:
             self._retire(entry, finished=True)
+        if self._entries - entry < RECENT_SENDS:
+            self._recent_s[entry % RECENT_SENDS] = -np.inf
 
     def _retire(self, entry: int, *, finished: bool) -> None:
         instance, tokens, decoding = self._open.pop(entry)

@@ -90,6 +90,17 @@ class TokenPilotParams:
     double (``docs/routing.md``, "KV pressure")."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Load:
+    """What each candidate's steps carry besides prefill: its decoding sequences, their
+    context, and the token budget left to prefill (``max_num_batched_tokens`` less one
+    per decoding sequence)."""
+
+    decoders: np.ndarray | int
+    context: np.ndarray | int
+    budget: np.ndarray | int
+
+
 @dataclass
 class _Sent:
     instance: int
@@ -188,26 +199,29 @@ class TokenPilot:
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
         context = fleet.kv_blocks_used * size
-        step = self._step_in_flight(fleet, ledger, ahead, decoders, context, now)
-        unstarted = step["unstarted_tokens"]
-        queue = step["wait_s"] + self._prefill_seconds(unstarted, decoders, context)
-        with_own = step["wait_s"] + self._prefill_seconds(unstarted + uncached, decoders, context)
         model = self.pool.step_time
+        tpot = model.step_s_array(0, 0, decoders + 1, context)
+        load = _Load(decoders, context, np.maximum(self.pool.max_num_batched_tokens - decoders, 1))
+        step, queued = self._step_in_flight(fleet, ledger, ahead, load, tpot, now)
+        # Both in one call: each array operation costs microseconds, whatever its size.
+        queue, with_own = step["wait_s"] + self._prefill_seconds(
+            np.stack([queued, queued + uncached]), load
+        )
         # Terms that are the same on every candidate stay scalars (numpy broadcasts them):
         # each array operation costs microseconds at a thousand candidates.
         pairs = uncached * cached + uncached * (uncached + 1) / 2
         idle_step = model.step_s(0, 0, 0, 0)
         attention = model.step_s_array(0, pairs, 0, 0) - idle_step
-        alone = self._prefill_seconds(uncached, 0, 0)
+        alone = self._prefill_seconds(uncached, _Load(0, 0, self.pool.max_num_batched_tokens))
         idle_steps = np.ceil(uncached / self.pool.max_num_batched_tokens)
         return step | {
             "queue_s": queue,
             "prefill_s": with_own - queue + attention,
             "work_s": alone - idle_steps * idle_step + attention,
-            "shared_step_s": self._shared_step_s(unstarted, uncached, decoders, context),
+            "shared_step_s": self._shared_step_s(step["unstarted_tokens"], uncached, load),
             "cached_tokens": cached,
             "ahead_tokens": ahead,
-            "tpot_s": model.step_s_array(0, 0, decoders + 1, context),
+            "tpot_s": tpot,
         }
 
     def _step_in_flight(
@@ -215,12 +229,13 @@ class TokenPilot:
         fleet: FleetSnapshot,
         ledger: WorkLedger,
         ahead: np.ndarray,
-        decoders: np.ndarray,
-        context: np.ndarray,
+        load: _Load,
+        decode_step: np.ndarray,
         now: float,
-    ) -> dict[str, np.ndarray]:
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Where each candidate is in its current step, when the host has seen where it
-        began (``last_step_end_s``, from the tokens streamed at each step's end).
+        began (``last_step_end_s``, from the tokens streamed at each step's end); and the
+        tokens the request queues behind after ``wait_s``.
 
         What this router sent since that step began cannot be in it
         (``unstarted_tokens``, ``unstarted_ahead``): such requests share their first
@@ -229,51 +244,50 @@ class TokenPilot:
         what remains of that work (``wait_s``). Without this, an instance whose first
         tokens just came back looked free, though its next step had only begun: on the
         Azure trace TokenPilot's requests waited 0.9 ms longer for a decoding step to
-        end than round-robin's, whose arrivals fall at random points of a step."""
+        end than round-robin's, whose arrivals fall at random points of a step.
+
+        ``decode_step``: the candidate's decoding step (with this request among its
+        sequences, which changes it by one sequence's cost)."""
         began = fleet.last_step_end_s - self.params.token_lag_s
-        unstarted_tokens, unstarted = self._sent_since(ledger, began)
+        unstarted_tokens, unstarted = ledger.sent_since(began)
         started = np.maximum(ahead - unstarted_tokens, 0)
-        decode_step = self.pool.step_time.step_s_array(0, 0, decoders, context)
-        in_flight = np.where(
-            started > 0, self._prefill_seconds(started, decoders, context), decode_step
-        )
+        # A step with prefill tokens lasts longer than one without (the step model grows
+        # with its tokens), so this is the decoding step where nothing is started.
+        in_flight = np.maximum(self._prefill_seconds(started, load), decode_step)
         elapsed = now - began
         # The step in flight has ended, its tokens not seen yet: the next began then.
         ended = elapsed > in_flight
         next_began = np.where(ended, began + in_flight, began)
-        unstarted_tokens, unstarted = self._sent_since(ledger, next_began)
+        unstarted_tokens, unstarted = ledger.sent_since(next_began)
         wait = np.where(ended, decode_step - (elapsed - in_flight), in_flight - elapsed)
         # No tokens for longer than a step more (a long prompt's chunks, or no streamed
         # answers) leave the phase unknown: the whole queue ahead is waited for.
         fresh = elapsed <= in_flight + decode_step
-        blind = np.where(ahead > 0, self._prefill_seconds(ahead, decoders, context), 0.0)
-        return {
-            "wait_s": np.where(fresh, np.maximum(wait, 0.0), blind),
-            "unstarted_tokens": np.where(fresh, unstarted_tokens, 0.0),
-            "unstarted_ahead": np.where(fresh, unstarted, 0),
+        step = {
+            "wait_s": np.maximum(wait, 0.0) * fresh,
+            "unstarted_tokens": unstarted_tokens * fresh,
+            "unstarted_ahead": unstarted * fresh,
         }
-
-    @staticmethod
-    def _sent_since(ledger: WorkLedger, began: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens and requests this router sent each instance after ``began``."""
-        since = ledger.recent_sent_s > began[:, None]
-        return (ledger.recent_tokens * since).sum(axis=1), since.sum(axis=1)
+        return step, np.where(fresh, unstarted_tokens, ahead)
 
     def _shared_step_s(
-        self,
-        unstarted: np.ndarray,
-        uncached: np.ndarray,
-        decoders: np.ndarray,
-        context: np.ndarray,
+        self, unstarted: np.ndarray, uncached: np.ndarray, load: _Load
     ) -> np.ndarray:
         """The time this request's first chunk adds to the step that ends the unstarted
-        prompts ahead: each of them gets its first token that much later."""
-        budget = np.maximum(self.pool.max_num_batched_tokens - decoders, 1)
-        last = unstarted - np.floor(np.maximum(unstarted - 1, 0) / budget) * budget
-        added = np.where(unstarted > 0, np.minimum(uncached, budget - last), 0)
+        prompts ahead: each of them gets its first token that much later. Computed on
+        the candidates that have such prompts, a few at a time."""
+        shared = np.zeros(len(unstarted))
+        rows = np.flatnonzero(unstarted)
+        if rows.size == 0:
+            return shared
+        tokens, budget = unstarted[rows], load.budget[rows]
+        decoding, held = load.decoders[rows], load.context[rows]
+        last = tokens - np.floor((tokens - 1) / budget) * budget
+        added = np.minimum(uncached[rows], budget - last)
         model = self.pool.step_time
-        joined = model.step_s_array(last + added, 0, decoders, context)
-        return joined - model.step_s_array(last, 0, decoders, context)
+        joined = model.step_s_array(last + added, 0, decoding, held)
+        shared[rows] = joined - model.step_s_array(last, 0, decoding, held)
+        return shared
 
     def _queued_behind(self, ahead_tokens: np.ndarray, fleet: FleetSnapshot) -> float:
         """Requests expected to queue behind this one wherever it goes: the ready
@@ -282,15 +296,12 @@ class TokenPilot:
             return 0.0
         return float(ahead_tokens[fleet.ready].mean() / self._mean_prompt_tokens)
 
-    def _prefill_seconds(
-        self, tokens: np.ndarray, decoders: np.ndarray | int, context: np.ndarray | int
-    ) -> np.ndarray:
+    def _prefill_seconds(self, tokens: np.ndarray, load: _Load) -> np.ndarray:
         """Time to push ``tokens`` of prefill through equal chunks, each step also carrying
-        ``decoders`` decoding sequences over ``context`` tokens."""
-        budget = np.maximum(self.pool.max_num_batched_tokens - decoders, 1)
-        steps = np.ceil(tokens / budget)
+        the candidates' decoding sequences."""
+        steps = np.ceil(tokens / load.budget)
         chunk = tokens / np.maximum(steps, 1)
-        per_step = self.pool.step_time.step_s_array(chunk, 0, decoders, context)
+        per_step = self.pool.step_time.step_s_array(chunk, 0, load.decoders, load.context)
         return steps * per_step
 
     def _pick(

@@ -265,7 +265,7 @@ def test_a_request_goes_where_the_step_in_flight_ends_soonest() -> None:
     begin its step 1 ms ago and the other 14 ms ago: the second frees its next step
     sooner."""
     pilot = TokenPilot(POOL, UNLAGGED)
-    decode_step = STEPS.step_s(0, 0, 40, 0)
+    decode_step = STEPS.step_s(0, 0, 41, 0)
     decision = pilot.route(RouteRequest("r", 300, 50), _stepping(2, [0.014, 0.001]), now=0.015)
     np.testing.assert_allclose(decision.parts["wait_s"], [decode_step - 0.001, decode_step - 0.014])
     assert decision.chosen == 1
@@ -297,8 +297,9 @@ def test_without_a_boundary_seen_within_a_step_the_whole_queue_ahead_is_waited_f
     pending = replace(_stepping(2, [0.0, 0.49]), pending_prefill_tokens=np.array([4e3, 0]))
     stale = pilot.route(RouteRequest("r", 300, 50), pending, now=0.5)
     queue = STEPS.step_s(4_000, 0, 40, 0)
-    decode_step = STEPS.step_s(0, 0, 40, 0)
-    np.testing.assert_allclose(stale.parts["wait_s"], [queue, decode_step - 0.01])
+    decode_step = STEPS.step_s(0, 0, 41, 0)
+    np.testing.assert_allclose(stale.parts["wait_s"], [0.0, decode_step - 0.01])
+    np.testing.assert_allclose(stale.parts["queue_s"], [queue, decode_step - 0.01])
     assert stale.parts["unstarted_ahead"].tolist() == [0, 0]
 
 
@@ -307,7 +308,7 @@ def test_a_step_end_seen_late_is_placed_back_by_the_lag() -> None:
     11 ms ago, so it began 13 ms ago and has 2 ms to go. Instance 1's, seen 14 ms ago,
     began 16 ms ago: it has ended unseen, and the next decoding step has barely begun. A
     router that took the tokens' arrival for the step's end would choose instance 1."""
-    decode_step = STEPS.step_s(0, 0, 40, 0)  # 15.3 ms
+    decode_step = STEPS.step_s(0, 0, 41, 0)  # 15.3 ms
     fleet = _stepping(2, [0.009, 0.006])
     request = RouteRequest("r", 300, 50)
     decision = TokenPilot(POOL, TokenPilotParams(token_lag_s=0.002)).route(request, fleet, 0.02)
