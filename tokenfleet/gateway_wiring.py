@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import socket
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -87,34 +88,51 @@ async def running_gateway(
 ) -> AsyncIterator[FastAPI]:
     """Serve a gateway on ``host:port`` until the context exits (``OSError`` when the port
     is taken)."""
-    listening = listening_socket(host, port)
     bus: EventBus = (
         KafkaBus(services.kafka_bootstrap, source=settings.name)
         if services.kafka_bootstrap
         else InMemoryBus(source=settings.name)
     )
     state = shared_state(services, settings)
-    app = create_app(gateway_parts(fleet, settings, bus, state))
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
+    try:
+        app = create_app(gateway_parts(fleet, settings, bus, state))
+        with listening_socket(host, port) as listening:
+            async with _serving(app, listening, fleet, bus, services, f"{host}:{port}"):
+                yield app
+    finally:
+        await state.close()
+        await bus.close()
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    app: FastAPI,
+    listening: socket.socket,
+    fleet: FleetConfig,
+    bus: EventBus,
+    services: Settings,
+    address: str,
+) -> AsyncIterator[None]:
+    """uvicorn on the bound socket, and in embedded mode the collector and the tables."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     tasks = [asyncio.create_task(server.serve([listening]))]
     async with aiohttp.ClientSession() as scraper:
         if services.kafka_bootstrap is None:  # embedded: the collector and tables run here
             tables = WorkerSettings()
-            host = TableHost(bus, TableBuilder(tables.spec, fleet.objectives), tables.publish_s)
+            table_host = TableHost(
+                bus, TableBuilder(tables.spec, fleet.objectives), tables.publish_s
+            )
             tasks.append(asyncio.create_task(Collector(fleet.instances, bus, scraper).run()))
-            tasks.append(asyncio.create_task(host.run()))
+            tasks.append(asyncio.create_task(table_host.run()))
         try:
             while not server.started:
                 if tasks[0].done():
                     await tasks[0]  # surfaces the start-up error
-                    raise OSError(f"the gateway did not start on {host}:{port}")
+                    raise OSError(f"the gateway did not start on {address}")
                 await asyncio.sleep(0.01)
-            yield app
+            yield
         finally:
             server.should_exit = True
             for task in tasks[1:]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await state.close()
-            await bus.close()

@@ -316,3 +316,14 @@ def test_a_step_end_seen_late_is_placed_back_by_the_lag() -> None:
     np.testing.assert_allclose(decision.parts["wait_s"], expected)
     assert decision.chosen == 0
     assert TokenPilot(POOL, UNLAGGED).route(request, fleet, now=0.02).chosen == 1
+
+
+def test_a_withdrawn_request_no_longer_counts_as_unstarted() -> None:
+    pilot = TokenPilot(POOL, UNLAGGED)
+    fleet = _stepping(2, [0.0, 0.0])
+    first = pilot.route(RouteRequest("r0", 300, 50), fleet, now=0.001)
+    second = pilot.route(RouteRequest("r1", 300, 50), fleet, now=0.002)
+    assert second.parts["unstarted_ahead"][first.chosen] == 1
+    pilot.withdraw("r0")
+    third = pilot.route(RouteRequest("r2", 300, 50), fleet, now=0.003)
+    assert third.parts["unstarted_ahead"].sum() == 1  # r1 alone
