@@ -279,7 +279,7 @@ class Exchange:
             for event in head:
                 yield self._counted(trip, event)
             async for event in events:
-                if _carries_token(event):
+                if _carries_token(event):  # not the first: it may trail its step's end
                     self.view.tokens_streamed(trip.instance.id)
                 yield self._counted(trip, event)
             ended = "completed"
@@ -332,7 +332,6 @@ class Exchange:
 
     async def _first_token(self, trip: Trip) -> None:
         trip.first_token_at = time.monotonic()
-        self.view.tokens_streamed(trip.instance.id)
         await self._prefill_done(trip)
         self.events.emit(
             FirstToken(

@@ -68,9 +68,11 @@ class FleetView:
         self._failed_until[instance_id] = time.monotonic() + self.failure_cooldown_s
 
     def tokens_streamed(self, instance_id: str) -> None:
-        """A streamed answer's token came back from the instance: one of its steps ended
-        just now, and the next began. Each replica sees the streams it relays; with many
-        sequences decoding on an instance, those are enough to see most steps end."""
+        """A streamed answer's token after its first came back from the instance: one of
+        its steps ended just now, and the next began. (A first token can trail its step:
+        the emulator, for one, adds the whole API overhead to it.) Each replica sees the
+        streams it relays; with many sequences decoding on an instance, those are enough
+        to see most steps end."""
         self._tokens_seen[instance_id] = time.monotonic()
 
     def ready(self, instance_id: str) -> bool:

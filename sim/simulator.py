@@ -130,8 +130,9 @@ class Simulation:
         )
 
     def _last_step_ends(self) -> np.ndarray:
-        """When the host saw each engine's last step end with tokens: ``token_lag_s``
-        after it (a decode run's steps end on a schedule known in advance)."""
+        """When the host saw each engine's last step end that streamed a token other than
+        a first one (as the gateway counts them), ``token_lag_s`` after it; a decode run's
+        steps end on a schedule known in advance."""
         seen_by = self.now - self.token_lag_s
         newer, older = self._token_steps[:, 1], self._token_steps[:, 0]
         ends = np.where(newer <= seen_by, newer, np.where(older <= seen_by, older, -np.inf))
@@ -233,7 +234,7 @@ class Simulation:
         elif plan is not None:
             finished = instance.engine.finish_step(plan, self.now)
             self._first_tokens(index, plan)
-            if any(sequence.generated for sequence, _ in plan.scheduled):
+            if any(sequence.generated > 1 for sequence, _ in plan.scheduled):
                 self._tokens_streamed(index)
             for sequence in finished:
                 self._complete(index, sequence)
