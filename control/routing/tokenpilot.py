@@ -189,13 +189,8 @@ class TokenPilot:
         if self._mean_prompt_tokens == 0:
             self._mean_prompt_tokens = float(prompt)
         self._mean_prompt_tokens += 0.05 * (prompt - self._mean_prompt_tokens)
-        ahead = np.maximum.reduce(
-            [
-                ledger.prefill_tokens,
-                fleet.pending_prefill_tokens,
-                fleet.waiting * self._mean_prompt_tokens,
-            ]
-        )
+        ahead = np.maximum(ledger.prefill_tokens, fleet.pending_prefill_tokens)
+        ahead = np.maximum(ahead, fleet.waiting * self._mean_prompt_tokens)
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
         context = fleet.kv_blocks_used * size
