@@ -79,12 +79,13 @@ class TokenPilotParams:
     tie_band: float = 0.02
     """Scores within 2 % of the best are ties, below what the step model resolves (its
     calibration matches vLLM's time per output token within 2 %, docs/validation.md)."""
-    token_lag_s: float = 0.002
+    token_lag_s: float = 0.004
     """From a step's end to its streamed tokens reaching the host (the engine's output
     path, detokenising, the network): the host sees each step begin this much late. An
-    assumption, not a measurement; set it to what the deployment measures: on the Azure
-    trace, a host 3 ms later than assumed loses the gain of knowing the steps' phase
-    (``docs/routing.md``, "The step in flight")."""
+    assumption, not a measurement; set it to what the deployment measures. Too high
+    costs less than too low: on the Azure trace, a host 3 ms later than assumed lost the
+    whole gain of knowing the steps' phase, one 2 ms earlier less than a quarter of it
+    (``docs/routing.md``, "The step in flight"); the simulator's host is 2 ms late."""
     kv_pressure_weight: float = 1.0
     """Scores are multiplied by ``1 + weight * KV usage``: a full cache's time counts
     double (``docs/routing.md``, "KV pressure")."""
