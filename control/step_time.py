@@ -48,15 +48,20 @@ class StepTime(Protocol):
         """Delay from a request's arrival to its entering the engine's wait queue."""
         ...
 
-    def step_s_array(
-        self,
-        prefill_tokens: Values,
-        prefill_pairs: Values,
-        decode_seqs: Values,
-        decode_context: Values,
-    ) -> Array:
-        """``step_s`` over numpy arrays (element-wise), for routers scoring many instances; a
-        scalar argument stands for the same value on every instance."""
+    def under_load(self, decode_seqs: Values, decode_context: Values) -> StepsUnderLoad:
+        """The model bound to each instance's decoding load (numpy arrays, element-wise; a
+        scalar stands for the same load everywhere), for routers that time many steps of
+        many instances: what the load costs is computed once."""
+        ...
+
+    def attention_s(self, prefill_pairs: Values) -> Array:
+        """What a step's prefill attention over ``prefill_pairs`` adds to it."""
+        ...
+
+
+class StepsUnderLoad(Protocol):
+    def step_s(self, prefill_tokens: Values) -> Array:
+        """Duration of a step that also prefills ``prefill_tokens`` (no attention pairs)."""
         ...
 
 
@@ -75,23 +80,6 @@ class KneeRoofline:
         self, prefill_tokens: int, prefill_pairs: int, decode_seqs: int, decode_context: int
     ) -> float:
         compute = max(0.0, prefill_tokens + decode_seqs - self.n0_tokens)
-        return self._linear(compute, prefill_pairs, decode_seqs, decode_context)
-
-    def admission_delay_s(self, input_tokens: int) -> float:
-        return 0.0
-
-    def step_s_array(
-        self,
-        prefill_tokens: Values,
-        prefill_pairs: Values,
-        decode_seqs: Values,
-        decode_context: Values,
-    ) -> Array:
-        compute = np.maximum(0.0, prefill_tokens + decode_seqs - self.n0_tokens)
-        return self._linear(compute, prefill_pairs, decode_seqs, decode_context)
-
-    def _linear(self, compute, prefill_pairs, decode_seqs, decode_context):
-        """The form past the knee; scalars (the engine's hot path) or arrays alike."""
         return (
             self.a_s
             + self.b_s_per_token * compute
@@ -99,6 +87,20 @@ class KneeRoofline:
             + self.d_s_per_context_token * decode_context
             + self.e_s_per_prefill_pair * prefill_pairs
         )
+
+    def admission_delay_s(self, input_tokens: int) -> float:
+        return 0.0
+
+    def under_load(self, decode_seqs: Values, decode_context: Values) -> _KneeUnderLoad:
+        fixed = self.a_s + self.c_s_per_seq * decode_seqs
+        return _KneeUnderLoad(
+            fixed + self.d_s_per_context_token * decode_context,
+            self.n0_tokens - decode_seqs,
+            self.b_s_per_token,
+        )
+
+    def attention_s(self, prefill_pairs: Values) -> Array:
+        return self.e_s_per_prefill_pair * prefill_pairs
 
 
 @dataclass(frozen=True)
@@ -126,11 +128,31 @@ class Blackbox:
     def admission_delay_s(self, input_tokens: int) -> float:
         return (self.alpha0_us + self.alpha1_us * input_tokens) * US
 
-    def step_s_array(
-        self,
-        prefill_tokens: Values,
-        prefill_pairs: Values,
-        decode_seqs: Values,
-        decode_context: Values,
-    ) -> Array:
-        return (self.beta0_us + self.beta1_us * prefill_tokens + self.beta2_us * decode_seqs) * US
+    def under_load(self, decode_seqs: Values, decode_context: Values) -> _BlackboxUnderLoad:
+        return _BlackboxUnderLoad(
+            (self.beta0_us + self.beta2_us * decode_seqs) * US, self.beta1_us * US
+        )
+
+    def attention_s(self, prefill_pairs: Values) -> Array:
+        return np.zeros_like(prefill_pairs, dtype=np.float64)
+
+
+@dataclass(frozen=True, slots=True)
+class _KneeUnderLoad:
+    fixed_s: Values
+    """The step's cost before any prefill token: weights, sequences and their context."""
+    free_tokens: Values
+    """Prefill tokens the step takes below the knee, bound by reading the weights."""
+    s_per_token: float
+
+    def step_s(self, prefill_tokens: Values) -> Array:
+        return self.fixed_s + self.s_per_token * np.maximum(prefill_tokens - self.free_tokens, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _BlackboxUnderLoad:
+    fixed_s: Values
+    s_per_token: float
+
+    def step_s(self, prefill_tokens: Values) -> Array:
+        return self.fixed_s + self.s_per_token * prefill_tokens

@@ -68,6 +68,7 @@ from control.routing.snapshot import (
     PoolModel,
     RouteRequest,
 )
+from control.step_time import StepsUnderLoad
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,11 @@ class TokenPilotParams:
 
 @dataclass(frozen=True, slots=True)
 class _Load:
-    """What each candidate's steps carry besides prefill: its decoding sequences, their
-    context, and the token budget left to prefill (``max_num_batched_tokens`` less one
-    per decoding sequence)."""
+    """What each candidate's steps carry besides prefill: the step model bound to its
+    decoding sequences and their context, and the token budget left to prefill
+    (``max_num_batched_tokens`` less one per decoding sequence)."""
 
-    decoders: np.ndarray | int
-    context: np.ndarray | int
+    steps: StepsUnderLoad
     budget: np.ndarray | int
 
 
@@ -124,6 +124,11 @@ class TokenPilot:
         self._sent: AwaitingOutcome[_Sent] = AwaitingOutcome()
         self._mean_prompt_tokens = 0.0
         """Moving average of prompt lengths, to size queues known only by their count."""
+        # An idle engine's load is scalars, which numpy broadcasts: each array operation
+        # costs microseconds at a thousand candidates.
+        budget = self.pool.max_num_batched_tokens
+        self._idle = _Load(self.pool.step_time.under_load(0, 0), budget)
+        """Steps that carry nothing but prefill: the request's own work."""
 
     def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
         if not fleet.ready.any():
@@ -186,7 +191,9 @@ class TokenPilot:
         matched = request.known_matches
         if matched is None:
             matched = self.index.match(request.prefix_blocks, len(fleet))
-        cached = np.minimum(matched, (prompt - 1) // size) * size
+        # Token counts as floats from here: an operation mixing integer and float arrays
+        # takes about twice as long as one on floats alone.
+        cached = np.minimum(matched, (prompt - 1) // size) * float(size)
         if self._mean_prompt_tokens == 0:
             self._mean_prompt_tokens = float(prompt)
         self._mean_prompt_tokens += 0.05 * (prompt - self._mean_prompt_tokens)
@@ -194,26 +201,24 @@ class TokenPilot:
         ahead = np.maximum(ahead, fleet.waiting * self._mean_prompt_tokens)
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
-        context = fleet.kv_blocks_used * size
+        context = fleet.kv_blocks_used * float(size)
         model = self.pool.step_time
-        tpot = model.step_s_array(0, 0, decoders + 1, context)
-        load = _Load(decoders, context, np.maximum(self.pool.max_num_batched_tokens - decoders, 1))
+        tpot = model.under_load(decoders + 1, context).step_s(0)
+        budget = self.pool.max_num_batched_tokens
+        load = _Load(model.under_load(decoders, context), np.maximum(budget - decoders, 1))
         step, queued = self._step_in_flight(fleet, ledger, ahead, load, tpot, now)
         # Both in one call: each array operation costs microseconds, whatever its size.
         queue, with_own = step["wait_s"] + self._prefill_seconds(
             np.stack([queued, queued + uncached]), load
         )
-        # Terms that are the same on every candidate stay scalars (numpy broadcasts them):
-        # each array operation costs microseconds at a thousand candidates.
         pairs = uncached * cached + uncached * (uncached + 1) / 2
-        idle_step = model.step_s(0, 0, 0, 0)
-        attention = model.step_s_array(0, pairs, 0, 0) - idle_step
-        alone = self._prefill_seconds(uncached, _Load(0, 0, self.pool.max_num_batched_tokens))
-        idle_steps = np.ceil(uncached / self.pool.max_num_batched_tokens)
+        attention = model.attention_s(pairs)
+        alone = self._prefill_seconds(uncached, self._idle)
+        idle_steps_s = np.ceil(uncached / budget) * model.step_s(0, 0, 0, 0)
         return step | {
             "queue_s": queue,
             "prefill_s": with_own - queue + attention,
-            "work_s": alone - idle_steps * idle_step + attention,
+            "work_s": alone - idle_steps_s + attention,
             "shared_step_s": self._shared_step_s(step["unstarted_tokens"], uncached, load),
             "cached_tokens": cached,
             "ahead_tokens": ahead,
@@ -250,17 +255,16 @@ class TokenPilot:
         # A step with prefill tokens lasts longer than one without (the step model grows
         # with its tokens), so this is the decoding step where nothing is started.
         in_flight = np.maximum(self._prefill_seconds(started, load), decode_step)
-        elapsed = now - began
+        remaining = in_flight - (now - began)
         # The step in flight has ended, its tokens not seen yet: the next began then.
-        ended = elapsed > in_flight
-        next_began = np.where(ended, began + in_flight, began)
-        unstarted_tokens, unstarted = ledger.sent_since(next_began)
-        wait = np.where(ended, decode_step - (elapsed - in_flight), in_flight - elapsed)
+        ended = remaining < 0
+        unstarted_tokens, unstarted = ledger.sent_since(began + in_flight * ended)
+        wait = remaining + decode_step * ended
         # No tokens for longer than a step more (a long prompt's chunks, or no streamed
         # answers) leave the phase unknown: the whole queue ahead is waited for.
-        fresh = elapsed <= in_flight + decode_step
+        fresh = wait >= 0
         step = {
-            "wait_s": np.maximum(wait, 0.0) * fresh,
+            "wait_s": np.maximum(wait, 0.0),
             "unstarted_tokens": unstarted_tokens * fresh,
             "unstarted_ahead": unstarted * fresh,
         }
@@ -270,35 +274,25 @@ class TokenPilot:
         self, unstarted: np.ndarray, uncached: np.ndarray, load: _Load
     ) -> np.ndarray:
         """The time this request's first chunk adds to the step that ends the unstarted
-        prompts ahead: each of them gets its first token that much later. Computed on
-        the candidates that have such prompts, a few at a time."""
-        shared = np.zeros(len(unstarted))
-        rows = np.flatnonzero(unstarted)
-        if rows.size == 0:
-            return shared
-        tokens, budget = unstarted[rows], load.budget[rows]
-        decoding, held = load.decoders[rows], load.context[rows]
-        last = tokens - np.floor((tokens - 1) / budget) * budget
-        added = np.minimum(uncached[rows], budget - last)
-        model = self.pool.step_time
-        joined = model.step_s_array(last + added, 0, decoding, held)
-        shared[rows] = joined - model.step_s_array(last, 0, decoding, held)
-        return shared
+        prompts ahead: each of them gets its first token that much later. Where nothing
+        is unstarted, that "step" is a full budget that the request cannot join: 0."""
+        last = unstarted - np.floor((unstarted - 1) / load.budget) * load.budget
+        joined = last + np.minimum(uncached, load.budget - last)
+        return load.steps.step_s(joined) - load.steps.step_s(last)
 
     def _queued_behind(self, ahead_tokens: np.ndarray, fleet: FleetSnapshot) -> float:
         """Requests expected to queue behind this one wherever it goes: the ready
         instances' mean queue, in prompts of the mean length seen."""
         if self._mean_prompt_tokens <= 0:
             return 0.0
-        return float(ahead_tokens[fleet.ready].mean() / self._mean_prompt_tokens)
+        mean = np.add.reduce(ahead_tokens[fleet.ready]) / np.count_nonzero(fleet.ready)
+        return float(mean / self._mean_prompt_tokens)
 
     def _prefill_seconds(self, tokens: np.ndarray, load: _Load) -> np.ndarray:
         """Time to push ``tokens`` of prefill through equal chunks, each step also carrying
         the candidates' decoding sequences."""
         steps = np.ceil(tokens / load.budget)
-        chunk = tokens / np.maximum(steps, 1)
-        per_step = self.pool.step_time.step_s_array(chunk, 0, load.decoders, load.context)
-        return steps * per_step
+        return steps * load.steps.step_s(tokens / np.maximum(steps, 1))
 
     def _pick(
         self, scores: np.ndarray, fleet: FleetSnapshot, uncached: np.ndarray, ledger: WorkLedger
@@ -323,8 +317,8 @@ class TokenPilot:
         )
         if not eligible.any():
             eligible = fleet.ready
-        scores = np.where(eligible, scores, np.nan)
-        ties = np.flatnonzero(scores <= np.nanmin(scores) * (1 + self.params.tie_band))
+        scores = np.where(eligible, scores, np.inf)
+        ties = (scores <= scores.min() * (1 + self.params.tie_band)).nonzero()[0]
         fewest_first = np.lexsort((ledger.last_entry[ties], fleet.inflight_tokens[ties]))
         return int(ties[fewest_first[0]])
 
