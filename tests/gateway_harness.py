@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from schemas.fleet import FleetConfig
 from sim.emulator.server import EmulatedInstance, serve
 from sim.profiles import profile
 from tokenfleet.gateway_wiring import running_gateway
-from tokenfleet.services.process import free_port, listening_socket
+from tokenfleet.services.process import free_port
 from tokenfleet.settings import Settings
 
 MODEL = "emulated"
@@ -105,7 +106,7 @@ def chat(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def http_server(app: Any) -> AsyncIterator[str]:
     """Serve an ASGI app on a free loopback port; yields its base URL."""
-    listening = listening_socket("127.0.0.1", 0)
+    listening = socket.create_server(("127.0.0.1", 0))
     port = listening.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")

@@ -34,7 +34,6 @@ from streams.memory import InMemoryBus
 from streams.settings import WorkerSettings
 from streams.table_host import TableHost
 from streams.tables.builder import TableBuilder
-from tokenfleet.services.process import listening_socket
 from tokenfleet.settings import Settings
 
 
@@ -96,7 +95,9 @@ async def running_gateway(
     state = shared_state(services, settings)
     try:
         app = create_app(gateway_parts(fleet, settings, bus, state))
-        with listening_socket(host, port) as listening:
+        # Bound here, so that a port taken raises OSError, where uvicorn would log it and
+        # exit the process.
+        with socket.create_server((host, port)) as listening:
             async with _serving(app, listening, fleet, bus, services, f"{host}:{port}"):
                 yield app
     finally:

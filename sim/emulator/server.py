@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,6 @@ from sim.emulator.driver import EngineDriver
 from sim.emulator.kv_feed import KvEventFeed
 from sim.emulator.metrics import EngineMetrics
 from sim.engine import Engine
-from tokenfleet.services.process import listening_socket
 
 
 @dataclass
@@ -52,7 +52,7 @@ async def serve(
     """Start one instance per port on 127.0.0.1 (port 0: any free one); stop them all on
     exit. A port taken raises ``OSError`` before any starts."""
     with contextlib.ExitStack() as bound:
-        sockets = [bound.enter_context(listening_socket("127.0.0.1", port)) for port in ports]
+        sockets = [bound.enter_context(socket.create_server(("127.0.0.1", port))) for port in ports]
         bound.pop_all()  # every port is ours: the servers own the sockets from here
     ports = [sock.getsockname()[1] for sock in sockets]
     instances = [build_instance(profile, model, port, speedup, kv_events) for port in ports]

@@ -247,7 +247,7 @@ def _bench_streams(args: argparse.Namespace) -> int:
 def _bench_gateway(args: argparse.Namespace) -> int:
     import json
 
-    from sim.gateway_bench import bench_gateway
+    from tokenfleet.gateway_bench import bench_gateway
 
     if args.requests < 1 or args.concurrency < 1 or args.duration <= 0:
         raise CliError("--requests and --concurrency must be at least 1, --duration positive")

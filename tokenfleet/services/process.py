@@ -31,19 +31,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port``, for ``uvicorn.Server.serve(sockets=...)``: a port
-    taken raises ``OSError`` here, where uvicorn would log it and exit the process."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive ports that are all free now, for a server that
     takes a base port (``tokenfleet emulate``): the ports after a free one may be taken,

@@ -54,7 +54,7 @@ def bench_gateway(
     litellm: str | None = None,
 ) -> dict[str, Any]:
     """Figures for our gateway (top-level keys), for a bare pass-through proxy on the same
-    stack (under ``bare_proxy``, ``sim.bare_proxy``: the floor under the gateway's cost)
+    stack (under ``bare_proxy``, ``tokenfleet.bare_proxy``: the floor under the gateway's cost)
     and, with the path of LiteLLM's ``litellm`` command, for its proxy in front of the same
     instances (under ``litellm``)."""
     with tempfile.TemporaryDirectory() as home, contextlib.ExitStack() as stack:
@@ -130,7 +130,7 @@ def _gateway(home: Path, instances: list[str]) -> Iterator[str]:
 @contextlib.contextmanager
 def _bare_proxy(home: Path, instances: list[str]) -> Iterator[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "sim.bare_proxy", str(port), ",".join(instances)]
+    argv = [sys.executable, "-m", "tokenfleet.bare_proxy", str(port), ",".join(instances)]
     with http_service(home / "bare", argv, f"http://127.0.0.1:{port}", env=_environment()) as url:
         yield url
 

@@ -4,7 +4,7 @@ uvicorn serving a bare ASGI app that forwards each POST, body as it is, to the n
 instance in turn through one aiohttp session, on uvloop, as the gateway runs. No routing,
 accounting, events or metrics beyond ``/metrics``' process figures. The gateway bench
 measures it beside the gateway: whatever the gateway costs beyond it is its own work.
-Run as ``python -m sim.bare_proxy PORT URL[,URL...]``.
+Run as ``python -m tokenfleet.bare_proxy PORT URL[,URL...]``.
 """
 
 from __future__ import annotations
