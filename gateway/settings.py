@@ -9,6 +9,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from control.routing.tokenpilot import TokenPilotParams
+
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENFLEET_GATEWAY_", frozen=True)
@@ -19,6 +21,11 @@ class GatewaySettings(BaseSettings):
     """The DC this gateway serves; unset: the fleet file's first DC."""
     policy: str = "tokenpilot"
     """The routing policy, by the name ``tokenfleet sim --policy`` takes."""
+    token_lag_s: float = Field(default=TokenPilotParams().token_lag_s, ge=0, le=1)
+    """TokenPilot: from an engine step's end to its streamed tokens reaching this gateway
+    (the engine's output path, detokenising, the network). Measure it where you deploy:
+    TokenPilot places each candidate in its step from it (``docs/routing.md``, "The step
+    in flight")."""
     name: str = Field(default_factory=lambda: f"gateway-{socket.gethostname()}-{os.getpid()}")
     """The ``source`` of this gateway's events."""
     event_buffer: int = Field(default=10_000, ge=1)

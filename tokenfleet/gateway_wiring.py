@@ -21,6 +21,7 @@ from fastapi import FastAPI
 
 from control.routing import make_router
 from control.routing.registry import Router
+from control.routing.tokenpilot import TokenPilotParams
 from gateway.app import GatewayParts, create_app
 from gateway.redis_state import FallbackState, RedisState
 from gateway.settings import GatewaySettings
@@ -37,7 +38,9 @@ from streams.tables.builder import TableBuilder
 from tokenfleet.settings import Settings
 
 
-def router_factory(fleet: FleetConfig, policy: str, seed: int = 0) -> Callable[[str], Router]:
+def router_factory(
+    fleet: FleetConfig, policy: str, seed: int = 0, params: TokenPilotParams | None = None
+) -> Callable[[str], Router]:
     """Routers for the fleet's models; a model's ``profile`` gives TokenPilot its step model."""
     for model in fleet.models:
         if model.profile is not None and model.profile not in PROFILES:
@@ -48,7 +51,7 @@ def router_factory(fleet: FleetConfig, policy: str, seed: int = 0) -> Callable[[
         model = fleet.model(model_name)
         assert model is not None
         pool = profile(model.profile).pool_model() if model.profile else None
-        return make_router(policy, seed, pool)
+        return make_router(policy, seed, pool, params)
 
     make(fleet.models[0].name)  # fail at start-up, not at the first request
     return make
@@ -60,7 +63,9 @@ def gateway_parts(
     # Each replica its own seed: with one seed, replicas break ties alike and pile onto
     # the same instance.
     seed = secrets.randbits(32)
-    return GatewayParts(fleet, settings, state, bus, router_factory(fleet, settings.policy, seed))
+    params = TokenPilotParams(token_lag_s=settings.token_lag_s)
+    routers = router_factory(fleet, settings.policy, seed, params)
+    return GatewayParts(fleet, settings, state, bus, routers)
 
 
 def shared_state(services: Settings, settings: GatewaySettings) -> SharedState:

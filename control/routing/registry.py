@@ -20,7 +20,7 @@ from control.routing.snapshot import (
     PoolModel,
     RouteRequest,
 )
-from control.routing.tokenpilot import TokenPilot
+from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 
 
 class Router(Protocol):
@@ -70,17 +70,21 @@ def _type_implements(kind: type, protocol: type) -> bool:
     return issubclass(kind, protocol)
 
 
-Factory = Callable[[np.random.Generator, PoolModel | None], Router]
+Factory = Callable[[np.random.Generator, PoolModel | None, TokenPilotParams], Router]
+"""A router from its random generator, the pool's model and the parameters a deployment
+sets (only TokenPilot has any)."""
 
 
 def _load_only(kind: Callable[[np.random.Generator], Router]) -> Factory:
-    return lambda rng, _pool: kind(rng)
+    return lambda rng, _pool, _params: kind(rng)
 
 
-def _tokenpilot(_rng: np.random.Generator, pool: PoolModel | None) -> Router:
+def _tokenpilot(
+    _rng: np.random.Generator, pool: PoolModel | None, params: TokenPilotParams
+) -> Router:
     if pool is None:
         raise ValueError("tokenpilot needs the pool's step model (a PoolModel)")
-    return TokenPilot(pool)
+    return TokenPilot(pool, params)
 
 
 ROUTERS: dict[str, Factory] = {
@@ -96,10 +100,16 @@ ROUTERS: dict[str, Factory] = {
 }
 
 
-def make_router(name: str, seed: int = 0, pool: PoolModel | None = None) -> Router:
-    """The router ``name``, seeded; ``pool`` describes the model pool to those that use it."""
+def make_router(
+    name: str,
+    seed: int = 0,
+    pool: PoolModel | None = None,
+    params: TokenPilotParams | None = None,
+) -> Router:
+    """The router ``name``, seeded; ``pool`` describes the model pool to those that use it,
+    ``params`` sets TokenPilot's (None: its defaults)."""
     try:
         factory = ROUTERS[name]
     except KeyError:
         raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(ROUTERS))}") from None
-    return factory(np.random.default_rng(seed), pool)
+    return factory(np.random.default_rng(seed), pool, params or TokenPilotParams())

@@ -83,10 +83,11 @@ class TokenPilotParams:
     token_lag_s: float = 0.004
     """From a step's end to its streamed tokens reaching the host (the engine's output
     path, detokenising, the network): the host sees each step begin this much late. An
-    assumption, not a measurement; set it to what the deployment measures. Too high
-    costs less than too low: on the Azure trace, a host 3 ms later than assumed lost the
-    whole gain of knowing the steps' phase, one 2 ms earlier less than a quarter of it
-    (``docs/routing.md``, "The step in flight"); the simulator's host is 2 ms late."""
+    assumption, not a measurement; set it to what the deployment measures (the gateway's
+    ``token_lag_s`` setting). Too high costs less than too low: on the Azure trace, a
+    host 3 ms later than assumed lost the whole gain of knowing the steps' phase, one 2 ms
+    earlier less than a quarter of it (``docs/routing.md``, "The step in flight"); the
+    simulator's host is 2 ms late."""
     kv_pressure_weight: float = 1.0
     """Scores are multiplied by ``1 + weight * KV usage``: a full cache's time counts
     double (``docs/routing.md``, "KV pressure")."""
@@ -285,8 +286,7 @@ class TokenPilot:
         instances' mean queue, in prompts of the mean length seen."""
         if self._mean_prompt_tokens <= 0:
             return 0.0
-        mean = np.add.reduce(ahead_tokens[fleet.ready]) / np.count_nonzero(fleet.ready)
-        return float(mean / self._mean_prompt_tokens)
+        return float(ahead_tokens[fleet.ready].mean() / self._mean_prompt_tokens)
 
     def _prefill_seconds(self, tokens: np.ndarray, load: _Load) -> np.ndarray:
         """Time to push ``tokens`` of prefill through equal chunks, each step also carrying
