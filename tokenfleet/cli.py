@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from tokenfleet.commands import emulate, gateway, services, sim, streams
 from tokenfleet.commands.errors import CliError
 from tokenfleet.services.process import ServiceError
@@ -19,6 +21,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ServiceError, CliError) as exc:
         print(f"tokenfleet: {exc}", file=sys.stderr)
         return 2
+    except ValidationError as exc:
+        if not exc.title.endswith("Settings"):
+            raise
+        print(f"tokenfleet: {_invalid_settings(exc)}", file=sys.stderr)
+        return 2
+
+
+def _invalid_settings(exc: ValidationError) -> str:
+    """Settings come from the environment (``TOKENFLEET_*``): name each that is wrong."""
+    problems = "; ".join(
+        f"{'.'.join(map(str, error['loc']))}={error['input']!r}: {error['msg']}"
+        for error in exc.errors()
+    )
+    return f"invalid {exc.title} (from TOKENFLEET_* environment variables): {problems}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,6 +47,18 @@ def test_an_unknown_command_exits_non_zero(capsys: pytest.CaptureFixture[str]) -
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_a_setting_out_of_range_is_named_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TOKENFLEET_GATEWAY_TOKEN_LAG_S", "-1")
+    fleet = Path(__file__).parents[2] / "examples" / "fleet.toml"
+    assert main(["gateway", "--fleet", str(fleet), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenfleet: invalid GatewaySettings")
+    assert "token_lag_s='-1'" in err
+    assert "Traceback" not in err
+
+
 def test_a_server_that_exits_at_once_is_reported_and_forgotten(tmp_path: Path) -> None:
     from tokenfleet.services.process import ServerProcess, ServiceError, read_address
 
