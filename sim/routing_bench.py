@@ -25,6 +25,7 @@ from sim.profiles import profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.run import RunConfig, simulate_run
+from sim.simulator import HOST_TOKEN_LAG_S
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest, reusable_blocks
 
 POOLED = ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "ttft_mean_s", "tpot_p50_s", "e2e_p95_s")
@@ -42,6 +43,7 @@ def bench_routing(
     policies: Sequence[str] | None = None,
     jobs: int = 1,
     progress: Progress | None = None,
+    host_token_lag_s: float = HOST_TOKEN_LAG_S,
 ) -> tuple[dict, dict[str, list[RequestRecord]]]:
     """The benchmark's JSON document, and every policy's pooled records (for plots).
 
@@ -57,12 +59,22 @@ def bench_routing(
         "profile": profile_name,
         "ladder": list(ladder),
         "seed": seed,
+        "host_token_lag_s": host_token_lag_s,
         "requests": len(workload),
         "policies": {},
     }
     names = list(policies or ROUTERS)
     levels_of = {
-        RunConfig(trace, instances, policy, profile_name, requests, scale, seed): level
+        RunConfig(
+            trace,
+            instances,
+            policy,
+            profile_name,
+            requests,
+            scale,
+            seed,
+            host_token_lag_s=host_token_lag_s,
+        ): level
         for policy in names
         for level, scale in zip(ladder, scales, strict=True)
     }

@@ -18,7 +18,7 @@ from sim.metrics import summarize
 from sim.profiles import profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
-from sim.simulator import Simulation
+from sim.simulator import HOST_TOKEN_LAG_S, Simulation
 from sim.workload import TraceRequest
 
 
@@ -33,6 +33,9 @@ class RunConfig:
     seed: int = 0
     blackbox: Blackbox | None = None
     """BLIS-form coefficients to use instead of the profile's step times."""
+    host_token_lag_s: float = HOST_TOKEN_LAG_S
+    """How late the host sees each step's streamed tokens (what TokenPilot assumes of it
+    is its own parameter, ``token_lag_s``)."""
 
     def instance_profile(self) -> InstanceProfile:
         chosen = profile(self.profile)
@@ -59,7 +62,7 @@ def simulate_run(
     chosen = config.instance_profile()
     cluster = Cluster.single(chosen, config.instances)
     router = make_router(config.policy, seed=config.seed, pool=chosen.pool_model())
-    simulation = Simulation(cluster, router)
+    simulation = Simulation(cluster, router, token_lag_s=config.host_token_lag_s)
     started = time.perf_counter()
     records = simulation.run(_with_progress(workload, progress, config.policy))
     wall = time.perf_counter() - started
@@ -70,6 +73,7 @@ def simulate_run(
         "policy": config.policy,
         "seed": config.seed,
         "rate_scale": config.rate_scale,
+        "host_token_lag_s": config.host_token_lag_s,
         "summary": summarize(records, simulation.engines),
         "wall_s": wall,
         "simulated_requests_per_s": len(workload) / wall if wall > 0 else 0.0,

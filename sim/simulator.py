@@ -47,6 +47,10 @@ class _Instance:
     """Requests routed here still in their admission delay."""
 
 
+HOST_TOKEN_LAG_S = 0.002
+"""How late the simulated host sees a step's streamed tokens, unless told otherwise."""
+
+
 class Simulation:
     """``decode_runs`` lets engines plan decode-only stretches as one event (the results
     are the same; tests compare both ways); switch it off to step one step at a time.
@@ -59,7 +63,7 @@ class Simulation:
         *,
         decode_runs: bool = True,
         scrape_interval_s: float = 0.05,
-        token_lag_s: float = 0.002,
+        token_lag_s: float = HOST_TOKEN_LAG_S,
     ) -> None:
         self.token_lag_s = token_lag_s
         self.decode_runs = decode_runs

@@ -230,3 +230,24 @@ def test_runs_in_worker_processes_give_the_same_figures() -> None:
     alone, _ = bench_routing("shared-prefix", **options)
     shared, _ = bench_routing("shared-prefix", jobs=2, **options)
     assert shared == alone
+
+
+def test_the_simulated_host_s_token_lag_reaches_tokenpilot_and_the_json(tmp_path: Path) -> None:
+    """TokenPilot places candidates in their steps from when the host saw them end: a
+    host that sees tokens a whole step later misleads it, and the figures show it."""
+    runs = {}
+    for lag in ("0", "0.03"):
+        out = tmp_path / f"routing-{lag}.json"
+        argv = ["bench", "routing", "--trace", "shared-prefix", "--requests", "150"]
+        argv += ["--instances", "4", "--ladder", "1", "--policies", "tokenpilot"]
+        assert main([*argv, "--host-token-lag", lag, "--json", str(out)]) == 0
+        runs[lag] = json.loads(out.read_text())
+    assert runs["0.03"]["host_token_lag_s"] == 0.03
+    fast, late = (runs[lag]["policies"]["tokenpilot"] for lag in ("0", "0.03"))
+    assert fast["ttft_mean_s"] != late["ttft_mean_s"]
+
+
+def test_a_negative_host_token_lag_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "routing", "--trace", "shared-prefix", "--json", "out.json"]
+    assert main([*argv, "--host-token-lag", "-0.001"]) == 2
+    assert "--host-token-lag must not be negative" in capsys.readouterr().err

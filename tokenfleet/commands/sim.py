@@ -290,6 +290,7 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
     from control.routing import ROUTERS
     from sim.ladder import DEFAULT_LADDER
     from sim.profiles import PROFILES
+    from sim.simulator import HOST_TOKEN_LAG_S
 
     routing = sub.add_parser(
         "routing",
@@ -310,6 +311,14 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
     )
     routing.add_argument("--requests", type=int, help="only the first N requests")
     routing.add_argument("--seed", type=int, default=0)
+    routing.add_argument(
+        "--host-token-lag",
+        type=float,
+        default=HOST_TOKEN_LAG_S,
+        metavar="S",
+        help="how late the simulated host sees each step's streamed tokens, in seconds "
+        f"(default {HOST_TOKEN_LAG_S:g}); TokenPilot assumes its own figure",
+    )
     routing.add_argument(
         "--policies",
         type=lambda t: t.split(","),
@@ -339,6 +348,8 @@ def _bench_routing(args: argparse.Namespace) -> int:
     unknown = sorted(set(policies) - set(ROUTERS))
     if unknown:
         raise CliError(f"unknown policies: {', '.join(unknown)}")
+    if args.host_token_lag < 0:
+        raise CliError("--host-token-lag must not be negative")
     with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
             document, records = bench_routing(
@@ -351,6 +362,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
                 policies=policies,
                 jobs=args.jobs,
                 progress=lambda label: (bar.set_postfix_str(label), bar.update()),
+                host_token_lag_s=args.host_token_lag,
             )
         except (ValueError, KeyError) as exc:
             raise CliError(str(exc)) from None
