@@ -247,7 +247,11 @@ def test_the_simulated_host_s_token_lag_reaches_tokenpilot_and_the_json(tmp_path
     assert fast["ttft_mean_s"] != late["ttft_mean_s"]
 
 
-def test_a_negative_host_token_lag_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["bench", "routing", "--trace", "shared-prefix", "--json", "out.json"]
-    assert main([*argv, "--host-token-lag", "-0.001"]) == 2
-    assert "--host-token-lag must not be negative" in capsys.readouterr().err
+@pytest.mark.parametrize("command", [["sim"], ["bench", "routing", "--json", "out.json"]])
+def test_a_negative_host_token_lag_is_refused(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--trace", "shared-prefix", "--host-token-lag", "-0.001"])
+    assert exit_info.value.code == 2
+    assert "--host-token-lag: must be a finite number of seconds" in capsys.readouterr().err

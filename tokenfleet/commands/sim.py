@@ -68,6 +68,7 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
         help="one run at each share of measured capacity, e.g. 0.5,0.8,1,1.2",
     )
     sim.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    _add_host_token_lag(sim)
     sim.add_argument(
         "--blackbox",
         type=_blackbox,
@@ -99,6 +100,7 @@ def _sim(args: argparse.Namespace) -> int:
         rate_scale=args.rate_scale,
         seed=args.seed,
         blackbox=args.blackbox,
+        host_token_lag_s=args.host_token_lag,
     )
     progress = sys.stderr.isatty()
     try:
@@ -128,6 +130,29 @@ def _blackbox(text: str) -> Blackbox:
         raise argparse.ArgumentTypeError("give six non-negative numbers: b0,b1,b2,a0,a1,a2")
     b0, b1, b2, a0, a1, a2 = values
     return Blackbox(b0, b1, b2, a0, a1, a2)
+
+
+def _add_host_token_lag(parser: argparse.ArgumentParser) -> None:
+    from sim.simulator import HOST_TOKEN_LAG_S
+
+    parser.add_argument(
+        "--host-token-lag",
+        type=_seconds,
+        default=HOST_TOKEN_LAG_S,
+        metavar="S",
+        help="how late the simulated host sees each step's streamed tokens, in seconds "
+        f"(default {HOST_TOKEN_LAG_S:g}); TokenPilot assumes its own figure",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError("must be a finite number of seconds, not negative")
+    return seconds
 
 
 def _levels(text: str) -> list[float]:
@@ -290,7 +315,6 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
     from control.routing import ROUTERS
     from sim.ladder import DEFAULT_LADDER
     from sim.profiles import PROFILES
-    from sim.simulator import HOST_TOKEN_LAG_S
 
     routing = sub.add_parser(
         "routing",
@@ -311,14 +335,7 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
     )
     routing.add_argument("--requests", type=int, help="only the first N requests")
     routing.add_argument("--seed", type=int, default=0)
-    routing.add_argument(
-        "--host-token-lag",
-        type=float,
-        default=HOST_TOKEN_LAG_S,
-        metavar="S",
-        help="how late the simulated host sees each step's streamed tokens, in seconds "
-        f"(default {HOST_TOKEN_LAG_S:g}); TokenPilot assumes its own figure",
-    )
+    _add_host_token_lag(routing)
     routing.add_argument(
         "--policies",
         type=lambda t: t.split(","),
@@ -348,8 +365,6 @@ def _bench_routing(args: argparse.Namespace) -> int:
     unknown = sorted(set(policies) - set(ROUTERS))
     if unknown:
         raise CliError(f"unknown policies: {', '.join(unknown)}")
-    if args.host_token_lag < 0:
-        raise CliError("--host-token-lag must not be negative")
     with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
             document, records = bench_routing(
