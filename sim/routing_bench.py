@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from control.routing import ROUTERS
+from control.routing.tokenpilot import TokenPilotParams
 from sim.cluster import InstanceProfile
 from sim.ladder import DEFAULT_LADDER, rate_scales
 from sim.metrics import latency_stats, record_figures
@@ -44,12 +46,15 @@ def bench_routing(
     jobs: int = 1,
     progress: Progress | None = None,
     host_token_lag_s: float = HOST_TOKEN_LAG_S,
+    tokenpilot: TokenPilotParams | None = None,
 ) -> tuple[dict, dict[str, list[RequestRecord]]]:
-    """The benchmark's JSON document, and every policy's pooled records (for plots).
+    """The benchmark's JSON document, and every policy's pooled records (for plots);
+    ``tokenpilot`` sets TokenPilot's parameters (None: its defaults).
 
     With ``jobs`` above 1 the runs go to that many worker processes; each run is the same
     deterministic simulation either way, so the figures do not depend on ``jobs``."""
     chosen = profile(profile_name)
+    params = tokenpilot or TokenPilotParams()
     workload = load_trace(trace, limit=requests, seed=seed)
     scales = rate_scales(chosen, workload, instances, ladder)
     document: dict = {
@@ -60,6 +65,7 @@ def bench_routing(
         "ladder": list(ladder),
         "seed": seed,
         "host_token_lag_s": host_token_lag_s,
+        "tokenpilot_params": asdict(params),
         "requests": len(workload),
         "policies": {},
     }
@@ -74,6 +80,7 @@ def bench_routing(
             scale,
             seed,
             host_token_lag_s=host_token_lag_s,
+            tokenpilot=params,
         ): level
         for policy in names
         for level, scale in zip(ladder, scales, strict=True)

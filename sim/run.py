@@ -5,12 +5,13 @@ from __future__ import annotations
 import csv
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from control.routing import make_router
+from control.routing.tokenpilot import TokenPilotParams
 from control.step_time import Blackbox
 from sim.cluster import Cluster, InstanceProfile
 from sim.ladder import rate_scales
@@ -36,6 +37,8 @@ class RunConfig:
     host_token_lag_s: float = HOST_TOKEN_LAG_S
     """How late the host sees each step's streamed tokens (what TokenPilot assumes of it
     is its own parameter, ``token_lag_s``)."""
+    tokenpilot: TokenPilotParams = field(default_factory=TokenPilotParams)
+    """TokenPilot's parameters, as a deployment sets them (other policies ignore them)."""
 
     def instance_profile(self) -> InstanceProfile:
         chosen = profile(self.profile)
@@ -61,7 +64,7 @@ def simulate_run(
     workload = scaled(workload, config.rate_scale)
     chosen = config.instance_profile()
     cluster = Cluster.single(chosen, config.instances)
-    router = make_router(config.policy, seed=config.seed, pool=chosen.pool_model())
+    router = make_router(config.policy, config.seed, chosen.pool_model(), config.tokenpilot)
     simulation = Simulation(cluster, router, token_lag_s=config.host_token_lag_s)
     started = time.perf_counter()
     records = simulation.run(_with_progress(workload, progress, config.policy))
@@ -74,6 +77,7 @@ def simulate_run(
         "seed": config.seed,
         "rate_scale": config.rate_scale,
         "host_token_lag_s": config.host_token_lag_s,
+        "tokenpilot_params": asdict(config.tokenpilot),
         "summary": summarize(records, simulation.engines),
         "wall_s": wall,
         "simulated_requests_per_s": len(workload) / wall if wall > 0 else 0.0,

@@ -247,11 +247,28 @@ def test_the_simulated_host_s_token_lag_reaches_tokenpilot_and_the_json(tmp_path
     assert fast["ttft_mean_s"] != late["ttft_mean_s"]
 
 
+def test_the_lag_tokenpilot_assumes_reaches_it_and_the_json(tmp_path: Path) -> None:
+    """The same host, TokenPilot told two different lags: it places candidates in their
+    steps differently, and each run's JSON says what it assumed."""
+    runs = {}
+    for lag in ("0", "0.03"):
+        out = tmp_path / f"sim-{lag}.json"
+        argv = ["sim", "--trace", "shared-prefix", "--requests", "150", "--instances", "4"]
+        argv += ["--policy", "tokenpilot"]
+        assert main([*argv, "--assumed-token-lag", lag, "--json", str(out)]) == 0
+        runs[lag] = json.loads(out.read_text())
+    assert runs["0.03"]["tokenpilot_params"]["token_lag_s"] == 0.03
+    assert runs["0.03"]["host_token_lag_s"] == runs["0"]["host_token_lag_s"]
+    fast, slow = (runs[lag]["summary"]["ttft_mean_s"] for lag in ("0", "0.03"))
+    assert fast != slow
+
+
+@pytest.mark.parametrize("option", ["--host-token-lag", "--assumed-token-lag"])
 @pytest.mark.parametrize("command", [["sim"], ["bench", "routing", "--json", "out.json"]])
-def test_a_negative_host_token_lag_is_refused(
-    command: list[str], capsys: pytest.CaptureFixture[str]
+def test_a_negative_token_lag_is_refused(
+    command: list[str], option: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main([*command, "--trace", "shared-prefix", "--host-token-lag", "-0.001"])
+        main([*command, "--trace", "shared-prefix", option, "-0.001"])
     assert exit_info.value.code == 2
-    assert "--host-token-lag: must be a finite number of seconds" in capsys.readouterr().err
+    assert f"{option}: must be a finite number of seconds" in capsys.readouterr().err

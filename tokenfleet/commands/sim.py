@@ -6,9 +6,13 @@ import argparse
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from control.step_time import Blackbox
 from tokenfleet.commands.errors import CliError
+
+if TYPE_CHECKING:
+    from control.routing.tokenpilot import TokenPilotParams
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -68,7 +72,7 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
         help="one run at each share of measured capacity, e.g. 0.5,0.8,1,1.2",
     )
     sim.add_argument("--seed", type=int, default=0, help="seed of every random choice")
-    _add_host_token_lag(sim)
+    _add_token_lags(sim)
     sim.add_argument(
         "--blackbox",
         type=_blackbox,
@@ -101,6 +105,7 @@ def _sim(args: argparse.Namespace) -> int:
         seed=args.seed,
         blackbox=args.blackbox,
         host_token_lag_s=args.host_token_lag,
+        tokenpilot=_tokenpilot_params(args),
     )
     progress = sys.stderr.isatty()
     try:
@@ -132,7 +137,8 @@ def _blackbox(text: str) -> Blackbox:
     return Blackbox(b0, b1, b2, a0, a1, a2)
 
 
-def _add_host_token_lag(parser: argparse.ArgumentParser) -> None:
+def _add_token_lags(parser: argparse.ArgumentParser) -> None:
+    from control.routing.tokenpilot import TokenPilotParams
     from sim.simulator import HOST_TOKEN_LAG_S
 
     parser.add_argument(
@@ -141,8 +147,23 @@ def _add_host_token_lag(parser: argparse.ArgumentParser) -> None:
         default=HOST_TOKEN_LAG_S,
         metavar="S",
         help="how late the simulated host sees each step's streamed tokens, in seconds "
-        f"(default {HOST_TOKEN_LAG_S:g}); TokenPilot assumes its own figure",
+        f"(default {HOST_TOKEN_LAG_S:g}); TokenPilot assumes its own, --assumed-token-lag",
     )
+    assumed = TokenPilotParams().token_lag_s
+    parser.add_argument(
+        "--assumed-token-lag",
+        type=_seconds,
+        default=assumed,
+        metavar="S",
+        help=f"the lag TokenPilot assumes, in seconds (default {assumed:g}; a gateway "
+        "takes it from TOKENFLEET_GATEWAY_TOKEN_LAG_S)",
+    )
+
+
+def _tokenpilot_params(args: argparse.Namespace) -> TokenPilotParams:
+    from control.routing.tokenpilot import TokenPilotParams
+
+    return TokenPilotParams(token_lag_s=args.assumed_token_lag)
 
 
 def _seconds(text: str) -> float:
@@ -335,7 +356,7 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
     )
     routing.add_argument("--requests", type=int, help="only the first N requests")
     routing.add_argument("--seed", type=int, default=0)
-    _add_host_token_lag(routing)
+    _add_token_lags(routing)
     routing.add_argument(
         "--policies",
         type=lambda t: t.split(","),
@@ -378,6 +399,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
                 jobs=args.jobs,
                 progress=lambda label: (bar.set_postfix_str(label), bar.update()),
                 host_token_lag_s=args.host_token_lag,
+                tokenpilot=_tokenpilot_params(args),
             )
         except (ValueError, KeyError) as exc:
             raise CliError(str(exc)) from None
