@@ -23,9 +23,9 @@ class GatewaySettings(BaseSettings):
     """The routing policy, by the name ``tokenfleet sim --policy`` takes."""
     token_lag_s: float = Field(default=TokenPilotParams().token_lag_s, ge=0, le=1)
     """TokenPilot: from an engine step's end to its streamed tokens reaching this gateway
-    (the engine's output path, detokenising, the network). Measure it where you deploy:
-    TokenPilot places each candidate in its step from it (``docs/routing.md``, "The step
-    in flight")."""
+    (the engine's output path, detokenising, the network). TokenPilot places each
+    candidate in its step from it (``docs/routing.md``, "The step in flight"), and
+    assumes more when first tokens show this gateway later: the least lag assumed."""
     name: str = Field(default_factory=lambda: f"gateway-{socket.gethostname()}-{os.getpid()}")
     """The ``source`` of this gateway's events."""
     event_buffer: int = Field(default=10_000, ge=1)

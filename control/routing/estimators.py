@@ -178,3 +178,72 @@ class BiasCorrection:
 
 def _clip_log_ratio(value: float) -> float:
     return float(np.clip(value, -np.log(4), np.log(4)))
+
+
+class TokenLag:
+    """How late the host sees each engine's steps end, learned from first tokens.
+
+    A request sent to an instance with nothing queued starts in the first step that
+    begins after it arrives. If the host saw that instance's last step end ``age``
+    seconds before sending it, and its decoding steps last ``step``, the request waits
+    ``(step - age - lag) mod step``: the lag decides whether it catches the next step or
+    waits a whole one more. ``fit`` compares lags by how far from the waits observed they
+    put each request (after an offset common to all of them, which takes up the constant
+    errors of the rest of the prediction).
+
+    Only a lag above the one assumed shows in these waits. A router that assumes too
+    much takes the arrivals just before a step's end for late ones and avoids them, so
+    no observation falls where a lower lag would differ; one that assumes too little
+    sends requests there, and they wait a step more than it predicted. So the lag used
+    is never below ``floor_s`` (the deployment's figure); the smallest lag that explains
+    the waits no worse than the best one raises it, "worse" meaning by more than
+    ``confidence`` standard errors of the requests' differences (prefill predictions on
+    long prompts are off by more than a step's phase, and a few hundred of them would
+    otherwise make a lag out of noise); and what was learned decays by ``decay`` at each
+    fit, so that a host that became faster is followed back down and the next fit raises
+    it again where it is not.
+    """
+
+    RESOLUTION_S = 0.00025
+
+    def __init__(
+        self,
+        floor_s: float,
+        *,
+        window: int = 256,
+        refit_every: int = 64,
+        confidence: float = 3.0,
+        decay: float = 0.99,
+    ) -> None:
+        self.floor_s = floor_s
+        self.refit_every = refit_every
+        self.confidence = confidence
+        self.decay = decay
+        self._samples = np.zeros((3, window))  # age, step, wait; a ring
+        self._seen = 0
+        self._learned = 0.0
+
+    @property
+    def lag_s(self) -> float:
+        return max(self.floor_s, self._learned)
+
+    def observe(self, age_s: float, step_s: float, wait_s: float) -> None:
+        """One request sent with nothing queued ahead: how long before sending it the host
+        saw the instance's last step end, the instance's decoding step, and how long the
+        request waited for its first step (observed TTFT less its predicted prefill)."""
+        window = self._samples.shape[1]
+        self._samples[:, self._seen % window] = age_s, step_s, wait_s
+        self._seen += 1
+        if self._seen % self.refit_every == 0:
+            self._learned = max(self.fit(), self._learned * self.decay)
+
+    def fit(self) -> float:
+        """The smallest lag, below half a step (a whole step's lag would look like none),
+        that the waits observed do not show to be worse than the best one."""
+        age, step, wait = self._samples[:, : min(self._seen, self._samples.shape[1])]
+        lags = np.arange(0.0, 0.5 * float(np.median(step)), self.RESOLUTION_S)
+        residual = wait - np.mod(step - age - lags[:, None], step)
+        miss = np.abs(residual - np.median(residual, axis=1, keepdims=True))
+        worse = miss - miss[np.argmin(miss.sum(axis=1))]
+        error = worse.std(axis=1) / np.sqrt(worse.shape[1])
+        return float(lags[np.argmax(worse.mean(axis=1) <= self.confidence * error)])

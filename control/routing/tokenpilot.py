@@ -20,7 +20,8 @@ For every candidate, vectorised over instances:
   cannot be in the step that began then; they will share their first step with this
   request. The rest of the queue is in flight, and the request waits only what remains of
   it, or of the decoding step when nothing is: arrivals that land just as a step ends
-  wait least;
+  wait least. The host sees a step end late; the lag assumed is learned from the first
+  tokens of requests that had nothing queued ahead (``TokenLag``);
 - **prefill** (``prefill_s``): the same for the request's own uncached tokens, plus their
   attention over the cached context;
 - **correction**: times the candidate's learned ratio of observed to predicted TTFT;
@@ -57,6 +58,7 @@ from control.routing.estimators import (
     AwaitingOutcome,
     BiasCorrection,
     OutputLengths,
+    TokenLag,
     WorkLedger,
 )
 from control.routing.prefix_index import ApproximatePrefixIndex
@@ -82,12 +84,15 @@ class TokenPilotParams:
     calibration matches vLLM's time per output token within 2 %, docs/validation.md)."""
     token_lag_s: float = 0.004
     """From a step's end to its streamed tokens reaching the host (the engine's output
-    path, detokenising, the network): the host sees each step begin this much late. An
-    assumption, not a measurement; set it to what the deployment measures (the gateway's
+    path, detokenising, the network): the host sees each step begin this much late. The
+    least lag assumed: set it to what the deployment measures (the gateway's
     ``token_lag_s`` setting). Too high costs less than too low: on the Azure trace, a
     host 3 ms later than assumed lost the whole gain of knowing the steps' phase, one 2 ms
     earlier less than a quarter of it (``docs/routing.md``, "The step in flight"); the
-    simulator's host is 2 ms late."""
+    simulator's host is 2 ms late. With ``learn_token_lag`` a host seen later than this
+    raises it."""
+    learn_token_lag: bool = True
+    """Raise the lag assumed when first tokens show the host later (``TokenLag``)."""
     kv_pressure_weight: float = 1.0
     """Scores are multiplied by ``1 + weight * KV usage``: a full cache's time counts
     double (``docs/routing.md``, "KV pressure")."""
@@ -109,6 +114,10 @@ class _Sent:
     raw_prediction_s: float
     output_key: str
     ledger_entry: int
+    phase: tuple[float, float, float, float] | None
+    """For ``TokenLag``, where nothing was queued ahead and the host had seen a step end
+    within the last step and a half: that step end's age, the decoding step, the
+    predicted prefill and the correction it was multiplied by."""
 
 
 @dataclass
@@ -125,6 +134,7 @@ class TokenPilot:
         self._sent: AwaitingOutcome[_Sent] = AwaitingOutcome()
         self._mean_prompt_tokens = 0.0
         """Moving average of prompt lengths, to size queues known only by their count."""
+        self.token_lag = TokenLag(self.params.token_lag_s)
         # An idle engine's load is scalars, which numpy broadcasts: each array operation
         # costs microseconds at a thousand candidates.
         budget = self.pool.max_num_batched_tokens
@@ -157,11 +167,12 @@ class TokenPilot:
         sent = self._sent.pop(observation.request_id)
         if sent is None or self._correction is None:
             return
-        overhead = self.pool.step_time.ttft_overhead_s
-        self._correction.observe(
-            sent.instance, sent.raw_prediction_s, observation.ttft_s - overhead
-        )
+        engine_ttft_s = observation.ttft_s - self.pool.step_time.ttft_overhead_s
+        self._correction.observe(sent.instance, sent.raw_prediction_s, engine_ttft_s)
         self.outputs.observe(sent.output_key, observation.output_tokens)
+        if sent.phase is not None and self.params.learn_token_lag:
+            age, step, prefill, ratio = sent.phase
+            self.token_lag.observe(age, step, engine_ttft_s / ratio - prefill)
 
     def withdraw(self, request_id: str) -> None:
         """The host routed this request elsewhere after all (it decided again on a fresher
@@ -250,7 +261,7 @@ class TokenPilot:
 
         ``decode_step``: the candidate's decoding step (with this request among its
         sequences, which changes it by one sequence's cost)."""
-        began = fleet.last_step_end_s - self.params.token_lag_s
+        began = fleet.last_step_end_s - self.token_lag.lag_s
         unstarted_tokens, unstarted = ledger.sent_since(began)
         started = np.maximum(ahead - unstarted_tokens, 0)
         # A step with prefill tokens lasts longer than one without (the step model grows
@@ -334,7 +345,8 @@ class TokenPilot:
     ) -> None:
         key = request.task_class
         first_token = now + prediction_s
-        decode_s = self.outputs.expected(key, request.output_budget) * parts["tpot_s"][chosen]
+        step = float(parts["tpot_s"][chosen])
+        decode_s = self.outputs.expected(key, request.output_budget) * step
         assert self._ledger is not None
         entry = self._ledger.add(
             chosen,
@@ -345,4 +357,9 @@ class TokenPilot:
         )
         if request.known_matches is None:
             self.index.add(chosen, request.prefix_blocks, int(fleet.kv_blocks_total[chosen]))
-        self._sent.put(request.request_id, _Sent(chosen, raw_prediction_s, key, entry))
+        age = now - float(fleet.last_step_end_s[chosen])
+        phase = None
+        if parts["ahead_tokens"][chosen] == 0 and age < 1.5 * step and raw_prediction_s > 0:
+            ratio = prediction_s / raw_prediction_s
+            phase = (age, step, float(parts["prefill_s"][chosen]), ratio)
+        self._sent.put(request.request_id, _Sent(chosen, raw_prediction_s, key, entry, phase))

@@ -6,10 +6,15 @@ import numpy as np
 import pytest
 
 from control.routing import make_router
+from control.routing.tokenpilot import TokenPilotParams
 from control.step_time import KneeRoofline
 from sim.cluster import Cluster, InstanceProfile
 from sim.engine import EngineConfig
+from sim.ladder import rate_scales
 from sim.metrics import summarize
+from sim.profiles import PROFILES
+from sim.registry import load_trace
+from sim.run import scaled
 from sim.simulator import Simulation
 from sim.workload import TraceRequest
 
@@ -225,3 +230,22 @@ def test_routers_see_the_last_step_end_that_streamed_tokens(decode_runs, lag_s) 
 
 def test_both_ways_of_stepping_show_the_same_step_ends() -> None:
     assert _step_ends_seen(True, 0.0)[2][0] == _step_ends_seen(False, 0.0)[2][0]
+
+
+def test_tokenpilot_learns_a_host_later_than_it_assumes() -> None:
+    """TokenPilot assumes its default 4 ms; the simulated host sees tokens 8 ms late.
+    From the first tokens of its requests it raises the lag it assumes, and its
+    requests catch the steps they aim for more often than without learning."""
+    chosen = PROFILES["llama3-70b-4xh100"]
+    workload = load_trace("azure-conv", limit=800)
+    workload = scaled(workload, rate_scales(chosen, workload, 4, [1.0])[0])
+    outcomes = {}
+    for learn in (False, True):
+        params = TokenPilotParams(learn_token_lag=learn)
+        router = make_router("tokenpilot", pool=chosen.pool_model(), params=params)
+        records = Simulation(Cluster.single(chosen, 4), router, token_lag_s=0.008).run(workload)
+        ttft = np.median([r.ttft_s for r in records if r.ttft_s is not None])
+        outcomes[learn] = router.token_lag.lag_s, ttft
+    assert outcomes[False][0] == 0.004
+    assert 0.006 < outcomes[True][0] <= 0.0085
+    assert outcomes[True][1] < outcomes[False][1]

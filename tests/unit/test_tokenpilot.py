@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from control.routing import FleetSnapshot, Observation, PoolModel, RouteRequest, make_router
-from control.routing.estimators import AwaitingOutcome
+from control.routing.estimators import AwaitingOutcome, TokenLag
 from control.routing.llmd import LlmdDefault
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.step_time import KneeRoofline
@@ -327,3 +327,46 @@ def test_a_withdrawn_request_no_longer_counts_as_unstarted() -> None:
     pilot.withdraw("r0")
     third = pilot.route(RouteRequest("r2", 300, 50), fleet, now=0.003)
     assert third.parts["unstarted_ahead"].sum() == 1  # r1 alone
+
+
+STEP_S = 0.02
+
+
+def _waits(lag: TokenLag, host_lag_s: float, samples: int, seed: int = 0) -> None:
+    """Requests sent with nothing queued, each where a router assuming ``lag`` expects
+    it to catch the next step (the host saw the last step end no longer ago than a step
+    less that lag); each waits for its first step as a host ``host_lag_s`` late makes it,
+    plus a constant 3 ms the rest of the prediction missed and 1 ms of noise."""
+    rng = np.random.default_rng(seed)
+    for _ in range(samples):
+        age = rng.uniform(0, STEP_S - lag.lag_s)
+        wait = (STEP_S - age - host_lag_s) % STEP_S + 0.003 + rng.normal(0, 0.001)
+        lag.observe(age, STEP_S, wait)
+
+
+@pytest.mark.parametrize(("floor_s", "host_lag_s"), [(0.004, 0.008), (0.0, 0.002)])
+def test_the_lag_rises_to_a_host_later_than_assumed(floor_s: float, host_lag_s: float) -> None:
+    lag = TokenLag(floor_s=floor_s)
+    _waits(lag, host_lag_s=host_lag_s, samples=512)
+    assert lag.lag_s == pytest.approx(host_lag_s, abs=0.00075)
+
+
+def test_a_host_earlier_than_the_floor_keeps_the_lag_at_the_floor() -> None:
+    """Assuming 4 ms, the router never sends where a 2 ms lag would show."""
+    lag = TokenLag(floor_s=0.004)
+    _waits(lag, host_lag_s=0.002, samples=1_024)
+    assert lag.lag_s == 0.004
+
+
+def test_a_host_that_became_faster_is_followed_back_down_to_the_floor() -> None:
+    lag = TokenLag(floor_s=0.002)
+    _waits(lag, host_lag_s=0.008, samples=256)
+    assert lag.lag_s > 0.0075
+    _waits(lag, host_lag_s=0.002, samples=64 * 160, seed=1)
+    assert lag.lag_s == pytest.approx(0.002, abs=0.0005)
+
+
+def test_before_its_first_fit_the_lag_is_the_floor() -> None:
+    lag = TokenLag(floor_s=0.004)
+    _waits(lag, host_lag_s=0.008, samples=63)
+    assert lag.lag_s == 0.004

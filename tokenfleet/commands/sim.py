@@ -155,8 +155,9 @@ def _add_token_lags(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=assumed,
         metavar="S",
-        help=f"the lag TokenPilot assumes, in seconds (default {assumed:g}; a gateway "
-        "takes it from TOKENFLEET_GATEWAY_TOKEN_LAG_S)",
+        help=f"the least lag TokenPilot assumes, in seconds (default {assumed:g}); it "
+        "assumes more when first tokens show the host later (a gateway takes it from "
+        "TOKENFLEET_GATEWAY_TOKEN_LAG_S)",
     )
 
 
