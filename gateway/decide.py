@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from control.routing.registry import Router
 from control.routing.snapshot import Decision, RouteRequest
-from control.routing.tokenpilot import TokenPilotParams
+from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.tokens import BLOCK_TOKENS
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
@@ -139,7 +139,10 @@ class Decider:
     def router(self, model: str, dc: str) -> Router:
         key = (model, dc)
         if key not in self._routers:
-            self._routers[key] = self._make_router(model)
+            router = self._routers[key] = self._make_router(model)
+            if isinstance(router, TokenPilot):
+                lag = router.token_lag
+                self.metrics.token_lag.labels(model, dc).set_function(lambda: lag.lag_s)
         return self._routers[key]
 
 

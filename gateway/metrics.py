@@ -68,6 +68,13 @@ class GatewayMetrics:
             "Shared-state calls answered locally because Redis failed.",
             registry=r,
         )
+        self.token_lag = Gauge(
+            "tokenfleet_gateway_token_lag_seconds",
+            "How late TokenPilot takes this gateway to see an instance's step end: the "
+            "configured least, or more where first tokens showed it later.",
+            ("model", "dc"),
+            registry=r,
+        )
         self.control_defaults = Gauge(
             "tokenfleet_gateway_control_defaults",
             "1 while a control kind (quotas, weights) is missing or expired and its safe "

@@ -99,6 +99,7 @@ async def test_the_answer_names_the_instance_and_metrics_count_it(front: Gateway
     assert await metric(front, "tokenfleet_gateway_decisions_total", instance=instance) == 1
     assert await metric(front, "tokenfleet_gateway_requests_total", status="200") == 1
     assert await metric(front, "tokenfleet_gateway_added_latency_seconds_count") == 1
+    assert await metric(front, "tokenfleet_gateway_token_lag_seconds", model=MODEL) == 0.004
 
 
 async def test_errors_use_openai_statuses_and_format(front: Gateway) -> None:
