@@ -102,6 +102,16 @@ async def test_the_answer_names_the_instance_and_metrics_count_it(front: Gateway
     assert await metric(front, "tokenfleet_gateway_token_lag_seconds", model=MODEL) == 0.004
 
 
+async def test_a_workload_replays_through_the_gateway_with_a_tenant_s_key(
+    front: Gateway, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["replay", "--trace", "azure-conv", "--target", front.url, "--model", MODEL]
+    argv += ["--requests", "6", "--speedup", "10"]
+    assert await asyncio.to_thread(main, [*argv, "--api-key", KEY]) == 0
+    assert await asyncio.to_thread(main, [*argv, "--api-key", "sk-wrong"]) == 1
+    assert "failed: 6 with HTTP 401" in capsys.readouterr().err
+
+
 async def test_errors_use_openai_statuses_and_format(front: Gateway) -> None:
     async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="wrong") as stranger:
         with pytest.raises(openai.AuthenticationError) as denied:

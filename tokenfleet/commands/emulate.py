@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from pathlib import Path
 
 from tokenfleet.commands.errors import CliError
@@ -90,12 +91,20 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         default=1.0,
         help="the target's speed-up; arrivals are compressed to match",
     )
+    replay.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as a bearer token, as OpenAI clients do (default: $OPENAI_API_KEY; "
+        "a TokenFleet gateway needs one of its tenants' keys)",
+    )
     replay.add_argument("--json", type=Path, help="write one record per request here")
     replay.set_defaults(handler=_replay)
 
 
 def _replay(args: argparse.Namespace) -> int:
     import json
+    import sys
+    from collections import Counter
     from dataclasses import asdict
 
     import httpx
@@ -106,7 +115,10 @@ def _replay(args: argparse.Namespace) -> int:
 
     try:
         workload = load_trace(args.trace, limit=args.requests)
-        records = asyncio.run(replay(workload, args.target, args.model, speedup=args.speedup))
+        headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else None
+        records = asyncio.run(
+            replay(workload, args.target, args.model, speedup=args.speedup, headers=headers)
+        )
     except (ValueError, httpx.HTTPError) as exc:
         raise CliError(str(exc)) from None
     ok = [r for r in records if r.status == 200 and r.ttft_s is not None]
@@ -117,6 +129,10 @@ def _replay(args: argparse.Namespace) -> int:
         f"{len(ok)} of {len(records)} requests succeeded; "
         + ", ".join(f"{k} {v:.3f}" for k, v in stats.items())
     )
+    failed = Counter(r.status for r in records if r.status != 200)
+    if failed:
+        statuses = ", ".join(f"{count} with HTTP {status}" for status, count in failed.items())
+        print(f"failed: {statuses}", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
     return 0 if len(ok) == len(records) else 1
