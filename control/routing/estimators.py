@@ -1,4 +1,5 @@
-"""The online estimators TokenPilot keeps: work it has sent, outputs, and its own bias."""
+"""The online estimators TokenPilot keeps: work it has sent, outputs, its own bias, and how
+late its host sees steps end."""
 
 from __future__ import annotations
 
