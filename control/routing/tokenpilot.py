@@ -115,9 +115,9 @@ class _Sent:
     output_key: str
     ledger_entry: int
     phase: tuple[float, float, float, float] | None
-    """For ``TokenLag``, where nothing was queued ahead and the host had seen a step end
-    within the last step and a half: that step end's age, the decoding step, the
-    predicted prefill and the correction it was multiplied by."""
+    """For ``TokenLag``, when it learns, where nothing was queued ahead and the host had
+    seen a step end within the last step and a half: that step end's age, the decoding
+    step, the predicted prefill and the correction it was multiplied by."""
 
 
 @dataclass
@@ -170,7 +170,7 @@ class TokenPilot:
         engine_ttft_s = observation.ttft_s - self.pool.step_time.ttft_overhead_s
         self._correction.observe(sent.instance, sent.raw_prediction_s, engine_ttft_s)
         self.outputs.observe(sent.output_key, observation.output_tokens)
-        if sent.phase is not None and self.params.learn_token_lag:
+        if sent.phase is not None:
             age, step, prefill, ratio = sent.phase
             self.token_lag.observe(age, step, engine_ttft_s / ratio - prefill)
 
@@ -359,7 +359,8 @@ class TokenPilot:
             self.index.add(chosen, request.prefix_blocks, int(fleet.kv_blocks_total[chosen]))
         age = now - float(fleet.last_step_end_s[chosen])
         phase = None
-        if parts["ahead_tokens"][chosen] == 0 and age < 1.5 * step and raw_prediction_s > 0:
+        learns = self.params.learn_token_lag and raw_prediction_s > 0
+        if learns and parts["ahead_tokens"][chosen] == 0 and age < 1.5 * step:
             ratio = prediction_s / raw_prediction_s
             phase = (age, step, float(parts["prefill_s"][chosen]), ratio)
         self._sent.put(request.request_id, _Sent(chosen, raw_prediction_s, key, entry, phase))
