@@ -97,6 +97,17 @@ def test_a_burst_measures_capacity_and_a_trace_its_offered_rate() -> None:
     )  # longer prompts, fewer per second
 
 
+def test_a_straggler_s_long_decode_barely_moves_the_measured_capacity() -> None:
+    """The burst's drain is not capacity unused: one request decoding 8,000 tokens alone
+    after 600 short ones makes the burst last 32 times longer, and a capacity read from
+    its makespan (requests over it) 32 times lower."""
+    short = [TraceRequest(f"r{n}", 0.0, 100, 50, ()) for n in range(600)]
+    straggler = TraceRequest("long", 0.0, 100, 8_000, ())
+    chosen = profile("llama3-70b-4xh100")
+    alone = instance_capacity_rps(chosen, short)
+    assert instance_capacity_rps(chosen, [*short, straggler]) > 0.8 * alone
+
+
 def test_export_writes_prefix_groups_and_reusable_prefixes(tmp_path: Path) -> None:
     requests = [
         TraceRequest("a", 0.0, 64, 4, (1, 2, 3, 4)),
