@@ -1,7 +1,7 @@
 """Load levels relative to what a cluster can serve of a given workload.
 
 Capacity is measured, not assumed: a sample of the workload arrives all at once on one
-instance, and the rate at which that instance admits requests while it still has a
+instance, and the requests per second that instance completes while it still has a
 backlog, times the number of instances, is the cluster's capacity for that mix.
 """
 
