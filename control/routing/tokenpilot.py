@@ -311,6 +311,9 @@ class TokenPilot:
         """The best eligible candidate. An engine short of free blocks for the prompt
         holds it back or, once its chunks are running, preempts the newest sequence (often
         this prompt itself) to compute it again later: such an instance is no candidate.
+        The blocks counted are those free now, not what the prompts queued ahead will
+        take: past capacity this gathers the longest prompts where few sequences run
+        (``docs/routing.md``, "Past capacity on Mooncake", which says why it stays).
 
         Among ties (``tie_band``) the candidate with the fewest tokens in flight wins, then
         the one this router sent work least recently. Ties are common on a lightly loaded
