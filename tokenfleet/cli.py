@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from tokenfleet.allocator import keep_freed_memory
 from tokenfleet.commands import emulate, gateway, services, sim, streams
 from tokenfleet.commands.errors import CliError
 from tokenfleet.services.process import ServiceError
@@ -16,6 +17,7 @@ from tokenfleet.services.process import ServiceError
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    keep_freed_memory()
     try:
         return args.handler(args)
     except (ServiceError, CliError) as exc:

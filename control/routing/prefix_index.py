@@ -71,8 +71,8 @@ class ApproximatePrefixIndex:
             )
         bit = 1 << instance
         holders = self._holders
-        for block in lru.touch(hashes[self.stride - 1 :: self.stride]):
-            holders[block] = holders.get(block, 0) | bit
+        new = lru.touch(hashes[self.stride - 1 :: self.stride])
+        holders.update(zip(new, map(bit.__or__, map(holders.get, new, repeat(0))), strict=True))
         self._leave(lru.evict_beyond(self._capacity[instance] // self.stride), bit)
 
     def evicted(self, instance: int, hashes: Sequence[int]) -> None:

@@ -221,7 +221,7 @@ class TokenPilot:
         step, queued = self._step_in_flight(fleet, ledger, ahead, load, tpot, now)
         # Both in one call: each array operation costs microseconds, whatever its size.
         queue, with_own = step["wait_s"] + self._prefill_seconds(
-            np.stack([queued, queued + uncached]), load
+            np.array([queued, queued + uncached]), load
         )
         pairs = uncached * cached + uncached * (uncached + 1) / 2
         attention = model.attention_s(pairs)
@@ -297,7 +297,9 @@ class TokenPilot:
         instances' mean queue, in prompts of the mean length seen."""
         if self._mean_prompt_tokens <= 0:
             return 0.0
-        return float(ahead_tokens[fleet.ready].mean() / self._mean_prompt_tokens)
+        ready = ahead_tokens[fleet.ready]
+        # The mean as ``ndarray.mean`` computes it, without its Python wrapper.
+        return float(np.add.reduce(ready) / len(ready) / self._mean_prompt_tokens)
 
     def _prefill_seconds(self, tokens: np.ndarray, load: _Load) -> np.ndarray:
         """Time to push ``tokens`` of prefill through equal chunks, each step also carrying
@@ -333,6 +335,8 @@ class TokenPilot:
             eligible = fleet.ready
         scores = np.where(eligible, scores, np.inf)
         ties = (scores <= scores.min() * (1 + self.params.tie_band)).nonzero()[0]
+        if len(ties) == 1:
+            return int(ties[0])
         fewest_first = np.lexsort((ledger.last_entry[ties], fleet.inflight_tokens[ties]))
         return int(ties[fewest_first[0]])
 
