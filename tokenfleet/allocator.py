@@ -27,7 +27,10 @@ TRIM_THRESHOLD = 128 * 2**20
 
 def keep_freed_memory() -> bool:
     """Set glibc's thresholds for this process; False where the C library is not glibc."""
-    libc = ctypes.CDLL(None)
+    try:
+        libc = ctypes.CDLL(None)  # the process's own symbols, the C library's among them
+    except (OSError, TypeError):  # Windows has no such handle
+        return False
     if not hasattr(libc, "gnu_get_libc_version"):
         return False
     return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(

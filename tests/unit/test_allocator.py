@@ -48,9 +48,8 @@ def test_large_buffers_come_from_the_heap_once_tuned() -> None:
     assert huge == "1"  # above the threshold, still mapped
 
 
-@pytest.mark.skipif(GLIBC, reason="what other C libraries get")
-def test_other_c_libraries_are_left_alone() -> None:
-    assert keep_freed_memory() is False
+def test_the_thresholds_are_set_exactly_where_the_c_library_is_glibc() -> None:
+    assert keep_freed_memory() is GLIBC
 
 
 def test_every_command_runs_with_the_allocator_tuned(

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from sim.decision_bench import time_decisions
 from sim.export import export_csv
 from sim.ladder import instance_capacity_rps, offered_rate_rps
 from sim.profiles import profile
@@ -283,3 +284,21 @@ def test_a_negative_token_lag_is_refused(
         main([*command, "--trace", "shared-prefix", option, "-0.001"])
     assert exit_info.value.code == 2
     assert f"{option}: must be a finite number of seconds" in capsys.readouterr().err
+
+
+def test_the_decision_bench_times_each_policy_beside_the_first() -> None:
+    rows = time_decisions(["tokenpilot", "llmd_default", "round_robin"], size=16, decisions=60)
+    assert [row["policy"] for row in rows] == ["tokenpilot", "llmd_default", "round_robin"]
+    assert rows[0]["p50_ratio"] == rows[0]["p99_ratio"] == 1.0
+    for row in rows:
+        assert 0 < row["p50_us"] <= row["p99_us"]
+        assert row["p50_ratio"] == pytest.approx(row["p50_us"] / rows[0]["p50_us"])
+
+
+def test_the_decision_bench_refuses_an_unknown_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "decision.json"
+    assert main(["bench", "decision", "--policies", "tokenpilot,fastest", "--json", str(out)]) == 2
+    assert "unknown policies: fastest" in capsys.readouterr().err
+    assert not out.exists()
