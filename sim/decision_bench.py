@@ -22,6 +22,7 @@ from control.routing import FleetSnapshot, RouteRequest, make_router
 from sim.profiles import profile
 
 PROMPT_TOKENS = 16_384
+SIZES = (16, 256, 1024, 4096)
 WARM_UP = 200
 
 
@@ -77,9 +78,3 @@ def time_decisions(
         }
         for row, policy in enumerate(policies)
     ]
-
-
-def bench_decisions(
-    policies: Sequence[str] = ("tokenpilot",), sizes: Sequence[int] = (16, 256, 1024, 4096)
-) -> list[dict]:
-    return [row for size in sizes for row in time_decisions(policies, size)]

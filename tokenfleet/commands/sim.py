@@ -328,13 +328,19 @@ def _bench_gateway(args: argparse.Namespace) -> int:
 def _bench_decision(args: argparse.Namespace) -> int:
     import json
 
+    from tqdm import tqdm
+
     from control.routing import ROUTERS
-    from sim.decision_bench import bench_decisions
+    from sim.decision_bench import SIZES, time_decisions
 
     unknown = sorted(set(args.policies) - set(ROUTERS))
     if unknown:
         raise CliError(f"unknown policies: {', '.join(unknown)}")
-    figures = bench_decisions(args.policies)
+    figures = [
+        row
+        for size in tqdm(SIZES, desc="fleet sizes", unit="size", leave=False)
+        for row in time_decisions(args.policies, size)
+    ]
     for row in figures:
         print(
             f"{row['instances']:>5} instances  {row['policy']:<22} p50 {row['p50_us']:8.1f} us"
