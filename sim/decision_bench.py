@@ -7,9 +7,9 @@ and the decision record included), after a warm-up, with ``time.perf_counter_ns`
 
 Several policies are timed side by side: every router decides each request on the same
 snapshot, in an order that rotates, so a shared machine's noise slows them alike (and each
-pays for the others evicting its data from the CPU's caches). On this project's machine
-their ratios to the first policy held within a few hundredths over runs whose microseconds
-moved by a third (``docs/routing.md``, "Side by side with the baselines").
+pays for the others evicting its data from the CPU's caches). On this project's machine,
+over three runs in which TokenPilot's P50 moved by a third, each baseline's P50 ratio to it
+moved by 0.01 to 0.14 (``docs/routing.md``, "Side by side with the baselines").
 """
 
 from __future__ import annotations
