@@ -51,10 +51,10 @@ def time_decisions(
     routers = [make_router(policy, seed=seed, pool=pool) for policy in policies]
     blocks = PROMPT_TOKENS // 16
     shared = tuple(range(blocks // 2))
+    indexes = [router.index for router in routers if hasattr(router, "index")]
     for instance in [int(rng.integers(size)) for _ in range(min(size, 64))]:
-        for router in routers:  # half the prompt cached there, in the prefix routers' index
-            if hasattr(router, "index"):
-                router.index.add(instance, shared)
+        for index in indexes:  # half the prompt cached there, in each prefix router's index
+            index.add(instance, shared)
     fleet = random_fleet(size, rng)
     times = np.zeros((len(routers), decisions + WARM_UP))
     for n in range(decisions + WARM_UP):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -330,26 +330,33 @@ def _bench_decision(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from control.routing import ROUTERS
     from sim.decision_bench import SIZES, time_decisions
 
-    unknown = sorted(set(args.policies) - set(ROUTERS))
-    if unknown:
-        raise CliError(f"unknown policies: {', '.join(unknown)}")
+    policies = _known_policies(args.policies)
     figures = [
         row
         for size in tqdm(SIZES, desc="fleet sizes", unit="size", leave=False)
-        for row in time_decisions(args.policies, size)
+        for row in time_decisions(policies, size)
     ]
     for row in figures:
         print(
             f"{row['instances']:>5} instances  {row['policy']:<22} p50 {row['p50_us']:8.1f} us"
             f"  p99 {row['p99_us']:8.1f} us  ({row['p50_ratio']:.2f} / {row['p99_ratio']:.2f}"
-            f" x {args.policies[0]})"
+            f" x {policies[0]})"
         )
-    document = {"policies": args.policies, "results": figures}
+    document = {"policies": policies, "results": figures}
     args.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0
+
+
+def _known_policies(policies: Sequence[str]) -> list[str]:
+    """``policies`` as given; a CliError naming any that no router answers to."""
+    from control.routing import ROUTERS
+
+    unknown = sorted(set(policies) - set(ROUTERS))
+    if unknown:
+        raise CliError(f"unknown policies: {', '.join(unknown)}")
+    return list(policies)
 
 
 def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
@@ -402,10 +409,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
     from control.routing import ROUTERS
     from sim.routing_bench import bench_routing, plot_ttft_cdfs
 
-    policies = args.policies or list(ROUTERS)
-    unknown = sorted(set(policies) - set(ROUTERS))
-    if unknown:
-        raise CliError(f"unknown policies: {', '.join(unknown)}")
+    policies = _known_policies(args.policies or list(ROUTERS))
     with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
             document, records = bench_routing(
