@@ -64,6 +64,11 @@ class StepsUnderLoad(Protocol):
         """Duration of a step that also prefills ``prefill_tokens`` (no attention pairs)."""
         ...
 
+    def decode_step_s(self, more_sequences: int) -> Array:
+        """Duration of a step with no prefill that decodes ``more_sequences`` sequences
+        besides the load (their context not counted)."""
+        ...
+
 
 @dataclass(frozen=True)
 class KneeRoofline:
@@ -97,6 +102,7 @@ class KneeRoofline:
             fixed + self.d_s_per_context_token * decode_context,
             self.n0_tokens - decode_seqs,
             self.b_s_per_token,
+            self.c_s_per_seq,
         )
 
     def attention_s(self, prefill_pairs: Values) -> Array:
@@ -130,7 +136,9 @@ class Blackbox:
 
     def under_load(self, decode_seqs: Values, decode_context: Values) -> _BlackboxUnderLoad:
         return _BlackboxUnderLoad(
-            (self.beta0_us + self.beta2_us * decode_seqs) * US, self.beta1_us * US
+            (self.beta0_us + self.beta2_us * decode_seqs) * US,
+            self.beta1_us * US,
+            self.beta2_us * US,
         )
 
     def attention_s(self, prefill_pairs: Values) -> Array:
@@ -144,15 +152,24 @@ class _KneeUnderLoad:
     free_tokens: Values
     """Prefill tokens the step takes below the knee, bound by reading the weights."""
     s_per_token: float
+    s_per_seq: float
 
     def step_s(self, prefill_tokens: Values) -> Array:
         return self.fixed_s + self.s_per_token * np.maximum(prefill_tokens - self.free_tokens, 0.0)
+
+    def decode_step_s(self, more_sequences: int) -> Array:
+        compute = self.s_per_token * np.maximum(more_sequences - self.free_tokens, 0.0)
+        return self.fixed_s + self.s_per_seq * more_sequences + compute
 
 
 @dataclass(frozen=True, slots=True)
 class _BlackboxUnderLoad:
     fixed_s: Values
     s_per_token: float
+    s_per_seq: float
 
     def step_s(self, prefill_tokens: Values) -> Array:
         return self.fixed_s + self.s_per_token * prefill_tokens
+
+    def decode_step_s(self, more_sequences: int) -> Array:
+        return self.fixed_s + self.s_per_seq * more_sequences

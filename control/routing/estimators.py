@@ -4,6 +4,7 @@ late its host sees steps end."""
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -158,12 +159,16 @@ class BiasCorrection:
     ) -> None:
         self._pool = 0.0
         self._deviation = np.zeros(instances, dtype=np.float64)
+        # Both parts as ratios too, kept by ``observe``: an ``exp`` over every instance at
+        # each decision took 15 µs at a thousand instances.
+        self._pool_ratio = 1.0
+        self._instance_ratio = np.ones(instances, dtype=np.float64)
         self.smoothing = smoothing
         self.instance_smoothing = instance_smoothing
 
     @property
     def ratio(self) -> np.ndarray:
-        return np.exp(self._pool + self._deviation)
+        return self._pool_ratio * self._instance_ratio
 
     def observe(self, instance: int, raw_prediction_s: float, observed_s: float) -> None:
         """Move towards ``observed / raw prediction`` (the prediction before correction)."""
@@ -175,6 +180,8 @@ class BiasCorrection:
         own = log_ratio - self._pool - self._deviation[instance]
         deviation = self._deviation[instance] + self.instance_smoothing * own
         self._deviation[instance] = _clip_log_ratio(deviation)
+        self._pool_ratio = math.exp(self._pool)
+        self._instance_ratio[instance] = math.exp(self._deviation[instance])
 
 
 def _clip_log_ratio(value: float) -> float:

@@ -156,7 +156,7 @@ class TokenPilot:
         usage = fleet.kv_blocks_used / np.maximum(fleet.kv_blocks_total, 1)
         parts["kv_pressure"] = 1 + self.params.kv_pressure_weight * usage
         scores = (predicted + parts["delay_to_others_s"]) * parts["kv_pressure"]
-        chosen = self._pick(scores, fleet, request.input_tokens - parts["cached_tokens"], ledger)
+        chosen = self._pick(scores, fleet, parts["uncached_tokens"], ledger)
         self._record(
             request, fleet, now, chosen, parts, float(raw[chosen]), float(predicted[chosen])
         )
@@ -215,9 +215,9 @@ class TokenPilot:
         decoders = np.maximum(fleet.running, ledger.decoding)
         context = fleet.kv_blocks_used * float(size)
         model = self.pool.step_time
-        tpot = model.under_load(decoders + 1, context).step_s(0)
         budget = self.pool.max_num_batched_tokens
         load = _Load(model.under_load(decoders, context), np.maximum(budget - decoders, 1))
+        tpot = load.steps.decode_step_s(1)
         step, queued = self._step_in_flight(fleet, ledger, ahead, load, tpot, now)
         # Both in one call: each array operation costs microseconds, whatever its size.
         queue, with_own = step["wait_s"] + self._prefill_seconds(
@@ -233,6 +233,7 @@ class TokenPilot:
             "work_s": alone - idle_steps_s + attention,
             "shared_step_s": self._shared_step_s(step["unstarted_tokens"], uncached, load),
             "cached_tokens": cached,
+            "uncached_tokens": uncached,
             "ahead_tokens": ahead,
             "tpot_s": tpot,
         }
@@ -357,7 +358,7 @@ class TokenPilot:
         assert self._ledger is not None
         entry = self._ledger.add(
             chosen,
-            float(request.input_tokens - parts["cached_tokens"][chosen]),
+            float(parts["uncached_tokens"][chosen]),
             now,
             first_token,
             first_token + decode_s,

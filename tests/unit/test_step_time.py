@@ -38,6 +38,22 @@ def test_steps_under_load_time_each_instance_as_the_scalar_model_does(
     np.testing.assert_allclose(vectorised, one_by_one, rtol=1e-12)
 
 
+@settings(max_examples=100, deadline=None)
+@given(loads, st.integers(0, 4), st.sampled_from(sorted(MODELS)))
+def test_a_decoding_step_with_more_sequences_is_the_load_with_them(
+    instances: list[tuple[int, int, int, int]], more: int, name: str
+) -> None:
+    """``decode_step_s`` prices a request joining the decoding batch without binding the
+    model to a second load."""
+    model = MODELS[name]
+    _, _, seqs, context = (np.array(column) for column in zip(*instances, strict=True))
+    np.testing.assert_allclose(
+        model.under_load(seqs, context).decode_step_s(more),
+        model.under_load(seqs + more, context).step_s(0),
+        rtol=1e-12,
+    )
+
+
 def test_a_scalar_load_stands_for_every_instance() -> None:
     model = MODELS["knee roofline"]
     assert isinstance(model, KneeRoofline)
