@@ -29,7 +29,7 @@ from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
 from schemas.openai_api import ApiError
 
 INDEX_STRIDE = TokenPilotParams().index_stride
-"""The shared index keeps every block TokenPilot's own index would (every 4th: hashes
+"""The shared index keeps every block TokenPilot's own index would (every 8th: hashes
 chain, so one block stands for its whole prefix)."""
 
 

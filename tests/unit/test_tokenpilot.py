@@ -21,7 +21,7 @@ STEPS = KneeRoofline(
     ttft_overhead_s=0.02,
 )
 POOL = PoolModel(STEPS)
-PREFIX = tuple(range(500))  # 8,000 tokens of shared prompt
+PREFIX = tuple(range(504))  # 8,064 tokens of shared prompt, whole groups of 4 and 8 blocks
 
 
 def idle_fleet(size: int) -> FleetSnapshot:
@@ -38,7 +38,7 @@ def idle_fleet(size: int) -> FleetSnapshot:
 
 
 def hot_request(n: int) -> RouteRequest:
-    return RouteRequest(f"r{n}", input_tokens=8_200, output_budget=200, prefix_blocks=PREFIX)
+    return RouteRequest(f"r{n}", input_tokens=8_264, output_budget=200, prefix_blocks=PREFIX)
 
 
 def test_a_warm_instance_with_a_short_queue_wins() -> None:
@@ -46,7 +46,7 @@ def test_a_warm_instance_with_a_short_queue_wins() -> None:
     pilot.index.add(1, PREFIX)
     decision = pilot.route(hot_request(0), idle_fleet(3), now=0.0)
     assert decision.chosen == 1
-    assert decision.parts["cached_tokens"][1] == 8_000
+    assert decision.parts["cached_tokens"][1] == 8_064
     assert decision.parts["prefill_s"][1] < decision.parts["prefill_s"][0] / 10
 
 
@@ -190,17 +190,17 @@ def test_a_fuller_kv_cache_weighs_a_candidate_s_time_up_to_double() -> None:
     assert decision.chosen == 1
     unweighed = decision.parts["predicted_ttft_s"] + decision.parts["delay_to_others_s"]
     np.testing.assert_allclose(decision.scores, unweighed * [1.6, 1.0])
-    pilot.index.add(0, PREFIX)  # a cached 8,000-token prefix saves more than the pressure costs
+    pilot.index.add(0, PREFIX)  # a cached 8,064-token prefix saves more than the pressure costs
     assert pilot.route(hot_request(1), fleet, now=10.0).chosen == 0
 
 
 def test_an_instance_without_free_blocks_for_the_uncached_prompt_is_skipped() -> None:
     pilot = TokenPilot(POOL)
-    pilot.index.add(0, PREFIX)  # 200 uncached tokens there (13 blocks), 8,200 elsewhere
+    pilot.index.add(0, PREFIX)  # 200 uncached tokens there (13 blocks), 8,264 elsewhere
     fleet = replace(idle_fleet(3), kv_blocks_used=np.array([29_990, 29_000, 29_600]))
     decision = pilot.route(hot_request(0), fleet, now=0.0)
     assert decision.scores[0] < decision.scores[1]  # the warm one would be faster...
-    assert decision.chosen == 1  # ...but only instance 1 has room (513 blocks) for its part
+    assert decision.chosen == 1  # ...but only instance 1 has room (517 blocks) for its part
 
 
 def test_it_degrades_to_the_best_ready_instance_when_every_one_is_full() -> None:
