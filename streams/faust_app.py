@@ -12,9 +12,11 @@ Three agents, each keyed so that its table is co-partitioned with its input:
    slice), and a timer publishes each DC's tables to the compacted ``tf.tables.*``.
 
 At-least-once: a restarted worker recovers its tables from their changelogs and reads
-again from its last committed offsets. Events it sees again are ignored by id (the join
-keeps a request's event ids, the DC state the ids of what it counted), so totals come out
-as if it had never stopped. A request's join state is forgotten once no event has touched
+again from its last committed offsets. Events it sees again change no state (the join
+keeps a request's event ids, the DC state the ids of what it counted), but each one sends
+its request's released outcomes again: a join state can reach its changelog without the
+outcomes it released, if the worker dies between the two writes. So totals come out as if
+it had never stopped. A request's join state is forgotten once no event has touched
 it for a window and its grace; ends it still holds (its start never came) then count as
 late events. Every mutated value is written back to its table: Faust
 persists only assignments.

@@ -4,7 +4,10 @@ Events of one request share its key (``request_id``), so one partition sees all 
 in publication order per producer but not across producers (the gateway publishes the
 start, another gateway or a retry may publish the end). The join therefore:
 
-- ignores an ``event_id`` it has already seen (a redelivery);
+- changes nothing for an ``event_id`` it has already seen (a redelivery), but releases
+  again what the request released before: a worker killed between writing the join state
+  to its changelog and sending the outcomes it released would otherwise, replaying the
+  event, find it seen and never send them. The tables count each outcome once, by its id;
 - holds an end (completed, failed, cancelled) until the request's arrival and its DC are
   known, then releases it; nothing is dropped for arriving early;
 - marks a second completion of one request as a repeated execution;
@@ -89,6 +92,7 @@ def new_state() -> RequestState:
         "held": [],
         "ended": 0,
         "last_ts": float("-inf"),
+        "released": [],
     }
 
 
@@ -108,9 +112,10 @@ def relevant(envelope: Envelope) -> bool:
 
 def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:
     """Fold one event into its request's ``state`` (in place); return the outcomes it
-    releases. A redelivered event changes nothing."""
+    releases. A redelivered event changes nothing and returns every outcome released
+    so far."""
     if envelope.event_id in state["seen"]:
-        return []
+        return [Outcome.from_dict(released) for released in state.get("released", [])]
     state["seen"] = [*state["seen"][-(SEEN_LIMIT - 1) :], envelope.event_id]
     state["last_ts"] = max(state["last_ts"], envelope.ts)
     payload = envelope.payload
@@ -159,6 +164,8 @@ def _release(state: RequestState) -> list[Outcome]:
         )
         state["ended"] += completed
     state["held"] = []
+    released = state.get("released", []) + [outcome.to_dict() for outcome in outcomes]
+    state["released"] = released[-SEEN_LIMIT:]
     return outcomes
 
 

@@ -3,6 +3,7 @@ simulated run produced, under reordering, duplicates, early ends and late events
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from sim.events import lifecycle_events
 from sim.records import RequestRecord
 from sim.run import RunConfig, simulate_run
+from streams.tables import outcomes
 from streams.tables.builder import TableBuilder
 from streams.tables.sketch import QuantileSketch
 from streams.tables.windows import WindowSpec
@@ -144,6 +146,25 @@ def test_ends_repeats_and_late_events_are_counted_not_lost() -> None:
     later = goodput(builder.tables(start + 110)).classes[0]
     # r4, quiet for longer than a window and its grace, is forgotten: its held end is late too
     assert (later.completed, later.late_events) == (1, 2)
+
+
+def test_a_redelivered_event_releases_again_what_its_request_released() -> None:
+    """A worker killed after writing a request's join state to its changelog but before
+    the outcome it released reached its topic replays the event from its last committed
+    offset, with the join state recovered: the event is seen, and the outcome must still
+    go out. Counted twice, it counts once."""
+    completed = _completed(1, EPOCH + 1)
+    state = outcomes.new_state()
+    released = [
+        o for event in [*_request(1, EPOCH), completed] for o in outcomes.apply(state, event)
+    ]
+    assert [o.event_id for o in released] == [completed.event_id]
+    recovered = json.loads(json.dumps(state))  # as the changelog holds it
+    assert outcomes.apply(recovered, completed) == released
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    for outcome in released * 2:
+        builder.add_outcome(outcome)
+    assert goodput(builder.tables(EPOCH + 59)).classes[0].completed == 1
 
 
 def _telemetry(instance: str, used: int, hits: int, queries: int, ready: bool = True):
