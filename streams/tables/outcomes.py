@@ -115,7 +115,7 @@ def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:
     releases. A redelivered event changes nothing and returns every outcome released
     so far."""
     if envelope.event_id in state["seen"]:
-        return [Outcome.from_dict(released) for released in state.get("released", [])]
+        return [Outcome.from_dict(released) for released in state["released"]]
     state["seen"] = [*state["seen"][-(SEEN_LIMIT - 1) :], envelope.event_id]
     state["last_ts"] = max(state["last_ts"], envelope.ts)
     payload = envelope.payload
@@ -164,7 +164,7 @@ def _release(state: RequestState) -> list[Outcome]:
         )
         state["ended"] += completed
     state["held"] = []
-    released = state.get("released", []) + [outcome.to_dict() for outcome in outcomes]
+    released = state["released"] + [outcome.to_dict() for outcome in outcomes]
     state["released"] = released[-SEEN_LIMIT:]
     return outcomes
 
