@@ -11,14 +11,15 @@ Three agents, each keyed so that its table is co-partitioned with its input:
 3. **aggregate** reads ``APP_ID-dc-updates`` in batches into ``dc-slices`` (one key per DC and
    slice), and a timer publishes each DC's tables to the compacted ``tf.tables.*``.
 
-At-least-once: a restarted worker recovers its tables from their changelogs and reads
-again from its last committed offsets. Events it sees again change no state (the join
-keeps a request's event ids, the DC state the ids of what it counted), but each one sends
-its request's released outcomes again: a join state can reach its changelog without the
-outcomes it released, if the worker dies between the two writes. So totals come out as if
-it had never stopped. A request's join state is forgotten once no event has touched
-it for a window and its grace; ends it still holds (its start never came) then count as
-late events. Every mutated value is written back to its table: Faust
+At-least-once: offsets are committed only once what their events wrote (changelog writes
+and outcomes) reached the broker, so a restarted worker recovers its tables from their
+changelogs and reads again from its last committed offsets. Events it sees again change
+no state (the join keeps a request's event ids, the DC state the ids of what it counted),
+but each one sends its request's released outcomes again: a join state can reach its
+changelog without the outcomes it released, if the worker dies between the two writes.
+So totals come out as if it had never stopped. A request's join state is forgotten once
+no event has touched it for a window and its grace; ends it still holds (its start never
+came) then count as late events. Every mutated value is written back to its table: Faust
 persists only assignments.
 """
 
@@ -31,6 +32,7 @@ from typing import Any
 
 import faust
 import mode.loop
+from faust.transport.drivers import aiokafka as faust_kafka
 from faust.types import TP
 from faust.worker import Worker
 
@@ -64,7 +66,7 @@ def build_app(
 ) -> faust.App:
     """The worker's app; ``objectives`` decide which completions count as goodput."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    app = faust.App(
+    app = _App(
         settings.app_id,
         broker=f"kafka://{bootstrap}",
         store="memory://",
@@ -192,6 +194,30 @@ def run_worker(make_app: Callable[[], faust.App], **options: Any) -> None:
     worker = Worker(make_app(), loglevel="WARNING", quiet=True, **options)
     worker.spinner = None
     worker.execute_from_commandline()
+
+
+class _DrainingProducer(faust_kafka.Producer):
+    """Faust's producer, with a flush that returns only once its buffer is empty.
+
+    Faust flushes the producer before it commits offsets, so that what an event wrote
+    reaches the broker before the event counts as done. Table changelog writes wait in
+    the producer's buffer, and its flush (faust-streaming 0.15, ``ProducerBuffer.flush``)
+    gives up when no message left the buffer for 0.1 s: a commit could then pass join
+    states still buffered, and a worker killed just after lost them (seen in the kill
+    test: requests whose arrival or completion was never joined).
+    """
+
+    async def flush(self) -> None:
+        while self.buffer.size:
+            await self.buffer.flush()
+        await super().flush()
+
+
+class _App(faust.App):
+    """Faust's app, producing through ``_DrainingProducer``."""
+
+    def _new_producer(self) -> faust_kafka.Producer:
+        return _DrainingProducer(self.transport, loop=self.loop, beacon=self.beacon)
 
 
 class _SinglePartitionTable(faust.Table):

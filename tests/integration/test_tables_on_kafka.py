@@ -29,7 +29,9 @@ from schemas.tables import CapacityTable, GoodputTable, KvTable
 from schemas.telemetry import InstanceTelemetry
 from sim.events import lifecycle_events
 from sim.run import RunConfig, simulate_run
+from streams.faust_app import build_app, updates_topic_of
 from streams.kafka import KafkaBus, create_topics
+from streams.settings import WorkerSettings
 from streams.tables.builder import TableBuilder
 from streams.tables.windows import WindowSpec
 from tests.conftest import run_in_thread, unavailable
@@ -256,6 +258,36 @@ async def test_a_worker_killed_mid_stream_recovers_to_the_same_totals(kafka: Ser
     with worker(kafka, app_id):
         published, expected = await _published_equal_reference(kafka, dc, events)
     _assert_equal(published, expected)
+
+
+async def test_a_flush_before_a_commit_sends_every_buffered_write(
+    kafka: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker flushes its producer before each offset commit. Writes held up in the
+    producer's buffer, here 0.3 s each (as when a new topic's metadata is slow to come),
+    have all left it when the flush returns."""
+    settings = WorkerSettings(app_id=f"flush-{uuid.uuid4().hex[:8]}", data_dir=tmp_path)
+    topic = updates_topic_of(settings)
+    await create_topics(kafka.address, [topic])
+    app = build_app(kafka.address, settings)
+    producer = app.producer
+    send = producer.buffer._send_pending
+
+    async def slowly(message: object) -> None:
+        await asyncio.sleep(0.3)
+        await send(message)
+
+    monkeypatch.setattr(producer.buffer, "_send_pending", slowly)
+    await producer.start()
+    try:
+        raw = app.topic(topic.name, key_serializer="raw", value_serializer="raw")
+        sent = [raw.send_soon(key=b"k", value=b"%d" % n) for n in range(4)]
+        await producer.flush()
+        assert producer.buffer.size == 0
+        delivered = await asyncio.wait_for(asyncio.gather(*sent), 10)
+    finally:
+        await producer.stop()
+    assert [d.offset for d in delivered] == sorted(d.offset for d in delivered)
 
 
 async def test_two_workers_sharing_the_partitions_end_with_the_same_totals(
