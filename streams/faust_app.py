@@ -170,9 +170,11 @@ def build_app(
 
     @app.timer(interval=settings.publish_s)
     async def publish() -> None:
-        # Only the worker now assigned the DC state publishes it: after a rebalance the
-        # other one still holds a copy that no longer changes.
-        if owner_of_updates not in app.consumer.assignment():
+        # Only the worker now assigned the DC state publishes it, once it is recovered:
+        # after a rebalance the other one still holds a copy that no longer changes, and
+        # a table half read from its changelog holds an older state than the last one
+        # published (the totals would go back).
+        if app.in_recovery or owner_of_updates not in app.consumer.assignment():
             return
         now = time.time()
         for dc in live.dcs():
