@@ -14,7 +14,7 @@ that agree between the router's estimate and the engine's cache. The rule:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 BYTES_PER_TOKEN = 4
 BLOCK_TOKENS = 16
@@ -48,3 +48,27 @@ def _content(content: object) -> str:
     if isinstance(content, list):
         return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
     return ""
+
+
+def prompt_tokens(prompt: str | Sequence[int]) -> int:
+    """Tokens of one prompt: text by the rule above, token ids as given."""
+    return count_tokens(prompt) if isinstance(prompt, str) else len(prompt)
+
+
+def token_ids(text: str) -> list[int]:
+    """The rule's tokens as ids: each token's bytes as a big-endian number, a short last
+    token padded with zero bytes (so ``token_text`` gives the text back)."""
+    data = text.encode()
+    return [
+        int.from_bytes(data[start : start + BYTES_PER_TOKEN].ljust(BYTES_PER_TOKEN, b"\0"))
+        for start in range(0, len(data), BYTES_PER_TOKEN)
+    ]
+
+
+MAX_TOKEN_ID = (1 << (8 * BYTES_PER_TOKEN)) - 1
+
+
+def token_text(ids: Iterable[int]) -> str:
+    """The text of ``token_ids``' ids (OverflowError for one outside 0..``MAX_TOKEN_ID``)."""
+    data = b"".join(i.to_bytes(BYTES_PER_TOKEN).rstrip(b"\0") for i in ids)
+    return data.decode(errors="replace")

@@ -1,9 +1,12 @@
 """The gateway's HTTP app: OpenAI-compatible endpoints in front of the fleet.
 
 Per request: authenticate -> read and size it -> idempotency check -> admit -> choose the
-DC -> choose the instance -> proxy (``gateway.exchange``). Every error is answered in
-OpenAI's format. The app owns its background work (event publishing, feeds) through its
-lifespan.
+DC -> choose the instance -> proxy (``gateway.exchange``). The routes are those of vLLM's
+OpenAI server: chat, completions, the Responses API and embeddings are proxied that way;
+``/tokenize`` and ``/detokenize`` are passed to an instance as sent; anything else is an
+OpenAI-format 404. A path is served with or without a trailing slash, never redirected.
+Every error is answered in OpenAI's format. The app owns its background work (event
+publishing, feeds) through its lifespan.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +23,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -29,15 +33,32 @@ from gateway.events import EventSink
 from gateway.exchange import Exchange
 from gateway.feeds import follow
 from gateway.fleet_view import FleetView
-from gateway.inbound import CHAT_PATH, COMPLETIONS_PATH, Inbound, authenticate, read_inbound
+from gateway.inbound import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    EMBEDDINGS_PATH,
+    PROXIED_PATHS,
+    RESPONSES_PATH,
+    Inbound,
+    authenticate,
+    read_inbound,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.redis_state import FallbackState
 from gateway.settings import GatewaySettings
 from gateway.state import IN_PROGRESS, Outcome, SharedState
 from schemas.control import AdmissionQuotas, RoutingWeights
-from schemas.fleet import FleetConfig
+from schemas.fleet import FleetConfig, ModelConfig
 from schemas.lifecycle import RejectReason, RequestArrived, RequestRejected
-from schemas.openai_api import ApiError, ChatRequest, CompletionRequest
+from schemas.openai_api import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ResponsesRequest,
+    UtilityRequest,
+    parse_request,
+)
 from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved
 from streams.bus import EventBus
 
@@ -126,7 +147,9 @@ def create_app(parts: GatewayParts) -> FastAPI:
             await events.flush(timeout_s=2.0)
             await exchange.client.close()
 
-    app = FastAPI(title="TokenFleet gateway", version="1", lifespan=lifespan)
+    app = FastAPI(
+        title="TokenFleet gateway", version="1", lifespan=lifespan, redirect_slashes=False
+    )
     app.state.parts = parts
     app.state.view = view
     app.state.decider = decider
@@ -138,8 +161,11 @@ def create_app(parts: GatewayParts) -> FastAPI:
         return error_response(exc)
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        error = ApiError(exc.status_code, str(exc.detail))
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        detail = str(exc.detail)
+        if exc.status_code in (404, 405):
+            detail = f"{detail}: {request.method} {request.url.path}"
+        error = ApiError(exc.status_code, detail)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
@@ -158,21 +184,36 @@ def create_app(parts: GatewayParts) -> FastAPI:
         metrics.events_queued.set(events.queued)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(model: ModelConfig) -> dict[str, Any]:
+        return {
+            "id": model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tokenfleet",
+            "max_model_len": model.context_tokens,
+        }
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authenticate(fleet, request.headers.get("authorization"))
-        cards = [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "tokenfleet"}
-            for m in fleet.models
-        ]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [model_card(m) for m in fleet.models]}
 
-    async def complete(request: Request, path: str) -> Response:
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
+        authenticate(fleet, request.headers.get("authorization"))
+        found = fleet.model(model_id)
+        if found is None:
+            raise ApiError(404, f"The model `{model_id}` does not exist.", param="model")
+        return model_card(found)
+
+    async def proxied(request: Request, path: str) -> Response:
         arrived = time.monotonic()
         metrics.in_progress.inc()
         model = "-"
         try:
-            inbound = await _inbound(request, path, fleet, settings.max_body_bytes)
+            tenant = authenticate(fleet, request.headers.get("authorization"))
+            body = await read_body(request, settings.max_body_bytes)
+            inbound = read_inbound(fleet, tenant, path, body, request.headers)
             model = inbound.model.name
             response = await _serve(inbound, request, arrived)
             metrics.requests.labels(model, str(response.status_code)).inc()
@@ -182,6 +223,20 @@ def create_app(parts: GatewayParts) -> FastAPI:
             raise
         finally:
             metrics.in_progress.dec()
+
+    async def passed_through(request: Request) -> Response:
+        """A request the instance answers as sent, e.g. ``/tokenize``: no admission,
+        accounting or events; the least loaded instance of the model in the local DC
+        (else the first DC serving it)."""
+        authenticate(fleet, request.headers.get("authorization"))
+        body = await read_body(request, settings.max_body_bytes)
+        name = parse_request(UtilityRequest, body).model
+        if name is None and len(fleet.models) == 1:
+            name = fleet.models[0].name
+        if name is None or fleet.model(name) is None:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model")
+        plan = await decider.least_loaded(name)
+        return await exchange.forward(plan, request.url.path, body)
 
     async def _serve(inbound: Inbound, request: Request, arrived: float) -> Response:
         key = request.headers.get(IDEMPOTENCY_HEADER)
@@ -200,9 +255,8 @@ def create_app(parts: GatewayParts) -> FastAPI:
         try:
             events.emit(_arrived_event(inbound, regions[local_dc]))
             await decider.admit(inbound)
-            return await exchange.serve(
-                inbound, decider.choose_dc(inbound), request, arrived, scoped
-            )
+            dc = decider.choose_dc(inbound.model.name, inbound.residency)
+            return await exchange.serve(inbound, dc, request, arrived, scoped)
         except ApiError as exc:
             if scoped is not None:
                 await parts.state.release(scoped)
@@ -220,19 +274,41 @@ def create_app(parts: GatewayParts) -> FastAPI:
     @app.post(CHAT_PATH, openapi_extra=_body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         """Chat completion, streamed (SSE) or whole, by the chosen instance."""
-        return await complete(request, CHAT_PATH)
+        return await proxied(request, CHAT_PATH)
 
     @app.post(COMPLETIONS_PATH, openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
-        """Text completion, streamed (SSE) or whole, by the chosen instance."""
-        return await complete(request, COMPLETIONS_PATH)
+        """Text completion of one prompt or several, streamed (SSE) or whole."""
+        return await proxied(request, COMPLETIONS_PATH)
 
-    app.add_middleware(FastLane, routes={CHAT_PATH: chat, COMPLETIONS_PATH: completions})
+    @app.post(RESPONSES_PATH, openapi_extra=_body_schema(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        """A Responses API answer, streamed (SSE) or whole, by the chosen instance."""
+        return await proxied(request, RESPONSES_PATH)
+
+    @app.post(EMBEDDINGS_PATH, openapi_extra=_body_schema(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        """Embeddings, by the least loaded instance of the model."""
+        return await proxied(request, EMBEDDINGS_PATH)
+
+    @app.post("/tokenize", openapi_extra=_body_schema(UtilityRequest))
+    async def tokenize(request: Request) -> Response:
+        """The model's tokens for a prompt or messages, by one of its instances."""
+        return await passed_through(request)
+
+    @app.post("/detokenize", openapi_extra=_body_schema(UtilityRequest))
+    async def detokenize(request: Request) -> Response:
+        """The text of the model's tokens, by one of its instances."""
+        return await passed_through(request)
+
+    fast = dict(zip(PROXIED_PATHS, (chat, completions, responses, embeddings), strict=True))
+    app.add_middleware(FastLane, routes=fast)
     return app
 
 
 class FastLane:
-    """Answers the completion endpoints straight from ASGI, before FastAPI's router.
+    """Answers the proxied endpoints straight from ASGI, before FastAPI's router, and
+    serves every path with or without its trailing slash.
 
     The routes stay declared on the app (they describe the endpoints in the OpenAPI
     document), but every request to them is served here: the router, its dependency
@@ -240,12 +316,20 @@ class FastLane:
     request, for endpoints that read their body themselves and raise only ``ApiError``.
     """
 
-    def __init__(self, app: ASGIApp, routes: dict[str, Callable[[Request], Awaitable[Response]]]):
+    def __init__(
+        self, app: ASGIApp, routes: Mapping[str, Callable[[Request], Awaitable[Response]]]
+    ) -> None:
         self.app = app
         self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if len(path) > 1 and path.endswith("/"):  # clients written for vLLM are not redirected
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+        route = self.routes.get(scope["path"])
         if route is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
@@ -285,15 +369,26 @@ def _upstream_client(settings: GatewaySettings) -> aiohttp.ClientSession:
 _REJECTIONS = {429: RejectReason.QUOTA, 503: RejectReason.NO_CAPACITY}
 
 
-async def _inbound(request: Request, path: str, fleet: FleetConfig, limit: int) -> Inbound:
-    tenant = authenticate(fleet, request.headers.get("authorization"))
-    declared = request.headers.get("content-length", "0")
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"The request body exceeds {limit} bytes.")
-    body = await request.body()
-    if len(body) > limit:
-        raise ApiError(413, f"The request body exceeds {limit} bytes.")
-    return read_inbound(fleet, tenant, path, body, request.headers)
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or ApiError(413) once it is read past ``limit`` bytes. The rest
+    is read and dropped before the answer (up to ``DRAINED_AT_MOST``): a server that
+    answers while its client still sends resets the connection, and the client sees no
+    answer at all."""
+    body = bytearray()
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received <= limit:
+            body += chunk
+        elif received > DRAINED_AT_MOST:
+            break
+    if received > limit:
+        raise ApiError(413, f"The request body exceeds {limit} bytes.", param="body")
+    return bytes(body)
+
+
+DRAINED_AT_MOST = 256 * 1024 * 1024
+"""Bytes of an oversized body read before the 413 regardless (the connection then closes)."""
 
 
 def _arrived_event(inbound: Inbound, region: str) -> RequestArrived:
@@ -311,7 +406,7 @@ def _arrived_event(inbound: Inbound, region: str) -> RequestArrived:
     )
 
 
-def _body_schema(model: type[ChatRequest] | type[CompletionRequest]) -> dict[str, Any]:
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     """Describe the JSON body in the OpenAPI document (the handlers parse it themselves,
     to answer errors in OpenAI's format)."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from control.routing.registry import Router
 from control.routing.snapshot import Decision, RouteRequest
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
@@ -24,10 +26,12 @@ from control.tokens import BLOCK_TOKENS
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
-from gateway.state import SharedState
+from gateway.state import SharedState, SharedView
 from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
 from schemas.openai_api import ApiError
 
+LEAST_LOADED = "least_loaded"
+"""The policy name of a pick by load (embeddings)."""
 INDEX_STRIDE = TokenPilotParams().index_stride
 """The shared index keeps every block TokenPilot's own index would (every 8th: hashes
 chain, so one block stands for its whole prefix)."""
@@ -48,6 +52,8 @@ class Plan:
     """The request's blocks as the shared prefix index keeps them."""
     version: int = 0
     """The shared state's version the decision was made on."""
+    router: Router | None = None
+    """The router that decided (told of the outcome); None for a pick by load."""
 
     def predicted_ttft_s(self, row: int) -> float | None:
         """The router's TTFT prediction for ``row``, if it makes one."""
@@ -72,6 +78,7 @@ class Decider:
         self.weights: LastKnown[RoutingWeights] = LastKnown()
         self._make_router = make_router
         self._routers: dict[tuple[str, str], Router] = {}
+        self._turn = 0
 
     async def admit(self, inbound: Inbound) -> None:
         """Take the request's tokens from its quota's bucket; ApiError(429) if empty."""
@@ -90,22 +97,18 @@ class Decider:
                 retry_after_s=wait if wait != float("inf") else 60.0,
             )
 
-    def choose_dc(self, inbound: Inbound) -> str:
+    def choose_dc(self, model: str, residency: tuple[str, ...] = ()) -> str:
         """The DC to run in; ApiError(503) when no allowed DC serves the model."""
         regions = {dc.name: dc.region for dc in self.view.fleet.dcs}
         allowed = [
-            dc
-            for dc in self.view.dcs_serving(inbound.model.name)
-            if not inbound.residency or regions[dc] in inbound.residency
+            dc for dc in self.view.dcs_serving(model) if not residency or regions[dc] in residency
         ]
         if not allowed:
-            raise ApiError(
-                503, f"No data center allowed for this request serves `{inbound.model.name}`."
-            )
+            raise ApiError(503, f"No data center allowed for this request serves `{model}`.")
         weights = self.weights.current(self.local_dc)
         self.metrics.control_defaults.labels("weights").set(weights is None)
         if weights is not None:
-            weight = {w.dc: w.weight for w in weights.weights if w.model == inbound.model.name}
+            weight = {w.dc: w.weight for w in weights.weights if w.model == model}
             best = max(allowed, key=lambda dc: weight.get(dc, 0.0))
             if weight.get(best, 0.0) > 0:
                 return best
@@ -115,6 +118,8 @@ class Decider:
         """Pick the instance; ApiError(503) when none of the pool is ready."""
         pool = self.view.pool(inbound.model.name, dc)
         assert pool is not None  # choose_dc only returns DCs serving the model
+        if inbound.by_load:
+            return self._least_loaded(pool, await self.state.view(pool.ids, []))
         sampled = inbound.blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
         shared = await self.state.view(pool.ids, sampled)
         request = RouteRequest(
@@ -128,13 +133,36 @@ class Decider:
         router = self.router(inbound.model.name, dc)
         decision = router.route(request, self.view.snapshot(pool, shared), time.monotonic())
         if decision.chosen is None:
-            raise ApiError(503, f"No instance of `{inbound.model.name}` is ready in {dc}.")
+            raise _none_ready(pool)
         cached = decision.parts.get("cached_tokens")
         matched = float(shared.matched_blocks[decision.chosen] * INDEX_STRIDE * BLOCK_TOKENS)
         cached_tokens = float(cached[decision.chosen]) if cached is not None else matched
         self.metrics.decisions.labels(decision.policy, pool.ids[decision.chosen]).inc()
         cached_tokens = min(cached_tokens, inbound.input_tokens)
-        return Plan(dc, pool, decision, decision.ranked(), cached_tokens, sampled, shared.version)
+        order = decision.ranked()
+        return Plan(dc, pool, decision, order, cached_tokens, sampled, shared.version, router)
+
+    async def least_loaded(self, model: str) -> Plan:
+        """The least loaded ready instance of ``model`` (``_least_loaded``), for a request
+        passed through as sent (``/tokenize``)."""
+        pool = self.view.pool(model, self.choose_dc(model))
+        assert pool is not None  # choose_dc only returns DCs serving the model
+        return self._least_loaded(pool, await self.state.view(pool.ids, []))
+
+    def _least_loaded(self, pool: Pool, shared: SharedView) -> Plan:
+        """The ready instance with the fewest tokens in flight through the gateways, ties
+        taken in turn (an idle pool shares its embeddings out evenly)."""
+        ready = [row for row, i in enumerate(pool.instances) if self.view.ready(i.id)]
+        if not ready:
+            raise _none_ready(pool)
+        self._turn += 1
+        load = shared.inflight_tokens
+        order = sorted(ready, key=lambda row: (load[row], (row - self._turn) % len(pool.instances)))
+        scores = np.full(len(pool.instances), np.nan)
+        scores[ready] = load[ready]
+        decision = Decision(LEAST_LOADED, order[0], scores)
+        self.metrics.decisions.labels(LEAST_LOADED, pool.ids[order[0]]).inc()
+        return Plan(pool.dc, pool, decision, order, 0.0, (), shared.version)
 
     def router(self, model: str, dc: str) -> Router:
         key = (model, dc)
@@ -144,6 +172,10 @@ class Decider:
                 lag = router.token_lag
                 self.metrics.token_lag.labels(model, dc).set_function(lambda: lag.lag_s)
         return self._routers[key]
+
+
+def _none_ready(pool: Pool) -> ApiError:
+    return ApiError(503, f"No instance of `{pool.model}` is ready in {pool.dc}.")
 
 
 def _quota_for(quotas: AdmissionQuotas, inbound: Inbound) -> ClassQuota | None:

@@ -3,7 +3,13 @@
 - An instance that fails before the first token (connection error, 5xx, a stream that
   breaks early) is left out for a cooldown and the request goes once to the next-best
   instance, counted as a retry. A stream that breaks after tokens reached the client ends
-  with an error event; it is never run twice.
+  with an error event and ``[DONE]``, as vLLM ends a stream that failed; it is never run
+  twice. Only the transport or an error status fails an instance, never the shape of a
+  valid answer (an empty answer, a tool call, all reasoning).
+- The first token is the first delta of any kind the instance streams (text, reasoning,
+  a tool call's part, a Responses API ``*.delta`` event) or a choice's finish, whichever
+  comes first; events before it (a role chunk, the Responses API's lifecycle events)
+  wait for it, so that a failure before it can still be retried.
 - A client that goes away aborts the upstream call (closing the connection cancels the
   request in vLLM) and is reported as a cancellation.
 - Shared accounting follows the request: its uncached prompt counts as pending prefill
@@ -18,6 +24,7 @@ server cancels whatever awaits inside the response.
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import math
 import time
@@ -57,7 +64,7 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
 _JSON = {"content-type": "application/json"}
 
-_DONE = b"data: [DONE]"
+_DONE_EVENT = b"data: [DONE]\n\n"
 
 
 REPLANS = 2
@@ -80,6 +87,8 @@ class Trip:
     sent_at: float = 0.0
     first_token_at: float | None = None
     output_tokens: int = 0
+    error: str | None = None
+    """An error the instance reported within its stream."""
     pending: float = 0.0
     inflight: float = 0.0
     captured: bytearray = field(default_factory=bytearray)
@@ -158,8 +167,8 @@ class Exchange:
         Decisions made at once, by replicas or by one replica's concurrent requests, would
         otherwise read the same view and pile a burst of new prefixes onto one instance.
         A router that cannot forget a decision is charged as it decided, at once."""
-        router = self.decider.router(inbound.model.name, plan.dc)
-        forgetful = router if implements(router, Withdrawing) else None
+        router = plan.router
+        forgetful = router if router is not None and implements(router, Withdrawing) else None
         replans = REPLANS if forgetful is not None else 0
         for replan in range(replans + 1):
             seen = plan.version if replan < replans else None
@@ -190,7 +199,7 @@ class Exchange:
         # A whole answer's headers come with its end: no first token is seen before.
         settling = None if inbound.stream else self._settle_at_predicted_first_token(trip)
         try:
-            upstream = await self._open(trip)
+            upstream = await self._post(trip.instance, inbound.path, inbound.body)
             if upstream.status >= 400:  # the instance refused the request itself: pass it on
                 body = await upstream.read()
                 upstream.release()
@@ -204,18 +213,41 @@ class Exchange:
             if settling is not None:
                 settling.cancel()
 
-    async def _open(self, trip: Trip) -> aiohttp.ClientResponse:
-        url = f"{str(trip.instance.url).rstrip('/')}{trip.inbound.path}"
+    async def forward(self, plan: Plan, path: str, body: bytes) -> Response:
+        """Pass a request to ``plan``'s instance as sent, and its answer back as given (a
+        404 where the instance lacks the route); the next-best instance once if the
+        first fails. Nothing is charged or reported: for cheap calls (``/tokenize``)."""
+        error = "no instance tried"
+        for row in plan.order[:2]:
+            instance = plan.pool.instances[row]
+            try:
+                upstream = await self._post(instance, path, body)
+                async with upstream:
+                    answer = await upstream.read()
+            except UpstreamFailed as exc:
+                error = str(exc)
+            except UPSTREAM_ERRORS as exc:
+                error = f"{instance.id}: {type(exc).__name__}"
+            else:
+                return Response(answer, upstream.status, media_type=upstream.content_type)
+            self.view.failed(instance.id)
+        raise ApiError(502, f"The model instance failed: {error}")
+
+    async def _post(
+        self, instance: InstanceConfig, path: str, body: bytes
+    ) -> aiohttp.ClientResponse:
+        """The instance's response, its status below 500; UpstreamFailed otherwise."""
+        url = f"{str(instance.url).rstrip('/')}{path}"
         assert self.client is not None, "the app's lifespan has not started"
         try:
-            upstream = await self.client.post(url, data=trip.inbound.body, headers=_JSON)
+            upstream = await self.client.post(url, data=body, headers=_JSON)
         except UPSTREAM_ERRORS as exc:
-            self.metrics.upstream_errors.labels(trip.instance.id, "connect").inc()
-            raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
+            self.metrics.upstream_errors.labels(instance.id, "connect").inc()
+            raise UpstreamFailed(f"{instance.id}: {type(exc).__name__}") from None
         if upstream.status >= 500:
             upstream.close()
-            self.metrics.upstream_errors.labels(trip.instance.id, "status").inc()
-            raise UpstreamFailed(f"{trip.instance.id} answered {upstream.status}")
+            self.metrics.upstream_errors.labels(instance.id, "status").inc()
+            raise UpstreamFailed(f"{instance.id} answered {upstream.status}")
         return upstream
 
     async def _whole(
@@ -233,34 +265,30 @@ class Exchange:
         upstream.release()
         try:
             body = reading.result()
-            usage = json.loads(body).get("usage") or {}
+            answer = json.loads(body)
         except (*UPSTREAM_ERRORS, ValueError) as exc:
             self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
         trip.first_token_at = time.monotonic()  # unseen: a whole response counts TTFT as E2E
-        trip.output_tokens = int(usage.get("completion_tokens", 0))
+        trip.output_tokens = _output_tokens(answer) or 0
         trip.captured.extend(body)
         await self._completed(trip)
         return Response(body, media_type="application/json", headers=_headers(trip))
 
     async def _stream(self, trip: Trip, upstream: aiohttp.ClientResponse) -> Response:
         events = _sse_events(upstream.content.iter_any())
-        head: list[bytes] = []
+        head: list[tuple[bytes, Seen]] = []
         try:
             async for event in events:
-                head.append(event)
-                if _carries_token(event):
+                head.append((event, seen := read_event(event)))
+                if seen.piece is not Piece.OTHER:
                     break
-            else:
-                raise UpstreamFailed(f"{trip.instance.id} ended the stream before a token")
         except UPSTREAM_ERRORS as exc:
             upstream.close()
             self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
-        except UpstreamFailed:
-            upstream.close()
-            raise
-        await self._first_token(trip)
+        if head and head[-1][1].piece in _FIRST_TOKEN:
+            await self._first_token(trip)
         return StreamingResponse(
             self._relay(trip, upstream, head, events),
             media_type="text/event-stream",
@@ -271,31 +299,37 @@ class Exchange:
         self,
         trip: Trip,
         upstream: aiohttp.ClientResponse,
-        head: list[bytes],
+        head: list[tuple[bytes, Seen]],
         events: AsyncIterator[bytes],
     ) -> AsyncIterator[bytes]:
         ended = "cancelled"
         try:
-            for event in head:
-                yield self._counted(trip, event)
+            for event, seen in head:
+                yield self._counted(trip, event, seen)
             async for event in events:
-                if _carries_token(event):  # not the first: it may trail its step's end
-                    self.view.tokens_streamed(trip.instance.id)
-                yield self._counted(trip, event)
-            ended = "completed"
+                seen = read_event(event)
+                if seen.piece in _FIRST_TOKEN:
+                    if trip.first_token_at is None:
+                        await self._first_token(trip)
+                    else:  # not the first: it may trail its step's end
+                        self.view.tokens_streamed(trip.instance.id)
+                yield self._counted(trip, event, seen)
+            ended = "completed" if trip.error is None else f"{trip.instance.id}: {trip.error}"
         except UPSTREAM_ERRORS as exc:
             ended = f"{trip.instance.id}: {type(exc).__name__}"
             self.metrics.upstream_errors.labels(trip.instance.id, "after_first_token").inc()
             yield _error_event(f"The model instance failed mid-stream ({type(exc).__name__}).")
+            yield _DONE_EVENT
         finally:
             self.spawn(self._stream_ended(trip, upstream, ended))
 
-    def _counted(self, trip: Trip, event: bytes) -> bytes:
-        if b'"usage"' in event and b'"completion_tokens"' in event:
-            usage = json.loads(event[len(b"data:") :]).get("usage") or {}
-            trip.output_tokens = int(usage.get("completion_tokens", trip.output_tokens))
-        elif _carries_token(event):
+    def _counted(self, trip: Trip, event: bytes, seen: Seen) -> bytes:
+        if seen.output_tokens is not None:
+            trip.output_tokens = seen.output_tokens
+        elif seen.piece is Piece.DELTA:
             trip.output_tokens += 1
+        if seen.error is not None:
+            trip.error = seen.error
         if trip.idempotency_key is not None:
             trip.captured.extend(event)
         return event
@@ -363,11 +397,11 @@ class Exchange:
                 e2e_s=e2e,
             )
         )
-        router = self.decider.router(inbound.model.name, trip.plan.dc)
+        router = trip.plan.router
         # Only a streamed answer shows its first token, and only the instance the router
         # chose was predicted for: a retry's TTFT would train the wrong instance.
         first_choice = trip.row == trip.plan.decision.chosen
-        if inbound.stream and first_choice and implements(router, Learner):
+        if inbound.stream and first_choice and router and implements(router, Learner):
             router.observe(
                 Observation(inbound.request_id, trip.row, first - trip.sent_at, trip.output_tokens)
             )
@@ -435,18 +469,101 @@ async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         yield buffer
 
 
-def _carries_token(event: bytes) -> bool:
-    """Whether an SSE event holds generated text (a role-only chunk or the end does not)."""
-    if not event.startswith(b"data:") or event.startswith(_DONE):
-        return False
+class Piece(enum.Enum):
+    """What an event of a stream is, to the gateway."""
+
+    OTHER = enum.auto()
+    """Nothing generated: a role chunk, a Responses API lifecycle event, a comment."""
+    DELTA = enum.auto()
+    """Generated output of any kind: text, reasoning, a part of a tool call."""
+    FINISH = enum.auto()
+    """A choice's finish, with no output of its own."""
+    END = enum.auto()
+    """The end of the stream: ``[DONE]``, an error, the Responses API's last event."""
+
+
+_FIRST_TOKEN = frozenset({Piece.DELTA, Piece.FINISH})
+_DELTA_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
+"""A chat delta's fields that carry output (vLLM's reasoning parsers fill
+``reasoning_content``, newer ones ``reasoning``)."""
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """One server-sent event, read."""
+
+    piece: Piece
+    output_tokens: int | None = None
+    """The output tokens so far, where the event reports usage."""
+    error: str | None = None
+
+
+_NOTHING = Seen(Piece.OTHER)
+
+
+def read_event(event: bytes) -> Seen:
+    data = _sse_data(event)
+    if data is None:
+        return _NOTHING
+    if data.startswith(b"[DONE]"):
+        return Seen(Piece.END)
     try:
-        choices = json.loads(event[len(b"data:") :]).get("choices") or []
+        payload = json.loads(data)
     except ValueError:
-        return False
-    for choice in choices:
-        if choice.get("text") or (choice.get("delta") or {}).get("content"):
-            return True
-    return False
+        return _NOTHING
+    if not isinstance(payload, dict):
+        return _NOTHING
+    if payload.get("error"):
+        return Seen(Piece.END, error=_error_text(payload["error"]))
+    kind = payload.get("type")
+    if isinstance(kind, str):
+        return _responses_event(kind, payload)
+    piece = Piece.OTHER
+    for choice in payload.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if choice.get("text") or any(delta.get(name) for name in _DELTA_FIELDS):
+            piece = Piece.DELTA
+            break
+        if choice.get("finish_reason") is not None:
+            piece = Piece.FINISH
+    return Seen(piece, _output_tokens(payload))
+
+
+def _responses_event(kind: str, payload: dict[str, Any]) -> Seen:
+    """A Responses API event: each ``*.delta`` is output; the response's end reports usage."""
+    if kind.endswith(".delta"):
+        return Seen(Piece.DELTA)
+    if kind == "error":
+        return Seen(Piece.END, error=str(payload.get("message", "error")))
+    if kind in _RESPONSE_ENDS:
+        response = payload.get("response") or {}
+        failed = _error_text(response["error"]) if response.get("error") else None
+        return Seen(Piece.END, _output_tokens(response), failed)
+    return _NOTHING
+
+
+def _output_tokens(answer: dict[str, Any]) -> int | None:
+    """Output tokens an answer's usage reports (chat and completions name them
+    ``completion_tokens``, the Responses API ``output_tokens``)."""
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    count = usage.get("completion_tokens", usage.get("output_tokens"))
+    return int(count) if isinstance(count, int) else None
+
+
+def _error_text(error: object) -> str:
+    return str(error.get("message", error)) if isinstance(error, dict) else str(error)
+
+
+def _sse_data(event: bytes) -> bytes | None:
+    """The ``data:`` field of a server-sent event (the Responses API puts an ``event:``
+    line before it)."""
+    if event.startswith(b"data:"):
+        return event[5:].strip()
+    start = event.find(b"\ndata:")
+    return None if start < 0 else event[start + 6 :].strip()
 
 
 def _error_event(message: str) -> bytes:

@@ -11,10 +11,17 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from control.tokens import block_hashes, chat_text, count_tokens
+from control.tokens import block_hashes, chat_text, count_tokens, prompt_tokens
 from schemas.base import TaskClass
 from schemas.fleet import FleetConfig, ModelConfig, TenantConfig
-from schemas.openai_api import ApiError, ChatRequest, CompletionRequest, parse_request
+from schemas.openai_api import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ResponsesRequest,
+    parse_request,
+)
 
 CLASS_HEADER = "x-tokenfleet-class"
 """The task class: interactive (default), long_document or batch."""
@@ -24,6 +31,24 @@ RESIDENCY_HEADER = "x-tokenfleet-residency"
 """Comma-separated regions allowed to execute the request; absent: any."""
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
+EMBEDDINGS_PATH = "/v1/embeddings"
+PROXIED_PATHS = (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, EMBEDDINGS_PATH)
+"""Every path whose requests are admitted, routed, accounted and reported."""
+
+ProxiedRequest = ChatRequest | CompletionRequest | ResponsesRequest | EmbeddingRequest
+_REQUEST_TYPES: dict[str, type[ProxiedRequest]] = {
+    CHAT_PATH: ChatRequest,
+    COMPLETIONS_PATH: CompletionRequest,
+    RESPONSES_PATH: ResponsesRequest,
+    EMBEDDINGS_PATH: EmbeddingRequest,
+}
+_PROMPT_PARAM = {
+    CHAT_PATH: "messages",
+    COMPLETIONS_PATH: "prompt",
+    RESPONSES_PATH: "input",
+    EMBEDDINGS_PATH: "input",
+}
 
 
 @dataclass(frozen=True)
@@ -40,7 +65,26 @@ class Inbound:
     residency: tuple[str, ...]
     input_tokens: int
     output_budget: int
+    """Tokens the request may generate, all its choices together."""
     blocks: tuple[int, ...]
+    """The first prompt's prefix blocks (a request with several prompts is routed on its
+    first)."""
+    by_load: bool = False
+    """Routed to the least loaded instance: an embedding has no prefix cache to reuse
+    and generates nothing, so the routing policy's model of it does not apply."""
+
+
+@dataclass(frozen=True)
+class _Size:
+    """What a request asks of an instance."""
+
+    prompt_text: str | None
+    """The first prompt's text, for its prefix blocks (None: token ids)."""
+    input_tokens: int
+    longest_prompt: int
+    choice_budget: int
+    """Tokens each choice may generate."""
+    choices: int
 
 
 def authenticate(fleet: FleetConfig, authorization: str | None) -> TenantConfig:
@@ -60,48 +104,50 @@ def read_inbound(
     body: bytes,
     headers: Mapping[str, str],
 ) -> Inbound:
-    """Parse and size a request; ApiError 400/403/404 says what is wrong with it."""
-    request = parse_request(ChatRequest if path == CHAT_PATH else CompletionRequest, body)
+    """Parse and size a request to one of ``PROXIED_PATHS``; ApiError 400/403/404 says
+    what is wrong with it."""
+    request = parse_request(_REQUEST_TYPES[path], body)
     model = fleet.model(request.model)
     if model is None:
         raise ApiError(404, f"The model `{request.model}` does not exist.", param="model")
-    text = _prompt_text(request)
-    input_tokens = len(request.prompt) if text is None else count_tokens(text)
-    budget = request.output_tokens
-    if input_tokens + budget > model.context_tokens:
+    size = _size(request)
+    if size.longest_prompt + size.choice_budget > model.context_tokens:
         raise ApiError(
             400,
             f"This model's maximum context length is {model.context_tokens} tokens; the "
-            f"request has {input_tokens} prompt tokens and asks for {budget} more.",
-            param="messages" if path == CHAT_PATH else "prompt",
+            f"request has {size.longest_prompt} prompt tokens and asks for "
+            f"{size.choice_budget} more.",
+            param=_PROMPT_PARAM[path],
         )
-    task_class = _task_class(headers.get(CLASS_HEADER), tenant)
     return Inbound(
         request_id=f"req-{uuid.uuid4().hex}",
         tenant=tenant,
         path=path,
         body=body,
         model=model,
-        stream=request.stream,
-        task_class=task_class,
+        stream=not isinstance(request, EmbeddingRequest) and request.stream,
+        task_class=_task_class(headers.get(CLASS_HEADER), tenant),
         deadline_s=_deadline(headers.get(DEADLINE_HEADER)),
         residency=tuple(r.strip() for r in headers.get(RESIDENCY_HEADER, "").split(",") if r),
-        input_tokens=input_tokens,
-        output_budget=budget,
-        blocks=block_hashes(text) if text else (),
+        input_tokens=size.input_tokens,
+        output_budget=size.choice_budget * size.choices,
+        blocks=block_hashes(size.prompt_text) if size.prompt_text else (),
+        by_load=isinstance(request, EmbeddingRequest),
     )
 
 
-def _prompt_text(request: ChatRequest | CompletionRequest) -> str | None:
-    """The prompt as text; None for a completion prompt given as token ids."""
-    if isinstance(request, ChatRequest):
-        return chat_text(request.messages)
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return prompt
-    if prompt and isinstance(prompt[0], int):
-        return None
-    return str(prompt[0]) if prompt else ""
+def _size(request: ProxiedRequest) -> _Size:
+    if isinstance(request, ChatRequest | ResponsesRequest):
+        messages = request.messages if isinstance(request, ChatRequest) else request.messages()
+        text = chat_text(messages)
+        tokens = count_tokens(text)
+        return _Size(text, tokens, tokens, request.output_tokens, request.n)
+    prompts = request.prompts
+    counts = [prompt_tokens(p) for p in prompts]
+    first = prompts[0] if isinstance(prompts[0], str) else None
+    if isinstance(request, EmbeddingRequest):
+        return _Size(first, sum(counts), max(counts), 0, 1)
+    return _Size(first, sum(counts), max(counts), request.output_tokens, request.n * len(counts))
 
 
 def _task_class(value: str | None, tenant: TenantConfig) -> TaskClass:

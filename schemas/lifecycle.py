@@ -31,7 +31,11 @@ class RequestArrived(Message):
     task_class: TaskClass
     model: Identifier
     input_tokens: NonNegInt
-    output_budget: int = Field(ge=1, description="max_tokens: a cap, not the expected length.")
+    output_budget: int = Field(
+        ge=0,
+        description="max_tokens, all choices together: a cap, not the expected length; "
+        "0 for a request that generates nothing (embeddings).",
+    )
     prefix_blocks: tuple[BlockHash, ...] = Field(
         default=(), description="Chained hashes of the prompt's full KV blocks, in order."
     )

@@ -7,9 +7,9 @@ we do. Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code
 from __future__ import annotations
 
 import math
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from schemas.envelope import describe
 
@@ -19,42 +19,148 @@ DEFAULT_CHAT_TOKENS = 256
 """Used when a chat request names no limit (an emulated engine cannot see an end-of-text)."""
 
 
-class _Request(BaseModel):
+class _ModelRequest(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     model: str = Field(min_length=1)
+
+
+class _Request(_ModelRequest):
+    """A generation request: streamed or whole, with OpenAI's sampling parameters.
+
+    The bounds are the OpenAI API's; those vLLM adds (``top_k``, ``min_p``,
+    ``repetition_penalty``) are vLLM's ``SamplingParams`` checks. A request outside them
+    is answered 400 here instead of reaching an instance.
+    """
+
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+Prompt = str | list[int]
+"""One prompt: text, or token ids."""
+
+
+def _prompts(value: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+    """The prompts of a ``prompt`` or ``input`` field, which holds one or a list of them."""
+    if isinstance(value, str):
+        return [value]
+    if not value or isinstance(value[0], int):
+        return [cast(list[int], value)]
+    return cast(list[Prompt], list(value))
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=1)
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        texts = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str)
-        if texts and len(self.prompt) != 1:
-            raise ValueError("prompt: only one prompt per request is supported")
-        return self
+    @property
+    def prompts(self) -> list[Prompt]:
+        """Each prompt is run ``n`` times; choice ``i * n + j`` is prompt i's j-th."""
+        return _prompts(self.prompt)
 
     @property
     def output_tokens(self) -> int:
+        """The budget of each choice."""
         return self.max_tokens or DEFAULT_COMPLETION_TOKENS
+
+
+MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
 class ChatRequest(_Request):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _known_roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for n, message in enumerate(messages):
+            role = message.get("role")
+            if role not in MESSAGE_ROLES:
+                known = ", ".join(sorted(MESSAGE_ROLES))
+                raise ValueError(f"message {n} has role {role!r}; the roles are {known}")
+        return messages
 
     @property
     def output_tokens(self) -> int:
+        """The budget of each choice."""
         return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_TOKENS
+
+    @property
+    def called_tool(self) -> str | None:
+        """The function an answer calls when the request forces or allows one: the one
+        ``tool_choice`` names, else the first tool (None without tools or with
+        ``tool_choice: "none"``)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, dict):
+            return str((self.tool_choice.get("function") or {}).get("name", "")) or None
+        return str((self.tools[0].get("function") or {}).get("name", "")) or None
+
+
+class ResponsesRequest(_Request):
+    """The Responses API (``/v1/responses``): ``input`` text or items, ``instructions``."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation as chat messages: instructions as a system message, each
+        input message as itself, a tool result as a tool message; other items (earlier
+        reasoning, function calls) add no text of their own."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for item in self.input:
+            kind = item.get("type", "message")
+            if kind == "message":
+                messages.append({"role": item.get("role", "user"), "content": item.get("content")})
+            elif kind == "function_call_output":
+                messages.append({"role": "tool", "content": str(item.get("output", ""))})
+        return messages
+
+    @property
+    def output_tokens(self) -> int:
+        return self.max_output_tokens or DEFAULT_CHAT_TOKENS
+
+
+class EmbeddingRequest(_ModelRequest):
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+
+    @property
+    def prompts(self) -> list[Prompt]:
+        return _prompts(self.input)
+
+
+class UtilityRequest(BaseModel):
+    """A request the gateway passes to an instance of its model as sent (``/tokenize``,
+    ``/detokenize``): only the model is read, and it may be left out where the fleet
+    serves one model."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    model: str | None = None
 
 
 class ApiError(Exception):
@@ -106,7 +212,7 @@ _TYPES = {
 }
 
 
-RequestT = TypeVar("RequestT", bound=_Request)
+RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 def parse_request(model: type[RequestT], body: bytes) -> RequestT:

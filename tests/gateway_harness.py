@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,10 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
 
 from gateway.settings import GatewaySettings
 from schemas.fleet import FleetConfig
@@ -44,8 +48,12 @@ def fleet_for(urls: Sequence[str], **extra: Any) -> FleetConfig:
 
 
 @contextlib.asynccontextmanager
-async def emulated(count: int, speedup: float = 10.0) -> AsyncIterator[list[EmulatedInstance]]:
-    async with serve(profile(PROFILE), MODEL, [0] * count, speedup) as instances:
+async def emulated(
+    count: int, speedup: float = 10.0, reasoning: bool = False
+) -> AsyncIterator[list[EmulatedInstance]]:
+    async with serve(
+        profile(PROFILE), MODEL, [0] * count, speedup, reasoning=reasoning
+    ) as instances:
         yield instances
 
 
@@ -101,6 +109,16 @@ def chat(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
         "max_tokens": max_tokens,
         **extra,
     }
+
+
+def fake_instance(path: str, answer: Callable[[Request], Awaitable[Response]]) -> Starlette:
+    """An instance that answers ``POST path`` with ``answer`` and looks ready (a valid,
+    empty ``/metrics``): for answers the emulator does not give."""
+
+    async def metrics(_: Request) -> Response:
+        return PlainTextResponse("")
+
+    return Starlette(routes=[Route(path, answer, methods=["POST"]), Route("/metrics", metrics)])
 
 
 @contextlib.asynccontextmanager

@@ -1,10 +1,13 @@
 """One emulated vLLM instance as an OpenAI-compatible HTTP app.
 
 Prompts become tokens and prefix blocks by ``control.tokens`` (the gateway's rule too);
-the output is exactly the requested number of tokens (``max_tokens``, else the defaults in
-``schemas.openai_api``), each the 4-byte text ``"tok "``. A client that disconnects
-cancels its request and frees its blocks. Where asked to, ``/kv-events`` serves the
-engine's KV events, which vLLM would publish on ZMQ, to the collector.
+each choice generates exactly its budget (``max_tokens``, else the defaults in
+``schemas.openai_api``), shaped as ``sim.emulator.answers`` says (text, reasoning, tool
+calls). It serves vLLM's routes: chat and completions (several prompts, ``n`` choices),
+the Responses API, embeddings (a prefill of each input on the engine), ``/tokenize`` and
+``/detokenize``. A client that disconnects cancels its request and frees its blocks.
+Where asked to, ``/kv-events`` serves the engine's KV events, which vLLM would publish on
+ZMQ, to the collector.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,37 +24,55 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from control.tokens import block_hashes, chat_text, count_tokens
-from schemas.openai_api import ApiError, ChatRequest, CompletionRequest, parse_request
+from control.tokens import block_hashes, chat_text, prompt_tokens, token_ids, token_text
+from schemas.openai_api import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    Prompt,
+    ResponsesRequest,
+    parse_request,
+)
+from sim.emulator import answers
+from sim.emulator.answers import EMBEDDING_DIMENSION, Api, Call, ResponseStream
 from sim.emulator.driver import EngineDriver
 from sim.emulator.kv_feed import KvEventFeed
 from sim.emulator.metrics import EngineMetrics
-from sim.engine import RequestTooLong, Sequence
+from sim.engine import RequestTooLong
+from sim.engine import Sequence as EngineSequence
 from sim.workload import TraceRequest
 
-TOKEN_TEXT = "tok "
 KV_EVENTS_PER_PAGE = 10_000
+
+Tokens = asyncio.Queue[int | None]
+"""A sequence's tokens as the driver streams them: a count per step, None at the end."""
 
 
 @dataclass(frozen=True)
-class _Call:
-    """What a completion or chat request asks of the engine, and how to answer it."""
+class Instance:
+    """What every route of one emulated instance needs."""
 
-    chat: bool
+    driver: EngineDriver
     model: str
-    prompt_tokens: int
-    output_tokens: int
-    stream: bool
-    include_usage: bool
-    request_id: str
-    created: int
+    reasoning: bool
+
+    def check_model(self, name: str) -> None:
+        if name != self.model:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model")
 
 
 def create_app(
-    driver: EngineDriver, model: str, metrics: EngineMetrics, kv_feed: KvEventFeed | None
+    driver: EngineDriver,
+    model: str,
+    metrics: EngineMetrics,
+    kv_feed: KvEventFeed | None,
+    reasoning: bool = False,
 ) -> FastAPI:
-    """The instance's HTTP API; ``/kv-events`` only with a ``kv_feed``."""
+    """The instance's HTTP API; ``/kv-events`` only with a ``kv_feed``; ``reasoning``: it
+    answers as a reasoning model served with a reasoning parser."""
     app = FastAPI(title=f"TokenFleet emulated vLLM ({model})")
+    instance = Instance(driver, model, reasoning)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -76,19 +97,50 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = parse_request(CompletionRequest, await request.body())
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            text, tokens = "", len(prompt)
-        else:
-            text = prompt if isinstance(prompt, str) else (prompt[0] if prompt else "")
-            tokens = count_tokens(text)
-        return await _serve(request, driver, model, body, False, text, tokens)
+        prompts = [p for p in body.prompts for _ in range(body.n)]  # choice i * n + j
+        used = sum(prompt_tokens(p) for p in body.prompts)
+        call = _call(Api.COMPLETION, body, used, len(prompts))
+        return await _generate(request, instance, call, prompts)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse_request(ChatRequest, await request.body())
         text = chat_text(body.messages)
-        return await _serve(request, driver, model, body, True, text, count_tokens(text))
+        call = _call(
+            Api.CHAT, body, prompt_tokens(text), body.n, body.called_tool, instance.reasoning
+        )
+        return await _generate(request, instance, call, [text] * body.n)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = parse_request(ResponsesRequest, await request.body())
+        text = chat_text(body.messages())
+        call = _call(Api.RESPONSES, body, prompt_tokens(text), 1)
+        return await _generate(request, instance, call, [text])
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = parse_request(EmbeddingRequest, await request.body())
+        return await _embed(request, instance, body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = json.loads(await request.body() or b"{}")
+        if "messages" in body:
+            text = chat_text(ChatRequest(model=model, messages=body["messages"]).messages)
+        else:
+            text = str(body.get("prompt", ""))
+        ids = token_ids(text)
+        limit = driver.engine.config.max_tokens_per_sequence
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        ids = json.loads(await request.body() or b"{}").get("tokens", [])
+        try:
+            return {"prompt": token_text(ids)}
+        except (OverflowError, TypeError, AttributeError):
+            raise ApiError(400, "tokens: a list of token ids is expected", param="tokens") from None
 
     return app
 
@@ -117,71 +169,100 @@ def _count(value: str, name: str, least: int) -> int:
     return number
 
 
-async def _serve(
-    request: Request,
-    driver: EngineDriver,
-    model: str,
-    body: CompletionRequest | ChatRequest,
-    chat: bool,
-    text: str,
-    prompt_tokens: int,
-) -> Response:
-    if body.model != model:
-        raise ApiError(404, f"The model `{body.model}` does not exist.", param="model")
-    call = _Call(
-        chat,
-        model,
-        prompt_tokens,
-        body.output_tokens,
-        body.stream,
-        body.include_usage,
-        f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+def _call(
+    api: Api,
+    body: ChatRequest | CompletionRequest | ResponsesRequest,
+    used: int,
+    choices: int,
+    tool: str | None = None,
+    reasoning: bool = False,
+) -> Call:
+    """``used``: the prompt tokens usage reports (each prompt once, however many choices)."""
+    prefix = {Api.CHAT: "chatcmpl", Api.COMPLETION: "cmpl", Api.RESPONSES: "resp"}[api]
+    budget = body.output_tokens
+    return Call(
+        api,
+        body.model,
+        f"{prefix}-{uuid.uuid4().hex}",
         int(time.time()),
+        prompt_tokens=used,
+        budget=budget,
+        choices=choices,
+        stream=body.stream,
+        include_usage=body.include_usage,
+        tool=tool,
+        reasoning=answers.reasoning_tokens(budget) if reasoning else 0,
     )
-    work = TraceRequest(
-        call.request_id, driver.now(), prompt_tokens, call.output_tokens, block_hashes(text)
-    )
-    try:
-        sequence, tokens = driver.submit(work)
-    except RequestTooLong as exc:
-        limit = driver.engine.config.max_tokens_per_sequence
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {limit} tokens; the request needs {exc}.",
-            param="max_tokens",
-        ) from None
+
+
+def _submit(
+    instance: Instance, request_id: str, prompts: Sequence[Prompt], budget: int
+) -> list[tuple[EngineSequence, Tokens]]:
+    """One engine sequence per prompt; ApiError(400) if one can never fit (none is left
+    queued then)."""
+    driver = instance.driver
+    submitted: list[tuple[EngineSequence, Tokens]] = []
+    for n, prompt in enumerate(prompts):
+        blocks = block_hashes(prompt) if isinstance(prompt, str) else ()
+        work = TraceRequest(
+            f"{request_id}-{n}", driver.now(), prompt_tokens(prompt), budget, blocks
+        )
+        try:
+            submitted.append(driver.submit(work))
+        except RequestTooLong as exc:
+            for sequence, _ in submitted:
+                driver.cancel(sequence)
+            limit = driver.engine.config.max_tokens_per_sequence
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens; the request needs {exc}.",
+                param="max_tokens",
+            ) from None
+    return submitted
+
+
+async def _generate(
+    request: Request, instance: Instance, call: Call, prompts: Sequence[Prompt]
+) -> Response:
+    instance.check_model(call.model)
+    submitted = _submit(instance, call.request_id, prompts, call.budget)
     if call.stream:
         return StreamingResponse(
-            _sse(driver, sequence, tokens, call), media_type="text/event-stream"
+            _stream(instance.driver, submitted, call), media_type="text/event-stream"
         )
-    return await _whole(request, driver, sequence, tokens, call)
+    counts = await _until_done(request, instance.driver, submitted)
+    if counts is None:
+        return Response(status_code=499)
+    return JSONResponse(answers.whole_body(call, counts))
 
 
-async def _whole(
-    request: Request,
-    driver: EngineDriver,
-    sequence: Sequence,
-    tokens: asyncio.Queue[int | None],
-    call: _Call,
-) -> Response:
-    collect = asyncio.ensure_future(_drain(tokens, driver.api_overhead_s()))
+async def _until_done(
+    request: Request, driver: EngineDriver, submitted: list[tuple[EngineSequence, Tokens]]
+) -> list[int] | None:
+    """Each sequence's generated tokens once all are done and the API's overhead has
+    passed; None if the client left first (every sequence is then cancelled)."""
+    streams = [tokens for _, tokens in submitted]
+    collect = asyncio.ensure_future(_drain(streams, driver.api_overhead_s()))
     gone = asyncio.ensure_future(_disconnected(request))
     done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     if collect not in done:
         collect.cancel()
-        driver.cancel(sequence)
-        return Response(status_code=499)
+        for sequence, _ in submitted:
+            driver.cancel(sequence)
+        return None
     gone.cancel()
-    generated = collect.result()
-    return JSONResponse(_final_body(call, generated))
+    return collect.result()
 
 
-async def _drain(tokens: asyncio.Queue[int | None], overhead_s: float) -> int:
-    generated = 0
-    while (count := await tokens.get()) is not None:
-        generated += count
+async def _drain(streams: list[Tokens], overhead_s: float) -> list[int]:
+    counts = []
+    for tokens in streams:
+        generated = 0
+        while (count := await tokens.get()) is not None:
+            generated += count
+        counts.append(generated)
     await asyncio.sleep(overhead_s)
-    return generated
+    return counts
 
 
 async def _disconnected(request: Request) -> None:
@@ -190,72 +271,79 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _sse(
-    driver: EngineDriver, sequence: Sequence, tokens: asyncio.Queue[int | None], call: _Call
+async def _stream(
+    driver: EngineDriver, submitted: list[tuple[EngineSequence, Tokens]], call: Call
 ) -> AsyncIterator[str]:
-    generated = 0
+    responses = ResponseStream(call) if call.api is Api.RESPONSES else None
+    done = [0] * len(submitted)
+    started = False
     try:
-        if call.chat:
-            yield _event(_chunk(call, {"role": "assistant", "content": ""}, None))
-        while (count := await tokens.get()) is not None:
-            if not generated:
+        for event in responses.opening() if responses else answers.opening_chunks(call):
+            yield event
+        async for choice, count in _merged([t for _, t in submitted]):
+            if not started:
                 await asyncio.sleep(driver.api_overhead_s())
-            generated += count
-            done = generated >= call.output_tokens
-            yield _event(_chunk(call, TOKEN_TEXT * count, "length" if done else None))
+                started = True
+            if responses is not None:
+                events = responses.tokens(count)
+            else:
+                events = answers.token_chunks(call, choice, done[choice], count)
+            done[choice] += count
+            for event in events:
+                yield event
+        if responses is not None:
+            for event in responses.closing(sum(done)):
+                yield event
+            return  # vLLM ends a Responses stream with its last event, no [DONE]
         if call.include_usage:
-            yield _event(
-                {**_chunk(call, None, None), "choices": [], "usage": _usage(call, generated)}
-            )
-        yield "data: [DONE]\n\n"
+            yield answers.usage_chunk(call, sum(done))
+        yield answers.DONE
     finally:
-        driver.cancel(sequence)  # a no-op once finished; frees blocks if the client left
+        for sequence, _ in submitted:  # a no-op once finished; frees blocks if the client left
+            driver.cancel(sequence)
 
 
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+async def _merged(streams: list[Tokens]) -> AsyncIterator[tuple[int, int]]:
+    """(choice, count) as the sequences generate, until every one has finished."""
+    if len(streams) == 1:
+        while (count := await streams[0].get()) is not None:
+            yield 0, count
+        return
+    merged: asyncio.Queue[tuple[int, int | None]] = asyncio.Queue()
+
+    async def pump(choice: int, tokens: Tokens) -> None:
+        while (count := await tokens.get()) is not None:
+            merged.put_nowait((choice, count))
+        merged.put_nowait((choice, None))
+
+    pumps = [asyncio.ensure_future(pump(n, tokens)) for n, tokens in enumerate(streams)]
+    try:
+        running = len(streams)
+        while running:
+            choice, count = await merged.get()
+            if count is None:
+                running -= 1
+            else:
+                yield choice, count
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
-def _chunk(call: _Call, content: str | dict[str, str] | None, finish: str | None) -> dict:
-    if call.chat:
-        delta = content if isinstance(content, dict) else ({"content": content} if content else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        kind = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": content or "", "logprobs": None, "finish_reason": finish}
-        kind = "text_completion"
-    return _envelope(call, kind, choice)
-
-
-def _final_body(call: _Call, generated: int) -> dict[str, Any]:
-    text = TOKEN_TEXT * generated
-    if call.chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": "length",
-        }
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-        kind = "text_completion"
-    return {**_envelope(call, kind, choice), "usage": _usage(call, generated)}
-
-
-def _envelope(call: _Call, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "id": call.request_id,
-        "object": kind,
-        "created": call.created,
-        "model": call.model,
-        "choices": [choice],
-    }
-
-
-def _usage(call: _Call, generated: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": call.prompt_tokens,
-        "completion_tokens": generated,
-        "total_tokens": call.prompt_tokens + generated,
-    }
+async def _embed(request: Request, instance: Instance, body: EmbeddingRequest) -> Response:
+    """Each input is prefilled on the engine (one token generated, as a pooling model's
+    forward pass costs about a prefill), then answered with ``answers.embedding``."""
+    instance.check_model(body.model)
+    if body.dimensions is not None and body.dimensions != EMBEDDING_DIMENSION:
+        raise ApiError(
+            400,
+            f"This model does not support `dimensions` other than {EMBEDDING_DIMENSION}.",
+            param="dimensions",
+        )
+    prompts = body.prompts
+    submitted = _submit(instance, f"embd-{uuid.uuid4().hex}", prompts, 1)
+    if await _until_done(request, instance.driver, submitted) is None:
+        return Response(status_code=499)
+    vectors = [answers.embedding(p) for p in prompts]
+    used = sum(prompt_tokens(p) for p in prompts)
+    return JSONResponse(answers.embeddings_body(body.model, vectors, body.encoding_format, used))

@@ -28,16 +28,22 @@ class EmulatedInstance:
 
 
 def build_instance(
-    profile: InstanceProfile, model: str, port: int, speedup: float, kv_events: bool = False
+    profile: InstanceProfile,
+    model: str,
+    port: int,
+    speedup: float,
+    kv_events: bool = False,
+    reasoning: bool = False,
 ) -> EmulatedInstance:
     """``kv_events``: keep the engine's KV events and serve them at ``/kv-events``; off by
-    default, as vLLM publishes none without ``--kv-events-config``."""
+    default, as vLLM publishes none without ``--kv-events-config``. ``reasoning``: answer
+    as a reasoning model (``sim.emulator.answers``)."""
     engine = Engine(profile.engine, profile.step_time, kv_events=kv_events)
     metrics = EngineMetrics(engine, model)
     feed = KvEventFeed(engine.pool) if kv_events else None
     on_step = feed.collect if feed is not None else None
     driver = EngineDriver(engine, speedup, on_finish=metrics.observe, on_step=on_step)
-    app = create_app(driver, model, metrics, feed)
+    app = create_app(driver, model, metrics, feed, reasoning)
     return EmulatedInstance(f"http://127.0.0.1:{port}", driver, feed, app)
 
 
@@ -48,6 +54,7 @@ async def serve(
     ports: Sequence[int],
     speedup: float = 1.0,
     kv_events: bool = False,
+    reasoning: bool = False,
 ) -> AsyncIterator[list[EmulatedInstance]]:
     """Start one instance per port on 127.0.0.1 (port 0: any free one); stop them all on
     exit. A port taken raises ``OSError`` before any starts."""
@@ -55,7 +62,9 @@ async def serve(
         sockets = [bound.enter_context(socket.create_server(("127.0.0.1", port))) for port in ports]
         bound.pop_all()  # every port is ours: the servers own the sockets from here
     ports = [sock.getsockname()[1] for sock in sockets]
-    instances = [build_instance(profile, model, port, speedup, kv_events) for port in ports]
+    instances = [
+        build_instance(profile, model, port, speedup, kv_events, reasoning) for port in ports
+    ]
     servers = [
         uvicorn.Server(
             uvicorn.Config(i.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")

@@ -13,8 +13,7 @@ import openai
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import StreamingResponse
 
 from control.tokens import block_hashes, chat_text
 from gateway.decide import INDEX_STRIDE
@@ -29,6 +28,7 @@ from tests.gateway_harness import (
     Gateway,
     chat,
     emulated,
+    fake_instance,
     fleet_for,
     gateway,
     http_server,
@@ -36,24 +36,6 @@ from tests.gateway_harness import (
 )
 from tokenfleet.cli import main
 from tokenfleet.services.process import free_port
-
-
-@pytest.fixture
-async def instances() -> AsyncIterator[list[EmulatedInstance]]:
-    async with emulated(2) as running:
-        yield running
-
-
-@pytest.fixture
-async def front(instances: list[EmulatedInstance]) -> AsyncIterator[Gateway]:
-    async with gateway(fleet_for([i.url for i in instances])) as running:
-        yield running
-
-
-@pytest.fixture
-async def client(front: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=KEY) as client:
-        yield client
 
 
 async def metric(front: Gateway, name: str, **labels: str) -> float:
@@ -277,12 +259,7 @@ def _breaking_upstream(tokens_before_break: int) -> Starlette:
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    async def metrics(_: Request) -> PlainTextResponse:
-        return PlainTextResponse("")  # a valid, empty exposition: the instance looks ready
-
-    return Starlette(
-        routes=[Route("/v1/completions", stream, methods=["POST"]), Route("/metrics", metrics)]
-    )
+    return fake_instance("/v1/completions", stream)
 
 
 async def test_a_stream_broken_after_tokens_ends_with_an_error_not_a_rerun() -> None:
@@ -293,8 +270,9 @@ async def test_a_stream_broken_after_tokens_ends_with_an_error_not_a_rerun() -> 
             async with http.stream("POST", "/v1/completions", json=body) as response:
                 events = [line async for line in response.aiter_lines() if line]
             assert response.headers["x-tokenfleet-instance"] == "i0"
-            assert len(events) == 4  # three tokens, then the error
-            assert json.loads(events[-1][len("data: ") :])["error"]["code"] == 502
+            assert len(events) == 5  # three tokens, the error, then the end as vLLM ends
+            assert json.loads(events[-2][len("data: ") :])["error"]["code"] == 502
+            assert events[-1] == "data: [DONE]"
             assert await metric(front, "tokenfleet_gateway_retries_total") == 0
 
 

@@ -23,8 +23,9 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         "emulate",
         help="emulated vLLM instances with an OpenAI-compatible API, on loopback ports",
         description="Runs N emulated instances in this process, each on 127.0.0.1 and its own "
-        "port, stepping the simulator's engine in wall-clock time: the OpenAI API under /v1 "
-        "and vLLM's metrics at /metrics. Stop with Ctrl-C.",
+        "port, stepping the simulator's engine in wall-clock time: vLLM's OpenAI routes "
+        "(chat with tool calls, completions, responses, embeddings, tokenize) and its metrics "
+        "at /metrics. Stop with Ctrl-C.",
     )
     emulate.add_argument("--instances", type=int, default=1, help="how many (default: 1)")
     emulate.add_argument(
@@ -47,6 +48,12 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         help="serve the engines' KV events at /kv-events, for tokenfleet collect (vLLM "
         "publishes its own only with --kv-events-config)",
     )
+    emulate.add_argument(
+        "--reasoning",
+        action="store_true",
+        help="answer as a reasoning model served with a reasoning parser: the first half of "
+        "each chat answer's tokens come as reasoning_content",
+    )
     emulate.set_defaults(handler=_emulate)
 
 
@@ -59,7 +66,9 @@ def _emulate(args: argparse.Namespace) -> int:
     ports = [args.base_port + n for n in range(args.instances)]
 
     async def run() -> None:
-        emulated = serve(profile(args.profile), args.model, ports, args.speedup, args.kv_events)
+        emulated = serve(
+            profile(args.profile), args.model, ports, args.speedup, args.kv_events, args.reasoning
+        )
         async with emulated as instances:
             for instance in instances:
                 print(f"{args.model} at {instance.url}/v1", flush=True)

@@ -1,0 +1,359 @@
+"""Everything a vLLM server answers passes through the gateway, as the official openai
+client sees it: tool calls, reasoning, the Responses API, embeddings, several prompts,
+the model routes, and bad input answered in OpenAI's format."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import numpy as np
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from control.tokens import count_tokens
+from schemas.lifecycle import FirstToken, RequestCompleted, RequestFailed
+from sim.emulator.answers import EMBEDDING_DIMENSION, reasoning_tokens
+from sim.emulator.server import EmulatedInstance
+from tests.gateway_harness import (
+    KEY,
+    MODEL,
+    Gateway,
+    chat,
+    emulated,
+    fake_instance,
+    fleet_for,
+    gateway,
+    http_server,
+    scraped,
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+T = TypeVar("T")
+WEATHER = [{"role": "user", "content": "What is the weather in Lyon? " * 10}]
+
+
+async def latest_event(front: Gateway, request_id: str, kind: type[T]) -> T | None:
+    """The request's latest lifecycle event, once it is a ``kind`` (None after 5 s)."""
+    topic = "tf.completions" if kind in (RequestCompleted, RequestFailed) else "tf.requests"
+    bus = front.app.state.parts.bus
+    for _ in range(250):
+        envelope = (await bus.read_latest(topic)).get(request_id)
+        if envelope is not None and isinstance(envelope.payload, kind):
+            return envelope.payload
+        await asyncio.sleep(0.02)
+    return None
+
+
+async def test_a_streamed_tool_call_passes_through_and_fails_no_instance() -> None:
+    async with (
+        emulated(1) as [instance],
+        gateway(fleet_for([instance.url])) as front,
+        openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=KEY) as client,
+    ):
+        for _ in range(3):  # a failed instance would be left out: the next would get 503
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=WEATHER, tools=TOOLS, max_tokens=6, stream=True
+            )
+            name, arguments, finish, content = "", "", None, ""
+            async for chunk in stream:
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                for call in delta.tool_calls or ():
+                    name += call.function.name or "" if call.function else ""
+                    arguments += call.function.arguments or "" if call.function else ""
+                finish = chunk.choices[0].finish_reason or finish
+            assert (name, finish, content) == ("get_weather", "tool_calls", "")
+            assert json.loads(arguments) == {"text": "tok " * 6}
+        assert await scraped(front.url, "tokenfleet_gateway_requests_total", status="200") == 3
+        assert await scraped(front.url, "tokenfleet_gateway_upstream_errors_total") == 0
+
+
+async def test_a_whole_tool_call_and_a_named_tool_choice(client: openai.AsyncOpenAI) -> None:
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    answer = await client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=3,
+    )
+    message = answer.choices[0].message
+    assert message.content is None
+    assert message.tool_calls is not None
+    assert [c.function.name for c in message.tool_calls] == ["get_time"]
+    assert json.loads(message.tool_calls[0].function.arguments) == {"text": "tok " * 3}
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 3
+
+
+async def test_reasoning_deltas_pass_through_as_they_come_and_are_the_first_token() -> None:
+    """The first chunk reaches the client while the engine is still reasoning, and the
+    gateway's first token is that chunk: nothing waits for the first content."""
+    budget = 400
+    async with (
+        emulated(1, speedup=2.0, reasoning=True) as [instance],
+        gateway(fleet_for([instance.url])) as front,
+        front.client() as http,
+    ):
+        body = chat("think " * 50, max_tokens=budget, stream=True)
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = aiter(response.aiter_lines())
+            first: dict[str, str] = {}
+            while "role" in first or not first:  # the role chunk leads, as vLLM sends it
+                if (line := await anext(lines)).startswith("data:"):
+                    first = json.loads(line[len("data:") :])["choices"][0]["delta"]
+            generated = instance.driver.engine.running[0].generated
+            request_id = response.headers["x-tokenfleet-request-id"]
+            first_token = await latest_event(front, request_id, FirstToken)
+            still_thinking = instance.driver.engine.running[0].generated
+    assert first == {"reasoning_content": "tok "}
+    assert generated < reasoning_tokens(budget)
+    assert first_token is not None
+    assert still_thinking < reasoning_tokens(budget)  # counted before any content existed
+
+
+async def test_an_answer_that_is_all_reasoning_is_an_answer() -> None:
+    async with (
+        emulated(1, reasoning=True) as [instance],
+        gateway(fleet_for([instance.url])) as front,
+        openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=KEY) as client,
+    ):
+        for _ in range(2):
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=WEATHER, max_tokens=1, stream=True
+            )
+            chunks = [chunk async for chunk in stream]
+            assert [getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks] == [
+                None,
+                "tok ",
+            ]
+            assert all(not c.choices[0].delta.content for c in chunks)
+        whole = await client.chat.completions.create(model=MODEL, messages=WEATHER, max_tokens=4)
+    assert getattr(whole.choices[0].message, "reasoning_content", None) == "tok " * 2
+    assert whole.choices[0].message.content == "tok " * 2
+
+
+def _empty_upstream() -> Starlette:
+    """An instance whose model ends its answer at once (end of text as the first token)."""
+
+    async def stream(_: Request) -> StreamingResponse:
+        base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": MODEL}
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        stop = {"index": 0, "delta": {}, "finish_reason": "stop"}
+        events = [{**base, "choices": [role]}, {**base, "choices": [stop]}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return StreamingResponse(iter([body.encode()]), media_type="text/event-stream")
+
+    return fake_instance("/v1/chat/completions", stream)
+
+
+async def test_an_empty_answer_is_passed_on_and_completes() -> None:
+    async with (
+        http_server(_empty_upstream()) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=KEY) as client,
+    ):
+        for _ in range(2):
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=WEATHER, stream=True
+            )
+            chunks = [chunk async for chunk in raw.parse()]
+            assert [c.choices[0].finish_reason for c in chunks] == [None, "stop"]
+        request_id = raw.headers["x-tokenfleet-request-id"]
+        completed = await latest_event(front, request_id, RequestCompleted)
+        assert completed is not None
+        assert completed.output_tokens == 0
+        assert await scraped(front.url, "tokenfleet_gateway_retries_total") == 0
+
+
+async def test_the_responses_api_streams_and_answers_whole(
+    front: Gateway, client: openai.AsyncOpenAI
+) -> None:
+    stream = await client.responses.create(
+        model=MODEL,
+        instructions="Answer briefly.",
+        input="Name three rivers. " * 20,
+        max_output_tokens=5,
+        stream=True,
+    )
+    kinds, text, usage = [], "", None
+    async for event in stream:
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type == "response.completed":
+            usage = event.response.usage
+    assert kinds[0] == "response.created"
+    assert kinds[-1] == "response.completed"
+    assert kinds.count("response.output_text.delta") == 5
+    assert text == "tok " * 5
+    assert usage is not None
+    assert usage.output_tokens == 5
+    raw = await client.responses.with_raw_response.create(
+        model=MODEL, input=[{"role": "user", "content": "hi " * 30}], max_output_tokens=3
+    )
+    whole = raw.parse()
+    assert whole.output_text == "tok " * 3
+    request_id = raw.headers["x-tokenfleet-request-id"]
+    completed = await latest_event(front, request_id, RequestCompleted)
+    assert completed is not None
+    assert completed.output_tokens == 3
+
+
+async def test_embeddings_by_least_load(front: Gateway, client: openai.AsyncOpenAI) -> None:
+    texts = ["the first text " * 20, "a second one " * 20, "the first text " * 20]
+    answer = await client.embeddings.create(model=MODEL, input=texts)  # base64, decoded
+    vectors = np.array([d.embedding for d in answer.data])
+    assert vectors.shape == (3, EMBEDDING_DIMENSION)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(vectors[0], vectors[2], rtol=1e-6)
+    assert not np.allclose(vectors[0], vectors[1])
+    assert answer.usage.prompt_tokens == sum(count_tokens(t) for t in texts)
+    floats = await client.embeddings.create(model=MODEL, input=texts[0], encoding_format="float")
+    np.testing.assert_allclose(floats.data[0].embedding, vectors[0], rtol=1e-6)
+    chosen = set()
+    for _ in range(2):
+        raw = await client.embeddings.with_raw_response.create(model=MODEL, input="x " * 10)
+        chosen.add(raw.headers["x-tokenfleet-instance"])
+    assert chosen == {"i0", "i1"}  # an idle pool takes them in turn
+    assert await scraped(front.url, "tokenfleet_gateway_decisions_total", policy="least_loaded")
+
+
+async def test_completions_of_several_prompts(client: openai.AsyncOpenAI) -> None:
+    prompts = ["once upon a time " * 10, "in a galaxy far away " * 10]
+    whole = await client.completions.create(model=MODEL, prompt=prompts, max_tokens=3, n=2)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2, 3]
+    assert all(c.text == "tok " * 3 for c in whole.choices)
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == 12
+    stream = await client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, stream=True)
+    texts: dict[int, str] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: "tok " * 4, 1: "tok " * 4}
+
+
+def _breaking_upstream() -> Starlette:
+    async def stream(_: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            chunk = {"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            await asyncio.sleep(0.01)
+            raise RuntimeError("the engine died")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return fake_instance("/v1/chat/completions", stream)
+
+
+async def test_an_error_mid_stream_reaches_the_client_and_the_stream_ends() -> None:
+    async with (
+        http_server(_breaking_upstream()) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=KEY) as client,
+    ):
+        stream = await client.chat.completions.create(model=MODEL, messages=WEATHER, stream=True)
+        received: list[str | None] = []
+
+        async def read() -> None:
+            async for chunk in stream:
+                received.append(chunk.choices[0].delta.content)
+
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            await read()
+        assert received == ["tok "]
+        async with front.client() as http:
+            body = chat("x " * 20, stream=True)
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                lines = [line async for line in response.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert '"error"' in lines[-2]
+
+
+async def test_the_model_routes_and_paths_as_vllm_serves_them(front: Gateway) -> None:
+    async with front.client() as http:
+        card = await http.get(f"/v1/models/{MODEL}")
+        missing = await http.get("/v1/models/no-such-model")
+        slashed = await http.post("/v1/chat/completions/", json=chat("hi " * 20))
+        models_slashed = await http.get("/v1/models/")
+        unknown = await http.post("/v1/no-such-route", json={})
+    assert card.status_code == 200
+    assert (card.json()["id"], card.json()["max_model_len"]) == (MODEL, 8192)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["param"] == "model"
+    assert slashed.status_code == 200
+    assert slashed.json()["choices"][0]["message"]["content"] == "tok " * 4
+    assert models_slashed.status_code == 200
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["type"] == "not_found_error"
+    assert "/v1/no-such-route" in unknown.json()["error"]["message"]
+
+
+async def test_tokenize_and_detokenize_reach_an_instance(front: Gateway) -> None:
+    async with front.client() as http:
+        tokens = await http.post("/tokenize", json={"model": MODEL, "prompt": "hello, world"})
+        text = await http.post("/detokenize", json={"tokens": tokens.json()["tokens"]})
+        chat_tokens = await http.post("/tokenize", json=chat("hi"))
+        unknown = await http.post("/tokenize", json={"model": "nope", "prompt": "x"})
+    assert tokens.status_code == 200
+    assert tokens.json()["count"] == 3
+    assert text.json() == {"prompt": "hello, world"}  # no model: the fleet's only one
+    assert chat_tokens.json()["count"] > 2
+    assert unknown.status_code == 404
+
+
+async def test_bad_input_is_refused_in_openai_format_and_nothing_reaches_an_instance(
+    instances: list[EmulatedInstance],
+) -> None:
+    async with (
+        gateway(fleet_for([i.url for i in instances]), max_body_bytes=64 * 1024) as front,
+        front.client() as http,
+    ):
+        big = await http.post("/v1/chat/completions", json=chat("x" * 1_000_000))
+        role = await http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+        )
+        hot = await http.post("/v1/chat/completions", json=chat("hi", temperature=9))
+        top_p = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 0})
+        after = await http.post("/v1/chat/completions", json=chat("still here " * 10))
+    assert (big.status_code, big.json()["error"]["code"]) == (413, 413)
+    assert role.status_code == 400
+    assert "wizard" in role.json()["error"]["message"]
+    assert (hot.status_code, hot.json()["error"]["param"]) == (400, "temperature")
+    assert (top_p.status_code, top_p.json()["error"]["param"]) == (400, "top_p")
+    assert after.status_code == 200
+    served = [await scraped(i.url, "vllm:e2e_request_latency_seconds_count") for i in instances]
+    assert sum(served) == 1
+
+
+async def test_a_body_past_the_limit_sent_in_chunks_gets_413(front: Gateway) -> None:
+    """No length announced: the gateway finds out while reading, and answers all the same."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"model": "emulated", "messages": [{"role": "user", "content": "'
+        for _ in range(6):
+            yield b"x" * 1024 * 1024
+        yield b'"}]}'
+
+    async with front.client() as http:
+        response = await http.post("/v1/chat/completions", content=chunks())
+    assert "content-length" not in response.request.headers
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "invalid_request_error"
