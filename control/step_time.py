@@ -18,13 +18,16 @@ Two forms:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-Array = npt.NDArray[np.float64]
-Values = Array | npt.NDArray[np.int64] | float
+Array = npt.NDArray[np.floating[Any]]
+Values = Array | npt.NDArray[np.integer[Any]] | float
+"""Counts per instance (arrays), or one count."""
+Seconds = Array | float
+"""Times per instance, or one time: what ``Values`` give."""
 
 US = 1e-6
 
@@ -54,17 +57,17 @@ class StepTime(Protocol):
         many instances: what the load costs is computed once."""
         ...
 
-    def attention_s(self, prefill_pairs: Values) -> Array:
+    def attention_s(self, prefill_pairs: Values) -> Seconds:
         """What a step's prefill attention over ``prefill_pairs`` adds to it."""
         ...
 
 
 class StepsUnderLoad(Protocol):
-    def step_s(self, prefill_tokens: Values) -> Array:
+    def step_s(self, prefill_tokens: Values) -> Seconds:
         """Duration of a step that also prefills ``prefill_tokens`` (no attention pairs)."""
         ...
 
-    def decode_step_s(self, more_sequences: int) -> Array:
+    def decode_step_s(self, more_sequences: int) -> Seconds:
         """Duration of a step with no prefill that decodes ``more_sequences`` sequences
         besides the load (their context not counted)."""
         ...
@@ -105,7 +108,7 @@ class KneeRoofline:
             self.c_s_per_seq,
         )
 
-    def attention_s(self, prefill_pairs: Values) -> Array:
+    def attention_s(self, prefill_pairs: Values) -> Seconds:
         return self.e_s_per_prefill_pair * prefill_pairs
 
 
@@ -141,7 +144,7 @@ class Blackbox:
             self.beta2_us * US,
         )
 
-    def attention_s(self, prefill_pairs: Values) -> Array:
+    def attention_s(self, prefill_pairs: Values) -> Seconds:
         return np.zeros_like(prefill_pairs, dtype=np.float64)
 
 
@@ -154,10 +157,10 @@ class _KneeUnderLoad:
     s_per_token: float
     s_per_seq: float
 
-    def step_s(self, prefill_tokens: Values) -> Array:
+    def step_s(self, prefill_tokens: Values) -> Seconds:
         return self.fixed_s + self.s_per_token * np.maximum(prefill_tokens - self.free_tokens, 0.0)
 
-    def decode_step_s(self, more_sequences: int) -> Array:
+    def decode_step_s(self, more_sequences: int) -> Seconds:
         compute = self.s_per_token * np.maximum(more_sequences - self.free_tokens, 0.0)
         return self.fixed_s + self.s_per_seq * more_sequences + compute
 
@@ -168,8 +171,8 @@ class _BlackboxUnderLoad:
     s_per_token: float
     s_per_seq: float
 
-    def step_s(self, prefill_tokens: Values) -> Array:
+    def step_s(self, prefill_tokens: Values) -> Seconds:
         return self.fixed_s + self.s_per_token * prefill_tokens
 
-    def decode_step_s(self, more_sequences: int) -> Array:
+    def decode_step_s(self, more_sequences: int) -> Seconds:
         return self.fixed_s + self.s_per_seq * more_sequences

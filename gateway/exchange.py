@@ -30,7 +30,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import numpy as np
@@ -168,7 +168,11 @@ class Exchange:
         otherwise read the same view and pile a burst of new prefixes onto one instance.
         A router that cannot forget a decision is charged as it decided, at once."""
         router = plan.router
-        forgetful = router if router is not None and implements(router, Withdrawing) else None
+        forgetful = (
+            cast(Withdrawing, router)
+            if router is not None and implements(router, Withdrawing)
+            else None
+        )
         replans = REPLANS if forgetful is not None else 0
         for replan in range(replans + 1):
             seen = plan.version if replan < replans else None
@@ -402,7 +406,7 @@ class Exchange:
         # chose was predicted for: a retry's TTFT would train the wrong instance.
         first_choice = trip.row == trip.plan.decision.chosen
         if inbound.stream and first_choice and router and implements(router, Learner):
-            router.observe(
+            cast(Learner, router).observe(
                 Observation(inbound.request_id, trip.row, first - trip.sent_at, trip.output_tokens)
             )
         if trip.idempotency_key is not None:

@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -385,7 +385,7 @@ class FallbackState:
         return await getattr(self.fallback, method)(*args)
 
     async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
-        return await self._run("view", instance_ids, blocks)
+        return cast(SharedView, await self._run("view", instance_ids, blocks))
 
     async def routed(
         self,
@@ -396,7 +396,7 @@ class FallbackState:
         inflight_tokens: float,
         seen_version: int | None = None,
     ) -> bool:
-        return await self._run(
+        changed = await self._run(
             "routed",
             instance_id,
             blocks,
@@ -405,6 +405,7 @@ class FallbackState:
             inflight_tokens,
             seen_version,
         )
+        return cast(bool, changed)
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         await self._run("adjust", instance_id, pending_prefill, inflight)
@@ -419,10 +420,10 @@ class FallbackState:
         await self._run("reconcile")
 
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
-        return await self._run("take", bucket, rate_per_s, burst, amount)
+        return cast(float, await self._run("take", bucket, rate_per_s, burst, amount))
 
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
-        return await self._run("claim", key, ttl_s)
+        return cast(Outcome | InProgress | None, await self._run("claim", key, ttl_s))
 
     async def settle(self, key: str, outcome: Outcome, ttl_s: float) -> None:
         await self._run("settle", key, outcome, ttl_s)

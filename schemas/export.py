@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from schemas.envelope import Envelope
 from schemas.topics import MESSAGES
 
 
-def json_schemas() -> dict[str, dict]:
+def json_schemas() -> dict[str, dict[str, Any]]:
     """File name -> JSON Schema: the envelope, then one per message version."""
     documents = {"envelope.schema.json": Envelope.model_json_schema(by_alias=True)}
     for ref, message in MESSAGES.items():

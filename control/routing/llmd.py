@@ -68,4 +68,5 @@ def queue_score(waiting: np.ndarray, eligible: np.ndarray) -> np.ndarray:
     low, high = waiting[eligible].min(), waiting[eligible].max()
     if high == low:
         return np.ones(len(waiting))
-    return (high - waiting) / (high - low)
+    scores: np.ndarray = (high - waiting) / (high - low)
+    return scores

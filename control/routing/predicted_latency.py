@@ -97,4 +97,5 @@ class LlmdPredictedLatency:
     def _predict(self, features: np.ndarray) -> np.ndarray:
         assert self._model is not None
         weights, mean, scale = self._model
-        return weights[0] + ((features - mean) / scale) @ weights[1:]
+        predicted: np.ndarray = weights[0] + ((features - mean) / scale) @ weights[1:]
+        return predicted

@@ -18,6 +18,9 @@ IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
+_UNKNOWN: FloatArray = np.empty(0)
+"""The default of a snapshot's optional arrays, replaced by their neutral values."""
+
 KvEvent = tuple[int, bool]
 """One KV event of an engine: a block hash, and whether the block was stored (True) or
 removed (False)."""
@@ -37,20 +40,20 @@ class FleetSnapshot:
     """Prompt plus output budget of the requests routed there and not yet completed."""
     kv_blocks_used: IntArray
     kv_blocks_total: IntArray
-    pending_prefill_tokens: FloatArray | None = None
+    pending_prefill_tokens: FloatArray = field(default_factory=lambda: _UNKNOWN)
     """Uncached prompt tokens routed there whose first token has not come back yet, as the
-    hosts' shared accounting knows them (all gateways together). None (zeros) where the
-    host does not track first tokens; routers then rely on their own estimates."""
-    last_step_end_s: FloatArray | None = None
+    hosts' shared accounting knows them (all gateways together). Not given (zeros) where
+    the host does not track first tokens; routers then rely on their own estimates."""
+    last_step_end_s: FloatArray = field(default_factory=lambda: _UNKNOWN)
     """When each instance last ended a step that streamed tokens, as the host saw them
     come back (an engine streams every sequence's new token at each step's end): so the
-    step in flight began then. None (-inf): not known."""
+    step in flight began then. Not given (-inf): not known."""
 
     def __post_init__(self) -> None:
         size = len(self.instance_ids)
-        if self.pending_prefill_tokens is None:
+        if self.pending_prefill_tokens is _UNKNOWN:
             object.__setattr__(self, "pending_prefill_tokens", np.zeros(size))
-        if self.last_step_end_s is None:
+        if self.last_step_end_s is _UNKNOWN:
             object.__setattr__(self, "last_step_end_s", np.full(size, -np.inf))
         for name in (
             "ready",

@@ -70,7 +70,7 @@ from control.routing.snapshot import (
     PoolModel,
     RouteRequest,
 )
-from control.step_time import StepsUnderLoad
+from control.step_time import Seconds, StepsUnderLoad
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,7 @@ class TokenPilot:
         ledger: WorkLedger,
         ahead: np.ndarray,
         load: _Load,
-        decode_step: np.ndarray,
+        decode_step: Seconds,
         now: float,
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Where each candidate is in its current step, when the host has seen where it
@@ -286,9 +286,7 @@ class TokenPilot:
         }
         return step, np.where(fresh, unstarted_tokens, ahead)
 
-    def _shared_step_s(
-        self, unstarted: np.ndarray, uncached: np.ndarray, load: _Load
-    ) -> np.ndarray:
+    def _shared_step_s(self, unstarted: np.ndarray, uncached: np.ndarray, load: _Load) -> Seconds:
         """The time this request's first chunk adds to the step that ends the unstarted
         prompts ahead: each of them gets its first token that much later. Where nothing
         is unstarted, that "step" is a full budget that the request cannot join: 0."""
