@@ -38,6 +38,9 @@ def instance_capacity_rps(
     seeds 0 to 4 (the seed places arrivals within the trace's 3 s buckets, and so which
     requests are sampled); this one, at 1,000, 1.40, 1.36 and 1.36 at seeds 0, 1 and 3.
     A burst that fits in one batch has no backlog: its makespan is all there is to go by.
+    A burst under ``max_num_seqs`` can still wait for the step's token budget; its backlog
+    is then only the prefill ramp, and the rate reads low (50 requests of 500 tokens: 20
+    per second, where 50 over the makespan is 35): sample a burst well past the batch.
     """
     step = max(1, len(requests) // sample)
     burst = [replace(r, arrival_s=0.0) for r in requests[::step][:sample]]

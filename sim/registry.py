@@ -40,13 +40,15 @@ TRACES: dict[str, Source] = {
 
 
 def load_trace(name_or_path: str, *, limit: int | None = None, seed: int = 0) -> list[TraceRequest]:
-    """A labelled workload by name (see ``TRACES``) or a Mooncake-format JSONL path."""
+    """A labelled workload by name (see ``TRACES``) or a Mooncake-format JSONL path, whose
+    timestamps are replayed as given (only the named ``mooncake`` trace spreads its 3 s
+    buckets)."""
     source = TRACES.get(name_or_path)
     if source is not None:
         return label(source.load(limit=limit, seed=seed), batch=source.batch, seed=seed)
     path = Path(name_or_path)
     if path.suffix == ".jsonl" and path.exists():
-        return label(load_mooncake(path, limit=limit, seed=seed), seed=seed)
+        return label(load_mooncake(path, limit=limit, seed=seed, bucket_s=0.0), seed=seed)
     raise ValueError(
         f"unknown trace {name_or_path!r}: give one of {', '.join(TRACES)} or a .jsonl path"
     )

@@ -25,13 +25,20 @@ def traces_dir() -> Path:
 
 
 def load_mooncake(
-    path: Path | None = None, *, limit: int | None = None, seed: int = 0
+    path: Path | None = None,
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    bucket_s: float = MOONCAKE_BUCKET_S,
 ) -> list[TraceRequest]:
-    """The Mooncake FAST'25 conversation trace (Qin et al., USENIX FAST 2025).
+    """The Mooncake FAST'25 conversation trace (Qin et al., USENIX FAST 2025), or a file in
+    its format.
 
-    Its timestamps come in 3 s buckets; each request is placed uniformly at random (seeded)
-    inside its bucket so arrivals are smooth. Each 512-token ``hash_id`` becomes 32 engine
-    blocks of 16 tokens with derived hashes; only full engine blocks get one.
+    The published trace's timestamps come in 3 s buckets; each request is placed uniformly
+    at random (seeded) inside its ``bucket_s`` bucket so arrivals are smooth. ``bucket_s``
+    0 replays the timestamps as given (a file whose timestamps are exact). Each 512-token
+    ``hash_id`` becomes 32 engine blocks of 16 tokens with derived hashes; only full engine
+    blocks get one.
     """
     path = path or traces_dir() / "mooncake_fast25" / "conversation_trace.jsonl"
     rng = random.Random(seed)
@@ -41,7 +48,9 @@ def load_mooncake(
             if limit is not None and index >= limit:
                 break
             row = json.loads(line)
-            arrival = row["timestamp"] / 1000.0 + rng.uniform(0.0, MOONCAKE_BUCKET_S)
+            arrival = row["timestamp"] / 1000.0
+            if bucket_s:
+                arrival += rng.uniform(0.0, bucket_s)
             requests.append(
                 TraceRequest(
                     request_id=f"mooncake-{index}",

@@ -205,9 +205,15 @@ def test_an_instance_without_free_blocks_for_the_uncached_prompt_is_skipped() ->
 
 def test_it_degrades_to_the_best_ready_instance_when_every_one_is_full() -> None:
     pilot = TokenPilot(POOL)
-    full = idle_fleet(2)
-    full = replace(full, kv_blocks_used=np.array([29_900, 29_950]))
-    assert pilot.route(hot_request(0), full, now=0.0).chosen in (0, 1)
+    full = replace(
+        idle_fleet(3),
+        ready=np.array([True, True, False]),  # the idle one cannot take it
+        waiting=np.array([2, 0, 0]),  # two prompts queue on the first
+        kv_blocks_used=np.array([29_900, 29_950, 0]),
+    )
+    decision = pilot.route(hot_request(0), full, now=0.0)
+    assert decision.scores[1] < decision.scores[0] * 0.9
+    assert decision.chosen == 1
 
 
 def test_a_withdrawn_decision_no_longer_counts_as_work_sent() -> None:

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 from control.routing import ROUTERS
+from sim.registry import load_trace
 from sim.traces import MOONCAKE_BUCKET_S, engine_blocks, load_mooncake
 from sim.workload import reusable_blocks
 from tokenfleet.demo import run_demo
@@ -54,6 +55,18 @@ def test_mooncake_arrivals_are_spread_inside_their_bucket_and_seeded(tmp_path: P
         assert bucket <= r.arrival_s < bucket + MOONCAKE_BUCKET_S
     assert load_mooncake(path, seed=3) == requests
     assert load_mooncake(path, seed=4) != requests
+
+
+def test_a_jsonl_path_replays_its_timestamps_as_given(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": ms, "input_length": 64, "output_length": 5, "hash_ids": [n]}
+        for n, ms in enumerate([0, 10, 2500, 2501])
+    ]
+    path = tmp_path / "exact.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    for seed in (0, 1):
+        replayed = load_trace(str(path), seed=seed)
+        assert [r.arrival_s for r in replayed] == [0.0, 0.01, 2.5, 2.501]
 
 
 def test_the_demo_compares_every_policy_on_the_same_requests() -> None:

@@ -44,14 +44,17 @@ def _demo(args: argparse.Namespace) -> int:
 def _add_sim(commands: argparse._SubParsersAction) -> None:
     from control.routing import ROUTERS
     from sim.profiles import PROFILES
-    from sim.registry import TRACES
 
     sim = commands.add_parser(
         "sim",
         help="simulate a trace on a cluster under one routing policy",
         description="Runs a discrete-event simulation in virtual time and writes its summary.",
     )
-    sim.add_argument("--trace", required=True, help=f"{', '.join(TRACES)}, or a .jsonl path")
+    sim.add_argument(
+        "--trace",
+        required=True,
+        help=_trace_help(),
+    )
     sim.add_argument("--instances", type=int, default=16, help="instances (default: 16)")
     sim.add_argument("--policy", default="round_robin", choices=sorted(ROUTERS))
     sim.add_argument(
@@ -371,7 +374,11 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
         "(shares of the cluster's measured capacity); writes pooled and per-level figures "
         "and the lower bound no router can beat.",
     )
-    routing.add_argument("--trace", required=True, help="a named workload or a .jsonl path")
+    routing.add_argument(
+        "--trace",
+        required=True,
+        help=_trace_help(),
+    )
     routing.add_argument("--instances", type=int, default=16)
     routing.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
     routing.add_argument(
@@ -480,7 +487,11 @@ def _add_workload(commands: argparse._SubParsersAction) -> None:
         )
     )
     export = sub.add_parser("export", help="write a labelled workload as CSV for other tools")
-    export.add_argument("--trace", required=True, help=f"{', '.join(TRACES)}, or a .jsonl path")
+    export.add_argument(
+        "--trace",
+        required=True,
+        help=_trace_help(),
+    )
     export.add_argument("--out", type=Path, required=True, help="the CSV file to write")
     export.add_argument("--requests", type=int, help="only the first N requests")
     export.add_argument("--seed", type=int, default=0)
@@ -559,3 +570,12 @@ def _calibrate(args: argparse.Namespace) -> int:
         }
         args.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0
+
+
+def _trace_help() -> str:
+    from sim.registry import TRACES
+
+    return (
+        f"{', '.join(TRACES)}, or a .jsonl path in Mooncake's format (its timestamps replayed "
+        "as given; the named mooncake trace places each request at random in its 3 s bucket)"
+    )
