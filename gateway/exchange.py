@@ -37,7 +37,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from control.routing import Learner, Withdrawing, implements
+from control.routing import FollowsRequests, Learner, Router, Withdrawing, implements
 from control.routing.snapshot import Observation
 from gateway.decide import INDEX_STRIDE, Decider, Plan
 from gateway.events import EventSink
@@ -370,6 +370,8 @@ class Exchange:
 
     async def _first_token(self, trip: Trip) -> None:
         trip.first_token_at = time.monotonic()
+        if (follower := _follower(trip.plan.router)) is not None:
+            follower.first_token(trip.inbound.request_id)
         await self._prefill_done(trip)
         self.events.emit(
             FirstToken(
@@ -443,7 +445,11 @@ class Exchange:
         )
 
     async def _release(self, trip: Trip) -> None:
-        """Undo what is left of the trip's accounting."""
+        """Undo what is left of the trip's accounting, and tell a router that counts its
+        requests that this one left the instance (the retry of a failed first choice is
+        not counted again: the router did not choose it)."""
+        if (follower := _follower(trip.plan.router)) is not None:
+            follower.ended(trip.inbound.request_id)
         pending, inflight = trip.pending, trip.inflight
         trip.pending = trip.inflight = 0.0
         await self.state.adjust(trip.instance.id, -pending, -inflight)
@@ -568,6 +574,12 @@ def _sse_data(event: bytes) -> bytes | None:
         return event[5:].strip()
     start = event.find(b"\ndata:")
     return None if start < 0 else event[start + 6 :].strip()
+
+
+def _follower(router: Router | None) -> FollowsRequests | None:
+    if router is not None and implements(router, FollowsRequests):
+        return cast(FollowsRequests, router)
+    return None
 
 
 def _error_event(message: str) -> bytes:

@@ -47,9 +47,11 @@ def bench_routing(
     progress: Progress | None = None,
     host_token_lag_s: float = HOST_TOKEN_LAG_S,
     tokenpilot: TokenPilotParams | None = None,
+    step_model_error: float = 0.0,
 ) -> tuple[dict, dict[str, list[RequestRecord]]]:
     """The benchmark's JSON document, and every policy's pooled records (for plots);
-    ``tokenpilot`` sets TokenPilot's parameters (None: its defaults).
+    ``tokenpilot`` sets TokenPilot's parameters (None: its defaults);
+    ``step_model_error`` misjudges the step model routers are given (``run.misjudged``).
 
     With ``jobs`` above 1 the runs go to that many worker processes; each run is the same
     deterministic simulation either way, so the figures do not depend on ``jobs``."""
@@ -65,6 +67,7 @@ def bench_routing(
         "ladder": list(ladder),
         "seed": seed,
         "host_token_lag_s": host_token_lag_s,
+        "step_model_error": step_model_error,
         "tokenpilot_params": asdict(params),
         "requests": len(workload),
         "policies": {},
@@ -81,6 +84,7 @@ def bench_routing(
             seed,
             host_token_lag_s=host_token_lag_s,
             tokenpilot=params,
+            step_model_error=step_model_error,
         ): level
         for policy in names
         for level, scale in zip(ladder, scales, strict=True)

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import csv
+import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from control.routing import make_router
 from control.routing.tokenpilot import TokenPilotParams
-from control.step_time import Blackbox
+from control.step_time import Blackbox, StepTime
 from sim.cluster import Cluster, InstanceProfile
 from sim.ladder import rate_scales
 from sim.metrics import summarize
@@ -39,10 +40,26 @@ class RunConfig:
     is its own parameter, ``token_lag_s``)."""
     tokenpilot: TokenPilotParams = field(default_factory=TokenPilotParams)
     """TokenPilot's parameters, as a deployment sets them (other policies ignore them)."""
+    step_model_error: float = 0.0
+    """Each term of the step model the router is given off by this fraction, up or down
+    at random (seeded), while the engines step with the true one: how much TokenPilot
+    owes to knowing the engines' own model."""
 
     def instance_profile(self) -> InstanceProfile:
         chosen = profile(self.profile)
         return chosen if self.blackbox is None else replace(chosen, step_time=self.blackbox)
+
+
+def misjudged(step_time: StepTime, error: float, seed: int) -> StepTime:
+    """``step_time`` with each of its numeric terms times 1 + ``error`` or 1 - ``error``,
+    the sign drawn at random per term (seeded)."""
+    rng = random.Random(seed)
+    changed = {
+        f.name: getattr(step_time, f.name) * (1 + error * rng.choice((-1, 1)))
+        for f in fields(step_time)
+        if isinstance(getattr(step_time, f.name), float)
+    }
+    return replace(step_time, **changed)
 
 
 def scaled(requests: Iterable[TraceRequest], rate_scale: float) -> list[TraceRequest]:
@@ -64,7 +81,11 @@ def simulate_run(
     workload = scaled(workload, config.rate_scale)
     chosen = config.instance_profile()
     cluster = Cluster.single(chosen, config.instances)
-    router = make_router(config.policy, config.seed, chosen.pool_model(), config.tokenpilot)
+    pool = chosen.pool_model()
+    if config.step_model_error:
+        step_time = misjudged(pool.step_time, config.step_model_error, config.seed)
+        pool = replace(pool, step_time=step_time)
+    router = make_router(config.policy, config.seed, pool, config.tokenpilot)
     simulation = Simulation(cluster, router, token_lag_s=config.host_token_lag_s)
     started = time.perf_counter()
     records = simulation.run(_with_progress(workload, progress, config.policy))
@@ -77,6 +98,7 @@ def simulate_run(
         "seed": config.seed,
         "rate_scale": config.rate_scale,
         "host_token_lag_s": config.host_token_lag_s,
+        "step_model_error": config.step_model_error,
         "tokenpilot_params": asdict(config.tokenpilot),
         "summary": summarize(records, simulation.engines),
         "wall_s": wall,

@@ -5,21 +5,27 @@ request enters an engine's wait queue (after the step model's admission delay), 
 engine's step ends (its results apply and the next step is planned). Arrivals are read in
 order from the workload; the rest sit in one heap. Ties break by insertion order, so a
 run is a deterministic function of its inputs and seed. A router that reads KV events gets
-each engine's stored and evicted blocks at the end of the step that stored or evicted them.
+each engine's stored and evicted blocks as the host would: ``token_lag_s`` after the end
+of the step that stored or evicted them, before its next decision. A router that follows
+its requests hears of each one's first token and end.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from control.routing import (
     Decision,
     FleetSnapshot,
+    FollowsRequests,
+    KvEvent,
     Learner,
     Observation,
     ReadsKvEvents,
@@ -72,6 +78,10 @@ class Simulation:
         self.cluster = cluster
         self.router = router
         self._kv_events = implements(router, ReadsKvEvents)
+        self._follows = (
+            cast(FollowsRequests, router) if implements(router, FollowsRequests) else None
+        )
+        self._kv_in_transit: deque[tuple[float, int, list[KvEvent]]] = deque()
         self.instances = [
             _Instance(
                 f"{dc.name}/{n}",
@@ -114,6 +124,7 @@ class Simulation:
                 self._enter(index, payload)
             elif payload == self.instances[index].version:
                 self._end_step(index)
+        self._deliver_kv_events(until=math.inf)  # what was still on its way
         return self.records
 
     @property
@@ -152,6 +163,7 @@ class Simulation:
     def _arrive(self, request: TraceRequest) -> None:
         if self.now - self._scraped_at >= self.scrape_interval_s:
             self._scrape()
+        self._deliver_kv_events()
         route = RouteRequest(
             request.request_id,
             request.input_tokens,
@@ -163,6 +175,8 @@ class Simulation:
         index = decision.chosen
         if index is None or not self.instances[index].engine.accepts(request):
             self.records.append(RequestRecord.rejected(request, self.now))
+            if index is not None and self._follows is not None:
+                self._follows.ended(request.request_id)
             return
         instance = self.instances[index]
         self._count_pending(index, request, decision)
@@ -186,6 +200,8 @@ class Simulation:
             if sequence.first_token_s == self.now:
                 pending = self._awaiting_first_token.pop(sequence.request.request_id, 0.0)
                 self._pending_prefill[index] -= pending
+                if self._follows is not None:
+                    self._follows.first_token(sequence.request.request_id)
 
     def _enter(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
@@ -254,8 +270,16 @@ class Simulation:
             return
         events = self.instances[index].engine.pool.take_events()
         if events:
-            assert isinstance(self.router, ReadsKvEvents)
-            self.router.kv_events(index, events)
+            self._kv_in_transit.append((self.now + self.token_lag_s, index, events))
+
+    def _deliver_kv_events(self, until: float | None = None) -> None:
+        """The KV events that reached the host by now (or ``until``), in the order they
+        were published."""
+        router = cast(ReadsKvEvents, self.router)
+        until = self.now if until is None else until
+        while self._kv_in_transit and self._kv_in_transit[0][0] <= until:
+            _, index, events = self._kv_in_transit.popleft()
+            router.kv_events(index, events)
 
     def _complete(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
@@ -271,6 +295,8 @@ class Simulation:
             token_overhead_s=step_time.token_overhead_s,
         )
         self.records.append(record)
+        if self._follows is not None:
+            self._follows.ended(request.request_id)
         if implements(self.router, Learner):  # learned at completion, not at first token
             assert record.ttft_s is not None
             self.router.observe(

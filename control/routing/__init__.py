@@ -2,6 +2,7 @@
 
 from control.routing.registry import (
     ROUTERS,
+    FollowsRequests,
     Learner,
     ReadsKvEvents,
     Router,
@@ -24,6 +25,7 @@ __all__ = [
     "Candidate",
     "Decision",
     "FleetSnapshot",
+    "FollowsRequests",
     "KvEvent",
     "Learner",
     "Observation",

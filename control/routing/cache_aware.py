@@ -1,9 +1,11 @@
-"""Cache-aware baselines of NVIDIA Dynamo, SGLang and AIBrix, with their published defaults.
+"""Cache-aware baselines of NVIDIA Dynamo, SGLang and AIBrix, with the defaults their code
+ships (each docstring names the file and commit it follows).
 
 Each learns which instance holds which prefix from its own decisions (the approximate
 index, in 16-token blocks), as SGLang's and AIBrix's routers do; Dynamo does so only until
 the engines' KV events reach it, then follows them. "Load" is what each router counts
-itself: requests or tokens in flight.
+itself of the requests it sent (``control.routing.inflight``), as upstream: requests in
+flight, or Dynamo's active prefill tokens and blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from operator import itemgetter
 
 import numpy as np
 
+from control.routing.baselines import CountsOwnRequests
+from control.routing.inflight import ActiveSequences
 from control.routing.prefix_index import ApproximatePrefixIndex
 from control.routing.snapshot import Decision, FleetSnapshot, KvEvent, RouteRequest
 
@@ -55,14 +59,31 @@ class _Learning(ABC):
 
 
 class DynamoKv(_Learning):
-    """NVIDIA Dynamo's KV router, classic cost (``lib/llm/src/kv_router/scheduler.rs``,
-    ``DefaultWorkerSelector``): ``overlap_weight * prefill_blocks + decode_blocks``, the
-    lowest wins; weight 1.0 and temperature 0 (no sampling) by default. Prefill blocks are
-    the request's blocks not already cached there; decode blocks the worker's active ones.
+    """NVIDIA Dynamo's KV router as its code ships (``lib/llm/src/kv_router/scheduler.rs``
+    at ai-dynamo/dynamo db19bd2a, ``DefaultWorkerSelector``; ``KvRouterConfig::default``):
+    cost = ``overlap_score_weight`` x potential prefill blocks + decode blocks, lowest wins,
+    weight 1.0 and temperature 0 (no sampling); ties go to the worker with the smallest
+    indexed tree, then at random.
+
+    - potential prefill blocks: (the worker's active prefill tokens + this request's
+      tokens not cached there) / block size;
+    - decode blocks: the worker's active blocks; no predicted output blocks
+      (``router_track_output_blocks`` is off by default).
+
+    Active prefill tokens and blocks are the router's own record of what it sent
+    (``ActiveSequencesMultiWorker``): a request's uncached tokens count until its first
+    token, its new blocks until it ends (``inflight.ActiveSequences``; replicas share none
+    by default, ``router_replica_sync`` off). The newest selector
+    (``lib/kv-router/src/scheduling/selector/default.rs`` at a4bdb9bf) adds an overlap
+    credit and an active-request term, not modelled here.
     """
 
     name = "dynamo_kv"
     overlap_weight = 1.0
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        super().__init__(rng)
+        self.active = ActiveSequences()
 
     def kv_events(self, instance: int, events: Sequence[KvEvent]) -> None:
         """With KV events (Dynamo's default; ``--no-kv-events`` is its approximate mode),
@@ -75,31 +96,57 @@ class DynamoKv(_Learning):
             else:
                 self.index.evicted(instance, blocks)
 
+    def first_token(self, request_id: str) -> None:
+        self.active.prefill_done(request_id)
+
+    def ended(self, request_id: str) -> None:
+        self.active.free(request_id)
+
     def _decide(self, request: RouteRequest, fleet: FleetSnapshot, matched: np.ndarray) -> Decision:
-        prefill = (request.input_tokens - matched * BLOCK_TOKENS) / BLOCK_TOKENS
-        decode = fleet.inflight_tokens / BLOCK_TOKENS
+        size = len(fleet)
+        uncached = np.maximum(request.input_tokens - matched * BLOCK_TOKENS, 0).astype(float)
+        prefill = (self.active.prefill_tokens(size) + uncached) / BLOCK_TOKENS
+        decode = self.active.blocks(size)
         cost = np.where(fleet.ready, self.overlap_weight * prefill + decode, np.nan)
-        return Decision(
-            self.name,
-            _pick_lowest(cost, self._rng),
-            cost,
-            {"prefill_blocks": prefill, "decode_blocks": decode},
-        )
+        lowest = np.flatnonzero(cost == np.nanmin(cost))
+        trees = self.index.sizes(size)[lowest]
+        smallest = lowest[trees == trees.min()]
+        chosen = int(smallest[self._rng.integers(smallest.size)])
+        new_blocks = -(-float(uncached[chosen]) // BLOCK_TOKENS)
+        self.active.add(request.request_id, chosen, float(uncached[chosen]), new_blocks)
+        parts = {"prefill_blocks": prefill, "decode_blocks": decode}
+        return Decision(self.name, chosen, cost, parts)
 
 
-class SglangCacheAware(_Learning):
-    """SGLang router's cache-aware policy (``sgl-router/src/policies/cache_aware.rs``):
-    when loads are imbalanced (max - min > 64 and max > 1.5 x min) the lowest load wins;
-    else the longest prefix match if it covers more than 30 % of the prompt; else the lowest
-    load. Load: requests in flight from this router."""
+class SglangCacheAware(CountsOwnRequests, _Learning):
+    """SGLang's router, cache-aware policy (``sgl-model-gateway/src/policies/
+    cache_aware.rs`` at sgl-project/sglang b93974f1), with its launch command's defaults
+    (``src/main.rs`` at 01f6c92a): when loads are imbalanced (max - min > 64 and max >
+    1.5 x min) the least loaded worker; else the longest prefix match if it covers more
+    than 30 % of the prompt; else the least loaded. Load is the router's own requests in
+    flight to each worker (``WorkerLoadGuard``, counted at dispatch and released when the
+    response ends: ``routers/http/router.rs`` at 033e8423). Ties of load go to the first
+    worker (Rust's ``min_by_key``), ties of match at random (the tree's map order).
+
+    Departures: the match is counted in 16-token blocks (64 characters by
+    ``control/tokens.py``), not characters, so a prompt's last partial block never
+    matches; the cut is a fraction of a block either way. The index holds at most an
+    instance's KV capacity, least recently used first, where SGLang's tree keeps up to
+    67 M characters and evicts every 120 s: ours forgets sooner what the engine likely
+    evicted, which favours it.
+    """
 
     name = "sglang_cache_aware"
     balance_abs_threshold = 64
     balance_rel_threshold = 1.5
     cache_threshold = 0.3
 
+    def __init__(self, rng: np.random.Generator) -> None:
+        CountsOwnRequests.__init__(self)
+        _Learning.__init__(self, rng)
+
     def _decide(self, request: RouteRequest, fleet: FleetSnapshot, matched: np.ndarray) -> Decision:
-        load = np.where(fleet.ready, fleet.requests.astype(np.float64), np.nan)
+        load = np.where(fleet.ready, self.inflight.counts(len(fleet)).astype(np.float64), np.nan)
         low, high = np.nanmin(load), np.nanmax(load)
         imbalanced = (
             high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold
@@ -108,26 +155,57 @@ class SglangCacheAware(_Learning):
         rate = np.where(fleet.ready, matched / blocks, np.nan)
         parts = {"load": load, "match_rate": rate}
         if not imbalanced and np.nanmax(rate) > self.cache_threshold:
-            return Decision(self.name, _pick_lowest(-rate, self._rng), -rate, parts)
-        return Decision(self.name, _pick_lowest(load, self._rng), load, parts)
+            decision = Decision(self.name, _pick_lowest(-rate, self._rng), -rate, parts)
+        else:
+            first_least = int(np.flatnonzero(load == low)[0])
+            decision = Decision(self.name, first_least, load, parts)
+        assert decision.chosen is not None
+        self.inflight.dispatched(request.request_id, decision.chosen)
+        return decision
 
 
-class AibrixPrefixCache(_Learning):
-    """AIBrix gateway's prefix-cache routing (``pkg/plugins/gateway/algorithms/
-    prefix_cache.go``): when running requests spread by more than 16, least-request; else
-    the best prefix match among instances running at most mean + 2 standard deviations,
-    and least-request when nothing matches."""
+class AibrixPrefixCache(CountsOwnRequests, _Learning):
+    """AIBrix gateway's prefix-cache routing with its code defaults
+    (``pkg/plugins/gateway/algorithms/prefix_cache.go`` at vllm-project/aibrix e3e10f9e,
+    v0.7.0+156; the README's 16 and 2 standard deviations are older). Load is the gateway's
+    own count of each pod's running requests (``realtime_num_requests_running``: one more
+    after routing, one fewer when the request is done).
+
+    - When the counts spread by more than 8 (``AIBRIX_PREFIX_CACHE_POD_RUNNING_REQUEST_
+      IMBALANCE_ABS_COUNT``), only the pods with the fewest are candidates.
+    - Among candidates holding a prefix match whose count is at most mean + 1 standard
+      deviation of all ready pods' (``AIBRIX_PREFIX_CACHE_STANDARD_DEVIATION_FACTOR``):
+      the best match, then the fewest running requests, then at random.
+    - None: the pod with the fewest running requests of all ready ones, at random among
+      ties.
+
+    Departures: the match is in 16-token blocks where AIBrix hashes 4-byte blocks of the
+    text and compares whole percents; the index is bounded as SGLang's is above.
+    """
 
     name = "aibrix_prefix_cache"
-    imbalance_spread = 16
-    std_factor = 2.0
+    imbalance_abs_count = 8
+    std_factor = 1.0
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        CountsOwnRequests.__init__(self)
+        _Learning.__init__(self, rng)
 
     def _decide(self, request: RouteRequest, fleet: FleetSnapshot, matched: np.ndarray) -> Decision:
-        running = np.where(fleet.ready, fleet.requests.astype(np.float64), np.nan)
+        running = np.where(fleet.ready, self.inflight.counts(len(fleet)).astype(np.float64), np.nan)
         parts = {"running": running, "matched_blocks": matched.astype(np.float64)}
-        spread = np.nanmax(running) - np.nanmin(running)
-        calm = running <= np.nanmean(running) + self.std_factor * np.nanstd(running)
-        candidates = np.where(calm & fleet.ready, matched.astype(np.float64), np.nan)
-        if spread > self.imbalance_spread or np.nanmax(candidates) <= 0:
-            return Decision(self.name, _pick_lowest(running, self._rng), running, parts)
-        return Decision(self.name, _pick_lowest(-candidates, self._rng), -candidates, parts)
+        candidates = fleet.ready.copy()
+        if np.nanmax(running) - np.nanmin(running) > self.imbalance_abs_count:
+            candidates &= running == np.nanmin(running)
+        limit = np.nanmean(running) + self.std_factor * np.nanstd(running)
+        matching = candidates & (matched > 0) & (running <= limit)
+        if matching.any():
+            best = matching & (matched == matched[matching].max())
+            best &= running == np.nanmin(np.where(best, running, np.nan))
+            chosen = int(self._rng.choice(np.flatnonzero(best)))
+            scores = np.where(matching, -matched.astype(np.float64), np.nan)
+        else:
+            chosen = _pick_lowest(running, self._rng)
+            scores = running
+        self.inflight.dispatched(request.request_id, chosen)
+        return Decision(self.name, chosen, scores, parts)

@@ -43,9 +43,20 @@ class LlmdDefault:
         self.index = ApproximatePrefixIndex()
 
     def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
-        eligible = fleet.ready
-        if not eligible.any():
+        if not fleet.ready.any():
             return Decision(self.name, None, np.full(len(fleet), np.nan))
+        total, parts = self.score(request, fleet)
+        best = np.flatnonzero(total == np.nanmax(total))
+        chosen = int(best[self._rng.integers(best.size)])
+        self.remember(request, chosen, fleet)
+        return Decision(self.name, chosen, -total, parts)
+
+    def score(
+        self, request: RouteRequest, fleet: FleetSnapshot
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Each ready instance's weighted sum (NaN where not ready) and each scorer's
+        value; nothing is indexed."""
+        eligible = fleet.ready
         hashes = request.prefix_blocks[: self.weights.max_prefix_blocks]
         prefix = (
             self.index.match(hashes, len(fleet)) / len(hashes) if hashes else np.zeros(len(fleet))
@@ -56,11 +67,12 @@ class LlmdDefault:
         total = np.where(
             eligible, w.prefix * prefix + w.queue * queue + w.kv_cache * kv_free, np.nan
         )
-        best = np.flatnonzero(total == np.nanmax(total))
-        chosen = int(best[self._rng.integers(best.size)])
+        return total, {"prefix": prefix, "queue": queue, "kv_free": kv_free}
+
+    def remember(self, request: RouteRequest, chosen: int, fleet: FleetSnapshot) -> None:
+        """Index the request's prefix on the instance it was sent to."""
+        hashes = request.prefix_blocks[: self.weights.max_prefix_blocks]
         self.index.add(chosen, hashes, int(fleet.kv_blocks_total[chosen]))
-        parts = {"prefix": prefix, "queue": queue, "kv_free": kv_free}
-        return Decision(self.name, chosen, -total, parts)
 
 
 def queue_score(waiting: np.ndarray, eligible: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ tokens in flight; the lowest prediction wins.
 Training is online: the features seen at each decision are paired with the TTFT observed
 for that request; the model is refitted by ridge regression on the latest ``window``
 samples every ``refit_every`` observations. Until the first fit it routes by llm-d's
-default scorers, whose prefix index it shares.
+default scorers, whose prefix index it shares (and fills with the instances it routes to).
 """
 
 from __future__ import annotations
@@ -47,18 +47,21 @@ class LlmdPredictedLatency:
         self._model: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
-        warm = self._scorers.route(request, fleet, now)  # also keeps the prefix index learning
-        if warm.chosen is None:
-            return warm
-        features = self._features(request, fleet, warm.parts["prefix"])
-        self._pending.put(request.request_id, features[warm.chosen])
+        if not fleet.ready.any():
+            return Decision(self.name, None, np.full(len(fleet), np.nan))
+        total, parts = self._scorers.score(request, fleet)
+        features = self._features(request, fleet, parts["prefix"])
         if self._model is None:
-            return Decision(self.name, warm.chosen, warm.scores, warm.parts)
-        predicted = np.where(fleet.ready, self._predict(features), np.nan)
-        best = np.flatnonzero(predicted == np.nanmin(predicted))
+            best = np.flatnonzero(total == np.nanmax(total))
+            scores = -total
+        else:
+            predicted = np.where(fleet.ready, self._predict(features), np.nan)
+            best = np.flatnonzero(predicted == np.nanmin(predicted))
+            scores, parts = predicted, {"predicted_ttft_s": predicted}
         chosen = int(best[self._rng.integers(best.size)])
+        self._scorers.remember(request, chosen, fleet)  # the instance it goes to
         self._pending.put(request.request_id, features[chosen])
-        return Decision(self.name, chosen, predicted, {"predicted_ttft_s": predicted})
+        return Decision(self.name, chosen, scores, parts)
 
     def observe(self, observation: Observation) -> None:
         features = self._pending.pop(observation.request_id)

@@ -75,6 +75,10 @@ class ApproximatePrefixIndex:
         holders.update(zip(new, map(bit.__or__, map(holders.get, new, repeat(0))), strict=True))
         self._leave(lru.evict_beyond(self._capacity[instance] // self.stride), bit)
 
+    def sizes(self, instances: int) -> npt.NDArray[np.int64]:
+        """Entries each of the first ``instances`` holds."""
+        return np.array([len(self._lru.get(i, ())) for i in range(instances)], dtype=np.int64)
+
     def evicted(self, instance: int, hashes: Sequence[int]) -> None:
         """The engine reports these blocks gone from ``instance`` (a KV event); hashes the
         index never sampled are ignored."""
@@ -139,6 +143,9 @@ class Recency:
 
     def blocks(self) -> list[int]:
         return list(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 def _members(holders: int, instances: int) -> npt.NDArray[np.int64]:

@@ -50,6 +50,17 @@ class Withdrawing(Protocol):
 
 
 @runtime_checkable
+class FollowsRequests(Protocol):
+    """A router that counts its own requests in flight (``control.routing.inflight``), as
+    SGLang's, AIBrix's, Envoy's and Dynamo's do: the host says when each request it routed
+    sent its first token, and when it ended (completed, cancelled, failed or refused)."""
+
+    def first_token(self, request_id: str) -> None: ...
+
+    def ended(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
 class ReadsKvEvents(Protocol):
     """A router whose prefix index follows the engines' KV events (vLLM's BlockStored and
     BlockRemoved, from ``--kv-events-config``); the host passes each instance's events

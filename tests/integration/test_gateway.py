@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from control.routing.cache_aware import SglangCacheAware
 from control.tokens import block_hashes, chat_text
 from gateway.decide import INDEX_STRIDE
 from schemas import Envelope
@@ -359,3 +360,24 @@ def test_the_gateway_on_a_taken_port_exits_2_with_a_message(
     argv = ["gateway", "--fleet", str(fleet), "--host", "127.0.0.1", "--port", str(taken_port)]
     assert main(argv) == 2
     assert "the gateway cannot start" in capsys.readouterr().err
+
+
+async def test_a_router_that_counts_its_own_requests_hears_of_their_end(
+    instances: list[EmulatedInstance],
+) -> None:
+    """SGLang's router counts the requests it sent until each ends: through the gateway,
+    streamed or whole, the count comes back to zero."""
+    async with (
+        gateway(fleet_for([i.url for i in instances]), policy="sglang_cache_aware") as front,
+        front.client() as http,
+    ):
+        for n in range(4):
+            body = chat(f"count {n} " * 30, max_tokens=3, stream=n % 2 == 0)
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        router = front.app.state.decider.router(MODEL, "dc-a")
+        for _ in range(100):
+            if router.inflight.counts(2).tolist() == [0, 0]:
+                break
+            await asyncio.sleep(0.02)
+    assert isinstance(router, SglangCacheAware)
+    assert router.inflight.counts(2).tolist() == [0, 0]

@@ -17,7 +17,7 @@ from control.routing import (
     implements,
     make_router,
 )
-from control.routing.baselines import PowerOfTwo
+from control.routing.baselines import CountsOwnRequests, LeastRequests, PowerOfTwo
 from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
 from control.routing.llmd import LlmdDefault, queue_score
 from control.routing.predicted_latency import LlmdPredictedLatency
@@ -158,16 +158,38 @@ def test_llmd_default_breaks_ties_at_random() -> None:
     assert chosen == {0, 1}
 
 
-def test_power_of_two_takes_the_less_loaded_of_two_random_instances() -> None:
+def sent(router: CountsOwnRequests, counts: list[int]) -> None:
+    """As if the router had sent ``counts[i]`` requests to instance i, none ended yet."""
+    for row, count in enumerate(counts):
+        for n in range(count):
+            router.inflight.dispatched(f"earlier-{row}-{n}", row)
+
+
+def test_power_of_two_takes_the_one_with_fewer_of_its_own_requests_of_two_drawn() -> None:
+    drawn_alike = 0
     for seed in range(30):
-        decision = PowerOfTwo(np.random.default_rng(seed)).route(
-            RouteRequest("r", 10, 1), fleet([9, 0, 9], running=[0, 1, 0]), 0.0
-        )
+        router = PowerOfTwo(np.random.default_rng(seed))
+        sent(router, [9, 1, 9])
+        decision = router.route(RouteRequest("r", 10, 1), fleet([0, 0, 0]), 0.0)
         drawn = np.flatnonzero(~np.isnan(decision.scores)).tolist()
-        assert len(drawn) == 2
+        drawn_alike += len(drawn) == 1  # drawn with replacement, as Envoy draws
         assert decision.chosen in drawn
         if 1 in drawn:
             assert decision.chosen == 1
+        assert router.inflight.counts(3)[decision.chosen] == (2 if decision.chosen == 1 else 10)
+    assert 0 < drawn_alike < 30
+
+
+def test_own_counts_go_up_at_dispatch_and_down_at_the_end_only() -> None:
+    router = LeastRequests(np.random.default_rng(0))
+    sent(router, [0, 2])
+    first = router.route(RouteRequest("a", 10, 1), fleet([5, 0]), 0.0)  # scraped queues unread
+    assert first.chosen == 0
+    assert router.route(RouteRequest("b", 10, 1), fleet([0, 0]), 0.0).chosen == 0  # 1 vs 2
+    router.first_token("a")
+    router.ended("b")
+    router.ended("never-sent")
+    assert router.inflight.counts(2).tolist() == [1, 2]
 
 
 @pytest.mark.parametrize("name", sorted(ROUTERS))
@@ -204,17 +226,28 @@ def _snapshot(requests, inflight=None) -> FleetSnapshot:
 PROMPT = RouteRequest("r", input_tokens=64, output_budget=8, prefix_blocks=(1, 2, 3, 4))
 
 
-def test_dynamo_weighs_blocks_to_prefill_against_blocks_in_flight() -> None:
+def test_dynamo_weighs_its_active_prefill_and_blocks_against_the_cached_prefix() -> None:
     router = DynamoKv(np.random.default_rng(0))
-    router.index.add(0, [1, 2, 3])
-    # i0: (64 - 48) / 16 + 160 / 16 = 11;  i1: 64 / 16 + 32 / 16 = 6
-    decision = router.route(PROMPT, _snapshot([0, 0], inflight=[160, 32]), 0.0)
-    np.testing.assert_allclose(decision.scores, [11.0, 6.0])
-    assert decision.chosen == 1
-    # with i0 nearly idle the cached prefix wins: 1 + 1 = 2 against 4 + 2 = 6
-    router = DynamoKv(np.random.default_rng(0))
-    router.index.add(0, [1, 2, 3])
-    assert router.route(PROMPT, _snapshot([0, 0], inflight=[16, 32]), 0.0).chosen == 0
+    router.index.add(0, [1, 2, 3])  # 48 of the prompt's 64 tokens cached on i0
+    router.active.add("a", 0, prefill_tokens=160, blocks=10)
+    router.active.add("b", 1, prefill_tokens=32, blocks=2)
+    # i0: (160 + 16) / 16 + 10 = 21;  i1: (32 + 64) / 16 + 2 = 8
+    decision = router.route(PROMPT, _snapshot([0, 0], inflight=[0, 10_000]), 0.0)
+    np.testing.assert_allclose(decision.scores, [21.0, 8.0])
+    assert decision.chosen == 1  # the host's token counts are not Dynamo's inputs
+    np.testing.assert_allclose(router.active.prefill_tokens(2), [160, 96])
+    np.testing.assert_allclose(router.active.blocks(2), [10, 6])
+    router.first_token("a")  # i0: 1 + 10 = 11 against i1's 6 + 6 = 12
+    assert router.route(RouteRequest("c", 64, 8, (1, 2, 3, 4)), _snapshot([0, 0]), 0.0).chosen == 0
+    router.ended("b")
+    np.testing.assert_allclose(router.active.blocks(2), [11, 4])
+
+
+def test_dynamo_breaks_ties_to_the_smallest_indexed_tree() -> None:
+    for seed in range(5):
+        router = DynamoKv(np.random.default_rng(seed))
+        router.index.add(0, [7, 8, 9])  # an unrelated prefix: a bigger tree on i0
+        assert router.route(RouteRequest("r", 64, 8, (100,)), _snapshot([0, 0]), 0.0).chosen == 1
 
 
 def test_dynamo_follows_kv_events_once_they_come_instead_of_its_own_decisions() -> None:
@@ -234,28 +267,39 @@ def test_dynamo_follows_kv_events_once_they_come_instead_of_its_own_decisions() 
         ([100, 10], [1, 2, 3, 4], 1),  # imbalanced (90 > 64, 100 > 1.5 x 10): lowest load
         ([5, 3], [1, 2, 3], 0),  # balanced, 75 % matched > 30 %: the match
         ([5, 3], [1], 1),  # balanced, 25 % matched: lowest load
+        ([3, 3], [], 0),  # no match, equal loads: the first worker, whatever the seed
     ],
 )
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_sglang_gates_on_imbalance_then_on_a_30_percent_match(
-    loads: list[int], cached: list[int], expected: int
+    loads: list[int], cached: list[int], expected: int, seed: int
 ) -> None:
-    router = SglangCacheAware(np.random.default_rng(0))
+    router = SglangCacheAware(np.random.default_rng(seed))
     router.index.add(0, cached)
-    assert router.route(PROMPT, _snapshot(loads), 0.0).chosen == expected
+    sent(router, loads)
+    assert router.route(PROMPT, _snapshot([0, 0]), 0.0).chosen == expected
 
 
-def test_aibrix_balances_past_a_spread_of_16_and_skips_busy_matches() -> None:
-    router = AibrixPrefixCache(np.random.default_rng(0))
-    router.index.add(0, [1, 2, 3, 4])
-    assert router.route(PROMPT, _snapshot([20, 2, 3]), 0.0).chosen == 1  # spread 18 > 16
-    router = AibrixPrefixCache(np.random.default_rng(0))
-    router.index.add(2, [1, 2, 3])
-    assert router.route(PROMPT, _snapshot([5, 4, 6]), 0.0).chosen == 2  # best match, calm
-    # the only match runs 14 > mean 5 + 2 x std 3 = 11: least-request among the rest
-    router = AibrixPrefixCache(np.random.default_rng(0))
-    router.index.add(9, [1, 2, 3, 4])
-    decision = router.route(PROMPT, _snapshot([4] * 9 + [14]), 0.0)
-    assert decision.chosen in range(9)
+@pytest.mark.parametrize(
+    ("running", "matches", "expected"),
+    [
+        ([11, 2, 3], {2: 3}, {1}),  # spread 9 > 8: only the least busy is a candidate
+        ([11, 2, 3], {1: 1}, {1}),  # ... and its match counts
+        ([10, 2, 3], {0: 4}, {1}),  # spread 8: all are, but 10 > mean 5 + 1 std 3.56
+        ([0, 0, 0, 2], {3: 4}, {0, 1, 2}),  # 2 > 0.5 + 0.87 (1 std; 2 std would take it)
+        ([1, 0, 5], {0: 2, 1: 2}, {1}),  # equal matches: the fewer running requests
+        ([1, 0, 5], {0: 3, 1: 2}, {0}),  # the better match first
+    ],
+)
+def test_aibrix_gates_on_a_spread_of_8_and_on_mean_plus_one_std(
+    running: list[int], matches: dict[int, int], expected: set[int]
+) -> None:
+    for seed in range(4):
+        router = AibrixPrefixCache(np.random.default_rng(seed))
+        for row, blocks in matches.items():
+            router.index.add(row, [1, 2, 3, 4][:blocks])
+        sent(router, running)
+        assert router.route(PROMPT, _snapshot([0] * len(running)), 0.0).chosen in expected
 
 
 def test_the_predicted_latency_model_learns_ttft_online_and_routes_by_it() -> None:
@@ -279,6 +323,18 @@ def test_the_predicted_latency_model_learns_ttft_online_and_routes_by_it() -> No
     expected = [true_ttft(w, r, 1000) for w, r in ((0, 10), (5, 0), (2, 1), (3, 2))]
     np.testing.assert_allclose(decision.parts["predicted_ttft_s"], expected, rtol=0.02)
     assert decision.chosen == 0
+
+
+def test_the_predicted_latency_router_indexes_the_instance_it_routes_to() -> None:
+    """Its prefix index is llm-d's default scorers', which would pick the instance holding
+    the prefix; the model picks another, and that one is now known to hold it."""
+    router = LlmdPredictedLatency(np.random.default_rng(0))
+    router._scorers.index.add(0, [1, 2, 3, 4])
+    router._model = (np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]), np.zeros(6), np.ones(6))
+    snapshot = _snapshot([0, 0], inflight=[500, 0])  # predicted TTFT: its tokens in flight
+    decision = router.route(RouteRequest("r", 64, 8, (1, 2, 3, 4, 5)), snapshot, 0.0)
+    assert decision.chosen == 1
+    assert router._scorers.index.match((1, 2, 3, 4, 5), 2).tolist() == [4, 5]
 
 
 def test_matching_credits_every_block_an_instance_holds_while_anyone_holds_it() -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +13,7 @@ from sim.decision_bench import time_decisions
 from sim.export import export_csv
 from sim.ladder import instance_capacity_rps, offered_rate_rps
 from sim.profiles import profile
+from sim.run import misjudged
 from sim.simulator import Simulation
 from sim.workload import TraceRequest
 from tokenfleet.cli import main
@@ -304,3 +305,27 @@ def test_the_decision_bench_refuses_an_unknown_policy(
     assert main(["bench", "decision", "--policies", "tokenpilot,fastest", "--json", str(out)]) == 2
     assert "unknown policies: fastest" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_misjudged_step_model_is_off_by_the_fraction_on_every_term() -> None:
+    true = profile("llama3-70b-4xh100").step_time
+    wrong = misjudged(true, 0.15, seed=3)
+    terms = [f.name for f in fields(true) if getattr(true, f.name)]  # 0 stays 0
+    ratios = [getattr(wrong, name) / getattr(true, name) for name in terms]
+    assert all(ratio == pytest.approx(0.85) or ratio == pytest.approx(1.15) for ratio in ratios)
+    assert {round(r, 2) for r in ratios} == {0.85, 1.15}
+    assert misjudged(true, 0.15, seed=3) == wrong
+
+
+def test_the_bench_hands_tokenpilot_the_misjudged_model_and_says_so(tmp_path: Path) -> None:
+    runs = {}
+    for error in ("0", "0.3"):
+        out = tmp_path / f"routing-{error}.json"
+        argv = ["bench", "routing", "--trace", "shared-prefix", "--requests", "120"]
+        argv += ["--instances", "4", "--ladder", "1", "--policies", "tokenpilot,round_robin"]
+        assert main([*argv, "--step-model-error", error, "--json", str(out)]) == 0
+        runs[error] = json.loads(out.read_text())
+    assert runs["0.3"]["step_model_error"] == 0.3
+    exact, wrong = (runs[e]["policies"] for e in ("0", "0.3"))
+    assert exact["round_robin"] == wrong["round_robin"]  # no step model: unchanged
+    assert exact["tokenpilot"] != wrong["tokenpilot"]

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from control.routing import make_router
+from control.routing.baselines import LeastRequests
+from control.routing.cache_aware import DynamoKv
 from control.routing.tokenpilot import TokenPilotParams
 from control.step_time import KneeRoofline
 from sim.cluster import Cluster, InstanceProfile
@@ -154,6 +156,55 @@ def test_a_router_that_reads_kv_events_can_follow_each_engine_s_cache_exactly() 
         assert removed == engine.pool.counters.evicted_blocks > 0
         assert {b for b in every_block if engine.pool.cached_prefix([b])} == held
         assert engine.pool.take_events() == []  # everything was published
+
+
+@pytest.mark.parametrize(("lag_s", "delivered_early"), [(0.0, True), (1e6, False)])
+def test_kv_events_reach_the_router_the_host_s_lag_after_their_step(
+    lag_s: float, delivered_early: bool
+) -> None:
+    """Delivered before the first decision at or past the step's end plus the lag; what
+    is still on its way when the run ends arrives then."""
+    router = _ReadingKvEvents()
+    decided: list[int] = []
+    route = router.route
+    router.route = lambda request, fleet, now: decided.append(1) or route(request, fleet, now)
+    deliveries: list[int] = []
+    keep = router.kv_events
+    router.kv_events = lambda index, events: deliveries.append(len(decided)) or keep(index, events)
+    Simulation(Cluster.single(_profile(), 2), router, token_lag_s=lag_s).run(_workload(100, 3))
+    assert deliveries
+    assert (min(deliveries) < len(decided)) == delivered_early
+
+
+class _FollowingLeastRequests(LeastRequests):
+    """Least requests, keeping the order in which the host told it of each request."""
+
+    def __init__(self) -> None:
+        super().__init__(np.random.default_rng(0))
+        self.told: list[tuple[str, str]] = []
+
+    def first_token(self, request_id: str) -> None:
+        self.told.append(("first_token", request_id))
+        super().first_token(request_id)
+
+    def ended(self, request_id: str) -> None:
+        self.told.append(("ended", request_id))
+        super().ended(request_id)
+
+
+def test_a_router_that_follows_its_requests_hears_of_each_first_token_then_its_end() -> None:
+    router = _FollowingLeastRequests()
+    workload = _workload(120, seed=4)
+    records = Simulation(Cluster.single(_profile(), 3), router).run(workload)
+    assert all(r.outcome == "completed" for r in records)
+    for request in workload:
+        told = [what for what, rid in router.told if rid == request.request_id]
+        assert told == ["first_token", "ended"]
+    assert router.inflight.counts(3).tolist() == [0, 0, 0]
+    dynamo = make_router("dynamo_kv")
+    Simulation(Cluster.single(_profile(), 3), dynamo).run(workload)
+    assert isinstance(dynamo, DynamoKv)
+    assert dynamo.active.prefill_tokens(3).tolist() == dynamo.active.blocks(3).tolist() == [0] * 3
 
 
 class _Recording:

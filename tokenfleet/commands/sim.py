@@ -140,6 +140,16 @@ def _blackbox(text: str) -> Blackbox:
     return Blackbox(b0, b1, b2, a0, a1, a2)
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"a fraction from 0 to below 1 is expected, not {text!r}")
+    return value
+
+
 def _add_token_lags(parser: argparse.ArgumentParser) -> None:
     from control.routing.tokenpilot import TokenPilotParams
     from sim.simulator import HOST_TOKEN_LAG_S
@@ -392,6 +402,15 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
     routing.add_argument("--seed", type=int, default=0)
     _add_token_lags(routing)
     routing.add_argument(
+        "--step-model-error",
+        type=_fraction,
+        default=0.0,
+        metavar="F",
+        help="give the routers that use a step model (TokenPilot) one whose every term is off "
+        "by this fraction, up or down at random per term (e.g. 0.15), while the simulated "
+        "engines step with the true one (default 0: the engines' own model)",
+    )
+    routing.add_argument(
         "--policies",
         type=lambda t: t.split(","),
         default=None,
@@ -431,6 +450,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
                 progress=lambda label: (bar.set_postfix_str(label), bar.update()),
                 host_token_lag_s=args.host_token_lag,
                 tokenpilot=_tokenpilot_params(args),
+                step_model_error=args.step_model_error,
             )
         except (ValueError, KeyError) as exc:
             raise CliError(str(exc)) from None
