@@ -57,7 +57,7 @@ class Plan:
 
     def predicted_ttft_s(self, row: int) -> float | None:
         """The router's TTFT prediction for ``row``, if it makes one."""
-        predicted = self.decision.parts.get("predicted_ttft_s")
+        predicted = self.decision.predicted_ttft_s
         return None if predicted is None else float(predicted[row])
 
 
@@ -134,7 +134,7 @@ class Decider:
         decision = router.route(request, self.view.snapshot(pool, shared), time.monotonic())
         if decision.chosen is None:
             raise _none_ready(pool)
-        cached = decision.parts.get("cached_tokens")
+        cached = decision.cached_tokens
         matched = float(shared.matched_blocks[decision.chosen] * INDEX_STRIDE * BLOCK_TOKENS)
         cached_tokens = float(cached[decision.chosen]) if cached is not None else matched
         self.metrics.decisions.labels(decision.policy, pool.ids[decision.chosen]).inc()

@@ -9,8 +9,6 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from control.routing.tokenpilot import TokenPilotParams
-
 
 class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TOKENFLEET_GATEWAY_", frozen=True)
@@ -19,13 +17,15 @@ class GatewaySettings(BaseSettings):
     """The fleet file: DCs, models, instances (the only upstream URLs), tenants."""
     dc: str | None = None
     """The DC this gateway serves; unset: the fleet file's first DC."""
-    policy: str = "tokenpilot"
-    """The routing policy, by the name ``tokenfleet sim --policy`` takes."""
-    token_lag_s: float = Field(default=TokenPilotParams().token_lag_s, ge=0, le=1)
+    policy: str | None = None
+    """The routing policy, by the name ``tokenfleet sim --policy`` takes; unset: the fleet
+    file's routing profile (TokenPilot when it names none)."""
+    token_lag_s: float | None = Field(default=None, ge=0, le=1)
     """TokenPilot: from an engine step's end to its streamed tokens reaching this gateway
     (the engine's output path, detokenising, the network). TokenPilot places each
     candidate in its step from it (``docs/routing.md``, "The step in flight"), and
-    assumes more when first tokens show this gateway later: the least lag assumed."""
+    assumes more when first tokens show this gateway later: the least lag assumed. Unset:
+    the fleet file's routing profile, else TokenPilot's default (``TokenPilotParams``)."""
     name: str = Field(default_factory=lambda: f"gateway-{socket.gethostname()}-{os.getpid()}")
     """The ``source`` of this gateway's events."""
     event_buffer: int = Field(default=10_000, ge=1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, HttpUrl, ValidationError, field_validator, model_validator
 
@@ -52,12 +52,25 @@ class TenantConfig(Frozen):
     )
 
 
+class RoutingProfile(Frozen):
+    """The routing policy the gateways run, and its parameters by name (checked against
+    the policy's when a gateway starts; ``tokenfleet sim --help`` lists the policies)."""
+
+    policy: Identifier = "tokenpilot"
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The policy's parameters to change; the others keep the defaults its "
+        "code ships (e.g. sglang_cache_aware: cache_threshold = 0.5).",
+    )
+
+
 class FleetConfig(Frozen):
     version: Literal[1] = 1
     dcs: tuple[DataCenter, ...] = Field(min_length=1)
     models: tuple[ModelConfig, ...] = Field(min_length=1)
     instances: tuple[InstanceConfig, ...] = Field(min_length=1)
     tenants: tuple[TenantConfig, ...] = ()
+    routing: RoutingProfile = Field(default_factory=RoutingProfile)
     objectives: dict[TaskClass, ClassObjective] = Field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES),
         description="Per-class objectives; classes not named keep the defaults.",

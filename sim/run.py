@@ -85,7 +85,8 @@ def simulate_run(
     if config.step_model_error:
         step_time = misjudged(pool.step_time, config.step_model_error, config.seed)
         pool = replace(pool, step_time=step_time)
-    router = make_router(config.policy, config.seed, pool, config.tokenpilot)
+    params = config.tokenpilot if config.policy == "tokenpilot" else None
+    router = make_router(config.policy, config.seed, pool, params)
     simulation = Simulation(cluster, router, token_lag_s=config.host_token_lag_s)
     started = time.perf_counter()
     records = simulation.run(_with_progress(workload, progress, config.policy))

@@ -188,7 +188,7 @@ class Simulation:
     def _count_pending(self, index: int, request: TraceRequest, decision: Decision) -> None:
         """The host's shared accounting, as the gateway keeps it: a routed request's prompt,
         less what the router expected cached, is pending prefill until its first token."""
-        expected_cached = decision.parts.get("cached_tokens")
+        expected_cached = decision.cached_tokens
         cached = 0.0 if expected_cached is None else float(expected_cached[index])
         pending = request.input_tokens - cached
         self._pending_prefill[index] += pending

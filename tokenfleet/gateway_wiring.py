@@ -14,12 +14,14 @@ import contextlib
 import secrets
 import socket
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
 
 import aiohttp
 import uvicorn
 from fastapi import FastAPI
 
-from control.routing import make_router
+from control.routing import make_router, policy_params
 from control.routing.registry import Router
 from control.routing.tokenpilot import TokenPilotParams
 from gateway.app import GatewayParts, create_app
@@ -39,9 +41,10 @@ from tokenfleet.settings import Settings
 
 
 def router_factory(
-    fleet: FleetConfig, policy: str, seed: int = 0, params: TokenPilotParams | None = None
+    fleet: FleetConfig, policy: str, seed: int = 0, params: Any = None
 ) -> Callable[[str], Router]:
-    """Routers for the fleet's models; a model's ``profile`` gives TokenPilot its step model."""
+    """Routers for the fleet's models; a model's ``profile`` gives TokenPilot its step model.
+    ValueError (or KeyError for an unknown policy) at once, not at the first request."""
     for model in fleet.models:
         if model.profile is not None and model.profile not in PROFILES:
             known = ", ".join(sorted(PROFILES))
@@ -53,8 +56,20 @@ def router_factory(
         pool = profile(model.profile).pool_model() if model.profile else None
         return make_router(policy, seed, pool, params)
 
-    make(fleet.models[0].name)  # fail at start-up, not at the first request
+    make(fleet.models[0].name)
     return make
+
+
+def routing_params(fleet: FleetConfig, settings: GatewaySettings) -> tuple[str, Any]:
+    """The policy the gateway runs (its setting, else the fleet file's profile) and its
+    parameters: the profile's where the policy is the profile's, else the defaults; the
+    ``token_lag_s`` setting, where set, is TokenPilot's."""
+    profile_ = fleet.routing
+    policy = settings.policy or profile_.policy
+    params = policy_params(policy, profile_.params if policy == profile_.policy else {})
+    if isinstance(params, TokenPilotParams) and settings.token_lag_s is not None:
+        params = replace(params, token_lag_s=settings.token_lag_s)
+    return policy, params
 
 
 def gateway_parts(
@@ -63,8 +78,8 @@ def gateway_parts(
     # Each replica its own seed: with one seed, replicas break ties alike and pile onto
     # the same instance.
     seed = secrets.randbits(32)
-    params = TokenPilotParams(token_lag_s=settings.token_lag_s)
-    routers = router_factory(fleet, settings.policy, seed, params)
+    policy, params = routing_params(fleet, settings)
+    routers = router_factory(fleet, policy, seed, params)
     return GatewayParts(fleet, settings, state, bus, routers)
 
 

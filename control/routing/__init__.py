@@ -9,6 +9,7 @@ from control.routing.registry import (
     Withdrawing,
     implements,
     make_router,
+    policy_params,
 )
 from control.routing.snapshot import (
     Candidate,
@@ -36,4 +37,5 @@ __all__ = [
     "Withdrawing",
     "implements",
     "make_router",
+    "policy_params",
 ]

@@ -3,6 +3,8 @@ in flight as the balancers they stand for do (``control.routing.inflight``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from control.routing.inflight import InFlight
@@ -67,6 +69,12 @@ class LeastRequests(CountsOwnRequests):
         return Decision(self.name, chosen, scores, {"requests": scores})
 
 
+@dataclass(frozen=True)
+class PowerOfTwoParams:
+    choice_count: int = 2
+    """Hosts drawn per decision: Envoy's default (``choice_count``, at least 2)."""
+
+
 class PowerOfTwo(CountsOwnRequests):
     """Envoy's ``LEAST_REQUEST`` load balancer with equal weights
     (``source/extensions/load_balancing_policies/least_request/least_request_lb.cc`` at
@@ -76,17 +84,17 @@ class PowerOfTwo(CountsOwnRequests):
     Balancing", IEEE TPDS 2001)."""
 
     name = "power_of_two"
-    choice_count = 2
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, params: PowerOfTwoParams | None = None) -> None:
         super().__init__()
         self._rng = rng
+        self.params = params or PowerOfTwoParams()
 
     def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
         ready = np.flatnonzero(fleet.ready)
         if ready.size == 0:
             return _no_eligible(self.name, fleet)
-        drawn = self._rng.choice(ready, size=self.choice_count, replace=True)
+        drawn = self._rng.choice(ready, size=self.params.choice_count, replace=True)
         counts = self.inflight.counts(len(fleet))
         chosen = int(drawn[0])
         for candidate in drawn[1:]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from operator import itemgetter
 
 import numpy as np
@@ -58,6 +59,12 @@ class _Learning(ABC):
     ) -> Decision: ...
 
 
+@dataclass(frozen=True)
+class DynamoParams:
+    overlap_weight: float = 1.0
+    """``overlap_score_weight``, ``KvRouterConfig::default``."""
+
+
 class DynamoKv(_Learning):
     """NVIDIA Dynamo's KV router as its code ships (``lib/llm/src/kv_router/scheduler.rs``
     at ai-dynamo/dynamo db19bd2a, ``DefaultWorkerSelector``; ``KvRouterConfig::default``):
@@ -79,10 +86,10 @@ class DynamoKv(_Learning):
     """
 
     name = "dynamo_kv"
-    overlap_weight = 1.0
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, params: DynamoParams | None = None) -> None:
         super().__init__(rng)
+        self.params = params or DynamoParams()
         self.active = ActiveSequences()
 
     def kv_events(self, instance: int, events: Sequence[KvEvent]) -> None:
@@ -107,7 +114,7 @@ class DynamoKv(_Learning):
         uncached = np.maximum(request.input_tokens - matched * BLOCK_TOKENS, 0).astype(float)
         prefill = (self.active.prefill_tokens(size) + uncached) / BLOCK_TOKENS
         decode = self.active.blocks(size)
-        cost = np.where(fleet.ready, self.overlap_weight * prefill + decode, np.nan)
+        cost = np.where(fleet.ready, self.params.overlap_weight * prefill + decode, np.nan)
         lowest = np.flatnonzero(cost == np.nanmin(cost))
         trees = self.index.sizes(size)[lowest]
         smallest = lowest[trees == trees.min()]
@@ -116,6 +123,17 @@ class DynamoKv(_Learning):
         self.active.add(request.request_id, chosen, float(uncached[chosen]), new_blocks)
         parts = {"prefill_blocks": prefill, "decode_blocks": decode}
         return Decision(self.name, chosen, cost, parts)
+
+
+@dataclass(frozen=True)
+class SglangParams:
+    """The launch command's defaults (``src/main.rs`` at 01f6c92a); the library's
+    ``CacheAwareConfig::default()`` differs (0.5, 32, 1.1), but deployments start the
+    router from the command."""
+
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    cache_threshold: float = 0.3
 
 
 class SglangCacheAware(CountsOwnRequests, _Learning):
@@ -137,24 +155,23 @@ class SglangCacheAware(CountsOwnRequests, _Learning):
     """
 
     name = "sglang_cache_aware"
-    balance_abs_threshold = 64
-    balance_rel_threshold = 1.5
-    cache_threshold = 0.3
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, params: SglangParams | None = None) -> None:
         CountsOwnRequests.__init__(self)
         _Learning.__init__(self, rng)
+        self.params = params or SglangParams()
 
     def _decide(self, request: RouteRequest, fleet: FleetSnapshot, matched: np.ndarray) -> Decision:
         load = np.where(fleet.ready, self.inflight.counts(len(fleet)).astype(np.float64), np.nan)
         low, high = np.nanmin(load), np.nanmax(load)
+        given = self.params
         imbalanced = (
-            high - low > self.balance_abs_threshold and high > low * self.balance_rel_threshold
+            high - low > given.balance_abs_threshold and high > low * given.balance_rel_threshold
         )
         blocks = max(len(request.prefix_blocks), 1)
         rate = np.where(fleet.ready, matched / blocks, np.nan)
         parts = {"load": load, "match_rate": rate}
-        if not imbalanced and np.nanmax(rate) > self.cache_threshold:
+        if not imbalanced and np.nanmax(rate) > given.cache_threshold:
             decision = Decision(self.name, _pick_lowest(-rate, self._rng), -rate, parts)
         else:
             first_least = int(np.flatnonzero(load == low)[0])
@@ -162,6 +179,14 @@ class SglangCacheAware(CountsOwnRequests, _Learning):
         assert decision.chosen is not None
         self.inflight.dispatched(request.request_id, decision.chosen)
         return decision
+
+
+@dataclass(frozen=True)
+class AibrixParams:
+    imbalance_abs_count: int = 8
+    """``AIBRIX_PREFIX_CACHE_POD_RUNNING_REQUEST_IMBALANCE_ABS_COUNT``'s code default."""
+    std_factor: float = 1.0
+    """``AIBRIX_PREFIX_CACHE_STANDARD_DEVIATION_FACTOR``'s code default."""
 
 
 class AibrixPrefixCache(CountsOwnRequests, _Learning):
@@ -184,20 +209,19 @@ class AibrixPrefixCache(CountsOwnRequests, _Learning):
     """
 
     name = "aibrix_prefix_cache"
-    imbalance_abs_count = 8
-    std_factor = 1.0
 
-    def __init__(self, rng: np.random.Generator) -> None:
+    def __init__(self, rng: np.random.Generator, params: AibrixParams | None = None) -> None:
         CountsOwnRequests.__init__(self)
         _Learning.__init__(self, rng)
+        self.params = params or AibrixParams()
 
     def _decide(self, request: RouteRequest, fleet: FleetSnapshot, matched: np.ndarray) -> Decision:
         running = np.where(fleet.ready, self.inflight.counts(len(fleet)).astype(np.float64), np.nan)
         parts = {"running": running, "matched_blocks": matched.astype(np.float64)}
         candidates = fleet.ready.copy()
-        if np.nanmax(running) - np.nanmin(running) > self.imbalance_abs_count:
+        if np.nanmax(running) - np.nanmin(running) > self.params.imbalance_abs_count:
             candidates &= running == np.nanmin(running)
-        limit = np.nanmean(running) + self.std_factor * np.nanstd(running)
+        limit = np.nanmean(running) + self.params.std_factor * np.nanstd(running)
         matching = candidates & (matched > 0) & (running <= limit)
         if matching.any():
             best = matching & (matched == matched[matching].max())

@@ -16,33 +16,44 @@ default scorers, whose prefix index it shares (and fills with the instances it r
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
 from control.routing.estimators import AwaitingOutcome
 from control.routing.llmd import LlmdDefault
-from control.routing.snapshot import Decision, FleetSnapshot, Observation, RouteRequest
+from control.routing.snapshot import (
+    PREDICTED_TTFT_S,
+    Decision,
+    FleetSnapshot,
+    Observation,
+    RouteRequest,
+)
 
 FEATURES = ("kv_usage", "input_tokens", "waiting", "running", "prefix_score", "inflight_tokens")
+
+
+@dataclass(frozen=True)
+class PredictedLatencyParams:
+    window: int = 2000
+    """Latest observations the model is fitted on."""
+    refit_every: int = 100
+    """Observations between fits."""
+    ridge: float = 1e-3
+    """Ridge penalty on the standardised weights (the intercept is not shrunk)."""
 
 
 class LlmdPredictedLatency:
     name = "llmd_predicted_latency"
 
     def __init__(
-        self,
-        rng: np.random.Generator,
-        *,
-        window: int = 2000,
-        refit_every: int = 100,
-        ridge: float = 1e-3,
+        self, rng: np.random.Generator, params: PredictedLatencyParams | None = None
     ) -> None:
+        self.params = params or PredictedLatencyParams()
         self._rng = rng
         self._scorers = LlmdDefault(rng)
-        self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        self._window: deque[tuple[np.ndarray, float]] = deque(maxlen=self.params.window)
         self._pending: AwaitingOutcome[np.ndarray] = AwaitingOutcome()
-        self._refit_every = refit_every
-        self._ridge = ridge
         self._since_fit = 0
         self._model: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
@@ -57,7 +68,7 @@ class LlmdPredictedLatency:
         else:
             predicted = np.where(fleet.ready, self._predict(features), np.nan)
             best = np.flatnonzero(predicted == np.nanmin(predicted))
-            scores, parts = predicted, {"predicted_ttft_s": predicted}
+            scores, parts = predicted, {PREDICTED_TTFT_S: predicted}
         chosen = int(best[self._rng.integers(best.size)])
         self._scorers.remember(request, chosen, fleet)  # the instance it goes to
         self._pending.put(request.request_id, features[chosen])
@@ -69,7 +80,7 @@ class LlmdPredictedLatency:
             return
         self._window.append((features, observation.ttft_s))
         self._since_fit += 1
-        if self._since_fit >= self._refit_every:
+        if self._since_fit >= self.params.refit_every:
             self._fit()
 
     def _features(
@@ -91,7 +102,7 @@ class LlmdPredictedLatency:
         y = np.array([t for _, t in self._window])
         mean, scale = x.mean(axis=0), x.std(axis=0) + 1e-9
         z = np.column_stack([np.ones(len(x)), (x - mean) / scale])
-        penalty = self._ridge * np.eye(z.shape[1])
+        penalty = self.params.ridge * np.eye(z.shape[1])
         penalty[0, 0] = 0.0  # the intercept is not shrunk
         weights = np.linalg.solve(z.T @ z + penalty, z.T @ y)
         self._model = (weights, mean, scale)

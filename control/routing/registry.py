@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+from pydantic import TypeAdapter, ValidationError
 
-from control.routing.baselines import LeastRequests, PowerOfTwo, RoundRobin
-from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
-from control.routing.llmd import LlmdDefault
-from control.routing.predicted_latency import LlmdPredictedLatency
+from control.routing.baselines import LeastRequests, PowerOfTwo, PowerOfTwoParams, RoundRobin
+from control.routing.cache_aware import (
+    AibrixParams,
+    AibrixPrefixCache,
+    DynamoKv,
+    DynamoParams,
+    SglangCacheAware,
+    SglangParams,
+)
+from control.routing.llmd import LlmdDefault, LlmdWeights
+from control.routing.predicted_latency import LlmdPredictedLatency, PredictedLatencyParams
 from control.routing.snapshot import (
     Decision,
     FleetSnapshot,
@@ -21,6 +30,7 @@ from control.routing.snapshot import (
     RouteRequest,
 )
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
+from schemas.envelope import describe
 
 
 class Router(Protocol):
@@ -81,46 +91,77 @@ def _type_implements(kind: type, protocol: type) -> bool:
     return issubclass(kind, protocol)
 
 
-Factory = Callable[[np.random.Generator, PoolModel | None, TokenPilotParams], Router]
-"""A router from its random generator, the pool's model and the parameters a deployment
-sets (only TokenPilot has any)."""
+@dataclass(frozen=True)
+class NoParams:
+    """A policy with nothing to set."""
 
 
-def _load_only(kind: Callable[[np.random.Generator], Router]) -> Factory:
-    return lambda rng, _pool, _params: kind(rng)
+@dataclass(frozen=True)
+class Policy:
+    """A routing policy by name: how it is built, and the parameters it takes, whose
+    defaults are the ones its code ships (each params class says where they come from)."""
+
+    build: Callable[[np.random.Generator, PoolModel | None, Any], Router]
+    """A router from its random generator, the pool's model and its parameters."""
+    params: type[Any]
 
 
-def _tokenpilot(
-    _rng: np.random.Generator, pool: PoolModel | None, params: TokenPilotParams
-) -> Router:
+def _tokenpilot(_rng: np.random.Generator, pool: PoolModel | None, params: Any) -> Router:
     if pool is None:
         raise ValueError("tokenpilot needs the pool's step model (a PoolModel)")
     return TokenPilot(pool, params)
 
 
-ROUTERS: dict[str, Factory] = {
-    "tokenpilot": _tokenpilot,
-    RoundRobin.name: _load_only(RoundRobin),
-    LeastRequests.name: _load_only(LeastRequests),
-    PowerOfTwo.name: _load_only(PowerOfTwo),
-    LlmdDefault.name: _load_only(LlmdDefault),
-    LlmdPredictedLatency.name: _load_only(LlmdPredictedLatency),
-    DynamoKv.name: _load_only(DynamoKv),
-    SglangCacheAware.name: _load_only(SglangCacheAware),
-    AibrixPrefixCache.name: _load_only(AibrixPrefixCache),
+ROUTERS: dict[str, Policy] = {
+    "tokenpilot": Policy(_tokenpilot, TokenPilotParams),
+    RoundRobin.name: Policy(lambda rng, _pool, _params: RoundRobin(rng), NoParams),
+    LeastRequests.name: Policy(lambda rng, _pool, _params: LeastRequests(rng), NoParams),
+    PowerOfTwo.name: Policy(lambda rng, _pool, p: PowerOfTwo(rng, p), PowerOfTwoParams),
+    LlmdDefault.name: Policy(lambda rng, _pool, p: LlmdDefault(rng, p), LlmdWeights),
+    LlmdPredictedLatency.name: Policy(
+        lambda rng, _pool, p: LlmdPredictedLatency(rng, p), PredictedLatencyParams
+    ),
+    DynamoKv.name: Policy(lambda rng, _pool, p: DynamoKv(rng, p), DynamoParams),
+    SglangCacheAware.name: Policy(lambda rng, _pool, p: SglangCacheAware(rng, p), SglangParams),
+    AibrixPrefixCache.name: Policy(lambda rng, _pool, p: AibrixPrefixCache(rng, p), AibrixParams),
 }
+"""Every routing policy, one line each."""
+
+
+def policy(name: str) -> Policy:
+    """The policy ``name``, or KeyError naming the known ones."""
+    try:
+        return ROUTERS[name]
+    except KeyError:
+        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(ROUTERS))}") from None
+
+
+def policy_params(name: str, values: Mapping[str, Any]) -> Any:
+    """The parameters of policy ``name`` from ``values`` (a fleet file's routing profile),
+    the others at their defaults; ValueError naming an unknown or invalid one."""
+    kind = policy(name).params
+    known = {f.name for f in fields(kind)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        takes = ", ".join(sorted(known)) or "none"
+        raise ValueError(f"policy {name!r} takes no {', '.join(unknown)} (it takes: {takes})")
+    try:
+        return TypeAdapter(kind).validate_python(dict(values))
+    except ValidationError as exc:
+        raise ValueError(f"policy {name!r}: {describe(exc)}") from None
 
 
 def make_router(
     name: str,
     seed: int = 0,
     pool: PoolModel | None = None,
-    params: TokenPilotParams | None = None,
+    params: Any = None,
 ) -> Router:
     """The router ``name``, seeded; ``pool`` describes the model pool to those that use it,
-    ``params`` sets TokenPilot's (None: its defaults)."""
-    try:
-        factory = ROUTERS[name]
-    except KeyError:
-        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(ROUTERS))}") from None
-    return factory(np.random.default_rng(seed), pool, params or TokenPilotParams())
+    ``params`` are its parameters (None: the defaults its code ships)."""
+    chosen = policy(name)
+    if params is None:
+        params = chosen.params()
+    elif not isinstance(params, chosen.params):
+        raise TypeError(f"policy {name!r} takes {chosen.params.__name__}, not {params!r}")
+    return chosen.build(np.random.default_rng(seed), pool, params)

@@ -108,6 +108,12 @@ class Candidate:
     parts: tuple[tuple[str, float], ...] = ()
 
 
+CACHED_TOKENS = "cached_tokens"
+PREDICTED_TTFT_S = "predicted_ttft_s"
+"""The terms of a decision record that hosts read (``Decision.cached_tokens`` and
+``Decision.predicted_ttft_s``): a router that estimates them names them so."""
+
+
 @dataclass(frozen=True)
 class Decision:
     """A routing decision with its reasons, kept as arrays aligned with the snapshot.
@@ -120,6 +126,16 @@ class Decision:
     chosen: int | None
     scores: FloatArray
     parts: Mapping[str, FloatArray] = field(default_factory=dict)
+
+    @property
+    def cached_tokens(self) -> FloatArray | None:
+        """Prompt tokens the router expects each candidate to hold cached, if it says."""
+        return self.parts.get(CACHED_TOKENS)
+
+    @property
+    def predicted_ttft_s(self) -> FloatArray | None:
+        """The router's time to first token on each candidate, if it predicts one."""
+        return self.parts.get(PREDICTED_TTFT_S)
 
     def ranked(self) -> list[int]:
         """Rows of the scored instances, best first; the chosen row leads."""

@@ -63,6 +63,8 @@ from control.routing.estimators import (
 )
 from control.routing.prefix_index import ApproximatePrefixIndex
 from control.routing.snapshot import (
+    CACHED_TOKENS,
+    PREDICTED_TTFT_S,
     Decision,
     FleetSnapshot,
     KvEvent,
@@ -163,7 +165,7 @@ class TokenPilot:
         self._record(
             request, fleet, now, chosen, parts, float(raw[chosen]), float(predicted[chosen])
         )
-        parts |= {"correction": ratio, "predicted_ttft_s": predicted}
+        parts |= {"correction": ratio, PREDICTED_TTFT_S: predicted}
         return Decision(self.name, chosen, np.where(fleet.ready, scores, np.nan), parts)
 
     def observe(self, observation: Observation) -> None:
@@ -235,7 +237,7 @@ class TokenPilot:
             "prefill_s": with_own - queue + attention,
             "work_s": alone - idle_steps_s + attention,
             "shared_step_s": self._shared_step_s(step["unstarted_tokens"], uncached, load),
-            "cached_tokens": cached,
+            CACHED_TOKENS: cached,
             "uncached_tokens": uncached,
             "ahead_tokens": ahead,
             "tpot_s": tpot,

@@ -5,10 +5,16 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from control.routing.cache_aware import (
+    AibrixParams,
+    AibrixPrefixCache,
+    SglangCacheAware,
+    SglangParams,
+)
 from control.routing.tokenpilot import TokenPilot
 from gateway.settings import GatewaySettings
 from gateway.state import LocalState
-from schemas.fleet import load_fleet
+from schemas.fleet import FleetConfig, load_fleet
 from streams.memory import InMemoryBus
 from tokenfleet.gateway_wiring import gateway_parts
 
@@ -28,3 +34,57 @@ def test_the_gateway_s_tokenpilot_assumes_the_token_lag_its_environment_sets(
 def test_a_negative_token_lag_is_refused() -> None:
     with pytest.raises(ValidationError, match="token_lag_s"):
         GatewaySettings(token_lag_s=-0.001)
+
+
+def _fleet_with(routing: dict[str, object]) -> FleetConfig:
+    data = load_fleet(EXAMPLE).model_dump(mode="json")
+    return FleetConfig.model_validate({**data, "routing": routing})
+
+
+def test_the_fleet_file_s_routing_profile_picks_the_policy_and_its_parameters() -> None:
+    fleet = _fleet_with({"policy": "sglang_cache_aware", "params": {"cache_threshold": 0.5}})
+    parts = gateway_parts(fleet, GatewaySettings(), InMemoryBus(), LocalState())
+    router = parts.make_router("emulated")
+    assert isinstance(router, SglangCacheAware)
+    assert router.params == SglangParams(cache_threshold=0.5)  # the others as shipped
+
+
+def test_a_policy_set_for_the_gateway_runs_with_its_own_defaults() -> None:
+    fleet = _fleet_with({"policy": "sglang_cache_aware", "params": {"cache_threshold": 0.5}})
+    settings = GatewaySettings(policy="aibrix_prefix_cache")
+    router = gateway_parts(fleet, settings, InMemoryBus(), LocalState()).make_router("emulated")
+    assert isinstance(router, AibrixPrefixCache)
+    assert router.params == AibrixParams()
+
+
+def test_tokenpilot_takes_the_profile_s_lag_unless_the_environment_sets_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fleet = _fleet_with({"params": {"token_lag_s": 0.007, "tie_band": 0.05}})
+    router = gateway_parts(fleet, GatewaySettings(), InMemoryBus(), LocalState()).make_router(
+        "emulated"
+    )
+    assert isinstance(router, TokenPilot)
+    assert (router.params.token_lag_s, router.params.tie_band) == (0.007, 0.05)
+    monkeypatch.setenv("TOKENFLEET_GATEWAY_TOKEN_LAG_S", "0.009")
+    router = gateway_parts(fleet, GatewaySettings(), InMemoryBus(), LocalState()).make_router(
+        "emulated"
+    )
+    assert isinstance(router, TokenPilot)
+    assert (router.params.token_lag_s, router.params.tie_band) == (0.009, 0.05)
+
+
+@pytest.mark.parametrize(
+    ("routing", "message"),
+    [
+        ({"policy": "no_such_policy"}, "unknown policy 'no_such_policy'"),
+        ({"policy": "aibrix_prefix_cache", "params": {"std": 2}}, "takes no std"),
+        ({"policy": "power_of_two", "params": {"choice_count": "two"}}, "choice_count"),
+        ({"policy": "round_robin", "params": {"x": 1}}, "it takes: none"),
+    ],
+)
+def test_a_bad_routing_profile_stops_the_gateway_with_a_message(
+    routing: dict[str, object], message: str
+) -> None:
+    with pytest.raises((ValueError, KeyError), match=message):
+        gateway_parts(_fleet_with(routing), GatewaySettings(), InMemoryBus(), LocalState())

@@ -16,11 +16,22 @@ from control.routing import (
     Withdrawing,
     implements,
     make_router,
+    policy_params,
 )
-from control.routing.baselines import CountsOwnRequests, LeastRequests, PowerOfTwo
-from control.routing.cache_aware import AibrixPrefixCache, DynamoKv, SglangCacheAware
+from control.routing.baselines import (
+    CountsOwnRequests,
+    LeastRequests,
+    PowerOfTwo,
+    PowerOfTwoParams,
+)
+from control.routing.cache_aware import (
+    AibrixParams,
+    AibrixPrefixCache,
+    DynamoKv,
+    SglangCacheAware,
+)
 from control.routing.llmd import LlmdDefault, queue_score
-from control.routing.predicted_latency import LlmdPredictedLatency
+from control.routing.predicted_latency import LlmdPredictedLatency, PredictedLatencyParams
 from control.routing.prefix_index import ApproximatePrefixIndex, Recency
 from control.step_time import KneeRoofline
 
@@ -304,7 +315,7 @@ def test_aibrix_gates_on_a_spread_of_8_and_on_mean_plus_one_std(
 
 def test_the_predicted_latency_model_learns_ttft_online_and_routes_by_it() -> None:
     rng = np.random.default_rng(1)
-    router = LlmdPredictedLatency(np.random.default_rng(0), refit_every=50)
+    router = LlmdPredictedLatency(np.random.default_rng(0), PredictedLatencyParams(refit_every=50))
 
     def true_ttft(waiting: int, running: int, input_tokens: int) -> float:
         return 0.05 + 0.2 * waiting + 0.01 * running + 1e-5 * input_tokens
@@ -360,3 +371,13 @@ def test_evictions_reported_by_the_engine_correct_the_index() -> None:
     index.evicted(0, [4, 5, 6])
     assert index.match([1, 2, 3, 4, 5, 6], instances=2).tolist() == [2, 4]
     index.evicted(7, [2])  # an instance the index never saw
+
+
+def test_each_policy_is_built_with_its_own_parameters_or_its_shipped_defaults() -> None:
+    assert make_router("power_of_two", params=PowerOfTwoParams(choice_count=3)).params == (
+        PowerOfTwoParams(choice_count=3)
+    )
+    assert make_router("aibrix_prefix_cache").params == AibrixParams(8, 1.0)
+    with pytest.raises(TypeError, match="takes PowerOfTwoParams"):
+        make_router("power_of_two", params=AibrixParams())
+    assert policy_params("dynamo_kv", {"overlap_weight": 2}).overlap_weight == 2.0

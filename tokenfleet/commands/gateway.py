@@ -27,7 +27,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument("--fleet", type=Path, help="the fleet file (.toml or .json)")
     gateway.add_argument("--host", default="127.0.0.1", help="address to listen on")
     gateway.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
-    gateway.add_argument("--policy", help="routing policy (default: tokenpilot)")
+    gateway.add_argument(
+        "--policy",
+        help="routing policy (default: the fleet file's [routing] policy, else tokenpilot)",
+    )
     gateway.add_argument("--dc", help="the DC this gateway serves (default: the first)")
     gateway.set_defaults(handler=_gateway)
 
