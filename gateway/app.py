@@ -226,8 +226,8 @@ def create_app(parts: GatewayParts) -> FastAPI:
 
     async def passed_through(request: Request) -> Response:
         """A request the instance answers as sent, e.g. ``/tokenize``: no admission,
-        accounting or events; the least loaded instance of the model in the local DC
-        (else the first DC serving it)."""
+        accounting or events; the least loaded instance of the model in the DC
+        ``Decider.choose_dc`` picks for it."""
         authenticate(fleet, request.headers.get("authorization"))
         body = await read_body(request, settings.max_body_bytes)
         name = parse_request(UtilityRequest, body).model
@@ -374,6 +374,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     is read and dropped before the answer (up to ``DRAINED_AT_MOST``): a server that
     answers while its client still sends resets the connection, and the client sees no
     answer at all."""
+    declared = request.headers.get("content-length", "")
+    expecting = request.headers.get("expect", "").lower() == "100-continue"
+    if expecting and declared.isdigit() and int(declared) > limit:
+        # the client waits for a go-ahead before sending: refuse before it uploads
+        raise ApiError(413, f"The request body exceeds {limit} bytes.", param="body")
     body = bytearray()
     received = 0
     async for chunk in request.stream():

@@ -209,6 +209,7 @@ class Exchange:
                 upstream.release()
                 await self._release(trip)
                 self._failed(trip, f"instance answered {upstream.status}")
+                await self._forget_key(trip)
                 return Response(body, upstream.status, media_type="application/json")
             if inbound.stream:
                 return await self._stream(trip, upstream)
@@ -218,33 +219,31 @@ class Exchange:
                 settling.cancel()
 
     async def forward(self, plan: Plan, path: str, body: bytes) -> Response:
-        """Pass a request to ``plan``'s instance as sent, and its answer back as given (a
-        404 where the instance lacks the route); the next-best instance once if the
-        first fails. Nothing is charged or reported: for cheap calls (``/tokenize``)."""
+        """Pass a request to ``plan``'s instance as sent, and its answer back as given,
+        whatever its status (a 404 where the instance lacks the route); the next-best
+        instance once if the first cannot be reached. Nothing is charged or reported: for
+        cheap calls (``/tokenize``)."""
+        assert self.client is not None, "the app's lifespan has not started"
         error = "no instance tried"
         for row in plan.order[:2]:
             instance = plan.pool.instances[row]
             try:
-                upstream = await self._post(instance, path, body)
-                async with upstream:
-                    answer = await upstream.read()
-            except UpstreamFailed as exc:
-                error = str(exc)
+                async with self.client.post(_url(instance, path), data=body, headers=_JSON) as up:
+                    answer = await up.read()
+                    return Response(answer, up.status, media_type=up.content_type)
             except UPSTREAM_ERRORS as exc:
                 error = f"{instance.id}: {type(exc).__name__}"
-            else:
-                return Response(answer, upstream.status, media_type=upstream.content_type)
-            self.view.failed(instance.id)
+                self.metrics.upstream_errors.labels(instance.id, "connect").inc()
+                self.view.failed(instance.id)
         raise ApiError(502, f"The model instance failed: {error}")
 
     async def _post(
         self, instance: InstanceConfig, path: str, body: bytes
     ) -> aiohttp.ClientResponse:
         """The instance's response, its status below 500; UpstreamFailed otherwise."""
-        url = f"{str(instance.url).rstrip('/')}{path}"
         assert self.client is not None, "the app's lifespan has not started"
         try:
-            upstream = await self.client.post(url, data=body, headers=_JSON)
+            upstream = await self.client.post(_url(instance, path), data=body, headers=_JSON)
         except UPSTREAM_ERRORS as exc:
             self.metrics.upstream_errors.labels(instance.id, "connect").inc()
             raise UpstreamFailed(f"{instance.id}: {type(exc).__name__}") from None
@@ -291,8 +290,12 @@ class Exchange:
             upstream.close()
             self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
+        if head and (last := head[-1][1]).piece is Piece.END and (last.status or 0) >= 500:
+            upstream.close()  # the engine failed before any token: another may serve it
+            self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
+            raise UpstreamFailed(f"{trip.instance.id}: {last.error}")
         if head and head[-1][1].piece in _FIRST_TOKEN:
-            await self._first_token(trip)
+            self._first_token(trip)
         return StreamingResponse(
             self._relay(trip, upstream, head, events),
             media_type="text/event-stream",
@@ -314,7 +317,7 @@ class Exchange:
                 seen = read_event(event)
                 if seen.piece in _FIRST_TOKEN:
                     if trip.first_token_at is None:
-                        await self._first_token(trip)
+                        self._first_token(trip)
                     else:  # not the first: it may trail its step's end
                         self.view.tokens_streamed(trip.instance.id)
                 yield self._counted(trip, event, seen)
@@ -368,11 +371,13 @@ class Exchange:
         if pending:
             await self.state.adjust(trip.instance.id, -pending, 0.0)
 
-    async def _first_token(self, trip: Trip) -> None:
+    def _first_token(self, trip: Trip) -> None:
+        """Noted at once; the shared accounting follows in a task of its own, which a
+        client that leaves cannot cancel half-way (this runs inside the response)."""
         trip.first_token_at = time.monotonic()
         if (follower := _follower(trip.plan.router)) is not None:
             follower.first_token(trip.inbound.request_id)
-        await self._prefill_done(trip)
+        self.spawn(self._prefill_done(trip))
         self.events.emit(
             FirstToken(
                 request_id=trip.inbound.request_id,
@@ -507,6 +512,8 @@ class Seen:
     output_tokens: int | None = None
     """The output tokens so far, where the event reports usage."""
     error: str | None = None
+    status: int | None = None
+    """An error's code, where it gives one (vLLM's engine failures are 500)."""
 
 
 _NOTHING = Seen(Piece.OTHER)
@@ -525,19 +532,28 @@ def read_event(event: bytes) -> Seen:
     if not isinstance(payload, dict):
         return _NOTHING
     if payload.get("error"):
-        return Seen(Piece.END, error=_error_text(payload["error"]))
+        error = payload["error"]
+        status = error.get("code") if isinstance(error, dict) else None
+        return Seen(Piece.END, error=_error_text(error), status=_int(status))
     kind = payload.get("type")
     if isinstance(kind, str):
         return _responses_event(kind, payload)
+    choices = payload.get("choices")
+    if not choices:  # the usage chunk (with continuous usage, others report one choice)
+        return Seen(Piece.OTHER, _output_tokens(payload))
     piece = Piece.OTHER
-    for choice in payload.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if choice.get("text") or any(delta.get(name) for name in _DELTA_FIELDS):
-            piece = Piece.DELTA
-            break
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        delta = delta if isinstance(delta, dict) else {}
+        # a token that ends inside a character streams no text but its logprobs
+        output = choice.get("text") or choice.get("logprobs")
+        if output or any(delta.get(name) for name in _DELTA_FIELDS):
+            return Seen(Piece.DELTA)
         if choice.get("finish_reason") is not None:
             piece = Piece.FINISH
-    return Seen(piece, _output_tokens(payload))
+    return Seen(piece)
 
 
 def _responses_event(kind: str, payload: dict[str, Any]) -> Seen:
@@ -547,20 +563,25 @@ def _responses_event(kind: str, payload: dict[str, Any]) -> Seen:
     if kind == "error":
         return Seen(Piece.END, error=str(payload.get("message", "error")))
     if kind in _RESPONSE_ENDS:
-        response = payload.get("response") or {}
+        response = payload.get("response")
+        response = response if isinstance(response, dict) else {}
         failed = _error_text(response["error"]) if response.get("error") else None
         return Seen(Piece.END, _output_tokens(response), failed)
     return _NOTHING
 
 
-def _output_tokens(answer: dict[str, Any]) -> int | None:
+def _output_tokens(answer: object) -> int | None:
     """Output tokens an answer's usage reports (chat and completions name them
     ``completion_tokens``, the Responses API ``output_tokens``)."""
-    usage = answer.get("usage")
+    usage = answer.get("usage") if isinstance(answer, dict) else None
     if not isinstance(usage, dict):
         return None
     count = usage.get("completion_tokens", usage.get("output_tokens"))
     return int(count) if isinstance(count, int) else None
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) else None
 
 
 def _error_text(error: object) -> str:
@@ -574,6 +595,10 @@ def _sse_data(event: bytes) -> bytes | None:
         return event[5:].strip()
     start = event.find(b"\ndata:")
     return None if start < 0 else event[start + 6 :].strip()
+
+
+def _url(instance: InstanceConfig, path: str) -> str:
+    return f"{str(instance.url).rstrip('/')}{path}"
 
 
 def _follower(router: Router | None) -> FollowsRequests | None:

@@ -62,9 +62,21 @@ def _prompts(value: str | list[str] | list[int] | list[list[int]]) -> list[Promp
     return cast(list[Prompt], list(value))
 
 
+def _no_empty_prompt(value: str | list[str] | list[int] | list[list[int]]) -> None:
+    """vLLM refuses an empty prompt (an engine cannot start a sequence of no tokens)."""
+    if any(len(prompt) == 0 for prompt in _prompts(value)):
+        raise ValueError("a prompt may not be empty")
+
+
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> Any:
+        _no_empty_prompt(prompt)
+        return prompt
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -147,6 +159,12 @@ class EmbeddingRequest(_ModelRequest):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, value: str | list[str] | list[int] | list[list[int]]) -> Any:
+        _no_empty_prompt(value)
+        return value
 
     @property
     def prompts(self) -> list[Prompt]:

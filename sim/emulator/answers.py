@@ -63,9 +63,11 @@ class Call:
         return "tool_calls" if self.tool else "length"
 
 
-def reasoning_tokens(budget: int) -> int:
-    """The reasoning a reasoning model's choice does before it answers."""
-    return (budget + 1) // 2
+def reasoning_tokens(budget: int, calls_tool: bool = False) -> int:
+    """The reasoning a reasoning model's choice does before it answers (a tool call keeps
+    at least one token, so that it is made)."""
+    thinking = (budget + 1) // 2
+    return min(thinking, budget - 1) if calls_tool else thinking
 
 
 # --- chat and completions, streamed --------------------------------------------------

@@ -125,9 +125,10 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = json.loads(await request.body() or b"{}")
+        body = _json_object(await request.body())
         if "messages" in body:
-            text = chat_text(ChatRequest(model=model, messages=body["messages"]).messages)
+            chat = {"model": model, "messages": body["messages"]}
+            text = chat_text(parse_request(ChatRequest, json.dumps(chat).encode()).messages)
         else:
             text = str(body.get("prompt", ""))
         ids = token_ids(text)
@@ -136,13 +137,24 @@ def create_app(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        ids = json.loads(await request.body() or b"{}").get("tokens", [])
+        ids = _json_object(await request.body()).get("tokens", [])
         try:
             return {"prompt": token_text(ids)}
         except (OverflowError, TypeError, AttributeError):
             raise ApiError(400, "tokens: a list of token ids is expected", param="tokens") from None
 
     return app
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """A body that must be a JSON object, or ApiError(400)."""
+    try:
+        value = json.loads(body or b"{}")
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ApiError(400, "The body must be a JSON object.")
+    return value
 
 
 def _serve_kv_events(app: FastAPI, kv_feed: KvEventFeed) -> None:
@@ -191,7 +203,7 @@ def _call(
         stream=body.stream,
         include_usage=body.include_usage,
         tool=tool,
-        reasoning=answers.reasoning_tokens(budget) if reasoning else 0,
+        reasoning=answers.reasoning_tokens(budget, tool is not None) if reasoning else 0,
     )
 
 
@@ -204,9 +216,12 @@ def _submit(
     submitted: list[tuple[EngineSequence, Tokens]] = []
     for n, prompt in enumerate(prompts):
         blocks = block_hashes(prompt) if isinstance(prompt, str) else ()
-        work = TraceRequest(
-            f"{request_id}-{n}", driver.now(), prompt_tokens(prompt), budget, blocks
-        )
+        tokens = prompt_tokens(prompt)
+        if tokens == 0:  # an engine never finishes a sequence of no tokens
+            for sequence, _ in submitted:
+                driver.cancel(sequence)
+            raise ApiError(400, "A prompt may not be empty.", param="prompt")
+        work = TraceRequest(f"{request_id}-{n}", driver.now(), tokens, budget, blocks)
         try:
             submitted.append(driver.submit(work))
         except RequestTooLong as exc:

@@ -14,7 +14,7 @@ import openai
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 
 from control.tokens import count_tokens
 from schemas.lifecycle import FirstToken, RequestCompleted, RequestFailed
@@ -357,3 +357,107 @@ async def test_a_body_past_the_limit_sent_in_chunks_gets_413(front: Gateway) -> 
     assert "content-length" not in response.request.headers
     assert response.status_code == 413
     assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def _in_stream_error_upstream(code: int, tokens_first: int) -> Starlette:
+    """An instance that answers 200, then reports an error inside its stream as vLLM
+    does (``data: {"error": ...}`` and ``[DONE]``), after some tokens or none."""
+
+    async def stream(_: Request) -> StreamingResponse:
+        chunk = {"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]}
+        error = {"error": {"message": "engine trouble", "type": "Error", "code": code}}
+        events = [chunk] * tokens_first + [error]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return StreamingResponse(iter([body.encode()]), media_type="text/event-stream")
+
+    return fake_instance("/v1/chat/completions", stream)
+
+
+async def test_an_engine_failure_reported_before_any_token_is_retried_elsewhere() -> None:
+    async with (
+        http_server(_in_stream_error_upstream(500, 0)) as failing,
+        emulated(1) as [alive],
+        gateway(fleet_for([failing, alive.url]), policy="round_robin") as front,
+        front.client() as http,
+    ):
+        body = chat("retry me " * 10, stream=True)
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        assert response.headers["x-tokenfleet-instance"] == "i1"
+        assert lines[-1] == "data: [DONE]"
+        assert "tok" in "".join(lines)
+        assert await scraped(front.url, "tokenfleet_gateway_retries_total") == 1
+
+
+async def test_an_error_inside_a_stream_fails_the_request_and_frees_its_key() -> None:
+    async with (
+        http_server(_in_stream_error_upstream(400, 2)) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        body, key = chat("fail me " * 10, stream=True), {"idempotency-key": "k-1"}
+        for _ in range(2):  # the key is free again: no 409, no replay
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=body, headers=key
+            ) as response:
+                lines = [line async for line in response.aiter_lines() if line]
+            assert response.status_code == 200
+            assert "engine trouble" in lines[-2]
+            assert "idempotent-replayed" not in response.headers
+        request_id = response.headers["x-tokenfleet-request-id"]
+        failed = await latest_event(front, request_id, RequestFailed)
+        assert failed is not None
+        assert "engine trouble" in failed.error
+
+
+async def test_an_instance_s_own_refusal_passes_on_and_frees_the_key() -> None:
+    async def refuse(_: Request) -> JSONResponse:
+        error = {"error": {"message": "too long for my tokenizer", "code": 400}}
+        return JSONResponse(error, status_code=400)
+
+    async with (
+        http_server(fake_instance("/v1/chat/completions", refuse)) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        key = {"idempotency-key": "k-2"}
+        answers = [
+            await http.post("/v1/chat/completions", json=chat("x " * 10), headers=key)
+            for _ in range(2)
+        ]
+    assert [a.status_code for a in answers] == [400, 400]  # not 409 the second time
+    assert answers[1].json()["error"]["message"] == "too long for my tokenizer"
+
+
+async def test_a_refused_tokenize_call_leaves_the_instances_in_service(front: Gateway) -> None:
+    async with front.client() as http:
+        bad = await http.post(
+            "/tokenize", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}
+        )
+        after = await http.post("/v1/chat/completions", json=chat("still fine " * 10))
+    assert bad.status_code == 400
+    assert after.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": ""}),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", ""]}),
+        ("/v1/embeddings", {"model": MODEL, "input": []}),
+    ],
+)
+async def test_an_empty_prompt_is_refused(front: Gateway, path: str, body: dict) -> None:
+    async with front.client() as http:
+        refused = await http.post(path, json=body)
+    assert refused.status_code == 400
+    assert "empty" in refused.json()["error"]["message"]
+
+
+async def test_embeddings_go_to_the_instance_with_fewer_tokens_in_flight(
+    front: Gateway, client: openai.AsyncOpenAI
+) -> None:
+    await front.app.state.parts.state.adjust("i0", 0.0, 50_000.0)  # i0 busy with others
+    for _ in range(3):
+        raw = await client.embeddings.with_raw_response.create(model=MODEL, input="y " * 10)
+        assert raw.headers["x-tokenfleet-instance"] == "i1"

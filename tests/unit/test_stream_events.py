@@ -62,9 +62,27 @@ def test_usage_is_read_from_chat_and_responses_events() -> None:
     assert read_event(named("response.completed", response=done)) == Seen(Piece.END, 5)
 
 
+def test_odd_or_partial_chunks_are_read_without_failing() -> None:
+    partial = {"index": 0, "delta": {"content": ""}, "logprobs": {"content": [{"token": "x"}]}}
+    assert read_event(data({"choices": [partial]})).piece is Piece.DELTA  # half a character
+    assert read_event(data({"choices": ["x", None]})) == Seen(Piece.OTHER)
+    assert read_event(data({"choices": [{"delta": "x", "finish_reason": None}]})).piece is (
+        Piece.OTHER
+    )
+    assert read_event(data({"choices": {"0": 1}})) == Seen(Piece.OTHER)
+    assert read_event(data({"type": "response.completed", "response": []})) == Seen(Piece.END)
+
+
+def test_usage_on_every_chunk_counts_only_from_the_final_one() -> None:
+    """With continuous usage stats and several choices, a chunk's usage is its choice's."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    choice = {"index": 1, "delta": {"content": "tok "}, "finish_reason": None}
+    assert read_event(data({"choices": [choice], "usage": usage})) == Seen(Piece.DELTA)
+
+
 def test_errors_end_the_stream_with_their_message() -> None:
     error = {"error": {"message": "boom", "type": "BadRequestError", "code": 400}}
-    assert read_event(data(error)) == Seen(Piece.END, error="boom")
+    assert read_event(data(error)) == Seen(Piece.END, error="boom", status=400)
     failed = {"status": "failed", "error": {"code": "server_error", "message": "oom"}}
     assert read_event(named("response.failed", response=failed)) == Seen(Piece.END, error="oom")
 
