@@ -461,3 +461,21 @@ async def test_embeddings_go_to_the_instance_with_fewer_tokens_in_flight(
     for _ in range(3):
         raw = await client.embeddings.with_raw_response.create(model=MODEL, input="y " * 10)
         assert raw.headers["x-tokenfleet-instance"] == "i1"
+
+
+async def test_a_client_that_waits_to_upload_an_oversized_body_hears_413_first(
+    front: Gateway,
+) -> None:
+    """``Expect: 100-continue`` (curl sends it for large bodies): no go-ahead, no upload."""
+    host, port = front.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer "
+        + KEY.encode()
+        + b"\r\ncontent-type: application/json\r\ncontent-length: 999999999\r\n"
+        b"expect: 100-continue\r\n\r\n"
+    )
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 5)
+    writer.close()
+    assert status.startswith(b"HTTP/1.1 413")
