@@ -33,6 +33,7 @@ from control.routing import (
     RouteRequest,
     implements,
 )
+from schemas.openai_api import DEFAULT_CHAT_TOKENS
 from sim.cluster import Cluster
 from sim.engine import DecodeRun, Engine, Plan, Sequence, StepPlan
 from sim.records import RequestRecord
@@ -167,7 +168,7 @@ class Simulation:
         route = RouteRequest(
             request.request_id,
             request.input_tokens,
-            request.output_tokens,
+            request.max_tokens,  # what a gateway knows of the length: the client's cap
             request.prefix_blocks,
             request.task_class.value,
         )
@@ -182,7 +183,7 @@ class Simulation:
         self._count_pending(index, request, decision)
         delay = instance.engine.step_time.admission_delay_s(request.input_tokens)
         instance.entering += 1
-        self._inflight[index] += request.input_tokens + request.output_tokens
+        self._inflight[index] += _charged_tokens(request)
         self._push(self.now + delay, _ENTER, index, Sequence(request, self.now))
 
     def _count_pending(self, index: int, request: TraceRequest, decision: Decision) -> None:
@@ -284,7 +285,7 @@ class Simulation:
     def _complete(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
         request = sequence.request
-        self._inflight[index] -= request.input_tokens + request.output_tokens
+        self._inflight[index] -= _charged_tokens(request)
         step_time = instance.engine.step_time
         rtt = self.cluster.rtt(request.region, instance.dc)
         record = RequestRecord.completed(
@@ -306,3 +307,9 @@ class Simulation:
     def _push(self, time: float, kind: int, index: int, payload: Sequence | int) -> None:
         self._order += 1
         heapq.heappush(self._heap, (time, self._order, kind, index, payload))
+
+
+def _charged_tokens(request: TraceRequest) -> int:
+    """What the host counts in flight for a request, as the gateway counts it: its prompt
+    and the client's cap, or the gateway's default cap where the client set none."""
+    return request.input_tokens + (request.max_tokens or DEFAULT_CHAT_TOKENS)

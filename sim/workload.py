@@ -18,6 +18,7 @@ class TraceRequest:
     arrival_s: float
     input_tokens: int
     output_tokens: int
+    """What the engine generates: known to the simulated engines, never to the routers."""
     prefix_blocks: tuple[int, ...]
     """Chained hashes of the prompt's full engine blocks: equal hashes at equal positions
     mean an equal prompt up to the end of that block."""
@@ -33,6 +34,9 @@ class TraceRequest:
     """Requests of one group share a leading prompt (a system prompt, say)."""
     prefix_tokens: int = 0
     """Length of that shared leading prompt."""
+    max_tokens: int | None = None
+    """The cap the client sends (``max_tokens``); None, as in the public traces, which
+    record what was generated and not what was asked."""
 
 
 def reusable_blocks(blocks: Sequence[int], seen: Container[int]) -> int:

@@ -11,6 +11,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from schemas.openai_api import DEFAULT_CHAT_TOKENS
+
 V = TypeVar("V")
 
 
@@ -117,17 +119,23 @@ class WorkLedger:
 @dataclass
 class OutputLengths:
     """Expected output tokens per key (a task class), as an exponential moving average of
-    completions seen; the output budget is only a cap. Before any completion, half the
-    budget."""
+    completions seen; the client's budget, where it set one, is only a cap. Before any
+    completion, half the budget, or ``first_guess`` tokens without one."""
 
     smoothing: float = 0.05
+    first_guess: float = float(DEFAULT_CHAT_TOKENS)
+    """What a request with no budget is expected to generate until completions teach
+    otherwise: the gateway's default for a chat request that names no limit
+    (``schemas.openai_api.DEFAULT_CHAT_TOKENS``)."""
 
     def __post_init__(self) -> None:
         self._mean: dict[str, float] = {}
 
-    def expected(self, key: str, budget: int) -> float:
+    def expected(self, key: str, budget: int | None) -> float:
         mean = self._mean.get(key)
-        return budget / 2 if mean is None else min(mean, float(budget))
+        if mean is None:
+            return self.first_guess if budget is None else budget / 2
+        return mean if budget is None else min(mean, float(budget))
 
     def observe(self, key: str, output_tokens: int) -> None:
         mean = self._mean.get(key)

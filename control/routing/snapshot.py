@@ -82,7 +82,9 @@ class FleetSnapshot:
 class RouteRequest:
     request_id: str
     input_tokens: int
-    output_budget: int
+    output_budget: int | None
+    """The client's cap on output tokens (``max_tokens``), None where it set none: what a
+    gateway knows of a request's length, never the length itself."""
     prefix_blocks: tuple[int, ...] = ()
     task_class: str = "interactive"
     known_matches: IntArray | None = None

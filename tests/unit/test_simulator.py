@@ -224,13 +224,19 @@ class _Recording:
 
 def test_routers_see_scraped_metrics_and_their_own_inflight_tokens() -> None:
     router = _Recording()
-    workload = [TraceRequest(f"r{n}", t, 300, 50, ()) for n, t in enumerate((0.0, 0.01, 0.2))]
+    times = (0.0, 0.01, 0.2)
+    workload = [
+        TraceRequest(f"r{n}", t, 300, 50, (), max_tokens=None if n else 80)
+        for n, t in enumerate(times)
+    ]
     Simulation(Cluster.single(_profile(), 2), router, scrape_interval_s=0.1).run(workload)
     first, second, third = router.seen
     assert second.running.tolist() == first.running.tolist() == [0, 0]  # scraped at t = 0
-    assert second.inflight_tokens.tolist() == [350, 0]  # but its own accounting is exact
+    # but its own accounting is exact, counting what a gateway knows: the client's cap
+    # (80), or the gateway's default (256) where it set none, never the true length (50)
+    assert second.inflight_tokens.tolist() == [380, 0]
     assert third.running.tolist() == [2, 0]  # a fresh scrape at t = 0.2
-    assert third.inflight_tokens.tolist() == [700, 0]
+    assert third.inflight_tokens.tolist() == [380 + 300 + 256, 0]
 
 
 class _ExpectingCache(_Recording):
