@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from control.routing import FleetSnapshot, Observation, PoolModel, RouteRequest, make_router
-from control.routing.estimators import AwaitingOutcome, TokenLag
+from control.routing.estimators import AwaitingOutcome, OutputLengths, TokenLag
 from control.routing.llmd import LlmdDefault
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.step_time import KneeRoofline
+from schemas.openai_api import DEFAULT_CHAT_TOKENS
 
 STEPS = KneeRoofline(
     a_s=0.015,
@@ -376,3 +377,12 @@ def test_before_its_first_fit_the_lag_is_the_floor() -> None:
     lag = TokenLag(floor_s=0.004)
     _waits(lag, host_lag_s=0.008, samples=63)
     assert lag.lag_s == 0.004
+
+
+def test_the_output_estimate_learns_and_a_missing_budget_caps_nothing() -> None:
+    outputs = OutputLengths()
+    assert outputs.expected("chat", None) == DEFAULT_CHAT_TOKENS  # nothing seen, no cap
+    assert outputs.expected("chat", 100) == 50  # nothing seen: half the client's cap
+    outputs.observe("chat", 900)
+    assert outputs.expected("chat", None) == 900  # learned, not cut to a guess
+    assert outputs.expected("chat", 300) == 300  # a client's cap still caps
