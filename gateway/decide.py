@@ -125,7 +125,7 @@ class Decider:
         request = RouteRequest(
             inbound.request_id,
             inbound.input_tokens,
-            inbound.output_budget,
+            inbound.client_cap,
             inbound.blocks,
             inbound.task_class.value,
             known_matches=shared.matched_blocks * INDEX_STRIDE,

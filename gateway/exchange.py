@@ -145,6 +145,9 @@ class Exchange:
                 self.view.failed(trip.instance.id)
                 await self._release(trip)
                 error = str(exc)
+            except BaseException:  # a bug, or the client gone: undo it all the same
+                self.spawn(self._abandoned(trip))
+                raise
         self.events.emit(
             RequestFailed(request_id=inbound.request_id, instance_id=trip.instance.id, error=error)
         )
@@ -205,7 +208,11 @@ class Exchange:
         try:
             upstream = await self._post(trip.instance, inbound.path, inbound.body)
             if upstream.status >= 400:  # the instance refused the request itself: pass it on
-                body = await upstream.read()
+                try:
+                    body = await upstream.read()
+                except UPSTREAM_ERRORS as exc:
+                    upstream.close()
+                    raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
                 upstream.release()
                 await self._release(trip)
                 self._failed(trip, f"instance answered {upstream.status}")
@@ -432,6 +439,11 @@ class Exchange:
                 output_tokens=trip.output_tokens,
             )
         )
+        await self._forget_key(trip)
+
+    async def _abandoned(self, trip: Trip) -> None:
+        """A trip that ended by an unexpected exception: nothing of it stays counted."""
+        await self._release(trip)
         await self._forget_key(trip)
 
     async def _forget_key(self, trip: Trip) -> None:

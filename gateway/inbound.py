@@ -65,10 +65,14 @@ class Inbound:
     residency: tuple[str, ...]
     input_tokens: int
     output_budget: int
-    """Tokens the request may generate, all its choices together."""
+    """Tokens the request may generate, all its choices together: what the gateway counts
+    in flight (the client's cap, else the API's default)."""
     blocks: tuple[int, ...]
     """The first prompt's prefix blocks (a request with several prompts is routed on its
     first)."""
+    client_cap: int | None = None
+    """The cap the client set, all its choices together; None where it set none (a router
+    is told only this of the request's length)."""
     by_load: bool = False
     """Routed to the least loaded instance: an embedding has no prefix cache to reuse
     and generates nothing, so the routing policy's model of it does not apply."""
@@ -131,9 +135,21 @@ def read_inbound(
         residency=tuple(r.strip() for r in headers.get(RESIDENCY_HEADER, "").split(",") if r),
         input_tokens=size.input_tokens,
         output_budget=size.choice_budget * size.choices,
+        client_cap=None if _request_cap(request) is None else size.choice_budget * size.choices,
         blocks=block_hashes(size.prompt_text) if size.prompt_text else (),
         by_load=isinstance(request, EmbeddingRequest),
     )
+
+
+def _request_cap(request: ProxiedRequest) -> int | None:
+    """The output cap the client itself set, per choice."""
+    if isinstance(request, ChatRequest):
+        return request.max_completion_tokens or request.max_tokens
+    if isinstance(request, CompletionRequest):
+        return request.max_tokens
+    if isinstance(request, ResponsesRequest):
+        return request.max_output_tokens
+    return None
 
 
 def _size(request: ProxiedRequest) -> _Size:

@@ -65,8 +65,10 @@ def routing_params(fleet: FleetConfig, settings: GatewaySettings) -> tuple[str, 
     parameters: the profile's where the policy is the profile's, else the defaults; the
     ``token_lag_s`` setting, where set, is TokenPilot's."""
     profile_ = fleet.routing
+    params = policy_params(profile_.policy, profile_.params)  # checked even if overridden
     policy = settings.policy or profile_.policy
-    params = policy_params(policy, profile_.params if policy == profile_.policy else {})
+    if policy != profile_.policy:
+        params = policy_params(policy, {})
     if isinstance(params, TokenPilotParams) and settings.token_lag_s is not None:
         params = replace(params, token_lag_s=settings.token_lag_s)
     return policy, params

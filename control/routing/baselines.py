@@ -4,8 +4,10 @@ in flight as the balancers they stand for do (``control.routing.inflight``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
 
 from control.routing.inflight import InFlight
 from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
@@ -71,7 +73,7 @@ class LeastRequests(CountsOwnRequests):
 
 @dataclass(frozen=True)
 class PowerOfTwoParams:
-    choice_count: int = 2
+    choice_count: Annotated[int, Field(ge=2)] = 2
     """Hosts drawn per decision: Envoy's default (``choice_count``, at least 2)."""
 
 

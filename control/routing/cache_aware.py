@@ -15,8 +15,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
 
 from control.routing.baselines import CountsOwnRequests
 from control.routing.inflight import ActiveSequences
@@ -61,7 +63,7 @@ class _Learning(ABC):
 
 @dataclass(frozen=True)
 class DynamoParams:
-    overlap_weight: float = 1.0
+    overlap_weight: Annotated[float, Field(ge=0)] = 1.0
     """``overlap_score_weight``, ``KvRouterConfig::default``."""
 
 
@@ -131,9 +133,9 @@ class SglangParams:
     ``CacheAwareConfig::default()`` differs (0.5, 32, 1.1), but deployments start the
     router from the command."""
 
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    cache_threshold: float = 0.3
+    balance_abs_threshold: Annotated[int, Field(ge=0)] = 64
+    balance_rel_threshold: Annotated[float, Field(ge=1)] = 1.5
+    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.3
 
 
 class SglangCacheAware(CountsOwnRequests, _Learning):
@@ -183,9 +185,9 @@ class SglangCacheAware(CountsOwnRequests, _Learning):
 
 @dataclass(frozen=True)
 class AibrixParams:
-    imbalance_abs_count: int = 8
+    imbalance_abs_count: Annotated[int, Field(ge=0)] = 8
     """``AIBRIX_PREFIX_CACHE_POD_RUNNING_REQUEST_IMBALANCE_ABS_COUNT``'s code default."""
-    std_factor: float = 1.0
+    std_factor: Annotated[float, Field(ge=0)] = 1.0
     """``AIBRIX_PREFIX_CACHE_STANDARD_DEVIATION_FACTOR``'s code default."""
 
 

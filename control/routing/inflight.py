@@ -37,6 +37,7 @@ class InFlight:
         return self._counts[:instances].copy()
 
     def dispatched(self, request_id: str, row: int) -> None:
+        self.ended(request_id)  # a request routed again counts once, where it went last
         self.counts(row + 1)
         self._row[request_id] = row
         self._counts[row] += 1
@@ -73,6 +74,7 @@ class ActiveSequences:
         return self._blocks[:instances].copy()
 
     def add(self, request_id: str, row: int, prefill_tokens: float, blocks: float) -> None:
+        self.free(request_id)  # a request routed again counts once, where it went last
         self._grow(row + 1)
         self._active[request_id] = _Active(row, prefill_tokens, blocks)
         self._prefill[row] += prefill_tokens

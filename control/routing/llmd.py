@@ -19,8 +19,10 @@ The decision record keeps each scorer's value; its ``scores`` are the negated we
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
 
 from control.routing.prefix_index import ApproximatePrefixIndex
 from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
@@ -28,10 +30,10 @@ from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
 
 @dataclass(frozen=True)
 class LlmdWeights:
-    prefix: float = 3.0
-    queue: float = 2.0
-    kv_cache: float = 2.0
-    max_prefix_blocks: int = 256
+    prefix: Annotated[float, Field(ge=0)] = 3.0
+    queue: Annotated[float, Field(ge=0)] = 2.0
+    kv_cache: Annotated[float, Field(ge=0)] = 2.0
+    max_prefix_blocks: Annotated[int, Field(ge=1)] = 256
 
 
 class LlmdDefault:

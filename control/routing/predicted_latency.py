@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
 
 from control.routing.estimators import AwaitingOutcome
 from control.routing.llmd import LlmdDefault
@@ -35,11 +37,11 @@ FEATURES = ("kv_usage", "input_tokens", "waiting", "running", "prefix_score", "i
 
 @dataclass(frozen=True)
 class PredictedLatencyParams:
-    window: int = 2000
+    window: Annotated[int, Field(ge=1)] = 2000
     """Latest observations the model is fitted on."""
-    refit_every: int = 100
+    refit_every: Annotated[int, Field(ge=1)] = 100
     """Observations between fits."""
-    ridge: float = 1e-3
+    ridge: Annotated[float, Field(ge=0)] = 1e-3
     """Ridge penalty on the standardised weights (the intercept is not shrunk)."""
 
 

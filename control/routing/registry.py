@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, get_type_hints, runtime_checkable
 
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
@@ -138,17 +138,22 @@ def policy(name: str) -> Policy:
 
 def policy_params(name: str, values: Mapping[str, Any]) -> Any:
     """The parameters of policy ``name`` from ``values`` (a fleet file's routing profile),
-    the others at their defaults; ValueError naming an unknown or invalid one."""
+    the others at their defaults; ValueError naming an unknown or invalid one (strictly
+    typed: a fleet file's ``true`` is no count, nor ``"2"`` a number)."""
     kind = policy(name).params
     known = {f.name for f in fields(kind)}
     unknown = sorted(set(values) - known)
     if unknown:
         takes = ", ".join(sorted(known)) or "none"
         raise ValueError(f"policy {name!r} takes no {', '.join(unknown)} (it takes: {takes})")
-    try:
-        return TypeAdapter(kind).validate_python(dict(values))
-    except ValidationError as exc:
-        raise ValueError(f"policy {name!r}: {describe(exc)}") from None
+    hints = get_type_hints(kind, include_extras=True)
+    checked = {}
+    for field_name, value in values.items():
+        try:
+            checked[field_name] = TypeAdapter(hints[field_name]).validate_python(value, strict=True)
+        except ValidationError as exc:
+            raise ValueError(f"policy {name!r}: {describe(exc, field_name)}") from None
+    return kind(**checked)
 
 
 def make_router(

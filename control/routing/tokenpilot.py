@@ -51,8 +51,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
 
 from control.routing.estimators import (
     AwaitingOutcome,
@@ -77,17 +79,17 @@ from control.step_time import Seconds, StepsUnderLoad
 
 @dataclass(frozen=True)
 class TokenPilotParams:
-    max_waiting: int = 256
+    max_waiting: Annotated[int, Field(ge=1)] = 256
     """Candidates with more waiting requests are filtered out (unless all are)."""
-    index_stride: int = 8
+    index_stride: Annotated[int, Field(ge=1)] = 8
     """Index every 8th block: an eighth of the work, 128-token match granularity. Every
     4th took a decision 14 % longer at the median, and its P99 at 1,024 instances over
     1 ms in five runs of six on this project's machine, for routing figures that moved
     both ways (``docs/routing.md``, "An index of every eighth block")."""
-    tie_band: float = 0.02
+    tie_band: Annotated[float, Field(ge=0)] = 0.02
     """Scores within 2 % of the best are ties, below what the step model resolves (its
     calibration matches vLLM's time per output token within 2 %, docs/validation.md)."""
-    token_lag_s: float = 0.004
+    token_lag_s: Annotated[float, Field(ge=0, le=1)] = 0.004
     """From a step's end to its streamed tokens reaching the host (the engine's output
     path, detokenising, the network): the host sees each step begin this much late. The
     least lag assumed: set it to what the deployment measures (the gateway's
@@ -98,7 +100,7 @@ class TokenPilotParams:
     raises it."""
     learn_token_lag: bool = True
     """Raise the lag assumed when first tokens show the host later (``TokenLag``)."""
-    kv_pressure_weight: float = 1.0
+    kv_pressure_weight: Annotated[float, Field(ge=0)] = 1.0
     """Scores are multiplied by ``1 + weight * KV usage``: a full cache's time counts
     double (``docs/routing.md``, "KV pressure")."""
 

@@ -381,3 +381,29 @@ async def test_a_router_that_counts_its_own_requests_hears_of_their_end(
             await asyncio.sleep(0.02)
     assert isinstance(router, SglangCacheAware)
     assert router.inflight.counts(2).tolist() == [0, 0]
+
+
+async def test_a_router_s_count_comes_back_after_refusals_and_broken_streams() -> None:
+    async def refuse(_: Request) -> StreamingResponse:
+        return StreamingResponse(iter([b'{"error": {"message": "no"}}']), status_code=400)
+
+    async with (
+        http_server(fake_instance("/v1/chat/completions", refuse)) as refusing,
+        http_server(_breaking_upstream(2)) as breaking,
+    ):
+        fleet = fleet_for([refusing, breaking])
+        async with (
+            gateway(fleet, policy="sglang_cache_aware") as front,
+            front.client() as http,
+        ):
+            assert (await http.post("/v1/chat/completions", json=chat("x " * 20))).status_code
+            body = {"model": MODEL, "prompt": "y " * 40, "max_tokens": 8, "stream": True}
+            for _ in range(3):
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    [line async for line in response.aiter_lines()]
+            router = front.app.state.decider.router(MODEL, "dc-a")
+            for _ in range(100):
+                if router.inflight.counts(2).tolist() == [0, 0]:
+                    break
+                await asyncio.sleep(0.02)
+            assert router.inflight.counts(2).tolist() == [0, 0]

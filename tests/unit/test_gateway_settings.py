@@ -81,6 +81,11 @@ def test_tokenpilot_takes_the_profile_s_lag_unless_the_environment_sets_one(
         ({"policy": "aibrix_prefix_cache", "params": {"std": 2}}, "takes no std"),
         ({"policy": "power_of_two", "params": {"choice_count": "two"}}, "choice_count"),
         ({"policy": "round_robin", "params": {"x": 1}}, "it takes: none"),
+        ({"policy": "power_of_two", "params": {"choice_count": 1}}, "greater than or equal to 2"),
+        ({"policy": "power_of_two", "params": {"choice_count": True}}, "valid integer"),
+        ({"params": {"index_stride": 0}}, "index_stride"),
+        ({"params": {"token_lag_s": -0.001}}, "token_lag_s"),
+        ({"policy": "sglang_cache_aware", "params": {"cache_threshold": 2}}, "cache_threshold"),
     ],
 )
 def test_a_bad_routing_profile_stops_the_gateway_with_a_message(
@@ -88,3 +93,9 @@ def test_a_bad_routing_profile_stops_the_gateway_with_a_message(
 ) -> None:
     with pytest.raises((ValueError, KeyError), match=message):
         gateway_parts(_fleet_with(routing), GatewaySettings(), InMemoryBus(), LocalState())
+
+
+def test_the_profile_is_checked_even_where_the_gateway_runs_another_policy() -> None:
+    fleet = _fleet_with({"policy": "aibrix_prefix_cache", "params": {"std": 2}})
+    with pytest.raises(ValueError, match="takes no std"):
+        gateway_parts(fleet, GatewaySettings(policy="round_robin"), InMemoryBus(), LocalState())

@@ -381,3 +381,18 @@ def test_each_policy_is_built_with_its_own_parameters_or_its_shipped_defaults() 
     with pytest.raises(TypeError, match="takes PowerOfTwoParams"):
         make_router("power_of_two", params=AibrixParams())
     assert policy_params("dynamo_kv", {"overlap_weight": 2}).overlap_weight == 2.0
+
+
+def test_power_of_two_gives_a_tie_to_the_first_drawn() -> None:
+    for seed in range(20):
+        router = PowerOfTwo(np.random.default_rng(seed))
+        drawn = np.random.default_rng(seed).choice(np.arange(4), size=2, replace=True)
+        decision = router.route(RouteRequest("r", 10, 1), fleet([0, 0, 0, 0]), 0.0)
+        assert decision.chosen == drawn[0]
+
+
+def test_a_request_routed_again_counts_once() -> None:
+    router = LeastRequests(np.random.default_rng(0))
+    router.inflight.dispatched("r", 0)
+    router.inflight.dispatched("r", 1)
+    assert router.inflight.counts(2).tolist() == [0, 1]

@@ -207,6 +207,15 @@ def test_a_router_that_follows_its_requests_hears_of_each_first_token_then_its_e
     assert dynamo.active.prefill_tokens(3).tolist() == dynamo.active.blocks(3).tolist() == [0] * 3
 
 
+def test_a_request_the_engine_refuses_is_ended_for_the_router_that_counted_it() -> None:
+    router = _FollowingLeastRequests()
+    too_long = TraceRequest("huge", 0.0, 400 * 16, 10, ())  # more than the 400-block cache
+    records = Simulation(Cluster.single(_profile(), 2), router).run([too_long])
+    assert [r.outcome for r in records] == ["rejected"]
+    assert router.told == [("ended", "huge")]
+    assert router.inflight.counts(2).tolist() == [0, 0]
+
+
 class _Recording:
     """Sends everything to instance 0 and keeps the snapshots it was shown."""
 
