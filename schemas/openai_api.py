@@ -7,9 +7,16 @@ we do. Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from schemas.envelope import describe
 
@@ -62,21 +69,22 @@ def _prompts(value: str | list[str] | list[int] | list[list[int]]) -> list[Promp
     return cast(list[Prompt], list(value))
 
 
-def _no_empty_prompt(value: str | list[str] | list[int] | list[list[int]]) -> None:
+def _no_empty_prompt(
+    value: str | list[str] | list[int] | list[list[int]],
+) -> str | list[str] | list[int] | list[list[int]]:
     """vLLM refuses an empty prompt (an engine cannot start a sequence of no tokens)."""
     if any(len(prompt) == 0 for prompt in _prompts(value)):
         raise ValueError("a prompt may not be empty")
+    return value
+
+
+Prompts = Annotated[str | list[str] | list[int] | list[list[int]], AfterValidator(_no_empty_prompt)]
+"""A ``prompt`` or ``input`` field: one prompt or a list of them, none empty."""
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompts
     max_tokens: int | None = Field(default=None, ge=1)
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_empty(cls, prompt: str | list[str] | list[int] | list[list[int]]) -> Any:
-        _no_empty_prompt(prompt)
-        return prompt
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -156,15 +164,9 @@ class ResponsesRequest(_Request):
 
 
 class EmbeddingRequest(_ModelRequest):
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Prompts
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
-
-    @field_validator("input")
-    @classmethod
-    def _not_empty(cls, value: str | list[str] | list[int] | list[list[int]]) -> Any:
-        _no_empty_prompt(value)
-        return value
 
     @property
     def prompts(self) -> list[Prompt]:
