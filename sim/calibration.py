@@ -25,8 +25,10 @@ TTFT, E2E and per-token time against the training stages; the other stages are h
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -34,7 +36,6 @@ from control.routing import make_router
 from control.step_time import KneeRoofline
 from sim.cluster import Cluster, InstanceProfile
 from sim.simulator import Simulation
-from sim.traces import traces_dir
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
 
 WINDOW_S = 300.0
@@ -68,11 +69,19 @@ class Stage:
         return f"{self.experiment.split('-', 2)[2]}/{self.stage}"
 
 
+def calibration_dir() -> Path:
+    """``$TOKENFLEET_CALIBRATION``, else ``shared/calibration`` beside the repository: the
+    measurements come from a repository without a licence (inference-sim/training), so
+    this one cannot carry them."""
+    configured = os.environ.get("TOKENFLEET_CALIBRATION")
+    if configured:
+        return Path(configured)
+    return Path(__file__).resolve().parents[2] / "shared" / "calibration"
+
+
 def load_stages(path: str | None = None) -> list[Stage]:
     """The measured stages without failures (overloaded runs are not a latency sample)."""
-    path = path or str(
-        traces_dir().parent / "calibration" / "derived" / "ground_truth_inference_perf_stages.csv"
-    )
+    path = path or str(calibration_dir() / "derived" / "ground_truth_inference_perf_stages.csv")
     stages = []
     with open(path) as rows:
         for row in csv.DictReader(rows):

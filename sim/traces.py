@@ -1,4 +1,5 @@
-"""Loaders of the public traces in ``../shared/traces`` (see its README for sources)."""
+"""Loaders of the public traces the repository carries in ``sim/data/traces`` (its README
+gives each source, licence and paper to cite; ``SHA256SUMS`` their checksums)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ _MASK64 = (1 << 64) - 1
 
 
 def traces_dir() -> Path:
-    """``$TOKENFLEET_TRACES``, else the ``shared/traces`` folder beside the repository."""
+    """``$TOKENFLEET_TRACES``, else the traces this repository carries."""
     configured = os.environ.get("TOKENFLEET_TRACES")
     if configured:
         return Path(configured)
-    return Path(__file__).resolve().parents[2] / "shared" / "traces"
+    return Path(__file__).resolve().parent / "data" / "traces"
 
 
 def load_mooncake(

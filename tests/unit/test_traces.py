@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -74,3 +75,15 @@ def test_the_demo_compares_every_policy_on_the_same_requests() -> None:
     assert set(figures) == set(ROUTERS)
     for row in figures.values():
         assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
+
+
+def test_the_carried_traces_are_the_published_files() -> None:
+    """Every file ``sim/data/traces/SHA256SUMS`` names, unchanged; and the loaders read
+    this copy unless told otherwise."""
+    root = Path(__file__).parents[2] / "sim" / "data" / "traces"
+    listed = [line.split(maxsplit=1) for line in (root / "SHA256SUMS").read_text().splitlines()]
+    assert len(listed) > 100
+    for digest, name in listed:
+        assert hashlib.sha256((root / name).read_bytes()).hexdigest() == digest, name
+    for source in ("mooncake_fast25", "azure_llm_2023", "vidur_processed", "servegen"):
+        assert any((root / source).glob("LICENSE*")), source
