@@ -1,11 +1,25 @@
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from sim.calibration import is_training, load_stages, nelder_mead, stage_workload
+from sim.calibration import (
+    calibration_dir,
+    is_training,
+    load_stages,
+    nelder_mead,
+    stage_workload,
+)
 from sim.hardware import H100
 from sim.profiles import CALIBRATED, LLAMA_70B, TRAINING_STAGES
+
+needs_measurements = pytest.mark.skipif(
+    not (calibration_dir() / "derived").is_dir() and os.environ.get("CI") != "true",
+    reason="the calibration measurements are not in the repository (no licence upstream): "
+    "set TOKENFLEET_CALIBRATION to a copy (CI has one, and fails without it)",
+)
 
 
 def test_nelder_mead_finds_the_minimum_of_a_bowl() -> None:
@@ -25,6 +39,7 @@ def test_physics_terms_of_a_70b_model_on_four_h100() -> None:
     )
 
 
+@needs_measurements
 def test_stages_with_failures_and_summaries_are_left_out() -> None:
     stages = load_stages()
     assert stages
@@ -37,6 +52,7 @@ def test_stages_with_failures_and_summaries_are_left_out() -> None:
         assert len(mine) > len(training), "every profile keeps held-out stages"
 
 
+@needs_measurements
 def test_a_stage_workload_shares_each_group_s_system_prompt() -> None:
     stage = next(s for s in load_stages() if "70b" in s.experiment)
     requests = stage_workload(stage, seconds=10)
