@@ -374,11 +374,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     is read and dropped before the answer (up to ``DRAINED_AT_MOST``): a server that
     answers while its client still sends resets the connection, and the client sees no
     answer at all."""
+    too_large = ApiError(413, f"The request body exceeds {limit} bytes.", param="body")
     declared = request.headers.get("content-length", "")
     expecting = request.headers.get("expect", "").lower() == "100-continue"
     if expecting and declared.isdigit() and int(declared) > limit:
-        # the client waits for a go-ahead before sending: refuse before it uploads
-        raise ApiError(413, f"The request body exceeds {limit} bytes.", param="body")
+        raise too_large  # the client waits for a go-ahead: refuse before it uploads
+
     body = bytearray()
     received = 0
     async for chunk in request.stream():
@@ -388,7 +389,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         elif received > DRAINED_AT_MOST:
             break
     if received > limit:
-        raise ApiError(413, f"The request body exceeds {limit} bytes.", param="body")
+        raise too_large
     return bytes(body)
 
 

@@ -26,7 +26,7 @@ from control.tokens import BLOCK_TOKENS
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
-from gateway.state import SharedState, SharedView
+from gateway.state import SharedState
 from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
 from schemas.openai_api import ApiError
 
@@ -116,10 +116,10 @@ class Decider:
 
     async def route(self, inbound: Inbound, dc: str) -> Plan:
         """Pick the instance; ApiError(503) when none of the pool is ready."""
+        if inbound.by_load:
+            return await self.least_loaded(inbound.model.name, dc)
         pool = self.view.pool(inbound.model.name, dc)
         assert pool is not None  # choose_dc only returns DCs serving the model
-        if inbound.by_load:
-            return self._least_loaded(pool, await self.state.view(pool.ids, []))
         sampled = inbound.blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
         shared = await self.state.view(pool.ids, sampled)
         request = RouteRequest(
@@ -142,16 +142,14 @@ class Decider:
         order = decision.ranked()
         return Plan(dc, pool, decision, order, cached_tokens, sampled, shared.version, router)
 
-    async def least_loaded(self, model: str) -> Plan:
-        """The least loaded ready instance of ``model`` (``_least_loaded``), for a request
-        passed through as sent (``/tokenize``)."""
-        pool = self.view.pool(model, self.choose_dc(model))
-        assert pool is not None  # choose_dc only returns DCs serving the model
-        return self._least_loaded(pool, await self.state.view(pool.ids, []))
-
-    def _least_loaded(self, pool: Pool, shared: SharedView) -> Plan:
-        """The ready instance with the fewest tokens in flight through the gateways, ties
-        taken in turn (an idle pool shares its embeddings out evenly)."""
+    async def least_loaded(self, model: str, dc: str | None = None) -> Plan:
+        """The ready instance of ``model`` in ``dc`` (None: ``choose_dc``'s) with the fewest
+        tokens in flight through the gateways, ties taken in turn (an idle pool shares its
+        embeddings out evenly): for requests with no prefix to reuse and nothing to
+        generate (embeddings, ``/tokenize``)."""
+        pool = self.view.pool(model, dc or self.choose_dc(model))
+        assert pool is not None  # only DCs serving the model are asked for
+        shared = await self.state.view(pool.ids, [])
         ready = [row for row, i in enumerate(pool.instances) if self.view.ready(i.id)]
         if not ready:
             raise _none_ready(pool)

@@ -24,7 +24,6 @@ server cancels whatever awaits inside the response.
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import math
 import time
@@ -44,6 +43,7 @@ from gateway.events import EventSink
 from gateway.fleet_view import FleetView
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
+from gateway.sse import FIRST_TOKEN, NOTHING, Piece, Seen, output_tokens, read_event, sse_events
 from gateway.state import Outcome, SharedState
 from schemas.fleet import InstanceConfig
 from schemas.lifecycle import (
@@ -214,9 +214,7 @@ class Exchange:
                     upstream.close()
                     raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
                 upstream.release()
-                await self._release(trip)
-                self._failed(trip, f"instance answered {upstream.status}")
-                await self._forget_key(trip)
+                await self._fail(trip, f"instance answered {upstream.status}")
                 return Response(body, upstream.status, media_type="application/json")
             if inbound.stream:
                 return await self._stream(trip, upstream)
@@ -280,13 +278,13 @@ class Exchange:
             self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
         trip.first_token_at = time.monotonic()  # unseen: a whole response counts TTFT as E2E
-        trip.output_tokens = _output_tokens(answer) or 0
+        trip.output_tokens = output_tokens(answer) or 0
         trip.captured.extend(body)
         await self._completed(trip)
         return Response(body, media_type="application/json", headers=_headers(trip))
 
     async def _stream(self, trip: Trip, upstream: aiohttp.ClientResponse) -> Response:
-        events = _sse_events(upstream.content.iter_any())
+        events = sse_events(upstream.content.iter_any())
         head: list[tuple[bytes, Seen]] = []
         try:
             async for event in events:
@@ -297,11 +295,12 @@ class Exchange:
             upstream.close()
             self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
-        if head and (last := head[-1][1]).piece is Piece.END and (last.status or 0) >= 500:
+        last = head[-1][1] if head else NOTHING
+        if last.piece is Piece.END and (last.status or 0) >= 500:
             upstream.close()  # the engine failed before any token: another may serve it
             self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {last.error}")
-        if head and head[-1][1].piece in _FIRST_TOKEN:
+        if last.piece in FIRST_TOKEN:
             self._first_token(trip)
         return StreamingResponse(
             self._relay(trip, upstream, head, events),
@@ -322,7 +321,7 @@ class Exchange:
                 yield self._counted(trip, event, seen)
             async for event in events:
                 seen = read_event(event)
-                if seen.piece in _FIRST_TOKEN:
+                if seen.piece in FIRST_TOKEN:
                     if trip.first_token_at is None:
                         self._first_token(trip)
                     else:  # not the first: it may trail its step's end
@@ -358,9 +357,7 @@ class Exchange:
         elif ended == "cancelled":
             await self._cancelled(trip)
         else:
-            await self._release(trip)
-            self._failed(trip, ended)
-            await self._forget_key(trip)
+            await self._fail(trip, ended)
 
     def _settle_at_predicted_first_token(self, trip: Trip) -> asyncio.TimerHandle | None:
         """Stop counting the trip's prefill as pending once the router's predicted TTFT
@@ -441,6 +438,12 @@ class Exchange:
         )
         await self._forget_key(trip)
 
+    async def _fail(self, trip: Trip, error: str) -> None:
+        """The trip failed without a retry: undo its accounting, report it, free its key."""
+        await self._release(trip)
+        self._failed(trip, error)
+        await self._forget_key(trip)
+
     async def _abandoned(self, trip: Trip) -> None:
         """A trip that ended by an unexpected exception: nothing of it stays counted."""
         await self._release(trip)
@@ -482,131 +485,6 @@ class Exchange:
                 reason="upstream failed before the first token",
             )
         )
-
-
-async def _sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Whole server-sent events (each ending in a blank line) from raw chunks."""
-    buffer = b""
-    async for chunk in chunks:
-        buffer += chunk
-        while (end := buffer.find(b"\n\n")) >= 0:
-            yield buffer[: end + 2]
-            buffer = buffer[end + 2 :]
-    if buffer.strip():
-        yield buffer
-
-
-class Piece(enum.Enum):
-    """What an event of a stream is, to the gateway."""
-
-    OTHER = enum.auto()
-    """Nothing generated: a role chunk, a Responses API lifecycle event, a comment."""
-    DELTA = enum.auto()
-    """Generated output of any kind: text, reasoning, a part of a tool call."""
-    FINISH = enum.auto()
-    """A choice's finish, with no output of its own."""
-    END = enum.auto()
-    """The end of the stream: ``[DONE]``, an error, the Responses API's last event."""
-
-
-_FIRST_TOKEN = frozenset({Piece.DELTA, Piece.FINISH})
-_DELTA_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls")
-"""A chat delta's fields that carry output (vLLM's reasoning parsers fill
-``reasoning_content``, newer ones ``reasoning``)."""
-_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
-
-
-@dataclass(frozen=True, slots=True)
-class Seen:
-    """One server-sent event, read."""
-
-    piece: Piece
-    output_tokens: int | None = None
-    """The output tokens so far, where the event reports usage."""
-    error: str | None = None
-    status: int | None = None
-    """An error's code, where it gives one (vLLM's engine failures are 500)."""
-
-
-_NOTHING = Seen(Piece.OTHER)
-
-
-def read_event(event: bytes) -> Seen:
-    data = _sse_data(event)
-    if data is None:
-        return _NOTHING
-    if data.startswith(b"[DONE]"):
-        return Seen(Piece.END)
-    try:
-        payload = json.loads(data)
-    except ValueError:
-        return _NOTHING
-    if not isinstance(payload, dict):
-        return _NOTHING
-    if payload.get("error"):
-        error = payload["error"]
-        status = error.get("code") if isinstance(error, dict) else None
-        return Seen(Piece.END, error=_error_text(error), status=_int(status))
-    kind = payload.get("type")
-    if isinstance(kind, str):
-        return _responses_event(kind, payload)
-    choices = payload.get("choices")
-    if not choices:  # the usage chunk (with continuous usage, others report one choice)
-        return Seen(Piece.OTHER, _output_tokens(payload))
-    piece = Piece.OTHER
-    for choice in choices if isinstance(choices, list) else ():
-        if not isinstance(choice, dict):
-            continue
-        delta = choice.get("delta")
-        delta = delta if isinstance(delta, dict) else {}
-        # a token that ends inside a character streams no text but its logprobs
-        output = choice.get("text") or choice.get("logprobs")
-        if output or any(delta.get(name) for name in _DELTA_FIELDS):
-            return Seen(Piece.DELTA)
-        if choice.get("finish_reason") is not None:
-            piece = Piece.FINISH
-    return Seen(piece)
-
-
-def _responses_event(kind: str, payload: dict[str, Any]) -> Seen:
-    """A Responses API event: each ``*.delta`` is output; the response's end reports usage."""
-    if kind.endswith(".delta"):
-        return Seen(Piece.DELTA)
-    if kind == "error":
-        return Seen(Piece.END, error=str(payload.get("message", "error")))
-    if kind in _RESPONSE_ENDS:
-        response = payload.get("response")
-        response = response if isinstance(response, dict) else {}
-        failed = _error_text(response["error"]) if response.get("error") else None
-        return Seen(Piece.END, _output_tokens(response), failed)
-    return _NOTHING
-
-
-def _output_tokens(answer: object) -> int | None:
-    """Output tokens an answer's usage reports (chat and completions name them
-    ``completion_tokens``, the Responses API ``output_tokens``)."""
-    usage = answer.get("usage") if isinstance(answer, dict) else None
-    if not isinstance(usage, dict):
-        return None
-    count = usage.get("completion_tokens", usage.get("output_tokens"))
-    return int(count) if isinstance(count, int) else None
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) else None
-
-
-def _error_text(error: object) -> str:
-    return str(error.get("message", error)) if isinstance(error, dict) else str(error)
-
-
-def _sse_data(event: bytes) -> bytes | None:
-    """The ``data:`` field of a server-sent event (the Responses API puts an ``event:``
-    line before it)."""
-    if event.startswith(b"data:"):
-        return event[5:].strip()
-    start = event.find(b"\ndata:")
-    return None if start < 0 else event[start + 6 :].strip()
 
 
 def _url(instance: InstanceConfig, path: str) -> str:

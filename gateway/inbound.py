@@ -89,6 +89,8 @@ class _Size:
     choice_budget: int
     """Tokens each choice may generate."""
     choices: int
+    client_cap: int | None = None
+    """The cap on each choice the client set, if it set one."""
 
 
 def authenticate(fleet: FleetConfig, authorization: str | None) -> TenantConfig:
@@ -135,21 +137,10 @@ def read_inbound(
         residency=tuple(r.strip() for r in headers.get(RESIDENCY_HEADER, "").split(",") if r),
         input_tokens=size.input_tokens,
         output_budget=size.choice_budget * size.choices,
-        client_cap=None if _request_cap(request) is None else size.choice_budget * size.choices,
+        client_cap=None if size.client_cap is None else size.client_cap * size.choices,
         blocks=block_hashes(size.prompt_text) if size.prompt_text else (),
         by_load=isinstance(request, EmbeddingRequest),
     )
-
-
-def _request_cap(request: ProxiedRequest) -> int | None:
-    """The output cap the client itself set, per choice."""
-    if isinstance(request, ChatRequest):
-        return request.max_completion_tokens or request.max_tokens
-    if isinstance(request, CompletionRequest):
-        return request.max_tokens
-    if isinstance(request, ResponsesRequest):
-        return request.max_output_tokens
-    return None
 
 
 def _size(request: ProxiedRequest) -> _Size:
@@ -157,13 +148,16 @@ def _size(request: ProxiedRequest) -> _Size:
         messages = request.messages if isinstance(request, ChatRequest) else request.messages()
         text = chat_text(messages)
         tokens = count_tokens(text)
-        return _Size(text, tokens, tokens, request.output_tokens, request.n)
+        return _Size(text, tokens, tokens, request.output_tokens, request.n, request.client_cap)
     prompts = request.prompts
     counts = [prompt_tokens(p) for p in prompts]
     first = prompts[0] if isinstance(prompts[0], str) else None
     if isinstance(request, EmbeddingRequest):
         return _Size(first, sum(counts), max(counts), 0, 1)
-    return _Size(first, sum(counts), max(counts), request.output_tokens, request.n * len(counts))
+    choices = request.n * len(counts)
+    return _Size(
+        first, sum(counts), max(counts), request.output_tokens, choices, request.client_cap
+    )
 
 
 def _task_class(value: str | None, tenant: TenantConfig) -> TaskClass:

@@ -92,9 +92,14 @@ class CompletionRequest(_Request):
         return _prompts(self.prompt)
 
     @property
+    def client_cap(self) -> int | None:
+        """The cap on each choice's output the client set, if it set one."""
+        return self.max_tokens
+
+    @property
     def output_tokens(self) -> int:
         """The budget of each choice."""
-        return self.max_tokens or DEFAULT_COMPLETION_TOKENS
+        return self.client_cap or DEFAULT_COMPLETION_TOKENS
 
 
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -118,9 +123,14 @@ class ChatRequest(_Request):
         return messages
 
     @property
+    def client_cap(self) -> int | None:
+        """The cap on each choice's output the client set, if it set one."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
     def output_tokens(self) -> int:
         """The budget of each choice."""
-        return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_TOKENS
+        return self.client_cap or DEFAULT_CHAT_TOKENS
 
     @property
     def called_tool(self) -> str | None:
@@ -159,8 +169,13 @@ class ResponsesRequest(_Request):
         return messages
 
     @property
+    def client_cap(self) -> int | None:
+        """The cap on the output the client set, if it set one."""
+        return self.max_output_tokens
+
+    @property
     def output_tokens(self) -> int:
-        return self.max_output_tokens or DEFAULT_CHAT_TOKENS
+        return self.client_cap or DEFAULT_CHAT_TOKENS
 
 
 class EmbeddingRequest(_ModelRequest):

@@ -30,6 +30,10 @@ class CountsOwnRequests:
     def ended(self, request_id: str) -> None:
         self.inflight.ended(request_id)
 
+    def own_load(self, fleet: FleetSnapshot) -> np.ndarray:
+        """Each ready instance's count as floats, NaN where not ready."""
+        return np.where(fleet.ready, self.inflight.counts(len(fleet)).astype(np.float64), np.nan)
+
 
 class RoundRobin:
     """Ready instances in turn."""
@@ -61,8 +65,7 @@ class LeastRequests(CountsOwnRequests):
         self._rng = rng
 
     def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
-        counts = self.inflight.counts(len(fleet)).astype(np.float64)
-        scores = np.where(fleet.ready, counts, np.nan)
+        scores = self.own_load(fleet)
         if np.isnan(scores).all():
             return _no_eligible(self.name, fleet)
         best = np.flatnonzero(scores == np.nanmin(scores))

@@ -164,7 +164,7 @@ class SglangCacheAware(CountsOwnRequests, _Learning):
         self.params = params or SglangParams()
 
     def _decide(self, request: RouteRequest, fleet: FleetSnapshot, matched: np.ndarray) -> Decision:
-        load = np.where(fleet.ready, self.inflight.counts(len(fleet)).astype(np.float64), np.nan)
+        load = self.own_load(fleet)
         low, high = np.nanmin(load), np.nanmax(load)
         given = self.params
         imbalanced = (
@@ -218,7 +218,7 @@ class AibrixPrefixCache(CountsOwnRequests, _Learning):
         self.params = params or AibrixParams()
 
     def _decide(self, request: RouteRequest, fleet: FleetSnapshot, matched: np.ndarray) -> Decision:
-        running = np.where(fleet.ready, self.inflight.counts(len(fleet)).astype(np.float64), np.nan)
+        running = self.own_load(fleet)
         parts = {"running": running, "matched_blocks": matched.astype(np.float64)}
         candidates = fleet.ready.copy()
         if np.nanmax(running) - np.nanmin(running) > self.params.imbalance_abs_count:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.exchange import Piece, Seen, read_event
+from gateway.sse import Piece, Seen, read_event
 from schemas.openai_api import ApiError, ChatRequest, CompletionRequest, parse_request
 
 
