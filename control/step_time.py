@@ -33,10 +33,15 @@ US = 1e-6
 
 
 class StepTime(Protocol):
-    ttft_overhead_s: float
-    """Added to each request's time to first token (does not advance the engine clock)."""
-    token_overhead_s: float
-    """Added to each output token's time (does not advance the engine clock)."""
+    @property
+    def ttft_overhead_s(self) -> float:
+        """Added to each request's time to first token (does not advance the engine clock)."""
+        ...
+
+    @property
+    def token_overhead_s(self) -> float:
+        """Added to each output token's time (does not advance the engine clock)."""
+        ...
 
     def step_s(
         self, prefill_tokens: int, prefill_pairs: int, decode_seqs: int, decode_context: int

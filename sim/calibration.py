@@ -233,7 +233,8 @@ def nelder_mead(
             else:
                 simplex = [simplex[0] + 0.5 * (p - simplex[0]) for p in simplex]
                 values = [values[0]] + [loss(p) for p in simplex[1:]]
-    return simplex[int(np.argmin(values))]
+    best: np.ndarray = simplex[int(np.argmin(values))]
+    return best
 
 
 @dataclass(frozen=True)

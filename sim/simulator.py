@@ -82,6 +82,7 @@ class Simulation:
         self._follows = (
             cast(FollowsRequests, router) if implements(router, FollowsRequests) else None
         )
+        self._learner = cast(Learner, router) if implements(router, Learner) else None
         self._kv_in_transit: deque[tuple[float, int, list[KvEvent]]] = deque()
         self.instances = [
             _Instance(
@@ -298,9 +299,9 @@ class Simulation:
         self.records.append(record)
         if self._follows is not None:
             self._follows.ended(request.request_id)
-        if implements(self.router, Learner):  # learned at completion, not at first token
+        if self._learner is not None:  # learned at completion, not at first token
             assert record.ttft_s is not None
-            self.router.observe(
+            self._learner.observe(
                 Observation(request.request_id, index, record.ttft_s, request.output_tokens)
             )
 

@@ -9,7 +9,6 @@ from control.routing import (
     ROUTERS,
     FleetSnapshot,
     Learner,
-    Observation,
     PoolModel,
     ReadsKvEvents,
     RouteRequest,
@@ -31,7 +30,6 @@ from control.routing.cache_aware import (
     SglangCacheAware,
 )
 from control.routing.llmd import LlmdDefault, queue_score
-from control.routing.predicted_latency import LlmdPredictedLatency, PredictedLatencyParams
 from control.routing.prefix_index import ApproximatePrefixIndex, Recency
 from control.step_time import KneeRoofline
 
@@ -311,41 +309,6 @@ def test_aibrix_gates_on_a_spread_of_8_and_on_mean_plus_one_std(
             router.index.add(row, [1, 2, 3, 4][:blocks])
         sent(router, running)
         assert router.route(PROMPT, _snapshot([0] * len(running)), 0.0).chosen in expected
-
-
-def test_the_predicted_latency_model_learns_ttft_online_and_routes_by_it() -> None:
-    rng = np.random.default_rng(1)
-    router = LlmdPredictedLatency(np.random.default_rng(0), PredictedLatencyParams(refit_every=50))
-
-    def true_ttft(waiting: int, running: int, input_tokens: int) -> float:
-        return 0.05 + 0.2 * waiting + 0.01 * running + 1e-5 * input_tokens
-
-    for n in range(300):
-        waiting = rng.integers(0, 6, size=4)
-        running = rng.integers(0, 20, size=4)
-        snapshot = fleet(waiting.tolist(), running=running.tolist())
-        request = RouteRequest(f"r{n}", int(rng.integers(100, 4000)), 10)
-        decision = router.route(request, snapshot, 0.0)
-        chosen = decision.chosen
-        ttft = true_ttft(waiting[chosen], running[chosen], request.input_tokens)
-        router.observe(Observation(request.request_id, chosen, ttft, 10))
-    probe = fleet([0, 5, 2, 3], running=[10, 0, 1, 2])
-    decision = router.route(RouteRequest("probe", 1000, 10), probe, 0.0)
-    expected = [true_ttft(w, r, 1000) for w, r in ((0, 10), (5, 0), (2, 1), (3, 2))]
-    np.testing.assert_allclose(decision.parts["predicted_ttft_s"], expected, rtol=0.02)
-    assert decision.chosen == 0
-
-
-def test_the_predicted_latency_router_indexes_the_instance_it_routes_to() -> None:
-    """Its prefix index is llm-d's default scorers', which would pick the instance holding
-    the prefix; the model picks another, and that one is now known to hold it."""
-    router = LlmdPredictedLatency(np.random.default_rng(0))
-    router._scorers.index.add(0, [1, 2, 3, 4])
-    router._model = (np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]), np.zeros(6), np.ones(6))
-    snapshot = _snapshot([0, 0], inflight=[500, 0])  # predicted TTFT: its tokens in flight
-    decision = router.route(RouteRequest("r", 64, 8, (1, 2, 3, 4, 5)), snapshot, 0.0)
-    assert decision.chosen == 1
-    assert router._scorers.index.match((1, 2, 3, 4, 5), 2).tolist() == [4, 5]
 
 
 def test_matching_credits_every_block_an_instance_holds_while_anyone_holds_it() -> None:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    for add in (_add_demo, _add_sim, _add_calibrate, _add_workload, _add_bench):
+    for add in (_add_demo, _add_sim, _add_calibrate, _add_validate, _add_workload, _add_bench):
         add(commands)
 
 
@@ -588,6 +588,33 @@ def _calibrate(args: argparse.Namespace) -> int:
             "step_time": asdict(profile.step_time),
             "rows": [row.as_dict() for row in rows],
         }
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    return 0
+
+
+def _add_validate(commands: argparse._SubParsersAction) -> None:
+    validate = commands.add_parser(
+        "validate",
+        help="the 70B profile against real vLLM runs: tails, and past saturation",
+        description="Simulates every measured Llama-3.1-70B TP4 stage (means, P90 and P99 of "
+        "TTFT and E2E, per-token time) and an overloaded 70B run, with the profile "
+        "llama3-70b-4xh100, none of them used in its fit (see sim/validation.py and "
+        "docs/validation.md). Needs no data beside the repository.",
+    )
+    validate.add_argument("--json", type=Path, help="write the rows here")
+    validate.set_defaults(handler=_validate)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    import json
+
+    from sim import validation
+    from sim.profiles import PROFILES
+
+    rows = validation.validate_regime(PROFILES[validation.PROFILE])
+    print(validation.markdown_table(rows))
+    if args.json:
+        document = {"profile": validation.PROFILE, "rows": [row.as_dict() for row in rows]}
         args.json.write_text(json.dumps(document, indent=2) + "\n")
     return 0
 
