@@ -1,6 +1,7 @@
 """Labels no public trace carries, assigned by fixed rules so every run agrees.
 
-- **Task class**: a prompt of 16,384 tokens or more is ``long_document``; otherwise the
+- **Task class**: a prompt of ``LONG_DOCUMENT_TOKENS`` (16,384) or more is ``long_document``
+  (the rule admission identifies classes by, ``control.admission.request``); otherwise the
   trace's own kind decides: offline summarisation (arXiv) is ``batch``, everything else
   ``interactive``.
 - **Deadline**: batch requests must finish within 600 s of arrival.
@@ -16,10 +17,10 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import replace
 
+from control.admission.request import LONG_DOCUMENT_TOKENS
 from schemas.base import TaskClass
 from sim.workload import TraceRequest
 
-LONG_DOCUMENT_TOKENS = 16_384
 BATCH_DEADLINE_S = 600.0
 TENANTS = (("tenant-a", 0.4), ("tenant-b", 0.3), ("tenant-c", 0.2), ("tenant-d", 0.1))
 REGIONS = (("eu-west", 0.5), ("us-east", 0.3), ("ap-south", 0.2))

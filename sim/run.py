@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from control.admission.registry import make_admission
 from control.routing import make_router
 from control.routing.tokenpilot import TokenPilotParams
 from control.step_time import Blackbox, StepTime
@@ -44,6 +45,8 @@ class RunConfig:
     """Each term of the step model the router is given off by this fraction, up or down
     at random (seeded), while the engines step with the true one: how much TokenPilot
     owes to knowing the engines' own model."""
+    admission: str = "fcfs"
+    """The admission policy in front of the router (``control.admission.registry``)."""
 
     def instance_profile(self) -> InstanceProfile:
         chosen = profile(self.profile)
@@ -87,7 +90,12 @@ def simulate_run(
         pool = replace(pool, step_time=step_time)
     params = config.tokenpilot if config.policy == "tokenpilot" else None
     router = make_router(config.policy, config.seed, pool, params)
-    simulation = Simulation(cluster, router, token_lag_s=config.host_token_lag_s)
+    simulation = Simulation(
+        cluster,
+        router,
+        token_lag_s=config.host_token_lag_s,
+        admission=make_admission(config.admission),
+    )
     started = time.perf_counter()
     records = simulation.run(_with_progress(workload, progress, config.policy))
     wall = time.perf_counter() - started
@@ -96,6 +104,7 @@ def simulate_run(
         "instances": config.instances,
         "profile": config.profile,
         "policy": config.policy,
+        "admission": config.admission,
         "seed": config.seed,
         "rate_scale": config.rate_scale,
         "host_token_lag_s": config.host_token_lag_s,

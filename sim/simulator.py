@@ -21,6 +21,10 @@ from typing import cast
 
 import numpy as np
 
+from control.admission.registry import Admission, Fcfs
+from control.admission.request import AdmissionRequest
+from control.admission.view import Verdict
+from control.pipeline import Outcome, Pipeline
 from control.routing import (
     Decision,
     FleetSnapshot,
@@ -39,7 +43,7 @@ from sim.engine import DecodeRun, Engine, Plan, Sequence, StepPlan
 from sim.records import RequestRecord
 from sim.workload import TraceRequest
 
-_ENTER, _STEP_END = 0, 1
+_ENTER, _STEP_END, _HOLD_ENDS = 0, 1, 2
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Simulation:
         decode_runs: bool = True,
         scrape_interval_s: float = 0.05,
         token_lag_s: float = HOST_TOKEN_LAG_S,
+        admission: Admission | None = None,
     ) -> None:
         self.token_lag_s = token_lag_s
         self.decode_runs = decode_runs
@@ -78,6 +83,7 @@ class Simulation:
         self._scraped_at = -math.inf
         self.cluster = cluster
         self.router = router
+        self.pipeline: Pipeline[TraceRequest] = Pipeline(admission or Fcfs(), router)
         self._kv_events = implements(router, ReadsKvEvents)
         self._follows = (
             cast(FollowsRequests, router) if implements(router, FollowsRequests) else None
@@ -124,8 +130,11 @@ class Simulation:
             if kind == _ENTER:
                 assert isinstance(payload, Sequence)
                 self._enter(index, payload)
+            elif kind == _HOLD_ENDS:
+                self._release()
             elif payload == self.instances[index].version:
                 self._end_step(index)
+                self._release()
         self._deliver_kv_events(until=math.inf)  # what was still on its way
         return self.records
 
@@ -163,9 +172,7 @@ class Simulation:
         self._token_steps[index] = (self._token_steps[index, 1], self.now)
 
     def _arrive(self, request: TraceRequest) -> None:
-        if self.now - self._scraped_at >= self.scrape_interval_s:
-            self._scrape()
-        self._deliver_kv_events()
+        self._look()
         route = RouteRequest(
             request.request_id,
             request.input_tokens,
@@ -173,13 +180,44 @@ class Simulation:
             request.prefix_blocks,
             request.task_class.value,
         )
-        decision = self.router.route(route, self.fleet(), self.now)
-        index = decision.chosen
+        self._settle(
+            self.pipeline.arrive(_admitting(request), route, request, self.fleet(), self.now)
+        )
+
+    def _look(self) -> None:
+        """Bring the host's view up to now: a scrape if the last is stale, and the KV
+        events that have arrived."""
+        if self.now - self._scraped_at >= self.scrape_interval_s:
+            self._scrape()
+        self._deliver_kv_events()
+
+    def _release(self) -> None:
+        """Offer the class pools what capacity there is now (after a step ends, and when a
+        held request's time runs out)."""
+        if len(self.pipeline.pools):
+            self._look()
+            for outcome in self.pipeline.release(self.fleet, self.now):
+                self._settle(outcome)
+
+    def _settle(self, outcome: Outcome[TraceRequest]) -> None:
+        """Act on the pipeline's outcome: dispatch the request to its instance, remember
+        when its hold ends, or record its rejection."""
+        request, index = outcome.payload, outcome.instance
+        until = outcome.admission.hold_until_s
+        if outcome.admission.verdict is Verdict.HOLD:
+            if until is not None and math.isfinite(until):
+                self._push(max(until, self.now), _HOLD_ENDS, -1, 0)
+            return
         if index is None or not self.instances[index].engine.accepts(request):
             self.records.append(RequestRecord.rejected(request, self.now))
+            self.pipeline.finished(request.request_id)
             if index is not None and self._follows is not None:
                 self._follows.ended(request.request_id)
             return
+        assert outcome.route is not None
+        self._dispatch(index, request, outcome.route)
+
+    def _dispatch(self, index: int, request: TraceRequest, decision: Decision) -> None:
         instance = self.instances[index]
         self._count_pending(index, request, decision)
         delay = instance.engine.step_time.admission_delay_s(request.input_tokens)
@@ -297,6 +335,7 @@ class Simulation:
             token_overhead_s=step_time.token_overhead_s,
         )
         self.records.append(record)
+        self.pipeline.finished(request.request_id)
         if self._follows is not None:
             self._follows.ended(request.request_id)
         if self._learner is not None:  # learned at completion, not at first token
@@ -308,6 +347,20 @@ class Simulation:
     def _push(self, time: float, kind: int, index: int, payload: Sequence | int) -> None:
         self._order += 1
         heapq.heappush(self._heap, (time, self._order, kind, index, payload))
+
+
+def _admitting(request: TraceRequest) -> AdmissionRequest:
+    """The request as admission sees it; a trace's deadline is seconds from arrival."""
+    deadline = request.deadline_s
+    return AdmissionRequest(
+        request.request_id,
+        request.task_class,
+        request.tenant,
+        request.input_tokens,
+        request.max_tokens,
+        request.arrival_s,
+        None if deadline is None else request.arrival_s + deadline,
+    )
 
 
 def _charged_tokens(request: TraceRequest) -> int:

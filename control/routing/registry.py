@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, get_type_hints, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import TypeAdapter, ValidationError
 
 from control.routing.baselines import LeastRequests, PowerOfTwo, PowerOfTwoParams, RoundRobin
@@ -57,6 +58,16 @@ class Withdrawing(Protocol):
     """A router that counts what it routes, and can forget a decision the host dropped."""
 
     def withdraw(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class PredictsTtft(Protocol):
+    """A router with a latency model that admission may ask, without routing: the TTFT a
+    client would see for ``request`` on each instance (the API's overhead included)."""
+
+    def predict_ttft(
+        self, request: RouteRequest, fleet: FleetSnapshot, now: float
+    ) -> npt.NDArray[np.float64]: ...
 
 
 @runtime_checkable

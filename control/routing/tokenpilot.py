@@ -69,6 +69,7 @@ from control.routing.snapshot import (
     PREDICTED_TTFT_S,
     Decision,
     FleetSnapshot,
+    FloatArray,
     KvEvent,
     Observation,
     PoolModel,
@@ -153,6 +154,7 @@ class TokenPilot:
             return Decision(self.name, None, np.full(len(fleet), np.nan))
         ledger, correction = self._state(len(fleet))
         ledger.advance(now)
+        self._count_prompt(request.input_tokens)
         parts = self._predict(request, fleet, ledger, now)
         raw = parts["queue_s"] + parts["prefill_s"]
         ratio = correction.ratio
@@ -169,6 +171,15 @@ class TokenPilot:
         )
         parts |= {"correction": ratio, PREDICTED_TTFT_S: predicted}
         return Decision(self.name, chosen, np.where(fleet.ready, scores, np.nan), parts)
+
+    def predict_ttft(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> FloatArray:
+        """The TTFT a client would see on each instance, as ``route`` predicts it, with
+        nothing recorded (for admission, which decides before the route is taken)."""
+        ledger, correction = self._state(len(fleet))
+        ledger.advance(now)
+        parts = self._predict(request, fleet, ledger, now)
+        predicted = (parts["queue_s"] + parts["prefill_s"]) * correction.ratio
+        return np.where(fleet.ready, predicted + self.pool.step_time.ttft_overhead_s, np.inf)
 
     def observe(self, observation: Observation) -> None:
         sent = self._sent.pop(observation.request_id)
@@ -196,6 +207,12 @@ class TokenPilot:
         blocks when it routed it, before the engine computed them."""
         self.index.evicted(instance, [block for block, stored in events if not stored])
 
+    def _count_prompt(self, tokens: int) -> None:
+        """Keep the moving average of prompt lengths (5 % a request)."""
+        if self._mean_prompt_tokens == 0:
+            self._mean_prompt_tokens = float(tokens)
+        self._mean_prompt_tokens += 0.05 * (tokens - self._mean_prompt_tokens)
+
     def _state(self, instances: int) -> tuple[WorkLedger, BiasCorrection]:
         if self._ledger is None or len(self._ledger.prefill_tokens) != instances:
             self._ledger, self._correction = WorkLedger(instances), BiasCorrection(instances)
@@ -213,11 +230,8 @@ class TokenPilot:
         # Token counts as floats from here: an operation mixing integer and float arrays
         # takes about twice as long as one on floats alone.
         cached = np.minimum(matched, (prompt - 1) // size) * float(size)
-        if self._mean_prompt_tokens == 0:
-            self._mean_prompt_tokens = float(prompt)
-        self._mean_prompt_tokens += 0.05 * (prompt - self._mean_prompt_tokens)
         ahead = np.maximum(ledger.prefill_tokens, fleet.pending_prefill_tokens)
-        ahead = np.maximum(ahead, fleet.waiting * self._mean_prompt_tokens)
+        ahead = np.maximum(ahead, fleet.waiting * (self._mean_prompt_tokens or prompt))
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
         context = fleet.kv_blocks_used * float(size)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from control.admission.request import LONG_DOCUMENT_TOKENS
 from schemas.base import TaskClass
-from sim.labels import BATCH_DEADLINE_S, LONG_DOCUMENT_TOKENS, label
+from sim.labels import BATCH_DEADLINE_S, label
 from sim.registry import TRACES, load_trace
 from sim.servegen import load_servegen
 from sim.synthetic import SharedPrefixSpec, shared_prefix

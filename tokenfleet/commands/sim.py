@@ -42,6 +42,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _add_sim(commands: argparse._SubParsersAction) -> None:
+    from control.admission.registry import ADMISSIONS
     from control.routing import ROUTERS
     from sim.profiles import PROFILES
 
@@ -57,6 +58,13 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
     )
     sim.add_argument("--instances", type=int, default=16, help="instances (default: 16)")
     sim.add_argument("--policy", default="round_robin", choices=sorted(ROUTERS))
+    sim.add_argument(
+        "--admission",
+        default="fcfs",
+        choices=sorted(ADMISSIONS),
+        help="admission in front of the router: fcfs admits everything (the engines' own "
+        "queues decide); slomax holds, reserves and rejects by class (default: %(default)s)",
+    )
     sim.add_argument(
         "--profile",
         default="llama3-70b-4xh100",
@@ -102,6 +110,7 @@ def _sim(args: argparse.Namespace) -> int:
         trace=args.trace,
         instances=args.instances,
         policy=args.policy,
+        admission=args.admission,
         profile=args.profile,
         requests=args.requests,
         rate_scale=args.rate_scale,

@@ -1,0 +1,1 @@
+"""Admission: dispatch a request now, hold it in its class's pool, or reject it early."""

@@ -1,0 +1,94 @@
+"""Class pools: where admitted-later requests wait, bounded and ordered by what their class
+needs (interactive and long documents by arrival, batch by deadline)."""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from control.admission.request import AdmissionRequest
+from control.admission.view import PoolState
+from schemas.base import TaskClass
+
+Payload = TypeVar("Payload")
+
+DRAIN_WINDOW_S = 30.0
+"""How far back a pool's release rate looks: long enough to span several releases of a
+pool that drains slowly, short enough to follow a load change within a minute."""
+
+
+@dataclass
+class Waiting(Generic[Payload]):
+    """A held request, what the host needs to dispatch it later, and until when it waits."""
+
+    request: AdmissionRequest
+    payload: Payload
+    hold_until_s: float
+
+
+@dataclass
+class ClassPools(Generic[Payload]):
+    """Each class's pool is a heap in its own order; a second heap orders every held
+    request by its hold's end. An entry taken out of one heap is left in the other and
+    skipped there when it comes up (``_live`` says which entries still wait)."""
+
+    _heaps: dict[TaskClass, list[tuple[float, int]]] = field(
+        default_factory=lambda: {c: [] for c in TaskClass}
+    )
+    _ends: list[tuple[float, int]] = field(default_factory=list)
+    _live: dict[int, Waiting[Payload]] = field(default_factory=dict)
+    _depth: dict[TaskClass, int] = field(default_factory=lambda: dict.fromkeys(TaskClass, 0))
+    _released: dict[TaskClass, deque[float]] = field(
+        default_factory=lambda: {c: deque() for c in TaskClass}
+    )
+    _order: int = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def hold(self, waiting: Waiting[Payload]) -> None:
+        request = waiting.request
+        key = request.arrival_s
+        if request.task_class is TaskClass.BATCH and request.deadline_s is not None:
+            key = request.deadline_s
+        self._order += 1
+        self._live[self._order] = waiting
+        self._depth[request.task_class] += 1
+        heapq.heappush(self._heaps[request.task_class], (key, self._order))
+        if waiting.hold_until_s != float("inf"):
+            heapq.heappush(self._ends, (waiting.hold_until_s, self._order))
+
+    def head(self, task_class: TaskClass) -> Waiting[Payload] | None:
+        heap = self._heaps[task_class]
+        while heap and heap[0][1] not in self._live:
+            heapq.heappop(heap)
+        return self._live[heap[0][1]] if heap else None
+
+    def release(self, task_class: TaskClass, now_s: float) -> Waiting[Payload]:
+        """Take the head of ``task_class``'s pool out, to dispatch it or answer it."""
+        if self.head(task_class) is None:
+            raise LookupError(f"the {task_class.value} pool is empty")
+        _, order = heapq.heappop(self._heaps[task_class])
+        self._released[task_class].append(now_s)
+        return self._take(order)
+
+    def expired(self, now_s: float) -> Iterator[Waiting[Payload]]:
+        """Take out every request whose hold has run out, wherever it stands in its pool."""
+        while self._ends and self._ends[0][0] <= now_s:
+            _, order = heapq.heappop(self._ends)
+            if order in self._live:
+                yield self._take(order)
+
+    def state(self, task_class: TaskClass, now_s: float) -> PoolState:
+        released = self._released[task_class]
+        while released and released[0] < now_s - DRAIN_WINDOW_S:
+            released.popleft()
+        return PoolState(self._depth[task_class], len(released) / DRAIN_WINDOW_S)
+
+    def _take(self, order: int) -> Waiting[Payload]:
+        waiting = self._live.pop(order)
+        self._depth[waiting.request.task_class] -= 1
+        return waiting

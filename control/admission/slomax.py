@@ -1,0 +1,140 @@
+"""SLOMax: admit by class, hold in class pools, reserve interactive capacity, and reject
+early what cannot meet its objective.
+
+Each mechanism can be switched off (``SLOMaxParams``) so the benchmark can measure what
+it adds. Requests that are running are never preempted: SLOMax decides only what starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import numpy as np
+from pydantic import Field
+
+from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest
+from control.admission.view import AdmissionDecision, AdmissionView, Verdict
+from control.routing.snapshot import BoolArray
+from schemas.base import TaskClass
+from schemas.objectives import ClassObjective
+
+
+@dataclass(frozen=True)
+class SLOMaxParams:
+    class_pools: bool = True
+    """Hold what cannot start now in its class's pool (off: reject it)."""
+    early_rejection: bool = True
+    """Reject a request whose predicted TTFT (best instance, plus its pool's expected wait)
+    misses its class objective, or that would start after its deadline."""
+    interactive_reservation: bool = True
+    """Start long documents and batch work only on instances with nothing waiting, and only
+    while the fleet's KV use leaves ``reserved_kv_share`` free for interactive traffic."""
+    interference_bound: bool = True
+    """At most ``long_prefill_cap_tokens`` of prompt pending prefill on an instance that
+    takes a long prompt, so a long document's prefill never stacks on another's."""
+    reserved_kv_share: Annotated[float, Field(ge=0, le=1)] = 0.15
+    """The default interactive reservation, until a quota names one (its ``reserved_share``)."""
+    long_prefill_cap_tokens: Annotated[int, Field(ge=1)] = LONG_DOCUMENT_TOKENS
+    pool_depth: Annotated[int, Field(ge=1)] = 4096
+    """Requests one class pool holds; past it, arrivals of the class are rejected."""
+    retry_after_s: Annotated[float, Field(gt=0)] = 1.0
+    """What a rejection tells the client to wait when nothing better is known."""
+
+
+@dataclass(frozen=True)
+class SLOMax:
+    params: SLOMaxParams = SLOMaxParams()
+    name: str = "slomax"
+    wants_prediction: bool = True
+
+    def decide(
+        self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
+    ) -> AdmissionDecision:
+        """Dispatch, hold or reject ``request``; ``held``: it is waiting in its pool (the
+        host asks again as load falls, pool heads first)."""
+        p = self.params
+        pool = view.pool(request.task_class)
+        blocked, allowed = self._gate(request, view)
+        if blocked is None and not held and p.class_pools and pool.depth > 0:
+            blocked = "behind_pool"  # arrivals queue behind those already waiting
+        joins_pool = blocked is not None and p.class_pools and not held
+        wait = pool.expected_wait_s() if joins_pool else 0.0
+        # held: the best of the ready instances, where it may start once load falls
+        predicted = view.best_predicted_ttft_s(allowed if blocked is None else None)
+        figures = {"kv_use": view.kv_use(), "pool_wait_s": wait}
+        if predicted is not None:
+            figures["predicted_ttft_s"] = predicted
+        objective = view.objectives[request.task_class]
+        if p.early_rejection and predicted is not None:
+            late = _late(request, objective, view.now_s, predicted + wait)
+            if late is not None:
+                return self._reject(late, held, figures)
+        if blocked is None:
+            return AdmissionDecision(Verdict.DISPATCH, "admitted", allowed, figures=_items(figures))
+        if not p.class_pools or (not held and pool.depth >= p.pool_depth):
+            return self._reject(blocked if not p.class_pools else "pool_full", held, figures)
+        until = _hold_until(request, objective, predicted or 0.0)
+        return AdmissionDecision(Verdict.HOLD, blocked, hold_until_s=until, figures=_items(figures))
+
+    def _gate(self, request: AdmissionRequest, view: AdmissionView) -> tuple[str | None, BoolArray]:
+        """The first reason the request may not start now (None: it may), and the
+        instances it may start on."""
+        p, fleet, task_class = self.params, view.fleet, request.task_class
+        allowed = fleet.ready.copy()
+        quota = view.quotas.get(task_class)
+        if quota is not None and view.inflight.get(task_class, 0) >= quota.max_concurrency:
+            return "concurrency", allowed
+        if view.rate_wait_s.get(task_class, 0.0) > 0:
+            return "rate", allowed
+        if p.interactive_reservation and task_class is not TaskClass.INTERACTIVE:
+            interactive = view.quotas.get(TaskClass.INTERACTIVE)
+            reserved = p.reserved_kv_share if interactive is None else interactive.reserved_share
+            allowed &= fleet.waiting == 0
+            if view.kv_use() >= 1 - reserved or not allowed.any():
+                return "reservation", allowed
+        if p.interference_bound and request.input_tokens >= LONG_DOCUMENT_TOKENS:
+            allowed &= fleet.pending_prefill_tokens < p.long_prefill_cap_tokens
+            if not allowed.any():
+                return "prefill_cap", allowed
+        return (None if allowed.any() else "no_instance"), allowed
+
+    def _reject(self, reason: str, held: bool, figures: dict[str, float]) -> AdmissionDecision:
+        retry = None if held else self.params.retry_after_s
+        return AdmissionDecision(
+            Verdict.REJECT, reason, retry_after_s=retry, figures=_items(figures)
+        )
+
+
+def _late(
+    request: AdmissionRequest, objective: ClassObjective, now_s: float, predicted_ttft_s: float
+) -> str | None:
+    """Why the request would miss its objective if its first token came after
+    ``predicted_ttft_s`` more; None if it would not."""
+    if (
+        objective.ttft_s is not None
+        and now_s - request.arrival_s + predicted_ttft_s > objective.ttft_s
+    ):
+        return "predicted_ttft"
+    deadline = request.deadline_s
+    if objective.use_deadline and deadline is not None and now_s + predicted_ttft_s > deadline:
+        return "deadline"
+    return None
+
+
+def _hold_until(
+    request: AdmissionRequest, objective: ClassObjective, predicted_ttft_s: float
+) -> float:
+    """The last moment a held request can still start and meet its objective, as far as
+    its predicted TTFT tells; a class with no such objective waits at most the deadline
+    or, without one, as long as the pool holds it."""
+    limits = [np.inf]
+    if objective.ttft_s is not None:
+        limits.append(request.arrival_s + objective.ttft_s - predicted_ttft_s)
+    if objective.use_deadline and request.deadline_s is not None:
+        limits.append(request.deadline_s - predicted_ttft_s)
+    return float(min(limits))
+
+
+def _items(figures: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    return tuple(figures.items())

@@ -1,0 +1,100 @@
+"""What an admission policy sees, and what it answers.
+
+A policy gets one frozen ``AdmissionView`` (the clock, the instances' load, its class
+pools, the latest quotas, the objectives) and a request, and returns an
+``AdmissionDecision`` with its reason. The host keeps the pools and the counts; the
+policy keeps nothing, so a decision can be replayed from its view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from control.routing.snapshot import BoolArray, FleetSnapshot, FloatArray
+from schemas.base import TaskClass
+from schemas.control import ClassQuota
+from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
+
+
+class Verdict(StrEnum):
+    DISPATCH = "dispatch"
+    """Route it now (to one of ``allowed``)."""
+    HOLD = "hold"
+    """Keep it in its class's pool until ``hold_until_s``; decide again as load falls."""
+    REJECT = "reject"
+    """Answer now: 429 with ``retry_after_s`` when it was never admitted, 503 when it
+    waited in a pool and can no longer meet its objective."""
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    verdict: Verdict
+    reason: str
+    """Why, as a short name: ``admitted``, ``reservation``, ``prefill_cap``, ``concurrency``,
+    ``rate``, ``pool_full``, ``predicted_ttft``, ``deadline``, ``expired``, ``behind_pool``."""
+    allowed: BoolArray | None = None
+    """For a dispatch: the instances the router may use (None: every ready one)."""
+    hold_until_s: float | None = None
+    """For a hold: when the request is answered if it is still waiting."""
+    retry_after_s: float | None = None
+    """For a rejection of a request never admitted: when the client may try again."""
+    figures: tuple[tuple[str, float], ...] = ()
+    """The numbers the decision rested on, for the decision record."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """One class pool as the host knows it."""
+
+    depth: int = 0
+    drained_per_s: float = 0.0
+    """Requests the pool released per second lately (0: none, or not measured yet)."""
+
+    def expected_wait_s(self) -> float:
+        """How long a request joining the pool now should expect to wait, at the rate the
+        pool drained lately; 0 while that rate is unmeasured (no release in the window),
+        where the hold's own end answers a request that waits too long."""
+        return self.depth / self.drained_per_s if self.drained_per_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class AdmissionView:
+    now_s: float
+    fleet: FleetSnapshot
+    """The instances' load as the router sees it (``control.routing.snapshot``)."""
+    predicted_ttft_s: FloatArray | None = None
+    """The router's TTFT prediction for this request on each instance (None: it makes
+    none, and no decision rests on a prediction)."""
+    pools: Mapping[TaskClass, PoolState] = field(default_factory=dict)
+    inflight: Mapping[TaskClass, int] = field(default_factory=dict)
+    """Requests of each class dispatched and not yet finished."""
+    quotas: Mapping[TaskClass, ClassQuota] = field(default_factory=dict)
+    """The latest quota of each class that has one (the controller's, or configuration)."""
+    rate_wait_s: Mapping[TaskClass, float] = field(default_factory=dict)
+    """How long each class's admission bucket needs before it holds this request's tokens
+    (0 or absent: it holds them now)."""
+    objectives: Mapping[TaskClass, ClassObjective] = field(
+        default_factory=lambda: dict(DEFAULT_OBJECTIVES)
+    )
+
+    def pool(self, task_class: TaskClass) -> PoolState:
+        return self.pools.get(task_class, PoolState())
+
+    def kv_use(self) -> float:
+        """The ready instances' share of KV blocks in use, as last scraped."""
+        fleet = self.fleet
+        total = int(fleet.kv_blocks_total[fleet.ready].sum())
+        return float(fleet.kv_blocks_used[fleet.ready].sum()) / total if total else 1.0
+
+    def best_predicted_ttft_s(self, allowed: BoolArray | None) -> float | None:
+        """The lowest predicted TTFT among the instances the request may use."""
+        if self.predicted_ttft_s is None:
+            return None
+        usable = self.fleet.ready if allowed is None else allowed
+        if not usable.any():
+            return None
+        return float(np.min(self.predicted_ttft_s[usable]))

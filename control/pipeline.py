@@ -1,0 +1,154 @@
+"""The request path, admit -> choose the DC -> choose the instance, as one object that the
+simulator and the gateway both host.
+
+The pipeline keeps what the decisions need between requests (the class pools, each
+class's requests in flight, the latest quotas) and nothing of the host's I/O: the host
+hands it requests and snapshots, and acts on the outcomes. The DC step is a pass-through
+until FleetMind: the host passes the fleet of the DC it serves.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Generic, TypeVar, cast
+
+from control.admission.pools import ClassPools, Waiting
+from control.admission.registry import Admission
+from control.admission.request import AdmissionRequest
+from control.admission.view import AdmissionDecision, AdmissionView, Verdict
+from control.routing import Decision, FleetSnapshot, PredictsTtft, Router, RouteRequest
+from control.routing.registry import implements
+from schemas.base import TaskClass
+from schemas.control import ClassQuota
+from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
+
+Payload = TypeVar("Payload")
+
+RELEASE_ORDER = (TaskClass.INTERACTIVE, TaskClass.LONG_DOCUMENT, TaskClass.BATCH)
+"""The order pools are offered freed capacity in: the class with the tightest objective
+first."""
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[Payload]):
+    """What became of a request: admission's decision and, if it was dispatched, the
+    router's (whose ``chosen`` is None when no allowed instance was ready)."""
+
+    request: AdmissionRequest
+    payload: Payload
+    admission: AdmissionDecision
+    route: Decision | None = None
+
+    @property
+    def instance(self) -> int | None:
+        return None if self.route is None else self.route.chosen
+
+
+@dataclass
+class _Held(Generic[Payload]):
+    route: RouteRequest
+    payload: Payload
+
+
+@dataclass
+class Pipeline(Generic[Payload]):
+    admission: Admission
+    router: Router
+    objectives: Mapping[TaskClass, ClassObjective] = field(
+        default_factory=lambda: dict(DEFAULT_OBJECTIVES)
+    )
+    quotas: Mapping[TaskClass, ClassQuota] = field(default_factory=dict)
+    """The latest quota per class; the host replaces it when the controller publishes."""
+    pools: ClassPools[_Held[Payload]] = field(default_factory=ClassPools)
+    inflight: Counter[TaskClass] = field(default_factory=Counter)
+    _classes: dict[str, TaskClass] = field(default_factory=dict)
+
+    def arrive(
+        self,
+        request: AdmissionRequest,
+        route: RouteRequest,
+        payload: Payload,
+        fleet: FleetSnapshot,
+        now: float,
+    ) -> Outcome[Payload]:
+        """Decide a new request: dispatched (routed), held in its pool, or rejected."""
+        decision = self._admit(request, route, fleet, now, held=False)
+        if decision.verdict is Verdict.HOLD:
+            assert decision.hold_until_s is not None
+            self.pools.hold(Waiting(request, _Held(route, payload), decision.hold_until_s))
+            return Outcome(request, payload, decision)
+        if decision.verdict is Verdict.REJECT:
+            return Outcome(request, payload, decision)
+        return self._dispatch(request, route, payload, decision, fleet, now)
+
+    def release(self, fleet: Callable[[], FleetSnapshot], now: float) -> list[Outcome[Payload]]:
+        """What the pools let go now: held requests whose time ran out (rejected, reason
+        ``expired``), then each pool's heads while admission lets them start (``fleet``
+        gives the snapshot after the dispatches so far)."""
+        outcomes = [
+            Outcome(w.request, w.payload.payload, AdmissionDecision(Verdict.REJECT, "expired"))
+            for w in self.pools.expired(now)
+        ]
+        for task_class in RELEASE_ORDER:
+            while (head := self.pools.head(task_class)) is not None:
+                snapshot = fleet()
+                held = head.payload
+                decision = self._admit(head.request, held.route, snapshot, now, held=True)
+                if decision.verdict is Verdict.HOLD:
+                    break
+                self.pools.release(task_class, now)
+                if decision.verdict is Verdict.REJECT:
+                    outcomes.append(Outcome(head.request, held.payload, decision))
+                    continue
+                outcomes.append(
+                    self._dispatch(head.request, held.route, held.payload, decision, snapshot, now)
+                )
+        return outcomes
+
+    def finished(self, request_id: str) -> None:
+        """A dispatched request ended (completed, cancelled or failed)."""
+        task_class = self._classes.pop(request_id, None)
+        if task_class is not None:
+            self.inflight[task_class] -= 1
+
+    def _admit(
+        self,
+        request: AdmissionRequest,
+        route: RouteRequest,
+        fleet: FleetSnapshot,
+        now: float,
+        *,
+        held: bool,
+    ) -> AdmissionDecision:
+        predicted = None
+        if self.admission.wants_prediction and implements(self.router, PredictsTtft):
+            predicted = cast(PredictsTtft, self.router).predict_ttft(route, fleet, now)
+        view = AdmissionView(
+            now,
+            fleet,
+            predicted,
+            {c: self.pools.state(c, now) for c in TaskClass},
+            self.inflight,
+            self.quotas,
+            objectives=self.objectives,
+        )
+        return self.admission.decide(request, view, held=held)
+
+    def _dispatch(
+        self,
+        request: AdmissionRequest,
+        route: RouteRequest,
+        payload: Payload,
+        decision: AdmissionDecision,
+        fleet: FleetSnapshot,
+        now: float,
+    ) -> Outcome[Payload]:
+        if decision.allowed is not None:
+            fleet = replace(fleet, ready=fleet.ready & decision.allowed)
+        routed = self.router.route(route, fleet, now)
+        if routed.chosen is not None:
+            self.inflight[request.task_class] += 1
+            self._classes[request.request_id] = request.task_class
+        return Outcome(request, payload, decision, routed)

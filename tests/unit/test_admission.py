@@ -1,0 +1,217 @@
+"""SLOMax's decisions, the class pools and the pipeline that hosts them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from control.admission.pools import ClassPools, Waiting
+from control.admission.registry import Fcfs, make_admission
+from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest, identify
+from control.admission.slomax import SLOMax, SLOMaxParams
+from control.admission.view import AdmissionDecision, AdmissionView, PoolState, Verdict
+from control.pipeline import Pipeline
+from control.routing import FleetSnapshot, RouteRequest, make_router
+from schemas.base import TaskClass
+from schemas.control import ClassQuota
+
+CHAT, DOC, BATCH = TaskClass.INTERACTIVE, TaskClass.LONG_DOCUMENT, TaskClass.BATCH
+
+
+def fleet(waiting=(0, 0), kv_used=(0, 0), pending=(0, 0), ready=None) -> FleetSnapshot:
+    size = len(waiting)
+    zeros = np.zeros(size, dtype=np.int64)
+    return FleetSnapshot(
+        tuple(f"i{n}" for n in range(size)),
+        np.ones(size, dtype=bool) if ready is None else np.array(ready),
+        np.array(waiting, dtype=np.int64),
+        zeros,
+        zeros,
+        np.array(kv_used, dtype=np.int64),
+        np.full(size, 100, dtype=np.int64),
+        np.array(pending, dtype=np.float64),
+    )
+
+
+def request(task_class=CHAT, tokens=1_000, arrival=0.0, deadline=None, rid="r") -> AdmissionRequest:
+    return AdmissionRequest(rid, task_class, "t", tokens, 100, arrival, deadline)
+
+
+def view(snapshot=None, now=0.0, predicted=None, **kwargs) -> AdmissionView:
+    snapshot = snapshot or fleet()
+    ttft = None if predicted is None else np.array(predicted, dtype=np.float64)
+    return AdmissionView(now, snapshot, ttft, **kwargs)
+
+
+def allowed(decision: AdmissionDecision) -> list[bool]:
+    assert decision.allowed is not None
+    return decision.allowed.tolist()
+
+
+def test_the_class_comes_from_the_client_then_the_tenant_then_the_request() -> None:
+    def of(requested=None, default=None, tokens=100, deadline=False):
+        return identify(
+            requested=requested, tenant_default=default, input_tokens=tokens, has_deadline=deadline
+        )
+
+    assert of(requested=BATCH, default=CHAT, tokens=LONG_DOCUMENT_TOKENS) is BATCH
+    assert of(default=DOC) is DOC
+    assert of(deadline=True, tokens=LONG_DOCUMENT_TOKENS) is BATCH
+    assert of(tokens=LONG_DOCUMENT_TOKENS) is DOC
+    assert of(tokens=LONG_DOCUMENT_TOKENS - 1) is CHAT
+
+
+def test_a_chat_starts_at_once_where_the_fleet_has_room() -> None:
+    decision = SLOMax().decide(request(), view(predicted=[0.3, 0.2]))
+    assert decision.verdict is Verdict.DISPATCH
+    assert allowed(decision) == [True, True]
+    assert dict(decision.figures)["predicted_ttft_s"] == pytest.approx(0.2)
+
+
+def test_batch_starts_only_where_nothing_waits() -> None:
+    decision = SLOMax().decide(request(BATCH), view(fleet(waiting=(2, 0))))
+    assert decision.verdict is Verdict.DISPATCH
+    assert allowed(decision) == [False, True]
+    held = SLOMax().decide(request(BATCH), view(fleet(waiting=(2, 1))))
+    assert (held.verdict, held.reason) == (Verdict.HOLD, "reservation")
+    chat = SLOMax().decide(request(CHAT), view(fleet(waiting=(2, 1))))
+    assert chat.verdict is Verdict.DISPATCH
+
+
+def test_lower_classes_wait_once_the_fleet_eats_into_the_interactive_reserve() -> None:
+    busy = fleet(kv_used=(86, 86))  # 86 % in use, against the default 15 % reserve
+    assert SLOMax().decide(request(DOC, tokens=20_000), view(busy)).reason == "reservation"
+    calm = fleet(kv_used=(84, 84))
+    assert SLOMax().decide(request(DOC, tokens=20_000), view(calm)).verdict is Verdict.DISPATCH
+    # the controller's quota names the reserve once it publishes one
+    quota = ClassQuota(
+        task_class=CHAT,
+        tokens_per_s=1e6,
+        burst_tokens=10**6,
+        max_concurrency=100,
+        reserved_share=0.5,
+    )
+    reserved = view(calm, quotas={CHAT: quota})
+    assert SLOMax().decide(request(DOC, tokens=20_000), reserved).reason == "reservation"
+
+
+def test_a_long_prompt_never_stacks_on_another_long_prefill() -> None:
+    snapshot = fleet(pending=(LONG_DOCUMENT_TOKENS, 500))
+    decision = SLOMax().decide(request(CHAT, tokens=LONG_DOCUMENT_TOKENS), view(snapshot))
+    assert allowed(decision) == [False, True]
+    full = fleet(pending=(LONG_DOCUMENT_TOKENS, LONG_DOCUMENT_TOKENS + 1))
+    held = SLOMax().decide(request(CHAT, tokens=LONG_DOCUMENT_TOKENS), view(full))
+    assert (held.verdict, held.reason) == (Verdict.HOLD, "prefill_cap")
+    short = SLOMax().decide(request(CHAT, tokens=LONG_DOCUMENT_TOKENS - 1), view(full))
+    assert short.verdict is Verdict.DISPATCH
+    unbounded = SLOMax(SLOMaxParams(interference_bound=False))
+    assert (
+        unbounded.decide(request(tokens=LONG_DOCUMENT_TOKENS), view(full)).verdict
+        is Verdict.DISPATCH
+    )
+
+
+def test_a_request_that_cannot_meet_its_objective_is_refused_early() -> None:
+    decision = SLOMax().decide(request(CHAT), view(predicted=[2.5, 2.1]))  # objective 2 s
+    assert (decision.verdict, decision.reason) == (Verdict.REJECT, "predicted_ttft")
+    assert decision.retry_after_s == SLOMaxParams().retry_after_s
+    # time already spent waiting counts against it
+    late = SLOMax().decide(request(CHAT, arrival=0.0), view(now=1.5, predicted=[0.6, 0.6]))
+    assert late.reason == "predicted_ttft"
+    batch = request(BATCH, deadline=10.0)
+    assert SLOMax().decide(batch, view(now=9.0, predicted=[1.5, 1.2])).reason == "deadline"
+    assert SLOMax().decide(batch, view(now=9.0, predicted=[1.5, 0.9])).verdict is Verdict.DISPATCH
+    blind = SLOMax(SLOMaxParams(early_rejection=False))
+    assert blind.decide(request(CHAT), view(predicted=[2.5, 2.1])).verdict is Verdict.DISPATCH
+
+
+def test_a_held_request_is_answered_without_retry_after_and_holds_end_in_time() -> None:
+    held = SLOMax().decide(request(CHAT), view(now=1.9, predicted=[0.3, 0.3]), held=True)
+    assert (held.verdict, held.retry_after_s) == (Verdict.REJECT, None)
+    waiting = SLOMax().decide(
+        request(BATCH, deadline=100.0), view(fleet(waiting=(1, 1)), predicted=[4.0, 5.0])
+    )
+    assert waiting.verdict is Verdict.HOLD
+    assert waiting.hold_until_s == pytest.approx(96.0)  # the last start that can still make it
+
+
+def test_arrivals_queue_behind_their_pool_and_the_pool_is_bounded() -> None:
+    pools = {CHAT: PoolState(depth=3, drained_per_s=10.0)}
+    behind = SLOMax().decide(request(CHAT), view(predicted=[0.2, 0.2], pools=pools))
+    assert (behind.verdict, behind.reason) == (Verdict.HOLD, "behind_pool")
+    assert dict(behind.figures)["pool_wait_s"] == pytest.approx(0.3)
+    # the same request, first in the pool, starts
+    first = SLOMax().decide(request(CHAT), view(predicted=[0.2, 0.2], pools=pools), held=True)
+    assert first.verdict is Verdict.DISPATCH
+    slow = {CHAT: PoolState(depth=3, drained_per_s=1.0)}  # 3 s to wait: past the objective
+    assert (
+        SLOMax().decide(request(CHAT), view(predicted=[0.2, 0.2], pools=slow)).reason
+        == "predicted_ttft"
+    )
+    full = {BATCH: PoolState(depth=2, drained_per_s=0.0)}
+    small = SLOMax(SLOMaxParams(pool_depth=2))
+    assert (
+        small.decide(request(BATCH), view(fleet(waiting=(1, 1)), pools=full)).reason == "pool_full"
+    )
+    no_pools = SLOMax(SLOMaxParams(class_pools=False))
+    refused = no_pools.decide(request(BATCH), view(fleet(waiting=(1, 1))))
+    assert (refused.verdict, refused.reason) == (Verdict.REJECT, "reservation")
+
+
+def test_a_class_at_its_concurrency_quota_waits() -> None:
+    quota = ClassQuota(task_class=BATCH, tokens_per_s=1e6, burst_tokens=10**6, max_concurrency=2)
+    at = view(quotas={BATCH: quota}, inflight={BATCH: 2})
+    assert SLOMax().decide(request(BATCH), at).reason == "concurrency"
+    below = view(quotas={BATCH: quota}, inflight={BATCH: 1})
+    assert SLOMax().decide(request(BATCH), below).verdict is Verdict.DISPATCH
+
+
+def test_pools_order_each_class_as_it_needs_and_let_expired_holds_go() -> None:
+    pools: ClassPools[str] = ClassPools()
+    pools.hold(Waiting(request(CHAT, arrival=2.0, rid="late"), "late", 9.0))
+    pools.hold(Waiting(request(CHAT, arrival=1.0, rid="early"), "early", 5.0))
+    pools.hold(Waiting(request(BATCH, arrival=0.0, deadline=500.0, rid="b1"), "b1", 400.0))
+    pools.hold(Waiting(request(BATCH, arrival=3.0, deadline=100.0, rid="b2"), "b2", 50.0))
+    assert pools.head(CHAT).payload == "early"
+    assert pools.head(BATCH).payload == "b2"  # the nearer deadline first
+    assert [w.payload for w in pools.expired(6.0)] == ["early"]
+    assert pools.head(CHAT).payload == "late"
+    assert pools.release(BATCH, now_s=7.0).payload == "b2"
+    assert pools.state(BATCH, 7.0).depth == 1
+    assert pools.state(BATCH, 7.0).drained_per_s > 0
+    assert len(pools) == 2
+    assert [w.payload for w in pools.expired(50.0)] == ["late"]  # b2 left: no second answer
+    with pytest.raises(LookupError):
+        pools.release(DOC, now_s=7.0)
+
+
+def test_the_pipeline_holds_batch_while_the_fleet_queues_and_releases_it_after() -> None:
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    route = RouteRequest("b", 1_000, 100)
+    busy = fleet(waiting=(1, 1))
+    held = pipeline.arrive(request(BATCH, deadline=600.0, rid="b"), route, "b", busy, now=0.0)
+    assert (held.admission.verdict, held.route) == (Verdict.HOLD, None)
+    assert pipeline.release(lambda: busy, now=1.0) == []
+    released = pipeline.release(lambda: fleet(waiting=(1, 0)), now=2.0)
+    assert [(o.payload, o.instance) for o in released] == [("b", 1)]
+    assert pipeline.inflight[BATCH] == 1
+    pipeline.finished("b")
+    assert pipeline.inflight[BATCH] == 0
+
+
+def test_the_pipeline_answers_a_hold_that_ran_out() -> None:
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    busy = fleet(waiting=(1, 1))
+    pipeline.arrive(
+        request(BATCH, deadline=5.0, rid="b"), RouteRequest("b", 1_000, 100), "b", busy, 0.0
+    )
+    [answered] = pipeline.release(lambda: busy, now=5.0)
+    assert (answered.admission.verdict, answered.admission.reason) == (Verdict.REJECT, "expired")
+    assert len(pipeline.pools) == 0
+
+
+def test_admission_policies_by_name() -> None:
+    assert isinstance(make_admission("fcfs"), Fcfs)
+    assert isinstance(make_admission("slomax"), SLOMax)
+    with pytest.raises(KeyError, match="known: fcfs, slomax"):
+        make_admission("nope")
