@@ -107,6 +107,11 @@ class Pipeline(Generic[Payload]):
                 )
         return outcomes
 
+    def withdraw(self, request_id: str) -> bool:
+        """A held request's client went away: drop it from its pool; False if it was not
+        held (dispatched already, or answered)."""
+        return self.pools.withdraw(request_id) is not None
+
     def finished(self, request_id: str) -> None:
         """A dispatched request ended (completed, cancelled or failed)."""
         task_class = self._classes.pop(request_id, None)

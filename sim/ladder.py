@@ -50,9 +50,9 @@ def instance_capacity_rps(
     finished = np.array([r.e2e_s or 0.0 for r in done])
     backlog_s = admitted.max()
     if backlog_s <= 0:
-        return len(done) / finished.max()
+        return float(len(done) / finished.max())
     running_s = np.clip(np.minimum(finished, backlog_s) - admitted, 0.0, None)
-    return (running_s.sum() / backlog_s) / (finished - admitted).mean()
+    return float((running_s.sum() / backlog_s) / (finished - admitted).mean())
 
 
 def offered_rate_rps(requests: Sequence[TraceRequest]) -> float:

@@ -42,8 +42,9 @@ def summarize(
     duration = max(end - start, 1e-9)
     summary: dict[str, object] = {"duration_s": duration, **record_figures(records)}
     summary["throughput_tok_s"] = sum(r.output_tokens for r in done) / duration
-    summary["classes"] = _per_class(records, objectives, duration)
-    summary["goodput_tok_s"] = sum(c["goodput_tok_s"] for c in summary["classes"].values())
+    classes = _per_class(records, objectives, duration)
+    summary["classes"] = classes
+    summary["goodput_tok_s"] = sum(c["goodput_tok_s"] for c in classes.values())
     summary |= _balance(engines, duration)
     return summary
 
@@ -57,10 +58,13 @@ def record_figures(records: Sequence[RequestRecord]) -> dict[str, float]:
         "completed": len(done),
         "rejected": len(records) - len(done),
     }
-    figures |= latency_stats("ttft", [r.ttft_s for r in done])
-    figures |= latency_stats("tpot", [r.tpot_s for r in done if r.output_tokens > 1])
-    figures |= latency_stats("e2e", [r.e2e_s for r in done])
-    figures |= latency_stats("queue_wait", [r.queue_wait_s for r in done])
+    figures |= latency_stats("ttft", [r.ttft_s for r in done if r.ttft_s is not None])
+    multi = [r for r in done if r.output_tokens > 1]
+    figures |= latency_stats("tpot", [r.tpot_s for r in multi if r.tpot_s is not None])
+    figures |= latency_stats("e2e", [r.e2e_s for r in done if r.e2e_s is not None])
+    figures |= latency_stats(
+        "queue_wait", [r.queue_wait_s for r in done if r.queue_wait_s is not None]
+    )
     input_tokens = sum(r.input_tokens for r in done)
     figures["cache_hit_rate"] = sum(r.cached_tokens for r in done) / max(input_tokens, 1)
     return figures

@@ -14,7 +14,7 @@ class RequestRecord:
     task_class: str
     tenant: str
     outcome: str
-    """``completed`` or ``rejected``."""
+    """``completed``, ``rejected`` or ``cancelled`` (by its client)."""
     arrival_s: float
     dc: str | None
     instance_id: str | None
@@ -72,23 +72,51 @@ class RequestRecord:
 
     @classmethod
     def rejected(cls, request: TraceRequest, at_s: float) -> RequestRecord:
+        """Refused (or answered from a pool whose hold ran out) at ``at_s``: nothing ran."""
+        return cls.unfinished("rejected", request, at_s, None, None, None)
+
+    @classmethod
+    def cancelled(
+        cls,
+        request: TraceRequest,
+        at_s: float,
+        where: tuple[str, str] | None,
+        sequence: Sequence | None,
+    ) -> RequestRecord:
+        """Given up by its client at ``at_s``: held (``where`` None) or on an instance
+        (its id and DC), where ``sequence`` holds what the engine had done for it."""
+        instance, dc = where or (None, None)
+        return cls.unfinished("cancelled", request, at_s, instance, dc, sequence)
+
+    @classmethod
+    def unfinished(
+        cls,
+        outcome: str,
+        request: TraceRequest,
+        at_s: float,
+        instance_id: str | None,
+        dc: str | None,
+        sequence: Sequence | None,
+    ) -> RequestRecord:
+        """A request that did not complete; ``arrival_s`` holds when it ended, and
+        ``output_tokens`` the tokens generated for it (wasted)."""
         return cls(
             request.request_id,
             request.task_class.value,
             request.tenant,
-            "rejected",
+            outcome,
             at_s,
-            None,
-            None,
+            dc,
+            instance_id,
             None,
             None,
             None,
             None,
             request.input_tokens,
-            0,
-            0,
-            0,
-            0,
+            0 if sequence is None else max(sequence.cached_tokens, 0),
+            0 if sequence is None else sequence.generated,
+            0 if sequence is None else sequence.preemptions,
+            0 if sequence is None else sequence.recomputed_tokens,
             request.deadline_s,
         )
 

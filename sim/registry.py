@@ -8,6 +8,7 @@ from functools import partial
 from pathlib import Path
 
 from sim.labels import label
+from sim.mixed import load_mixed
 from sim.servegen import load_servegen
 from sim.synthetic import SharedPrefixSpec, shared_prefix
 from sim.traces import load_arxiv, load_azure, load_mooncake
@@ -21,6 +22,8 @@ class Source:
     description: str
     batch: bool = False
     """Offline work: labelled batch with a deadline (see sim/labels.py)."""
+    labelled: bool = False
+    """Its loader labels the requests itself (a mix of sources)."""
 
 
 TRACES: dict[str, Source] = {
@@ -31,6 +34,12 @@ TRACES: dict[str, Source] = {
     "servegen": Source(load_servegen, "ServeGen deepseek-r1 clients, first hour"),
     "shared-prefix": Source(
         partial(shared_prefix, SharedPrefixSpec()), "llm-d's shared-prefix benchmark workload"
+    ),
+    "mixed": Source(
+        load_mixed,
+        "interactive (Azure conv and code), long documents (Mooncake >= 16k) and batch "
+        "jobs (arXiv) over 10 minutes",
+        labelled=True,
     ),
     "shared-prefix-chat": Source(
         partial(shared_prefix, SharedPrefixSpec(rounds=4, rate_rps=2.0)),
@@ -44,6 +53,8 @@ def load_trace(name_or_path: str, *, limit: int | None = None, seed: int = 0) ->
     timestamps are replayed as given (only the named ``mooncake`` trace spreads its 3 s
     buckets)."""
     source = TRACES.get(name_or_path)
+    if source is not None and source.labelled:
+        return source.load(limit=limit, seed=seed)
     if source is not None:
         return label(source.load(limit=limit, seed=seed), batch=source.batch, seed=seed)
     path = Path(name_or_path)

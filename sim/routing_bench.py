@@ -11,8 +11,7 @@ what perfect placement could reach with the cache the fleet has.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from sim.metrics import latency_stats, record_figures
 from sim.profiles import profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
-from sim.run import RunConfig, simulate_run
+from sim.run import RunConfig, run_all
 from sim.simulator import HOST_TOKEN_LAG_S
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest, reusable_blocks
 
@@ -90,7 +89,7 @@ def bench_routing(
         for level, scale in zip(ladder, scales, strict=True)
     }
     outcomes = {}
-    for config, outcome in _run_all(list(levels_of), workload, jobs):
+    for config, outcome in run_all(list(levels_of), workload, jobs):
         outcomes[config] = outcome
         if progress:
             progress(f"{config.policy} at {levels_of[config]:g}")
@@ -109,20 +108,6 @@ def bench_routing(
     fleet_blocks = instances * chosen.engine.num_blocks
     document["fleet_cache_reference"] = lower_bound(workload, chosen, fleet_blocks)
     return document, pooled_records
-
-
-def _run_all(
-    configs: list[RunConfig], workload: list[TraceRequest], jobs: int
-) -> Iterator[tuple[RunConfig, tuple[dict, list[RequestRecord]]]]:
-    """Each run's outcome, as runs finish; worker processes load the trace themselves."""
-    if jobs <= 1:
-        for config in configs:
-            yield config, simulate_run(config, workload=workload)
-        return
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(simulate_run, config): config for config in configs}
-        for future in as_completed(futures):
-            yield futures[future], future.result()
 
 
 def _pooled(records: list[RequestRecord], levels: list[dict]) -> dict:

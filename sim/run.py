@@ -6,15 +6,18 @@ import csv
 import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from control.admission.registry import make_admission
 from control.routing import make_router
 from control.routing.tokenpilot import TokenPilotParams
 from control.step_time import Blackbox, StepTime
+from sim.clients import ClientModel
 from sim.cluster import Cluster, InstanceProfile
 from sim.ladder import rate_scales
 from sim.metrics import summarize
@@ -47,6 +50,8 @@ class RunConfig:
     owes to knowing the engines' own model."""
     admission: str = "fcfs"
     """The admission policy in front of the router (``control.admission.registry``)."""
+    clients: ClientModel | None = None
+    """How clients give up and retry (None: they wait for every answer, and never retry)."""
 
     def instance_profile(self) -> InstanceProfile:
         chosen = profile(self.profile)
@@ -55,7 +60,9 @@ class RunConfig:
 
 def misjudged(step_time: StepTime, error: float, seed: int) -> StepTime:
     """``step_time`` with each of its numeric terms times 1 + ``error`` or 1 - ``error``,
-    the sign drawn at random per term (seeded)."""
+    the sign drawn at random per term (seeded); a step model is a dataclass."""
+    assert is_dataclass(step_time)
+    assert not isinstance(step_time, type)
     rng = random.Random(seed)
     changed = {
         f.name: getattr(step_time, f.name) * (1 + error * rng.choice((-1, 1)))
@@ -77,7 +84,7 @@ def simulate_run(
     *,
     progress: bool = False,
     workload: list[TraceRequest] | None = None,
-) -> tuple[dict, list[RequestRecord]]:
+) -> tuple[dict[str, Any], list[RequestRecord]]:
     """Run ``config``; ``workload`` saves loading the trace again when it is at hand."""
     if workload is None:
         workload = load_trace(config.trace, limit=config.requests, seed=config.seed)
@@ -95,6 +102,7 @@ def simulate_run(
         router,
         token_lag_s=config.host_token_lag_s,
         admission=make_admission(config.admission),
+        clients=config.clients,
     )
     started = time.perf_counter()
     records = simulation.run(_with_progress(workload, progress, config.policy))
@@ -117,6 +125,22 @@ def simulate_run(
     return result, records
 
 
+def run_all(
+    configs: list[RunConfig], workload: list[TraceRequest], jobs: int
+) -> Iterator[tuple[RunConfig, tuple[dict[str, Any], list[RequestRecord]]]]:
+    """Each run's outcome, as runs finish, in ``jobs`` worker processes (which load the
+    trace themselves) or, with ``jobs`` 1, here; each run is the same deterministic
+    simulation either way."""
+    if jobs <= 1:
+        for config in configs:
+            yield config, simulate_run(config, workload=workload)
+        return
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(simulate_run, config): config for config in configs}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
+
 def write_records(records: Iterable[RequestRecord], path: Path) -> None:
     rows = [r.as_dict() for r in records]
     with path.open("w", newline="") as out:
@@ -131,12 +155,13 @@ def _with_progress(
 ) -> Iterator[TraceRequest] | list[TraceRequest]:
     if not show:
         return workload
-    return iter(tqdm(workload, desc=label, unit="req", leave=False))
+    bar: Iterator[TraceRequest] = iter(tqdm(workload, desc=label, unit="req", leave=False))
+    return bar
 
 
 def simulate_ladder(
     config: RunConfig, levels: Sequence[float], *, progress: bool = False
-) -> tuple[dict, list[RequestRecord]]:
+) -> tuple[dict[str, Any], list[RequestRecord]]:
     """The run at each load level (a share of the cluster's measured capacity)."""
     workload = load_trace(config.trace, limit=config.requests, seed=config.seed)
     scales = rate_scales(config.instance_profile(), workload, config.instances, levels)

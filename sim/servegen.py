@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def _windows(trace: Path, horizon_s: float) -> list[_Window]:
 
 
 def _arrivals(window: _Window, rng: random.Random) -> list[float]:
+    draw: Callable[[], float]
     if window.pattern == "Gamma":
         mean = window.shape * window.scale
         draw = lambda: rng.gammavariate(window.shape, window.scale)  # noqa: E731
@@ -87,7 +89,8 @@ def _arrivals(window: _Window, rng: random.Random) -> list[float]:
     else:
         raise ValueError(f"unknown inter-arrival pattern {window.pattern!r}")
     stretch = (1 / window.rate_rps) / mean
-    arrivals, now = [], window.start_s
+    arrivals: list[float] = []
+    now = window.start_s
     while True:
         now += draw() * stretch
         if now >= window.start_s + WINDOW_S:

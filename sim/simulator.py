@@ -35,15 +35,17 @@ from control.routing import (
     ReadsKvEvents,
     Router,
     RouteRequest,
+    Withdrawing,
     implements,
 )
 from schemas.openai_api import DEFAULT_CHAT_TOKENS
+from sim.clients import ClientModel
 from sim.cluster import Cluster
 from sim.engine import DecodeRun, Engine, Plan, Sequence, StepPlan
 from sim.records import RequestRecord
 from sim.workload import TraceRequest
 
-_ENTER, _STEP_END, _HOLD_ENDS = 0, 1, 2
+_ENTER, _STEP_END, _HOLD_ENDS, _GIVE_UP = 0, 1, 2, 3
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Simulation:
         scrape_interval_s: float = 0.05,
         token_lag_s: float = HOST_TOKEN_LAG_S,
         admission: Admission | None = None,
+        clients: ClientModel | None = None,
     ) -> None:
         self.token_lag_s = token_lag_s
         self.decode_runs = decode_runs
@@ -84,6 +87,13 @@ class Simulation:
         self.cluster = cluster
         self.router = router
         self.pipeline: Pipeline[TraceRequest] = Pipeline(admission or Fcfs(), router)
+        self.clients = clients
+        self._retries: list[tuple[float, int, TraceRequest]] = []
+        """Second attempts of clients that came back, by arrival."""
+        self._placed: dict[str, tuple[int, Sequence]] = {}
+        """Dispatched requests not yet completed: their instance and sequence."""
+        self._open: dict[str, TraceRequest] = {}
+        """Requests whose clients may still give up: arrived, and not yet ended."""
         self._kv_events = implements(router, ReadsKvEvents)
         self._follows = (
             cast(FollowsRequests, router) if implements(router, FollowsRequests) else None
@@ -111,7 +121,7 @@ class Simulation:
         self._awaiting_first_token: dict[str, float] = {}
         self._token_steps = np.full((size, 2), -np.inf)
         """Each engine's last two ends of a step that streamed tokens: older, newer."""
-        self._heap: list[tuple[float, int, int, int, Sequence | int]] = []
+        self._heap: list[tuple[float, int, int, int, Sequence | int | str]] = []
         self._order = 0
         self.records: list[RequestRecord] = []
         self.now = 0.0
@@ -120,7 +130,15 @@ class Simulation:
         """Serve every request to the end; records come in completion order."""
         arrivals = iter(requests)
         upcoming = next(arrivals, None)
-        while upcoming is not None or self._heap:
+        while upcoming is not None or self._heap or self._retries:
+            if self._retries and (upcoming is None or self._retries[0][0] < upcoming.arrival_s):
+                # a retry at the same moment as a trace arrival comes after it
+                retry = self._retries[0][2]
+                if not self._heap or retry.arrival_s <= self._heap[0][0]:
+                    heapq.heappop(self._retries)
+                    self.now = retry.arrival_s
+                    self._arrive(retry)
+                    continue
             if upcoming is not None and (not self._heap or upcoming.arrival_s <= self._heap[0][0]):
                 self.now = upcoming.arrival_s
                 self._arrive(upcoming)
@@ -132,6 +150,9 @@ class Simulation:
                 self._enter(index, payload)
             elif kind == _HOLD_ENDS:
                 self._release()
+            elif kind == _GIVE_UP:
+                assert isinstance(payload, str)
+                self._give_up(payload, first_token_only=bool(index))
             elif payload == self.instances[index].version:
                 self._end_step(index)
                 self._release()
@@ -173,6 +194,10 @@ class Simulation:
 
     def _arrive(self, request: TraceRequest) -> None:
         self._look()
+        if self.clients is not None and (gives_up := self.clients.gives_up_at(request)):
+            at, first_token_only = gives_up
+            self._open[request.request_id] = request
+            self._push(at, _GIVE_UP, int(first_token_only), request.request_id)
         route = RouteRequest(
             request.request_id,
             request.input_tokens,
@@ -210,9 +235,11 @@ class Simulation:
             return
         if index is None or not self.instances[index].engine.accepts(request):
             self.records.append(RequestRecord.rejected(request, self.now))
+            self._open.pop(request.request_id, None)
             self.pipeline.finished(request.request_id)
             if index is not None and self._follows is not None:
                 self._follows.ended(request.request_id)
+            self._come_back(request, outcome.admission.retry_after_s)
             return
         assert outcome.route is not None
         self._dispatch(index, request, outcome.route)
@@ -223,7 +250,64 @@ class Simulation:
         delay = instance.engine.step_time.admission_delay_s(request.input_tokens)
         instance.entering += 1
         self._inflight[index] += _charged_tokens(request)
-        self._push(self.now + delay, _ENTER, index, Sequence(request, self.now))
+        sequence = Sequence(request, self.now)
+        if request.request_id in self._open:
+            self._placed[request.request_id] = (index, sequence)
+        self._push(self.now + delay, _ENTER, index, sequence)
+
+    def _give_up(self, request_id: str, *, first_token_only: bool) -> None:
+        """The client stops waiting: a held request leaves its pool, a dispatched one is
+        cancelled on its engine (unless its first token came, when that was all the
+        client waited for); the client may come back once."""
+        request = self._open.pop(request_id, None)
+        if request is None:
+            return  # it ended already
+        placed = self._placed.get(request_id)
+        if placed is None:
+            if not self.pipeline.withdraw(request_id):
+                return
+            self.records.append(RequestRecord.cancelled(request, self.now, None, None))
+            self._come_back(request, None)
+            return
+        index, sequence = placed
+        plan = self.instances[index].plan
+        if isinstance(plan, DecodeRun):  # its steps up to now, which may finish it
+            self._apply_run(index, plan)
+        if sequence.finished_s is not None:
+            return
+        if first_token_only and sequence.first_token_s is not None:
+            return
+        self._cancel(index, sequence)
+        self._come_back(request, None)
+
+    def _cancel(self, index: int, sequence: Sequence) -> None:
+        """Stop a sequence on its engine and settle the host's books for it."""
+        instance = self.instances[index]
+        request_id = sequence.request.request_id
+        del self._placed[request_id]
+        instance.engine.cancel(sequence)
+        plan = instance.plan
+        if isinstance(plan, DecodeRun):  # the batch changed: its later steps are replanned
+            instance.engine.cut(plan)
+            self._schedule_end(index, plan.end_s)
+        self._inflight[index] -= _charged_tokens(sequence.request)
+        self._pending_prefill[index] -= self._awaiting_first_token.pop(request_id, 0.0)
+        where = (instance.instance_id, instance.dc)
+        self.records.append(RequestRecord.cancelled(sequence.request, self.now, where, sequence))
+        self.pipeline.finished(request_id)
+        if self._follows is not None:
+            self._follows.ended(request_id)
+        if implements(self.router, Withdrawing):
+            cast(Withdrawing, self.router).withdraw(request_id)
+
+    def _come_back(self, request: TraceRequest, retry_after_s: float | None) -> None:
+        """A client that was refused or gave up tries once more, if it is one that does."""
+        if self.clients is None:
+            return
+        retry = self.clients.retry(request, self.now, retry_after_s)
+        if retry is not None:
+            self._order += 1
+            heapq.heappush(self._retries, (retry.arrival_s, self._order, retry))
 
     def _count_pending(self, index: int, request: TraceRequest, decision: Decision) -> None:
         """The host's shared accounting, as the gateway keeps it: a routed request's prompt,
@@ -246,6 +330,8 @@ class Simulation:
     def _enter(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
         instance.entering -= 1
+        if sequence.cancelled:  # its client gave up during the admission delay
+            return
         instance.engine.add(sequence)
         plan = instance.plan
         if plan is None:
@@ -335,6 +421,8 @@ class Simulation:
             token_overhead_s=step_time.token_overhead_s,
         )
         self.records.append(record)
+        self._open.pop(request.request_id, None)
+        self._placed.pop(request.request_id, None)
         self.pipeline.finished(request.request_id)
         if self._follows is not None:
             self._follows.ended(request.request_id)
@@ -344,7 +432,7 @@ class Simulation:
                 Observation(request.request_id, index, record.ttft_s, request.output_tokens)
             )
 
-    def _push(self, time: float, kind: int, index: int, payload: Sequence | int) -> None:
+    def _push(self, time: float, kind: int, index: int, payload: Sequence | int | str) -> None:
         self._order += 1
         heapq.heappush(self._heap, (time, self._order, kind, index, payload))
 

@@ -44,7 +44,7 @@ def shared_prefix(
     for index in rng.sample(range(len(sessions)), len(sessions)):
         start += rng.expovariate(spec.rate_rps)
         heapq.heappush(pending, (start, index, 0))
-    requests = []
+    requests: list[TraceRequest] = []
     while pending and len(requests) < count:
         arrival, index, turn = heapq.heappop(pending)
         requests.append(_turn(spec, sessions[index], index, turn, arrival))

@@ -40,6 +40,8 @@ class ClassPools(Generic[Payload]):
     )
     _ends: list[tuple[float, int]] = field(default_factory=list)
     _live: dict[int, Waiting[Payload]] = field(default_factory=dict)
+    _orders: dict[str, int] = field(default_factory=dict)
+    """Each held request's entry, by request id."""
     _depth: dict[TaskClass, int] = field(default_factory=lambda: dict.fromkeys(TaskClass, 0))
     _released: dict[TaskClass, deque[float]] = field(
         default_factory=lambda: {c: deque() for c in TaskClass}
@@ -56,6 +58,7 @@ class ClassPools(Generic[Payload]):
             key = request.deadline_s
         self._order += 1
         self._live[self._order] = waiting
+        self._orders[request.request_id] = self._order
         self._depth[request.task_class] += 1
         heapq.heappush(self._heaps[request.task_class], (key, self._order))
         if waiting.hold_until_s != float("inf"):
@@ -82,6 +85,12 @@ class ClassPools(Generic[Payload]):
             if order in self._live:
                 yield self._take(order)
 
+    def withdraw(self, request_id: str) -> Waiting[Payload] | None:
+        """Take a held request out wherever it stands (its client went away); None if it
+        is not held."""
+        order = self._orders.get(request_id)
+        return None if order is None else self._take(order)
+
     def state(self, task_class: TaskClass, now_s: float) -> PoolState:
         released = self._released[task_class]
         while released and released[0] < now_s - DRAIN_WINDOW_S:
@@ -90,5 +99,6 @@ class ClassPools(Generic[Payload]):
 
     def _take(self, order: int) -> Waiting[Payload]:
         waiting = self._live.pop(order)
+        del self._orders[waiting.request.request_id]
         self._depth[waiting.request.task_class] -= 1
         return waiting

@@ -329,3 +329,39 @@ def test_the_bench_hands_tokenpilot_the_misjudged_model_and_says_so(tmp_path: Pa
     exact, wrong = (runs[e]["policies"] for e in ("0", "0.3"))
     assert exact["round_robin"] == wrong["round_robin"]  # no step model: unchanged
     assert exact["tokenpilot"] != wrong["tokenpilot"]
+
+
+def test_the_admission_benchmark_writes_every_policy_per_level_and_class(tmp_path: Path) -> None:
+    out, plot = tmp_path / "admission.json", tmp_path / "levels.png"
+    arguments = ["bench", "admission", "--requests", "400", "--instances", "2"]
+    arguments += ["--ladder", "0.8,1.5", "--json", str(out), "--plot", str(plot)]
+    assert main(arguments) == 0
+    document = json.loads(out.read_text())
+    assert (document["trace"], document["router"], document["requests"]) == (
+        "mixed",
+        "tokenpilot",
+        400,
+    )
+    assert set(document["policies"]) == {"fcfs", "slomax"}
+    fcfs = document["policies"]["fcfs"]
+    assert fcfs["rejected_share"] == 0.0  # it admits everything
+    for figures in document["policies"].values():
+        assert [level["level"] for level in figures["per_level"]] == [0.8, 1.5]
+        for level in figures["per_level"]:
+            assert level["arrivals"] >= 400  # second attempts are arrivals too
+            assert level["goodput_tok_s"] <= level["total_tok_s"]
+            assert set(level["per_class"]) == {"interactive", "long_document", "batch"}
+        assert 0.0 <= figures["compliance"] <= 1.0
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_capacity_at_90_percent_is_read_where_compliance_falls_through() -> None:
+    from sim.admission_bench import capacity_at
+
+    def ladder(*compliance: float) -> list[dict[str, float]]:
+        return [{"rate_rps": 10.0 * (n + 1), "compliance": c} for n, c in enumerate(compliance)]
+
+    assert capacity_at(ladder(0.95, 0.92, 0.80)) == pytest.approx(20 + 10 * 0.02 / 0.12)
+    assert capacity_at(ladder(0.99, 0.95, 0.91)) == 30.0  # never falls through: the top
+    assert capacity_at(ladder(0.85, 0.80)) is None  # misses it from the start
+    assert capacity_at(ladder(0.95, 0.85, 0.93)) == pytest.approx(10 + 10 * 0.05 / 0.10)

@@ -12,6 +12,7 @@ from control.routing.cache_aware import DynamoKv
 from control.routing.tokenpilot import TokenPilotParams
 from control.step_time import KneeRoofline
 from schemas.base import TaskClass
+from sim.clients import RETRY_SUFFIX, ClientModel
 from sim.cluster import Cluster, InstanceProfile
 from sim.engine import EngineConfig
 from sim.ladder import rate_scales
@@ -348,3 +349,43 @@ def test_slomax_keeps_a_batch_burst_out_of_the_chats_way_and_still_finishes_it()
     assert fcfs_p95 > 1.0  # the chats waited behind the burst
     assert slomax_p95 < fcfs_p95 / 10
     assert slomax_end < fcfs_end * 1.05  # the batch work finished about as soon
+
+
+def test_clients_that_wait_too_long_cancel_come_back_once_and_leave_no_work_behind() -> None:
+    """Ten 4,000-token prompts at once on one instance take seconds to prefill one after
+    another; clients that wait 2 s for a first token cancel, and all of them try once more."""
+    workload = [TraceRequest(f"r{n}", 0.01 * n, 4_000, 30, ()) for n in range(10)]
+    clients = ClientModel(interactive_patience_s=2.0, retry_share=1.0, retry_delay_s=0.5)
+    simulation = Simulation(
+        Cluster.single(_profile(num_blocks=4_000), 1), make_router("round_robin"), clients=clients
+    )
+    records = simulation.run(workload)
+    cancelled = [r for r in records if r.outcome == "cancelled"]
+    assert cancelled
+    assert all(r.ttft_s is None for r in cancelled)
+    firsts = {r.request_id for r in cancelled if not r.request_id.endswith(RETRY_SUFFIX)}
+    retried = {
+        r.request_id.removesuffix(RETRY_SUFFIX)
+        for r in records
+        if r.request_id.endswith(RETRY_SUFFIX)
+    }
+    assert retried == firsts  # every client that gave up came back, once
+    assert len(records) == len(workload) + len(firsts)
+    completed = [r for r in records if r.outcome == "completed"]
+    assert all(r.ttft_s <= 2.0 for r in completed)  # nobody stayed past their patience
+    engine = simulation.engines[0]
+    assert (engine.running, list(engine.waiting), engine.inflight_tokens) == ([], [], 0)
+    assert engine.pool.used_blocks == 0
+    assert not simulation.fleet().inflight_tokens.any()
+    assert not simulation.fleet().pending_prefill_tokens.any()
+
+
+def test_a_batch_client_gives_up_at_its_deadline_and_does_not_retry_past_it() -> None:
+    slow = TraceRequest("b", 0.0, 200, 5_000, (), TaskClass.BATCH, deadline_s=5.0)
+    clients = ClientModel(retry_share=1.0)
+    simulation = Simulation(
+        Cluster.single(_profile(), 1), make_router("round_robin"), clients=clients
+    )
+    [record] = simulation.run([slow])
+    assert (record.outcome, record.arrival_s) == ("cancelled", 5.0)
+    assert 0 < record.output_tokens < 5_000  # what it generated, wasted

@@ -107,3 +107,25 @@ def test_every_named_trace_loads_labelled_requests_in_arrival_order(name: str) -
 def test_an_unknown_trace_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="give one of mooncake, azure-conv"):
         load_trace("nope")
+
+
+def test_the_mixed_workload_labels_each_source_as_its_class() -> None:
+    from sim.mixed import BATCH_JOB_REQUESTS, WINDOW_S
+
+    mixed = load_trace("mixed")
+    assert len({r.request_id for r in mixed}) == len(mixed)
+    assert [r.arrival_s for r in mixed] == sorted(r.arrival_s for r in mixed)
+    assert max(r.arrival_s for r in mixed) < WINDOW_S
+    by_class = {c: [r for r in mixed if r.task_class is c] for c in TaskClass}
+    assert all(r.request_id.startswith("azure-") for r in by_class[TaskClass.INTERACTIVE])
+    documents = by_class[TaskClass.LONG_DOCUMENT]
+    assert documents
+    assert all(r.input_tokens >= LONG_DOCUMENT_TOKENS for r in documents)
+    assert all(r.prefix_blocks for r in documents if r.request_id.startswith("mooncake"))
+    batch = by_class[TaskClass.BATCH]
+    assert all(
+        r.request_id.startswith("arxiv-") and r.deadline_s == BATCH_DEADLINE_S for r in batch
+    )
+    jobs = [len(list(group)) for _, group in itertools.groupby(r.arrival_s for r in batch)]
+    assert set(jobs) == {BATCH_JOB_REQUESTS}  # submitted a job at a time
+    assert load_trace("mixed", limit=100) == mixed[:100]

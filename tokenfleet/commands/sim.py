@@ -241,6 +241,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--json", type=Path, required=True, help="write the figures here")
     sim.set_defaults(handler=_bench_sim)
     _add_bench_routing(sub)
+    _add_bench_admission(sub)
     decision = sub.add_parser(
         "decision",
         help="time one routing decision at 16 to 4,096 instances (16k-token prompt)",
@@ -352,9 +353,10 @@ def _bench_decision(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
+    from control.routing import ROUTERS
     from sim.decision_bench import SIZES, time_decisions
 
-    policies = _known_policies(args.policies)
+    policies = _known(args.policies, ROUTERS)
     figures = [
         row
         for size in tqdm(SIZES, desc="fleet sizes", unit="size", leave=False)
@@ -371,20 +373,81 @@ def _bench_decision(args: argparse.Namespace) -> int:
     return 0
 
 
-def _known_policies(policies: Sequence[str]) -> list[str]:
-    """``policies`` as given; a CliError naming any that no router answers to."""
-    from control.routing import ROUTERS
-
-    unknown = sorted(set(policies) - set(ROUTERS))
+def _known(names: Sequence[str], known: Iterable[str], what: str = "policies") -> list[str]:
+    """``names`` as given; a CliError naming any that ``known`` lacks."""
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        raise CliError(f"unknown policies: {', '.join(unknown)}")
-    return list(policies)
+        raise CliError(f"unknown {what}: {', '.join(unknown)}")
+    return list(names)
+
+
+def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
+    from control.admission.registry import ADMISSIONS
+    from sim.admission_bench import ADMISSION_LADDER
+
+    admission = sub.add_parser(
+        "admission",
+        help="every admission policy in front of one router, across a ladder past capacity",
+        description="Runs each admission policy in front of the same router on the same "
+        "workload, cluster and seed at each ladder level (shares of the cluster's measured "
+        "capacity), with clients that give up and retry (sim/clients.py); writes goodput, "
+        "compliance, waste and rejections per policy, pooled and per level and per class.",
+    )
+    admission.add_argument("--trace", default="mixed", help="default: mixed. " + _trace_help())
+    _add_ladder_options(admission, ADMISSION_LADDER, ADMISSIONS)
+    admission.add_argument("--router", default="tokenpilot", help="the router behind every policy")
+    admission.add_argument("--plot", type=Path, help="write goodput and compliance per level here")
+    admission.set_defaults(handler=_bench_admission)
+
+
+def _bench_admission(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from control.admission.registry import ADMISSIONS
+    from control.routing import ROUTERS
+    from sim.admission_bench import bench_admission, plot_levels
+
+    policies = _known(args.policies or list(ADMISSIONS), ADMISSIONS, "admission policies")
+    _known([args.router], ROUTERS, "routers")
+    with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
+        try:
+            document = bench_admission(
+                args.trace,
+                instances=args.instances,
+                profile_name=args.profile,
+                ladder=args.ladder,
+                requests=args.requests,
+                seed=args.seed,
+                policies=policies,
+                router=args.router,
+                jobs=args.jobs,
+                progress=lambda label: (bar.set_postfix_str(label), bar.update()),
+            )
+        except (ValueError, KeyError) as exc:
+            raise CliError(str(exc)) from None
+    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    if args.plot:
+        plot_levels(document, args.plot)
+    print(
+        f"{'policy':22}{'goodput':>10}{'total':>10}{'comply':>8}{'chat':>8}{'reject':>8}"
+        f"{'wasted':>10}{'cap@90%':>9}"
+    )
+    for policy, result in document["policies"].items():
+        chat = result["per_class"].get("interactive", {}).get("compliance", float("nan"))
+        capacity = result["capacity_at_90_rps"]
+        print(
+            f"{policy:22}{result['goodput_tok_s']:>10.0f}{result['total_tok_s']:>10.0f}"
+            f"{result['compliance']:>8.1%}{chat:>8.1%}{result['rejected_share']:>8.1%}"
+            f"{result['wasted_tok']:>10,}{'-' if capacity is None else f'{capacity:.1f}':>9}"
+        )
+    return 0
 
 
 def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
     from control.routing import ROUTERS
     from sim.ladder import DEFAULT_LADDER
-    from sim.profiles import PROFILES
 
     routing = sub.add_parser(
         "routing",
@@ -398,17 +461,7 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
         required=True,
         help=_trace_help(),
     )
-    routing.add_argument("--instances", type=int, default=16)
-    routing.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
-    routing.add_argument(
-        "--ladder",
-        type=_levels,
-        default=list(DEFAULT_LADDER),
-        metavar="L1,L2,...",
-        help="default: 0.5,0.8,1,1.2",
-    )
-    routing.add_argument("--requests", type=int, help="only the first N requests")
-    routing.add_argument("--seed", type=int, default=0)
+    _add_ladder_options(routing, DEFAULT_LADDER, ROUTERS)
     _add_token_lags(routing)
     routing.add_argument(
         "--step-model-error",
@@ -419,21 +472,40 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
         "by this fraction, up or down at random per term (e.g. 0.15), while the simulated "
         "engines step with the true one (default 0: the engines' own model)",
     )
-    routing.add_argument(
+    routing.add_argument("--plot", type=Path, help="write TTFT CDFs per policy here (PNG)")
+    routing.set_defaults(handler=_bench_routing)
+
+
+def _add_ladder_options(
+    parser: argparse.ArgumentParser, ladder: Sequence[float], policies: Iterable[str]
+) -> None:
+    """The options every ladder benchmark takes: cluster, ladder, sample, policies, jobs."""
+    from sim.profiles import PROFILES
+
+    parser.add_argument("--instances", type=int, default=16)
+    parser.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
+    parser.add_argument(
+        "--ladder",
+        type=_levels,
+        default=list(ladder),
+        metavar="L1,L2,...",
+        help="default: " + ",".join(f"{level:g}" for level in ladder),
+    )
+    parser.add_argument("--requests", type=int, help="only the first N requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
         "--policies",
         type=lambda t: t.split(","),
         default=None,
-        help=f"comma-separated subset of: {', '.join(ROUTERS)}",
+        help=f"comma-separated subset of: {', '.join(policies)}",
     )
-    routing.add_argument(
+    parser.add_argument(
         "--jobs",
         type=int,
         default=1,
         help="runs at once, each in its own process (default 1); figures do not depend on it",
     )
-    routing.add_argument("--json", type=Path, required=True, help="write the figures here")
-    routing.add_argument("--plot", type=Path, help="write TTFT CDFs per policy here (PNG)")
-    routing.set_defaults(handler=_bench_routing)
+    parser.add_argument("--json", type=Path, required=True, help="write the figures here")
 
 
 def _bench_routing(args: argparse.Namespace) -> int:
@@ -444,7 +516,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
     from control.routing import ROUTERS
     from sim.routing_bench import bench_routing, plot_ttft_cdfs
 
-    policies = _known_policies(args.policies or list(ROUTERS))
+    policies = _known(args.policies or list(ROUTERS), ROUTERS)
     with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
             document, records = bench_routing(

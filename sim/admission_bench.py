@@ -1,0 +1,199 @@
+"""Every admission policy in front of the same router, on one workload, across a load
+ladder that runs past capacity: ``tokenfleet bench admission``.
+
+Per policy and level, and pooled over the ladder (rates averaged over levels, shares
+over every level's arrivals together):
+
+- ``total_tok_s``: output tokens of completed requests per second of the run;
+- ``goodput_tok_s``: the same, of requests that met their class's objective;
+- ``compliance``: requests that met their objective over all arrivals (a client's second
+  attempt is an arrival of its own; a rejected or cancelled request did not comply);
+- ``wasted_tok``: tokens generated for requests that did not complete (cancelled by their
+  client, or given up at a deadline); a request run twice wastes its first run's tokens;
+- ``rejected_share`` and ``cancelled_share`` of arrivals;
+- ``per_class``: the same for each class, with TTFT and TPOT P50 / P95.
+
+``capacity_at_90_rps``: the highest arrival rate at which 90 % of requests still meet
+their objective (DistServe's goodput, Zhong et al., OSDI 2024), read off the ladder by
+linear interpolation between the levels around the crossing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from control.admission.registry import ADMISSIONS
+from schemas.base import TaskClass
+from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
+from sim.clients import ClientModel
+from sim.ladder import instance_capacity_rps, offered_rate_rps
+from sim.metrics import latency_stats, met_objective
+from sim.profiles import profile
+from sim.records import RequestRecord
+from sim.registry import load_trace
+from sim.run import RunConfig, run_all
+
+ADMISSION_LADDER = (0.8, 1.0, 1.2, 1.5)
+ATTAINMENT = 0.9
+Progress = Callable[[str], None]
+
+
+def bench_admission(
+    trace: str = "mixed",
+    *,
+    instances: int = 16,
+    profile_name: str = "llama3-70b-4xh100",
+    ladder: Sequence[float] = ADMISSION_LADDER,
+    requests: int | None = None,
+    seed: int = 0,
+    policies: Sequence[str] | None = None,
+    router: str = "tokenpilot",
+    clients: ClientModel | None = None,
+    jobs: int = 1,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """The benchmark's JSON document; ``clients`` None: the default ``ClientModel``."""
+    chosen = profile(profile_name)
+    clients = clients or ClientModel(seed=seed)
+    workload = load_trace(trace, limit=requests, seed=seed)
+    capacity = instance_capacity_rps(chosen, workload) * instances
+    offered = offered_rate_rps(workload)
+    names = list(policies or ADMISSIONS)
+    levels_of = {
+        RunConfig(
+            trace,
+            instances,
+            router,
+            profile_name,
+            requests,
+            level * capacity / offered,
+            seed,
+            admission=policy,
+            clients=clients,
+        ): level
+        for policy in names
+        for level in ladder
+    }
+    records_of: dict[RunConfig, list[RequestRecord]] = {}
+    for config, (_, records) in run_all(list(levels_of), workload, jobs):
+        records_of[config] = records
+        if progress:
+            progress(f"{config.admission} at {levels_of[config]:g}")
+    document: dict[str, Any] = {
+        "trace": trace,
+        "instances": instances,
+        "profile": profile_name,
+        "router": router,
+        "ladder": list(ladder),
+        "capacity_rps": capacity,
+        "seed": seed,
+        "requests": len(workload),
+        "clients": {
+            "patience_s": {c.value: s for c, s in clients.patience_s().items()},
+            "retry_share": clients.retry_share,
+            "retry_delay_s": clients.retry_delay_s,
+        },
+        "policies": {},
+    }
+    for policy in names:
+        runs = [(level, records_of[c]) for c, level in levels_of.items() if c.admission == policy]
+        per_level = [{"level": lv, "rate_rps": lv * capacity, **figures(rs)} for lv, rs in runs]
+        pooled = figures([r for _, rs in runs for r in rs])
+        for rate in ("total_tok_s", "goodput_tok_s"):
+            pooled[rate] = float(np.mean([level[rate] for level in per_level]))
+        pooled["capacity_at_90_rps"] = capacity_at(per_level)
+        document["policies"][policy] = pooled | {"per_level": per_level}
+    return document
+
+
+def figures(
+    records: Sequence[RequestRecord],
+    objectives: Mapping[TaskClass, ClassObjective] = DEFAULT_OBJECTIVES,
+) -> dict[str, Any]:
+    """The benchmark's figures of one run's records (or several runs' together, whose
+    rates are then over the span they all cover)."""
+    result = _outcomes(records, objectives)
+    result["per_class"] = {
+        task_class: _outcomes([r for r in records if r.task_class == task_class], objectives)
+        | _latencies([r for r in records if r.task_class == task_class])
+        for task_class in sorted({r.task_class for r in records})
+    }
+    return result
+
+
+def capacity_at(
+    per_level: Sequence[Mapping[str, Any]], attainment: float = ATTAINMENT
+) -> float | None:
+    """The arrival rate where compliance falls through ``attainment``, interpolated
+    between the ladder's levels; the top level's rate if it never falls through, None if
+    even the lowest level misses it."""
+    points = sorted((float(lv["rate_rps"]), float(lv["compliance"])) for lv in per_level)
+    if not points or points[0][1] < attainment:
+        return None
+    for (rate, share), (next_rate, next_share) in pairwise(points):
+        if next_share < attainment:
+            return rate + (share - attainment) / (share - next_share) * (next_rate - rate)
+    return float(points[-1][0])
+
+
+def _outcomes(
+    records: Sequence[RequestRecord], objectives: Mapping[TaskClass, ClassObjective]
+) -> dict[str, Any]:
+    done = [r for r in records if r.outcome == "completed"]
+    met = [r for r in done if met_objective(r, objectives)]
+    start = min((r.arrival_s for r in records), default=0.0)
+    end = max((r.arrival_s + (r.e2e_s or 0.0) for r in records), default=0.0)
+    duration = max(end - start, 1e-9)
+    arrivals = max(len(records), 1)
+    return {
+        "arrivals": len(records),
+        "total_tok_s": sum(r.output_tokens for r in done) / duration,
+        "goodput_tok_s": sum(r.output_tokens for r in met) / duration,
+        "compliance": len(met) / arrivals,
+        "wasted_tok": sum(r.output_tokens for r in records if r.outcome != "completed"),
+        "rejected_share": sum(r.outcome == "rejected" for r in records) / arrivals,
+        "cancelled_share": sum(r.outcome == "cancelled" for r in records) / arrivals,
+    }
+
+
+def _latencies(records: Sequence[RequestRecord]) -> dict[str, float]:
+    done = [r for r in records if r.outcome == "completed"]
+    ttft = latency_stats("ttft", [r.ttft_s for r in done if r.ttft_s is not None])
+    tpot = latency_stats(
+        "tpot", [r.tpot_s for r in done if r.tpot_s is not None and r.output_tokens > 1]
+    )
+    return {k: v for k, v in (ttft | tpot).items() if "p50" in k or "p95" in k}
+
+
+def plot_levels(document: Mapping[str, Any], path: Path) -> None:
+    """Goodput and compliance per level, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (goodput, compliance) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for policy, result in document["policies"].items():
+        levels = [level["level"] for level in result["per_level"]]
+        width = 2.2 if policy == "slomax" else 1.2
+        for axes, figure_name in ((goodput, "goodput_tok_s"), (compliance, "compliance")):
+            values = [level[figure_name] for level in result["per_level"]]
+            axes.plot(levels, values, marker="o", linewidth=width, label=policy)
+    goodput.set_ylabel("goodput (output tokens/s meeting their objective)")
+    compliance.set_ylabel("share of arrivals meeting their objective")
+    compliance.axhline(ATTAINMENT, color="grey", linestyle=":", linewidth=1)
+    for axes in (goodput, compliance):
+        axes.set_xlabel("offered load (share of measured capacity)")
+        axes.grid(True, alpha=0.3)
+    compliance.legend(fontsize=8)
+    figure.suptitle(
+        f"{document['trace']}, {document['instances']} instances, router {document['router']}"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
