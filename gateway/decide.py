@@ -85,7 +85,7 @@ class Decider:
         quotas = self.quotas.current(self.local_dc)
         self.metrics.control_defaults.labels("quotas").set(quotas is None)
         quota = _quota_for(quotas, inbound) if quotas else None
-        if quota is None:
+        if quota is None or quota.tokens_per_s is None or quota.burst_tokens is None:
             return
         amount = min(inbound.input_tokens + inbound.output_budget, quota.burst_tokens)
         bucket = f"{self.local_dc}:{quota.task_class.value}:{quota.tenant or '*'}"

@@ -32,9 +32,15 @@ class ControlSnapshot(VersionedSnapshot):
 class ClassQuota(Frozen):
     task_class: TaskClass
     tenant: Identifier | None = Field(default=None, description="None: the whole class.")
-    tokens_per_s: NonNegFloat = Field(description="Refill rate of the admission token bucket.")
-    burst_tokens: NonNegInt
-    max_concurrency: NonNegInt
+    tokens_per_s: NonNegFloat | None = Field(
+        default=None, description="Refill rate of the admission token bucket (None: no bucket)."
+    )
+    burst_tokens: NonNegInt | None = Field(
+        default=None, description="The bucket's size (None: no bucket)."
+    )
+    max_concurrency: NonNegInt | None = Field(
+        default=None, description="Requests of the class in flight at once (None: no limit)."
+    )
     reserved_share: Fraction = Field(
         default=0.0, description="Share of capacity held back for this class alone."
     )

@@ -4,7 +4,9 @@ ladder that runs past capacity: ``tokenfleet bench admission``.
 Per policy and level, and pooled over the ladder (rates averaged over levels, shares
 over every level's arrivals together):
 
-- ``total_tok_s``: output tokens of completed requests per second of the run;
+- ``total_tok_s``: output tokens of completed requests per second of the level's arrival
+  window (the same span for every policy, so a policy that finishes work later, within its
+  deadline, is not charged for the time it took);
 - ``goodput_tok_s``: the same, of requests that met their class's objective;
 - ``compliance``: requests that met their objective over all arrivals (a client's second
   attempt is an arrival of its own; a rejected or cancelled request did not comply);
@@ -80,6 +82,7 @@ def bench_admission(
         for level in ladder
     }
     records_of: dict[RunConfig, list[RequestRecord]] = {}
+    span = workload[-1].arrival_s - workload[0].arrival_s
     for config, (_, records) in run_all(list(levels_of), workload, jobs):
         records_of[config] = records
         if progress:
@@ -102,8 +105,18 @@ def bench_admission(
     }
     for policy in names:
         runs = [(level, records_of[c]) for c, level in levels_of.items() if c.admission == policy]
-        per_level = [{"level": lv, "rate_rps": lv * capacity, **figures(rs)} for lv, rs in runs]
-        pooled = figures([r for _, rs in runs for r in rs])
+        per_level = [
+            {
+                "level": lv,
+                "rate_rps": lv * capacity,
+                **figures(rs, span * offered / (lv * capacity)),
+            }
+            for lv, rs in runs
+        ]
+        pooled = figures(
+            [r for _, rs in runs for r in rs],
+            sum(span * offered / (lv * capacity) for lv, _ in runs),
+        )
         for rate in ("total_tok_s", "goodput_tok_s"):
             pooled[rate] = float(np.mean([level[rate] for level in per_level]))
         pooled["capacity_at_90_rps"] = capacity_at(per_level)
@@ -113,13 +126,16 @@ def bench_admission(
 
 def figures(
     records: Sequence[RequestRecord],
+    window_s: float,
     objectives: Mapping[TaskClass, ClassObjective] = DEFAULT_OBJECTIVES,
 ) -> dict[str, Any]:
-    """The benchmark's figures of one run's records (or several runs' together, whose
-    rates are then over the span they all cover)."""
-    result = _outcomes(records, objectives)
+    """The benchmark's figures of one run's records, rates per second of ``window_s`` (or
+    several runs' together, over the sum of their windows)."""
+    result = _outcomes(records, window_s, objectives)
     result["per_class"] = {
-        task_class: _outcomes([r for r in records if r.task_class == task_class], objectives)
+        task_class: _outcomes(
+            [r for r in records if r.task_class == task_class], window_s, objectives
+        )
         | _latencies([r for r in records if r.task_class == task_class])
         for task_class in sorted({r.task_class for r in records})
     }
@@ -142,13 +158,13 @@ def capacity_at(
 
 
 def _outcomes(
-    records: Sequence[RequestRecord], objectives: Mapping[TaskClass, ClassObjective]
+    records: Sequence[RequestRecord],
+    window_s: float,
+    objectives: Mapping[TaskClass, ClassObjective],
 ) -> dict[str, Any]:
     done = [r for r in records if r.outcome == "completed"]
     met = [r for r in done if met_objective(r, objectives)]
-    start = min((r.arrival_s for r in records), default=0.0)
-    end = max((r.arrival_s + (r.e2e_s or 0.0) for r in records), default=0.0)
-    duration = max(end - start, 1e-9)
+    duration = max(window_s, 1e-9)
     arrivals = max(len(records), 1)
     return {
         "arrivals": len(records),

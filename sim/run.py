@@ -13,12 +13,13 @@ from typing import Any
 
 from tqdm import tqdm  # type: ignore[import-untyped]
 
-from control.admission.registry import make_admission
+from control.admission.registry import CONTROLLED, make_admission
 from control.routing import make_router
 from control.routing.tokenpilot import TokenPilotParams
 from control.step_time import Blackbox, StepTime
 from sim.clients import ClientModel
 from sim.cluster import Cluster, InstanceProfile
+from sim.control_loop import QuotaLoop
 from sim.ladder import rate_scales
 from sim.metrics import summarize
 from sim.profiles import profile
@@ -103,6 +104,7 @@ def simulate_run(
         token_lag_s=config.host_token_lag_s,
         admission=make_admission(config.admission),
         clients=config.clients,
+        control=QuotaLoop() if config.admission in CONTROLLED else None,
     )
     started = time.perf_counter()
     records = simulation.run(_with_progress(workload, progress, config.policy))

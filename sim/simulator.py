@@ -41,11 +41,12 @@ from control.routing import (
 from schemas.openai_api import DEFAULT_CHAT_TOKENS
 from sim.clients import ClientModel
 from sim.cluster import Cluster
+from sim.control_loop import QuotaLoop
 from sim.engine import DecodeRun, Engine, Plan, Sequence, StepPlan
 from sim.records import RequestRecord
 from sim.workload import TraceRequest
 
-_ENTER, _STEP_END, _HOLD_ENDS, _GIVE_UP = 0, 1, 2, 3
+_ENTER, _STEP_END, _HOLD_ENDS, _GIVE_UP, _CONTROL = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Simulation:
         token_lag_s: float = HOST_TOKEN_LAG_S,
         admission: Admission | None = None,
         clients: ClientModel | None = None,
+        control: QuotaLoop | None = None,
     ) -> None:
         self.token_lag_s = token_lag_s
         self.decode_runs = decode_runs
@@ -88,6 +90,7 @@ class Simulation:
         self.router = router
         self.pipeline: Pipeline[TraceRequest] = Pipeline(admission or Fcfs(), router)
         self.clients = clients
+        self.control = control
         self._retries: list[tuple[float, int, TraceRequest]] = []
         """Second attempts of clients that came back, by arrival."""
         self._placed: dict[str, tuple[int, Sequence]] = {}
@@ -130,6 +133,8 @@ class Simulation:
         """Serve every request to the end; records come in completion order."""
         arrivals = iter(requests)
         upcoming = next(arrivals, None)
+        if self.control is not None and upcoming is not None:
+            self._push(upcoming.arrival_s + self.control.period_s, _CONTROL, -1, 0)
         while upcoming is not None or self._heap or self._retries:
             if self._retries and (upcoming is None or self._retries[0][0] < upcoming.arrival_s):
                 # a retry at the same moment as a trace arrival comes after it
@@ -150,6 +155,12 @@ class Simulation:
                 self._enter(index, payload)
             elif kind == _HOLD_ENDS:
                 self._release()
+            elif kind == _CONTROL:
+                assert self.control is not None
+                if (quotas := self.control.tick(self.records, self.now)) is not None:
+                    self.pipeline.quotas = quotas
+                if upcoming is not None or self._heap or self._retries:
+                    self._push(self.now + self.control.period_s, _CONTROL, -1, 0)
             elif kind == _GIVE_UP:
                 assert isinstance(payload, str)
                 self._give_up(payload, first_token_only=bool(index))

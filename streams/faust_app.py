@@ -113,9 +113,9 @@ def build_app(
     async def join(stream: faust.StreamT) -> None:
         async for event in stream.events():
             envelope = await decoded(event)
-            if envelope is None or not outcomes.relevant(envelope):
+            key = None if envelope is None else outcomes.request_of(envelope)
+            if envelope is None or key is None:
                 continue
-            key = envelope.payload.request_id  # type: ignore[attr-defined]
             partition = event.message.partition
             state = joins.get(key) or outcomes.new_state()
             released = outcomes.apply(state, envelope)

@@ -52,6 +52,10 @@ ADMISSIONS: dict[str, Callable[[], Admission]] = {
 }
 """Every admission policy, one line each."""
 
+CONTROLLED = frozenset({"slomax"})
+"""The policies whose quotas a controller adjusts from the goodput table (SLOMax's,
+``control.controllers.slomax``); hosts run the loop beside them."""
+
 
 def make_admission(name: str) -> Admission:
     """The admission policy ``name``, or KeyError naming the known ones."""

@@ -33,6 +33,11 @@ class SLOMaxParams:
     interference_bound: bool = True
     """At most ``long_prefill_cap_tokens`` of prompt pending prefill on an instance that
     takes a long prompt, so a long document's prefill never stacks on another's."""
+    long_partition_share: Annotated[float, Field(ge=0, le=1)] = 0.5
+    """Share of the instances that take long prompts, and that interactive requests avoid
+    while the others have room (0: no partition); a quota's ``reserved_share`` for
+    long_document names it once the controller publishes one. Half, to start: on the
+    mixed workload long prompts are 70 % of prompt tokens, much of it cached."""
     reserved_kv_share: Annotated[float, Field(ge=0, le=1)] = 0.15
     """The default interactive reservation, until a quota names one (its ``reserved_share``)."""
     long_prefill_cap_tokens: Annotated[int, Field(ge=1)] = LONG_DOCUMENT_TOKENS
@@ -83,7 +88,8 @@ class SLOMax:
         p, fleet, task_class = self.params, view.fleet, request.task_class
         allowed = fleet.ready.copy()
         quota = view.quotas.get(task_class)
-        if quota is not None and view.inflight.get(task_class, 0) >= quota.max_concurrency:
+        limit = None if quota is None else quota.max_concurrency
+        if limit is not None and view.inflight.get(task_class, 0) >= limit:
             return "concurrency", allowed
         if view.rate_wait_s.get(task_class, 0.0) > 0:
             return "rate", allowed
@@ -93,11 +99,30 @@ class SLOMax:
             allowed &= fleet.waiting == 0
             if view.kv_use() >= 1 - reserved or not allowed.any():
                 return "reservation", allowed
+        allowed &= self._partition(request, view)
         if p.interference_bound and request.input_tokens >= LONG_DOCUMENT_TOKENS:
             allowed &= fleet.pending_prefill_tokens < p.long_prefill_cap_tokens
             if not allowed.any():
                 return "prefill_cap", allowed
         return (None if allowed.any() else "no_instance"), allowed
+
+    def _partition(self, request: AdmissionRequest, view: AdmissionView) -> BoolArray:
+        """The instances of the request's side of the long-prompt partition: the last rows
+        of the fleet take long prompts; interactive requests keep off them while the
+        other side has a ready instance. Everything else may go anywhere."""
+        fleet = view.fleet
+        everywhere = np.ones(len(fleet), dtype=np.bool_)
+        quota = view.quotas.get(TaskClass.LONG_DOCUMENT)
+        share = self.params.long_partition_share if quota is None else quota.reserved_share
+        rows = min(len(fleet) - 1, round(share * len(fleet)))
+        if rows <= 0:
+            return everywhere
+        long_side = np.arange(len(fleet)) >= len(fleet) - rows
+        if request.input_tokens >= LONG_DOCUMENT_TOKENS:
+            return long_side
+        if request.task_class is TaskClass.INTERACTIVE and (fleet.ready & ~long_side).any():
+            return ~long_side
+        return everywhere
 
     def _reject(self, reason: str, held: bool, figures: dict[str, float]) -> AdmissionDecision:
         retry = None if held else self.params.retry_after_s

@@ -103,13 +103,37 @@ class DcTables:
             if at in self.fleet:
                 fleet.merge(self.fleet[at])
         start = slices[0]
-        window = {"dc": dc, "version": int(now * 1000), "window_start": start, "window_end": now}
+        version = int(now * 1000)
         classes, tenants = rows(groups)
         span = now - start
+        kv = fleet.kv_totals(span)
         return [
-            CapacityTable(**window, rows=fleet.capacity_rows(span, now)),
-            KvTable(**window, **fleet.kv_totals(span), instances=fleet.kv_rows(span)),
-            GoodputTable(**window, classes=classes, tenants=tenants),
+            CapacityTable(
+                dc=dc,
+                version=version,
+                window_start=start,
+                window_end=now,
+                rows=fleet.capacity_rows(span, now),
+            ),
+            KvTable(
+                dc=dc,
+                version=version,
+                window_start=start,
+                window_end=now,
+                pressure=kv["pressure"],
+                prefix_hit_rate=kv["prefix_hit_rate"],
+                evictions_per_s=kv["evictions_per_s"],
+                preemptions_per_s=kv["preemptions_per_s"],
+                instances=fleet.kv_rows(span),
+            ),
+            GoodputTable(
+                dc=dc,
+                version=version,
+                window_start=start,
+                window_end=now,
+                classes=classes,
+                tenants=tenants,
+            ),
         ]
 
     def _fleet(self, at: float) -> FleetSlice:
@@ -155,8 +179,7 @@ class TableBuilder:
 
     def feed(self, envelope: Envelope) -> None:
         payload = envelope.payload
-        if outcomes.relevant(envelope):
-            request_id = payload.request_id
+        if (request_id := outcomes.request_of(envelope)) is not None:
             state = self.requests.setdefault(request_id, outcomes.new_state())
             for outcome in outcomes.apply(state, envelope):
                 self.add_outcome(outcome)

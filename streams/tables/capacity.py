@@ -125,7 +125,7 @@ class FleetSlice:
 
     def _grown(self, instance: str, counter: str) -> int:
         """Growth of a counter over the window (a restart, which resets it, counts 0)."""
-        return max(0, self.latest[instance][counter] - self.first[instance][counter])
+        return max(0, int(self.latest[instance][counter] - self.first[instance][counter]))
 
     def _hits(self, instance: str) -> tuple[int, int]:
         return self._grown(instance, "prefix_cache_hits"), self._grown(

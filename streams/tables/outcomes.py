@@ -106,8 +106,10 @@ _LIFECYCLE = (
 )
 
 
-def relevant(envelope: Envelope) -> bool:
-    return isinstance(envelope.payload, _LIFECYCLE)
+def request_of(envelope: Envelope) -> str | None:
+    """The request a lifecycle event is about; None for any other event."""
+    payload = envelope.payload
+    return payload.request_id if isinstance(payload, _LIFECYCLE) else None
 
 
 def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:

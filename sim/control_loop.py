@@ -1,0 +1,89 @@
+"""The SLOMax controller run on a simulated fleet, through the same table logic the live
+stream processors run (``streams.tables``): every ``period_s`` of simulated time, the
+records that ended become outcomes, the outcomes update the DC's goodput table, and the
+controller's quotas, when they change, reach the pipeline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from control.controllers.slomax import QuotaController, attainment, long_share
+from schemas.base import TaskClass
+from schemas.control import AdmissionQuotas, ClassQuota
+from schemas.objectives import DEFAULT_OBJECTIVES
+from schemas.tables import GoodputTable
+from sim.records import RequestRecord
+from streams.tables.builder import DcTables
+from streams.tables.outcomes import Outcome, OutcomeKind
+from streams.tables.windows import WindowSpec
+
+_KINDS = {
+    "completed": OutcomeKind.COMPLETED,
+    "cancelled": OutcomeKind.CANCELLED,
+    "rejected": OutcomeKind.FAILED,
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pass of the loop, for the plot of its outputs over time."""
+
+    at_s: float
+    long_share: float
+    interactive_compliance: float
+    long_document_compliance: float
+
+
+@dataclass
+class QuotaLoop:
+    controller: QuotaController = field(default_factory=QuotaController)
+    period_s: float = 5.0
+    window: WindowSpec = field(default_factory=lambda: WindowSpec(60.0, 5.0, 10.0))
+    dc: str = "dc"
+    quotas: AdmissionQuotas | None = None
+    steps: list[Step] = field(default_factory=list)
+    _tables: DcTables = field(default_factory=DcTables)
+    _counted: int = 0
+
+    def tick(self, records: list[RequestRecord], now: float) -> dict[TaskClass, ClassQuota] | None:
+        """Count the records that ended since the last pass and reconcile; the quotas by
+        class when they changed, else None."""
+        for record in records[self._counted :]:
+            outcome = _outcome(record, self.dc)
+            objective = DEFAULT_OBJECTIVES[TaskClass(record.task_class)]
+            self._tables.add_outcome(outcome, objective, self.window)
+        self._counted = len(records)
+        tables = self._tables.tables(self.dc, self.window, now)
+        goodput = next(t for t in tables if isinstance(t, GoodputTable))
+        changed = self.controller.reconcile(goodput, self.quotas, now)
+        if changed is not None:
+            self.quotas = changed
+        rows = {row.key: attainment(row)[0] for row in goodput.classes}
+        share = long_share(self.quotas) if self.quotas else float("nan")
+        self.steps.append(
+            Step(now, share, rows[TaskClass.INTERACTIVE.value], rows[TaskClass.LONG_DOCUMENT.value])
+        )
+        if changed is None:
+            return None
+        return {q.task_class: q for q in changed.quotas if q.tenant is None}
+
+
+def _outcome(record: RequestRecord, dc: str) -> Outcome:
+    ended = record.arrival_s + (record.e2e_s or 0.0)
+    return Outcome(
+        record.request_id,
+        f"{record.request_id}:{record.outcome}",
+        ended,
+        dc,
+        "model",
+        record.task_class,
+        record.tenant,
+        _KINDS[record.outcome],
+        record.input_tokens,
+        record.cached_tokens,
+        record.output_tokens,
+        record.ttft_s or 0.0,
+        record.tpot_s or 0.0,
+        record.e2e_s or 0.0,
+        record.deadline_s,
+    )
