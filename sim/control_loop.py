@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from control.controllers.slomax import QuotaController, attainment, long_share
+from control.controllers.slomax import QuotaController, attainment, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.objectives import DEFAULT_OBJECTIVES
-from schemas.tables import GoodputTable
+from schemas.tables import CapacityTable, GoodputTable
+from sim.engine import Engine
 from sim.records import RequestRecord
+from sim.telemetry import instance_telemetry
 from streams.tables.builder import DcTables
 from streams.tables.outcomes import Outcome, OutcomeKind
 from streams.tables.windows import WindowSpec
@@ -29,7 +31,8 @@ class Step:
     """One pass of the loop, for the plot of its outputs over time."""
 
     at_s: float
-    long_share: float
+    long_documents: int | None
+    """The limit on long documents in flight after this pass (None: none published)."""
     interactive_compliance: float
     long_document_compliance: float
 
@@ -45,9 +48,15 @@ class QuotaLoop:
     _tables: DcTables = field(default_factory=DcTables)
     _counted: int = 0
 
-    def tick(self, records: list[RequestRecord], now: float) -> dict[TaskClass, ClassQuota] | None:
-        """Count the records that ended since the last pass and reconcile; the quotas by
-        class when they changed, else None."""
+    def tick(
+        self, records: list[RequestRecord], instances: list[tuple[str, Engine]], now: float
+    ) -> dict[TaskClass, ClassQuota] | None:
+        """Count the records that ended since the last pass and each instance's state now
+        (its telemetry, as the collector reports it), and reconcile; the quotas by class
+        when they changed, else None."""
+        for instance_id, engine in instances:
+            telemetry = instance_telemetry(engine, instance_id, self.dc, "model", "v1")
+            self._tables.add_telemetry(telemetry, now, self.window)
         for record in records[self._counted :]:
             outcome = _outcome(record, self.dc)
             objective = DEFAULT_OBJECTIVES[TaskClass(record.task_class)]
@@ -55,13 +64,14 @@ class QuotaLoop:
         self._counted = len(records)
         tables = self._tables.tables(self.dc, self.window, now)
         goodput = next(t for t in tables if isinstance(t, GoodputTable))
-        changed = self.controller.reconcile(goodput, self.quotas, now)
+        capacity = next(t for t in tables if isinstance(t, CapacityTable))
+        changed = self.controller.reconcile(goodput, capacity, self.quotas, now)
         if changed is not None:
             self.quotas = changed
         rows = {row.key: attainment(row)[0] for row in goodput.classes}
-        share = long_share(self.quotas) if self.quotas else float("nan")
+        limit = long_documents(self.quotas) if self.quotas else None
         self.steps.append(
-            Step(now, share, rows[TaskClass.INTERACTIVE.value], rows[TaskClass.LONG_DOCUMENT.value])
+            Step(now, limit, rows[TaskClass.INTERACTIVE.value], rows[TaskClass.LONG_DOCUMENT.value])
         )
         if changed is None:
             return None

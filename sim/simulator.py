@@ -157,7 +157,8 @@ class Simulation:
                 self._release()
             elif kind == _CONTROL:
                 assert self.control is not None
-                if (quotas := self.control.tick(self.records, self.now)) is not None:
+                engines = [(i.instance_id, i.engine) for i in self.instances]
+                if (quotas := self.control.tick(self.records, engines, self.now)) is not None:
                     self.pipeline.quotas = quotas
                 if upcoming is not None or self._heap or self._retries:
                     self._push(self.now + self.control.period_s, _CONTROL, -1, 0)

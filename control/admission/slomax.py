@@ -7,6 +7,7 @@ it adds. Requests that are running are never preempted: SLOMax decides only what
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -33,11 +34,13 @@ class SLOMaxParams:
     interference_bound: bool = True
     """At most ``long_prefill_cap_tokens`` of prompt pending prefill on an instance that
     takes a long prompt, so a long document's prefill never stacks on another's."""
-    long_partition_share: Annotated[float, Field(ge=0, le=1)] = 0.5
-    """Share of the instances that take long prompts, and that interactive requests avoid
-    while the others have room (0: no partition); a quota's ``reserved_share`` for
-    long_document names it once the controller publishes one. Half, to start: on the
-    mixed workload long prompts are 70 % of prompt tokens, much of it cached."""
+    long_documents_per_instance: Annotated[float, Field(gt=0)] = 2.0
+    """Long documents in flight at once, per ready instance, until a quota names a number
+    (its ``max_concurrency``, which the controller sets from goodput). Two, to start: on
+    the first 3,000 requests of the mixed workload at 16 instances, at 1.0 and 1.5 x
+    capacity, 16 in flight fleet-wide held chats to 99 % and 94 % compliance but refused
+    most long documents, 32 kept 98 % and 95 % of chats and served 78 % and 45 % of
+    documents, and no limit let chats fall to 77 % and 61 %."""
     reserved_kv_share: Annotated[float, Field(ge=0, le=1)] = 0.15
     """The default interactive reservation, until a quota names one (its ``reserved_share``)."""
     long_prefill_cap_tokens: Annotated[int, Field(ge=1)] = LONG_DOCUMENT_TOKENS
@@ -89,6 +92,8 @@ class SLOMax:
         allowed = fleet.ready.copy()
         quota = view.quotas.get(task_class)
         limit = None if quota is None else quota.max_concurrency
+        if limit is None and task_class is TaskClass.LONG_DOCUMENT:
+            limit = math.ceil(p.long_documents_per_instance * int(fleet.ready.sum()))
         if limit is not None and view.inflight.get(task_class, 0) >= limit:
             return "concurrency", allowed
         if view.rate_wait_s.get(task_class, 0.0) > 0:
@@ -99,30 +104,11 @@ class SLOMax:
             allowed &= fleet.waiting == 0
             if view.kv_use() >= 1 - reserved or not allowed.any():
                 return "reservation", allowed
-        allowed &= self._partition(request, view)
         if p.interference_bound and request.input_tokens >= LONG_DOCUMENT_TOKENS:
             allowed &= fleet.pending_prefill_tokens < p.long_prefill_cap_tokens
             if not allowed.any():
                 return "prefill_cap", allowed
         return (None if allowed.any() else "no_instance"), allowed
-
-    def _partition(self, request: AdmissionRequest, view: AdmissionView) -> BoolArray:
-        """The instances of the request's side of the long-prompt partition: the last rows
-        of the fleet take long prompts; interactive requests keep off them while the
-        other side has a ready instance. Everything else may go anywhere."""
-        fleet = view.fleet
-        everywhere = np.ones(len(fleet), dtype=np.bool_)
-        quota = view.quotas.get(TaskClass.LONG_DOCUMENT)
-        share = self.params.long_partition_share if quota is None else quota.reserved_share
-        rows = min(len(fleet) - 1, round(share * len(fleet)))
-        if rows <= 0:
-            return everywhere
-        long_side = np.arange(len(fleet)) >= len(fleet) - rows
-        if request.input_tokens >= LONG_DOCUMENT_TOKENS:
-            return long_side
-        if request.task_class is TaskClass.INTERACTIVE and (fleet.ready & ~long_side).any():
-            return ~long_side
-        return everywhere
 
     def _reject(self, reason: str, held: bool, figures: dict[str, float]) -> AdmissionDecision:
         retry = None if held else self.params.retry_after_s

@@ -1,18 +1,19 @@
-"""SLOMax's controller: from the goodput table to class quotas, as a level-based reconcile
+"""SLOMax's controller: from the DC's tables to class quotas, as a level-based reconcile
 loop (controller-runtime's shape).
 
-Each pass reads the latest goodput table (one DC, a sliding window) and the quotas last
-published, and computes the quotas the whole table calls for, not a reaction to one event.
-What it moves is the long-prompt partition (``ClassQuota.reserved_share`` of
-long_document: the share of instances that take long prompts, which interactive requests
-keep off): while interactive requests miss their objective, the partition shrinks and
-chats get more instances; while they meet it with room to spare and long documents do
-worse, it grows. It moves one bounded step per pass, not at all inside the hysteresis band
-or on a window with too few outcomes to judge, and it publishes only a change.
+Each pass reads the latest goodput and capacity tables (one DC, a sliding window) and the
+quotas last published, and computes the quotas the whole state calls for, not a reaction
+to one event. What it moves is how many long documents may be in flight at once, per
+ready instance: their prefills are what slows the chats beside them. While interactive
+requests miss their objective, the limit falls; while they meet it with room to spare
+and the limit turns long documents away (refused, or held until too late), it rises. It
+moves one bounded step per pass, not at all inside the hysteresis band or on a window with
+too few outcomes to judge, and it publishes only a change.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -21,7 +22,7 @@ from pydantic import Field
 from control.admission.slomax import SLOMaxParams
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
-from schemas.tables import GoodputRow, GoodputTable
+from schemas.tables import CapacityTable, GoodputRow, GoodputTable
 
 
 @dataclass(frozen=True)
@@ -29,13 +30,23 @@ class QuotaControllerParams:
     interactive_target: Annotated[float, Field(gt=0, le=1)] = 0.95
     """The share of interactive requests that must meet their objective."""
     band: Annotated[float, Field(ge=0, le=1)] = 0.02
-    """Above the target by less than this, the partition stays where it is."""
-    step: Annotated[float, Field(gt=0, le=1)] = 1 / 16
-    """How far the partition moves in one pass: one instance of a pool of 16."""
-    initial_long_share: Annotated[float, Field(ge=0, le=1)] = SLOMaxParams().long_partition_share
-    """Where the partition starts: where SLOMax stands before any quotas."""
-    min_long_share: Annotated[float, Field(ge=0, le=1)] = 0.125
-    max_long_share: Annotated[float, Field(ge=0, le=1)] = 0.75
+    """Above the target by less than this, the limit stays where it is."""
+    lower_step: Annotated[float, Field(gt=1)] = 1.25
+    """How far the limit falls in one pass (divided by this) while chats miss."""
+    raise_step: Annotated[float, Field(gt=1)] = 1.1
+    """How far it rises (times this) when it turned long documents away and chats have room:
+    slower up than down, so that a window that still lags a rising load does not pull the
+    limit far above what the load allows."""
+    initial_per_instance: Annotated[float, Field(gt=0)] = SLOMaxParams().long_documents_per_instance
+    """Where the limit starts: where SLOMax stands before any quotas."""
+    min_per_instance: Annotated[float, Field(gt=0)] = 0.5
+    max_per_instance: Annotated[float, Field(gt=0)] = 8.0
+    lower_after_s: Annotated[float, Field(ge=0)] = 15.0
+    """Time since the last change before the limit may fall again: a quarter of the
+    tables' 60 s window, so a fall shows in the window before the next one."""
+    raise_after_s: Annotated[float, Field(ge=0)] = 60.0
+    """Time since the last change before the limit may rise: a whole window, so the rise
+    is judged on outcomes that all came after the last change."""
     interactive_kv_share: Annotated[float, Field(ge=0, le=1)] = 0.15
     """KV held back for interactive requests (``reserved_share`` of interactive)."""
     min_outcomes: Annotated[int, Field(ge=1)] = 30
@@ -57,12 +68,26 @@ class QuotaController:
     params: QuotaControllerParams = QuotaControllerParams()
 
     def reconcile(
-        self, goodput: GoodputTable, current: AdmissionQuotas | None, now: float
+        self,
+        goodput: GoodputTable,
+        capacity: CapacityTable,
+        current: AdmissionQuotas | None,
+        now: float,
     ) -> AdmissionQuotas | None:
-        """The quotas the table calls for; None when they are the ones published."""
-        share = self.params.initial_long_share if current is None else long_share(current)
-        desired = self.desired_long_share(goodput, share)
-        if current is not None and desired == share:
+        """The quotas the tables call for; None when they are the ones published, or when
+        the capacity table shows no ready instance to size them by."""
+        instances = sum(row.ready_endpoints for row in capacity.rows)
+        if instances == 0:
+            return None
+        published = None if current is None else long_documents(current)
+        per_instance = (
+            self.params.initial_per_instance if published is None else published / instances
+        )
+        wanted = self.desired_per_instance(goodput, per_instance) * instances
+        desired = max(1, math.ceil(wanted - 1e-9))  # the same limit, unmoved, stays the same
+        if current is not None and (
+            desired == published or not self._settled(current, desired, now)
+        ):
             return None
         return AdmissionQuotas(
             scope=goodput.dc,
@@ -74,31 +99,38 @@ class QuotaController:
                     task_class=TaskClass.INTERACTIVE,
                     reserved_share=self.params.interactive_kv_share,
                 ),
-                ClassQuota(task_class=TaskClass.LONG_DOCUMENT, reserved_share=desired),
+                ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=desired),
             ),
         )
 
-    def desired_long_share(self, goodput: GoodputTable, share: float) -> float:
+    def _settled(self, current: AdmissionQuotas, desired: int, now: float) -> bool:
+        """Whether the last change is old enough for this one (hysteresis in time)."""
+        published = long_documents(current)
+        rising = published is not None and desired > published
+        wait = self.params.raise_after_s if rising else self.params.lower_after_s
+        return now - current.issued_at >= wait
+
+    def desired_per_instance(self, goodput: GoodputTable, per_instance: float) -> float:
         p = self.params
         rows = {row.key: row for row in goodput.classes}
         chats, ended = attainment(rows[TaskClass.INTERACTIVE.value])
-        documents, _ = attainment(rows[TaskClass.LONG_DOCUMENT.value])
+        turned_away = rows[TaskClass.LONG_DOCUMENT.value].failures > 0
         if ended < p.min_outcomes:
-            return share
+            return per_instance
         if chats < p.interactive_target:
-            share -= p.step
-        elif chats > p.interactive_target + p.band and documents < chats:
-            share += p.step
-        return round(min(max(share, p.min_long_share), p.max_long_share), 6)
+            per_instance /= p.lower_step
+        elif chats > p.interactive_target + p.band and turned_away:
+            per_instance *= p.raise_step
+        return min(max(per_instance, p.min_per_instance), p.max_per_instance)
 
 
-def long_share(quotas: AdmissionQuotas) -> float:
-    """The long-prompt partition the quotas name (0 when they name none)."""
+def long_documents(quotas: AdmissionQuotas) -> int | None:
+    """The long documents in flight the quotas allow (None: they set no limit)."""
     return next(
         (
-            q.reserved_share
+            q.max_concurrency
             for q in quotas.quotas
             if q.task_class is TaskClass.LONG_DOCUMENT and q.tenant is None
         ),
-        0.0,
+        None,
     )

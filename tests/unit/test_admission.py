@@ -61,18 +61,15 @@ def test_the_class_comes_from_the_client_then_the_tenant_then_the_request() -> N
     assert of(tokens=LONG_DOCUMENT_TOKENS - 1) is CHAT
 
 
-UNSPLIT = SLOMax(SLOMaxParams(long_partition_share=0.0))
-
-
 def test_a_chat_starts_at_once_where_the_fleet_has_room() -> None:
-    decision = UNSPLIT.decide(request(), view(predicted=[0.3, 0.2]))
+    decision = SLOMax().decide(request(), view(predicted=[0.3, 0.2]))
     assert decision.verdict is Verdict.DISPATCH
     assert allowed(decision) == [True, True]
     assert dict(decision.figures)["predicted_ttft_s"] == pytest.approx(0.2)
 
 
 def test_batch_starts_only_where_nothing_waits() -> None:
-    decision = UNSPLIT.decide(request(BATCH), view(fleet(waiting=(2, 0))))
+    decision = SLOMax().decide(request(BATCH), view(fleet(waiting=(2, 0))))
     assert decision.verdict is Verdict.DISPATCH
     assert allowed(decision) == [False, True]
     held = SLOMax().decide(request(BATCH), view(fleet(waiting=(2, 1))))
@@ -100,33 +97,35 @@ def test_lower_classes_wait_once_the_fleet_eats_into_the_interactive_reserve() -
 
 def test_a_long_prompt_never_stacks_on_another_long_prefill() -> None:
     snapshot = fleet(pending=(LONG_DOCUMENT_TOKENS, 500))
-    decision = UNSPLIT.decide(request(CHAT, tokens=LONG_DOCUMENT_TOKENS), view(snapshot))
+    decision = SLOMax().decide(request(CHAT, tokens=LONG_DOCUMENT_TOKENS), view(snapshot))
     assert allowed(decision) == [False, True]
     full = fleet(pending=(LONG_DOCUMENT_TOKENS, LONG_DOCUMENT_TOKENS + 1))
-    held = UNSPLIT.decide(request(CHAT, tokens=LONG_DOCUMENT_TOKENS), view(full))
+    held = SLOMax().decide(request(CHAT, tokens=LONG_DOCUMENT_TOKENS), view(full))
     assert (held.verdict, held.reason) == (Verdict.HOLD, "prefill_cap")
     short = SLOMax().decide(request(CHAT, tokens=LONG_DOCUMENT_TOKENS - 1), view(full))
     assert short.verdict is Verdict.DISPATCH
-    unbounded = SLOMax(SLOMaxParams(interference_bound=False, long_partition_share=0.0))
+    unbounded = SLOMax(SLOMaxParams(interference_bound=False))
     assert (
         unbounded.decide(request(tokens=LONG_DOCUMENT_TOKENS), view(full)).verdict
         is Verdict.DISPATCH
     )
 
 
-def test_long_prompts_and_chats_keep_to_their_sides_of_the_partition() -> None:
-    four = fleet(waiting=(0, 0, 0, 0), kv_used=(0, 0, 0, 0), pending=(0, 0, 0, 0))
-    long_prompt = request(DOC, tokens=LONG_DOCUMENT_TOKENS)
-    assert allowed(SLOMax().decide(long_prompt, view(four))) == [False, False, True, True]
-    assert allowed(SLOMax().decide(request(CHAT), view(four))) == [True, True, False, False]
-    assert allowed(SLOMax().decide(request(BATCH), view(four))) == [True] * 4
-    # chats cross over when their side has no ready instance
-    half_down = fleet((0,) * 4, (0,) * 4, (0,) * 4, ready=[False, False, True, True])
-    assert allowed(SLOMax().decide(request(CHAT), view(half_down))) == [False, False, True, True]
-    # the controller's quota moves the partition
-    quota = ClassQuota(task_class=DOC, reserved_share=0.25)
-    moved = SLOMax().decide(long_prompt, view(four, quotas={DOC: quota}))
-    assert allowed(moved) == [False, False, False, True]
+def test_long_documents_in_flight_are_limited_per_ready_instance_until_a_quota_says() -> None:
+    per_instance = SLOMaxParams().long_documents_per_instance
+    at_limit = view(inflight={DOC: int(per_instance * 2)})
+    assert SLOMax().decide(request(DOC, tokens=20_000), at_limit).reason == "concurrency"
+    below = view(inflight={DOC: int(per_instance * 2) - 1})
+    assert SLOMax().decide(request(DOC, tokens=20_000), below).verdict is Verdict.DISPATCH
+    one_down = view(fleet(ready=[True, False]), inflight={DOC: int(per_instance)})
+    assert SLOMax().decide(request(DOC, tokens=20_000), one_down).reason == "concurrency"
+    quota = ClassQuota(task_class=DOC, max_concurrency=100)
+    assert (
+        SLOMax()
+        .decide(request(DOC, tokens=20_000), view(quotas={DOC: quota}, inflight={DOC: 50}))
+        .verdict
+        is Verdict.DISPATCH
+    )
 
 
 def test_a_request_that_cannot_meet_its_objective_is_refused_early() -> None:

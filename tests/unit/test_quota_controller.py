@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from control.controllers.slomax import (
     QuotaController,
     QuotaControllerParams,
     attainment,
-    long_share,
+    long_documents,
 )
 from schemas.base import TaskClass
-from schemas.tables import GoodputRow, GoodputTable
+from schemas.tables import CapacityRow, CapacityTable, GoodputRow, GoodputTable
 
-STEP = QuotaControllerParams().step
+LOWER, RAISE = QuotaControllerParams().lower_step, QuotaControllerParams().raise_step
 
 
 def row(task_class: TaskClass, completed: int, met: int, failures: int = 0) -> GoodputRow:
@@ -62,45 +64,74 @@ def test_attainment_counts_failures_as_misses() -> None:
     assert attainment(row(TaskClass.BATCH, 0, 0)) == (1.0, 0)
 
 
-def test_the_first_pass_publishes_where_slomax_starts() -> None:
-    quotas = QuotaController().reconcile(table((100, 96)), None, now=60.0)
+def capacity(ready: int, now: float = 60.0) -> CapacityTable:
+    row = CapacityRow(
+        model="m",
+        model_version="v1",
+        ready_endpoints=ready,
+        kv_blocks_total=100 * ready,
+        kv_blocks_free=50 * ready,
+        queued=0,
+        running=0,
+        inflight_tokens=0,
+        prefill_tokens_per_s=0.0,
+        decode_tokens_per_s=0.0,
+        headroom=0.5,
+        telemetry_age_s=0.0,
+    )
+    return CapacityTable(dc="dc", version=1, window_start=now - 60, window_end=now, rows=(row,))
+
+
+SIXTEEN = capacity(16)
+START = QuotaControllerParams().initial_per_instance
+
+
+def test_the_first_pass_publishes_where_slomax_starts_sized_by_the_ready_instances() -> None:
+    quotas = QuotaController().reconcile(table((100, 96)), SIXTEEN, None, now=60.0)
     assert quotas is not None
     assert (quotas.version, quotas.scope, quotas.issued_at) == (1, "dc", 60.0)
-    assert long_share(quotas) == QuotaControllerParams().initial_long_share
+    assert long_documents(quotas) == START * 16
+    assert QuotaController().reconcile(table((100, 96)), capacity(0), None, now=60.0) is None
 
 
-def test_chats_missing_their_objective_shrink_the_long_partition_one_step() -> None:
+def test_chats_missing_their_objective_lower_the_long_document_limit_one_step() -> None:
     controller = QuotaController()
-    first = controller.reconcile(table((100, 96)), None, now=60.0)
-    shrunk = controller.reconcile(table((100, 90)), first, now=65.0)
-    assert shrunk is not None
-    assert shrunk.version == 2
-    assert long_share(shrunk) == pytest.approx(long_share(first) - STEP)
+    first = controller.reconcile(table((100, 96)), SIXTEEN, None, now=60.0)
+    assert controller.reconcile(table((100, 90)), SIXTEEN, first, now=70.0) is None  # too soon
+    lowered = controller.reconcile(table((100, 90)), SIXTEEN, first, now=75.0)
+    assert lowered is not None
+    assert lowered.version == 2
+    assert long_documents(lowered) == math.ceil(START * 16 / LOWER)
 
 
-def test_chats_with_room_to_spare_give_long_documents_a_step_when_they_do_worse() -> None:
+def test_chats_with_room_to_spare_let_more_long_documents_in_when_the_limit_turned_some_away() -> (
+    None
+):
     controller = QuotaController()
-    first = controller.reconcile(table((100, 96)), None, now=60.0)
-    grown = controller.reconcile(table((100, 100), documents=(10, 5)), first, now=65.0)
-    assert long_share(grown) == pytest.approx(long_share(first) + STEP)
-    # documents doing as well as chats: nothing to give them
-    assert controller.reconcile(table((100, 100), documents=(10, 10)), first, now=65.0) is None
+    first = controller.reconcile(table((100, 96)), SIXTEEN, None, now=60.0)
+    turned_away = table((100, 100), (10, 10, 3))
+    assert controller.reconcile(turned_away, SIXTEEN, first, now=100.0) is None  # too soon
+    raised = controller.reconcile(turned_away, SIXTEEN, first, now=120.0)
+    assert long_documents(raised) == math.ceil(START * 16 * RAISE)
+    # documents late but none turned away: the limit is not what holds them back
+    assert controller.reconcile(table((100, 100), (10, 5)), SIXTEEN, first, now=120.0) is None
 
 
 def test_inside_the_band_or_on_too_little_evidence_nothing_is_published() -> None:
     controller = QuotaController()
-    first = controller.reconcile(table((100, 96)), None, now=60.0)
-    assert controller.reconcile(table((100, 96), documents=(10, 1)), first, now=65.0) is None
-    assert controller.reconcile(table((20, 10)), first, now=65.0) is None  # 20 < min_outcomes
+    first = controller.reconcile(table((100, 96)), SIXTEEN, None, now=60.0)
+    assert controller.reconcile(table((100, 96), (10, 1, 5)), SIXTEEN, first, now=65.0) is None
+    assert controller.reconcile(table((20, 10)), SIXTEEN, first, now=65.0) is None  # too few
 
 
-def test_the_partition_stays_within_its_bounds() -> None:
+def test_the_limit_stays_within_its_bounds() -> None:
     params = QuotaControllerParams()
     controller = QuotaController(params)
-    quotas = controller.reconcile(table((100, 96)), None, now=0.0)
-    for n in range(20):
-        quotas = controller.reconcile(table((100, 50)), quotas, now=float(n)) or quotas
-    assert long_share(quotas) == params.min_long_share
-    for n in range(20):
-        quotas = controller.reconcile(table((100, 100), (10, 1)), quotas, now=float(n)) or quotas
-    assert long_share(quotas) == params.max_long_share
+    quotas = controller.reconcile(table((100, 96)), SIXTEEN, None, now=0.0)
+    for n in range(1, 30):
+        quotas = controller.reconcile(table((100, 50)), SIXTEEN, quotas, now=60.0 * n) or quotas
+    assert long_documents(quotas) == params.min_per_instance * 16
+    for n in range(30, 90):
+        worse = table((100, 100), (10, 1, 5))
+        quotas = controller.reconcile(worse, SIXTEEN, quotas, now=60.0 * n) or quotas
+    assert long_documents(quotas) == params.max_per_instance * 16

@@ -397,6 +397,14 @@ def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
     _add_ladder_options(admission, ADMISSION_LADDER, ADMISSIONS)
     admission.add_argument("--router", default="tokenpilot", help="the router behind every policy")
     admission.add_argument("--plot", type=Path, help="write goodput and compliance per level here")
+    admission.add_argument(
+        "--step-change",
+        type=Path,
+        metavar="PNG",
+        help="also run SLOMax on a load stepping from 0.8 to 1.5 x capacity halfway, and plot "
+        "its controller's limit and the attainments it read over time here (the passes go "
+        "into the JSON as step_change)",
+    )
     admission.set_defaults(handler=_bench_admission)
 
 
@@ -407,7 +415,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
     from control.admission.registry import ADMISSIONS
     from control.routing import ROUTERS
-    from sim.admission_bench import bench_admission, plot_levels
+    from sim.admission_bench import bench_admission, plot_levels, plot_step_change, step_change
 
     policies = _known(args.policies or list(ADMISSIONS), ADMISSIONS, "admission policies")
     _known([args.router], ROUTERS, "routers")
@@ -427,6 +435,15 @@ def _bench_admission(args: argparse.Namespace) -> int:
             )
         except (ValueError, KeyError) as exc:
             raise CliError(str(exc)) from None
+    if args.step_change:
+        document["step_change"] = step_change(
+            args.trace,
+            instances=args.instances,
+            profile_name=args.profile,
+            requests=args.requests,
+            seed=args.seed,
+        )
+        plot_step_change(document["step_change"], args.step_change)
     args.json.write_text(json.dumps(document, indent=2) + "\n")
     if args.plot:
         plot_levels(document, args.plot)
