@@ -266,6 +266,7 @@ def step_change(
         "instances": instances,
         "levels": list(levels),
         "step_at_s": half / low,
+        "last_arrival_s": stepped[-1].arrival_s,
         "passes": [asdict(step) for step in loop.steps],
     }
 
@@ -277,7 +278,8 @@ def plot_step_change(result: Mapping[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    passes = result["passes"]
+    until = result["last_arrival_s"] + 60.0  # then only the last requests drain
+    passes = [p for p in result["passes"] if p["at_s"] <= until]
     times = [p["at_s"] for p in passes]
     figure, (limit, attained) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     limit.step(times, [p["long_documents"] for p in passes], where="post")

@@ -28,7 +28,7 @@ from sim.labels import label
 from sim.traces import load_arxiv, load_azure, load_mooncake
 from sim.workload import TraceRequest
 
-WINDOW_S = 600.0
+WINDOW_S = 1800.0
 BATCH_JOB_REQUESTS = 50
 BATCH_JOB_EVERY_S = 30.0
 

@@ -38,7 +38,7 @@ TRACES: dict[str, Source] = {
     "mixed": Source(
         load_mixed,
         "interactive (Azure conv and code), long documents (Mooncake >= 16k) and batch "
-        "jobs (arXiv) over 10 minutes",
+        "jobs (arXiv) over 30 minutes",
         labelled=True,
     ),
     "shared-prefix-chat": Source(

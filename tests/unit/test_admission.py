@@ -76,6 +76,8 @@ def test_batch_starts_only_where_nothing_waits() -> None:
     assert (held.verdict, held.reason) == (Verdict.HOLD, "reservation")
     chat = SLOMax().decide(request(CHAT), view(fleet(waiting=(2, 1))))
     assert chat.verdict is Verdict.DISPATCH
+    document = SLOMax().decide(request(DOC, tokens=20_000), view(fleet(waiting=(2, 1))))
+    assert allowed(document) == [True, True]  # long documents have objectives of their own
 
 
 def test_lower_classes_wait_once_the_fleet_eats_into_the_interactive_reserve() -> None:
