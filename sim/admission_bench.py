@@ -46,6 +46,13 @@ from sim.registry import load_trace
 from sim.run import RunConfig, run_all
 from sim.simulator import Simulation
 
+STACKS = {"llmd_stack": ("llmd_default", "llmd_flow_control")}
+"""Rows that change the router too: what a user would deploy instead, whole (router,
+admission)."""
+BENCHED = (*ADMISSIONS, *STACKS)
+"""Every row of the benchmark: each admission policy in front of the bench's router, and
+the stacks."""
+
 ADMISSION_LADDER = (0.8, 1.0, 1.2, 1.5, 2.0)
 """Past capacity, to where the engines' own queues (``fcfs``) leave about two requests in
 three meeting their objective (0.69 at 2.0 x on the mixed workload's first 3,000
@@ -74,20 +81,20 @@ def bench_admission(
     workload = load_trace(trace, limit=requests, seed=seed)
     capacity = instance_capacity_rps(chosen, workload) * instances
     offered = offered_rate_rps(workload)
-    names = list(policies or ADMISSIONS)
+    names = list(policies or BENCHED)
     levels_of = {
         RunConfig(
             trace,
             instances,
-            router,
+            STACKS.get(name, (router, name))[0],
             profile_name,
             requests,
             level * capacity / offered,
             seed,
-            admission=policy,
+            admission=STACKS.get(name, (router, name))[1],
             clients=clients,
-        ): level
-        for policy in names
+        ): (name, level)
+        for name in names
         for level in ladder
     }
     records_of: dict[RunConfig, list[RequestRecord]] = {}
@@ -95,7 +102,8 @@ def bench_admission(
     for config, (_, records) in run_all(list(levels_of), workload, jobs):
         records_of[config] = records
         if progress:
-            progress(f"{config.admission} at {levels_of[config]:g}")
+            name, level = levels_of[config]
+            progress(f"{name} at {level:g}")
     document: dict[str, Any] = {
         "trace": trace,
         "instances": instances,
@@ -113,7 +121,7 @@ def bench_admission(
         "policies": {},
     }
     for policy in names:
-        runs = [(level, records_of[c]) for c, level in levels_of.items() if c.admission == policy]
+        runs = [(lv, records_of[c]) for c, (name, lv) in levels_of.items() if name == policy]
         per_level = [
             {
                 "level": lv,

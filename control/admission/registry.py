@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from control.admission.baselines import DynamoRouterQueue, LlmdFlowControl
 from control.admission.request import AdmissionRequest
 from control.admission.slomax import SLOMax, SLOMaxParams
 from control.admission.view import AdmissionDecision, AdmissionView, Verdict
@@ -49,6 +50,8 @@ class Fcfs:
 ADMISSIONS: dict[str, Callable[[], Admission]] = {
     "fcfs": Fcfs,
     "slomax": lambda: SLOMax(SLOMaxParams()),
+    "dynamo_router_queue": DynamoRouterQueue,
+    "llmd_flow_control": LlmdFlowControl,
 }
 """Every admission policy, one line each."""
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from control.admission.baselines import (
+    DynamoRouterQueue,
+    FlowControlParams,
+    LlmdFlowControl,
+    saturation,
+)
 from control.admission.pools import ClassPools, Waiting
 from control.admission.registry import Fcfs, make_admission
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest, identify
@@ -232,5 +238,35 @@ def test_the_pipeline_answers_a_hold_that_ran_out() -> None:
 def test_admission_policies_by_name() -> None:
     assert isinstance(make_admission("fcfs"), Fcfs)
     assert isinstance(make_admission("slomax"), SLOMax)
-    with pytest.raises(KeyError, match="known: fcfs, slomax"):
+    with pytest.raises(
+        KeyError, match="known: dynamo_router_queue, fcfs, llmd_flow_control, slomax"
+    ):
         make_admission("nope")
+
+
+def test_dynamo_s_queue_holds_while_every_worker_is_prefill_busy() -> None:
+    queue = DynamoRouterQueue()
+    busy = 16 * 8192 + 1  # past its threshold of 16 x max_num_batched_tokens
+    assert queue.decide(request(), view(fleet(pending=(busy, busy)))).verdict is Verdict.HOLD
+    one_free = view(fleet(pending=(busy, 16 * 8192)))
+    assert queue.decide(request(), one_free).verdict is Verdict.DISPATCH
+    backlog = view(fleet(), pools={CHAT: PoolState(depth=1)})
+    held = queue.decide(request(), backlog)
+    assert (held.verdict, held.hold_until_s) == (Verdict.HOLD, float("inf"))  # no timeout
+    assert queue.decide(request(), backlog, held=True).verdict is Verdict.DISPATCH
+
+
+def test_llm_d_s_flow_control_holds_everything_while_the_pool_is_saturated() -> None:
+    control = LlmdFlowControl()
+    # saturation: mean over endpoints of max(waiting / 5, KV use / 0.8)
+    calm = fleet(waiting=(2, 0), kv_used=(40, 60))  # max(0.4, 0.5) and max(0, 0.75)
+    assert saturation(view(calm), FlowControlParams()) == pytest.approx((0.5 + 0.75) / 2)
+    assert control.decide(request(BATCH), view(calm)).verdict is Verdict.DISPATCH
+    full = fleet(waiting=(5, 6), kv_used=(10, 10))
+    held = control.decide(request(CHAT), view(full, now=3.0))
+    assert (held.verdict, held.hold_until_s) == (Verdict.HOLD, 63.0)  # 60 s, then 429
+    behind = view(calm, pools={BATCH: PoolState(depth=1)})
+    assert control.decide(request(BATCH), behind).verdict is Verdict.HOLD  # FCFS in its band
+    assert control.decide(request(BATCH), behind, held=True).verdict is Verdict.DISPATCH
+    crowded = view(full, pools={CHAT: PoolState(depth=5000)})
+    assert control.decide(request(CHAT), crowded).verdict is Verdict.REJECT

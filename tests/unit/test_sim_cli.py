@@ -332,6 +332,8 @@ def test_the_bench_hands_tokenpilot_the_misjudged_model_and_says_so(tmp_path: Pa
 
 
 def test_the_admission_benchmark_writes_every_policy_per_level_and_class(tmp_path: Path) -> None:
+    from sim.admission_bench import BENCHED
+
     out, plot = tmp_path / "admission.json", tmp_path / "levels.png"
     arguments = ["bench", "admission", "--requests", "400", "--instances", "2"]
     arguments += ["--ladder", "0.8,1.5", "--json", str(out), "--plot", str(plot)]
@@ -342,7 +344,7 @@ def test_the_admission_benchmark_writes_every_policy_per_level_and_class(tmp_pat
         "tokenpilot",
         400,
     )
-    assert set(document["policies"]) == {"fcfs", "slomax"}
+    assert set(document["policies"]) == set(BENCHED)
     fcfs = document["policies"]["fcfs"]
     assert fcfs["rejected_share"] == 0.0  # it admits everything
     for figures in document["policies"].values():

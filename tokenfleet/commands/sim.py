@@ -382,8 +382,7 @@ def _known(names: Sequence[str], known: Iterable[str], what: str = "policies") -
 
 
 def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
-    from control.admission.registry import ADMISSIONS
-    from sim.admission_bench import ADMISSION_LADDER
+    from sim.admission_bench import ADMISSION_LADDER, BENCHED
 
     admission = sub.add_parser(
         "admission",
@@ -394,7 +393,7 @@ def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
         "compliance, waste and rejections per policy, pooled and per level and per class.",
     )
     admission.add_argument("--trace", default="mixed", help="default: mixed. " + _trace_help())
-    _add_ladder_options(admission, ADMISSION_LADDER, ADMISSIONS)
+    _add_ladder_options(admission, ADMISSION_LADDER, BENCHED)
     admission.add_argument("--router", default="tokenpilot", help="the router behind every policy")
     admission.add_argument("--plot", type=Path, help="write goodput and compliance per level here")
     admission.add_argument(
@@ -413,11 +412,16 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from control.admission.registry import ADMISSIONS
     from control.routing import ROUTERS
-    from sim.admission_bench import bench_admission, plot_levels, plot_step_change, step_change
+    from sim.admission_bench import (
+        BENCHED,
+        bench_admission,
+        plot_levels,
+        plot_step_change,
+        step_change,
+    )
 
-    policies = _known(args.policies or list(ADMISSIONS), ADMISSIONS, "admission policies")
+    policies = _known(args.policies or list(BENCHED), BENCHED, "admission policies")
     _known([args.router], ROUTERS, "routers")
     with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
