@@ -9,6 +9,7 @@ until FleetMind: the host passes the fleet of the DC it serves.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,7 @@ class Pipeline(Generic[Payload]):
     pools: ClassPools[_Held[Payload]] = field(default_factory=ClassPools)
     inflight: Counter[TaskClass] = field(default_factory=Counter)
     _classes: dict[str, TaskClass] = field(default_factory=dict)
+    _released_at: float = 0.0
 
     def arrive(
         self,
@@ -91,8 +93,10 @@ class Pipeline(Generic[Payload]):
             Outcome(w.request, w.payload.payload, AdmissionDecision(Verdict.REJECT, "expired"))
             for w in self.pools.expired(now)
         ]
+        budget = self._release_budget(now)
         for task_class in RELEASE_ORDER:
-            while (head := self.pools.head(task_class)) is not None:
+            while budget > 0 and (head := self.pools.head(task_class)) is not None:
+                budget -= 1
                 snapshot = fleet()
                 held = head.payload
                 decision = self._admit(head.request, held.route, snapshot, now, held=True)
@@ -106,6 +110,13 @@ class Pipeline(Generic[Payload]):
                     self._dispatch(head.request, held.route, held.payload, decision, snapshot, now)
                 )
         return outcomes
+
+    def _release_budget(self, now: float) -> float:
+        """How many held requests this pass may take out: any number, unless the policy
+        paces its releases (one per tick of its dispatch loop since the last pass)."""
+        rate = self.admission.release_rate_per_s
+        since, self._released_at = self._released_at, now
+        return math.inf if rate is None else math.floor((now - since) * rate)
 
     def withdraw(self, request_id: str) -> bool:
         """A held request's client went away: drop it from its pool; False if it was not

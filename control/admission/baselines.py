@@ -44,6 +44,8 @@ class DynamoRouterQueue:
     params: DynamoQueueParams = DynamoQueueParams()
     name: str = "dynamo_router_queue"
     wants_prediction: bool = False
+    release_rate_per_s: float | None = None
+    """Its queue drains in a loop, each admission counted before the next check."""
 
     def decide(
         self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
@@ -77,7 +79,8 @@ class LlmdFlowControl:
     every band under the default static usage-limit policy), and a band's head blocks the
     rest. Saturation is the mean over endpoints of max(waiting / 5, KV use / 0.8), from
     the 50 ms scrape (metrics older than 200 ms would count 1.0; the scrape is never that
-    old here). A request waits at most 60 s, then gets 429; a band holds at most 5,000.
+    old here). It lets held requests go at most one per millisecond. A request waits at
+    most 60 s, then gets 429; a band holds at most 5,000.
 
     The chart ships the gate off; then only requests of negative priority are refused
     (429) while saturation is at or over 1.0, and everything else is admitted: for these
@@ -87,6 +90,9 @@ class LlmdFlowControl:
     params: FlowControlParams = FlowControlParams()
     name: str = "llmd_flow_control"
     wants_prediction: bool = False
+    release_rate_per_s: float | None = 1000.0
+    """Its processor dispatches at most one request per 1 ms tick of its dispatch loop
+    (and one after each arrival), all against the last scrape."""
 
     def decide(
         self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False

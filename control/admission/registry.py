@@ -28,6 +28,12 @@ class Admission(Protocol):
         only then: it costs a second pass of the router's model)."""
         ...
 
+    @property
+    def release_rate_per_s(self) -> float | None:
+        """At most how many held requests a second it lets go, as its dispatch loop ticks
+        (None: as many as it allows whenever the host asks)."""
+        ...
+
     def decide(
         self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
     ) -> AdmissionDecision: ...
@@ -40,6 +46,7 @@ class Fcfs:
 
     name: str = "fcfs"
     wants_prediction: bool = False
+    release_rate_per_s: float | None = None
 
     def decide(
         self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False

@@ -59,6 +59,7 @@ class SLOMax:
     params: SLOMaxParams = SLOMaxParams()
     name: str = "slomax"
     wants_prediction: bool = True
+    release_rate_per_s: float | None = None
 
     def decide(
         self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False

@@ -270,3 +270,15 @@ def test_llm_d_s_flow_control_holds_everything_while_the_pool_is_saturated() -> 
     assert control.decide(request(BATCH), behind, held=True).verdict is Verdict.DISPATCH
     crowded = view(full, pools={CHAT: PoolState(depth=5000)})
     assert control.decide(request(CHAT), crowded).verdict is Verdict.REJECT
+
+
+def test_llm_d_s_flow_control_lets_held_requests_go_one_per_millisecond() -> None:
+    pipeline: Pipeline[str] = Pipeline(LlmdFlowControl(), make_router("round_robin"))
+    saturated, calm = fleet(waiting=(9, 9)), fleet()
+    for n in range(5):
+        route = RouteRequest(f"r{n}", 100, 10)
+        pipeline.arrive(request(rid=f"r{n}", arrival=0.0), route, f"r{n}", saturated, now=0.0)
+    assert len(pipeline.pools) == 5
+    assert len(pipeline.release(lambda: calm, now=0.002)) == 2
+    assert len(pipeline.release(lambda: calm, now=0.0025)) == 0
+    assert len(pipeline.release(lambda: calm, now=0.010)) == 3
