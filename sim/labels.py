@@ -14,8 +14,9 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from control.admission.request import LONG_DOCUMENT_TOKENS
 from schemas.base import TaskClass
@@ -47,6 +48,36 @@ def _labelled(request: TraceRequest, batch: bool, seed: int) -> TraceRequest:
         tenant=tenant,
         region=_pick(REGIONS, key, seed, "r"),
     )
+
+
+LABEL_COLUMNS = ("class", "tenant", "deadline_s", "region")
+"""What a row of a labelled trace file may carry; the rules above fill in the rest."""
+
+
+def with_given(
+    requests: Sequence[TraceRequest], given: Mapping[str, Mapping[str, Any]]
+) -> list[TraceRequest]:
+    """The labelled ``requests`` with what their rows gave (by request id) in place of the
+    rules' choices: a class (a batch request given no deadline gets the batch deadline;
+    another class given none has none), a tenant, a deadline in seconds, a region.
+    ValueError naming a class that does not exist."""
+    return [_given(r, given[r.request_id]) if given.get(r.request_id) else r for r in requests]
+
+
+def _given(request: TraceRequest, row: Mapping[str, Any]) -> TraceRequest:
+    changes: dict[str, Any] = {}
+    if "class" in row:
+        try:
+            changes["task_class"] = TaskClass(row["class"])
+        except ValueError:
+            known = ", ".join(c.value for c in TaskClass)
+            raise ValueError(f"unknown class {row['class']!r} (known: {known})") from None
+        batch = changes["task_class"] is TaskClass.BATCH
+        changes["deadline_s"] = BATCH_DEADLINE_S if batch else None
+    for column, field in (("tenant", "tenant"), ("deadline_s", "deadline_s"), ("region", "region")):
+        if column in row:
+            changes[field] = row[column]
+    return replace(request, **changes)
 
 
 def _pick(choices: Sequence[tuple[str, float]], key: str, seed: int, salt: str) -> str:

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from sim.labels import label
+from sim.labels import LABEL_COLUMNS, label, with_given
 from sim.mixed import load_mixed
 from sim.servegen import load_servegen
 from sim.synthetic import SharedPrefixSpec, shared_prefix
-from sim.traces import load_arxiv, load_azure, load_mooncake
+from sim.traces import given_labels, load_arxiv, load_azure, load_mooncake
 from sim.workload import TraceRequest
 
 
@@ -59,7 +59,8 @@ def load_trace(name_or_path: str, *, limit: int | None = None, seed: int = 0) ->
         return label(source.load(limit=limit, seed=seed), batch=source.batch, seed=seed)
     path = Path(name_or_path)
     if path.suffix == ".jsonl" and path.exists():
-        return label(load_mooncake(path, limit=limit, seed=seed, bucket_s=0.0), seed=seed)
+        requests = label(load_mooncake(path, limit=limit, seed=seed, bucket_s=0.0), seed=seed)
+        return with_given(requests, given_labels(path, LABEL_COLUMNS, limit))
     raise ValueError(
         f"unknown trace {name_or_path!r}: give one of {', '.join(TRACES)} or a .jsonl path"
     )

@@ -7,8 +7,10 @@ import csv
 import json
 import os
 import random
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
 
@@ -63,6 +65,21 @@ def load_mooncake(
             )
     requests.sort(key=lambda r: r.arrival_s)
     return requests
+
+
+def given_labels(
+    path: Path, columns: Sequence[str], limit: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """What each row of a file in Mooncake's format gives of ``columns``, by the request id
+    ``load_mooncake`` gives its row."""
+    given: dict[str, dict[str, Any]] = {}
+    with path.open() as lines:
+        for index, line in enumerate(lines):
+            if limit is not None and index >= limit:
+                break
+            row = json.loads(line)
+            given[f"mooncake-{index}"] = {c: row[c] for c in columns if c in row}
+    return given
 
 
 def load_azure(

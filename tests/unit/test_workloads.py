@@ -129,3 +129,46 @@ def test_the_mixed_workload_labels_each_source_as_its_class() -> None:
     jobs = [len(list(group)) for _, group in itertools.groupby(r.arrival_s for r in batch)]
     assert set(jobs) == {BATCH_JOB_REQUESTS}  # submitted a job at a time
     assert load_trace("mixed", limit=100) == mixed[:100]
+
+
+def test_a_trace_file_s_own_labels_win_over_the_rules(tmp_path: Path) -> None:
+    rows = [
+        {"class": "batch", "tenant": "acme"},
+        {"deadline_s": 30.0, "region": "us-east"},
+        {},
+        {"class": "interactive"},
+    ]
+    path = tmp_path / "labelled.jsonl"
+    with path.open("w") as out:
+        for n, given in enumerate(rows):
+            row = {
+                "timestamp": 1000 * n,
+                "input_length": 20_000,
+                "output_length": 5,
+                "hash_ids": list(range(100 * n, 100 * n + 40)),  # 40 blocks of 512 tokens
+            }
+            out.write(json.dumps(row | given) + "\n")
+    batch, late, plain, chat = load_trace(str(path))
+    assert (batch.task_class, batch.tenant, batch.deadline_s) == (
+        TaskClass.BATCH,
+        "acme",
+        BATCH_DEADLINE_S,
+    )
+    assert (late.deadline_s, late.region) == (30.0, "us-east")
+    assert late.task_class is TaskClass.LONG_DOCUMENT  # the rules: 20,000 tokens
+    assert (plain.task_class, plain.deadline_s) == (TaskClass.LONG_DOCUMENT, None)
+    assert chat.task_class is TaskClass.INTERACTIVE  # what the row says, though long
+    path.write_text(
+        json.dumps(
+            {
+                "timestamp": 0,
+                "input_length": 9,
+                "output_length": 1,
+                "hash_ids": [],
+                "class": "urgent",
+            }
+        )
+        + "\n"
+    )
+    with pytest.raises(ValueError, match="unknown class 'urgent'"):
+        load_trace(str(path))

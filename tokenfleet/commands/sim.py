@@ -726,5 +726,7 @@ def _trace_help() -> str:
 
     return (
         f"{', '.join(TRACES)}, or a .jsonl path in Mooncake's format (its timestamps replayed "
-        "as given; the named mooncake trace places each request at random in its 3 s bucket)"
+        "as given; the named mooncake trace places each request at random in its 3 s bucket), "
+        "whose rows may carry class, tenant, deadline_s and region (the label rules of "
+        "sim/labels.py fill in the rest)"
     )
