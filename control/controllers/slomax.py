@@ -84,8 +84,9 @@ class QuotaController:
         per_instance = (
             self.params.initial_per_instance if published is None else published / instances
         )
-        wanted = self.desired_per_instance(goodput, per_instance) * instances
-        desired = max(1, math.ceil(wanted - 1e-9))  # the same limit, unmoved, stays the same
+        desired = self._whole(
+            self.desired_per_instance(goodput, per_instance), per_instance, published, instances
+        )
         if current is not None and (
             desired == published or not self._settled(current, desired, now)
         ):
@@ -103,6 +104,26 @@ class QuotaController:
                 ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=desired),
             ),
         )
+
+    def _whole(
+        self, wanted: float, per_instance: float, published: int | None, instances: int
+    ) -> int:
+        """The limit for the fleet: ``wanted`` per instance as a whole number of requests,
+        at least one request away from ``published`` when it moves (a step smaller than one
+        request would otherwise round back to where it was), and within the bounds."""
+        p = self.params
+        total = wanted * instances
+        if published is None:
+            desired = round(total)
+        elif wanted < per_instance:
+            desired = min(published - 1, math.floor(total + 1e-9))
+        elif wanted > per_instance:
+            desired = max(published + 1, math.ceil(total - 1e-9))
+        else:
+            desired = published
+        lowest = max(1, math.ceil(p.min_per_instance * instances - 1e-9))
+        highest = max(lowest, math.floor(p.max_per_instance * instances + 1e-9))
+        return min(max(desired, lowest), highest)
 
     def _settled(self, current: AdmissionQuotas, desired: int, now: float) -> bool:
         """Whether the last change is old enough for this one (hysteresis in time)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -101,7 +102,7 @@ def test_chats_missing_their_objective_lower_the_long_document_limit_one_step() 
     lowered = controller.reconcile(table((100, 90)), SIXTEEN, first, now=75.0)
     assert lowered is not None
     assert lowered.version == 2
-    assert long_documents(lowered) == math.ceil(START * 16 / LOWER)
+    assert long_documents(lowered) == math.floor(START * 16 / LOWER)
 
 
 def test_chats_with_room_to_spare_let_more_long_documents_in_when_the_limit_turned_some_away() -> (
@@ -122,6 +123,19 @@ def test_inside_the_band_or_on_too_little_evidence_nothing_is_published() -> Non
     first = controller.reconcile(table((100, 96)), SIXTEEN, None, now=60.0)
     assert controller.reconcile(table((100, 96), (10, 1, 5)), SIXTEEN, first, now=65.0) is None
     assert controller.reconcile(table((20, 10)), SIXTEEN, first, now=65.0) is None  # too few
+
+
+def test_on_a_small_fleet_each_step_still_moves_the_limit_by_a_request_at_least() -> None:
+    controller, two = QuotaController(), capacity(2)
+    quotas = controller.reconcile(table((100, 96)), two, None, now=0.0)
+    limits = [long_documents(quotas)]
+    for n in range(1, 12):
+        quotas = controller.reconcile(table((100, 50)), two, quotas, now=15.0 * n) or quotas
+        limits.append(long_documents(quotas))
+    assert limits[0] == START * 2
+    assert limits[-1] == 1  # 0.5 per instance, at least one
+    assert all(b < a or a == b == 1 for a, b in itertools.pairwise(limits))
+    assert limits[:6] == [8, 6, 4, 3, 2, 1]  # 1.25 x down, rounded down, never stuck
 
 
 def test_the_limit_stays_within_its_bounds() -> None:

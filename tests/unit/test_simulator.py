@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -14,6 +15,7 @@ from control.step_time import KneeRoofline
 from schemas.base import TaskClass
 from sim.clients import RETRY_SUFFIX, ClientModel
 from sim.cluster import Cluster, InstanceProfile
+from sim.control_loop import QuotaLoop
 from sim.engine import EngineConfig
 from sim.ladder import rate_scales
 from sim.metrics import summarize
@@ -389,3 +391,28 @@ def test_a_batch_client_gives_up_at_its_deadline_and_does_not_retry_past_it() ->
     [record] = simulation.run([slow])
     assert (record.outcome, record.arrival_s) == ("cancelled", 5.0)
     assert 0 < record.output_tokens < 5_000  # what it generated, wasted
+
+
+def test_the_quota_loop_closes_through_the_tables_and_lowers_the_limit_while_chats_miss() -> None:
+    """Chats every 50 ms beside a 16k-token document every 0.5 s on two small instances:
+    the chats miss their objective, and SLOMax's controller, reading the goodput table the
+    simulator's records make, lowers the limit on long documents until its floor."""
+    chats = [TraceRequest(f"c{n}", 0.05 * n, 200, 20, ()) for n in range(1200)]
+    documents = [
+        TraceRequest(f"d{n}", 0.5 * n, 16_384, 5, (), TaskClass.LONG_DOCUMENT) for n in range(120)
+    ]
+    loop = QuotaLoop()
+    simulation = Simulation(
+        Cluster.single(_profile(num_blocks=4_000, budget=2_048), 2),
+        make_router("tokenpilot", seed=7, pool=PoolModel(STEPS, 16, 2_048)),
+        admission=make_admission("slomax"),
+        control=loop,
+    )
+    simulation.run(sorted(chats + documents, key=lambda r: r.arrival_s))
+    limits = [step.long_documents for step in loop.steps]
+    assert all(step.interactive_compliance < 0.95 for step in loop.steps[1:12])
+    assert limits[0] is not None
+    assert limits[-1] == 1  # 0.5 per instance: the floor
+    assert all(b <= a for a, b in itertools.pairwise(limits))  # never back up while they miss
+    published = simulation.pipeline.quotas[TaskClass.LONG_DOCUMENT]
+    assert published.max_concurrency == limits[-1]
