@@ -40,7 +40,8 @@ class SLOMaxParams:
     (its ``max_concurrency``, which the controller sets from goodput): their prefills, and
     the long contexts their decoding steps read, slow the chats beside them. Four, to
     start: on the 30-minute mixed workload at 16 instances (``tokenfleet bench admission``,
-    SLOMax alone), starting at four gave a pooled goodput of 17,935 tokens/s and 91.2 %
+    SLOMax alone, before ``91da74f`` made each of the controller's steps move the limit by
+    a request at least), starting at four gave a pooled goodput of 17,935 tokens/s and 91.2 %
     compliance (34.5 % of long documents in time); with long documents also kept to
     instances where nothing waits, 17,900 and 91.1 %, and starting at two as well, 17,822
     and 91.4 % (31.3 %). A limit on long documents awaiting their first token instead (one
