@@ -3,11 +3,12 @@
 Three kinds of events drive it: a request arrives (the router picks its instance), a
 request enters an engine's wait queue (after the step model's admission delay), and an
 engine's step ends (its results apply and the next step is planned). Arrivals are read in
-order from the workload; the rest sit in one heap. Ties break by insertion order, so a
-run is a deterministic function of its inputs and seed. A router that reads KV events gets
-each engine's stored and evicted blocks as the host would: ``token_lag_s`` after the end
-of the step that stored or evicted them, before its next decision. A router that follows
-its requests hears of each one's first token and end.
+order from the workload; the rest (clients' second attempts among them) sit in one heap,
+where a retry due at the same moment as a trace arrival comes after it. Ties break by
+insertion order, so a run is a deterministic function of its inputs and seed. A router
+that reads KV events gets each engine's stored and evicted blocks as the host would:
+``token_lag_s`` after the end of the step that stored or evicted them, before its next
+decision. A router that follows its requests hears of each one's first token and end.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from sim.engine import DecodeRun, Engine, Plan, Sequence, StepPlan
 from sim.records import RequestRecord
 from sim.workload import TraceRequest
 
-_ENTER, _STEP_END, _HOLD_ENDS, _GIVE_UP, _CONTROL = 0, 1, 2, 3, 4
+_ENTER, _STEP_END, _HOLD_ENDS, _GIVE_UP, _CONTROL, _RETRY = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -60,6 +61,10 @@ class _Instance:
     entering: int = 0
     """Requests routed here still in their admission delay."""
 
+
+Event = Sequence | int | str | TraceRequest
+"""What a heap event carries: the sequence entering an engine, a plan's version, the id
+of a request whose client gives up, or a client's second attempt."""
 
 HOST_TOKEN_LAG_S = 0.002
 """How late the simulated host sees a step's streamed tokens, unless told otherwise."""
@@ -91,8 +96,6 @@ class Simulation:
         self.pipeline: Pipeline[TraceRequest] = Pipeline(admission or Fcfs(), router)
         self.clients = clients
         self.control = control
-        self._retries: list[tuple[float, int, TraceRequest]] = []
-        """Second attempts of clients that came back, by arrival."""
         self._placed: dict[str, tuple[int, Sequence]] = {}
         """Dispatched requests not yet completed: their instance and sequence."""
         self._open: dict[str, TraceRequest] = {}
@@ -124,7 +127,7 @@ class Simulation:
         self._awaiting_first_token: dict[str, float] = {}
         self._token_steps = np.full((size, 2), -np.inf)
         """Each engine's last two ends of a step that streamed tokens: older, newer."""
-        self._heap: list[tuple[float, int, int, int, Sequence | int | str]] = []
+        self._heap: list[tuple[float, int, int, int, Event]] = []
         self._order = 0
         self.records: list[RequestRecord] = []
         self.now = 0.0
@@ -135,15 +138,7 @@ class Simulation:
         upcoming = next(arrivals, None)
         if self.control is not None and upcoming is not None:
             self._push(upcoming.arrival_s + self.control.period_s, _CONTROL, -1, 0)
-        while upcoming is not None or self._heap or self._retries:
-            if self._retries and (upcoming is None or self._retries[0][0] < upcoming.arrival_s):
-                # a retry at the same moment as a trace arrival comes after it
-                retry = self._retries[0][2]
-                if not self._heap or retry.arrival_s <= self._heap[0][0]:
-                    heapq.heappop(self._retries)
-                    self.now = retry.arrival_s
-                    self._arrive(retry)
-                    continue
+        while upcoming is not None or self._heap:
             if upcoming is not None and (not self._heap or upcoming.arrival_s <= self._heap[0][0]):
                 self.now = upcoming.arrival_s
                 self._arrive(upcoming)
@@ -160,8 +155,11 @@ class Simulation:
                 engines = [(i.instance_id, i.engine) for i in self.instances]
                 if (quotas := self.control.tick(self.records, engines, self.now)) is not None:
                     self.pipeline.quotas = quotas
-                if upcoming is not None or self._heap or self._retries:
+                if upcoming is not None or self._heap:
                     self._push(self.now + self.control.period_s, _CONTROL, -1, 0)
+            elif kind == _RETRY:
+                assert isinstance(payload, TraceRequest)
+                self._arrive(payload)
             elif kind == _GIVE_UP:
                 assert isinstance(payload, str)
                 self._give_up(payload, first_token_only=bool(index))
@@ -318,8 +316,7 @@ class Simulation:
             return
         retry = self.clients.retry(request, self.now, retry_after_s)
         if retry is not None:
-            self._order += 1
-            heapq.heappush(self._retries, (retry.arrival_s, self._order, retry))
+            self._push(retry.arrival_s, _RETRY, -1, retry)
 
     def _count_pending(self, index: int, request: TraceRequest, decision: Decision) -> None:
         """The host's shared accounting, as the gateway keeps it: a routed request's prompt,
@@ -444,7 +441,7 @@ class Simulation:
                 Observation(request.request_id, index, record.ttft_s, request.output_tokens)
             )
 
-    def _push(self, time: float, kind: int, index: int, payload: Sequence | int | str) -> None:
+    def _push(self, time: float, kind: int, index: int, payload: Event) -> None:
         self._order += 1
         heapq.heappush(self._heap, (time, self._order, kind, index, payload))
 
