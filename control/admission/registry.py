@@ -9,7 +9,7 @@ from typing import Protocol
 
 from control.admission.baselines import DynamoRouterQueue, LlmdFlowControl
 from control.admission.request import AdmissionRequest
-from control.admission.slomax import SLOMax, SLOMaxParams
+from control.admission.slomax import SLOMax
 from control.admission.view import AdmissionDecision, AdmissionView, Verdict
 
 
@@ -56,7 +56,7 @@ class Fcfs:
 
 ADMISSIONS: dict[str, Callable[[], Admission]] = {
     "fcfs": Fcfs,
-    "slomax": lambda: SLOMax(SLOMaxParams()),
+    "slomax": SLOMax,
     "dynamo_router_queue": DynamoRouterQueue,
     "llmd_flow_control": LlmdFlowControl,
 }

@@ -102,8 +102,6 @@ class SLOMax:
             limit = math.ceil(p.long_documents_per_instance * int(fleet.ready.sum()))
         if limit is not None and view.inflight.get(task_class, 0) >= limit:
             return "concurrency", allowed
-        if view.rate_wait_s.get(task_class, 0.0) > 0:
-            return "rate", allowed
         if p.interactive_reservation and task_class is not TaskClass.INTERACTIVE:
             interactive = view.quotas.get(TaskClass.INTERACTIVE)
             reserved = p.reserved_kv_share if interactive is None else interactive.reserved_share

@@ -35,7 +35,7 @@ class AdmissionDecision:
     verdict: Verdict
     reason: str
     """Why, as a short name: ``admitted``, ``reservation``, ``prefill_cap``, ``concurrency``,
-    ``rate``, ``pool_full``, ``predicted_ttft``, ``deadline``, ``expired``, ``behind_pool``."""
+    ``pool_full``, ``predicted_ttft``, ``deadline``, ``expired``, ``behind_pool``."""
     allowed: BoolArray | None = None
     """For a dispatch: the instances the router may use (None: every ready one)."""
     hold_until_s: float | None = None
@@ -74,9 +74,6 @@ class AdmissionView:
     """Requests of each class dispatched and not yet finished."""
     quotas: Mapping[TaskClass, ClassQuota] = field(default_factory=dict)
     """The latest quota of each class that has one (the controller's, or configuration)."""
-    rate_wait_s: Mapping[TaskClass, float] = field(default_factory=dict)
-    """How long each class's admission bucket needs before it holds this request's tokens
-    (0 or absent: it holds them now)."""
     objectives: Mapping[TaskClass, ClassObjective] = field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES)
     )
