@@ -1,0 +1,382 @@
+"""``tokenfleet bench``: commands that measure, print figures and write JSON."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.sim import add_token_lags, fraction, levels, tokenpilot_params, trace_help
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    _add_bench(commands)
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON")
+    sub = bench.add_subparsers(required=True, metavar="BENCHMARK")
+    sim = sub.add_parser(
+        "sim",
+        help="simulator speed: the Mooncake trace, and scaling with instances and requests",
+        description="Times the simulator on the whole Mooncake conversation trace "
+        "(12,031 requests) and how run time grows with instances (16, 64, 256) and requests.",
+    )
+    sim.add_argument("--json", type=Path, required=True, help="write the figures here")
+    sim.set_defaults(handler=_bench_sim)
+    _add_bench_routing(sub)
+    _add_bench_admission(sub)
+    decision = sub.add_parser(
+        "decision",
+        help="time one routing decision at 16 to 4,096 instances (16k-token prompt)",
+        description="Times routers' decisions (prefix matching included) on fleets of "
+        "16, 256, 1024 and 4096 instances; prints P50 and P99 in microseconds. Several "
+        "policies decide each request in turn, and each is also given as a ratio to the "
+        "first: a noisy machine moves the microseconds, less the ratios.",
+    )
+    decision.add_argument(
+        "--policies",
+        type=lambda t: t.split(","),
+        default=["tokenpilot"],
+        help="comma-separated, the first the reference (default tokenpilot)",
+    )
+    decision.add_argument("--json", type=Path, required=True, help="write the figures here")
+    decision.set_defaults(handler=_bench_decision)
+    gateway = sub.add_parser(
+        "gateway",
+        help="the gateway's added latency and request rate, against emulated instances",
+        description="Starts emulated instances and a gateway as processes of their own, "
+        "then measures added latency (P50, P99: through the gateway minus direct, requests "
+        "alternating one at a time), the rate one gateway process sustains and its CPU per "
+        "request; the same for a bare pass-through proxy on the same stack, the floor.",
+    )
+    gateway.add_argument("--requests", type=int, default=1000, help="latency samples each way")
+    gateway.add_argument("--concurrency", type=int, default=32, help="clients in the rate run")
+    gateway.add_argument("--duration", type=float, default=10.0, help="seconds of the rate run")
+    gateway.add_argument(
+        "--litellm",
+        metavar="COMMAND",
+        help="LiteLLM's `litellm` command: measure its proxy the same way, side by side",
+    )
+    gateway.add_argument("--json", type=Path, required=True, help="write the figures here")
+    gateway.set_defaults(handler=_bench_gateway)
+    streams = sub.add_parser(
+        "streams",
+        help="events per second one table worker sustains, and event-to-table lag",
+        description="Publishes request lifecycles to the broker in TOKENFLEET_KAFKA_BOOTSTRAP "
+        "(unset: a local broker it starts and stops), runs one `tokenfleet worker`, and "
+        "measures the events it consumes per second and, at a steady pace, the lag from "
+        "an event's publication to its effect in a published table (P50, P95); then, for "
+        "scale, the rate of a Faust agent that only counts the same events.",
+    )
+    streams.add_argument("--requests", type=int, default=20_000, help="requests (3 events each)")
+    streams.add_argument(
+        "--paced-rate", type=float, default=500.0, help="requests/s in the lag run"
+    )
+    streams.add_argument("--json", type=Path, required=True, help="write the figures here")
+    streams.set_defaults(handler=_bench_streams)
+
+
+def _bench_streams(args: argparse.Namespace) -> int:
+    import contextlib
+    import json
+    import tempfile
+
+    from sim.streams_bench import bench_streams
+    from tokenfleet.services.kafka import LocalKafka
+    from tokenfleet.settings import Settings
+
+    if args.requests < 1 or args.paced_rate <= 0:
+        raise CliError("--requests must be at least 1 and --paced-rate positive")
+    with contextlib.ExitStack() as stack:
+        bootstrap = Settings().kafka_bootstrap
+        if bootstrap is None:
+            home = stack.enter_context(tempfile.TemporaryDirectory())
+            broker = LocalKafka(Path(home))
+            stack.callback(broker.stop)
+            bootstrap = broker.start()
+        figures = bench_streams(bootstrap, args.requests, args.paced_rate)
+    print(
+        f"{figures['events_per_s']:.0f} events/s; lag p50 {figures['lag_p50_s']:.2f} s, "
+        f"p95 {figures['lag_p95_s']:.2f} s at {figures['paced_events_per_s']:.0f} events/s; "
+        f"Faust's ceiling {figures['faust_ceiling_events_per_s']:.0f} events/s"
+    )
+    args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+def _bench_gateway(args: argparse.Namespace) -> int:
+    import json
+
+    from tokenfleet.gateway_bench import bench_gateway
+
+    if args.requests < 1 or args.concurrency < 1 or args.duration <= 0:
+        raise CliError("--requests and --concurrency must be at least 1, --duration positive")
+    figures = bench_gateway(args.requests, args.concurrency, args.duration, litellm=args.litellm)
+    print(
+        f"added latency p50 {figures['added_latency_p50_ms']:.2f} ms, "
+        f"p99 {figures['added_latency_p99_ms']:.2f} ms "
+        f"(direct p50 {figures['direct_p50_ms']:.2f} ms); "
+        f"{figures['max_rps']:.0f} requests/s at concurrency {args.concurrency} "
+        f"(direct: {figures['direct_rps']:.0f}); {figures['gateway_cpu_ms_per_request']:.2f} "
+        "ms of CPU per request"
+    )
+    for name, label in (("bare_proxy", "bare proxy"), ("litellm", "LiteLLM")):
+        if name in figures:
+            other = figures[name]
+            print(
+                f"{label}: added p50 {other['added_latency_p50_ms']:.2f} ms, "
+                f"p99 {other['added_latency_p99_ms']:.2f} ms; {other['max_rps']:.0f} requests/s"
+            )
+    args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
+
+
+def _bench_decision(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from control.routing import ROUTERS
+    from sim.decision_bench import SIZES, time_decisions
+
+    policies = _known(args.policies, ROUTERS)
+    figures = [
+        row
+        for size in tqdm(SIZES, desc="fleet sizes", unit="size", leave=False)
+        for row in time_decisions(policies, size)
+    ]
+    for row in figures:
+        print(
+            f"{row['instances']:>5} instances  {row['policy']:<22} p50 {row['p50_us']:8.1f} us"
+            f"  p99 {row['p99_us']:8.1f} us  ({row['p50_ratio']:.2f} / {row['p99_ratio']:.2f}"
+            f" x {policies[0]})"
+        )
+    document = {"policies": policies, "results": figures}
+    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    return 0
+
+
+def _known(names: Sequence[str], known: Iterable[str], what: str = "policies") -> list[str]:
+    """``names`` as given; a CliError naming any that ``known`` lacks."""
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise CliError(f"unknown {what}: {', '.join(unknown)}")
+    return list(names)
+
+
+def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
+    from sim.admission_bench import ADMISSION_LADDER, BENCHED
+
+    admission = sub.add_parser(
+        "admission",
+        help="every admission policy in front of one router, across a ladder past capacity",
+        description="Runs each admission policy in front of the same router on the same "
+        "workload, cluster and seed at each ladder level (shares of the cluster's measured "
+        "capacity), with clients that give up and retry (sim/clients.py); writes goodput, "
+        "compliance, waste and rejections per policy, pooled and per level and per class.",
+    )
+    admission.add_argument("--trace", default="mixed", help="default: mixed. " + trace_help())
+    _add_ladder_options(admission, ADMISSION_LADDER, BENCHED)
+    admission.add_argument("--router", default="tokenpilot", help="the router behind every policy")
+    admission.add_argument("--plot", type=Path, help="write goodput and compliance per level here")
+    admission.add_argument(
+        "--step-change",
+        type=Path,
+        metavar="PNG",
+        help="also run SLOMax on a load stepping from 0.8 to 1.5 x capacity halfway, and plot "
+        "its controller's limit and the attainments it read over time here (the passes go "
+        "into the JSON as step_change)",
+    )
+    admission.set_defaults(handler=_bench_admission)
+
+
+def _bench_admission(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from control.routing import ROUTERS
+    from sim.admission_bench import (
+        BENCHED,
+        bench_admission,
+        plot_levels,
+        plot_step_change,
+        step_change,
+    )
+
+    policies = _known(args.policies or list(BENCHED), BENCHED, "admission policies")
+    _known([args.router], ROUTERS, "routers")
+    with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
+        try:
+            document = bench_admission(
+                args.trace,
+                instances=args.instances,
+                profile_name=args.profile,
+                ladder=args.ladder,
+                requests=args.requests,
+                seed=args.seed,
+                policies=policies,
+                router=args.router,
+                jobs=args.jobs,
+                progress=lambda label: (bar.set_postfix_str(label), bar.update()),
+            )
+        except (ValueError, KeyError) as exc:
+            raise CliError(str(exc)) from None
+    if args.step_change:
+        document["step_change"] = step_change(
+            args.trace,
+            instances=args.instances,
+            profile_name=args.profile,
+            requests=args.requests,
+            seed=args.seed,
+        )
+        plot_step_change(document["step_change"], args.step_change)
+    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    if args.plot:
+        plot_levels(document, args.plot)
+    print(
+        f"{'policy':22}{'goodput':>10}{'total':>10}{'comply':>8}{'chat':>8}{'reject':>8}"
+        f"{'wasted':>10}{'cap@90%':>9}"
+    )
+    for policy, result in document["policies"].items():
+        chat = result["per_class"].get("interactive", {}).get("compliance", float("nan"))
+        capacity = result["capacity_at_90_rps"]
+        print(
+            f"{policy:22}{result['goodput_tok_s']:>10.0f}{result['total_tok_s']:>10.0f}"
+            f"{result['compliance']:>8.1%}{chat:>8.1%}{result['rejected_share']:>8.1%}"
+            f"{result['wasted_tok']:>10,}{'-' if capacity is None else f'{capacity:.1f}':>9}"
+        )
+    return 0
+
+
+def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
+    from control.routing import ROUTERS
+    from sim.ladder import DEFAULT_LADDER
+
+    routing = sub.add_parser(
+        "routing",
+        help="every routing policy on one trace and cluster across a load ladder",
+        description="Runs each policy on the same trace, cluster and seed at each ladder level "
+        "(shares of the cluster's measured capacity); writes pooled and per-level figures "
+        "and the lower bound no router can beat.",
+    )
+    routing.add_argument(
+        "--trace",
+        required=True,
+        help=trace_help(),
+    )
+    _add_ladder_options(routing, DEFAULT_LADDER, ROUTERS)
+    add_token_lags(routing)
+    routing.add_argument(
+        "--step-model-error",
+        type=fraction,
+        default=0.0,
+        metavar="F",
+        help="give the routers that use a step model (TokenPilot) one whose every term is off "
+        "by this fraction, up or down at random per term (e.g. 0.15), while the simulated "
+        "engines step with the true one (default 0: the engines' own model)",
+    )
+    routing.add_argument("--plot", type=Path, help="write TTFT CDFs per policy here (PNG)")
+    routing.set_defaults(handler=_bench_routing)
+
+
+def _add_ladder_options(
+    parser: argparse.ArgumentParser, ladder: Sequence[float], policies: Iterable[str]
+) -> None:
+    """The options every ladder benchmark takes: cluster, ladder, sample, policies, jobs."""
+    from sim.profiles import PROFILES
+
+    parser.add_argument("--instances", type=int, default=16)
+    parser.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
+    parser.add_argument(
+        "--ladder",
+        type=levels,
+        default=list(ladder),
+        metavar="L1,L2,...",
+        help="default: " + ",".join(f"{level:g}" for level in ladder),
+    )
+    parser.add_argument("--requests", type=int, help="only the first N requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--policies",
+        type=lambda t: t.split(","),
+        default=None,
+        help=f"comma-separated subset of: {', '.join(policies)}",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once, each in its own process (default 1); figures do not depend on it",
+    )
+    parser.add_argument("--json", type=Path, required=True, help="write the figures here")
+
+
+def _bench_routing(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from control.routing import ROUTERS
+    from sim.routing_bench import bench_routing, plot_ttft_cdfs
+
+    policies = _known(args.policies or list(ROUTERS), ROUTERS)
+    with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
+        try:
+            document, records = bench_routing(
+                args.trace,
+                instances=args.instances,
+                profile_name=args.profile,
+                ladder=args.ladder,
+                requests=args.requests,
+                seed=args.seed,
+                policies=policies,
+                jobs=args.jobs,
+                progress=lambda label: (bar.set_postfix_str(label), bar.update()),
+                host_token_lag_s=args.host_token_lag,
+                tokenpilot=tokenpilot_params(args),
+                step_model_error=args.step_model_error,
+            )
+        except (ValueError, KeyError) as exc:
+            raise CliError(str(exc)) from None
+    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    if args.plot:
+        plot_ttft_cdfs(
+            records, f"{args.trace}, {args.instances} instances, pooled ladder", args.plot
+        )
+    print(f"{'policy':24}{'TTFT p50':>10}{'TTFT p95':>10}{'E2E p95':>10}{'cache hit':>11}")
+    for policy, figures in document["policies"].items():
+        print(
+            f"{policy:24}{figures['ttft_p50_s']:>10.3f}{figures['ttft_p95_s']:>10.3f}"
+            f"{figures['e2e_p95_s']:>10.2f}{figures['cache_hit_rate']:>11.1%}"
+        )
+    for label, name in (
+        ("lower bound", "lower_bound"),
+        ("fleet-cache ref.", "fleet_cache_reference"),
+    ):
+        bound = document[name]
+        print(
+            f"{label:24}{bound['ttft_p50_s']:>10.3f}{bound['ttft_p95_s']:>10.3f}{'':>10}"
+            f"{bound['cache_hit_rate']:>11.1%}"
+        )
+    return 0
+
+
+def _bench_sim(args: argparse.Namespace) -> int:
+    import json
+
+    from sim.bench import bench_sim
+
+    def report(label: str, figures: dict[str, float]) -> None:
+        print(
+            f"{label:28} {figures['requests']:>6} requests on {figures['instances']:>3} "
+            f"instances: {figures['wall_s']:6.1f} s "
+            f"({figures['simulated_requests_per_s']:.0f} requests/s)",
+            flush=True,
+        )
+
+    result = bench_sim(report=report)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
