@@ -15,10 +15,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar, cast
 
+import numpy as np
+
 from control.admission.pools import ClassPools, Waiting
 from control.admission.registry import Admission
 from control.admission.request import AdmissionRequest
-from control.admission.view import AdmissionDecision, AdmissionView, Verdict
+from control.admission.view import (
+    USAGE_WINDOW_S,
+    AdmissionDecision,
+    AdmissionView,
+    Usage,
+    Verdict,
+)
 from control.routing import Decision, FleetSnapshot, PredictsTtft, Router, RouteRequest
 from control.routing.registry import implements
 from schemas.base import TaskClass
@@ -64,6 +72,11 @@ class Pipeline(Generic[Payload]):
     """The latest quota per class; the host replaces it when the controller publishes."""
     pools: ClassPools[_Held[Payload]] = field(default_factory=ClassPools)
     inflight: Counter[TaskClass] = field(default_factory=Counter)
+    usage: dict[TaskClass, Usage] = field(default_factory=dict)
+    """Each class's usage in the current window (``USAGE_WINDOW_S``)."""
+    _window_opened_at: float = -math.inf
+    _first_tokens: dict[str, float] = field(default_factory=dict)
+    """Requests in flight that have their first token, and when it came (in that order)."""
     _classes: dict[str, TaskClass] = field(default_factory=dict)
     _released_at: float = 0.0
 
@@ -123,11 +136,25 @@ class Pipeline(Generic[Payload]):
         held (dispatched already, or answered)."""
         return self.pools.withdraw(request_id) is not None
 
-    def finished(self, request_id: str) -> None:
-        """A dispatched request ended (completed, cancelled or failed)."""
+    def first_token(self, request_id: str, now: float) -> None:
+        """A dispatched request's first token came."""
+        if request_id in self._classes:
+            self._first_tokens[request_id] = now
+
+    def finished(self, request_id: str, now: float, *, completed_tokens: int = 0) -> None:
+        """A dispatched request ended: completed with ``completed_tokens`` of output, or
+        cancelled or failed (0)."""
+        self._first_tokens.pop(request_id, None)
         task_class = self._classes.pop(request_id, None)
         if task_class is not None:
             self.inflight[task_class] -= 1
+            self._count(task_class, Usage(output_tokens=completed_tokens), now)
+
+    def _count(self, task_class: TaskClass, used: Usage, now: float) -> None:
+        if now >= self._window_opened_at + USAGE_WINDOW_S:
+            self.usage.clear()
+            self._window_opened_at = now
+        self.usage[task_class] = self.usage.get(task_class, Usage()) + used
 
     def _admit(
         self,
@@ -148,9 +175,15 @@ class Pipeline(Generic[Payload]):
             {c: self.pools.state(c, now) for c in TaskClass},
             self.inflight,
             self.quotas,
+            self._current_usage(now),
+            np.fromiter(self._first_tokens.values(), np.float64, len(self._first_tokens)),
             objectives=self.objectives,
         )
         return self.admission.decide(request, view, held=held)
+
+    def _current_usage(self, now: float) -> dict[TaskClass, Usage]:
+        """The window's counts, empty once it has closed (the next count opens a new one)."""
+        return self.usage if now < self._window_opened_at + USAGE_WINDOW_S else {}
 
     def _dispatch(
         self,
@@ -167,4 +200,5 @@ class Pipeline(Generic[Payload]):
         if routed.chosen is not None:
             self.inflight[request.task_class] += 1
             self._classes[request.request_id] = request.task_class
+            self._count(request.task_class, Usage(requests=1), now)
         return Outcome(request, payload, decision, routed)

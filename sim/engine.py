@@ -4,12 +4,15 @@ Each step the scheduler spends a token budget (``max_num_batched_tokens``):
 
 1. running sequences first, in admission order: one token for a decoding sequence, the
    next chunk of the prompt for one still in prefill (chunked prefill);
-2. when a running sequence needs a KV block and none is free, the most recently admitted
-   running sequence is preempted: its blocks are released and its tokens will be computed
-   again (recompute preemption, counted as repeated work); it goes back to the head of
-   the wait queue;
-3. then, if nothing was preempted, waiting sequences in arrival order while budget,
-   ``max_num_seqs`` and free blocks allow; each reuses its cached prompt prefix.
+2. when a running sequence needs a KV block and none is free, a running sequence is
+   preempted: its blocks are released and its tokens will be computed again (recompute
+   preemption, counted as repeated work), and it goes back to the wait queue. Under the
+   default ``fcfs`` policy the victim is the most recently admitted and goes back to the
+   head; under ``priority``, the one of lowest priority (highest number), latest arrival
+   among equals, as vLLM v1's scheduler picks it, and it rejoins the queue by its key;
+3. then, if nothing was preempted, waiting sequences in queue order (``sim.wait_queue``)
+   while budget, ``max_num_seqs`` and free blocks allow; each reuses its cached prompt
+   prefix.
 
 A sequence's first output token exists at the end of the step that computes its last
 prompt token; each later step computes one token's KV and samples the next. The engine
@@ -20,11 +23,12 @@ has no clock of its own: the host calls ``plan_step(now)``, waits the returned d
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
 from dataclasses import dataclass, field
 
+from control.admission.registry import EngineScheduling
 from control.step_time import StepTime
 from sim.kv_cache import KvBlockPool, OutOfBlocks
+from sim.wait_queue import WaitQueue, wait_queue
 from sim.workload import TraceRequest
 
 
@@ -40,6 +44,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     """Longest prompt plus output; never more than the KV cache holds."""
+    scheduling_policy: EngineScheduling = "fcfs"
 
     @property
     def max_tokens_per_sequence(self) -> int:
@@ -68,6 +73,8 @@ class Sequence:
     preemptions: int = 0
     recomputed_tokens: int = 0
     cancelled: bool = False
+    priority: int = 0
+    """The request's priority under ``priority`` scheduling: lower is served first."""
 
     @property
     def target_tokens(self) -> int:
@@ -126,7 +133,7 @@ class Engine:
         self.config = config
         self.step_time = step_time
         self.pool = KvBlockPool(config.num_blocks, config.block_size, kv_events=kv_events)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: WaitQueue = wait_queue(config.scheduling_policy)
         self.running: list[Sequence] = []
         self.counters = EngineCounters()
         self.inflight_tokens = 0
@@ -146,7 +153,7 @@ class Engine:
                 f"{sequence.request.input_tokens} prompt + {sequence.request.output_tokens} "
                 f"output tokens exceed {self.config.max_tokens_per_sequence}"
             )
-        self.waiting.append(sequence)
+        self.waiting.add(sequence)
         self.inflight_tokens += sequence.request.input_tokens + sequence.request.output_tokens
 
     def cancel(self, sequence: Sequence) -> None:
@@ -231,13 +238,19 @@ class Engine:
             if sequence not in self.running:
                 continue  # preempted earlier in this loop
             tokens = min(sequence.target_tokens - sequence.computed, budget)
-            if self._grow(sequence, tokens):
-                scheduled.append((sequence, tokens))
-                budget -= tokens
+            preemptions = self.counters.preemptions
+            grew = self._grow(sequence, tokens)
+            if self.counters.preemptions != preemptions:
+                budget += self._unschedule_preempted(scheduled)
+            if not grew:  # it was the victim itself: nothing after it runs this step
+                break
+            scheduled.append((sequence, tokens))
+            budget -= tokens
         if self.counters.preemptions == preemptions_before:
             self._admit_waiting(budget, scheduled, now)
         if not scheduled:
-            return None
+            # a step whose preemptions left it empty (upstream, an empty step): plan again
+            return self.plan_step(now) if self.running or self.waiting else None
         return self._plan(scheduled)
 
     def finish_step(self, plan: StepPlan, end_s: float) -> list[Sequence]:
@@ -267,10 +280,10 @@ class Engine:
         self, budget: int, scheduled: list[tuple[Sequence, int]], now: float
     ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            sequence = self.waiting[0]
+            sequence = self.waiting.peek()
             if not self._start(sequence, budget):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(sequence)
             if sequence.scheduled_s is None:
                 sequence.scheduled_s = now
@@ -308,11 +321,24 @@ class Engine:
                 sequence.blocks.extend(self.pool.allocate(needed))
                 return True
             except OutOfBlocks:
-                victim = self.running[-1]
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is sequence:
                     return False
         return True
+
+    def _victim(self) -> Sequence:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda s: (s.priority, s.enqueued_s))
+        return self.running[-1]
+
+    def _unschedule_preempted(self, scheduled: list[tuple[Sequence, int]]) -> int:
+        """Drop from this step's plan the sequences preempted after it took them (under
+        ``priority`` the victim may be one already planned); return their tokens."""
+        kept = [(s, tokens) for s, tokens in scheduled if s in self.running]
+        freed = sum(tokens for _, tokens in scheduled) - sum(tokens for _, tokens in kept)
+        scheduled[:] = kept
+        return freed
 
     def _preempt(self, sequence: Sequence) -> None:
         self.running.remove(sequence)
@@ -322,7 +348,7 @@ class Engine:
         sequence.registered = 0
         sequence.preemptions += 1
         self.counters.preemptions += 1
-        self.waiting.appendleft(sequence)
+        self.waiting.put_back(sequence)
 
     def _release(self, sequence: Sequence) -> None:
         self.pool.release(sequence.blocks)

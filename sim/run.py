@@ -102,7 +102,7 @@ def simulate_run(
         cluster,
         router,
         token_lag_s=config.host_token_lag_s,
-        admission=make_admission(config.admission),
+        admission=make_admission(config.admission, pool),
         clients=config.clients,
         control=QuotaLoop() if config.admission in CONTROLLED else None,
     )

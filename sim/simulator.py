@@ -17,13 +17,14 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import numpy as np
 
-from control.admission.registry import Admission, Fcfs
-from control.admission.request import AdmissionRequest
+from control.admission.baselines import Fcfs
+from control.admission.registry import Admission
+from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.view import Verdict
 from control.pipeline import Outcome, Pipeline
 from control.routing import (
@@ -106,11 +107,16 @@ class Simulation:
         )
         self._learner = cast(Learner, router) if implements(router, Learner) else None
         self._kv_in_transit: deque[tuple[float, int, list[KvEvent]]] = deque()
+        scheduling = self.pipeline.admission.engine_scheduling
         self.instances = [
             _Instance(
                 f"{dc.name}/{n}",
                 dc.name,
-                Engine(dc.profile.engine, dc.profile.step_time, kv_events=self._kv_events),
+                Engine(
+                    replace(dc.profile.engine, scheduling_policy=scheduling),
+                    dc.profile.step_time,
+                    kv_events=self._kv_events,
+                ),
             )
             for dc in cluster.data_centers
             for n in range(dc.instances)
@@ -246,7 +252,7 @@ class Simulation:
         if index is None or not self.instances[index].engine.accepts(request):
             self.records.append(RequestRecord.rejected(request, self.now))
             self._open.pop(request.request_id, None)
-            self.pipeline.finished(request.request_id)
+            self.pipeline.finished(request.request_id, self.now)
             if index is not None and self._follows is not None:
                 self._follows.ended(request.request_id)
             self._come_back(request, outcome.admission.retry_after_s)
@@ -260,7 +266,7 @@ class Simulation:
         delay = instance.engine.step_time.admission_delay_s(request.input_tokens)
         instance.entering += 1
         self._inflight[index] += _charged_tokens(request)
-        sequence = Sequence(request, self.now)
+        sequence = Sequence(request, self.now, priority=PRIORITY[request.task_class])
         if request.request_id in self._open:
             self._placed[request.request_id] = (index, sequence)
         self._push(self.now + delay, _ENTER, index, sequence)
@@ -304,7 +310,7 @@ class Simulation:
         self._pending_prefill[index] -= self._awaiting_first_token.pop(request_id, 0.0)
         where = (instance.instance_id, instance.dc)
         self.records.append(RequestRecord.cancelled(sequence.request, self.now, where, sequence))
-        self.pipeline.finished(request_id)
+        self.pipeline.finished(request_id, self.now)
         if self._follows is not None:
             self._follows.ended(request_id)
         if implements(self.router, Withdrawing):
@@ -333,6 +339,7 @@ class Simulation:
             if sequence.first_token_s == self.now:
                 pending = self._awaiting_first_token.pop(sequence.request.request_id, 0.0)
                 self._pending_prefill[index] -= pending
+                self.pipeline.first_token(sequence.request.request_id, self.now)
                 if self._follows is not None:
                     self._follows.first_token(sequence.request.request_id)
 
@@ -432,7 +439,7 @@ class Simulation:
         self.records.append(record)
         self._open.pop(request.request_id, None)
         self._placed.pop(request.request_id, None)
-        self.pipeline.finished(request.request_id)
+        self.pipeline.finished(request.request_id, self.now, completed_tokens=request.output_tokens)
         if self._follows is not None:
             self._follows.ended(request.request_id)
         if self._learner is not None:  # learned at completion, not at first token

@@ -2,20 +2,57 @@
 project's code ships it (the docstring names the file and commit it follows), seeing what
 it sees upstream.
 
-Classes map to priorities as an operator of each would set them: interactive highest,
-then long documents, then batch.
+Classes map to priorities as an operator of each would set them
+(``control.admission.request.PRIORITY``): interactive highest, then long documents, then
+batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
 from pydantic import Field
 
 from control.admission.request import AdmissionRequest
 from control.admission.view import AdmissionDecision, AdmissionView, Verdict
+from control.routing.snapshot import PoolModel
+from schemas.base import TaskClass
+
+if TYPE_CHECKING:
+    from control.admission.registry import EngineScheduling
+
+
+@dataclass(frozen=True)
+class Fcfs:
+    """Admit everything: the engines' own first-come-first-served queues decide, as vLLM's
+    default ``--scheduling-policy fcfs`` does behind a gateway with no admission."""
+
+    name: str = "fcfs"
+    wants_prediction: bool = False
+    release_rate_per_s: float | None = None
+    engine_scheduling: EngineScheduling = "fcfs"
+
+    def decide(
+        self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
+    ) -> AdmissionDecision:
+        return AdmissionDecision(Verdict.DISPATCH, "admitted")
+
+
+@dataclass(frozen=True)
+class VllmPriority(Fcfs):
+    """Admit everything, each request carrying its class's priority, to engines started
+    with ``--scheduling-policy priority`` (vllm-project/vllm ``vllm/v1/core/sched/
+    scheduler.py`` at b4622cf9, ``request_queue.py`` at 0097c7ed): each engine's wait queue
+    is ordered by (priority, arrival), and when a running request needs a KV block and none
+    is free, the running request of lowest priority (latest arrival among equals) is
+    preempted and recomputed later. Nothing running is preempted for a waiting request,
+    and the queue's head blocks the rest, as upstream. The simulated engine does both
+    (``sim.engine``); this policy only names the engines' mode."""
+
+    name: str = "vllm_priority"
+    engine_scheduling: EngineScheduling = "priority"
 
 
 @dataclass(frozen=True)
@@ -44,6 +81,7 @@ class DynamoRouterQueue:
     params: DynamoQueueParams = DynamoQueueParams()
     name: str = "dynamo_router_queue"
     wants_prediction: bool = False
+    engine_scheduling: EngineScheduling = "fcfs"
     release_rate_per_s: float | None = None
     """Its queue drains in a loop, each admission counted before the next check."""
 
@@ -90,6 +128,7 @@ class LlmdFlowControl:
     params: FlowControlParams = FlowControlParams()
     name: str = "llmd_flow_control"
     wants_prediction: bool = False
+    engine_scheduling: EngineScheduling = "fcfs"
     release_rate_per_s: float | None = 1000.0
     """Its processor dispatches at most one request per 1 ms tick of its dispatch loop
     (and one after each arrival), all against the last scrape."""
@@ -119,3 +158,130 @@ def saturation(view: AdmissionView, params: FlowControlParams) -> float:
     queue = fleet.waiting[ready] / params.queue_depth_threshold
     kv = fleet.kv_blocks_used[ready] / np.maximum(fleet.kv_blocks_total[ready], 1)
     return float(np.maximum(queue, kv / params.kv_cache_util_threshold).mean())
+
+
+@dataclass(frozen=True)
+class LitellmParams:
+    rpm_per_instance: Annotated[float, Field(gt=0)] = 296.6
+    """Each deployment's ``rpm`` as its operator would set it: what one instance serves, here
+    the measured capacity of the 30-minute mixed workload on Llama-3.1-70B / 4xH100, 79.08
+    requests/s at 16 instances (``tokenfleet bench admission`` at 91da74f), times 60."""
+    tpm_per_instance: Annotated[float, Field(gt=0)] = 56_420.0
+    """Each deployment's ``tpm``: the same capacity times the workload's mean output, 190.3
+    tokens (LiteLLM counts output tokens by default)."""
+    saturation_threshold: Annotated[float, Field(ge=0)] = 0.5
+    weights: tuple[tuple[TaskClass, float], ...] = (
+        (TaskClass.INTERACTIVE, 0.6),
+        (TaskClass.BATCH, 0.25),
+        (TaskClass.LONG_DOCUMENT, 0.15),
+    )
+    """``litellm.priority_reservation``, one priority per class: the operator reserves each
+    class about its share of the mixed workload's output tokens (59 %, 27 %, 13 %)."""
+
+
+@dataclass(frozen=True)
+class LitellmPriority:
+    """LiteLLM proxy's priority reservations (BerriAI/litellm ``litellm/proxy/hooks/
+    dynamic_rate_limiter_v3.py`` at 02ba835f; ``PriorityReservationSettings`` in
+    ``litellm/types/utils.py``): the model's saturation is the larger of its requests and
+    its output tokens in the current 60 s window over the model group's ``rpm`` and ``tpm``
+    (the sums over its deployments, one per ready instance); the model's own limits hold
+    for everyone, and from saturation 0.5 each priority is also held to its weight times
+    them. Requests count when they are sent, tokens when a response completes. Over a
+    limit the answer is 429 at once with no ``Retry-After``; nothing waits.
+
+    Departure: upstream reads saturation through a local cache that lives up to 60 s; here
+    it is read fresh at every decision, which can only help it."""
+
+    params: LitellmParams = LitellmParams()
+    name: str = "litellm_priority"
+    wants_prediction: bool = False
+    release_rate_per_s: float | None = None
+    engine_scheduling: EngineScheduling = "fcfs"
+
+    def decide(
+        self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
+    ) -> AdmissionDecision:
+        p = self.params
+        ready = int(view.fleet.ready.sum())
+        rpm, tpm = p.rpm_per_instance * ready, p.tpm_per_instance * ready
+        total = view.total_usage()
+        level = max(total.requests / rpm, total.output_tokens / tpm) if ready else 1.0
+        figures = (("saturation", level),)
+        if not ready or total.requests >= rpm or total.output_tokens >= tpm:
+            return AdmissionDecision(Verdict.REJECT, "model_limit", figures=figures)
+        if level >= p.saturation_threshold:
+            weight = dict(p.weights)[request.task_class]
+            own = view.class_usage(request.task_class)
+            if own.requests >= int(rpm * weight) or own.output_tokens >= int(tpm * weight):
+                return AdmissionDecision(Verdict.REJECT, "priority_limit", figures=figures)
+        return AdmissionDecision(Verdict.DISPATCH, "admitted", figures=figures)
+
+
+@dataclass(frozen=True)
+class MooncakeParams:
+    decode_time_s: Annotated[float, Field(gt=0)] = 14.1
+    """The uniform decoding time the paper assumes of every request (it gives no value):
+    the mean time from first token to last of the mixed workload's first 6,000 requests at
+    1.0 x capacity under ``fcfs`` behind TokenPilot, 14.1 s (median 8.6 s)."""
+    tbt_limit_s: Annotated[float, Field(gt=0)] = 0.1
+    """The one TBT limit Mooncake's Conductor holds the whole decoding pool to: 0.1 s per
+    token, as on its real workload, and this fleet's interactive objective."""
+
+
+@dataclass(frozen=True)
+class MooncakeEarlyReject:
+    """Mooncake's prediction-based early rejection (Qin et al., "Mooncake: A KVCache-centric
+    Disaggregated Architecture for LLM Serving", arXiv 2407.00079 v4, sections 7.2-7.4;
+    the FAST'25 paper keeps the rule, not the prediction): when a request arrives, the
+    Conductor refuses it (429) if its predicted TTFT on the best instance exceeds its
+    objective, or if the decoding load it would meet once its prefill ends exceeds the
+    pool's TBT limit. That load is predicted at system level, not per request: every
+    request is assumed to decode for a uniform ``decode_time_s``; at the moment this one
+    would start decoding, the requests whose prefill is done by then are decoding, those
+    that began more than ``decode_time_s`` before it have left, and the step time of the
+    resulting batch per instance is the predicted TBT. Nothing waits; nothing is retried.
+
+    Departures: Mooncake disaggregates prefill from decoding, where this fleet colocates
+    them, so both predictions are of the same instances: the TTFT is TokenPilot's (the
+    router's step model, as Mooncake's Conductor predicts with its own), the TBT the step
+    model's at the predicted batch and the fleet's mean context per running request."""
+
+    pool: PoolModel
+    params: MooncakeParams = MooncakeParams()
+    name: str = "mooncake_early_reject"
+    wants_prediction: bool = True
+    release_rate_per_s: float | None = None
+    engine_scheduling: EngineScheduling = "fcfs"
+
+    def decide(
+        self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
+    ) -> AdmissionDecision:
+        ttft = view.best_predicted_ttft_s(None)
+        if ttft is None:
+            return AdmissionDecision(Verdict.REJECT, "no_instance")
+        tbt = self.predicted_tbt_s(view, view.now_s + ttft)
+        figures = (("predicted_ttft_s", ttft), ("predicted_tbt_s", tbt))
+        objective = view.objectives[request.task_class]
+        if objective.ttft_s is not None and ttft > objective.ttft_s:
+            return AdmissionDecision(Verdict.REJECT, "predicted_ttft", figures=figures)
+        if tbt > self.params.tbt_limit_s:
+            return AdmissionDecision(Verdict.REJECT, "predicted_tbt", figures=figures)
+        return AdmissionDecision(Verdict.DISPATCH, "admitted", figures=figures)
+
+    def predicted_tbt_s(self, view: AdmissionView, decode_start_s: float) -> float:
+        """The time per output token of the batch this request would join at
+        ``decode_start_s``: the requests still prefilling (done by then), those decoding
+        that have not yet used up ``decode_time_s``, and itself, spread over the ready
+        instances."""
+        fleet = view.fleet
+        ready = max(int(fleet.ready.sum()), 1)
+        leaving = decode_start_s - self.params.decode_time_s
+        staying = int(np.count_nonzero(view.decoding_since_s > leaving))
+        decoders = view.awaiting_first_token() + staying + 1
+        per_instance = -(-decoders // ready)
+        running = max(int(fleet.running[fleet.ready].sum()), 1)
+        context = int(fleet.kv_blocks_used[fleet.ready].sum()) * self.pool.block_size / running
+        step_time = self.pool.step_time
+        step = step_time.step_s(0, 0, per_instance, int(per_instance * context))
+        return step + step_time.token_overhead_s

@@ -4,13 +4,23 @@ routers."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
-from control.admission.baselines import DynamoRouterQueue, LlmdFlowControl
+from control.admission.baselines import (
+    DynamoRouterQueue,
+    Fcfs,
+    LitellmPriority,
+    LlmdFlowControl,
+    MooncakeEarlyReject,
+    VllmPriority,
+)
 from control.admission.request import AdmissionRequest
 from control.admission.slomax import SLOMax
-from control.admission.view import AdmissionDecision, AdmissionView, Verdict
+from control.admission.view import AdmissionDecision, AdmissionView
+from control.routing.snapshot import PoolModel
+
+EngineScheduling = Literal["fcfs", "priority"]
+"""How the engines order their own wait queues (vLLM's ``--scheduling-policy``)."""
 
 
 class Admission(Protocol):
@@ -34,43 +44,47 @@ class Admission(Protocol):
         (None: as many as it allows whenever the host asks)."""
         ...
 
+    @property
+    def engine_scheduling(self) -> EngineScheduling:
+        """The ``--scheduling-policy`` the engines behind it run with (the host sends each
+        request's class priority where it is ``priority``)."""
+        ...
+
     def decide(
         self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
     ) -> AdmissionDecision: ...
 
 
-@dataclass(frozen=True)
-class Fcfs:
-    """Admit everything: the engines' own first-come-first-served queues decide, as vLLM's
-    default ``--scheduling-policy fcfs`` does behind a gateway with no admission."""
-
-    name: str = "fcfs"
-    wants_prediction: bool = False
-    release_rate_per_s: float | None = None
-
-    def decide(
-        self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
-    ) -> AdmissionDecision:
-        return AdmissionDecision(Verdict.DISPATCH, "admitted")
-
-
-ADMISSIONS: dict[str, Callable[[], Admission]] = {
-    "fcfs": Fcfs,
-    "slomax": SLOMax,
-    "dynamo_router_queue": DynamoRouterQueue,
-    "llmd_flow_control": LlmdFlowControl,
+ADMISSIONS: dict[str, Callable[[PoolModel | None], Admission]] = {
+    "fcfs": lambda _pool: Fcfs(),
+    "vllm_priority": lambda _pool: VllmPriority(),
+    "slomax": lambda _pool: SLOMax(),
+    "dynamo_router_queue": lambda _pool: DynamoRouterQueue(),
+    "llmd_flow_control": lambda _pool: LlmdFlowControl(),
+    "litellm_priority": lambda _pool: LitellmPriority(),
+    "mooncake_early_reject": lambda pool: MooncakeEarlyReject(_needs(pool, "mooncake")),
 }
-"""Every admission policy, one line each."""
+"""Every admission policy, one line each, built from the pool's model (for those that
+predict with it)."""
+
+
+def _needs(pool: PoolModel | None, name: str) -> PoolModel:
+    if pool is None:
+        raise ValueError(f"{name} needs the pool's step model (a PoolModel)")
+    return pool
+
 
 CONTROLLED = frozenset({"slomax"})
 """The policies whose quotas a controller adjusts from the goodput table (SLOMax's,
 ``control.controllers.slomax``); hosts run the loop beside them."""
 
 
-def make_admission(name: str) -> Admission:
-    """The admission policy ``name``, or KeyError naming the known ones."""
+def make_admission(name: str, pool: PoolModel | None = None) -> Admission:
+    """The admission policy ``name``, or KeyError naming the known ones; ``pool`` describes
+    the model pool to those that predict with it."""
     try:
-        return ADMISSIONS[name]()
+        build = ADMISSIONS[name]
     except KeyError:
         known = ", ".join(sorted(ADMISSIONS))
         raise KeyError(f"unknown admission policy {name!r}; known: {known}") from None
+    return build(pool)

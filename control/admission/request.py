@@ -32,6 +32,12 @@ class AdmissionRequest:
     """When it must have finished (absolute, on the host's clock); None: no deadline."""
 
 
+PRIORITY = {TaskClass.INTERACTIVE: 0, TaskClass.LONG_DOCUMENT: 1, TaskClass.BATCH: 2}
+"""Each class's priority where a scheme takes one number per request (vLLM's ``priority``,
+llm-d's bands, Dynamo's tiers, LiteLLM's reservations): lower is served first, as an
+operator would rank them, the tightest objective first."""
+
+
 def identify(
     *,
     requested: TaskClass | None,

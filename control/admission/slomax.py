@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
 from pydantic import Field
 
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest
 from control.admission.view import AdmissionDecision, AdmissionView, Verdict
+
+if TYPE_CHECKING:
+    from control.admission.registry import EngineScheduling
 from control.routing.snapshot import BoolArray
 from schemas.base import TaskClass
 from schemas.objectives import ClassObjective
@@ -61,6 +64,7 @@ class SLOMax:
     name: str = "slomax"
     wants_prediction: bool = True
     release_rate_per_s: float | None = None
+    engine_scheduling: EngineScheduling = "fcfs"
 
     def decide(
         self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False

@@ -61,6 +61,25 @@ class PoolState:
         return self.depth / self.drained_per_s if self.drained_per_s > 0 else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What one class used in the host's current counting window."""
+
+    requests: int = 0
+    """Requests dispatched."""
+    output_tokens: int = 0
+    """Output tokens of requests that completed."""
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.requests + other.requests, self.output_tokens + other.output_tokens)
+
+
+USAGE_WINDOW_S = 60.0
+"""How long the host counts usage before it starts again from zero: a fixed window that
+opens at the first request after the last one closed, as LiteLLM's rate limiter counts
+(``LITELLM_RATE_LIMIT_WINDOW_SIZE``, 60 s by default)."""
+
+
 @dataclass(frozen=True)
 class AdmissionView:
     now_s: float
@@ -74,12 +93,26 @@ class AdmissionView:
     """Requests of each class dispatched and not yet finished."""
     quotas: Mapping[TaskClass, ClassQuota] = field(default_factory=dict)
     """The latest quota of each class that has one (the controller's, or configuration)."""
+    usage: Mapping[TaskClass, Usage] = field(default_factory=dict)
+    """Each class's usage in the current window (``USAGE_WINDOW_S``)."""
+    decoding_since_s: FloatArray = field(default_factory=lambda: np.zeros(0))
+    """When each request in flight that has its first token got it, oldest first."""
     objectives: Mapping[TaskClass, ClassObjective] = field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES)
     )
 
+    def awaiting_first_token(self) -> int:
+        """Requests in flight still in their queue or prefill."""
+        return sum(self.inflight.values()) - len(self.decoding_since_s)
+
     def pool(self, task_class: TaskClass) -> PoolState:
         return self.pools.get(task_class, PoolState())
+
+    def class_usage(self, task_class: TaskClass) -> Usage:
+        return self.usage.get(task_class, Usage())
+
+    def total_usage(self) -> Usage:
+        return sum(self.usage.values(), Usage())
 
     def kv_use(self) -> float:
         """The ready instances' share of KV blocks in use, as last scraped."""

@@ -7,17 +7,31 @@ import pytest
 
 from control.admission.baselines import (
     DynamoRouterQueue,
+    Fcfs,
     FlowControlParams,
+    LitellmParams,
+    LitellmPriority,
     LlmdFlowControl,
+    MooncakeEarlyReject,
+    MooncakeParams,
+    VllmPriority,
     saturation,
 )
 from control.admission.pools import ClassPools, Waiting
-from control.admission.registry import Fcfs, make_admission
+from control.admission.registry import make_admission
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest, identify
 from control.admission.slomax import SLOMax, SLOMaxParams
-from control.admission.view import AdmissionDecision, AdmissionView, PoolState, Verdict
+from control.admission.view import (
+    USAGE_WINDOW_S,
+    AdmissionDecision,
+    AdmissionView,
+    PoolState,
+    Usage,
+    Verdict,
+)
 from control.pipeline import Pipeline
-from control.routing import FleetSnapshot, RouteRequest, make_router
+from control.routing import FleetSnapshot, PoolModel, RouteRequest, make_router
+from control.step_time import KneeRoofline
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
 
@@ -220,7 +234,8 @@ def test_the_pipeline_holds_batch_while_the_fleet_queues_and_releases_it_after()
     released = pipeline.release(lambda: fleet(waiting=(1, 0)), now=2.0)
     assert [(o.payload, o.instance) for o in released] == [("b", 1)]
     assert pipeline.inflight[BATCH] == 1
-    pipeline.finished("b")
+    pipeline.finished("b", 3.0, completed_tokens=100)
+    assert pipeline.usage[BATCH].output_tokens == 100
     assert pipeline.inflight[BATCH] == 0
 
 
@@ -238,9 +253,11 @@ def test_the_pipeline_answers_a_hold_that_ran_out() -> None:
 def test_admission_policies_by_name() -> None:
     assert isinstance(make_admission("fcfs"), Fcfs)
     assert isinstance(make_admission("slomax"), SLOMax)
-    with pytest.raises(
-        KeyError, match="known: dynamo_router_queue, fcfs, llmd_flow_control, slomax"
-    ):
+    assert make_admission("vllm_priority").engine_scheduling == "priority"
+    assert isinstance(make_admission("vllm_priority"), VllmPriority)
+    with pytest.raises(ValueError, match="needs the pool's step model"):
+        make_admission("mooncake_early_reject")
+    with pytest.raises(KeyError, match="known: dynamo_router_queue, fcfs, litellm_priority"):
         make_admission("nope")
 
 
@@ -282,3 +299,53 @@ def test_llm_d_s_flow_control_lets_held_requests_go_one_per_millisecond() -> Non
     assert len(pipeline.release(lambda: calm, now=0.002)) == 2
     assert len(pipeline.release(lambda: calm, now=0.0025)) == 0
     assert len(pipeline.release(lambda: calm, now=0.010)) == 3
+
+
+def test_litellm_holds_every_priority_to_its_share_once_the_model_is_half_used() -> None:
+    # two ready deployments of 100 rpm and 1,000 tpm: the model group's limits are 200 and 2,000
+    params = LitellmParams(rpm_per_instance=100, tpm_per_instance=1_000)
+    limiter = LitellmPriority(params)
+    below = view(usage={BATCH: Usage(requests=90)})  # saturation 0.45: batch may borrow
+    assert limiter.decide(request(BATCH), below).verdict is Verdict.DISPATCH
+    half = view(usage={BATCH: Usage(requests=90), CHAT: Usage(output_tokens=1_000)})
+    refused = limiter.decide(request(BATCH), half)  # 0.5 saturated: batch's share is 25 %
+    assert (refused.verdict, refused.reason, refused.retry_after_s) == (
+        Verdict.REJECT,
+        "priority_limit",
+        None,
+    )
+    assert limiter.decide(request(CHAT), half).verdict is Verdict.DISPATCH
+    full = view(usage={CHAT: Usage(output_tokens=2_000)})  # the model's own limit binds everyone
+    assert limiter.decide(request(CHAT), full).reason == "model_limit"
+
+
+def test_the_pipeline_counts_usage_in_fixed_windows() -> None:
+    pipeline: Pipeline[str] = Pipeline(Fcfs(), make_router("round_robin"))
+    for n, now in enumerate((0.0, 10.0)):
+        pipeline.arrive(request(rid=f"r{n}"), RouteRequest(f"r{n}", 10, 10), "", fleet(), now)
+    pipeline.finished("r0", 20.0, completed_tokens=7)
+    assert pipeline.usage[CHAT] == Usage(requests=2, output_tokens=7)
+    late = USAGE_WINDOW_S + 1.0  # the window that opened at 0 s has closed: a new one opens
+    pipeline.arrive(request(rid="r2"), RouteRequest("r2", 10, 10), "", fleet(), late)
+    assert pipeline.usage[CHAT] == Usage(requests=1)
+
+
+def test_mooncake_refuses_what_would_meet_a_decode_batch_too_slow_for_its_tbt_limit() -> None:
+    # each step: 0.01 s plus 0.01 s per sequence decoding
+    steps = KneeRoofline(
+        a_s=0.01, b_s_per_token=0.0, n0_tokens=0, c_s_per_seq=0.01, d_s_per_context_token=0.0
+    )
+    conductor = MooncakeEarlyReject(PoolModel(steps), MooncakeParams(decode_time_s=10.0))
+    # two instances; seven requests in flight, three decoding since 0, 5 and 12 s
+    since = np.array([0.0, 5.0, 12.0])
+    state = {"inflight": {CHAT: 7}, "decoding_since_s": since}
+    # starting to decode at 20 s: 4 still prefilling, 1 decoding (since 12 s), itself:
+    # 6 over two instances, 3 each: 0.04 s a token
+    ok = view(now=15.0, predicted=(5.0, 6.0), **state)
+    assert conductor.predicted_tbt_s(ok, 20.0) == pytest.approx(0.04)
+    assert conductor.decide(request(DOC), ok).verdict is Verdict.DISPATCH
+    late = view(now=15.0, predicted=(35.0, 40.0), **state)  # past the document's 30 s
+    assert conductor.decide(request(DOC), late).reason == "predicted_ttft"
+    crowded = view(now=15.0, predicted=(5.0, 6.0), inflight={CHAT: 22}, decoding_since_s=since)
+    # 19 prefilling + 1 + itself = 21, 11 each: 0.12 s a token, over the 0.1 s limit
+    assert conductor.decide(request(BATCH), crowded).reason == "predicted_tbt"

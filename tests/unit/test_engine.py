@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from control.admission.registry import EngineScheduling
 from control.step_time import KneeRoofline
 from sim.engine import Engine, EngineConfig, RequestTooLong, Sequence
 from sim.workload import TraceRequest
@@ -105,6 +106,60 @@ def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed() -
     assert engine.pool.used_blocks == 0
 
 
+def test_under_priority_scheduling_the_lowest_priority_is_preempted_not_the_newest() -> None:
+    config = EngineConfig(num_blocks=6, block_size=4, scheduling_policy="priority")
+    engine = Engine(config, ONE_SECOND_STEPS)
+    batch = Sequence(_request("batch", 8, 12), 0.0, priority=2)
+    chat = Sequence(_request("chat", 8, 12), 1.0, priority=0)
+    engine.add(batch)
+    first = engine.plan_step(0.0)
+    assert first is not None
+    engine.finish_step(first, 1.0)
+    engine.add(chat)  # the newest: fcfs would preempt it
+    _run(engine, start=1.0)
+    assert chat.preemptions == 0
+    assert batch.preemptions >= 1
+    assert chat.finished_s is not None
+    assert batch.finished_s is not None
+    assert chat.finished_s < batch.finished_s
+    assert engine.pool.used_blocks == 0
+
+
+def test_a_victim_already_planned_this_step_leaves_the_plan_and_returns_its_budget() -> None:
+    config = EngineConfig(
+        num_blocks=6, block_size=4, max_num_batched_tokens=64, scheduling_policy="priority"
+    )
+    engine = Engine(config, ONE_SECOND_STEPS)
+    batch = Sequence(_request("batch", 4, 12), 0.0, priority=2)
+    chat = Sequence(_request("chat", 8, 12), 0.0, priority=0)
+    engine.add(batch)
+    first = engine.plan_step(0.0)
+    assert first is not None
+    now = first.duration_s
+    engine.finish_step(first, now)
+    engine.add(chat)  # admitted second: planned after batch among the running
+    while batch.preemptions == 0:
+        plan = engine.plan_step(now)
+        assert plan is not None
+        now += plan.duration_s
+        engine.finish_step(plan, now)
+    assert all(sequence is not batch for sequence, _ in plan.scheduled)
+    assert engine.waiting.peek() is batch
+
+
+def test_the_priority_queue_lets_the_most_urgent_start_first() -> None:
+    config = EngineConfig(num_blocks=64, block_size=4, max_num_seqs=1, scheduling_policy="priority")
+    engine = Engine(config, ONE_SECOND_STEPS)
+    early_batch = Sequence(_request("batch", 4, 2), 0.0, priority=2)
+    late_chat = Sequence(_request("chat", 4, 2), 1.0, priority=0)
+    engine.add(early_batch)
+    engine.add(late_chat)
+    _run(engine)
+    assert late_chat.scheduled_s == 0.0
+    assert early_batch.scheduled_s is not None
+    assert early_batch.scheduled_s > 0.0
+
+
 def test_cancelling_frees_blocks_at_once_and_the_step_in_flight_skips_it() -> None:
     engine = Engine(EngineConfig(num_blocks=32, block_size=4), ONE_SECOND_STEPS)
     sequence = Sequence(_request("a", 20, 50), 0.0)
@@ -127,14 +182,15 @@ def test_cancelling_frees_blocks_at_once_and_the_step_in_flight_skips_it() -> No
         max_size=12,
     ),
     st.integers(16, 40),
+    st.sampled_from(["fcfs", "priority"]),
 )
 def test_every_workload_drains_with_each_token_generated_once(
-    requests: list[tuple[int, int, list[int]]], num_blocks: int
+    requests: list[tuple[int, int, list[int]]], num_blocks: int, policy: EngineScheduling
 ) -> None:
-    engine = Engine(
-        EngineConfig(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32),
-        ONE_SECOND_STEPS,
+    config = EngineConfig(
+        num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32, scheduling_policy=policy
     )
+    engine = Engine(config, ONE_SECOND_STEPS)
     sequences = []
     for index, (prompt, output, prefix) in enumerate(requests):
         full_blocks = prompt // 4
@@ -144,7 +200,7 @@ def test_every_workload_drains_with_each_token_generated_once(
             with pytest.raises(RequestTooLong):
                 engine.add(Sequence(request, 0.0))
             continue
-        sequences.append(Sequence(request, 0.0))
+        sequences.append(Sequence(request, 0.0, priority=index % 3))
         engine.add(sequences[-1])
     _run(engine)
     for sequence in sequences:
