@@ -12,6 +12,9 @@ over every level's arrivals together):
   attempt is an arrival of its own; a rejected or cancelled request did not comply);
 - ``wasted_tok``: tokens generated for requests that did not complete (cancelled by their
   client, or given up at a deadline); a request run twice wastes its first run's tokens;
+- ``lost_work_tok``: every token the engines computed for nothing: the uncached prompts
+  prefilled and the tokens generated for requests that did not complete, and the KV
+  recomputed after preemptions;
 - ``rejected_share`` and ``cancelled_share`` of arrivals;
 - ``per_class``: the same for each class, with TTFT and TPOT P50 / P95.
 
@@ -189,6 +192,7 @@ def _outcomes(
         "goodput_tok_s": sum(r.output_tokens for r in met) / duration,
         "compliance": len(met) / arrivals,
         "wasted_tok": sum(r.output_tokens for r in records if r.outcome != "completed"),
+        "lost_work_tok": sum(r.lost_work_tokens for r in records),
         "rejected_share": sum(r.outcome == "rejected" for r in records) / arrivals,
         "cancelled_share": sum(r.outcome == "cancelled" for r in records) / arrivals,
     }

@@ -28,6 +28,10 @@ class RequestRecord:
     preemptions: int
     recomputed_tokens: int
     deadline_s: float | None
+    lost_work_tokens: int = 0
+    """Tokens the engine computed for nothing: KV recomputed after a preemption and, for
+    a request that did not complete, the uncached prompt it prefilled and what it
+    generated."""
 
     @classmethod
     def completed(
@@ -68,6 +72,7 @@ class RequestRecord:
             sequence.preemptions,
             sequence.recomputed_tokens,
             request.deadline_s,
+            sequence.recomputed_tokens,
         )
 
     @classmethod
@@ -118,7 +123,15 @@ class RequestRecord:
             0 if sequence is None else sequence.preemptions,
             0 if sequence is None else sequence.recomputed_tokens,
             request.deadline_s,
+            0 if sequence is None else _lost_work(sequence),
         )
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def _lost_work(sequence: Sequence) -> int:
+    """What an unfinished sequence cost the engine: every token computed, less the prefix
+    it found cached."""
+    computed = max(sequence.computed - max(sequence.cached_tokens, 0), 0)
+    return sequence.recomputed_tokens + computed

@@ -375,6 +375,8 @@ def test_clients_that_wait_too_long_cancel_come_back_once_and_leave_no_work_behi
     assert len(records) == len(workload) + len(firsts)
     completed = [r for r in records if r.outcome == "completed"]
     assert all(r.ttft_s <= 2.0 for r in completed)  # nobody stayed past their patience
+    # a client that gave up mid-prefill leaves the engine's work on its prompt lost
+    assert any(0 < r.lost_work_tokens <= 4_000 for r in cancelled)
     engine = simulation.engines[0]
     assert (engine.running, list(engine.waiting), engine.inflight_tokens) == ([], [], 0)
     assert engine.pool.used_blocks == 0
@@ -391,6 +393,7 @@ def test_a_batch_client_gives_up_at_its_deadline_and_does_not_retry_past_it() ->
     [record] = simulation.run([slow])
     assert (record.outcome, record.arrival_s) == ("cancelled", 5.0)
     assert 0 < record.output_tokens < 5_000  # what it generated, wasted
+    assert record.lost_work_tokens == 200 + record.output_tokens - 1  # its KV, computed
 
 
 def test_the_quota_loop_closes_through_the_tables_and_lowers_the_limit_while_chats_miss() -> None:

@@ -238,7 +238,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
         plot_levels(document, args.plot)
     print(
         f"{'policy':22}{'goodput':>10}{'total':>10}{'comply':>8}{'chat':>8}{'reject':>8}"
-        f"{'wasted':>10}{'cap@90%':>9}"
+        f"{'lost work':>12}{'cap@90%':>9}"
     )
     for policy, result in document["policies"].items():
         chat = result["per_class"].get("interactive", {}).get("compliance", float("nan"))
@@ -246,7 +246,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
         print(
             f"{policy:22}{result['goodput_tok_s']:>10.0f}{result['total_tok_s']:>10.0f}"
             f"{result['compliance']:>8.1%}{chat:>8.1%}{result['rejected_share']:>8.1%}"
-            f"{result['wasted_tok']:>10,}{'-' if capacity is None else f'{capacity:.1f}':>9}"
+            f"{result['lost_work_tok']:>12,}{'-' if capacity is None else f'{capacity:.1f}':>9}"
         )
     return 0
 
