@@ -124,6 +124,12 @@ class Pipeline(Generic[Payload]):
                 )
         return outcomes
 
+    def drain(self, reason: str) -> list[Outcome[Payload]]:
+        """Answer every held request now (rejected with ``reason``): the host is stopping,
+        and a request must not wait for an answer that will never come."""
+        answer = AdmissionDecision(Verdict.REJECT, reason)
+        return [Outcome(w.request, w.payload.payload, answer) for w in self.pools.take_all()]
+
     def _release_budget(self, now: float) -> float:
         """How many held requests this pass may take out: any number, unless the policy
         paces its releases (one per tick of its dispatch loop since the last pass)."""

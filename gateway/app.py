@@ -27,6 +27,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from control.admission.baselines import Fcfs
+from control.admission.registry import Admission
 from control.routing.registry import Router
 from gateway.decide import Decider
 from gateway.events import EventSink
@@ -77,6 +79,9 @@ class GatewayParts:
     bus: EventBus
     make_router: Callable[[str], Router]
     """A fresh router for a model's pool (one per model and DC)."""
+    make_admission: Callable[[str], Admission] = lambda _model: Fcfs()
+    """A fresh admission policy for a model's pool (one per model and DC; the command
+    line's default is SLOMax, ``TOKENFLEET_GATEWAY_ADMISSION``)."""
 
 
 def create_app(parts: GatewayParts) -> FastAPI:
@@ -89,7 +94,15 @@ def create_app(parts: GatewayParts) -> FastAPI:
     regions = {dc.name: dc.region for dc in fleet.dcs}
     if local_dc not in regions:
         raise ValueError(f"the gateway's dc {local_dc!r} is not in the fleet file")
-    decider = Decider(view, parts.state, parts.make_router, local_dc, metrics)
+    decider = Decider(
+        view,
+        parts.state,
+        parts.make_router,
+        local_dc,
+        metrics,
+        parts.make_admission,
+        fleet.objectives,
+    )
     events = EventSink(
         parts.bus,
         settings.name,
@@ -136,6 +149,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
             asyncio.create_task(follow(parts.bus, "tf.control.quotas", on_control, "earliest")),
             asyncio.create_task(follow(parts.bus, "tf.control.weights", on_control, "earliest")),
             asyncio.create_task(_every(settings.share_sync_s, parts.state.reconcile)),
+            asyncio.create_task(decider.admission.run()),
         ]
         try:
             yield
@@ -254,7 +268,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
                 raise ApiError(409, "A request with this Idempotency-Key is still running.")
         try:
             events.emit(_arrived_event(inbound, regions[local_dc]))
-            await decider.admit(inbound)
+            await decider.take_quota(inbound)
             dc = decider.choose_dc(inbound.model.name, inbound.residency)
             return await exchange.serve(inbound, dc, request, arrived, scoped)
         except ApiError as exc:

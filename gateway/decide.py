@@ -1,12 +1,13 @@
 """The decision path: admit -> choose the DC -> choose the instance.
 
-Admission and the DC choice are hooks with simple behaviour until SLOMax and FleetMind
-land; routing is the configured policy (TokenPilot by default) on a snapshot built from
-last-known telemetry and the shared accounting.
+A tenant's token bucket first (``take_quota``), then the DC (a hook with simple behaviour
+until FleetMind lands), then the pipeline of ``control/pipeline.py`` (``gateway.admission``):
+the admission policy (SLOMax by default) and the routing policy (TokenPilot by default),
+on a snapshot built from last-known telemetry and the shared accounting.
 
 Safe defaults when control is silent (no snapshot, or past its TTL):
 
-- **quotas**: admit; the engines' queues and the router's filters bound the load;
+- **quotas**: no bucket, and the admission policy's own defaults;
 - **weights**: the local DC if it serves the model and the request may run there, else the
   allowed DC that serves it, first in the fleet file.
 """
@@ -14,20 +15,24 @@ Safe defaults when control is silent (no snapshot, or past its TTL):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
+from control.admission.registry import Admission
 from control.routing.registry import Router
-from control.routing.snapshot import Decision, RouteRequest
+from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.tokens import BLOCK_TOKENS
+from gateway.admission import GatewayAdmission, Waiting
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
-from gateway.state import SharedState
+from gateway.state import SharedState, SharedView
+from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
+from schemas.objectives import ClassObjective
 from schemas.openai_api import ApiError
 
 LEAST_LOADED = "least_loaded"
@@ -69,6 +74,8 @@ class Decider:
         make_router: Callable[[str], Router],
         local_dc: str,
         metrics: GatewayMetrics,
+        make_admission: Callable[[str], Admission],
+        objectives: Mapping[TaskClass, ClassObjective],
     ) -> None:
         self.view = view
         self.state = state
@@ -79,8 +86,11 @@ class Decider:
         self._make_router = make_router
         self._routers: dict[tuple[str, str], Router] = {}
         self._turn = 0
+        self.admission = GatewayAdmission(
+            make_admission, self.router, self._pool_snapshot, objectives, metrics
+        )
 
-    async def admit(self, inbound: Inbound) -> None:
+    async def take_quota(self, inbound: Inbound) -> None:
         """Take the request's tokens from its quota's bucket; ApiError(429) if empty."""
         quotas = self.quotas.current(self.local_dc)
         self.metrics.control_defaults.labels("quotas").set(quotas is None)
@@ -114,10 +124,49 @@ class Decider:
                 return best
         return self.local_dc if self.local_dc in allowed else allowed[0]
 
-    async def route(self, inbound: Inbound, dc: str) -> Plan:
-        """Pick the instance; ApiError(503) when none of the pool is ready."""
+    async def decide(self, inbound: Inbound, dc: str, arrived: float) -> Plan | Awaitable[Plan]:
+        """Admit the request and pick its instance: the plan, or, for a request held in its
+        pool, what to await for it (outside any lock: it waits for capacity). ApiError 429
+        when admission refuses it, 503 when none of the pool is ready; awaited, 503 when
+        it can no longer meet its objective."""
         if inbound.by_load:
             return await self.least_loaded(inbound.model.name, dc)
+        pool, sampled, shared, request = await self._prepare(inbound, dc)
+        snapshot = self.view.snapshot(pool, shared)
+        quotas = self.quotas.current(self.local_dc)
+        admitted = self.admission.arrive(inbound, dc, request, snapshot, arrived, quotas)
+        if isinstance(admitted, Waiting):
+            return self._plan_when_released(admitted, inbound, dc, pool, sampled, shared)
+        return self._plan(inbound, dc, pool, sampled, shared, admitted)
+
+    async def _plan_when_released(
+        self,
+        waiting: Waiting,
+        inbound: Inbound,
+        dc: str,
+        pool: Pool,
+        sampled: tuple[int, ...],
+        shared: SharedView,
+    ) -> Plan:
+        """The plan of a held request once released (decided on the pool as it was then;
+        the shared accounting it read on arrival is older, so its charge makes the router
+        decide again on a fresh view)."""
+        decision = await waiting.decision()
+        return self._plan(inbound, dc, pool, sampled, shared, decision)
+
+    async def route(self, inbound: Inbound, dc: str) -> Plan:
+        """Pick the instance again, on a fresh view, for a request already admitted;
+        ApiError(503) when none of the pool is ready."""
+        pool, sampled, shared, request = await self._prepare(inbound, dc)
+        router = self.router(inbound.model.name, dc)
+        decision = router.route(request, self.view.snapshot(pool, shared), time.monotonic())
+        return self._plan(inbound, dc, pool, sampled, shared, decision)
+
+    async def _prepare(
+        self, inbound: Inbound, dc: str
+    ) -> tuple[Pool, tuple[int, ...], SharedView, RouteRequest]:
+        """The pool, the request's blocks as the shared index keeps them, the shared
+        accounting and index match, and the request as the router sees it."""
         pool = self.view.pool(inbound.model.name, dc)
         assert pool is not None  # choose_dc only returns DCs serving the model
         sampled = inbound.blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
@@ -130,8 +179,17 @@ class Decider:
             inbound.task_class.value,
             known_matches=shared.matched_blocks * INDEX_STRIDE,
         )
-        router = self.router(inbound.model.name, dc)
-        decision = router.route(request, self.view.snapshot(pool, shared), time.monotonic())
+        return pool, sampled, shared, request
+
+    def _plan(
+        self,
+        inbound: Inbound,
+        dc: str,
+        pool: Pool,
+        sampled: tuple[int, ...],
+        shared: SharedView,
+        decision: Decision,
+    ) -> Plan:
         if decision.chosen is None:
             raise _none_ready(pool)
         cached = decision.cached_tokens
@@ -140,7 +198,13 @@ class Decider:
         self.metrics.decisions.labels(decision.policy, pool.ids[decision.chosen]).inc()
         cached_tokens = min(cached_tokens, inbound.input_tokens)
         order = decision.ranked()
+        router = self.router(inbound.model.name, dc)
         return Plan(dc, pool, decision, order, cached_tokens, sampled, shared.version, router)
+
+    async def _pool_snapshot(self, model: str, dc: str) -> FleetSnapshot:
+        pool = self.view.pool(model, dc)
+        assert pool is not None  # pipelines exist only for pools that served a request
+        return self.view.snapshot(pool, await self.state.view(pool.ids, []))
 
     async def least_loaded(self, model: str, dc: str | None = None) -> Plan:
         """The ready instance of ``model`` in ``dc`` (None: ``choose_dc``'s) with the fewest

@@ -27,7 +27,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -130,7 +130,16 @@ class Exchange:
         arrived: float,
         idempotency_key: str | None,
     ) -> Response:
-        plan = await self._decide(inbound, dc)
+        try:
+            plan = await self._decide(inbound, dc, arrived, request)
+        except ClientLeft:
+            self.metrics.cancellations.inc()
+            self.events.emit(
+                RequestCancelled(
+                    request_id=inbound.request_id, reason=CancelReason.CLIENT_DISCONNECT
+                )
+            )
+            return Response(status_code=499)
         self.events.emit(_routed_event(inbound, plan))
         order = plan.order[:2]
         for attempt, row in enumerate(order, start=1):
@@ -148,20 +157,40 @@ class Exchange:
             except BaseException:  # a bug, or the client gone: undo it all the same
                 self.spawn(self._abandoned(trip))
                 raise
+        self._ended(inbound, plan.dc)
         self.events.emit(
             RequestFailed(request_id=inbound.request_id, instance_id=trip.instance.id, error=error)
         )
         raise ApiError(502, f"The model instance failed: {error}")
 
-    async def _decide(self, inbound: Inbound, dc: str) -> Plan:
-        """Route and charge the request, one request of this replica at a time: decided
-        together, a burst's requests each read a view without the others, and the
+    async def _decide(self, inbound: Inbound, dc: str, arrived: float, request: Request) -> Plan:
+        """Admit, route and charge the request, one request of this replica at a time:
+        decided together, a burst's requests each read a view without the others, and the
         instances they were charged to depended on which charge reached the shared state
         first (one gateway given 8 prefix groups on 4 instances put 3 groups on one of
         them in 5 runs of 98; ``docs/gateway.md``). ``_reserve`` still settles conflicts
-        with other replicas."""
+        with other replicas. A request held in its pool waits outside the lock."""
         async with self._deciding:
-            return await self._reserve(inbound, await self.decider.route(inbound, dc))
+            decided = await self.decider.decide(inbound, dc, arrived)
+            if isinstance(decided, Plan):
+                return await self._reserved(inbound, decided)
+        plan = await _unless_gone(decided, request)
+        async with self._deciding:
+            return await self._reserved(inbound, plan)
+
+    async def _reserved(self, inbound: Inbound, plan: Plan) -> Plan:
+        try:
+            return await self._reserve(inbound, plan)
+        except BaseException:  # the client left: admission counted it in flight
+            self._ended(inbound, plan.dc)
+            raise
+
+    def _ended(self, inbound: Inbound, dc: str, completed_tokens: int = 0) -> None:
+        """Admission's books: the request left its instance (``completed_tokens`` of output
+        if it completed)."""
+        self.decider.admission.finished(
+            inbound.model.name, dc, inbound.request_id, completed_tokens
+        )
 
     async def _reserve(self, inbound: Inbound, plan: Plan) -> Plan:
         """Charge the first choice in the shared state, unless another request was routed
@@ -381,6 +410,8 @@ class Exchange:
         trip.first_token_at = time.monotonic()
         if (follower := _follower(trip.plan.router)) is not None:
             follower.first_token(trip.inbound.request_id)
+        model = trip.inbound.model.name
+        self.decider.admission.first_token(model, trip.plan.dc, trip.inbound.request_id)
         self.spawn(self._prefill_done(trip))
         self.events.emit(
             FirstToken(
@@ -397,6 +428,12 @@ class Exchange:
         ttft, e2e = first - trip.arrived, now - trip.arrived
         tpot = (now - first) / (trip.output_tokens - 1) if trip.output_tokens > 1 else 0.0
         inbound = trip.inbound
+        self._ended(inbound, trip.plan.dc, trip.output_tokens)
+        objective = self.decider.admission.objectives[inbound.task_class]
+        met = objective.met(ttft, tpot, e2e, inbound.deadline_s)
+        self.metrics.output_tokens.labels(inbound.task_class.value, str(met).lower()).inc(
+            trip.output_tokens
+        )
         self.events.emit(
             RequestCompleted(
                 request_id=inbound.request_id,
@@ -427,6 +464,7 @@ class Exchange:
 
     async def _cancelled(self, trip: Trip) -> None:
         await self._release(trip)
+        self._ended(trip.inbound, trip.plan.dc)
         self.metrics.cancellations.inc()
         self.events.emit(
             RequestCancelled(
@@ -441,12 +479,14 @@ class Exchange:
     async def _fail(self, trip: Trip, error: str) -> None:
         """The trip failed without a retry: undo its accounting, report it, free its key."""
         await self._release(trip)
+        self._ended(trip.inbound, trip.plan.dc)
         self._failed(trip, error)
         await self._forget_key(trip)
 
     async def _abandoned(self, trip: Trip) -> None:
         """A trip that ended by an unexpected exception: nothing of it stays counted."""
         await self._release(trip)
+        self._ended(trip.inbound, trip.plan.dc)
         await self._forget_key(trip)
 
     async def _forget_key(self, trip: Trip) -> None:
@@ -539,6 +579,24 @@ def _routed_event(inbound: Inbound, plan: Plan) -> RequestRouted:
         policy=decision.policy,
         candidates=candidates,
     )
+
+
+class ClientLeft(Exception):
+    """The client went away while its request was held."""
+
+
+async def _unless_gone(held: Awaitable[Plan], request: Request) -> Plan:
+    """The held request's plan once released; ClientLeft (and the request withdrawn from
+    its pool) if its client goes away first."""
+    waiting = asyncio.ensure_future(held)
+    gone = asyncio.ensure_future(_disconnected(request))
+    done, _ = await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if waiting in done:
+        gone.cancel()
+        return waiting.result()
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    raise ClientLeft
 
 
 async def _disconnected(request: Request) -> None:

@@ -82,3 +82,23 @@ class GatewayMetrics:
             ("kind",),
             registry=r,
         )
+        self.admissions = Counter(
+            "tokenfleet_gateway_admissions",
+            "Admission decisions, by class, verdict (dispatch, hold, reject) and reason; a "
+            "held request counts again when it leaves its pool.",
+            ("task_class", "verdict", "reason"),
+            registry=r,
+        )
+        self.pool_depth = Gauge(
+            "tokenfleet_gateway_pool_depth",
+            "Requests this gateway holds in each class pool.",
+            ("model", "dc", "task_class"),
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "tokenfleet_gateway_output_tokens",
+            "Output tokens of completed requests, by class and whether the request met its "
+            "class's objective (met: the goodput).",
+            ("task_class", "met"),
+            registry=r,
+        )

@@ -20,6 +20,9 @@ class GatewaySettings(BaseSettings):
     policy: str | None = None
     """The routing policy, by the name ``tokenfleet sim --policy`` takes; unset: the fleet
     file's routing profile (TokenPilot when it names none)."""
+    admission: str = "slomax"
+    """The admission policy, by the name ``tokenfleet sim --admission`` takes (``fcfs``:
+    admit everything, as a gateway without admission does)."""
     token_lag_s: float | None = Field(default=None, ge=0, le=1)
     """TokenPilot: from an engine step's end to its streamed tokens reaching this gateway
     (the engine's output path, detokenising, the network). TokenPilot places each

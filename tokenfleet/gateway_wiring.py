@@ -21,6 +21,7 @@ import aiohttp
 import uvicorn
 from fastapi import FastAPI
 
+from control.admission.registry import Admission, make_admission
 from control.routing import make_router, policy_params
 from control.routing.registry import Router
 from control.routing.tokenpilot import TokenPilotParams
@@ -60,6 +61,20 @@ def router_factory(
     return make
 
 
+def admission_factory(fleet: FleetConfig, name: str) -> Callable[[str], Admission]:
+    """Admission policies for the fleet's models, built with the model's step model for
+    those that predict with it; KeyError (unknown) or ValueError at once."""
+
+    def make(model_name: str) -> Admission:
+        model = fleet.model(model_name)
+        assert model is not None
+        pool = profile(model.profile).pool_model() if model.profile else None
+        return make_admission(name, pool)
+
+    make(fleet.models[0].name)
+    return make
+
+
 def routing_params(fleet: FleetConfig, settings: GatewaySettings) -> tuple[str, Any]:
     """The policy the gateway runs (its setting, else the fleet file's profile) and its
     parameters: the profile's where the policy is the profile's, else the defaults; the
@@ -82,7 +97,8 @@ def gateway_parts(
     seed = secrets.randbits(32)
     policy, params = routing_params(fleet, settings)
     routers = router_factory(fleet, policy, seed, params)
-    return GatewayParts(fleet, settings, state, bus, routers)
+    admissions = admission_factory(fleet, settings.admission)
+    return GatewayParts(fleet, settings, state, bus, routers, admissions)
 
 
 def shared_state(services: Settings, settings: GatewaySettings) -> SharedState:
@@ -155,6 +171,8 @@ async def _serving(
                 await asyncio.sleep(0.01)
             yield
         finally:
+            # first, so that no held request keeps the server waiting for its connection
+            app.state.decider.admission.close()
             server.should_exit = True
             for task in tasks[1:]:
                 task.cancel()

@@ -85,6 +85,10 @@ class ClassPools(Generic[Payload]):
             if order in self._live:
                 yield self._take(order)
 
+    def take_all(self) -> list[Waiting[Payload]]:
+        """Take out every held request, in the order they came."""
+        return [self._take(order) for order in sorted(self._live)]
+
     def withdraw(self, request_id: str) -> Waiting[Payload] | None:
         """Take a held request out wherever it stands (its client went away); None if it
         is not held."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 from pathlib import Path
 
 from tokenfleet.commands.errors import CliError
@@ -21,8 +22,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "gateway",
         help="the OpenAI-compatible gateway in front of a fleet",
         description="Serves /v1/chat/completions, /v1/completions and /v1/models for the "
-        "fleet file's models, routing each request to an instance (TokenPilot by default). "
-        + _ENVIRONMENT,
+        "fleet file's models: admits each request by class (SLOMax by default: now, held "
+        "in its class pool, or refused with 429 / 503) and routes it to an instance "
+        "(TokenPilot by default). SIGTERM or Ctrl-C stops it, answering held requests "
+        "first. " + _ENVIRONMENT,
     )
     gateway.add_argument("--fleet", type=Path, help="the fleet file (.toml or .json)")
     gateway.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -30,6 +33,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument(
         "--policy",
         help="routing policy (default: the fleet file's [routing] policy, else tokenpilot)",
+    )
+    gateway.add_argument(
+        "--admission",
+        help="admission policy (default: slomax; fcfs admits everything; the others are "
+        "the baselines of tokenfleet bench admission)",
     )
     gateway.add_argument("--dc", help="the DC this gateway serves (default: the first)")
     gateway.set_defaults(handler=_gateway)
@@ -43,7 +51,12 @@ def _gateway(args: argparse.Namespace) -> int:
 
     overrides = {
         k: v
-        for k, v in {"fleet_file": args.fleet, "policy": args.policy, "dc": args.dc}.items()
+        for k, v in {
+            "fleet_file": args.fleet,
+            "policy": args.policy,
+            "admission": args.admission,
+            "dc": args.dc,
+        }.items()
         if v is not None
     }
     settings = GatewaySettings(**overrides)
@@ -55,7 +68,9 @@ def _gateway(args: argparse.Namespace) -> int:
     async def run() -> None:
         async with running_gateway(fleet, settings, Settings(), args.host, args.port):
             print(f"gateway at http://{args.host}:{args.port}/v1", flush=True)
-            await asyncio.Event().wait()
+            stop = asyncio.Event()
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+            await stop.wait()
 
     try:
         run_fast(run())

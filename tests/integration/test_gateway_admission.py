@@ -1,0 +1,186 @@
+"""SLOMax on the live path: the gateway holds, releases and refuses requests by class, in
+front of instances whose scraped load the test sets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from tests.gateway_harness import MODEL, Gateway, chat, fleet_for, gateway, http_server, scraped
+
+BATCH = {"x-tokenfleet-class": "batch", "x-tokenfleet-deadline-s": "60"}
+
+
+@dataclass
+class Load:
+    """What the scripted instances report on /metrics."""
+
+    waiting: int = 0
+
+
+def scripted(load: Load) -> Starlette:
+    """A vLLM-like instance that answers every chat at once and reports ``load``."""
+
+    async def metrics(_: Request) -> Response:
+        model = f'{{model_name="{MODEL}"}}'
+        return PlainTextResponse(
+            f"vllm:num_requests_waiting{model} {load.waiting}\n"
+            f"vllm:num_requests_running{model} 0\n"
+            f"vllm:kv_cache_usage_perc{model} 0.1\n"
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="10000"} 1.0\n'
+        )
+
+    async def answer(_: Request) -> Response:
+        return JSONResponse(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "ok"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
+            }
+        )
+
+    return Starlette(
+        routes=[Route("/metrics", metrics), Route("/v1/chat/completions", answer, methods=["POST"])]
+    )
+
+
+@pytest.fixture
+async def load() -> Load:
+    return Load(waiting=3)
+
+
+@contextlib.asynccontextmanager
+async def scripted_fleet(load: Load) -> AsyncIterator[Gateway]:
+    """Two scripted instances behind a gateway running SLOMax, ready."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(http_server(scripted(load))) for _ in range(2)]
+        running = await stack.enter_async_context(gateway(fleet_for(urls), admission="slomax"))
+        async with running.client() as http:  # the first scrape makes the instances ready
+            for _ in range(100):
+                if (await http.get("/ready")).status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+        yield running
+
+
+@pytest.fixture
+async def front(load: Load) -> AsyncIterator[Gateway]:
+    async with scripted_fleet(load) as running:
+        yield running
+
+
+async def until(check: object, timeout_s: float = 5.0) -> None:
+    assert callable(check)
+    for _ in range(int(timeout_s / 0.02)):
+        if await check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the condition never held")
+
+
+async def depth(front: Gateway, task_class: str) -> float:
+    return await scraped(front.url, "tokenfleet_gateway_pool_depth", task_class=task_class)
+
+
+async def test_batch_waits_in_its_pool_while_the_fleet_queues_and_starts_once_it_drains(
+    front: Gateway, load: Load
+) -> None:
+    async with front.client() as http:
+        chat_answer = await http.post("/v1/chat/completions", json=chat("hi"))
+        assert chat_answer.status_code == 200  # interactive traffic goes at once
+        batch = asyncio.create_task(
+            http.post("/v1/chat/completions", json=chat("hi"), headers=BATCH)
+        )
+
+        async def held() -> bool:
+            return await depth(front, "batch") == 1
+
+        await until(held)
+        await asyncio.sleep(0.3)  # a scrape or more later, still held
+        assert not batch.done()
+        load.waiting = 0
+        answer = await asyncio.wait_for(batch, 5)
+    assert answer.status_code == 200
+    assert await depth(front, "batch") == 0
+    admissions = "tokenfleet_gateway_admissions_total"
+    assert await scraped(front.url, admissions, task_class="batch", verdict="hold") == 1
+    assert await scraped(front.url, admissions, task_class="batch", verdict="dispatch") == 1
+    goodput = "tokenfleet_gateway_output_tokens_total"
+    assert await scraped(front.url, goodput, task_class="batch", met="true") == 2
+
+
+async def test_a_held_request_that_can_no_longer_meet_its_deadline_gets_503(
+    front: Gateway,
+) -> None:
+    headers = {**BATCH, "x-tokenfleet-deadline-s": "1"}
+    async with front.client() as http:
+        answer = await http.post("/v1/chat/completions", json=chat("hi"), headers=headers)
+    assert answer.status_code == 503
+    error = answer.json()["error"]
+    assert "can no longer meet its objective" in error["message"]
+    assert "retry-after" not in answer.headers
+    assert await depth(front, "batch") == 0
+
+
+async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_with_429(
+    front: Gateway,
+) -> None:
+    headers = {**BATCH, "x-tokenfleet-deadline-s": "0.000001"}
+    async with front.client() as http:
+        answer = await http.post("/v1/chat/completions", json=chat("hi"), headers=headers)
+    assert answer.status_code == 429
+    assert answer.json()["error"]["type"] == "rate_limit_error"
+    assert "(deadline)" in answer.json()["error"]["message"]
+    assert int(answer.headers["retry-after"]) >= 1
+    assert await depth(front, "batch") == 0
+
+
+async def test_a_client_that_leaves_while_held_leaves_its_pool(front: Gateway) -> None:
+    async with front.client() as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/chat/completions", json=chat("hi"), headers=BATCH, timeout=0.5)
+
+    async def withdrawn() -> bool:
+        return await depth(front, "batch") == 0
+
+    await until(withdrawn)
+    cancelled = await scraped(front.url, "tokenfleet_gateway_cancellations_total")
+    assert cancelled == 1
+
+
+async def test_a_gateway_that_stops_answers_its_held_requests_first(load: Load) -> None:
+    serving = scripted_fleet(load)
+    front = await serving.__aenter__()
+    async with front.client() as http:
+        batch = asyncio.create_task(
+            http.post("/v1/chat/completions", json=chat("hi"), headers=BATCH)
+        )
+
+        async def held() -> bool:
+            return await depth(front, "batch") == 1
+
+        await until(held)
+        stopping = asyncio.create_task(serving.__aexit__(None, None, None))
+        answer = await asyncio.wait_for(batch, 5)
+        await asyncio.wait_for(stopping, 10)
+    assert answer.status_code == 503
+    assert "stopping" in answer.json()["error"]["message"]
+    assert answer.headers["retry-after"] == "1"
