@@ -33,7 +33,6 @@ from control.routing.registry import Router
 from gateway.decide import Decider
 from gateway.events import EventSink
 from gateway.exchange import Exchange
-from gateway.feeds import follow
 from gateway.fleet_view import FleetView
 from gateway.inbound import (
     CHAT_PATH,
@@ -63,6 +62,7 @@ from schemas.openai_api import (
 )
 from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved
 from streams.bus import EventBus
+from streams.feeds import follow
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import aiohttp
 import uvicorn
 from fastapi import FastAPI
 
-from control.admission.registry import Admission, make_admission
+from control.admission.registry import CONTROLLED, Admission, make_admission
 from control.routing import make_router, policy_params
 from control.routing.registry import Router
 from control.routing.tokenpilot import TokenPilotParams
@@ -33,6 +33,7 @@ from schemas.fleet import FleetConfig
 from sim.profiles import PROFILES, profile
 from streams.bus import EventBus
 from streams.collector import Collector
+from streams.controller_host import QuotaHost
 from streams.kafka import KafkaBus
 from streams.memory import InMemoryBus
 from streams.settings import WorkerSettings
@@ -136,7 +137,9 @@ async def running_gateway(
         # Bound here, so that a port taken raises OSError, where uvicorn would log it and
         # exit the process.
         with socket.create_server((host, port)) as listening:
-            async with _serving(app, listening, fleet, bus, services, f"{host}:{port}"):
+            controlled = settings.admission in CONTROLLED
+            address = f"{host}:{port}"
+            async with _serving(app, listening, fleet, bus, services, address, controlled):
                 yield app
     finally:
         await state.close()
@@ -151,8 +154,10 @@ async def _serving(
     bus: EventBus,
     services: Settings,
     address: str,
+    controlled: bool,
 ) -> AsyncIterator[None]:
-    """uvicorn on the bound socket, and in embedded mode the collector and the tables."""
+    """uvicorn on the bound socket, and in embedded mode the collector, the tables and,
+    for an admission policy a controller steers (``controlled``), its controller."""
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     tasks = [asyncio.create_task(server.serve([listening]))]
     async with aiohttp.ClientSession() as scraper:
@@ -163,6 +168,8 @@ async def _serving(
             )
             tasks.append(asyncio.create_task(Collector(fleet.instances, bus, scraper).run()))
             tasks.append(asyncio.create_task(table_host.run()))
+            if controlled:
+                tasks.append(asyncio.create_task(QuotaHost(bus).run()))
         try:
             while not server.started:
                 if tasks[0].done():

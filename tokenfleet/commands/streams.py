@@ -43,6 +43,24 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=1.0, help="seconds one scrape may take (default: 1)"
     )
     collect.set_defaults(handler=_collect)
+    _register_controller(commands)
+
+
+def _register_controller(commands: argparse._SubParsersAction) -> None:
+    controller = commands.add_parser(
+        "controller",
+        help="SLOMax's quota controller: the goodput and capacity tables in, quotas out",
+        description="Reads tf.tables.goodput and tf.tables.capacity (from tokenfleet "
+        "worker), reconciles each DC's class quotas every period (while chats miss their "
+        "objective, fewer long documents in flight; with room to spare, more) and "
+        "publishes them on tf.control.quotas, where the gateways apply them. Unchanged "
+        "quotas are published again before their TTL runs out. Needs "
+        "TOKENFLEET_KAFKA_BOOTSTRAP; the embedded gateway runs the same loop itself.",
+    )
+    controller.add_argument(
+        "--period", type=float, default=5.0, help="seconds between passes (default: 5)"
+    )
+    controller.set_defaults(handler=_controller)
 
 
 def _bootstrap() -> str:
@@ -95,6 +113,28 @@ def _collect(args: argparse.Namespace) -> int:
                 await Collector(fleet.instances, bus, client, args.interval, args.timeout).run()
             finally:
                 await bus.close()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(run())
+    return 0
+
+
+def _controller(args: argparse.Namespace) -> int:
+    from schemas import TOPICS
+    from streams.controller_host import QuotaHost
+    from streams.kafka import KafkaBus, create_topics
+
+    bootstrap = _bootstrap()
+    if args.period <= 0:
+        raise CliError("--period must be positive")
+
+    async def run() -> None:
+        await create_topics(bootstrap, TOPICS)
+        bus = KafkaBus(bootstrap, source="controller")
+        try:
+            await QuotaHost(bus, period_s=args.period).run()
+        finally:
+            await bus.close()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())

@@ -1,7 +1,8 @@
-"""Background readers that keep a gateway's last-known state fresh from the bus.
+"""Background readers that keep a process's last-known state fresh from the bus (the
+gateway's telemetry and control, the controller's tables).
 
 Each feed resubscribes after any failure (Kafka down, a topic not yet created) and keeps
-what it had meanwhile; a feed never stops the gateway.
+what it had meanwhile; a feed never stops its process.
 """
 
 from __future__ import annotations

@@ -1,0 +1,98 @@
+"""SLOMax's controller on a bus: tables in, quotas out, renewed before they expire."""
+
+from __future__ import annotations
+
+import asyncio
+
+from control.controllers.slomax import QuotaController, long_documents
+from schemas.base import TaskClass
+from schemas.control import AdmissionQuotas
+from schemas.tables import GoodputTable
+from streams.controller_host import QUOTAS_TOPIC, QuotaHost
+from streams.memory import InMemoryBus
+from tests.unit.test_quota_controller import capacity, row
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 60.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def feed(host: QuotaHost, chats_met: int, documents_refused: int, now: float) -> None:
+    """The tables of the window ending ``now`` (100 chats, ``chats_met`` in time; 10
+    documents completed, ``documents_refused`` more turned away), as the stream
+    processors publish them, each a newer version."""
+    classes = (
+        row(TaskClass.INTERACTIVE, 100, chats_met),
+        row(TaskClass.LONG_DOCUMENT, 10, 10, failures=documents_refused),
+        row(TaskClass.BATCH, 0, 0),
+    )
+    version = int(now * 10)
+    host.apply(
+        GoodputTable(
+            dc="dc",
+            version=version,
+            window_start=now - 60,
+            window_end=now,
+            classes=classes,
+            tenants=(),
+        )
+    )
+    host.apply(capacity(2, now=now).model_copy(update={"version": version}))
+
+
+async def published(bus: InMemoryBus) -> list[AdmissionQuotas]:
+    """Every quota snapshot on the topic so far."""
+    out: list[AdmissionQuotas] = []
+
+    async def read() -> None:
+        async with bus.subscribe(QUOTAS_TOPIC, "earliest") as events:
+            async for event in events:
+                assert isinstance(event.envelope.payload, AdmissionQuotas)
+                out.append(event.envelope.payload)
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0.05)
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    return out
+
+
+async def test_the_controller_renews_unchanged_quotas_and_times_its_moves_from_the_change() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    host = QuotaHost(bus, QuotaController(), renew_s=25.0, clock=clock)
+    feed(host, chats_met=96, documents_refused=0, now=clock.now)
+    [first] = await host.reconcile()
+    assert (first.version, long_documents(first)) == (1, 8)  # four per ready instance
+    clock.now = 80.0  # within the band: nothing to change, no renewal due
+    feed(host, chats_met=96, documents_refused=0, now=clock.now)
+    assert await host.reconcile() == []
+    clock.now = 90.0  # due: the same limits, a new version
+    [renewed] = await host.reconcile()
+    assert (renewed.version, long_documents(renewed), renewed.issued_at) == (2, 8, 90.0)
+    # chats with room while documents were turned away: 61 s after the change (a rise
+    # waits a whole window), though only 31 s after the renewal
+    clock.now = 121.0
+    feed(host, chats_met=100, documents_refused=5, now=clock.now)
+    [raised] = await host.reconcile()
+    assert raised.version == 3
+    assert long_documents(raised) == 10
+    assert [q.version for q in await published(bus)] == [1, 2, 3]
+
+
+async def test_a_restarted_controller_continues_from_the_published_quotas() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    first_host = QuotaHost(bus, clock=clock)
+    feed(first_host, chats_met=50, documents_refused=0, now=clock.now)
+    [first] = await first_host.reconcile()
+    restarted = QuotaHost(bus, clock=clock)
+    for quotas in await published(bus):
+        restarted.apply(quotas)
+    clock.now = 100.0
+    feed(restarted, chats_met=50, documents_refused=0, now=clock.now)
+    [lowered] = await restarted.reconcile()
+    assert lowered.version == first.version + 1
+    assert long_documents(lowered) < long_documents(first)  # from where it stood
