@@ -4,6 +4,13 @@ Prompts are text built so that the endpoint's tokeniser rule (``control.tokens``
 exactly ``input_tokens`` tokens and the same shared prefixes as the trace: each full block
 of the trace becomes 64 bytes derived from its hash, the rest filler unique to the request.
 Times are reported in the workload's (virtual) seconds: wall seconds x ``speedup``.
+
+Each request carries its class (``x-tokenfleet-class``) and, for batch work, its
+deadline (``x-tokenfleet-deadline-s``, in the target's seconds). With a client model
+(``sim.clients``) the replay behaves as the simulator's clients do: a client whose first
+token has not come within its patience closes its stream, a batch client gives up at its
+deadline, and a share of those refused (429, 503) or given up try once more, after the
+``Retry-After`` they were told or the model's delay.
 """
 
 from __future__ import annotations
@@ -18,7 +25,12 @@ from dataclasses import dataclass
 import httpx
 
 from control.tokens import BLOCK_TOKENS, BYTES_PER_TOKEN
+from sim.clients import ClientModel
 from sim.workload import TraceRequest
+
+CLASS_HEADER = "x-tokenfleet-class"
+DEADLINE_HEADER = "x-tokenfleet-deadline-s"
+REFUSALS = frozenset({429, 503})
 
 
 def prompt_text(request: TraceRequest) -> str:
@@ -36,9 +48,31 @@ def prompt_text(request: TraceRequest) -> str:
 class ReplayRecord:
     request_id: str
     status: int
+    """The HTTP status (0 where the client gave up before any answer)."""
     ttft_s: float | None
     e2e_s: float
     output_tokens: int
+    task_class: str = "interactive"
+    outcome: str = "completed"
+    """``completed``, ``rejected`` (429 or 503), ``cancelled`` (the client gave up) or
+    ``failed`` (any other status)."""
+    retry_after_s: float | None = None
+    """What a refusal's ``Retry-After`` said, in the workload's seconds."""
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """Maps the workload's (virtual) seconds to this process's monotonic clock."""
+
+    start: float
+    first: float
+    speedup: float
+
+    def wall(self, virtual_s: float) -> float:
+        return self.start + (virtual_s - self.first) / self.speedup
+
+    def virtual(self, wall_s: float) -> float:
+        return self.first + (wall_s - self.start) * self.speedup
 
 
 async def replay(
@@ -48,52 +82,136 @@ async def replay(
     *,
     speedup: float = 1.0,
     headers: dict[str, str] | None = None,
+    clients: ClientModel | None = None,
 ) -> list[ReplayRecord]:
-    """Send each request at its arrival time (streaming /v1/completions); await them all."""
+    """Send each request at its arrival time (streaming /v1/completions) and await them
+    all; ``clients`` None: clients that wait for every answer and never retry. Records
+    come in arrival order, a second attempt after its first."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     async with httpx.AsyncClient(
         base_url=base_url, timeout=None, limits=limits, headers=headers
     ) as client:
-        start = time.monotonic()
         first = requests[0].arrival_s if requests else 0.0
-        tasks = [
-            asyncio.create_task(
-                _one(client, r, model, start + (r.arrival_s - first) / speedup, speedup)
-            )
-            for r in requests
-        ]
-        return list(await asyncio.gather(*tasks))
+        clock = _Clock(time.monotonic(), first, speedup)
+
+        async def attempts(request: TraceRequest) -> list[ReplayRecord]:
+            record = await _one(client, request, model, clock, clients)
+            if clients is None or record.outcome not in ("rejected", "cancelled"):
+                return [record]
+            again = clients.retry(request, clock.virtual(time.monotonic()), record.retry_after_s)
+            return [record] if again is None else [record, *await attempts(again)]
+
+        done = await asyncio.gather(*(attempts(r) for r in requests))
+        return [record for records in done for record in records]
+
+
+@dataclass
+class _Progress:
+    status: int = 0
+    first_token: float | None = None
+    tokens: int = 0
 
 
 async def _one(
-    client: httpx.AsyncClient, request: TraceRequest, model: str, at: float, speedup: float
+    client: httpx.AsyncClient,
+    request: TraceRequest,
+    model: str,
+    clock: _Clock,
+    clients: ClientModel | None,
 ) -> ReplayRecord:
-    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    await asyncio.sleep(max(0.0, clock.wall(request.arrival_s) - time.monotonic()))
     sent = time.monotonic()
-    body = {
+    gives_up = None if clients is None else clients.gives_up_at(request)
+    seen = _Progress()
+    try:
+        async with asyncio.timeout_at(None if gives_up is None else clock.wall(gives_up[0])) as by:
+            first_token_only = gives_up is not None and gives_up[1]
+            refused = await _stream(
+                client, request, model, clock, sent, seen, by if first_token_only else None
+            )
+    except TimeoutError:
+        return _record(request, sent, seen, clock, "cancelled")
+    if refused is not None:
+        return refused
+    return _record(request, sent, seen, clock, "completed")
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    request: TraceRequest,
+    model: str,
+    clock: _Clock,
+    sent: float,
+    seen: _Progress,
+    patience: asyncio.Timeout | None,
+) -> ReplayRecord | None:
+    """Read the answer into ``seen``; the record of a refusal or failure, else None. A
+    first token ends ``patience`` (it was all the client waited for)."""
+    headers = _headers(request, clock)
+    async with client.stream(
+        "POST", "/v1/completions", json=_body(request, model), headers=headers
+    ) as response:
+        seen.status = response.status_code
+        if response.status_code != 200:
+            await response.aread()
+            return _refused(request, response, sent, clock)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text = json.loads(line[6:])["choices"][0]["text"]
+            if text and seen.first_token is None:
+                seen.first_token = time.monotonic()
+                if patience is not None:
+                    patience.reschedule(None)
+            seen.tokens += text.count("tok")
+    return None
+
+
+def _body(request: TraceRequest, model: str) -> dict[str, object]:
+    return {
         "model": model,
         "prompt": prompt_text(request),
         "max_tokens": request.output_tokens,
         "stream": True,
     }
-    first_token: float | None = None
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return ReplayRecord(
-                request.request_id,
-                response.status_code,
-                None,
-                (time.monotonic() - sent) * speedup,
-                0,
-            )
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            text = json.loads(line[6:])["choices"][0]["text"]
-            if text and first_token is None:
-                first_token = time.monotonic()
-            tokens += text.count("tok")
-    ttft = None if first_token is None else (first_token - sent) * speedup
-    return ReplayRecord(request.request_id, 200, ttft, (time.monotonic() - sent) * speedup, tokens)
+
+
+def _headers(request: TraceRequest, clock: _Clock) -> dict[str, str]:
+    headers = {CLASS_HEADER: request.task_class.value}
+    if request.deadline_s is not None:
+        headers[DEADLINE_HEADER] = f"{request.deadline_s / clock.speedup:.6g}"
+    return headers
+
+
+def _refused(
+    request: TraceRequest, response: httpx.Response, sent: float, clock: _Clock
+) -> ReplayRecord:
+    status = response.status_code
+    retry_after = response.headers.get("retry-after")
+    return ReplayRecord(
+        request.request_id,
+        status,
+        None,
+        (time.monotonic() - sent) * clock.speedup,
+        0,
+        request.task_class.value,
+        "rejected" if status in REFUSALS else "failed",
+        None if retry_after is None else float(retry_after) * clock.speedup,
+    )
+
+
+def _record(
+    request: TraceRequest, sent: float, seen: _Progress, clock: _Clock, outcome: str
+) -> ReplayRecord:
+    first = seen.first_token
+    ttft = None if first is None else (first - sent) * clock.speedup
+    e2e = (time.monotonic() - sent) * clock.speedup
+    return ReplayRecord(
+        request.request_id,
+        seen.status,
+        ttft,
+        e2e,
+        seen.tokens,
+        request.task_class.value,
+        outcome,
+    )

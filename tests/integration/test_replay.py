@@ -1,0 +1,74 @@
+"""``tokenfleet replay``'s clients: they give up and come back as the simulator's do."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from schemas.base import TaskClass
+from sim.clients import RETRY_SUFFIX, ClientModel
+from sim.replay import replay
+from sim.workload import TraceRequest
+from tests.gateway_harness import http_server
+
+
+def endpoint(first_answer: Response | None, first_token_after_s: float = 0.0) -> Starlette:
+    """Answers its first call with ``first_answer`` (None: like the rest), and every other
+    with three streamed tokens, the first after ``first_token_after_s``; records the
+    class header of each call."""
+    calls: list[str] = []
+
+    async def completions(request: Request) -> Response:
+        calls.append(request.headers.get("x-tokenfleet-class", ""))
+        if len(calls) == 1 and first_answer is not None:
+            return first_answer
+
+        async def tokens() -> AsyncIterator[bytes]:
+            await asyncio.sleep(first_token_after_s)
+            for _ in range(3):
+                yield f"data: {json.dumps({'choices': [{'text': 'tok '}]})}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(tokens(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    app.state.calls = calls
+    return app
+
+
+async def test_a_refused_client_comes_back_after_retry_after() -> None:
+    refusal = JSONResponse({"error": {"message": "busy"}}, 429, headers={"retry-after": "1"})
+    app = endpoint(refusal)
+    chat = TraceRequest("c", 0.0, 100, 3, ())
+    async with http_server(app) as url:
+        records = await replay([chat], url, "m", clients=ClientModel(retry_share=1.0))
+    assert [(r.request_id, r.outcome, r.status) for r in records] == [
+        ("c", "rejected", 429),
+        ("c" + RETRY_SUFFIX, "completed", 200),
+    ]
+    assert records[0].retry_after_s == 1.0
+    assert records[1].output_tokens == 3
+    assert app.state.calls == ["interactive", "interactive"]
+
+
+async def test_a_client_closes_a_stream_whose_first_token_is_later_than_its_patience() -> None:
+    app = endpoint(None, first_token_after_s=2.0)
+    document = TraceRequest("d", 0.0, 100, 3, (), TaskClass.LONG_DOCUMENT)
+    clients = ClientModel(long_document_patience_s=0.3, retry_share=0.0)
+    async with http_server(app) as url:
+        [record] = await replay([document], url, "m", clients=clients)
+    assert (record.outcome, record.ttft_s, record.task_class) == (
+        "cancelled",
+        None,
+        "long_document",
+    )
+    assert record.e2e_s < 1.5
+    async with http_server(endpoint(None, first_token_after_s=0.5)) as url:
+        [patient] = await replay([document], url, "m")  # no client model: it waits
+    assert patient.outcome == "completed"
