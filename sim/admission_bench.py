@@ -284,7 +284,7 @@ def step_change(
 
 
 def plot_step_change(result: Mapping[str, Any], path: Path) -> None:
-    """The controller's limits and the attainments it read, over time."""
+    """The controller's limit and the attainments it read, over time."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,10 +294,8 @@ def plot_step_change(result: Mapping[str, Any], path: Path) -> None:
     passes = [p for p in result["passes"] if p["at_s"] <= until]
     times = [p["at_s"] for p in passes]
     figure, (limit, attained) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for key, label in (("long_documents", "long documents"), ("batch", "batch")):
-        limit.step(times, [p.get(key) for p in passes], where="post", label=label)
-    limit.set_ylabel("in flight, at most")
-    limit.legend(fontsize=8)
+    limit.step(times, [p["long_documents"] for p in passes], where="post")
+    limit.set_ylabel("long documents in flight, at most")
     for key, label in (
         ("interactive_compliance", "interactive"),
         ("long_document_compliance", "long_document"),

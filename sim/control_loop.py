@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from control.controllers.slomax import QuotaController, attainment, limit_of
+from control.controllers.slomax import QuotaController, attainment, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.objectives import DEFAULT_OBJECTIVES
@@ -33,8 +33,6 @@ class Step:
     at_s: float
     long_documents: int | None
     """The limit on long documents in flight after this pass (None: none published)."""
-    batch: int | None
-    """The limit on batch requests in flight after this pass (None: none published)."""
     interactive_compliance: float
     long_document_compliance: float
 
@@ -71,13 +69,10 @@ class QuotaLoop:
         if changed is not None:
             self.quotas = changed
         rows = {row.key: attainment(row)[0] for row in goodput.classes}
-        documents, batch = (
-            (None, None)
-            if self.quotas is None
-            else (limit_of(self.quotas, c) for c in (TaskClass.LONG_DOCUMENT, TaskClass.BATCH))
+        limit = long_documents(self.quotas) if self.quotas else None
+        self.steps.append(
+            Step(now, limit, rows[TaskClass.INTERACTIVE.value], rows[TaskClass.LONG_DOCUMENT.value])
         )
-        attained = (rows[TaskClass.INTERACTIVE.value], rows[TaskClass.LONG_DOCUMENT.value])
-        self.steps.append(Step(now, documents, batch, *attained))
         if changed is None:
             return None
         return {q.task_class: q for q in changed.quotas if q.tenant is None}

@@ -3,14 +3,12 @@ loop (controller-runtime's shape).
 
 Each pass reads the latest goodput and capacity tables (one DC, a sliding window) and the
 quotas last published, and computes the quotas the whole state calls for, not a reaction
-to one event. What it moves is how many long documents, and how many batch requests, may
-be in flight at once, per ready instance: long prefills and bursts of batch work are what
-slow the chats beside them (a burst arrives faster than the scrape that shows its queue,
-so SLOMax's rule that batch starts only where nothing waits lets a whole burst through).
-While interactive requests miss their objective, both limits fall; while they meet it
-with room to spare, a limit that turned its class away (refused, or held until too late)
-rises. It moves one bounded step per pass, not at all inside the hysteresis band or on a
-window with too few outcomes to judge, and it publishes only a change.
+to one event. What it moves is how many long documents may be in flight at once, per
+ready instance: their prefills are what slows the chats beside them. While interactive
+requests miss their objective, the limit falls; while they meet it with room to spare
+and the limit turns long documents away (refused, or held until too late), it rises. It
+moves one bounded step per pass, not at all inside the hysteresis band or on a window with
+too few outcomes to judge, and it publishes only a change.
 """
 
 from __future__ import annotations
@@ -41,10 +39,7 @@ class QuotaControllerParams:
     rising load cannot pull it far above what the load allows. Rising by 1.1 instead gave
     17,775 against 17,822 tokens/s of pooled goodput on the 30-minute mixed workload."""
     initial_per_instance: Annotated[float, Field(gt=0)] = SLOMaxParams().long_documents_per_instance
-    """Where the limit on long documents starts: where SLOMax stands before any quotas."""
-    batch_initial_per_instance: Annotated[float, Field(gt=0)] = 8.0
-    """Where the limit on batch starts (SLOMax sets none of its own): the most it may be,
-    so that it binds only once chats have missed."""
+    """Where the limit starts: where SLOMax stands before any quotas."""
     min_per_instance: Annotated[float, Field(gt=0)] = 0.5
     max_per_instance: Annotated[float, Field(gt=0)] = 8.0
     lower_after_s: Annotated[float, Field(ge=0)] = 15.0
@@ -69,10 +64,6 @@ def attainment(row: GoodputRow) -> tuple[float, int]:
     return (met / ended if ended else 1.0), ended
 
 
-LIMITED = (TaskClass.LONG_DOCUMENT, TaskClass.BATCH)
-"""The classes whose requests in flight the controller limits."""
-
-
 @dataclass(frozen=True)
 class QuotaController:
     params: QuotaControllerParams = QuotaControllerParams()
@@ -89,10 +80,15 @@ class QuotaController:
         instances = sum(row.ready_endpoints for row in capacity.rows)
         if instances == 0:
             return None
-        published = {c: None if current is None else limit_of(current, c) for c in LIMITED}
-        desired = {c: self._limit(goodput, c, published[c], instances) for c in LIMITED}
+        published = None if current is None else long_documents(current)
+        per_instance = (
+            self.params.initial_per_instance if published is None else published / instances
+        )
+        desired = self._whole(
+            self.desired_per_instance(goodput, per_instance), per_instance, published, instances
+        )
         if current is not None and (
-            desired == published or not self._settled(current, published, desired, now)
+            desired == published or not self._settled(current, desired, now)
         ):
             return None
         return AdmissionQuotas(
@@ -105,23 +101,9 @@ class QuotaController:
                     task_class=TaskClass.INTERACTIVE,
                     reserved_share=self.params.interactive_kv_share,
                 ),
-                *(ClassQuota(task_class=c, max_concurrency=desired[c]) for c in LIMITED),
+                ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=desired),
             ),
         )
-
-    def _limit(
-        self, goodput: GoodputTable, task_class: TaskClass, published: int | None, instances: int
-    ) -> int:
-        """The limit on ``task_class`` in flight that the window calls for."""
-        p = self.params
-        start = (
-            p.initial_per_instance
-            if task_class is TaskClass.LONG_DOCUMENT
-            else p.batch_initial_per_instance
-        )
-        per_instance = start if published is None else published / instances
-        wanted = self.desired_per_instance(goodput, task_class, per_instance)
-        return self._whole(wanted, per_instance, published, instances)
 
     def _whole(
         self, wanted: float, per_instance: float, published: int | None, instances: int
@@ -143,26 +125,18 @@ class QuotaController:
         highest = max(lowest, math.floor(p.max_per_instance * instances + 1e-9))
         return min(max(desired, lowest), highest)
 
-    def _settled(
-        self,
-        current: AdmissionQuotas,
-        published: dict[TaskClass, int | None],
-        desired: dict[TaskClass, int],
-        now: float,
-    ) -> bool:
+    def _settled(self, current: AdmissionQuotas, desired: int, now: float) -> bool:
         """Whether the last change is old enough for this one (hysteresis in time)."""
-        rising = any((limit := published[c]) is not None and desired[c] > limit for c in LIMITED)
+        published = long_documents(current)
+        rising = published is not None and desired > published
         wait = self.params.raise_after_s if rising else self.params.lower_after_s
         return now - current.issued_at >= wait
 
-    def desired_per_instance(
-        self, goodput: GoodputTable, task_class: TaskClass, per_instance: float
-    ) -> float:
-        """Where the limit on ``task_class`` should stand, per ready instance."""
+    def desired_per_instance(self, goodput: GoodputTable, per_instance: float) -> float:
         p = self.params
         rows = {row.key: row for row in goodput.classes}
         chats, ended = attainment(rows[TaskClass.INTERACTIVE.value])
-        turned_away = rows[task_class.value].failures > 0
+        turned_away = rows[TaskClass.LONG_DOCUMENT.value].failures > 0
         if ended < p.min_outcomes:
             return per_instance
         if chats < p.interactive_target:
@@ -172,13 +146,13 @@ class QuotaController:
         return min(max(per_instance, p.min_per_instance), p.max_per_instance)
 
 
-def limit_of(quotas: AdmissionQuotas, task_class: TaskClass) -> int | None:
-    """The requests of ``task_class`` in flight the quotas allow (None: they set no limit)."""
+def long_documents(quotas: AdmissionQuotas) -> int | None:
+    """The long documents in flight the quotas allow (None: they set no limit)."""
     return next(
         (
             q.max_concurrency
             for q in quotas.quotas
-            if q.task_class is task_class and q.tenant is None
+            if q.task_class is TaskClass.LONG_DOCUMENT and q.tenant is None
         ),
         None,
     )

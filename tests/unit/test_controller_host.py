@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-from control.controllers.slomax import QuotaController, limit_of
+from control.controllers.slomax import QuotaController, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.tables import GoodputTable
 from streams.controller_host import QUOTAS_TOPIC, QuotaHost
 from streams.memory import InMemoryBus
 from tests.unit.test_quota_controller import capacity, row
-
-
-def documents(quotas: AdmissionQuotas) -> int | None:
-    return limit_of(quotas, TaskClass.LONG_DOCUMENT)
 
 
 class Clock:
@@ -70,20 +66,20 @@ async def test_the_controller_renews_unchanged_quotas_and_times_its_moves_from_t
     host = QuotaHost(bus, QuotaController(), renew_s=25.0, clock=clock)
     feed(host, chats_met=96, documents_refused=0, now=clock.now)
     [first] = await host.reconcile()
-    assert (first.version, documents(first)) == (1, 8)  # four per ready instance
+    assert (first.version, long_documents(first)) == (1, 8)  # four per ready instance
     clock.now = 80.0  # within the band: nothing to change, no renewal due
     feed(host, chats_met=96, documents_refused=0, now=clock.now)
     assert await host.reconcile() == []
     clock.now = 90.0  # due: the same limits, a new version
     [renewed] = await host.reconcile()
-    assert (renewed.version, documents(renewed), renewed.issued_at) == (2, 8, 90.0)
+    assert (renewed.version, long_documents(renewed), renewed.issued_at) == (2, 8, 90.0)
     # chats with room while documents were turned away: 61 s after the change (a rise
     # waits a whole window), though only 31 s after the renewal
     clock.now = 121.0
     feed(host, chats_met=100, documents_refused=5, now=clock.now)
     [raised] = await host.reconcile()
     assert raised.version == 3
-    assert documents(raised) == 10
+    assert long_documents(raised) == 10
     assert [q.version for q in await published(bus)] == [1, 2, 3]
 
 
@@ -99,4 +95,4 @@ async def test_a_restarted_controller_continues_from_the_published_quotas() -> N
     feed(restarted, chats_met=50, documents_refused=0, now=clock.now)
     [lowered] = await restarted.reconcile()
     assert lowered.version == first.version + 1
-    assert documents(lowered) < documents(first)  # from where it stood
+    assert long_documents(lowered) < long_documents(first)  # from where it stood

@@ -11,10 +11,9 @@ from control.controllers.slomax import (
     QuotaController,
     QuotaControllerParams,
     attainment,
-    limit_of,
+    long_documents,
 )
 from schemas.base import TaskClass
-from schemas.control import AdmissionQuotas
 from schemas.tables import CapacityRow, CapacityTable, GoodputRow, GoodputTable
 
 LOWER, RAISE = QuotaControllerParams().lower_step, QuotaControllerParams().raise_step
@@ -61,11 +60,6 @@ def table(
     )
 
 
-def documents(quotas: AdmissionQuotas | None) -> int | None:
-    assert quotas is not None
-    return limit_of(quotas, TaskClass.LONG_DOCUMENT)
-
-
 def test_attainment_counts_failures_as_misses() -> None:
     assert attainment(row(TaskClass.INTERACTIVE, 90, 81, failures=10)) == (pytest.approx(0.81), 100)
     assert attainment(row(TaskClass.BATCH, 0, 0)) == (1.0, 0)
@@ -97,7 +91,7 @@ def test_the_first_pass_publishes_where_slomax_starts_sized_by_the_ready_instanc
     quotas = QuotaController().reconcile(table((100, 96)), SIXTEEN, None, now=60.0)
     assert quotas is not None
     assert (quotas.version, quotas.scope, quotas.issued_at) == (1, "dc", 60.0)
-    assert documents(quotas) == START * 16
+    assert long_documents(quotas) == START * 16
     assert QuotaController().reconcile(table((100, 96)), capacity(0), None, now=60.0) is None
 
 
@@ -108,7 +102,7 @@ def test_chats_missing_their_objective_lower_the_long_document_limit_one_step() 
     lowered = controller.reconcile(table((100, 90)), SIXTEEN, first, now=75.0)
     assert lowered is not None
     assert lowered.version == 2
-    assert documents(lowered) == math.floor(START * 16 / LOWER)
+    assert long_documents(lowered) == math.floor(START * 16 / LOWER)
 
 
 def test_chats_with_room_to_spare_let_more_long_documents_in_when_the_limit_turned_some_away() -> (
@@ -119,7 +113,7 @@ def test_chats_with_room_to_spare_let_more_long_documents_in_when_the_limit_turn
     turned_away = table((100, 100), (10, 10, 3))
     assert controller.reconcile(turned_away, SIXTEEN, first, now=100.0) is None  # too soon
     raised = controller.reconcile(turned_away, SIXTEEN, first, now=120.0)
-    assert documents(raised) == math.ceil(START * 16 * RAISE)
+    assert long_documents(raised) == math.ceil(START * 16 * RAISE)
     # documents late but none turned away: the limit is not what holds them back
     assert controller.reconcile(table((100, 100), (10, 5)), SIXTEEN, first, now=120.0) is None
 
@@ -134,10 +128,10 @@ def test_inside_the_band_or_on_too_little_evidence_nothing_is_published() -> Non
 def test_on_a_small_fleet_each_step_still_moves_the_limit_by_a_request_at_least() -> None:
     controller, two = QuotaController(), capacity(2)
     quotas = controller.reconcile(table((100, 96)), two, None, now=0.0)
-    limits = [documents(quotas)]
+    limits = [long_documents(quotas)]
     for n in range(1, 12):
         quotas = controller.reconcile(table((100, 50)), two, quotas, now=15.0 * n) or quotas
-        limits.append(documents(quotas))
+        limits.append(long_documents(quotas))
     assert limits[0] == START * 2
     assert limits[-1] == 1  # 0.5 per instance, at least one
     assert all(b < a or a == b == 1 for a, b in itertools.pairwise(limits))
@@ -150,33 +144,8 @@ def test_the_limit_stays_within_its_bounds() -> None:
     quotas = controller.reconcile(table((100, 96)), SIXTEEN, None, now=0.0)
     for n in range(1, 30):
         quotas = controller.reconcile(table((100, 50)), SIXTEEN, quotas, now=60.0 * n) or quotas
-    assert documents(quotas) == params.min_per_instance * 16
+    assert long_documents(quotas) == params.min_per_instance * 16
     for n in range(30, 90):
         worse = table((100, 100), (10, 1, 5))
         quotas = controller.reconcile(worse, SIXTEEN, quotas, now=60.0 * n) or quotas
-    assert documents(quotas) == params.max_per_instance * 16
-
-
-def test_the_batch_limit_starts_at_its_most_and_falls_with_the_long_document_limit() -> None:
-    controller = QuotaController()
-    first = controller.reconcile(table((100, 96)), SIXTEEN, None, now=60.0)
-    assert first is not None
-    assert limit_of(first, TaskClass.BATCH) == 8 * 16
-    lowered = controller.reconcile(table((100, 90)), SIXTEEN, first, now=75.0)
-    assert lowered is not None
-    assert limit_of(lowered, TaskClass.BATCH) == math.floor(8 * 16 / LOWER)
-    assert documents(lowered) == math.floor(START * 16 / LOWER)
-    # room to spare, and only batch turned away: batch rises, documents stay
-    batch_refused = table((100, 100)).model_copy(
-        update={
-            "classes": (
-                row(TaskClass.INTERACTIVE, 100, 100),
-                row(TaskClass.LONG_DOCUMENT, 10, 10),
-                row(TaskClass.BATCH, 10, 10, failures=2),
-            )
-        }
-    )
-    raised = controller.reconcile(batch_refused, SIXTEEN, lowered, now=140.0)
-    assert raised is not None
-    assert limit_of(raised, TaskClass.BATCH) == 8 * 16
-    assert documents(raised) == documents(lowered)
+    assert long_documents(quotas) == params.max_per_instance * 16
