@@ -14,6 +14,7 @@ from typing import Any, NoReturn, TypeVar
 
 import pytest
 
+from streams.bus import EventBus
 from streams.kafka import create_topics
 from tests.services import Service, kafka_service, redis_service
 from tokenfleet.services.kafka import LocalKafka
@@ -75,6 +76,22 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         service = _provide(kafka_service(tmp_path_factory.mktemp("kafka")), stack)
         run_in_thread(create_topics(service.address))
         yield service
+
+
+async def read_for(bus: EventBus, topic: str, seconds: float) -> list[object]:
+    """The payloads on ``topic`` from its start that arrive within ``seconds``."""
+    out: list[object] = []
+
+    async def read() -> None:
+        async with bus.subscribe(topic, "earliest") as events:
+            async for event in events:
+                out.append(event.envelope.payload)
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(seconds)
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    return out
 
 
 def run_in_thread(coroutine: Coroutine[Any, Any, T]) -> T:

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from gateway.settings import GatewaySettings
@@ -139,3 +139,38 @@ async def http_server(app: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await task
+
+
+def vllm_metrics(waiting: int, running: int, kv_usage: float = 0.1) -> Response:
+    """A vLLM /metrics answer with these gauges (and a cache of 10,000 blocks of 16)."""
+    model = f'{{model_name="{MODEL}"}}'
+    return PlainTextResponse(
+        f"vllm:num_requests_waiting{model} {waiting}\n"
+        f"vllm:num_requests_running{model} {running}\n"
+        f"vllm:kv_cache_usage_perc{model} {kv_usage}\n"
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="10000"} 1.0\n'
+    )
+
+
+def chat_answer(content: str = "ok", completion_tokens: int = 2) -> Response:
+    """A whole chat completion, as vLLM answers one."""
+    return JSONResponse(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": completion_tokens,
+                "total_tokens": 10 + completion_tokens,
+            },
+        }
+    )

@@ -12,10 +12,19 @@ import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
-from tests.gateway_harness import MODEL, Gateway, chat, fleet_for, gateway, http_server, scraped
+from tests.gateway_harness import (
+    Gateway,
+    chat,
+    chat_answer,
+    fleet_for,
+    gateway,
+    http_server,
+    scraped,
+    vllm_metrics,
+)
 
 BATCH = {"x-tokenfleet-class": "batch", "x-tokenfleet-deadline-s": "60"}
 
@@ -31,40 +40,14 @@ def scripted(load: Load) -> Starlette:
     """A vLLM-like instance that answers every chat at once and reports ``load``."""
 
     async def metrics(_: Request) -> Response:
-        model = f'{{model_name="{MODEL}"}}'
-        return PlainTextResponse(
-            f"vllm:num_requests_waiting{model} {load.waiting}\n"
-            f"vllm:num_requests_running{model} 0\n"
-            f"vllm:kv_cache_usage_perc{model} 0.1\n"
-            'vllm:cache_config_info{block_size="16",num_gpu_blocks="10000"} 1.0\n'
-        )
+        return vllm_metrics(load.waiting, running=0)
 
     async def answer(_: Request) -> Response:
-        return JSONResponse(
-            {
-                "id": "chatcmpl-1",
-                "object": "chat.completion",
-                "created": 0,
-                "model": MODEL,
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "ok"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
-            }
-        )
+        return chat_answer()
 
     return Starlette(
         routes=[Route("/metrics", metrics), Route("/v1/chat/completions", answer, methods=["POST"])]
     )
-
-
-@pytest.fixture
-async def load() -> Load:
-    return Load(waiting=3)
 
 
 @contextlib.asynccontextmanager

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from control.controllers.slomax import QuotaController, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.tables import GoodputTable
 from streams.controller_host import QUOTAS_TOPIC, QuotaHost
 from streams.memory import InMemoryBus
+from tests.conftest import read_for
 from tests.unit.test_quota_controller import capacity, row
 
 
@@ -46,19 +45,7 @@ def feed(host: QuotaHost, chats_met: int, documents_refused: int, now: float) ->
 
 async def published(bus: InMemoryBus) -> list[AdmissionQuotas]:
     """Every quota snapshot on the topic so far."""
-    out: list[AdmissionQuotas] = []
-
-    async def read() -> None:
-        async with bus.subscribe(QUOTAS_TOPIC, "earliest") as events:
-            async for event in events:
-                assert isinstance(event.envelope.payload, AdmissionQuotas)
-                out.append(event.envelope.payload)
-
-    reader = asyncio.create_task(read())
-    await asyncio.sleep(0.05)
-    reader.cancel()
-    await asyncio.gather(reader, return_exceptions=True)
-    return out
+    return [q for q in await read_for(bus, QUOTAS_TOPIC, 0.05) if isinstance(q, AdmissionQuotas)]
 
 
 async def test_the_controller_renews_unchanged_quotas_and_times_its_moves_from_the_change() -> None:

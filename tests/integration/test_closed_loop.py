@@ -1,0 +1,206 @@
+"""The admission loop closed end to end on real services: the gateway's lifecycle events
+on Kafka, the Faust worker's goodput and capacity tables, SLOMax's controller reading
+them and publishing quotas, the gateway (its shared state in Redis) applying them.
+
+The instances are scripted so that the loop, not this machine's speed, decides the
+outcome: a chat takes longer the more long documents its instance is running, as a
+long prefill shares the steps of the chats beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from control.controllers.slomax import QuotaController, QuotaControllerParams, long_documents
+from schemas.control import AdmissionQuotas
+from streams.collector import Collector
+from streams.controller_host import QUOTAS_TOPIC, QuotaHost
+from streams.kafka import KafkaBus, create_topics
+from streams.tables.windows import WindowSpec
+from tests.conftest import read_for, run_in_thread, unavailable
+from tests.gateway_harness import (
+    KEY,
+    Gateway,
+    chat,
+    chat_answer,
+    fleet_for,
+    gateway,
+    http_server,
+    vllm_metrics,
+)
+from tests.integration.test_tables_on_kafka import worker
+from tests.services import Service, kafka_service
+
+pytestmark = [pytest.mark.kafka, pytest.mark.redis]
+
+CHAT_TTFT_S = 2.0
+"""The interactive objective a whole (unstreamed) chat must meet: its answer within 2 s."""
+CHAT_S, CHAT_S_PER_DOCUMENT = 0.05, 0.6
+"""A chat's time on an instance: 50 ms, and 0.6 s more for each long document there.
+Four documents on an instance make a chat miss its objective; three do not."""
+DOCUMENT_S = 1.5
+CHAT_EVERY_S, DOCUMENT_EVERY_S = 0.05, 0.2
+"""Twenty chats a second all along; five documents a second during the flood, which at
+1.5 s each would keep 7.5 in flight: under SLOMax's starting limit of four per instance,
+all of them."""
+DOCUMENT = "a long document"
+"""What the instances tell documents from chats by (the class header stays at the gateway)."""
+RUN_S = 50.0
+FLOOD_FROM_S, FLOOD_UNTIL_S = 5.0, 45.0
+
+
+@pytest.fixture(scope="module")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """A broker of this module's own: the worker reads its input topics from the start."""
+    with contextlib.ExitStack() as stack:
+        try:
+            service = stack.enter_context(kafka_service(tmp_path_factory.mktemp("loop")))
+        except Exception as exc:
+            unavailable(exc)
+        run_in_thread(create_topics(service.address))
+        yield service
+
+
+def instance() -> Starlette:
+    """Answers chats (slower the more long documents it runs) and long documents."""
+    documents = 0
+
+    async def metrics(_: Request) -> Response:
+        return vllm_metrics(waiting=0, running=documents)
+
+    async def answer(request: Request) -> Response:
+        nonlocal documents
+        body = await request.json()
+        if body["messages"][0]["content"] != DOCUMENT:
+            await asyncio.sleep(CHAT_S + CHAT_S_PER_DOCUMENT * documents)
+            return chat_answer()
+        documents += 1
+        try:
+            await asyncio.sleep(DOCUMENT_S)
+        finally:
+            documents -= 1
+        return chat_answer()
+
+    return Starlette(
+        routes=[Route("/metrics", metrics), Route("/v1/chat/completions", answer, methods=["POST"])]
+    )
+
+
+@dataclass(frozen=True)
+class Chat:
+    sent_s: float
+    """Seconds since the run started."""
+    met: bool
+
+
+async def test_a_flood_of_long_documents_lowers_their_ceiling_and_chats_recover(
+    kafka: Service, redis_server: Service
+) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(http_server(instance())) for _ in range(2)]
+        fleet = fleet_for(urls)
+        stack.enter_context(
+            worker(kafka, f"loop-{uuid.uuid4().hex[:8]}", WindowSpec(10.0, 1.0, 2.0))
+        )
+        bus = KafkaBus(kafka.address, source="test")
+        stack.push_async_callback(bus.close)
+        params = QuotaControllerParams(lower_after_s=2.0, raise_after_s=600.0, min_outcomes=20)
+        scraper = await stack.enter_async_context(aiohttp.ClientSession())
+        front = await stack.enter_async_context(
+            gateway(fleet, kafka=kafka.address, redis=redis_server.address, admission="slomax")
+        )
+        async with _running(
+            Collector(fleet.instances, bus, scraper).run(),
+            QuotaHost(bus, QuotaController(params), period_s=1.0).run(),
+        ):
+            await _ready(front)
+            chats = await _traffic(front)
+        published = [
+            q for q in await read_for(bus, QUOTAS_TOPIC, 3.0) if isinstance(q, AdmissionQuotas)
+        ]
+    limits = [limit for q in published if (limit := long_documents(q)) is not None]
+    early = [_share_met(chats, t, t + 2.0) for t in range(int(FLOOD_FROM_S), 20)]
+    late = _share_met(chats, FLOOD_UNTIL_S - 10.0, FLOOD_UNTIL_S)
+    print(f"long-document limits {limits}; chats met {early} (2 s windows), then {late:.2f}")
+    assert limits, "the controller published no quotas"
+    assert limits[0] == 8  # four per ready instance, where SLOMax starts
+    assert min(limits) <= 6  # lowered through the tables while chats missed
+    assert min(early) < 0.5  # the flood made chats miss
+    assert late > 0.9  # and with fewer documents at once they met their objective again
+
+
+@contextlib.asynccontextmanager
+async def _running(*loops: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
+    tasks = [asyncio.ensure_future(loop) for loop in loops]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _ready(front: Gateway) -> None:
+    async with front.client() as http:
+        for _ in range(200):
+            if (await http.get("/ready")).status_code == 200:
+                return
+            await asyncio.sleep(0.1)
+    raise AssertionError("the gateway never saw its instances ready")
+
+
+async def _traffic(front: Gateway) -> list[Chat]:
+    """Chats all along; long documents flooding in between ``FLOOD_FROM_S`` and
+    ``FLOOD_UNTIL_S``. The chats' outcomes, as their clients saw them."""
+    start = time.monotonic()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
+    headers = {"authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(
+        base_url=front.url, headers=headers, timeout=120, limits=limits
+    ) as http:
+        chats = [
+            asyncio.create_task(_chat(http, start, at)) for at in _every(CHAT_EVERY_S, 0.0, RUN_S)
+        ]
+        documents = [
+            asyncio.create_task(_document(http, start, at))
+            for at in _every(DOCUMENT_EVERY_S, FLOOD_FROM_S, FLOOD_UNTIL_S)
+        ]
+        outcomes = await asyncio.gather(*chats)
+        await asyncio.gather(*documents)
+    return outcomes
+
+
+def _every(period_s: float, start_s: float, end_s: float) -> list[float]:
+    return [start_s + n * period_s for n in range(round((end_s - start_s) / period_s))]
+
+
+def _share_met(chats: list[Chat], from_s: float, until_s: float) -> float:
+    window = [c.met for c in chats if from_s <= c.sent_s < until_s]
+    return sum(window) / len(window)
+
+
+async def _chat(http: httpx.AsyncClient, start: float, at_s: float) -> Chat:
+    await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
+    sent = time.monotonic()
+    response = await http.post("/v1/chat/completions", json=chat("a question"))
+    return Chat(at_s, response.status_code == 200 and time.monotonic() - sent <= CHAT_TTFT_S)
+
+
+async def _document(http: httpx.AsyncClient, start: float, at_s: float) -> None:
+    await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
+    headers = {"x-tokenfleet-class": "long_document"}
+    response = await http.post("/v1/chat/completions", json=chat(DOCUMENT), headers=headers)
+    assert response.status_code in {200, 429, 503}
