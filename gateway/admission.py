@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from control.admission.registry import Admission
@@ -27,7 +27,7 @@ from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
-from schemas.objectives import ClassObjective
+from schemas.objectives import Objectives
 from schemas.openai_api import ApiError
 
 Held = asyncio.Future["Outcome[Held]"]
@@ -46,7 +46,7 @@ class GatewayAdmission:
         make_admission: Callable[[str], Admission],
         router_for: Callable[[str, str], Router],
         snapshot_for: Callable[[str, str], Awaitable[FleetSnapshot]],
-        objectives: Mapping[TaskClass, ClassObjective],
+        objectives: Objectives,
         metrics: GatewayMetrics,
         tick_s: float = 0.05,
     ) -> None:
@@ -54,7 +54,7 @@ class GatewayAdmission:
         self._make_admission = make_admission
         self._router_for = router_for
         self._snapshot_for = snapshot_for
-        self.objectives = dict(objectives)
+        self.objectives = objectives
         self.metrics = metrics
         self.tick_s = tick_s
         self._pipelines: dict[Key, Pipeline[Held]] = {}
@@ -65,7 +65,7 @@ class GatewayAdmission:
         key = (model, dc)
         if key not in self._pipelines:
             self._pipelines[key] = Pipeline(
-                self._make_admission(model), self._router_for(model, dc), self.objectives
+                self._make_admission(model), self._router_for(model, dc), self.objectives.classes
             )
         return self._pipelines[key]
 
@@ -83,7 +83,7 @@ class GatewayAdmission:
         pipeline = self.pipeline(inbound.model.name, dc)
         pipeline.quotas = _class_quotas(quotas)
         answer: Held = asyncio.get_running_loop().create_future()
-        request = _admitting(inbound, arrived)
+        request = _admitting(inbound, arrived, self.objectives)
         outcome = pipeline.arrive(request, route, answer, snapshot, time.monotonic())
         self._count(outcome, inbound.model.name, dc)
         if outcome.admission.verdict is Verdict.HOLD:
@@ -210,7 +210,7 @@ def _refusal(outcome: Outcome[Held], *, waited: bool) -> ApiError:
     return ApiError(429, message, retry_after_s=decision.retry_after_s or REFUSED_RETRY_AFTER_S)
 
 
-def _admitting(inbound: Inbound, arrived: float) -> AdmissionRequest:
+def _admitting(inbound: Inbound, arrived: float, objectives: Objectives) -> AdmissionRequest:
     deadline = inbound.deadline_s
     return AdmissionRequest(
         inbound.request_id,
@@ -220,6 +220,7 @@ def _admitting(inbound: Inbound, arrived: float) -> AdmissionRequest:
         inbound.client_cap,
         arrived,
         None if deadline is None else arrived + deadline,
+        objectives.of(inbound.task_class, inbound.tenant.name),
     )
 
 

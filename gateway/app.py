@@ -101,7 +101,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
         local_dc,
         metrics,
         parts.make_admission,
-        fleet.objectives,
+        fleet.all_objectives(),
     )
     events = EventSink(
         parts.bus,

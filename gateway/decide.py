@@ -15,7 +15,7 @@ Safe defaults when control is silent (no snapshot, or past its TTL):
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +30,8 @@ from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from gateway.state import SharedState, SharedView
-from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
-from schemas.objectives import ClassObjective
+from schemas.objectives import Objectives
 from schemas.openai_api import ApiError
 
 LEAST_LOADED = "least_loaded"
@@ -75,7 +74,7 @@ class Decider:
         local_dc: str,
         metrics: GatewayMetrics,
         make_admission: Callable[[str], Admission],
-        objectives: Mapping[TaskClass, ClassObjective],
+        objectives: Objectives,
     ) -> None:
         self.view = view
         self.state = state

@@ -429,7 +429,7 @@ class Exchange:
         tpot = (now - first) / (trip.output_tokens - 1) if trip.output_tokens > 1 else 0.0
         inbound = trip.inbound
         self._ended(inbound, trip.plan.dc, trip.output_tokens)
-        objective = self.decider.admission.objectives[inbound.task_class]
+        objective = self.decider.admission.objectives.of(inbound.task_class, inbound.tenant.name)
         met = objective.met(ttft, tpot, e2e, inbound.deadline_s)
         self.metrics.output_tokens.labels(inbound.task_class.value, str(met).lower()).inc(
             trip.output_tokens

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from control.admission.request import identify
 from control.tokens import block_hashes, chat_text, count_tokens, prompt_tokens
 from schemas.base import TaskClass
 from schemas.fleet import FleetConfig, ModelConfig, TenantConfig
@@ -117,6 +118,7 @@ def read_inbound(
     if model is None:
         raise ApiError(404, f"The model `{request.model}` does not exist.", param="model")
     size = _size(request)
+    deadline = _deadline(headers.get(DEADLINE_HEADER))
     if size.longest_prompt + size.choice_budget > model.context_tokens:
         raise ApiError(
             400,
@@ -132,8 +134,8 @@ def read_inbound(
         body=body,
         model=model,
         stream=not isinstance(request, EmbeddingRequest) and request.stream,
-        task_class=_task_class(headers.get(CLASS_HEADER), tenant),
-        deadline_s=_deadline(headers.get(DEADLINE_HEADER)),
+        task_class=_task_class(headers.get(CLASS_HEADER), tenant, size.input_tokens, deadline),
+        deadline_s=deadline,
         residency=tuple(r.strip() for r in headers.get(RESIDENCY_HEADER, "").split(",") if r),
         input_tokens=size.input_tokens,
         output_budget=size.choice_budget * size.choices,
@@ -160,14 +162,28 @@ def _size(request: ProxiedRequest) -> _Size:
     )
 
 
-def _task_class(value: str | None, tenant: TenantConfig) -> TaskClass:
+def _task_class(
+    value: str | None, tenant: TenantConfig, input_tokens: int, deadline_s: float | None
+) -> TaskClass:
+    """The class the client named, else its tenant's default, else what the request shows
+    (``control.admission.request.identify``); ApiError 400 for an unknown name, 403 for a
+    class the tenant may not send. A class told by the request alone that the tenant may
+    not send falls back to interactive."""
     try:
-        task_class = TaskClass(value or TaskClass.INTERACTIVE)
+        requested = None if value is None else TaskClass(value)
     except ValueError:
         known = ", ".join(c.value for c in TaskClass)
         raise ApiError(
             400, f"{CLASS_HEADER} must be one of {known}, not {value!r}.", param=CLASS_HEADER
         ) from None
+    task_class = identify(
+        requested=requested,
+        tenant_default=tenant.default_class,
+        input_tokens=input_tokens,
+        has_deadline=deadline_s is not None,
+    )
+    if task_class not in tenant.classes and requested is None and tenant.default_class is None:
+        task_class = TaskClass.INTERACTIVE
     if task_class not in tenant.classes:
         raise ApiError(403, f"Tenant {tenant.name!r} may not send {task_class.value} requests.")
     return task_class

@@ -15,7 +15,7 @@ from pydantic import Field, HttpUrl, ValidationError, field_validator, model_val
 
 from schemas.base import Frozen, Identifier, TaskClass
 from schemas.envelope import describe
-from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
+from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective, Objectives
 
 
 class DataCenter(Frozen):
@@ -50,6 +50,25 @@ class TenantConfig(Frozen):
     classes: tuple[TaskClass, ...] = Field(
         default=tuple(TaskClass), description="Task classes the tenant may ask for."
     )
+    default_class: TaskClass | None = Field(
+        default=None,
+        description="The class of the tenant's requests that name none (unset: told by "
+        "the request: a deadline is batch, a prompt of 16,384 tokens or more a long "
+        "document, anything else interactive).",
+    )
+    objectives: dict[TaskClass, ClassObjective] = Field(
+        default_factory=dict,
+        description="The tenant's own objectives for these classes, over the fleet's.",
+    )
+
+    @model_validator(mode="after")
+    def _default_allowed(self) -> TenantConfig:
+        if self.default_class is not None and self.default_class not in self.classes:
+            raise ValueError(
+                f"tenant {self.name!r}: default_class {self.default_class.value!r} is not "
+                "among its classes"
+            )
+        return self
 
 
 class RoutingProfile(Frozen):
@@ -75,6 +94,13 @@ class FleetConfig(Frozen):
         default_factory=lambda: dict(DEFAULT_OBJECTIVES),
         description="Per-class objectives; classes not named keep the defaults.",
     )
+
+    def all_objectives(self) -> Objectives:
+        """The classes' objectives with every tenant's overrides."""
+        return Objectives(
+            classes=self.objectives,
+            tenants={t.name: t.objectives for t in self.tenants if t.objectives},
+        )
 
     @field_validator("objectives", mode="after")
     @classmethod

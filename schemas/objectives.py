@@ -29,3 +29,18 @@ DEFAULT_OBJECTIVES: dict[TaskClass, ClassObjective] = {
     TaskClass.LONG_DOCUMENT: ClassObjective(ttft_s=30.0),
     TaskClass.BATCH: ClassObjective(use_deadline=True),
 }
+
+
+class Objectives(Frozen):
+    """The objectives requests are held to: each class's, and a tenant's own where its
+    entry in the fleet file overrides one."""
+
+    classes: dict[TaskClass, ClassObjective] = Field(
+        default_factory=lambda: dict(DEFAULT_OBJECTIVES)
+    )
+    tenants: dict[str, dict[TaskClass, ClassObjective]] = Field(default_factory=dict)
+
+    def of(self, task_class: TaskClass, tenant: str | None = None) -> ClassObjective:
+        """The objective a request of ``task_class`` from ``tenant`` is held to."""
+        own = self.tenants.get(tenant, {}) if tenant is not None else {}
+        return own.get(task_class) or self.classes[task_class]

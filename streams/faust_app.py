@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import faust
@@ -38,7 +38,7 @@ from faust.worker import Worker
 
 from schemas import DEADLETTER_TOPIC, DecodeError, Envelope, Topic, decode, encode, topic_for
 from schemas.base import TaskClass
-from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
+from schemas.objectives import Objectives
 from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from schemas.topics import DAY_MS
 from streams.bus import RawRecord, dead_letter
@@ -62,9 +62,11 @@ def updates_topic_of(settings: WorkerSettings) -> Topic:
 def build_app(
     bootstrap: str,
     settings: WorkerSettings,
-    objectives: Mapping[TaskClass, ClassObjective] = DEFAULT_OBJECTIVES,
+    objectives: Objectives | None = None,
 ) -> faust.App:
-    """The worker's app; ``objectives`` decide which completions count as goodput."""
+    """The worker's app; ``objectives`` (None: the defaults) decide which completions
+    count as goodput."""
+    objectives = objectives or Objectives()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     app = _App(
         settings.app_id,
@@ -318,12 +320,12 @@ def _apply(
     state: DcTables,
     item: dict[str, Any],
     spec: WindowSpec,
-    objectives: Mapping[TaskClass, ClassObjective],
+    objectives: Objectives,
 ) -> set[float]:
     """Apply one update; returns the slices it changed."""
     if item["kind"] == "outcome":
         outcome = Outcome.from_dict(item["outcome"])
-        objective = objectives[TaskClass(outcome.task_class)]
+        objective = objectives.of(TaskClass(outcome.task_class), outcome.tenant)
         return state.add_outcome(outcome, objective, spec)
     if item["kind"] == "telemetry":
         reading = InstanceTelemetry.model_validate(item["reading"])

@@ -33,12 +33,12 @@ from schemas.fleet import FleetConfig
 from sim.profiles import PROFILES, profile
 from streams.bus import EventBus
 from streams.collector import Collector
-from streams.controller_host import QuotaHost
 from streams.kafka import KafkaBus
 from streams.memory import InMemoryBus
 from streams.settings import WorkerSettings
 from streams.table_host import TableHost
 from streams.tables.builder import TableBuilder
+from tokenfleet.controller_host import QuotaHost
 from tokenfleet.settings import Settings
 
 
@@ -164,7 +164,7 @@ async def _serving(
         if services.kafka_bootstrap is None:  # embedded: the collector and tables run here
             tables = WorkerSettings()
             table_host = TableHost(
-                bus, TableBuilder(tables.spec, fleet.objectives), tables.publish_s
+                bus, TableBuilder(tables.spec, fleet.all_objectives()), tables.publish_s
             )
             tasks.append(asyncio.create_task(Collector(fleet.instances, bus, scraper).run()))
             tasks.append(asyncio.create_task(table_host.run()))

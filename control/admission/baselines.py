@@ -265,7 +265,7 @@ class MooncakeEarlyReject:
             return AdmissionDecision(Verdict.REJECT, "no_instance")
         tbt = self.predicted_tbt_s(view, view.now_s + ttft)
         figures = (("predicted_ttft_s", ttft), ("predicted_tbt_s", tbt))
-        objective = view.objectives[request.task_class]
+        objective = view.objective(request)
         if objective.ttft_s is not None and ttft > objective.ttft_s:
             return AdmissionDecision(Verdict.REJECT, "predicted_ttft", figures=figures)
         if tbt > self.params.tbt_limit_s:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.base import TaskClass
+from schemas.objectives import ClassObjective
 
 LONG_DOCUMENT_TOKENS = 16_384
 """A prompt this long or longer is a long document: it fills two whole prefill steps of
@@ -30,6 +31,8 @@ class AdmissionRequest:
     arrival_s: float
     deadline_s: float | None = None
     """When it must have finished (absolute, on the host's clock); None: no deadline."""
+    objective: ClassObjective | None = None
+    """Its tenant's own objective for its class; None: the class's."""
 
 
 PRIORITY = {TaskClass.INTERACTIVE: 0, TaskClass.LONG_DOCUMENT: 1, TaskClass.BATCH: 2}

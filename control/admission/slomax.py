@@ -83,7 +83,7 @@ class SLOMax:
         figures = {"kv_use": view.kv_use(), "pool_wait_s": wait}
         if predicted is not None:
             figures["predicted_ttft_s"] = predicted
-        objective = view.objectives[request.task_class]
+        objective = view.objective(request)
         if p.early_rejection and predicted is not None:
             late = _late(request, objective, view.now_s, predicted + wait)
             if late is not None:

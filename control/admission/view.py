@@ -14,6 +14,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from control.admission.request import AdmissionRequest
 from control.routing.snapshot import BoolArray, FleetSnapshot, FloatArray
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
@@ -104,6 +105,10 @@ class AdmissionView:
     def awaiting_first_token(self) -> int:
         """Requests in flight still in their queue or prefill."""
         return sum(self.inflight.values()) - len(self.decoding_since_s)
+
+    def objective(self, request: AdmissionRequest) -> ClassObjective:
+        """What ``request`` is held to: its tenant's objective, else its class's."""
+        return request.objective or self.objectives[request.task_class]
 
     def pool(self, task_class: TaskClass) -> PoolState:
         return self.pools.get(task_class, PoolState())

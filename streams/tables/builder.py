@@ -8,7 +8,7 @@ from typing import Any
 
 from schemas import Envelope
 from schemas.base import TaskClass
-from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
+from schemas.objectives import ClassObjective, Objectives
 from schemas.tables import CapacityTable, GoodputTable, KvTable, WindowedTable
 from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from streams.tables import outcomes
@@ -168,10 +168,10 @@ class TableBuilder:
     def __init__(
         self,
         spec: WindowSpec | None = None,
-        objectives: dict[TaskClass, ClassObjective] | None = None,
+        objectives: Objectives | None = None,
     ) -> None:
         self.spec = spec or WindowSpec()
-        self.objectives = objectives or DEFAULT_OBJECTIVES
+        self.objectives = objectives or Objectives()
         self.dcs: dict[str, DcTables] = {}
         self.requests: dict[str, RequestState] = {}
         self._instance_dc: dict[str, str] = {}
@@ -197,7 +197,7 @@ class TableBuilder:
                 )
 
     def add_outcome(self, outcome: Outcome) -> None:
-        objective = self.objectives[TaskClass(outcome.task_class)]
+        objective = self.objectives.of(TaskClass(outcome.task_class), outcome.tenant)
         self._dc(outcome.dc).add_outcome(outcome, objective, self.spec)
 
     def tables(self, now: float) -> list[WindowedTable]:

@@ -27,7 +27,6 @@ from starlette.routing import Route
 from control.controllers.slomax import QuotaController, QuotaControllerParams, long_documents
 from schemas.control import AdmissionQuotas
 from streams.collector import Collector
-from streams.controller_host import QUOTAS_TOPIC, QuotaHost
 from streams.kafka import KafkaBus, create_topics
 from streams.tables.windows import WindowSpec
 from tests.conftest import read_for, run_in_thread, unavailable
@@ -43,6 +42,7 @@ from tests.gateway_harness import (
 )
 from tests.integration.test_tables_on_kafka import worker
 from tests.services import Service, kafka_service
+from tokenfleet.controller_host import QUOTAS_TOPIC, QuotaHost
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 

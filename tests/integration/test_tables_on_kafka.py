@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaConsumer
 from schemas import Envelope
 from schemas.base import TaskClass
 from schemas.lifecycle import RequestCompleted
-from schemas.objectives import ClassObjective
+from schemas.objectives import ClassObjective, Objectives
 from schemas.tables import CapacityTable, GoodputTable, KvTable
 from schemas.telemetry import InstanceTelemetry
 from sim.events import lifecycle_events
@@ -139,7 +139,7 @@ async def _published_equal_reference(
     kafka: Service,
     dc: str,
     events: Sequence[Envelope],
-    objectives: dict[TaskClass, ClassObjective] | None = None,
+    objectives: Objectives | None = None,
     timeout_s: float = 120.0,
 ) -> tuple[list[object], list[object]]:
     """Wait until the three published tables of ``dc`` equal the pure logic's tables for
@@ -166,7 +166,7 @@ async def _published_equal_reference(
 
 
 def _reference(
-    events: Sequence[Envelope], at: float, objectives: dict[TaskClass, ClassObjective] | None
+    events: Sequence[Envelope], at: float, objectives: Objectives | None
 ) -> list[object]:
     builder = TableBuilder(SPEC, objectives)
     for event in events:
@@ -226,7 +226,7 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
             with worker(kafka, f"tables-{dc}", fleet_file=tmp_path / "fleet.json"):
                 await _publish(kafka, events)
                 published, expected = await _published_equal_reference(
-                    kafka, dc, events, fleet.objectives
+                    kafka, dc, events, fleet.all_objectives()
                 )
                 async with asyncio.timeout(60):
                     async for letter in letters:

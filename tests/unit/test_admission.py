@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -34,6 +36,7 @@ from control.routing import FleetSnapshot, PoolModel, RouteRequest, make_router
 from control.step_time import KneeRoofline
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
+from schemas.objectives import ClassObjective
 
 CHAT, DOC, BATCH = TaskClass.INTERACTIVE, TaskClass.LONG_DOCUMENT, TaskClass.BATCH
 
@@ -162,6 +165,10 @@ def test_a_request_that_cannot_meet_its_objective_is_refused_early() -> None:
     assert SLOMax().decide(batch, view(now=9.0, predicted=[1.5, 0.9])).verdict is Verdict.DISPATCH
     blind = SLOMax(SLOMaxParams(early_rejection=False))
     assert blind.decide(request(CHAT), view(predicted=[2.5, 2.1])).verdict is Verdict.DISPATCH
+    # a tenant's own, tighter objective: 0.5 s to the first token
+    strict = replace(request(CHAT), objective=ClassObjective(ttft_s=0.5))
+    assert SLOMax().decide(request(CHAT), view(predicted=[0.8, 0.9])).verdict is Verdict.DISPATCH
+    assert SLOMax().decide(strict, view(predicted=[0.8, 0.9])).reason == "predicted_ttft"
 
 
 def test_a_held_request_is_answered_without_retry_after_and_holds_end_in_time() -> None:

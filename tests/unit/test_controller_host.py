@@ -6,10 +6,10 @@ from control.controllers.slomax import QuotaController, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.tables import GoodputTable
-from streams.controller_host import QUOTAS_TOPIC, QuotaHost
 from streams.memory import InMemoryBus
 from tests.conftest import read_for
 from tests.unit.test_quota_controller import capacity, row
+from tokenfleet.controller_host import QUOTAS_TOPIC, QuotaHost
 
 
 class Clock:

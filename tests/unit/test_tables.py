@@ -21,7 +21,7 @@ from schemas.lifecycle import (
     RequestCompleted,
     RequestRouted,
 )
-from schemas.objectives import DEFAULT_OBJECTIVES
+from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective, Objectives
 from schemas.tables import CapacityTable, GoodputTable, KvTable
 from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from sim.events import lifecycle_events
@@ -249,3 +249,14 @@ def test_an_end_no_event_places_in_a_dc_is_logged_when_given_up(
     with caplog.at_level("WARNING", logger="streams.tables.outcomes"):
         assert builder.tables(EPOCH + 1000) == []
     assert "request r7, which no event placed in a DC" in caplog.text
+
+
+def test_a_tenant_s_own_objective_decides_whether_its_requests_count_as_goodput() -> None:
+    strict = Objectives(tenants={"t": {TaskClass.INTERACTIVE: ClassObjective(ttft_s=0.2)}})
+    compliance = []
+    for objectives in (None, strict):  # the request's TTFT is 0.5 s
+        builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5), objectives)
+        for event in [*_request(1, EPOCH), _completed(1, EPOCH + 1)]:
+            builder.feed(event)
+        compliance.append(goodput(builder.tables(EPOCH + 59)).classes[0].compliance)
+    assert compliance == [1.0, 0.0]

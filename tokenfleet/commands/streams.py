@@ -75,14 +75,13 @@ def _bootstrap() -> str:
 def _worker(args: argparse.Namespace) -> int:
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
-    from schemas.objectives import DEFAULT_OBJECTIVES
     from streams.faust_app import build_app, run_worker, updates_topic_of
     from streams.kafka import create_topics
     from streams.settings import WorkerSettings
 
     bootstrap = _bootstrap()
     try:
-        objectives = load_fleet(args.fleet).objectives if args.fleet else DEFAULT_OBJECTIVES
+        objectives = load_fleet(args.fleet).all_objectives() if args.fleet else None
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
     settings = WorkerSettings()
@@ -121,8 +120,8 @@ def _collect(args: argparse.Namespace) -> int:
 
 def _controller(args: argparse.Namespace) -> int:
     from schemas import TOPICS
-    from streams.controller_host import QuotaHost
     from streams.kafka import KafkaBus, create_topics
+    from tokenfleet.controller_host import QuotaHost
 
     bootstrap = _bootstrap()
     if args.period <= 0:

@@ -1,0 +1,52 @@
+"""Which class a request through the gateway is, and what it is held to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.inbound import CHAT_PATH, read_inbound
+from schemas.base import TaskClass
+from schemas.fleet import FleetConfig
+from schemas.objectives import ClassObjective
+from schemas.openai_api import ApiError
+from tests.gateway_harness import fleet_for
+
+BODY = json.dumps({"model": "emulated", "messages": [{"role": "user", "content": "hi"}]})
+
+
+def fleet(**tenant: object) -> FleetConfig:
+    return fleet_for(["http://127.0.0.1:1"], tenants=[{"name": "t", "api_keys": ["k"], **tenant}])
+
+
+def task_class(chosen: FleetConfig, **headers: str) -> TaskClass:
+    tenant = chosen.tenants[0]
+    return read_inbound(chosen, tenant, CHAT_PATH, BODY.encode(), headers).task_class
+
+
+def test_the_class_comes_from_the_header_then_the_tenant_then_the_request() -> None:
+    assert task_class(fleet()) is TaskClass.INTERACTIVE
+    assert task_class(fleet(), **{"x-tokenfleet-deadline-s": "60"}) is TaskClass.BATCH
+    by_default = fleet(default_class="long_document")
+    assert task_class(by_default) is TaskClass.LONG_DOCUMENT
+    assert task_class(by_default, **{"x-tokenfleet-class": "interactive"}) is TaskClass.INTERACTIVE
+
+
+def test_a_class_the_tenant_may_not_send_is_refused_unless_only_the_request_told_it() -> None:
+    chats_only = fleet(classes=["interactive"])
+    with pytest.raises(ApiError) as refused:
+        task_class(chats_only, **{"x-tokenfleet-class": "batch"})
+    assert refused.value.status == 403
+    # a deadline alone would make it batch, which this tenant does not send: a chat
+    assert task_class(chats_only, **{"x-tokenfleet-deadline-s": "60"}) is TaskClass.INTERACTIVE
+    with pytest.raises(ValueError, match="default_class 'batch' is not among its classes"):
+        fleet(classes=["interactive"], default_class="batch")
+
+
+def test_a_tenant_s_objectives_override_the_fleet_s_for_its_requests_only() -> None:
+    chosen = fleet(objectives={"interactive": {"ttft_s": 0.5}})
+    objectives = chosen.all_objectives()
+    assert objectives.of(TaskClass.INTERACTIVE, "t") == ClassObjective(ttft_s=0.5)
+    assert objectives.of(TaskClass.INTERACTIVE, "other") == ClassObjective(ttft_s=2.0, tpot_s=0.1)
+    assert objectives.of(TaskClass.BATCH, "t") == ClassObjective(use_deadline=True)
