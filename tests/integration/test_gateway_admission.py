@@ -50,6 +50,11 @@ def scripted(load: Load) -> Starlette:
     )
 
 
+@pytest.fixture
+async def load() -> Load:
+    return Load(waiting=3)
+
+
 @contextlib.asynccontextmanager
 async def scripted_fleet(load: Load) -> AsyncIterator[Gateway]:
     """Two scripted instances behind a gateway running SLOMax, ready."""

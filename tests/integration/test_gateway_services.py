@@ -120,7 +120,7 @@ async def test_when_controllers_fall_silent_quotas_expire_to_the_default(
 
 def _closed_quota(version: int, ttl_s: float) -> AdmissionQuotas:
     shut = ClassQuota(  # one token, never refilled
-        task_class=TaskClass.INTERACTIVE, tokens_per_s=0, burst_tokens=1, max_concurrency=0
+        task_class=TaskClass.INTERACTIVE, tokens_per_s=0, burst_tokens=1
     )
     return AdmissionQuotas(
         version=version, scope="dc-a", issued_at=time.time(), ttl_s=ttl_s, quotas=(shut,)
