@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from control.admission.registry import Admission
-from control.admission.request import AdmissionRequest
+from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.view import Verdict
 from control.pipeline import Outcome, Pipeline
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
@@ -91,6 +92,17 @@ class GatewayAdmission:
                 self.answer_held(SHUTDOWN)
             return Waiting(self, inbound.model.name, dc, inbound.request_id, answer)
         return _routed(outcome, waited=False)
+
+    def upstream_body(self, inbound: Inbound, dc: str) -> bytes:
+        """The body to send the instance: as the client sent it, but where the engines
+        schedule by priority (vLLM's ``--scheduling-policy priority``), with the class's
+        ``priority`` unless the client set one."""
+        admission = self.pipeline(inbound.model.name, dc).admission
+        if admission.engine_scheduling != "priority":
+            return inbound.body
+        body = json.loads(inbound.body)
+        body.setdefault("priority", PRIORITY[inbound.task_class])
+        return json.dumps(body).encode()
 
     def first_token(self, model: str, dc: str, request_id: str) -> None:
         self.pipeline(model, dc).first_token(request_id, time.monotonic())

@@ -235,7 +235,8 @@ class Exchange:
         # A whole answer's headers come with its end: no first token is seen before.
         settling = None if inbound.stream else self._settle_at_predicted_first_token(trip)
         try:
-            upstream = await self._post(trip.instance, inbound.path, inbound.body)
+            body = self.decider.admission.upstream_body(inbound, trip.plan.dc)
+            upstream = await self._post(trip.instance, inbound.path, body)
             if upstream.status >= 400:  # the instance refused the request itself: pass it on
                 try:
                     body = await upstream.read()

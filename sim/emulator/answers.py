@@ -56,6 +56,8 @@ class Call:
     tool: str | None = None
     reasoning: int = 0
     """Leading tokens of each choice that are reasoning."""
+    priority: int = 0
+    """vLLM's request ``priority`` (lower first), under ``--scheduling-policy priority``."""
     tool_call_id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
 
     @property

@@ -204,11 +204,20 @@ def _call(
         include_usage=body.include_usage,
         tool=tool,
         reasoning=answers.reasoning_tokens(budget, tool is not None) if reasoning else 0,
+        priority=_priority(body),
     )
 
 
+def _priority(body: ChatRequest | CompletionRequest | ResponsesRequest) -> int:
+    """vLLM's ``priority`` extension (default 0), or ApiError(400) for a non-integer."""
+    value = (body.model_extra or {}).get("priority", 0)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ApiError(400, "`priority` must be an integer.", param="priority")
+    return value
+
+
 def _submit(
-    instance: Instance, request_id: str, prompts: Sequence[Prompt], budget: int
+    instance: Instance, request_id: str, prompts: Sequence[Prompt], budget: int, priority: int = 0
 ) -> list[tuple[EngineSequence, Tokens]]:
     """One engine sequence per prompt; ApiError(400) if one can never fit (none is left
     queued then). Empty prompts never come here: the request types refuse them."""
@@ -219,7 +228,7 @@ def _submit(
         tokens = prompt_tokens(prompt)
         work = TraceRequest(f"{request_id}-{n}", driver.now(), tokens, budget, blocks)
         try:
-            submitted.append(driver.submit(work))
+            submitted.append(driver.submit(work, priority))
         except RequestTooLong as exc:
             for sequence, _ in submitted:
                 driver.cancel(sequence)
@@ -236,7 +245,7 @@ async def _generate(
     request: Request, instance: Instance, call: Call, prompts: Sequence[Prompt]
 ) -> Response:
     instance.check_model(call.model)
-    submitted = _submit(instance, call.request_id, prompts, call.budget)
+    submitted = _submit(instance, call.request_id, prompts, call.budget, call.priority)
     if call.stream:
         return StreamingResponse(
             _stream(instance.driver, submitted, call), media_type="text/event-stream"

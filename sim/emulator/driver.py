@@ -49,9 +49,12 @@ class EngineDriver:
         """Wall seconds the model's fixed API overhead on TTFT takes at this speed-up."""
         return self.engine.step_time.ttft_overhead_s / self.speedup
 
-    def submit(self, request: TraceRequest) -> tuple[Sequence, asyncio.Queue[int | None]]:
-        """Queue a request (RequestTooLong if it can never fit); returns its token stream."""
-        sequence = Sequence(request, self.now())
+    def submit(
+        self, request: TraceRequest, priority: int = 0
+    ) -> tuple[Sequence, asyncio.Queue[int | None]]:
+        """Queue a request (RequestTooLong if it can never fit); returns its token stream.
+        ``priority`` counts where the engine schedules by priority."""
+        sequence = Sequence(request, self.now(), priority=priority)
         self.engine.add(sequence)
         stream: asyncio.Queue[int | None] = asyncio.Queue()
         self._streams[sequence] = stream

@@ -19,6 +19,7 @@ from tests.gateway_harness import (
     Gateway,
     chat,
     chat_answer,
+    emulated,
     fleet_for,
     gateway,
     http_server,
@@ -172,3 +173,44 @@ async def test_a_gateway_that_stops_answers_its_held_requests_first(load: Load) 
     assert answer.status_code == 503
     assert "stopping" in answer.json()["error"]["message"]
     assert answer.headers["retry-after"] == "1"
+
+
+async def test_under_vllm_priority_the_gateway_sends_each_request_its_class_s_priority() -> None:
+    sent: list[object] = []
+
+    async def answer(request: Request) -> Response:
+        sent.append((await request.json()).get("priority"))
+        return chat_answer()
+
+    async def metrics(_: Request) -> Response:
+        return vllm_metrics(waiting=0, running=0)
+
+    instance = Starlette(
+        routes=[Route("/metrics", metrics), Route("/v1/chat/completions", answer, methods=["POST"])]
+    )
+    async with (
+        http_server(instance) as url,
+        gateway(fleet_for([url]), admission="vllm_priority") as front,
+        front.client() as http,
+    ):
+        for _ in range(100):
+            if (await http.get("/ready")).status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        for headers, body in (
+            ({}, chat("hi")),
+            (BATCH, chat("hi")),
+            ({}, chat("hi", priority=-5)),  # the client's own stays
+        ):
+            answer_ = await http.post("/v1/chat/completions", json=body, headers=headers)
+            assert answer_.status_code == 200
+    assert sent == [0, 2, -5]
+
+
+async def test_the_emulator_takes_vllm_s_priority_and_refuses_one_that_is_not_a_number() -> None:
+    async with emulated(1, speedup=10.0) as [instance], httpx.AsyncClient() as http:
+        url = f"{instance.url}/v1/chat/completions"
+        assert (await http.post(url, json=chat("hi", priority=3))).status_code == 200
+        refused = await http.post(url, json=chat("hi", priority="high"))
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "priority"

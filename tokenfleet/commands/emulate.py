@@ -54,10 +54,19 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         help="answer as a reasoning model served with a reasoning parser: the first half of "
         "each chat answer's tokens come as reasoning_content",
     )
+    emulate.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="as vLLM's: fcfs (default), or priority, where each request's `priority` "
+        "(lower first) orders the wait queue and picks whom KV pressure preempts",
+    )
     emulate.set_defaults(handler=_emulate)
 
 
 def _emulate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from sim.emulator.server import serve
     from sim.profiles import profile
 
@@ -65,9 +74,17 @@ def _emulate(args: argparse.Namespace) -> int:
         raise CliError("--instances must be at least 1 and --speedup positive")
     ports = [args.base_port + n for n in range(args.instances)]
 
+    chosen = profile(args.profile)
+    engine = replace(chosen.engine, scheduling_policy=args.scheduling_policy)
+
     async def run() -> None:
         emulated = serve(
-            profile(args.profile), args.model, ports, args.speedup, args.kv_events, args.reasoning
+            replace(chosen, engine=engine),
+            args.model,
+            ports,
+            args.speedup,
+            args.kv_events,
+            args.reasoning,
         )
         async with emulated as instances:
             for instance in instances:
