@@ -53,14 +53,19 @@ def bench_gateway(
     instances: int = 2,
     litellm: str | None = None,
 ) -> dict[str, Any]:
-    """Figures for our gateway (top-level keys), for a bare pass-through proxy on the same
-    stack (under ``bare_proxy``, ``tokenfleet.bare_proxy``: the floor under the gateway's cost)
+    """Figures for our gateway with SLOMax, its default (top-level keys), for the same
+    gateway admitting everything (under ``gateway_fcfs``: what admission costs), for a bare
+    pass-through proxy on the same stack (under ``bare_proxy``, ``tokenfleet.bare_proxy``:
+    the floor under the gateway's cost)
     and, with the path of LiteLLM's ``litellm`` command, for its proxy in front of the same
     instances (under ``litellm``)."""
     with tempfile.TemporaryDirectory() as home, contextlib.ExitStack() as stack:
         direct = stack.enter_context(_instances(Path(home), instances))
         fronts = {
-            "gateway": stack.enter_context(_gateway(Path(home), direct)),
+            "gateway": stack.enter_context(_gateway(Path(home), direct, "slomax", "gateway")),
+            "gateway_fcfs": stack.enter_context(
+                _gateway(Path(home), direct, "fcfs", "gateway_fcfs")
+            ),
             "bare_proxy": stack.enter_context(_bare_proxy(Path(home), direct)),
         }
         if litellm:
@@ -117,13 +122,14 @@ def _instances(home: Path, count: int) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def _gateway(home: Path, instances: list[str]) -> Iterator[str]:
+def _gateway(home: Path, instances: list[str], admission: str, name: str) -> Iterator[str]:
     fleet = home / "fleet.toml"
     fleet.write_text(_fleet_file(instances))
     port = free_port()
     argv = [*_CLI, "gateway", "--fleet", str(fleet), "--port", str(port)]
-    env = _environment() | {"TOKENFLEET_GATEWAY_NAME": "bench"}
-    with http_service(home / "gateway", argv, f"http://127.0.0.1:{port}", env=env) as url:
+    argv += ["--admission", admission]
+    env = _environment() | {"TOKENFLEET_GATEWAY_NAME": name}
+    with http_service(home / name, argv, f"http://127.0.0.1:{port}", env=env) as url:
         yield url
 
 
@@ -154,7 +160,7 @@ def _litellm(home: Path, command: str, instances: list[str]) -> Iterator[str]:
 
 
 _CLI = [sys.executable, "-m", "tokenfleet.cli"]
-_MEASURED_CPU = ("gateway", "bare_proxy")
+_MEASURED_CPU = ("gateway", "gateway_fcfs", "bare_proxy")
 """Fronts whose ``/metrics`` carry ``process_cpu_seconds_total``."""
 
 

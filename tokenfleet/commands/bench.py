@@ -49,7 +49,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         description="Starts emulated instances and a gateway as processes of their own, "
         "then measures added latency (P50, P99: through the gateway minus direct, requests "
         "alternating one at a time), the rate one gateway process sustains and its CPU per "
-        "request; the same for a bare pass-through proxy on the same stack, the floor.",
+        "request; the same for the gateway admitting everything (fcfs: what SLOMax costs) "
+        "and for a bare pass-through proxy on the same stack, the floor.",
     )
     gateway.add_argument("--requests", type=int, default=1000, help="latency samples each way")
     gateway.add_argument("--concurrency", type=int, default=32, help="clients in the rate run")
@@ -122,7 +123,11 @@ def _bench_gateway(args: argparse.Namespace) -> int:
         f"(direct: {figures['direct_rps']:.0f}); {figures['gateway_cpu_ms_per_request']:.2f} "
         "ms of CPU per request"
     )
-    for name, label in (("bare_proxy", "bare proxy"), ("litellm", "LiteLLM")):
+    for name, label in (
+        ("gateway_fcfs", "gateway without admission (fcfs)"),
+        ("bare_proxy", "bare proxy"),
+        ("litellm", "LiteLLM"),
+    ):
         if name in figures:
             other = figures[name]
             print(
