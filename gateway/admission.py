@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -24,12 +25,15 @@ from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.view import Verdict
 from control.pipeline import Outcome, Pipeline
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
+from control.routing.snapshot import BoolArray
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.objectives import Objectives
 from schemas.openai_api import ApiError
+
+log = logging.getLogger(__name__)
 
 Held = asyncio.Future["Outcome[Held]"]
 Key = tuple[str, str]
@@ -78,7 +82,7 @@ class GatewayAdmission:
         snapshot: FleetSnapshot,
         arrived: float,
         quotas: AdmissionQuotas | None,
-    ) -> Decision | Waiting:
+    ) -> Admitted | Waiting:
         """The router's decision for a request admission lets start now, or its place in
         its pool; ApiError(429, with ``Retry-After``) for one refused."""
         pipeline = self.pipeline(inbound.model.name, dc)
@@ -97,6 +101,8 @@ class GatewayAdmission:
         """The body to send the instance: as the client sent it, but where the engines
         schedule by priority (vLLM's ``--scheduling-policy priority``), with the class's
         ``priority`` unless the client set one."""
+        if inbound.by_load:  # never admitted: no pipeline of its own
+            return inbound.body
         admission = self.pipeline(inbound.model.name, dc).admission
         if admission.engine_scheduling != "priority":
             return inbound.body
@@ -121,7 +127,10 @@ class GatewayAdmission:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._capacity_freed.wait(), self.tick_s)
                 self._capacity_freed.clear()
-                await self.release_pass()
+                try:
+                    await self.release_pass()
+                except Exception:  # a bug in one pass must not leave every hold waiting
+                    log.exception("admission release pass failed")
         finally:
             self.answer_held(SHUTDOWN)
 
@@ -171,7 +180,7 @@ class Waiting:
     request_id: str
     answer: Held
 
-    async def decision(self) -> Decision:
+    async def decision(self) -> Admitted:
         """The router's decision once the pool lets the request go; ApiError(503) when it
         can no longer meet its objective. A client that leaves meanwhile leaves its pool."""
         try:
@@ -194,11 +203,20 @@ def _answer(outcome: Outcome[Held]) -> None:
         outcome.payload.set_result(outcome)
 
 
-def _routed(outcome: Outcome[Held], *, waited: bool) -> Decision:
+@dataclass(frozen=True)
+class Admitted:
+    """A request admission let start: the router's decision, and the instances admission
+    allowed (None: every ready one), which a decision made again must keep to."""
+
+    route: Decision
+    allowed: BoolArray | None
+
+
+def _routed(outcome: Outcome[Held], *, waited: bool) -> Admitted:
     if outcome.admission.verdict is Verdict.REJECT:
         raise _refusal(outcome, waited=waited)
     assert outcome.route is not None
-    return outcome.route
+    return Admitted(outcome.route, outcome.admission.allowed)
 
 
 def _refusal(outcome: Outcome[Held], *, waited: bool) -> ApiError:

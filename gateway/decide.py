@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from control.admission.registry import Admission
 from control.routing.registry import Router
-from control.routing.snapshot import Decision, FleetSnapshot, RouteRequest
+from control.routing.snapshot import BoolArray, Decision, FleetSnapshot, RouteRequest
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.tokens import BLOCK_TOKENS
 from gateway.admission import GatewayAdmission, Waiting
@@ -58,6 +58,8 @@ class Plan:
     """The shared state's version the decision was made on."""
     router: Router | None = None
     """The router that decided (told of the outcome); None for a pick by load."""
+    allowed: BoolArray | None = None
+    """The instances admission let it use (None: every ready one)."""
 
     def predicted_ttft_s(self, row: int) -> float | None:
         """The router's TTFT prediction for ``row``, if it makes one."""
@@ -136,7 +138,7 @@ class Decider:
         admitted = self.admission.arrive(inbound, dc, request, snapshot, arrived, quotas)
         if isinstance(admitted, Waiting):
             return self._plan_when_released(admitted, inbound, dc, pool, sampled, shared)
-        return self._plan(inbound, dc, pool, sampled, shared, admitted)
+        return self._plan(inbound, dc, pool, sampled, shared, admitted.route, admitted.allowed)
 
     async def _plan_when_released(
         self,
@@ -150,16 +152,19 @@ class Decider:
         """The plan of a held request once released (decided on the pool as it was then;
         the shared accounting it read on arrival is older, so its charge makes the router
         decide again on a fresh view)."""
-        decision = await waiting.decision()
-        return self._plan(inbound, dc, pool, sampled, shared, decision)
+        admitted = await waiting.decision()
+        return self._plan(inbound, dc, pool, sampled, shared, admitted.route, admitted.allowed)
 
-    async def route(self, inbound: Inbound, dc: str) -> Plan:
+    async def route(self, inbound: Inbound, dc: str, allowed: BoolArray | None = None) -> Plan:
         """Pick the instance again, on a fresh view, for a request already admitted;
         ApiError(503) when none of the pool is ready."""
         pool, sampled, shared, request = await self._prepare(inbound, dc)
         router = self.router(inbound.model.name, dc)
-        decision = router.route(request, self.view.snapshot(pool, shared), time.monotonic())
-        return self._plan(inbound, dc, pool, sampled, shared, decision)
+        snapshot = self.view.snapshot(pool, shared)
+        if allowed is not None:
+            snapshot = replace(snapshot, ready=snapshot.ready & allowed)
+        decision = router.route(request, snapshot, time.monotonic())
+        return self._plan(inbound, dc, pool, sampled, shared, decision, allowed)
 
     async def _prepare(
         self, inbound: Inbound, dc: str
@@ -188,6 +193,7 @@ class Decider:
         sampled: tuple[int, ...],
         shared: SharedView,
         decision: Decision,
+        allowed: BoolArray | None = None,
     ) -> Plan:
         if decision.chosen is None:
             raise _none_ready(pool)
@@ -198,7 +204,8 @@ class Decider:
         cached_tokens = min(cached_tokens, inbound.input_tokens)
         order = decision.ranked()
         router = self.router(inbound.model.name, dc)
-        return Plan(dc, pool, decision, order, cached_tokens, sampled, shared.version, router)
+        version = shared.version
+        return Plan(dc, pool, decision, order, cached_tokens, sampled, version, router, allowed)
 
     async def _pool_snapshot(self, model: str, dc: str) -> FleetSnapshot:
         pool = self.view.pool(model, dc)

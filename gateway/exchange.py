@@ -133,6 +133,8 @@ class Exchange:
         try:
             plan = await self._decide(inbound, dc, arrived, request)
         except ClientLeft:
+            if idempotency_key is not None:  # free for the client's retry
+                await self.state.release(idempotency_key)
             self.metrics.cancellations.inc()
             self.events.emit(
                 RequestCancelled(
@@ -187,7 +189,9 @@ class Exchange:
 
     def _ended(self, inbound: Inbound, dc: str, completed_tokens: int = 0) -> None:
         """Admission's books: the request left its instance (``completed_tokens`` of output
-        if it completed)."""
+        if it completed). A request routed by load was never admitted."""
+        if inbound.by_load:
+            return
         self.decider.admission.finished(
             inbound.model.name, dc, inbound.request_id, completed_tokens
         )
@@ -213,7 +217,7 @@ class Exchange:
             assert forgetful is not None  # only the last try writes unconditionally
             self.metrics.replans.inc()
             forgetful.withdraw(inbound.request_id)
-            plan = await self.decider.route(inbound, plan.dc)
+            plan = await self.decider.route(inbound, plan.dc, plan.allowed)
         return plan
 
     async def _charge(

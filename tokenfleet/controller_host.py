@@ -94,7 +94,9 @@ class QuotaHost:
             self._published.get(message.scope)
         ):
             self._published[message.scope] = message
-            self._changed.setdefault(message.scope, message)
+            changed = self._changed.get(message.scope)
+            if changed is None or changed.quotas != message.quotas:  # a change, not a renewal
+                self._changed[message.scope] = message
 
     def _next(
         self, dc: str, goodput: GoodputTable, capacity: CapacityTable, now: float

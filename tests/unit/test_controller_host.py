@@ -83,3 +83,24 @@ async def test_a_restarted_controller_continues_from_the_published_quotas() -> N
     [lowered] = await restarted.reconcile()
     assert lowered.version == first.version + 1
     assert long_documents(lowered) < long_documents(first)  # from where it stood
+
+
+async def test_a_restart_after_renewals_continues_from_the_last_change_not_the_first() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    host = QuotaHost(bus, renew_s=20.0, clock=clock)
+    feed(host, chats_met=96, documents_refused=0, now=60.0)
+    [first] = await host.reconcile()  # 8
+    clock.now = 75.0
+    feed(host, chats_met=50, documents_refused=0, now=75.0)
+    [lowered] = await host.reconcile()  # 6
+    clock.now = 100.0
+    feed(host, chats_met=96, documents_refused=0, now=100.0)
+    [renewed] = await host.reconcile()
+    assert (long_documents(first), long_documents(lowered), long_documents(renewed)) == (8, 6, 6)
+    restarted = QuotaHost(bus, clock=clock)
+    for quotas in await published(bus):
+        restarted.apply(quotas)
+    clock.now = 105.0  # 30 s after the change: a fall may come, from 6
+    feed(restarted, chats_met=50, documents_refused=0, now=105.0)
+    [next_] = await restarted.reconcile()
+    assert (next_.version, long_documents(next_)) == (4, 4)
