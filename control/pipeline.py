@@ -13,9 +13,8 @@ import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Generic, TypeVar, cast
-
-import numpy as np
 
 from control.admission.pools import ClassPools, Waiting
 from control.admission.registry import Admission
@@ -182,7 +181,7 @@ class Pipeline(Generic[Payload]):
             self.inflight,
             self.quotas,
             self._current_usage(now),
-            np.fromiter(self._first_tokens.values(), np.float64, len(self._first_tokens)),
+            MappingProxyType(self._first_tokens),
             objectives=self.objectives,
         )
         return self.admission.decide(request, view, held=held)

@@ -280,7 +280,7 @@ class MooncakeEarlyReject:
         fleet = view.fleet
         ready = max(int(fleet.ready.sum()), 1)
         leaving = decode_start_s - self.params.decode_time_s
-        staying = int(np.count_nonzero(view.decoding_since_s > leaving))
+        staying = int(np.count_nonzero(view.decoding_since_s() > leaving))
         decoders = view.awaiting_first_token() + staying + 1
         per_instance = -(-decoders // ready)
         running = max(int(fleet.running[fleet.ready].sum()), 1)

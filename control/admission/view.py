@@ -96,15 +96,21 @@ class AdmissionView:
     """The latest quota of each class that has one (the controller's, or configuration)."""
     usage: Mapping[TaskClass, Usage] = field(default_factory=dict)
     """Each class's usage in the current window (``USAGE_WINDOW_S``)."""
-    decoding_since_s: FloatArray = field(default_factory=lambda: np.zeros(0))
-    """When each request in flight that has its first token got it, oldest first."""
+    first_tokens: Mapping[str, float] = field(default_factory=dict)
+    """When each request in flight that has its first token got it, by request id (the
+    host's own record, read only: a policy that wants it as an array builds one)."""
     objectives: Mapping[TaskClass, ClassObjective] = field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES)
     )
 
     def awaiting_first_token(self) -> int:
         """Requests in flight still in their queue or prefill."""
-        return sum(self.inflight.values()) - len(self.decoding_since_s)
+        return sum(self.inflight.values()) - len(self.first_tokens)
+
+    def decoding_since_s(self) -> FloatArray:
+        """When each request in flight that has its first token got it."""
+        times = self.first_tokens.values()
+        return np.fromiter(times, np.float64, len(self.first_tokens))
 
     def objective(self, request: AdmissionRequest) -> ClassObjective:
         """What ``request`` is held to: its tenant's objective, else its class's."""

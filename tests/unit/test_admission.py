@@ -344,8 +344,8 @@ def test_mooncake_refuses_what_would_meet_a_decode_batch_too_slow_for_its_tbt_li
     )
     conductor = MooncakeEarlyReject(PoolModel(steps), MooncakeParams(decode_time_s=10.0))
     # two instances; seven requests in flight, three decoding since 0, 5 and 12 s
-    since = np.array([0.0, 5.0, 12.0])
-    state = {"inflight": {CHAT: 7}, "decoding_since_s": since}
+    since = {"a": 0.0, "b": 5.0, "c": 12.0}
+    state = {"inflight": {CHAT: 7}, "first_tokens": since}
     # starting to decode at 20 s: 4 still prefilling, 1 decoding (since 12 s), itself:
     # 6 over two instances, 3 each: 0.04 s a token
     ok = view(now=15.0, predicted=(5.0, 6.0), **state)
@@ -353,6 +353,6 @@ def test_mooncake_refuses_what_would_meet_a_decode_batch_too_slow_for_its_tbt_li
     assert conductor.decide(request(DOC), ok).verdict is Verdict.DISPATCH
     late = view(now=15.0, predicted=(35.0, 40.0), **state)  # past the document's 30 s
     assert conductor.decide(request(DOC), late).reason == "predicted_ttft"
-    crowded = view(now=15.0, predicted=(5.0, 6.0), inflight={CHAT: 22}, decoding_since_s=since)
+    crowded = view(now=15.0, predicted=(5.0, 6.0), inflight={CHAT: 22}, first_tokens=since)
     # 19 prefilling + 1 + itself = 21, 11 each: 0.12 s a token, over the 0.1 s limit
     assert conductor.decide(request(BATCH), crowded).reason == "predicted_tbt"
