@@ -78,6 +78,20 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         yield service
 
 
+@contextlib.contextmanager
+def own_broker_for_module(home: Path) -> Iterator[Service]:
+    """A broker for one test module alone (unless the environment gives one), its topics
+    created: for modules whose worker reads every input topic from its start, where the
+    other tests' events would only slow it down."""
+    with contextlib.ExitStack() as stack:
+        try:
+            service = stack.enter_context(kafka_service(home))
+        except Exception as exc:
+            unavailable(exc)
+        run_in_thread(create_topics(service.address))
+        yield service
+
+
 async def read_for(bus: EventBus, topic: str, seconds: float) -> list[object]:
     """The payloads on ``topic`` from its start that arrive within ``seconds``."""
     out: list[object] = []

@@ -27,9 +27,9 @@ from starlette.routing import Route
 from control.controllers.slomax import QuotaController, QuotaControllerParams, long_documents
 from schemas.control import AdmissionQuotas
 from streams.collector import Collector
-from streams.kafka import KafkaBus, create_topics
+from streams.kafka import KafkaBus
 from streams.tables.windows import WindowSpec
-from tests.conftest import read_for, run_in_thread, unavailable
+from tests.conftest import own_broker_for_module, read_for
 from tests.gateway_harness import (
     KEY,
     Gateway,
@@ -41,7 +41,7 @@ from tests.gateway_harness import (
     vllm_metrics,
 )
 from tests.integration.test_tables_on_kafka import worker
-from tests.services import Service, kafka_service
+from tests.services import Service
 from tokenfleet.controller_host import QUOTAS_TOPIC, QuotaHost
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
@@ -65,12 +65,7 @@ FLOOD_FROM_S, FLOOD_UNTIL_S = 5.0, 45.0
 @pytest.fixture(scope="module")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     """A broker of this module's own: the worker reads its input topics from the start."""
-    with contextlib.ExitStack() as stack:
-        try:
-            service = stack.enter_context(kafka_service(tmp_path_factory.mktemp("loop")))
-        except Exception as exc:
-            unavailable(exc)
-        run_in_thread(create_topics(service.address))
+    with own_broker_for_module(tmp_path_factory.mktemp("loop")) as service:
         yield service
 
 

@@ -34,24 +34,17 @@ from streams.kafka import KafkaBus, create_topics
 from streams.settings import WorkerSettings
 from streams.tables.builder import TableBuilder
 from streams.tables.windows import WindowSpec
-from tests.conftest import run_in_thread, unavailable
+from tests.conftest import own_broker_for_module
 from tests.gateway_harness import fleet_for
-from tests.services import Service, kafka_service
+from tests.services import Service
 
 pytestmark = pytest.mark.kafka
 
 
 @pytest.fixture(scope="module")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    """A broker of this module's own (unless one is given by the environment): a new
-    worker reads every input topic from its start, and the other tests' events there
-    would only slow it down."""
-    with contextlib.ExitStack() as stack:
-        try:
-            service = stack.enter_context(kafka_service(tmp_path_factory.mktemp("tables")))
-        except Exception as exc:
-            unavailable(exc)
-        run_in_thread(create_topics(service.address))
+    """A broker of this module's own: a new worker reads every input topic from its start."""
+    with own_broker_for_module(tmp_path_factory.mktemp("tables")) as service:
         yield service
 
 
