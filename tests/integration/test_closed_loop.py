@@ -161,7 +161,9 @@ async def _traffic(front: Gateway) -> list[Chat]:
     """Chats all along; long documents flooding in between ``FLOOD_FROM_S`` and
     ``FLOOD_UNTIL_S``. The chats' outcomes, as their clients saw them."""
     start = time.monotonic()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
+    # a fresh connection per request: reusing one the server is closing for idleness
+    # fails the request with a ReadError (uvicorn closes idle connections after 5 s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     headers = {"authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(
         base_url=front.url, headers=headers, timeout=120, limits=limits
