@@ -52,10 +52,10 @@ CHAT_S, CHAT_S_PER_DOCUMENT = 0.05, 0.6
 """A chat's time on an instance: 50 ms, and 0.6 s more for each long document there.
 Four documents on an instance make a chat miss its objective; three do not."""
 DOCUMENT_S = 1.5
-CHAT_EVERY_S, DOCUMENT_EVERY_S = 0.05, 0.2
-"""Twenty chats a second all along; five documents a second during the flood, which at
-1.5 s each would keep 7.5 in flight: under SLOMax's starting limit of four per instance,
-all of them."""
+CHAT_EVERY_S, DOCUMENT_EVERY_S = 0.05, 0.1
+"""Twenty chats a second all along; ten documents a second during the flood, which at
+1.5 s each would keep 15 in flight: more than SLOMax's starting limit of four per
+instance, so until the controller acts every instance runs four and its chats miss."""
 DOCUMENT = "a long document"
 """What the instances tell documents from chats by (the class header stays at the gateway)."""
 RUN_S = 50.0
