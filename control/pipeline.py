@@ -16,13 +16,14 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Generic, TypeVar, cast
 
-from control.admission.pools import ClassPools, Waiting
+from control.admission.pools import ClassPools, Waiting, order_key
 from control.admission.registry import Admission
 from control.admission.request import AdmissionRequest
 from control.admission.view import (
     USAGE_WINDOW_S,
     AdmissionDecision,
     AdmissionView,
+    PoolState,
     Usage,
     Verdict,
 )
@@ -54,6 +55,32 @@ class Outcome(Generic[Payload]):
         return None if self.route is None else self.route.chosen
 
 
+@dataclass(frozen=True)
+class ClassLoad:
+    """One class's load on one host of a pool that several hosts share (gateway replicas
+    side by side): what the others count in, so that ceilings and pool order hold across
+    all of them."""
+
+    inflight: int = 0
+    decoding: int = 0
+    """Of those in flight, the ones that have their first token."""
+    held: int = 0
+    drained_per_s: float = 0.0
+    head_key: float | None = None
+    """Where the host's first held request stands in the pool's order (``order_key``, on
+    the reader's clock); None when it holds none."""
+
+    def __add__(self, other: ClassLoad) -> ClassLoad:
+        heads = [k for k in (self.head_key, other.head_key) if k is not None]
+        return ClassLoad(
+            self.inflight + other.inflight,
+            self.decoding + other.decoding,
+            self.held + other.held,
+            self.drained_per_s + other.drained_per_s,
+            min(heads) if heads else None,
+        )
+
+
 @dataclass
 class _Held(Generic[Payload]):
     route: RouteRequest
@@ -69,6 +96,10 @@ class Pipeline(Generic[Payload]):
     )
     quotas: Mapping[TaskClass, ClassQuota] = field(default_factory=dict)
     """The latest quota per class; the host replaces it when the controller publishes."""
+    peers: Mapping[TaskClass, ClassLoad] = field(default_factory=dict)
+    """The other hosts' load on the same pool, summed (none: this host is alone); the host
+    replaces it as it hears from them. Admission counts it in, and a held request waits
+    while a peer holds one of its class that stands before it."""
     pools: ClassPools[_Held[Payload]] = field(default_factory=ClassPools)
     inflight: Counter[TaskClass] = field(default_factory=Counter)
     usage: dict[TaskClass, Usage] = field(default_factory=dict)
@@ -108,6 +139,8 @@ class Pipeline(Generic[Payload]):
         budget = self._release_budget(now)
         for task_class in RELEASE_ORDER:
             while budget > 0 and (head := self.pools.head(task_class)) is not None:
+                if self._peer_first(head.request):
+                    break
                 budget -= 1
                 snapshot = fleet()
                 held = head.payload
@@ -122,6 +155,27 @@ class Pipeline(Generic[Payload]):
                     self._dispatch(head.request, held.route, held.payload, decision, snapshot, now)
                 )
         return outcomes
+
+    def load(self, now: float) -> dict[TaskClass, ClassLoad]:
+        """This host's load, per class, for the other hosts of the pool."""
+        loads = {}
+        decoding = Counter(self._classes[r] for r in self._first_tokens)
+        for task_class in TaskClass:
+            pool = self.pools.state(task_class, now)
+            head = self.pools.head(task_class)
+            loads[task_class] = ClassLoad(
+                self.inflight[task_class],
+                decoding[task_class],
+                pool.depth,
+                pool.drained_per_s,
+                None if head is None else order_key(head.request),
+            )
+        return loads
+
+    def _peer_first(self, request: AdmissionRequest) -> bool:
+        """Whether a peer holds a request of the class that stands before ``request``."""
+        peer = self.peers.get(request.task_class)
+        return peer is not None and peer.head_key is not None and peer.head_key < order_key(request)
 
     def drain(self, reason: str) -> list[Outcome[Payload]]:
         """Answer every held request now (rejected with ``reason``): the host is stopping,
@@ -177,14 +231,27 @@ class Pipeline(Generic[Payload]):
             now,
             fleet,
             predicted,
-            {c: self.pools.state(c, now) for c in TaskClass},
-            self.inflight,
+            {c: self._pool_state(c, now) for c in TaskClass},
+            self._inflight(),
             self.quotas,
             self._current_usage(now),
             MappingProxyType(self._first_tokens),
+            sum(p.decoding for p in self.peers.values()),
             objectives=self.objectives,
         )
         return self.admission.decide(request, view, held=held)
+
+    def _inflight(self) -> Counter[TaskClass]:
+        """Each class's requests in flight from every host of the pool."""
+        if not self.peers:
+            return self.inflight
+        return self.inflight + Counter({c: p.inflight for c, p in self.peers.items()})
+
+    def _pool_state(self, task_class: TaskClass, now: float) -> PoolState:
+        """The class's pool as all its hosts hold it."""
+        own = self.pools.state(task_class, now)
+        peer = self.peers.get(task_class, ClassLoad())
+        return PoolState(own.depth + peer.held, own.drained_per_s + peer.drained_per_s)
 
     def _current_usage(self, now: float) -> dict[TaskClass, Usage]:
         """The window's counts, empty once it has closed (the next count opens a new one)."""

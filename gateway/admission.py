@@ -7,7 +7,18 @@ gateway stops (503: a held request is always answered). Release passes run after
 first token and end, when capacity frees, and every ``tick_s`` besides (holds that run
 out, policies that pace their releases). One pass decides against one snapshot of the
 pool: the router's own count of what it sent keeps a pass's dispatches apart, as it does
-a burst's arrivals.
+a burst's arrivals. Arrivals that start or join a pool wake the loop too, so that other
+replicas hear of them.
+
+Replicas side by side share their pools through the shared state: before each pass a
+replica publishes its load per pool and class (requests in flight, held, how fast its pool
+drains, where its first held request stands) and reads the others'
+(``SharedState.admission_loads``: a Redis round trip per pass, off the request's path).
+Class ceilings then count every replica's requests, arrivals queue behind any replica's
+held ones, and a held request waits while another replica holds one of its class from
+before it, so the pools drain in one order. What a replica reads is as old as the other's
+last pass and a round trip. A replica that dies stops counting within the shared state's
+time to live, and its held clients lose their connection with it.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from dataclasses import dataclass
 from control.admission.registry import Admission
 from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.view import Verdict
-from control.pipeline import Outcome, Pipeline
+from control.pipeline import ClassLoad, Outcome, Pipeline
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
 from control.routing.snapshot import BoolArray
 from gateway.inbound import Inbound
@@ -53,24 +64,33 @@ class GatewayAdmission:
         snapshot_for: Callable[[str, str], Awaitable[FleetSnapshot]],
         objectives: Objectives,
         metrics: GatewayMetrics,
+        loads: Callable[[str], Awaitable[list[str]]],
         tick_s: float = 0.05,
     ) -> None:
-        """``snapshot_for(model, dc)``: the pool's snapshot now, for a release pass."""
+        """``snapshot_for(model, dc)``: the pool's snapshot now, for a release pass;
+        ``loads``: publish this replica's admission load, read the others'
+        (``SharedState.admission_loads``)."""
         self._make_admission = make_admission
         self._router_for = router_for
         self._snapshot_for = snapshot_for
         self.objectives = objectives
         self.metrics = metrics
         self.tick_s = tick_s
+        self._loads = loads
         self._pipelines: dict[Key, Pipeline[Held]] = {}
-        self._capacity_freed = asyncio.Event()
+        self._peers: dict[str, dict[TaskClass, ClassLoad]] = {}
+        """The other replicas' load, by pool (``_pool_name``)."""
+        self._changed = asyncio.Event()
         self._closing = False
 
     def pipeline(self, model: str, dc: str) -> Pipeline[Held]:
         key = (model, dc)
         if key not in self._pipelines:
             self._pipelines[key] = Pipeline(
-                self._make_admission(model), self._router_for(model, dc), self.objectives.classes
+                self._make_admission(model),
+                self._router_for(model, dc),
+                self.objectives.classes,
+                peers=self._peers.get(_pool_name(key), {}),
             )
         return self._pipelines[key]
 
@@ -91,6 +111,8 @@ class GatewayAdmission:
         request = _admitting(inbound, arrived, self.objectives)
         outcome = pipeline.arrive(request, route, answer, snapshot, time.monotonic())
         self._count(outcome, inbound.model.name, dc)
+        if outcome.admission.verdict is not Verdict.REJECT:
+            self._changed.set()  # the other replicas hear of it at once
         if outcome.admission.verdict is Verdict.HOLD:
             if self._closing:
                 self.answer_held(SHUTDOWN)
@@ -112,23 +134,25 @@ class GatewayAdmission:
 
     def first_token(self, model: str, dc: str, request_id: str) -> None:
         self.pipeline(model, dc).first_token(request_id, time.monotonic())
-        self._capacity_freed.set()
+        self._changed.set()
 
     def finished(self, model: str, dc: str, request_id: str, completed_tokens: int = 0) -> None:
         self.pipeline(model, dc).finished(
             request_id, time.monotonic(), completed_tokens=completed_tokens
         )
-        self._capacity_freed.set()
+        self._changed.set()
 
     async def run(self) -> None:
         """Release passes until cancelled; every held request is answered on the way out."""
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._capacity_freed.wait(), self.tick_s)
-                self._capacity_freed.clear()
+                    await asyncio.wait_for(self._changed.wait(), self.tick_s)
+                self._changed.clear()
                 try:
-                    await self.release_pass()
+                    await self.share_loads()
+                    if await self.release_pass():
+                        await self.share_loads()
                 except Exception:  # a bug in one pass must not leave every hold waiting
                     log.exception("admission release pass failed")
         finally:
@@ -139,8 +163,10 @@ class GatewayAdmission:
         self._closing = True
         self.answer_held(SHUTDOWN)
 
-    async def release_pass(self) -> None:
-        """Offer each pipeline's pools the capacity there is now."""
+    async def release_pass(self) -> int:
+        """Offer each pipeline's pools the capacity there is now; how many held requests
+        it answered."""
+        answered = 0
         for (model, dc), pipeline in list(self._pipelines.items()):
             if not len(pipeline.pools):
                 continue
@@ -148,6 +174,25 @@ class GatewayAdmission:
             for outcome in pipeline.release(_always(snapshot), time.monotonic()):
                 self._count(outcome, model, dc)
                 _answer(outcome)
+                answered += 1
+        return answered
+
+    async def share_loads(self) -> None:
+        """Publish this replica's load on each pool, and take in the other replicas' (on
+        pools this replica has not served yet too, for its first request there)."""
+        now, wall = time.monotonic(), time.time()
+        own = {
+            _pool_name(key): _encoded(pipeline.load(now), wall - now)
+            for key, pipeline in self._pipelines.items()
+        }
+        others = [json.loads(load) for load in await self._loads(json.dumps(own))]
+        names = {name for other in others for name in other}
+        self._peers = {
+            name: _summed([_decoded(o[name], now - wall) for o in others if name in o])
+            for name in names
+        }
+        for key, pipeline in self._pipelines.items():
+            pipeline.peers = self._peers.get(_pool_name(key), {})
 
     def answer_held(self, reason: str) -> None:
         """Refuse every held request now (the gateway is stopping)."""
@@ -192,6 +237,43 @@ class Waiting:
             self.host.pool_depths(self.model, self.dc)
             raise
         return _routed(outcome, waited=True)
+
+
+def _encoded(loads: dict[TaskClass, ClassLoad], to_wall_s: float) -> dict[str, list[float | None]]:
+    """A pipeline's load as JSON, its pool order on the wall clock (every replica's
+    monotonic clock starts elsewhere)."""
+    return {
+        c.value: [
+            load.inflight,
+            load.decoding,
+            load.held,
+            load.drained_per_s,
+            None if load.head_key is None else load.head_key + to_wall_s,
+        ]
+        for c, load in loads.items()
+    }
+
+
+def _decoded(encoded: dict[str, list[float | None]], to_own_s: float) -> dict[TaskClass, ClassLoad]:
+    loads = {}
+    for name, (inflight, decoding, held, drained, head) in encoded.items():
+        loads[TaskClass(name)] = ClassLoad(
+            int(inflight or 0),
+            int(decoding or 0),
+            int(held or 0),
+            float(drained or 0.0),
+            None if head is None else head + to_own_s,
+        )
+    return loads
+
+
+def _pool_name(key: Key) -> str:
+    model, dc = key
+    return f"{model}/{dc}"
+
+
+def _summed(peers: list[dict[TaskClass, ClassLoad]]) -> dict[TaskClass, ClassLoad]:
+    return {c: sum((p.get(c, ClassLoad()) for p in peers), ClassLoad()) for c in TaskClass}
 
 
 def _always(snapshot: FleetSnapshot) -> Callable[[], FleetSnapshot]:

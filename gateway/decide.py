@@ -88,7 +88,12 @@ class Decider:
         self._routers: dict[tuple[str, str], Router] = {}
         self._turn = 0
         self.admission = GatewayAdmission(
-            make_admission, self.router, self._pool_snapshot, objectives, metrics
+            make_admission,
+            self.router,
+            self._pool_snapshot,
+            objectives,
+            metrics,
+            state.admission_loads,
         )
 
     async def take_quota(self, inbound: Inbound) -> None:

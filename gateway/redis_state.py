@@ -12,7 +12,9 @@ Keys, all under a prefix (default ``tf:``):
   lowest scores are the least recently used;
 - ``bucket:<name>``: a token bucket's level and last refill (Redis server time, so every
   gateway refills on the same clock);
-- ``idem:<key>``: ``pending`` or a JSON outcome, with the key's time to live.
+- ``idem:<key>``: ``pending`` or a JSON outcome, with the key's time to live;
+- ``load:<replica>``: the replica's admission load (JSON) with a short time to live, and
+  ``loads``, a sorted set of replicas scored by when theirs expires.
 
 Block hashes travel as decimal strings; Lua never does arithmetic on them.
 """
@@ -178,6 +180,25 @@ return tostring(wait)
 """
 
 
+_LOADS = (
+    _NOW
+    + """
+local p, r, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+redis.call('SET', p .. 'load:' .. r, ARGV[4], 'PX', math.ceil(ttl * 1000))
+redis.call('ZADD', p .. 'loads', now + ttl, r)
+redis.call('ZREMRANGEBYSCORE', p .. 'loads', '-inf', now)
+local others = {}
+for _, other in ipairs(redis.call('ZRANGEBYSCORE', p .. 'loads', now, '+inf')) do
+  if other ~= r then
+    local load = redis.call('GET', p .. 'load:' .. other)
+    if load then others[#others + 1] = load end
+  end
+end
+return others
+"""
+)
+
+
 class _ShareGate:
     """Writes to a replica's share run together; a rewrite of the share runs alone.
 
@@ -228,11 +249,17 @@ class RedisState:
         replica: str | None = None,
         share_ttl_s: float = 10.0,
         own: Accounting | None = None,
+        load_ttl_s: float = 2.0,
     ) -> None:
+        """``load_ttl_s``: how long a replica's admission load counts after it last
+        published it. Replicas publish theirs every admission tick (50 ms), so two seconds
+        ride out a stalled event loop, and a replica that died stops holding the others'
+        pools back within them."""
         self.url = url
         self.prefix = prefix
         self.replica = replica or uuid.uuid4().hex
         self.share_ttl_s = share_ttl_s
+        self.load_ttl_s = load_ttl_s
         self._own = own or Accounting()
         self._gate = _ShareGate()
         # More calls at once than connections wait for one (up to the timeout): the
@@ -252,6 +279,7 @@ class RedisState:
         self._evicted = self._redis.register_script(_EVICTED)
         self._cleared = self._redis.register_script(_CLEARED)
         self._take = self._redis.register_script(_TAKE)
+        self._loads = self._redis.register_script(_LOADS)
 
     async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
         sums, matched, version = await self._view(
@@ -344,6 +372,10 @@ class RedisState:
     async def release(self, key: str) -> None:
         await self._redis.delete(f"{self.prefix}idem:{key}")
 
+    async def admission_loads(self, own: str) -> list[str]:
+        others = await self._loads(args=[self.prefix, self.replica, self.load_ttl_s, own])
+        return [o.decode() for o in others]
+
     async def close(self) -> None:
         await self._redis.aclose()
 
@@ -430,6 +462,9 @@ class FallbackState:
 
     async def release(self, key: str) -> None:
         await self._run("release", key)
+
+    async def admission_loads(self, own: str) -> list[str]:
+        return cast(list[str], await self._run("admission_loads", own))
 
     async def close(self) -> None:
         await self.primary.close()

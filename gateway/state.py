@@ -11,7 +11,9 @@ What is shared:
 - **the approximate prefix index**: which instance was sent which prefix blocks, each
   instance's entries forgotten least-recently-used first beyond its KV capacity;
 - **admission token buckets**, one per quota;
-- **idempotency keys**: a client's ``Idempotency-Key`` and the outcome it got.
+- **idempotency keys**: a client's ``Idempotency-Key`` and the outcome it got;
+- **admission load**: each replica's requests in flight and held per class pool, so that
+  class ceilings and pool order hold across replicas (``gateway.admission``).
 """
 
 from __future__ import annotations
@@ -103,6 +105,11 @@ class SharedState(Protocol):
 
     async def release(self, key: str) -> None:
         """Give a claimed key up (the request failed), so that a retry runs."""
+        ...
+
+    async def admission_loads(self, own: str) -> list[str]:
+        """Publish this replica's admission load (JSON, ``gateway.admission``) and read
+        the other live replicas'; none where nothing is shared."""
         ...
 
     async def close(self) -> None: ...
@@ -205,6 +212,9 @@ class LocalState:
 
     async def release(self, key: str) -> None:
         self._keys.pop(key, None)
+
+    async def admission_loads(self, own: str) -> list[str]:
+        return []
 
     async def close(self) -> None:
         return None

@@ -102,6 +102,16 @@ async def scraped(url: str, name: str, **labels: str) -> float:
     )
 
 
+async def until_ready(front: Gateway, timeout_s: float = 20.0) -> None:
+    """Until the gateway's first scrapes have made its instances ready."""
+    async with front.client() as http:
+        for _ in range(int(timeout_s / 0.05)):
+            if (await http.get("/ready")).status_code == 200:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError("the gateway never saw its instances ready")
+
+
 def chat(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
     return {
         "model": MODEL,

@@ -276,11 +276,13 @@ class MooncakeEarlyReject:
         """The time per output token of the batch this request would join at
         ``decode_start_s``: the requests still prefilling (done by then), those decoding
         that have not yet used up ``decode_time_s``, and itself, spread over the ready
-        instances."""
+        instances. Another host's decoding requests, whose start it does not know, count
+        as staying."""
         fleet = view.fleet
         ready = max(int(fleet.ready.sum()), 1)
         leaving = decode_start_s - self.params.decode_time_s
         staying = int(np.count_nonzero(view.decoding_since_s() > leaving))
+        staying += view.decoding_elsewhere
         decoders = view.awaiting_first_token() + staying + 1
         per_instance = -(-decoders // ready)
         running = max(int(fleet.running[fleet.ready].sum()), 1)

@@ -20,6 +20,14 @@ DRAIN_WINDOW_S = 30.0
 pool that drains slowly, short enough to follow a load change within a minute."""
 
 
+def order_key(request: AdmissionRequest) -> float:
+    """Where a request stands in its class's pool, lowest first: its arrival, or for batch
+    work with a deadline, the deadline."""
+    if request.task_class is TaskClass.BATCH and request.deadline_s is not None:
+        return request.deadline_s
+    return request.arrival_s
+
+
 @dataclass
 class Waiting(Generic[Payload]):
     """A held request, what the host needs to dispatch it later, and until when it waits."""
@@ -53,14 +61,11 @@ class ClassPools(Generic[Payload]):
 
     def hold(self, waiting: Waiting[Payload]) -> None:
         request = waiting.request
-        key = request.arrival_s
-        if request.task_class is TaskClass.BATCH and request.deadline_s is not None:
-            key = request.deadline_s
         self._order += 1
         self._live[self._order] = waiting
         self._orders[request.request_id] = self._order
         self._depth[request.task_class] += 1
-        heapq.heappush(self._heaps[request.task_class], (key, self._order))
+        heapq.heappush(self._heaps[request.task_class], (order_key(request), self._order))
         if waiting.hold_until_s != float("inf"):
             heapq.heappush(self._ends, (waiting.hold_until_s, self._order))
 

@@ -91,7 +91,7 @@ class AdmissionView:
     none, and no decision rests on a prediction)."""
     pools: Mapping[TaskClass, PoolState] = field(default_factory=dict)
     inflight: Mapping[TaskClass, int] = field(default_factory=dict)
-    """Requests of each class dispatched and not yet finished."""
+    """Requests of each class dispatched and not yet finished, by every host of the pool."""
     quotas: Mapping[TaskClass, ClassQuota] = field(default_factory=dict)
     """The latest quota of each class that has one (the controller's, or configuration)."""
     usage: Mapping[TaskClass, Usage] = field(default_factory=dict)
@@ -99,13 +99,16 @@ class AdmissionView:
     first_tokens: Mapping[str, float] = field(default_factory=dict)
     """When each request in flight that has its first token got it, by request id (the
     host's own record, read only: a policy that wants it as an array builds one)."""
+    decoding_elsewhere: int = 0
+    """Requests in flight from the pool's other hosts that have their first token (when,
+    this host does not know)."""
     objectives: Mapping[TaskClass, ClassObjective] = field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES)
     )
 
     def awaiting_first_token(self) -> int:
         """Requests in flight still in their queue or prefill."""
-        return sum(self.inflight.values()) - len(self.first_tokens)
+        return sum(self.inflight.values()) - len(self.first_tokens) - self.decoding_elsewhere
 
     def decoding_since_s(self) -> FloatArray:
         """When each request in flight that has its first token got it."""

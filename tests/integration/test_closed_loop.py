@@ -38,6 +38,7 @@ from tests.gateway_harness import (
     fleet_for,
     gateway,
     http_server,
+    until_ready,
     vllm_metrics,
 )
 from tests.integration.test_tables_on_kafka import worker
@@ -121,7 +122,7 @@ async def test_a_flood_of_long_documents_lowers_their_ceiling_and_chats_recover(
             Collector(fleet.instances, bus, scraper).run(),
             QuotaHost(bus, QuotaController(params), period_s=1.0).run(),
         ):
-            await _ready(front)
+            await until_ready(front)
             chats = await _traffic(front)
         published = [
             q for q in await read_for(bus, QUOTAS_TOPIC, 3.0) if isinstance(q, AdmissionQuotas)
@@ -146,15 +147,6 @@ async def _running(*loops: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _ready(front: Gateway) -> None:
-    async with front.client() as http:
-        for _ in range(200):
-            if (await http.get("/ready")).status_code == 200:
-                return
-            await asyncio.sleep(0.1)
-    raise AssertionError("the gateway never saw its instances ready")
 
 
 async def _traffic(front: Gateway) -> list[Chat]:

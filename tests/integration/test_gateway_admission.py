@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -24,8 +25,10 @@ from tests.gateway_harness import (
     gateway,
     http_server,
     scraped,
+    until_ready,
     vllm_metrics,
 )
+from tests.services import Service
 
 BATCH = {"x-tokenfleet-class": "batch", "x-tokenfleet-deadline-s": "60"}
 
@@ -62,11 +65,7 @@ async def scripted_fleet(load: Load) -> AsyncIterator[Gateway]:
     async with contextlib.AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(http_server(scripted(load))) for _ in range(2)]
         running = await stack.enter_async_context(gateway(fleet_for(urls), admission="slomax"))
-        async with running.client() as http:  # the first scrape makes the instances ready
-            for _ in range(100):
-                if (await http.get("/ready")).status_code == 200:
-                    break
-                await asyncio.sleep(0.05)
+        await until_ready(running)
         yield running
 
 
@@ -193,10 +192,7 @@ async def test_under_vllm_priority_the_gateway_sends_each_request_its_class_s_pr
         gateway(fleet_for([url]), admission="vllm_priority") as front,
         front.client() as http,
     ):
-        for _ in range(100):
-            if (await http.get("/ready")).status_code == 200:
-                break
-            await asyncio.sleep(0.05)
+        await until_ready(front)
         for headers, body in (
             ({}, chat("hi")),
             (BATCH, chat("hi")),
@@ -214,3 +210,64 @@ async def test_the_emulator_takes_vllm_s_priority_and_refuses_one_that_is_not_a_
         refused = await http.post(url, json=chat("hi", priority="high"))
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "priority"
+
+
+DOCUMENT_S = 1.5
+"""How long the scripted instance takes over a long document: longer than the sending
+takes, so every held document is held before the first ends."""
+
+
+@pytest.mark.redis
+async def test_replicas_side_by_side_keep_one_class_ceiling_and_one_pool_order(
+    redis_server: Service,
+) -> None:
+    """Two gateways on one Redis, long documents sent to both: together they keep SLOMax's
+    ceiling (four per ready instance, one instance here), where each alone would let four
+    in, and the held ones start in the order they came, whichever gateway holds them. The
+    first four go through one gateway and the rest to each in turn, starting with the
+    other: capacity frees on the first while the next in line waits on the second."""
+    started: list[str] = []
+    running = 0
+    most = 0
+
+    async def metrics(_: Request) -> Response:
+        return vllm_metrics(waiting=0, running=running)
+
+    async def answer(request: Request) -> Response:
+        nonlocal running, most
+        started.append((await request.json())["messages"][0]["content"])
+        running += 1
+        most = max(most, running)
+        try:
+            await asyncio.sleep(DOCUMENT_S)
+        finally:
+            running -= 1
+        return chat_answer()
+
+    instance = Starlette(
+        routes=[Route("/metrics", metrics), Route("/v1/chat/completions", answer, methods=["POST"])]
+    )
+    documents = [f"document {n}" for n in range(12)]
+    async with contextlib.AsyncExitStack() as stack:
+        fleet = fleet_for([await stack.enter_async_context(http_server(instance))])
+        shared = {"redis": redis_server.address, "redis_prefix": f"test-{uuid.uuid4().hex}:"}
+        fronts = [
+            await stack.enter_async_context(gateway(fleet, admission="slomax", **shared))
+            for _ in range(2)
+        ]
+        for front in fronts:
+            await until_ready(front)
+        clients = [await stack.enter_async_context(f.client()) for f in fronts]
+        sent = []
+        for n, document in enumerate(documents):
+            request = clients[0 if n < 4 else (n + 1) % 2].post(
+                "/v1/chat/completions",
+                json=chat(document),
+                headers={"x-tokenfleet-class": "long_document"},
+            )
+            sent.append(asyncio.create_task(request))
+            await asyncio.sleep(0.08)
+        answers = await asyncio.gather(*sent)
+    assert [a.status_code for a in answers] == [200] * len(documents)
+    assert most == 4
+    assert started == documents

@@ -124,6 +124,29 @@ async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
     await state.close()
 
 
+async def test_a_replica_never_reads_its_own_admission_load_back(state: SharedState) -> None:
+    assert await state.admission_loads('{"m/dc": {}}') == []
+    assert await state.admission_loads("{}") == []
+
+
+@pytest.mark.redis
+async def test_replicas_read_each_other_s_admission_load_until_it_expires(
+    redis_server: Service,
+) -> None:
+    prefix = f"test-{uuid.uuid4().hex}:"
+    one = RedisState(redis_server.address, prefix, replica="one", load_ttl_s=0.5)
+    two = RedisState(redis_server.address, prefix, replica="two", load_ttl_s=0.5)
+    try:
+        assert await one.admission_loads("1") == []
+        assert await two.admission_loads("2") == ["1"]
+        assert await one.admission_loads("1 again") == ["2"]
+        await asyncio.sleep(0.6)  # two fell silent
+        assert await one.admission_loads("1") == []
+    finally:
+        await one.close()
+        await two.close()
+
+
 @pytest.mark.redis
 async def test_a_replica_that_stops_rewriting_its_share_stops_counting(
     redis_server: Service,

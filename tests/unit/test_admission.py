@@ -31,7 +31,7 @@ from control.admission.view import (
     Usage,
     Verdict,
 )
-from control.pipeline import Pipeline
+from control.pipeline import ClassLoad, Pipeline
 from control.routing import FleetSnapshot, PoolModel, RouteRequest, make_router
 from control.step_time import KneeRoofline
 from schemas.base import TaskClass
@@ -255,6 +255,52 @@ def test_the_pipeline_answers_a_hold_that_ran_out() -> None:
     [answered] = pipeline.release(lambda: busy, now=5.0)
     assert (answered.admission.verdict, answered.admission.reason) == (Verdict.REJECT, "expired")
     assert len(pipeline.pools) == 0
+
+
+def test_a_pipeline_counts_its_peers_in_flight_against_the_class_ceiling() -> None:
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    pipeline.quotas = {
+        DOC: ClassQuota(task_class=DOC, tokens_per_s=1e6, burst_tokens=10**6, max_concurrency=2)
+    }
+    route = RouteRequest("d", 20_000, 100)
+    pipeline.peers = {DOC: ClassLoad(inflight=2)}  # another gateway runs two documents
+    held = pipeline.arrive(request(DOC, 20_000, rid="d"), route, "d", fleet(), now=0.0)
+    assert (held.admission.verdict, held.admission.reason) == (Verdict.HOLD, "concurrency")
+    pipeline.peers = {DOC: ClassLoad(inflight=1)}
+    [released] = pipeline.release(fleet, now=1.0)
+    assert released.payload == "d"
+    assert released.instance is not None
+    assert pipeline.load(1.0)[DOC] == ClassLoad(inflight=1, drained_per_s=1 / 30)
+
+
+def test_a_held_request_waits_while_a_peer_holds_one_of_its_class_from_before() -> None:
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    busy = fleet(waiting=(1, 1))
+    pipeline.arrive(
+        request(BATCH, deadline=600.0, rid="b"), RouteRequest("b", 1_000, 100), "b", busy, 0.0
+    )
+    assert pipeline.load(0.0)[BATCH] == ClassLoad(held=1, head_key=600.0)
+    pipeline.peers = {BATCH: ClassLoad(held=1, head_key=300.0)}  # a nearer deadline, elsewhere
+    calm = fleet()
+    assert pipeline.release(lambda: calm, now=1.0) == []
+    pipeline.peers = {BATCH: ClassLoad(held=1, head_key=900.0)}
+    assert [o.payload for o in pipeline.release(lambda: calm, now=2.0)] == ["b"]
+
+
+def test_arrivals_queue_behind_a_pool_another_host_holds() -> None:
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    pipeline.peers = {CHAT: ClassLoad(held=3, head_key=0.0)}
+    outcome = pipeline.arrive(
+        request(rid="c", arrival=1.0), RouteRequest("c", 100, 10), "c", fleet(), 1.0
+    )
+    assert (outcome.admission.verdict, outcome.admission.reason) == (Verdict.HOLD, "behind_pool")
+
+
+def test_peer_loads_add_up_and_the_earliest_head_leads() -> None:
+    one = ClassLoad(inflight=1, decoding=1, held=2, drained_per_s=0.5, head_key=7.0)
+    other = ClassLoad(inflight=3, held=1, drained_per_s=0.25, head_key=4.0)
+    assert one + other == ClassLoad(4, 1, 3, 0.75, 4.0)
+    assert (one + ClassLoad()).head_key == 7.0
 
 
 def test_admission_policies_by_name() -> None:
