@@ -3,7 +3,10 @@ simulator and the gateway both host.
 
 The pipeline keeps what the decisions need between requests (the class pools, each
 class's requests in flight, the latest quotas) and nothing of the host's I/O: the host
-hands it requests and snapshots, and acts on the outcomes. The DC step is a pass-through
+hands it requests and snapshots, and acts on the outcomes. It also keeps the router's
+books: the host tells the pipeline of each first token, end and cancellation, and the
+pipeline tells admission and the router, as far as the router wants to know
+(``FollowsRequests``, ``Learner``, ``Withdrawing``). The DC step is a pass-through
 until FleetMind: the host passes the fleet of the DC it serves.
 """
 
@@ -27,8 +30,18 @@ from control.admission.view import (
     Usage,
     Verdict,
 )
-from control.routing import Decision, FleetSnapshot, PredictsTtft, Router, RouteRequest
+from control.routing import (
+    Decision,
+    FleetSnapshot,
+    FollowsRequests,
+    Learner,
+    PredictsTtft,
+    Router,
+    RouteRequest,
+    Withdrawing,
+)
 from control.routing.registry import implements
+from control.routing.snapshot import BoolArray, Observation
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
 from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
@@ -109,6 +122,17 @@ class Pipeline(Generic[Payload]):
     """Requests in flight that have their first token, and when it came (in that order)."""
     _classes: dict[str, TaskClass] = field(default_factory=dict)
     _released_at: float = 0.0
+    _follows: FollowsRequests | None = field(init=False)
+    _learner: Learner | None = field(init=False)
+    _forgets: Withdrawing | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        router = self.router
+        self._follows = (
+            cast(FollowsRequests, router) if implements(router, FollowsRequests) else None
+        )
+        self._learner = cast(Learner, router) if implements(router, Learner) else None
+        self._forgets = cast(Withdrawing, router) if implements(router, Withdrawing) else None
 
     def arrive(
         self,
@@ -195,19 +219,56 @@ class Pipeline(Generic[Payload]):
         held (dispatched already, or answered)."""
         return self.pools.withdraw(request_id) is not None
 
+    @property
+    def reroutes(self) -> bool:
+        """Whether the router can forget a decision, so that the host may decide again."""
+        return self._forgets is not None
+
+    def reroute(
+        self, route: RouteRequest, fleet: FleetSnapshot, now: float, allowed: BoolArray | None
+    ) -> Decision:
+        """Decide again, on a fresher snapshot, for a request admission let start (on the
+        instances it ``allowed``, None: any ready one); the router forgets its first
+        decision. Only where ``reroutes``."""
+        assert self._forgets is not None
+        self._forgets.withdraw(route.request_id)
+        return self.router.route(route, _within(fleet, allowed), now)
+
     def first_token(self, request_id: str, now: float) -> None:
         """A dispatched request's first token came."""
         if request_id in self._classes:
             self._first_tokens[request_id] = now
+        if self._follows is not None:
+            self._follows.first_token(request_id)
 
-    def finished(self, request_id: str, now: float, *, completed_tokens: int = 0) -> None:
-        """A dispatched request ended: completed with ``completed_tokens`` of output, or
-        cancelled or failed (0)."""
+    def left_instance(self, request_id: str) -> None:
+        """The request left the instance the router chose for it (ended, failed or was
+        cancelled there), though it may go on on another."""
+        if self._follows is not None:
+            self._follows.ended(request_id)
+
+    def finished(
+        self,
+        request_id: str,
+        now: float,
+        *,
+        completed_tokens: int = 0,
+        observation: Observation | None = None,
+        cancelled: bool = False,
+    ) -> None:
+        """A dispatched request ended: completed with ``completed_tokens`` of output (and
+        an ``observation`` for the router to learn from, where the host saw one), failed,
+        or ``cancelled`` (the router forgets the work it counted for it)."""
         self._first_tokens.pop(request_id, None)
         task_class = self._classes.pop(request_id, None)
         if task_class is not None:
             self.inflight[task_class] -= 1
             self._count(task_class, Usage(output_tokens=completed_tokens), now)
+        self.left_instance(request_id)
+        if observation is not None and self._learner is not None:
+            self._learner.observe(observation)
+        if cancelled and self._forgets is not None:
+            self._forgets.withdraw(request_id)
 
     def _count(self, task_class: TaskClass, used: Usage, now: float) -> None:
         if now >= self._window_opened_at + USAGE_WINDOW_S:
@@ -266,11 +327,14 @@ class Pipeline(Generic[Payload]):
         fleet: FleetSnapshot,
         now: float,
     ) -> Outcome[Payload]:
-        if decision.allowed is not None:
-            fleet = replace(fleet, ready=fleet.ready & decision.allowed)
-        routed = self.router.route(route, fleet, now)
+        routed = self.router.route(route, _within(fleet, decision.allowed), now)
         if routed.chosen is not None:
             self.inflight[request.task_class] += 1
             self._classes[request.request_id] = request.task_class
             self._count(request.task_class, Usage(requests=1), now)
         return Outcome(request, payload, decision, routed)
+
+
+def _within(fleet: FleetSnapshot, allowed: BoolArray | None) -> FleetSnapshot:
+    """The snapshot with only the ``allowed`` instances ready (None: as it is)."""
+    return fleet if allowed is None else replace(fleet, ready=fleet.ready & allowed)

@@ -36,7 +36,7 @@ from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.view import Verdict
 from control.pipeline import ClassLoad, Outcome, Pipeline
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
-from control.routing.snapshot import BoolArray
+from control.routing.snapshot import BoolArray, Observation
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from schemas.base import TaskClass
@@ -132,13 +132,38 @@ class GatewayAdmission:
         body.setdefault("priority", PRIORITY[inbound.task_class])
         return json.dumps(body).encode()
 
-    def first_token(self, model: str, dc: str, request_id: str) -> None:
-        self.pipeline(model, dc).first_token(request_id, time.monotonic())
-        self._changed.set()
+    def reroutes(self, inbound: Inbound, dc: str) -> bool:
+        """Whether the request's router can forget a pick, so that it may pick again."""
+        return not inbound.by_load and self.pipeline(inbound.model.name, dc).reroutes
 
-    def finished(self, model: str, dc: str, request_id: str, completed_tokens: int = 0) -> None:
-        self.pipeline(model, dc).finished(
-            request_id, time.monotonic(), completed_tokens=completed_tokens
+    def first_token(self, inbound: Inbound, dc: str) -> None:
+        """The books of admission and the router, which a request routed by load is in
+        neither of (here and below)."""
+        if not inbound.by_load:
+            self.pipeline(inbound.model.name, dc).first_token(inbound.request_id, time.monotonic())
+            self._changed.set()
+
+    def left_instance(self, inbound: Inbound, dc: str) -> None:
+        if not inbound.by_load:
+            self.pipeline(inbound.model.name, dc).left_instance(inbound.request_id)
+
+    def finished(
+        self,
+        inbound: Inbound,
+        dc: str,
+        completed_tokens: int = 0,
+        observation: Observation | None = None,
+        *,
+        cancelled: bool = False,
+    ) -> None:
+        if inbound.by_load:
+            return
+        self.pipeline(inbound.model.name, dc).finished(
+            inbound.request_id,
+            time.monotonic(),
+            completed_tokens=completed_tokens,
+            observation=observation,
+            cancelled=cancelled,
         )
         self._changed.set()
 
@@ -233,7 +258,7 @@ class Waiting:
         except asyncio.CancelledError:
             pipeline = self.host.pipeline(self.model, self.dc)
             if not pipeline.withdraw(self.request_id):  # released as its client left
-                pipeline.finished(self.request_id, time.monotonic())
+                pipeline.finished(self.request_id, time.monotonic(), cancelled=True)
             self.host.pool_depths(self.model, self.dc)
             raise
         return _routed(outcome, waited=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,8 +56,8 @@ class Plan:
     """The request's blocks as the shared prefix index keeps them."""
     version: int = 0
     """The shared state's version the decision was made on."""
-    router: Router | None = None
-    """The router that decided (told of the outcome); None for a pick by load."""
+    admitted: bool = True
+    """Whether the pipeline decided it (and keeps its books); False for a pick by load."""
     allowed: BoolArray | None = None
     """The instances admission let it use (None: every ready one)."""
 
@@ -160,15 +160,13 @@ class Decider:
         admitted = await waiting.decision()
         return self._plan(inbound, dc, pool, sampled, shared, admitted.route, admitted.allowed)
 
-    async def route(self, inbound: Inbound, dc: str, allowed: BoolArray | None = None) -> Plan:
-        """Pick the instance again, on a fresh view, for a request already admitted;
-        ApiError(503) when none of the pool is ready."""
+    async def reroute(self, inbound: Inbound, dc: str, allowed: BoolArray | None = None) -> Plan:
+        """Pick the instance again, on a fresh view, for a request already admitted (the
+        router forgets its first pick); ApiError(503) when none of the pool is ready."""
         pool, sampled, shared, request = await self._prepare(inbound, dc)
-        router = self.router(inbound.model.name, dc)
         snapshot = self.view.snapshot(pool, shared)
-        if allowed is not None:
-            snapshot = replace(snapshot, ready=snapshot.ready & allowed)
-        decision = router.route(request, snapshot, time.monotonic())
+        pipeline = self.admission.pipeline(inbound.model.name, dc)
+        decision = pipeline.reroute(request, snapshot, time.monotonic(), allowed)
         return self._plan(inbound, dc, pool, sampled, shared, decision, allowed)
 
     async def _prepare(
@@ -208,9 +206,8 @@ class Decider:
         self.metrics.decisions.labels(decision.policy, pool.ids[decision.chosen]).inc()
         cached_tokens = min(cached_tokens, inbound.input_tokens)
         order = decision.ranked()
-        router = self.router(inbound.model.name, dc)
         version = shared.version
-        return Plan(dc, pool, decision, order, cached_tokens, sampled, version, router, allowed)
+        return Plan(dc, pool, decision, order, cached_tokens, sampled, version, True, allowed)
 
     async def _pool_snapshot(self, model: str, dc: str) -> FleetSnapshot:
         pool = self.view.pool(model, dc)
@@ -235,7 +232,7 @@ class Decider:
         scores[ready] = load[ready]
         decision = Decision(LEAST_LOADED, order[0], scores)
         self.metrics.decisions.labels(LEAST_LOADED, pool.ids[order[0]]).inc()
-        return Plan(pool.dc, pool, decision, order, 0.0, (), shared.version)
+        return Plan(pool.dc, pool, decision, order, 0.0, (), shared.version, admitted=False)
 
     def router(self, model: str, dc: str) -> Router:
         key = (model, dc)

@@ -29,14 +29,13 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from control.routing import FollowsRequests, Learner, Router, Withdrawing, implements
 from control.routing.snapshot import Observation
 from gateway.decide import INDEX_STRIDE, Decider, Plan
 from gateway.events import EventSink
@@ -184,16 +183,22 @@ class Exchange:
         try:
             return await self._reserve(inbound, plan)
         except BaseException:  # the client left: admission counted it in flight
-            self._ended(inbound, plan.dc)
+            self._ended(inbound, plan.dc, cancelled=True)
             raise
 
-    def _ended(self, inbound: Inbound, dc: str, completed_tokens: int = 0) -> None:
-        """Admission's books: the request left its instance (``completed_tokens`` of output
-        if it completed). A request routed by load was never admitted."""
-        if inbound.by_load:
-            return
+    def _ended(
+        self,
+        inbound: Inbound,
+        dc: str,
+        completed_tokens: int = 0,
+        observation: Observation | None = None,
+        *,
+        cancelled: bool = False,
+    ) -> None:
+        """The books of admission and the router: the request ended (``completed_tokens``
+        of output if it completed)."""
         self.decider.admission.finished(
-            inbound.model.name, dc, inbound.request_id, completed_tokens
+            inbound, dc, completed_tokens, observation, cancelled=cancelled
         )
 
     async def _reserve(self, inbound: Inbound, plan: Plan) -> Plan:
@@ -203,21 +208,13 @@ class Exchange:
         Decisions made at once, by replicas or by one replica's concurrent requests, would
         otherwise read the same view and pile a burst of new prefixes onto one instance.
         A router that cannot forget a decision is charged as it decided, at once."""
-        router = plan.router
-        forgetful = (
-            cast(Withdrawing, router)
-            if router is not None and implements(router, Withdrawing)
-            else None
-        )
-        replans = REPLANS if forgetful is not None else 0
+        replans = REPLANS if self.decider.admission.reroutes(inbound, plan.dc) else 0
         for replan in range(replans + 1):
             seen = plan.version if replan < replans else None
             if await self._charge(inbound, plan, plan.order[0], seen):
                 break
-            assert forgetful is not None  # only the last try writes unconditionally
             self.metrics.replans.inc()
-            forgetful.withdraw(inbound.request_id)
-            plan = await self.decider.route(inbound, plan.dc, plan.allowed)
+            plan = await self.decider.reroute(inbound, plan.dc, plan.allowed)
         return plan
 
     async def _charge(
@@ -413,10 +410,7 @@ class Exchange:
         """Noted at once; the shared accounting follows in a task of its own, which a
         client that leaves cannot cancel half-way (this runs inside the response)."""
         trip.first_token_at = time.monotonic()
-        if (follower := _follower(trip.plan.router)) is not None:
-            follower.first_token(trip.inbound.request_id)
-        model = trip.inbound.model.name
-        self.decider.admission.first_token(model, trip.plan.dc, trip.inbound.request_id)
+        self.decider.admission.first_token(trip.inbound, trip.plan.dc)
         self.spawn(self._prefill_done(trip))
         self.events.emit(
             FirstToken(
@@ -433,7 +427,15 @@ class Exchange:
         ttft, e2e = first - trip.arrived, now - trip.arrived
         tpot = (now - first) / (trip.output_tokens - 1) if trip.output_tokens > 1 else 0.0
         inbound = trip.inbound
-        self._ended(inbound, trip.plan.dc, trip.output_tokens)
+        # Only a streamed answer shows its first token, and only the instance the router
+        # chose was predicted for: a retry's TTFT would train the wrong instance.
+        first_choice = trip.row == trip.plan.decision.chosen
+        observation = (
+            Observation(inbound.request_id, trip.row, first - trip.sent_at, trip.output_tokens)
+            if inbound.stream and first_choice
+            else None
+        )
+        self._ended(inbound, trip.plan.dc, trip.output_tokens, observation)
         objective = self.decider.admission.objectives.of(inbound.task_class, inbound.tenant.name)
         met = objective.met(ttft, tpot, e2e, inbound.deadline_s)
         self.metrics.output_tokens.labels(inbound.task_class.value, str(met).lower()).inc(
@@ -454,14 +456,6 @@ class Exchange:
                 e2e_s=e2e,
             )
         )
-        router = trip.plan.router
-        # Only a streamed answer shows its first token, and only the instance the router
-        # chose was predicted for: a retry's TTFT would train the wrong instance.
-        first_choice = trip.row == trip.plan.decision.chosen
-        if inbound.stream and first_choice and router and implements(router, Learner):
-            cast(Learner, router).observe(
-                Observation(inbound.request_id, trip.row, first - trip.sent_at, trip.output_tokens)
-            )
         if trip.idempotency_key is not None:
             media = "text/event-stream" if inbound.stream else "application/json"
             outcome = Outcome(200, media, bytes(trip.captured))
@@ -469,7 +463,7 @@ class Exchange:
 
     async def _cancelled(self, trip: Trip) -> None:
         await self._release(trip)
-        self._ended(trip.inbound, trip.plan.dc)
+        self._ended(trip.inbound, trip.plan.dc, cancelled=True)
         self.metrics.cancellations.inc()
         self.events.emit(
             RequestCancelled(
@@ -513,8 +507,7 @@ class Exchange:
         """Undo what is left of the trip's accounting, and tell a router that counts its
         requests that this one left the instance (the retry of a failed first choice is
         not counted again: the router did not choose it)."""
-        if (follower := _follower(trip.plan.router)) is not None:
-            follower.ended(trip.inbound.request_id)
+        self.decider.admission.left_instance(trip.inbound, trip.plan.dc)
         pending, inflight = trip.pending, trip.inflight
         trip.pending = trip.inflight = 0.0
         await self.state.adjust(trip.instance.id, -pending, -inflight)
@@ -534,12 +527,6 @@ class Exchange:
 
 def _url(instance: InstanceConfig, path: str) -> str:
     return f"{str(instance.url).rstrip('/')}{path}"
-
-
-def _follower(router: Router | None) -> FollowsRequests | None:
-    if router is not None and implements(router, FollowsRequests):
-        return cast(FollowsRequests, router)
-    return None
 
 
 def _error_event(message: str) -> bytes:

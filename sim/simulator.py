@@ -30,14 +30,11 @@ from control.pipeline import Outcome, Pipeline
 from control.routing import (
     Decision,
     FleetSnapshot,
-    FollowsRequests,
     KvEvent,
-    Learner,
     Observation,
     ReadsKvEvents,
     Router,
     RouteRequest,
-    Withdrawing,
     implements,
 )
 from schemas.openai_api import DEFAULT_CHAT_TOKENS
@@ -102,10 +99,6 @@ class Simulation:
         self._open: dict[str, TraceRequest] = {}
         """Requests whose clients may still give up: arrived, and not yet ended."""
         self._kv_events = implements(router, ReadsKvEvents)
-        self._follows = (
-            cast(FollowsRequests, router) if implements(router, FollowsRequests) else None
-        )
-        self._learner = cast(Learner, router) if implements(router, Learner) else None
         self._kv_in_transit: deque[tuple[float, int, list[KvEvent]]] = deque()
         scheduling = self.pipeline.admission.engine_scheduling
         self.instances = [
@@ -253,8 +246,6 @@ class Simulation:
             self.records.append(RequestRecord.rejected(request, self.now))
             self._open.pop(request.request_id, None)
             self.pipeline.finished(request.request_id, self.now)
-            if index is not None and self._follows is not None:
-                self._follows.ended(request.request_id)
             self._come_back(request, outcome.admission.retry_after_s)
             return
         assert outcome.route is not None
@@ -310,11 +301,7 @@ class Simulation:
         self._pending_prefill[index] -= self._awaiting_first_token.pop(request_id, 0.0)
         where = (instance.instance_id, instance.dc)
         self.records.append(RequestRecord.cancelled(sequence.request, self.now, where, sequence))
-        self.pipeline.finished(request_id, self.now)
-        if self._follows is not None:
-            self._follows.ended(request_id)
-        if implements(self.router, Withdrawing):
-            cast(Withdrawing, self.router).withdraw(request_id)
+        self.pipeline.finished(request_id, self.now, cancelled=True)
 
     def _come_back(self, request: TraceRequest, retry_after_s: float | None) -> None:
         """A client that was refused or gave up tries once more, if it is one that does."""
@@ -340,8 +327,6 @@ class Simulation:
                 pending = self._awaiting_first_token.pop(sequence.request.request_id, 0.0)
                 self._pending_prefill[index] -= pending
                 self.pipeline.first_token(sequence.request.request_id, self.now)
-                if self._follows is not None:
-                    self._follows.first_token(sequence.request.request_id)
 
     def _enter(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
@@ -439,14 +424,15 @@ class Simulation:
         self.records.append(record)
         self._open.pop(request.request_id, None)
         self._placed.pop(request.request_id, None)
-        self.pipeline.finished(request.request_id, self.now, completed_tokens=request.output_tokens)
-        if self._follows is not None:
-            self._follows.ended(request.request_id)
-        if self._learner is not None:  # learned at completion, not at first token
-            assert record.ttft_s is not None
-            self._learner.observe(
-                Observation(request.request_id, index, record.ttft_s, request.output_tokens)
-            )
+        assert record.ttft_s is not None  # learned at completion, not at first token
+        self.pipeline.finished(
+            request.request_id,
+            self.now,
+            completed_tokens=request.output_tokens,
+            observation=Observation(
+                request.request_id, index, record.ttft_s, request.output_tokens
+            ),
+        )
 
     def _push(self, time: float, kind: int, index: int, payload: Event) -> None:
         self._order += 1

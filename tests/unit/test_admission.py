@@ -32,7 +32,14 @@ from control.admission.view import (
     Verdict,
 )
 from control.pipeline import ClassLoad, Pipeline
-from control.routing import FleetSnapshot, PoolModel, RouteRequest, make_router
+from control.routing import (
+    Decision,
+    FleetSnapshot,
+    Observation,
+    PoolModel,
+    RouteRequest,
+    make_router,
+)
 from control.step_time import KneeRoofline
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
@@ -301,6 +308,55 @@ def test_peer_loads_add_up_and_the_earliest_head_leads() -> None:
     other = ClassLoad(inflight=3, held=1, drained_per_s=0.25, head_key=4.0)
     assert one + other == ClassLoad(4, 1, 3, 0.75, 4.0)
     assert (one + ClassLoad()).head_key == 7.0
+
+
+class KeepsBooks:
+    """Round robin, and a log of what the pipeline told it of each request."""
+
+    name = "keeps_books"
+
+    def __init__(self) -> None:
+        self.inner = make_router("round_robin")
+        self.told: list[tuple[str, str]] = []
+
+    def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
+        self.told.append(("route", request.request_id))
+        return self.inner.route(request, fleet, now)
+
+    def first_token(self, request_id: str) -> None:
+        self.told.append(("first_token", request_id))
+
+    def ended(self, request_id: str) -> None:
+        self.told.append(("ended", request_id))
+
+    def observe(self, observation: Observation) -> None:
+        self.told.append(("observe", observation.request_id))
+
+    def withdraw(self, request_id: str) -> None:
+        self.told.append(("withdraw", request_id))
+
+
+def test_the_pipeline_keeps_the_router_s_books() -> None:
+    router = KeepsBooks()
+    pipeline: Pipeline[str] = Pipeline(Fcfs(), router)
+    for rid in ("a", "b", "c"):
+        pipeline.arrive(request(rid=rid), RouteRequest(rid, 100, 10), rid, fleet(), now=0.0)
+    pipeline.first_token("a", 1.0)
+    pipeline.finished("a", 2.0, completed_tokens=10, observation=Observation("a", 0, 1.0, 10))
+    pipeline.finished("b", 2.0, cancelled=True)
+    assert pipeline.reroutes
+    again = pipeline.reroute(RouteRequest("c", 100, 10), fleet(), 3.0, np.array([False, True]))
+    assert again.chosen == 1  # kept to the instances admission allowed
+    assert router.told[3:] == [
+        ("first_token", "a"),
+        ("ended", "a"),
+        ("observe", "a"),
+        ("ended", "b"),
+        ("withdraw", "b"),
+        ("withdraw", "c"),
+        ("route", "c"),
+    ]
+    assert sum(pipeline.inflight.values()) == 1  # c alone
 
 
 def test_admission_policies_by_name() -> None:
