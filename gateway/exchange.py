@@ -158,7 +158,7 @@ class Exchange:
             except BaseException:  # a bug, or the client gone: undo it all the same
                 self.spawn(self._abandoned(trip))
                 raise
-        self._ended(inbound, plan.dc)
+        self.decider.admission.finished(inbound, plan.dc)
         self.events.emit(
             RequestFailed(request_id=inbound.request_id, instance_id=trip.instance.id, error=error)
         )
@@ -183,23 +183,8 @@ class Exchange:
         try:
             return await self._reserve(inbound, plan)
         except BaseException:  # the client left: admission counted it in flight
-            self._ended(inbound, plan.dc, cancelled=True)
+            self.decider.admission.finished(inbound, plan.dc, cancelled=True)
             raise
-
-    def _ended(
-        self,
-        inbound: Inbound,
-        dc: str,
-        completed_tokens: int = 0,
-        observation: Observation | None = None,
-        *,
-        cancelled: bool = False,
-    ) -> None:
-        """The books of admission and the router: the request ended (``completed_tokens``
-        of output if it completed)."""
-        self.decider.admission.finished(
-            inbound, dc, completed_tokens, observation, cancelled=cancelled
-        )
 
     async def _reserve(self, inbound: Inbound, plan: Plan) -> Plan:
         """Charge the first choice in the shared state, unless another request was routed
@@ -435,7 +420,7 @@ class Exchange:
             if inbound.stream and first_choice
             else None
         )
-        self._ended(inbound, trip.plan.dc, trip.output_tokens, observation)
+        self.decider.admission.finished(inbound, trip.plan.dc, trip.output_tokens, observation)
         objective = self.decider.admission.objectives.of(inbound.task_class, inbound.tenant.name)
         met = objective.met(ttft, tpot, e2e, inbound.deadline_s)
         self.metrics.output_tokens.labels(inbound.task_class.value, str(met).lower()).inc(
@@ -463,7 +448,7 @@ class Exchange:
 
     async def _cancelled(self, trip: Trip) -> None:
         await self._release(trip)
-        self._ended(trip.inbound, trip.plan.dc, cancelled=True)
+        self.decider.admission.finished(trip.inbound, trip.plan.dc, cancelled=True)
         self.metrics.cancellations.inc()
         self.events.emit(
             RequestCancelled(
@@ -478,14 +463,14 @@ class Exchange:
     async def _fail(self, trip: Trip, error: str) -> None:
         """The trip failed without a retry: undo its accounting, report it, free its key."""
         await self._release(trip)
-        self._ended(trip.inbound, trip.plan.dc)
+        self.decider.admission.finished(trip.inbound, trip.plan.dc)
         self._failed(trip, error)
         await self._forget_key(trip)
 
     async def _abandoned(self, trip: Trip) -> None:
         """A trip that ended by an unexpected exception: nothing of it stays counted."""
         await self._release(trip)
-        self._ended(trip.inbound, trip.plan.dc)
+        self.decider.admission.finished(trip.inbound, trip.plan.dc)
         await self._forget_key(trip)
 
     async def _forget_key(self, trip: Trip) -> None:
