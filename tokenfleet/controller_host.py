@@ -6,14 +6,20 @@ Every ``period_s`` it reconciles each DC whose goodput and capacity tables it ha
 ``tf.control.quotas``. Gateways drop quotas older than their TTL, so unchanged quotas are
 published again (a new version, the same limits) every ``renew_s``; the controller still
 times its next move from the last change, not from a renewal. It reads
-``tf.control.quotas`` back from the start, so that a restarted controller continues the
-versions and the limits where they stand (its first move after a restart is timed from
-the last publication).
+``tf.control.quotas`` back from the start, and reconciles nothing until it has read what
+was there when it started, so that a restarted controller continues the versions and the
+limits where they stand (its first move after a restart is timed from the last change)
+instead of publishing versions the gateways drop as old.
+
+Tables older than ``stale_after_s`` (a stream processor that stopped publishing) move
+nothing and renew nothing: the quotas run out at their TTL and the gateways fall back to
+the admission policy's defaults, as they do when no controller runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -24,8 +30,12 @@ from schemas.tables import CapacityTable, GoodputTable
 from streams.bus import EventBus
 from streams.feeds import follow
 
+log = logging.getLogger(__name__)
+
 QUOTAS_TOPIC = "tf.control.quotas"
 TABLE_TOPICS = ("tf.tables.goodput", "tf.tables.capacity")
+STALE_AFTER_S = 30.0
+"""Six slides of the tables' default window (5 s): the worker has stopped publishing."""
 
 
 class QuotaHost:
@@ -37,6 +47,7 @@ class QuotaHost:
         renew_s: float | None = None,
         clock: Callable[[], float] = time.time,
         source: str = "controller",
+        stale_after_s: float = STALE_AFTER_S,
     ) -> None:
         """``renew_s`` None: a third of the quotas' TTL."""
         self.bus = bus
@@ -45,12 +56,14 @@ class QuotaHost:
         self.renew_s = self.controller.params.ttl_s / 3 if renew_s is None else renew_s
         self.clock = clock
         self.source = source
+        self.stale_after_s = stale_after_s
         self._goodput: dict[str, GoodputTable] = {}
         self._capacity: dict[str, CapacityTable] = {}
         self._published: dict[str, AdmissionQuotas] = {}
         """The newest quotas on the topic per DC (a change or a renewal)."""
         self._changed: dict[str, AdmissionQuotas] = {}
         """The quotas of the last change per DC: when and to what the limits last moved."""
+        self._quotas_read = asyncio.Event()
 
     async def run(self) -> None:
         """Read and reconcile until cancelled."""
@@ -59,6 +72,7 @@ class QuotaHost:
             for topic in (*TABLE_TOPICS, QUOTAS_TOPIC)
         ]
         try:
+            await self.caught_up()
             while True:
                 await asyncio.sleep(self.period_s)
                 await self.reconcile()
@@ -66,6 +80,24 @@ class QuotaHost:
             for reader in readers:
                 reader.cancel()
             await asyncio.gather(*readers, return_exceptions=True)
+
+    async def caught_up(self, retry_s: float = 1.0) -> None:
+        """Until the quotas on the topic now have been read (and applied) by the reader."""
+        while True:
+            try:
+                newest = await self.bus.read_latest(QUOTAS_TOPIC)
+                break
+            except LookupError:  # no such topic yet: nothing was ever published
+                return
+            except Exception as exc:  # the bus is away: read again, decide nothing yet
+                log.warning("reading %s failed (%s); retrying", QUOTAS_TOPIC, exc)
+                await asyncio.sleep(retry_s)
+        waiting = [e.payload for e in newest.values() if isinstance(e.payload, AdmissionQuotas)]
+        while True:
+            self._quotas_read.clear()
+            if not any(q.supersedes(self._published.get(q.scope)) for q in waiting):
+                return
+            await self._quotas_read.wait()
 
     async def reconcile(self) -> list[AdmissionQuotas]:
         """One pass over every DC with both tables; what it published."""
@@ -94,6 +126,7 @@ class QuotaHost:
             self._published.get(message.scope)
         ):
             self._published[message.scope] = message
+            self._quotas_read.set()
             changed = self._changed.get(message.scope)
             if changed is None or changed.quotas != message.quotas:  # a change, not a renewal
                 self._changed[message.scope] = message
@@ -101,7 +134,10 @@ class QuotaHost:
     def _next(
         self, dc: str, goodput: GoodputTable, capacity: CapacityTable, now: float
     ) -> AdmissionQuotas | None:
-        """The change the tables call for, else a renewal that is due, else None."""
+        """The change the tables call for, else a renewal that is due, else None (also
+        when a table is stale)."""
+        if now - min(goodput.window_end, capacity.window_end) > self.stale_after_s:
+            return None
         published = self._published.get(dc)
         changed = self._changed.get(dc)
         current = (

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from control.controllers.slomax import QuotaController, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.tables import GoodputTable
+from streams.feeds import follow
 from streams.memory import InMemoryBus
 from tests.conftest import read_for
 from tests.unit.test_quota_controller import capacity, row
@@ -76,8 +79,11 @@ async def test_a_restarted_controller_continues_from_the_published_quotas() -> N
     feed(first_host, chats_met=50, documents_refused=0, now=clock.now)
     [first] = await first_host.reconcile()
     restarted = QuotaHost(bus, clock=clock)
-    for quotas in await published(bus):
-        restarted.apply(quotas)
+    reader = asyncio.create_task(follow(bus, QUOTAS_TOPIC, restarted.apply, "earliest"))
+    try:
+        await asyncio.wait_for(restarted.caught_up(), 5.0)  # what its run waits for first
+    finally:
+        reader.cancel()
     clock.now = 100.0
     feed(restarted, chats_met=50, documents_refused=0, now=clock.now)
     [lowered] = await restarted.reconcile()
@@ -104,3 +110,16 @@ async def test_a_restart_after_renewals_continues_from_the_last_change_not_the_f
     feed(restarted, chats_met=50, documents_refused=0, now=105.0)
     [next_] = await restarted.reconcile()
     assert (next_.version, long_documents(next_)) == (4, 4)
+
+
+async def test_stale_tables_move_nothing_and_renew_nothing() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    host = QuotaHost(bus, renew_s=20.0, clock=clock, stale_after_s=30.0)
+    feed(host, chats_met=96, documents_refused=0, now=60.0)
+    [first] = await host.reconcile()
+    clock.now = 96.0  # a renewal is due, and chats miss; but the tables are 31 s old
+    feed(host, chats_met=50, documents_refused=0, now=65.0)
+    assert await host.reconcile() == []
+    feed(host, chats_met=50, documents_refused=0, now=96.0)  # the worker is back
+    [lowered] = await host.reconcile()
+    assert long_documents(lowered) < long_documents(first)
