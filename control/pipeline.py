@@ -209,10 +209,14 @@ class Pipeline(Generic[Payload]):
 
     def _release_budget(self, now: float) -> float:
         """How many held requests this pass may take out: any number, unless the policy
-        paces its releases (one per tick of its dispatch loop since the last pass)."""
+        paces its releases (one per tick of its dispatch loop, the ticks whole: a tick
+        begun before this pass is the next pass's)."""
         rate = self.admission.release_rate_per_s
-        since, self._released_at = self._released_at, now
-        return math.inf if rate is None else math.floor((now - since) * rate)
+        if rate is None:
+            return math.inf
+        budget = math.floor((now - self._released_at) * rate)
+        self._released_at += budget / rate
+        return budget
 
     def withdraw(self, request_id: str) -> bool:
         """A held request's client went away: drop it from its pool; False if it was not
