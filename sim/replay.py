@@ -9,8 +9,10 @@ Each request carries its class (``x-tokenfleet-class``) and, for batch work, its
 deadline (``x-tokenfleet-deadline-s``, in the target's seconds). With a client model
 (``sim.clients``) the replay behaves as the simulator's clients do: a client whose first
 token has not come within its patience closes its stream, a batch client gives up at its
-deadline, and a share of those refused (429, 503) or given up try once more, after the
-``Retry-After`` they were told or the model's delay.
+deadline, and a share of those refused (429, 503), failed or given up try once more,
+after the ``Retry-After`` they were told or the model's delay. A request that fails (an
+error status, an error event in its stream, a connection lost) is recorded as failed; the
+replay goes on.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ async def replay(
 
         async def attempts(request: TraceRequest) -> list[ReplayRecord]:
             record = await _one(client, request, model, clock, clients)
-            if clients is None or record.outcome not in ("rejected", "cancelled"):
+            if clients is None or record.outcome == "completed":
                 return [record]
             again = clients.retry(request, clock.virtual(time.monotonic()), record.retry_after_s)
             return [record] if again is None else [record, *await attempts(again)]
@@ -110,6 +112,8 @@ class _Progress:
     status: int = 0
     first_token: float | None = None
     tokens: int = 0
+    failed: bool = False
+    """An error event came in the stream (an instance that failed mid-answer)."""
 
 
 async def _one(
@@ -131,9 +135,11 @@ async def _one(
             )
     except TimeoutError:
         return _record(request, sent, seen, clock, "cancelled")
+    except httpx.TransportError:  # the connection failed: this request, not the replay
+        return _record(request, sent, seen, clock, "failed")
     if refused is not None:
         return refused
-    return _record(request, sent, seen, clock, "completed")
+    return _record(request, sent, seen, clock, "failed" if seen.failed else "completed")
 
 
 async def _stream(
@@ -158,7 +164,11 @@ async def _stream(
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            text = json.loads(line[6:])["choices"][0]["text"]
+            event = json.loads(line[6:])
+            if "error" in event:
+                seen.failed = True
+                continue
+            text = event["choices"][0]["text"]
             if text and seen.first_token is None:
                 seen.first_token = time.monotonic()
                 if patience is not None:

@@ -72,3 +72,36 @@ async def test_a_client_closes_a_stream_whose_first_token_is_later_than_its_pati
     async with http_server(endpoint(None, first_token_after_s=0.5)) as url:
         [patient] = await replay([document], url, "m")  # no client model: it waits
     assert patient.outcome == "completed"
+
+
+async def test_a_stream_that_fails_midway_or_drops_is_recorded_failed_and_the_replay_goes_on() -> (
+    None
+):
+    calls = 0
+
+    async def completions(_: Request) -> Response:
+        nonlocal calls
+        calls += 1
+        call = calls
+
+        async def tokens() -> AsyncIterator[bytes]:
+            yield f"data: {json.dumps({'choices': [{'text': 'tok '}]})}\n\n".encode()
+            if call == 1:  # the instance failed: the gateway's error event, then [DONE]
+                error = {"error": {"message": "instance failed", "code": 502}}
+                yield f"data: {json.dumps(error)}\n\n".encode()
+            if call == 2:  # the server dies mid-stream: the connection drops
+                raise RuntimeError("gone")
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(tokens(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    chats = [TraceRequest(f"c{n}", n * 0.2, 100, 3, ()) for n in range(3)]
+    async with http_server(app) as url:
+        records = await replay(chats, url, "m")
+    assert [(r.request_id, r.status, r.outcome) for r in records] == [
+        ("c0", 200, "failed"),
+        ("c1", 200, "failed"),
+        ("c2", 200, "completed"),
+    ]
+    assert [r.output_tokens for r in records] == [1, 1, 1]
