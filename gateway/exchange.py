@@ -145,11 +145,12 @@ class Exchange:
         order = plan.order[:2]
         for attempt, row in enumerate(order, start=1):
             trip = Trip(inbound, plan, row, arrived, idempotency_key)
-            trip.pending, trip.inflight = _charges(inbound, plan)
-            if attempt > 1:  # ``_reserve`` charged the first choice
-                self._retried(trip, order[0])
-                await self._charge(inbound, plan, row)
             try:
+                if attempt > 1:  # ``_reserve`` charged the first choice
+                    self._retried(trip, order[0])
+                    await self._charge(inbound, plan, row)
+                # counted once charged: a client gone during the charge leaves nothing to undo
+                trip.pending, trip.inflight = _charges(inbound, plan)
                 return await self._attempt(trip, request)
             except UpstreamFailed as exc:
                 self.view.failed(trip.instance.id)
