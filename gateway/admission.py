@@ -41,6 +41,7 @@ from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
+from schemas.lifecycle import RejectReason
 from schemas.objectives import Objectives
 from schemas.openai_api import ApiError
 
@@ -52,6 +53,11 @@ Key = tuple[str, str]
 
 SHUTDOWN = "shutdown"
 """The reason a held request is answered when the gateway stops."""
+OUT_OF_REACH = frozenset({"predicted_ttft", "predicted_tbt", "deadline", "expired"})
+"""Admission's reasons that say the request could no longer meet its objective."""
+OVER_LIMIT = frozenset({"concurrency", "priority_limit", "model_limit"})
+"""Admission's reasons that say its class (or model) is at its limit; any other reason
+says the fleet has no room (a full pool, the interactive reserve, saturation, ...)."""
 REFUSED_RETRY_AFTER_S = 1.0
 """What a refusal tells the client to wait when its policy names no time."""
 
@@ -326,25 +332,47 @@ def _routed(outcome: Outcome[Held], *, waited: bool) -> Admitted:
     return Admitted(outcome.route, outcome.admission.allowed)
 
 
+class Refused(ApiError):
+    """Admission's refusal; ``reason`` is what the lifecycle event reports."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        admission_reason: str,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(status, message, retry_after_s=retry_after_s)
+        self.reason = rejected_for(admission_reason)
+
+
+def rejected_for(admission_reason: str) -> RejectReason:
+    """The lifecycle event's reason for one of admission's."""
+    if admission_reason in OUT_OF_REACH:
+        return RejectReason.DEADLINE
+    if admission_reason in OVER_LIMIT:
+        return RejectReason.QUOTA
+    return RejectReason.NO_CAPACITY
+
+
 def _refusal(outcome: Outcome[Held], *, waited: bool) -> ApiError:
     """429 for a request refused at the door, with ``Retry-After``; 503 for one that waited
     in its pool and can no longer meet its objective, or that the gateway's stop answered
     (that one may come straight back, to another replica)."""
     decision = outcome.admission
-    task_class = outcome.request.task_class.value
-    if decision.reason == SHUTDOWN:
+    task_class, reason = outcome.request.task_class.value, decision.reason
+    if reason == SHUTDOWN:
         message = "The gateway is stopping; send the request again."
-        return ApiError(503, message, retry_after_s=REFUSED_RETRY_AFTER_S)
+        return Refused(503, message, reason, retry_after_s=REFUSED_RETRY_AFTER_S)
     if waited:
         message = (
             f"This {task_class} request waited for capacity and can no longer meet its "
-            f"objective ({decision.reason})."
+            f"objective ({reason})."
         )
-        return ApiError(503, message)
-    message = (
-        f"The fleet cannot take this {task_class} request now ({decision.reason}); retry later."
-    )
-    return ApiError(429, message, retry_after_s=decision.retry_after_s or REFUSED_RETRY_AFTER_S)
+        return Refused(503, message, reason)
+    message = f"The fleet cannot take this {task_class} request now ({reason}); retry later."
+    retry_after = decision.retry_after_s or REFUSED_RETRY_AFTER_S
+    return Refused(429, message, reason, retry_after_s=retry_after)
 
 
 def _admitting(inbound: Inbound, arrived: float, objectives: Objectives) -> AdmissionRequest:

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from control.admission.baselines import Fcfs
 from control.admission.registry import Admission
 from control.routing.registry import Router
+from gateway.admission import Refused
 from gateway.decide import Decider
 from gateway.events import EventSink
 from gateway.exchange import Exchange
@@ -278,7 +279,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
                 events.emit(
                     RequestRejected(
                         request_id=inbound.request_id,
-                        reason=_REJECTIONS[exc.status],
+                        reason=exc.reason if isinstance(exc, Refused) else _REJECTIONS[exc.status],
                         detail=exc.message,
                         retry_after_s=exc.retry_after_s,
                     )

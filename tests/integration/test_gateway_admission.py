@@ -16,6 +16,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from schemas import topic_for
+from schemas.lifecycle import RejectReason, RequestRejected
+from tests.conftest import read_for
 from tests.gateway_harness import (
     Gateway,
     chat,
@@ -139,6 +142,10 @@ async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_with_4
     assert "(deadline)" in answer.json()["error"]["message"]
     assert int(answer.headers["retry-after"]) >= 1
     assert await depth(front, "batch") == 0
+    bus = front.app.state.parts.bus
+    events = await read_for(bus, topic_for(RequestRejected).name, 0.5)
+    [rejected] = [m for m in events if isinstance(m, RequestRejected)]
+    assert rejected.reason is RejectReason.DEADLINE  # not a quota: it could not be in time
 
 
 async def test_a_client_that_leaves_while_held_leaves_its_pool(front: Gateway) -> None:
