@@ -4,7 +4,6 @@ needs (interactive and long documents by arrival, batch by deadline)."""
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,9 +18,6 @@ Payload = TypeVar("Payload")
 DRAIN_WINDOW_S = 30.0
 """How far back a pool's release rate looks: long enough to span several releases of a
 pool that drains slowly, short enough to follow a load change within a minute."""
-SHORTEST_SPAN_S = 1.0
-"""A pool that began draining more recently measures its rate over this long at least:
-over less, one release makes the rate what it likes."""
 
 
 def order_key(request: AdmissionRequest) -> float:
@@ -58,8 +54,6 @@ class ClassPools(Generic[Payload]):
     _released: dict[TaskClass, deque[float]] = field(
         default_factory=lambda: {c: deque() for c in TaskClass}
     )
-    _idle_at: dict[TaskClass, float] = field(default_factory=dict)
-    """When each pool was last seen idle (empty, nothing released within the window)."""
     _order: int = 0
 
     def __len__(self) -> int:
@@ -107,18 +101,10 @@ class ClassPools(Generic[Payload]):
         return None if order is None else self._take(order)
 
     def state(self, task_class: TaskClass, now_s: float) -> PoolState:
-        """The pool's depth, and its releases per second over the window, or over the
-        time since it was last seen idle where that is shorter (a pool that formed a
-        second ago has not had thirty seconds to drain)."""
         released = self._released[task_class]
         while released and released[0] < now_s - DRAIN_WINDOW_S:
             released.popleft()
-        depth = self._depth[task_class]
-        if not released and depth == 0:
-            self._idle_at[task_class] = now_s
-        idle_at = self._idle_at.get(task_class, -math.inf)
-        span = max(SHORTEST_SPAN_S, min(DRAIN_WINDOW_S, now_s - idle_at))
-        return PoolState(depth, len(released) / span)
+        return PoolState(self._depth[task_class], len(released) / DRAIN_WINDOW_S)
 
     def _take(self, order: int) -> Waiting[Payload]:
         waiting = self._live.pop(order)
