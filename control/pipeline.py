@@ -1,4 +1,4 @@
-"""The request path, admit -> choose the DC -> choose the instance, as one object that the
+"""The request path in one DC, admit -> choose the instance, as one object that the
 simulator and the gateway both host.
 
 The pipeline keeps what the decisions need between requests (the class pools, each
@@ -6,8 +6,9 @@ class's requests in flight, the latest quotas) and nothing of the host's I/O: th
 hands it requests and snapshots, and acts on the outcomes. It also keeps the router's
 books: the host tells the pipeline of each first token, end and cancellation, and the
 pipeline tells admission and the router, as far as the router wants to know
-(``FollowsRequests``, ``Learner``, ``Withdrawing``). The DC step is a pass-through
-until FleetMind: the host passes the fleet of the DC it serves.
+(``FollowsRequests``, ``Learner``, ``Withdrawing``). A pipeline serves one DC's pool: the
+DC is chosen before it (``control.fleet``), since admission's pools and ceilings are each
+DC's own.
 """
 
 from __future__ import annotations

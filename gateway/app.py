@@ -243,14 +243,14 @@ def create_app(parts: GatewayParts) -> FastAPI:
         """A request the instance answers as sent, e.g. ``/tokenize``: no admission,
         accounting or events; the least loaded instance of the model in the DC
         ``Decider.choose_dc`` picks for it."""
-        authenticate(fleet, request.headers.get("authorization"))
+        tenant = authenticate(fleet, request.headers.get("authorization"))
         body = await read_body(request, settings.max_body_bytes)
         name = parse_request(UtilityRequest, body).model
         if name is None and len(fleet.models) == 1:
             name = fleet.models[0].name
         if name is None or fleet.model(name) is None:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model")
-        plan = await decider.least_loaded(name)
+        plan = await decider.least_loaded(name, tenant=tenant)
         return await exchange.forward(plan, request.url.path, body)
 
     async def _serve(inbound: Inbound, request: Request, arrived: float) -> Response:
@@ -270,7 +270,9 @@ def create_app(parts: GatewayParts) -> FastAPI:
         try:
             events.emit(_arrived_event(inbound, regions[local_dc]))
             await decider.take_quota(inbound)
-            dc = decider.choose_dc(inbound.model.name, inbound.residency)
+            dc = decider.choose_dc(
+                inbound.model.name, inbound.tenant, inbound.residency, inbound.input_tokens
+            )
             return await exchange.serve(inbound, dc, request, arrived, scoped)
         except ApiError as exc:
             if scoped is not None:

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from control.admission.registry import Admission
+from control.fleet.fleetmind import FleetMind
+from control.fleet.registry import DcPolicy
+from control.fleet.view import DataCenterState, DcRequest, FleetState
 from control.routing.registry import Router
 from control.routing.snapshot import BoolArray, Decision, FleetSnapshot, RouteRequest
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
@@ -31,6 +34,7 @@ from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from gateway.state import SharedState, SharedView
 from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
+from schemas.fleet import TenantConfig
 from schemas.objectives import Objectives
 from schemas.openai_api import ApiError
 
@@ -77,10 +81,15 @@ class Decider:
         metrics: GatewayMetrics,
         make_admission: Callable[[str], Admission],
         objectives: Objectives,
+        dc_policy: DcPolicy | None = None,
     ) -> None:
+        """``dc_policy``: FleetMind unless named."""
         self.view = view
         self.state = state
         self.local_dc = local_dc
+        self.region = next(d.region for d in view.fleet.dcs if d.name == local_dc)
+        self.dc_policy = dc_policy or FleetMind()
+        self._round_trips = view.fleet.round_trips_s()
         self.metrics = metrics
         self.quotas: LastKnown[AdmissionQuotas] = LastKnown()
         self.weights: LastKnown[RoutingWeights] = LastKnown()
@@ -113,22 +122,57 @@ class Decider:
                 retry_after_s=wait if wait != float("inf") else 60.0,
             )
 
-    def choose_dc(self, model: str, residency: tuple[str, ...] = ()) -> str:
-        """The DC to run in; ApiError(503) when no allowed DC serves the model."""
-        regions = {dc.name: dc.region for dc in self.view.fleet.dcs}
-        allowed = [
-            dc for dc in self.view.dcs_serving(model) if not residency or regions[dc] in residency
-        ]
-        if not allowed:
-            raise ApiError(503, f"No data center allowed for this request serves `{model}`.")
+    def choose_dc(
+        self,
+        model: str,
+        tenant: TenantConfig | None = None,
+        residency: tuple[str, ...] = (),
+        input_tokens: int = 0,
+    ) -> str:
+        """The DC to run in, as the DC policy picks it from this edge's view; ApiError(503)
+        saying why when no DC may run the request."""
+        config = self.view.fleet.model(model)
+        request = DcRequest(
+            "",
+            self.region,
+            input_tokens,
+            None if tenant is None or tenant.dcs is None else frozenset(tenant.dcs),
+            frozenset(residency),
+            None if config is None else config.version,
+        )
+        decision = self.dc_policy.choose(request, self._dc_view(model))
+        if decision.chosen is None:
+            why = ", ".join(f"{dc} ({reason})" for dc, reason in decision.excluded.items())
+            raise ApiError(
+                503,
+                f"No data center may run this request for `{model}`: {why or 'none serves it'}.",
+            )
+        return decision.chosen
+
+    def _dc_view(self, model: str) -> FleetState:
+        """The DCs serving ``model`` as this edge sees them: ready instances and versions
+        from telemetry, the controller's weights. Their load is not priced yet (the edge
+        does not read the capacity tables): a DC with room is chosen by round trip and
+        weight."""
         weights = self.weights.current(self.local_dc)
         self.metrics.control_defaults.labels("weights").set(weights is None)
-        if weights is not None:
-            weight = {w.dc: w.weight for w in weights.weights if w.model == model}
-            best = max(allowed, key=lambda dc: weight.get(dc, 0.0))
-            if weight.get(best, 0.0) > 0:
-                return best
-        return self.local_dc if self.local_dc in allowed else allowed[0]
+        weight = {w.dc: w.weight for w in weights.weights if w.model == model} if weights else {}
+        regions = {dc.name: dc.region for dc in self.view.fleet.dcs}
+        states = []
+        for dc in self.view.dcs_serving(model):
+            pool = self.view.pool(model, dc)
+            assert pool is not None
+            ready = [i for i in pool.instances if self.view.ready(i.id)]
+            states.append(
+                DataCenterState(
+                    dc,
+                    regions[dc],
+                    len(ready),
+                    frozenset(i.version for i in ready),
+                    weight=weight.get(dc),
+                )
+            )
+        return FleetState(tuple(states), self._round_trips)
 
     async def decide(self, inbound: Inbound, dc: str, arrived: float) -> Plan | Awaitable[Plan]:
         """Admit the request and pick its instance: the plan, or, for a request held in its
@@ -214,12 +258,14 @@ class Decider:
         assert pool is not None  # pipelines exist only for pools that served a request
         return self.view.snapshot(pool, await self.state.view(pool.ids, []))
 
-    async def least_loaded(self, model: str, dc: str | None = None) -> Plan:
+    async def least_loaded(
+        self, model: str, dc: str | None = None, tenant: TenantConfig | None = None
+    ) -> Plan:
         """The ready instance of ``model`` in ``dc`` (None: ``choose_dc``'s) with the fewest
         tokens in flight through the gateways, ties taken in turn (an idle pool shares its
         embeddings out evenly): for requests with no prefix to reuse and nothing to
         generate (embeddings, ``/tokenize``)."""
-        pool = self.view.pool(model, dc or self.choose_dc(model))
+        pool = self.view.pool(model, dc or self.choose_dc(model, tenant))
         assert pool is not None  # only DCs serving the model are asked for
         shared = await self.state.view(pool.ids, [])
         ready = [row for row, i in enumerate(pool.instances) if self.view.ready(i.id)]

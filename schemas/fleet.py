@@ -33,6 +33,11 @@ class ModelConfig(Frozen):
     context_tokens: int = Field(
         default=32_768, ge=1, description="Prompt plus output budget may not exceed this."
     )
+    version: Identifier | None = Field(
+        default=None,
+        description="The version requests must run on: a DC whose ready instances of the "
+        "model are all of other versions is not chosen (unset: any version).",
+    )
 
 
 class InstanceConfig(Frozen):
@@ -60,6 +65,11 @@ class TenantConfig(Frozen):
         default_factory=dict,
         description="The tenant's own objectives for these classes, over the fleet's.",
     )
+    dcs: tuple[Identifier, ...] | None = Field(
+        default=None,
+        description="The DCs the tenant's requests may run in, fallback included (unset: "
+        "every DC).",
+    )
 
     @model_validator(mode="after")
     def _default_allowed(self) -> TenantConfig:
@@ -83,9 +93,21 @@ class RoutingProfile(Frozen):
     )
 
 
+class RoundTrip(Frozen):
+    """The network between two regions, both ways."""
+
+    regions: tuple[Identifier, Identifier]
+    rtt_ms: float = Field(ge=0)
+
+
 class FleetConfig(Frozen):
     version: Literal[1] = 1
     dcs: tuple[DataCenter, ...] = Field(min_length=1)
+    network: tuple[RoundTrip, ...] = Field(
+        default=(),
+        description="Round trips between regions; pairs not named count as "
+        "the DC policy's default.",
+    )
     models: tuple[ModelConfig, ...] = Field(min_length=1)
     instances: tuple[InstanceConfig, ...] = Field(min_length=1)
     tenants: tuple[TenantConfig, ...] = ()
@@ -113,6 +135,10 @@ class FleetConfig(Frozen):
     def _references_resolve(self) -> FleetConfig:
         dcs = {d.name for d in self.dcs}
         models = {m.name for m in self.models}
+        for tenant in self.tenants:
+            unknown = set(tenant.dcs or ()) - dcs
+            if unknown:
+                raise ValueError(f"tenant {tenant.name!r} names unknown dcs {sorted(unknown)}")
         for instance in self.instances:
             if instance.dc not in dcs:
                 raise ValueError(f"instance {instance.id!r} names unknown dc {instance.dc!r}")
@@ -128,6 +154,14 @@ class FleetConfig(Frozen):
             if len(set(items)) != len(items):
                 raise ValueError(f"a {name} appears twice")
         return self
+
+    def round_trips_s(self) -> dict[tuple[str, str], float]:
+        """Round trips in seconds, by (region, region), both ways."""
+        out: dict[tuple[str, str], float] = {}
+        for trip in self.network:
+            a, b = trip.regions
+            out[a, b] = out[b, a] = trip.rtt_ms / 1000
+        return out
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)

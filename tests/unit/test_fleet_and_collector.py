@@ -54,6 +54,10 @@ def test_a_fleet_file_naming_an_unknown_dc_is_refused(tmp_path: Path) -> None:
         load_fleet(broken)
     with pytest.raises(FleetFileError, match="cannot read"):
         load_fleet(tmp_path / "missing.toml")
+    kept_out = tmp_path / "tenant.toml"
+    kept_out.write_text(EXAMPLE.read_text().replace('dcs = ["dc-a"]', 'dcs = ["dc-y"]'))
+    with pytest.raises(FleetFileError, match=r"tenant 'reports' names unknown dcs \['dc-y'\]"):
+        load_fleet(kept_out)
 
 
 def test_vllm_metrics_become_telemetry() -> None:

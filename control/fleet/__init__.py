@@ -1,0 +1,1 @@
+"""DC choice: which data center runs a request (FleetMind and the baselines)."""

@@ -1,0 +1,99 @@
+"""What a DC policy sees: the data centers that serve one model, as the edge last heard of
+them, and one request; and what it answers: the DCs to try, in order, with its reasons.
+
+The hard filters live here too, because every policy applies them, baselines included:
+an operator configures any load balancer with only the places a request may go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_RTT_S = 0.05
+"""The round trip assumed between two regions the fleet file does not name: a
+transcontinental path is 70 to 150 ms, one within a continent 10 to 40; a DC in another
+region than the client's should cost something even unmeasured."""
+
+
+@dataclass(frozen=True)
+class DataCenterState:
+    """One DC's pool of the request's model, as of the edge's last tables."""
+
+    name: str
+    region: str
+    ready_instances: int = 0
+    ready_versions: frozenset[str] = frozenset()
+    """The model versions with a ready instance here."""
+    utilisation: float = 0.0
+    """Demand over capacity lately (0 idle, 1 at capacity, more past it)."""
+    predicted_wait_s: float = 0.0
+    """How long a new request would queue here before its prefill starts."""
+    weight: float | None = None
+    """The controller's routing weight for the DC (None: none published)."""
+    warm: bool = False
+    """Whether the request's prefix (or tenant) ran here lately: its KV is likely warm."""
+
+
+@dataclass(frozen=True)
+class FleetState:
+    dcs: tuple[DataCenterState, ...]
+    round_trips_s: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    """Round trips by (region, region); pairs not named cost ``DEFAULT_RTT_S``."""
+
+    def rtt_s(self, source: str, target: str) -> float:
+        if source == target:
+            return 0.0
+        return self.round_trips_s.get((source, target), DEFAULT_RTT_S)
+
+
+@dataclass(frozen=True)
+class DcRequest:
+    request_id: str
+    source_region: str
+    """Where the client's request entered the fleet."""
+    input_tokens: int = 0
+    tenant_dcs: frozenset[str] | None = None
+    """The DCs the tenant may use (None: every DC)."""
+    residency: frozenset[str] = frozenset()
+    """The regions the request may run in (empty: any)."""
+    version: str | None = None
+    """The model version it must run on (None: any ready one)."""
+
+
+@dataclass(frozen=True)
+class DcDecision:
+    policy: str
+    order: tuple[str, ...]
+    """The DCs to try, best first: the first, then the fallback if it fails before the
+    first token. Empty: no DC may run the request."""
+    excluded: Mapping[str, str] = field(default_factory=dict)
+    """Each DC the hard filters took out, and why (``permission``, ``residency``,
+    ``not_ready``)."""
+    costs: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Each candidate's cost and its parts, where the policy prices candidates."""
+
+    @property
+    def chosen(self) -> str | None:
+        return self.order[0] if self.order else None
+
+
+def admissible(
+    request: DcRequest, fleet: FleetState
+) -> tuple[list[DataCenterState], dict[str, str]]:
+    """The DCs the request may run in, and why each other one may not: the tenant's
+    permission, the request's residency, the model (and version) ready there."""
+    allowed: list[DataCenterState] = []
+    excluded: dict[str, str] = {}
+    for dc in fleet.dcs:
+        if request.tenant_dcs is not None and dc.name not in request.tenant_dcs:
+            excluded[dc.name] = "permission"
+        elif request.residency and dc.region not in request.residency:
+            excluded[dc.name] = "residency"
+        elif dc.ready_instances == 0 or (
+            request.version is not None and request.version not in dc.ready_versions
+        ):
+            excluded[dc.name] = "not_ready"
+        else:
+            allowed.append(dc)
+    return allowed, excluded

@@ -1,0 +1,121 @@
+"""The gateway's DC choice (FleetMind on the edge's view): a request runs in its own DC
+while it may, in the region its residency names, never in a DC its tenant may not use,
+and where the controller's weights send it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from schemas import Envelope
+from schemas.control import DcWeight, RoutingWeights
+from schemas.fleet import FleetConfig
+from tests.gateway_harness import (
+    KEY,
+    MODEL,
+    PROFILE,
+    Gateway,
+    chat,
+    chat_answer,
+    gateway,
+    http_server,
+    until_ready,
+    vllm_metrics,
+)
+
+EU_ONLY_KEY = "sk-eu-only"
+
+
+def instance(served: list[str], dc: str) -> Starlette:
+    async def metrics(_: Request) -> Response:
+        return vllm_metrics(waiting=0, running=0)
+
+    async def answer(_: Request) -> Response:
+        served.append(dc)
+        return chat_answer()
+
+    return Starlette(
+        routes=[Route("/metrics", metrics), Route("/v1/chat/completions", answer, methods=["POST"])]
+    )
+
+
+@contextlib.asynccontextmanager
+async def two_dcs(served: list[str]) -> AsyncIterator[Gateway]:
+    """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east)."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = {
+            dc: await stack.enter_async_context(http_server(instance(served, dc)))
+            for dc in ("dc-a", "dc-b")
+        }
+        fleet = FleetConfig.model_validate(
+            {
+                "dcs": [
+                    {"name": "dc-a", "region": "eu-west"},
+                    {"name": "dc-b", "region": "us-east"},
+                ],
+                "network": [{"regions": ["eu-west", "us-east"], "rtt_ms": 80}],
+                "models": [{"name": MODEL, "profile": PROFILE}],
+                "instances": [
+                    {"id": f"i-{dc}", "dc": dc, "url": url, "model": MODEL}
+                    for dc, url in urls.items()
+                ],
+                "tenants": [
+                    {"name": "anyone", "api_keys": [KEY]},
+                    {"name": "eu-only", "api_keys": [EU_ONLY_KEY], "dcs": ["dc-a"]},
+                ],
+            }
+        )
+        front = await stack.enter_async_context(gateway(fleet, dc="dc-a"))
+        await until_ready(front)
+        yield front
+
+
+async def ask(http: httpx.AsyncClient, **headers: str) -> httpx.Response:
+    return await http.post("/v1/chat/completions", json=chat("hi"), headers=headers)
+
+
+async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherwise() -> None:
+    served: list[str] = []
+    async with two_dcs(served) as front, front.client() as http:
+        assert (await ask(http)).status_code == 200
+        us = await ask(http, **{"x-tokenfleet-residency": "us-east"})
+        assert us.status_code == 200
+        async with front.client(EU_ONLY_KEY) as eu_only:
+            refused = await ask(eu_only, **{"x-tokenfleet-residency": "us-east"})
+    assert served == ["dc-a", "dc-b"]
+    assert refused.status_code == 503
+    message = refused.json()["error"]["message"]
+    assert "dc-a (residency)" in message
+    assert "dc-b (permission)" in message
+
+
+async def test_the_controller_s_weights_move_the_request_to_another_dc() -> None:
+    served: list[str] = []
+    async with two_dcs(served) as front, front.client() as http:
+        weights = RoutingWeights(
+            scope="dc-a",
+            version=1,
+            issued_at=time.time(),
+            ttl_s=60,
+            weights=tuple(
+                DcWeight(model=MODEL, dc=dc, weight=w) for dc, w in (("dc-a", 0.0), ("dc-b", 1.0))
+            ),
+        )
+        await front.app.state.parts.bus.publish_event(Envelope.wrap(weights, source="test"))
+        for _ in range(100):
+            if front.app.state.decider.weights.current("dc-a"):
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the gateway never took the weights")
+        assert (await ask(http)).status_code == 200
+    assert served == ["dc-b"]  # 0.5 s of weight outweighs an 80 ms round trip

@@ -1,0 +1,136 @@
+"""FleetMind's DC choice and the baselines' on the edge's view of the fleet: the hard
+filters hold for every policy, then FleetMind prices what is left."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control.fleet.fleetmind import FleetMind
+from control.fleet.registry import DC_POLICIES, make_dc_policy
+from control.fleet.view import DataCenterState, DcRequest, FleetState
+
+B, C, D = "dc-b", "dc-c", "dc-d"
+RTT = {
+    **{pair: 0.09 for pair in (("eu", "us"), ("us", "eu"))},
+    **{pair: 0.15 for pair in (("asia", "eu"), ("eu", "asia"))},
+    **{pair: 0.20 for pair in (("asia", "us"), ("us", "asia"))},
+}
+
+
+def dc(name: str, region: str, **state: object) -> DataCenterState:
+    return DataCenterState(
+        name, region, **{"ready_instances": 4, "ready_versions": frozenset({"v2"}), **state}
+    )
+
+
+def fleet(*dcs: DataCenterState) -> FleetState:
+    return FleetState(dcs, RTT)
+
+
+def asked(source: str = "eu", **fields: object) -> DcRequest:
+    return DcRequest("r", source, **fields)  # type: ignore[arg-type]
+
+
+def test_the_hard_filters_say_why_each_dc_is_out() -> None:
+    view = fleet(
+        dc(B, "eu"), dc(C, "us"), dc(D, "eu", ready_versions=frozenset({"v1"})), dc("dc-e", "us")
+    )
+    request = asked(tenant_dcs=frozenset({B, C, D}), residency=frozenset({"eu"}), version="v2")
+    decision = FleetMind().choose(request, view)
+    assert decision.order == (B,)
+    assert dict(decision.excluded) == {C: "residency", D: "not_ready", "dc-e": "permission"}
+
+
+def test_the_local_dc_wins_while_it_has_room_and_a_short_queue() -> None:
+    view = fleet(dc(B, "eu", predicted_wait_s=0.05), dc(C, "us"))
+    decision = FleetMind().choose(asked(), view)
+    assert decision.order == (B, C)  # C is the fallback
+    assert decision.costs[C]["rtt_s"] == 0.09
+
+
+def test_a_queue_longer_than_the_trip_sends_the_request_away() -> None:
+    view = fleet(dc(B, "eu", predicted_wait_s=2.0), dc(C, "us", predicted_wait_s=0.1))
+    assert FleetMind().choose(asked(input_tokens=8_000), view).order == (C, B)
+
+
+def test_a_full_dc_comes_after_every_dc_with_room_and_keeps_a_reserve_for_its_region() -> None:
+    hot = dc(B, "eu", utilisation=0.95)
+    assert FleetMind().choose(asked(), fleet(hot, dc(C, "us", predicted_wait_s=5.0))).order == (
+        C,
+        B,
+    )
+    # at 85 % C still has room for its own region's clients, not for others
+    warm = dc(C, "us", utilisation=0.85)
+    other = dc(D, "asia", predicted_wait_s=1.0)
+    assert FleetMind().choose(asked("us"), fleet(warm, other)).chosen == C
+    assert FleetMind().choose(asked("eu"), fleet(warm, other)).chosen == D
+
+
+def test_the_controller_s_weight_and_a_warm_prefix_bias_the_choice() -> None:
+    view = fleet(dc(B, "eu"), dc(C, "us", weight=1.0))
+    assert FleetMind().choose(asked(), view).chosen == C  # 0.5 s of weight beats 90 ms
+    warm = fleet(dc(B, "eu", predicted_wait_s=0.15), dc(C, "us", predicted_wait_s=0.1, warm=True))
+    assert FleetMind().choose(asked(), warm).chosen == C
+
+
+def test_local_only_runs_at_home_or_nowhere() -> None:
+    local_only = make_dc_policy("local_only")
+    view = fleet(dc(B, "eu", utilisation=3.0), dc(C, "us"))
+    assert local_only.choose(asked(), view).order == (B,)  # however busy
+    assert local_only.choose(asked("asia"), view).order == (B,)  # no GPUs there: the nearest
+    assert local_only.choose(asked(version="v3"), view).order == ()
+    with pytest.raises(KeyError, match="known: fleetmind, local_only"):
+        make_dc_policy("nope")
+
+
+REGIONS = ("eu", "us", "asia")
+NAMES = tuple(f"dc-{n}" for n in range(5))
+
+
+@st.composite
+def fleets_and_requests(draw: st.DrawFn) -> tuple[FleetState, DcRequest]:
+    dcs = tuple(
+        DataCenterState(
+            name,
+            draw(st.sampled_from(REGIONS)),
+            draw(st.integers(0, 3)),
+            frozenset(draw(st.sets(st.sampled_from(("v1", "v2"))))),
+            draw(st.floats(0, 3)),
+            draw(st.floats(0, 10)),
+            draw(st.none() | st.floats(0, 1)),
+            draw(st.booleans()),
+        )
+        for name in draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=5, unique=True))
+    )
+    request = DcRequest(
+        "r",
+        draw(st.sampled_from(REGIONS)),
+        draw(st.integers(0, 100_000)),
+        draw(st.none() | st.frozensets(st.sampled_from(NAMES))),
+        draw(st.frozensets(st.sampled_from(REGIONS))),
+        draw(st.none() | st.sampled_from(("v1", "v2"))),
+    )
+    return FleetState(dcs, RTT), request
+
+
+@settings(max_examples=300, deadline=None)
+@given(fleets_and_requests())
+def test_no_policy_ever_sends_a_request_where_it_may_not_run(
+    case: tuple[FleetState, DcRequest],
+) -> None:
+    view, request = case
+    by_name = {d.name: d for d in view.dcs}
+    for policy in DC_POLICIES.values():
+        decision = policy().choose(request, view)
+        for name in decision.order:
+            chosen = by_name[name]
+            assert request.tenant_dcs is None or name in request.tenant_dcs
+            assert not request.residency or chosen.region in request.residency
+            assert chosen.ready_instances > 0
+            assert request.version is None or request.version in chosen.ready_versions
+        assert len(set(decision.order)) == len(decision.order)
+        assert not set(decision.order) & set(decision.excluded)
+    fleetmind = FleetMind().choose(request, view)  # every allowed DC is a fallback
+    assert set(fleetmind.order) | set(fleetmind.excluded) == set(by_name)
