@@ -170,6 +170,7 @@ class Decider:
                     len(ready),
                     frozenset(i.version for i in ready),
                     weight=weight.get(dc),
+                    instances=len(pool.instances),
                 )
             )
         return FleetState(tuple(states), self._round_trips)

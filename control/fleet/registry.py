@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from control.fleet.baselines import LocalOnly
+from control.fleet.baselines import (
+    EnvoyPriorityFailover,
+    GcpWaterfall,
+    LlmdMulticluster,
+    LocalOnly,
+    SkyServeLeastLoad,
+)
 from control.fleet.fleetmind import FleetMind
 from control.fleet.view import DcDecision, DcRequest, FleetState
 
@@ -22,6 +28,10 @@ class DcPolicy(Protocol):
 DC_POLICIES: dict[str, Callable[[], DcPolicy]] = {
     "fleetmind": FleetMind,
     "local_only": LocalOnly,
+    "envoy_priority_failover": EnvoyPriorityFailover,
+    "gcp_waterfall": GcpWaterfall,
+    "skyserve_least_load": SkyServeLeastLoad,
+    "llmd_multicluster": LlmdMulticluster,
 }
 
 

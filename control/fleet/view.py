@@ -33,6 +33,18 @@ class DataCenterState:
     """The controller's routing weight for the DC (None: none published)."""
     warm: bool = False
     """Whether the request's prefix (or tenant) ran here lately: its KV is likely warm."""
+    instances: int = 0
+    """Instances of the model configured here, ready or not."""
+    inflight_requests: float = 0.0
+    """Requests sent here and not finished, as the edge counts them."""
+    kv_use: float = 0.0
+    """The pool's mean share of KV blocks in use."""
+    queue: float = 0.0
+    """The pool's mean requests waiting per instance."""
+
+    @property
+    def healthy_share(self) -> float:
+        return self.ready_instances / self.instances if self.instances else 0.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,12 @@ class FleetState:
         if source == target:
             return 0.0
         return self.round_trips_s.get((source, target), DEFAULT_RTT_S)
+
+    def nearest_first(
+        self, source: str, dcs: list[DataCenterState] | tuple[DataCenterState, ...]
+    ) -> list[DataCenterState]:
+        """``dcs`` by round trip from ``source``, ties in fleet order."""
+        return sorted(dcs, key=lambda dc: self.rtt_s(source, dc.region))
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,8 @@ class DcRequest:
     """The regions the request may run in (empty: any)."""
     version: str | None = None
     """The model version it must run on (None: any ready one)."""
+    draw: float = 0.0
+    """A uniform draw in [0, 1) from the host, for policies that split traffic at random."""
 
 
 @dataclass(frozen=True)

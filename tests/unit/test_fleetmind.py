@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from control.fleet.baselines import EnvoyPriorityFailover
 from control.fleet.fleetmind import FleetMind
 from control.fleet.registry import DC_POLICIES, make_dc_policy
 from control.fleet.view import DataCenterState, DcRequest, FleetState
@@ -20,9 +21,8 @@ RTT = {
 
 
 def dc(name: str, region: str, **state: object) -> DataCenterState:
-    return DataCenterState(
-        name, region, **{"ready_instances": 4, "ready_versions": frozenset({"v2"}), **state}
-    )
+    defaults = {"ready_instances": 4, "instances": 4, "ready_versions": frozenset({"v2"})}
+    return DataCenterState(name, region, **{**defaults, **state})  # type: ignore[arg-type]
 
 
 def fleet(*dcs: DataCenterState) -> FleetState:
@@ -81,8 +81,52 @@ def test_local_only_runs_at_home_or_nowhere() -> None:
     assert local_only.choose(asked(), view).order == (B,)  # however busy
     assert local_only.choose(asked("asia"), view).order == (B,)  # no GPUs there: the nearest
     assert local_only.choose(asked(version="v3"), view).order == ()
-    with pytest.raises(KeyError, match="known: fleetmind, local_only"):
+    with pytest.raises(KeyError, match="known: envoy_priority_failover, fleetmind, gcp"):
         make_dc_policy("nope")
+
+
+def test_envoy_spills_what_a_level_s_health_cannot_carry_to_the_next() -> None:
+    envoy = EnvoyPriorityFailover()
+    half = dc(B, "eu", ready_instances=2, instances=4)  # health min(100, 140 * 2 // 4) = 70
+    whole = dc(C, "us", instances=4)
+    assert envoy.priority_loads([half, whole]) == [70, 30]
+    assert envoy.choose(asked(draw=0.69), fleet(half, whole)).order == (B, C)
+    assert envoy.choose(asked(draw=0.70), fleet(half, whole)).order == (C, B)
+    five_of_seven = dc(B, "eu", ready_instances=5, instances=7)  # 1.4 x 71 % = all of it
+    assert envoy.priority_loads([five_of_seven, whole]) == [100, 0]
+    sick = [dc(n, "eu", ready_instances=1, instances=5) for n in (B, C)]  # 28 each, in panic
+    assert envoy.priority_loads(sick) == [50, 50]
+    assert envoy.choose(asked(), fleet(dc(B, "eu", utilisation=5.0), whole)).chosen == B
+
+
+def test_gcp_waterfall_fills_the_nearest_region_to_its_capacity_then_spills() -> None:
+    gcp = make_dc_policy("gcp_waterfall")
+    near, far = dc(B, "eu", instances=4), dc(C, "us", instances=4)
+    assert gcp.choose(asked(), fleet(near, far)).order == (B, C)
+    assert gcp.choose(asked(), fleet(dc(B, "eu", instances=4, utilisation=0.8), far)).chosen == C
+    unhealthy = dc(B, "eu", ready_instances=2, instances=4)  # 50 % healthy, under 70 %
+    assert gcp.choose(asked(), fleet(unhealthy, far)).chosen == C
+    both_full = fleet(
+        dc(B, "eu", instances=4, utilisation=1.5), dc(C, "us", instances=4, utilisation=0.9)
+    )
+    assert gcp.choose(asked(), both_full).chosen == C  # undocumented upstream: least utilised
+
+
+def test_skyserve_takes_the_least_loaded_replicas_however_far() -> None:
+    skyserve = make_dc_policy("skyserve_least_load")
+    view = fleet(dc(B, "eu", inflight_requests=12.0), dc(C, "asia", inflight_requests=8.0))
+    assert skyserve.choose(asked(), view).order == (C, B)  # 2 a replica against 3
+    tie = fleet(dc(B, "eu"), dc(C, "us"))
+    assert {skyserve.choose(asked(draw=d), tie).chosen for d in (0.0, 0.6)} == {B, C}
+
+
+def test_llm_d_multicluster_scores_free_kv_and_the_shortest_queue() -> None:
+    llmd = make_dc_policy("llmd_multicluster")
+    view = fleet(dc(B, "eu", kv_use=0.9, queue=0.0), dc(C, "us", kv_use=0.2, queue=4.0))
+    decision = llmd.choose(asked(), view)
+    assert decision.costs[B]["score"] == pytest.approx(1.1)  # 0.1 + 1
+    assert decision.costs[C]["score"] == pytest.approx(0.8)  # 0.8 + 0
+    assert decision.order == (B, C)
 
 
 REGIONS = ("eu", "us", "asia")
@@ -101,6 +145,10 @@ def fleets_and_requests(draw: st.DrawFn) -> tuple[FleetState, DcRequest]:
             draw(st.floats(0, 10)),
             draw(st.none() | st.floats(0, 1)),
             draw(st.booleans()),
+            draw(st.integers(3, 6)),
+            draw(st.floats(0, 50)),
+            draw(st.floats(0, 1)),
+            draw(st.floats(0, 20)),
         )
         for name in draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=5, unique=True))
     )
@@ -111,6 +159,7 @@ def fleets_and_requests(draw: st.DrawFn) -> tuple[FleetState, DcRequest]:
         draw(st.none() | st.frozensets(st.sampled_from(NAMES))),
         draw(st.frozensets(st.sampled_from(REGIONS))),
         draw(st.none() | st.sampled_from(("v1", "v2"))),
+        draw(st.floats(0, 1, exclude_max=True)),
     )
     return FleetState(dcs, RTT), request
 
@@ -132,5 +181,7 @@ def test_no_policy_ever_sends_a_request_where_it_may_not_run(
             assert request.version is None or request.version in chosen.ready_versions
         assert len(set(decision.order)) == len(decision.order)
         assert not set(decision.order) & set(decision.excluded)
+    levels = [d for d in view.dcs if d.name not in FleetMind().choose(request, view).excluded]
+    assert sum(EnvoyPriorityFailover().priority_loads(levels)) == (100 if levels else 0)
     fleetmind = FleetMind().choose(request, view)  # every allowed DC is a fallback
     assert set(fleetmind.order) | set(fleetmind.excluded) == set(by_name)
