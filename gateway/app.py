@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control.admission.baselines import Fcfs
 from control.admission.registry import Admission
+from control.fleet.registry import make_dc_policy
 from control.routing.registry import Router
 from gateway.admission import Refused
 from gateway.decide import Decider
@@ -103,6 +104,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
         metrics,
         parts.make_admission,
         fleet.all_objectives(),
+        make_dc_policy(settings.dc_policy),
     )
     events = EventSink(
         parts.bus,

@@ -23,6 +23,8 @@ class GatewaySettings(BaseSettings):
     admission: str = "slomax"
     """The admission policy, by the name ``tokenfleet sim --admission`` takes (``fcfs``:
     admit everything, as a gateway without admission does)."""
+    dc_policy: str = "fleetmind"
+    """How the gateway picks the DC of each request, by name (``control.fleet.registry``)."""
     token_lag_s: float | None = Field(default=None, ge=0, le=1)
     """TokenPilot: from an engine step's end to its streamed tokens reaching this gateway
     (the engine's output path, detokenising, the network). TokenPilot places each

@@ -59,6 +59,17 @@ def test_a_setting_out_of_range_is_named_without_a_traceback(
     assert "Traceback" not in err
 
 
+def test_an_unknown_dc_policy_is_named_with_the_known_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fleet = Path(__file__).parents[2] / "examples" / "fleet.toml"
+    assert main(["gateway", "--fleet", str(fleet), "--port", "0", "--dc-policy", "nearest"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown DC policy 'nearest'" in err
+    assert "gcp_waterfall" in err
+    assert "Traceback" not in err
+
+
 def test_a_server_that_exits_at_once_is_reported_and_forgotten(tmp_path: Path) -> None:
     from tokenfleet.services.process import ServerProcess, ServiceError, read_address
 

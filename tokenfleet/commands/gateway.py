@@ -40,6 +40,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "the baselines of tokenfleet bench admission)",
     )
     gateway.add_argument("--dc", help="the DC this gateway serves (default: the first)")
+    gateway.add_argument(
+        "--dc-policy",
+        help="how the gateway picks the DC of each request (default: fleetmind; "
+        "local_only, envoy_priority_failover, gcp_waterfall, skyserve_least_load and "
+        "llmd_multicluster are the baselines of docs/fleetmind.md)",
+    )
     gateway.set_defaults(handler=_gateway)
 
 
@@ -56,6 +62,7 @@ def _gateway(args: argparse.Namespace) -> int:
             "policy": args.policy,
             "admission": args.admission,
             "dc": args.dc,
+            "dc_policy": args.dc_policy,
         }.items()
         if v is not None
     }
