@@ -8,7 +8,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, get_type_hints, runtime_checkable
 
 import numpy as np
-import numpy.typing as npt
 from pydantic import TypeAdapter, ValidationError
 
 from control.routing.baselines import LeastRequests, PowerOfTwo, PowerOfTwoParams, RoundRobin
@@ -26,6 +25,7 @@ from control.routing.snapshot import (
     Decision,
     FleetSnapshot,
     KvEvent,
+    LatencyPrediction,
     Observation,
     PoolModel,
     RouteRequest,
@@ -61,13 +61,13 @@ class Withdrawing(Protocol):
 
 
 @runtime_checkable
-class PredictsTtft(Protocol):
-    """A router with a latency model that admission may ask, without routing: the TTFT a
-    client would see for ``request`` on each instance (the API's overhead included)."""
+class PredictsLatency(Protocol):
+    """A router with a latency model that admission may ask, without routing: the TTFT
+    and TPOT a client would see for ``request`` on each instance."""
 
-    def predict_ttft(
+    def predict(
         self, request: RouteRequest, fleet: FleetSnapshot, now: float
-    ) -> npt.NDArray[np.float64]: ...
+    ) -> LatencyPrediction: ...
 
 
 @runtime_checkable
