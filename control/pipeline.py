@@ -36,7 +36,7 @@ from control.routing import (
     FleetSnapshot,
     FollowsRequests,
     Learner,
-    PredictsLatency,
+    PredictsTtft,
     Router,
     RouteRequest,
     Withdrawing,
@@ -291,8 +291,8 @@ class Pipeline(Generic[Payload]):
         held: bool,
     ) -> AdmissionDecision:
         predicted = None
-        if self.admission.wants_prediction and implements(self.router, PredictsLatency):
-            predicted = cast(PredictsLatency, self.router).predict(route, fleet, now)
+        if self.admission.wants_prediction and implements(self.router, PredictsTtft):
+            predicted = cast(PredictsTtft, self.router).predict_ttft(route, fleet, now)
         view = AdmissionView(
             now,
             fleet,

@@ -15,7 +15,7 @@ from enum import StrEnum
 import numpy as np
 
 from control.admission.request import AdmissionRequest
-from control.routing.snapshot import BoolArray, FleetSnapshot, FloatArray, LatencyPrediction
+from control.routing.snapshot import BoolArray, FleetSnapshot, FloatArray
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
 from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
@@ -86,9 +86,9 @@ class AdmissionView:
     now_s: float
     fleet: FleetSnapshot
     """The instances' load as the router sees it (``control.routing.snapshot``)."""
-    predicted: LatencyPrediction | None = None
-    """The router's TTFT and TPOT prediction for this request on each instance (None: it
-    makes none, and no decision rests on a prediction)."""
+    predicted_ttft_s: FloatArray | None = None
+    """The router's TTFT prediction for this request on each instance (None: it makes
+    none, and no decision rests on a prediction)."""
     pools: Mapping[TaskClass, PoolState] = field(default_factory=dict)
     inflight: Mapping[TaskClass, int] = field(default_factory=dict)
     """Requests of each class dispatched and not yet finished, by every host of the pool."""
@@ -136,9 +136,9 @@ class AdmissionView:
 
     def best_predicted_ttft_s(self, allowed: BoolArray | None) -> float | None:
         """The lowest predicted TTFT among the instances the request may use."""
-        if self.predicted is None:
+        if self.predicted_ttft_s is None:
             return None
         usable = self.fleet.ready if allowed is None else allowed
         if not usable.any():
             return None
-        return float(np.min(self.predicted.ttft_s[usable]))
+        return float(np.min(self.predicted_ttft_s[usable]))

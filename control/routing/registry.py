@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, get_type_hints, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import TypeAdapter, ValidationError
 
 from control.routing.baselines import LeastRequests, PowerOfTwo, PowerOfTwoParams, RoundRobin
@@ -25,7 +26,6 @@ from control.routing.snapshot import (
     Decision,
     FleetSnapshot,
     KvEvent,
-    LatencyPrediction,
     Observation,
     PoolModel,
     RouteRequest,
@@ -61,13 +61,13 @@ class Withdrawing(Protocol):
 
 
 @runtime_checkable
-class PredictsLatency(Protocol):
-    """A router with a latency model that admission may ask, without routing: the TTFT
-    and TPOT a client would see for ``request`` on each instance."""
+class PredictsTtft(Protocol):
+    """A router with a latency model that admission may ask, without routing: the TTFT a
+    client would see for ``request`` on each instance (the API's overhead included)."""
 
-    def predict(
+    def predict_ttft(
         self, request: RouteRequest, fleet: FleetSnapshot, now: float
-    ) -> LatencyPrediction: ...
+    ) -> npt.NDArray[np.float64]: ...
 
 
 @runtime_checkable

@@ -117,16 +117,6 @@ PREDICTED_TTFT_S = "predicted_ttft_s"
 
 
 @dataclass(frozen=True)
-class LatencyPrediction:
-    """What a client would see of a request on each instance (the API's overheads
-    included; infinite where not ready)."""
-
-    ttft_s: FloatArray
-    tpot_s: FloatArray
-    """The time per output token of the decode step the request would join now."""
-
-
-@dataclass(frozen=True)
 class Decision:
     """A routing decision with its reasons, kept as arrays aligned with the snapshot.
 

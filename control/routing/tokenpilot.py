@@ -69,8 +69,8 @@ from control.routing.snapshot import (
     PREDICTED_TTFT_S,
     Decision,
     FleetSnapshot,
+    FloatArray,
     KvEvent,
-    LatencyPrediction,
     Observation,
     PoolModel,
     RouteRequest,
@@ -172,19 +172,14 @@ class TokenPilot:
         parts |= {"correction": ratio, PREDICTED_TTFT_S: predicted}
         return Decision(self.name, chosen, np.where(fleet.ready, scores, np.nan), parts)
 
-    def predict(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> LatencyPrediction:
-        """The TTFT and TPOT a client would see on each instance, as ``route`` predicts
-        them, with nothing recorded (for admission, which decides before the route is
-        taken)."""
+    def predict_ttft(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> FloatArray:
+        """The TTFT a client would see on each instance, as ``route`` predicts it, with
+        nothing recorded (for admission, which decides before the route is taken)."""
         ledger, correction = self._state(len(fleet))
         ledger.advance(now)
         parts = self._predict(request, fleet, ledger, now)
-        ttft = (parts["queue_s"] + parts["prefill_s"]) * correction.ratio
-        step_time = self.pool.step_time
-        return LatencyPrediction(
-            np.where(fleet.ready, ttft + step_time.ttft_overhead_s, np.inf),
-            np.where(fleet.ready, parts["tpot_s"] + step_time.token_overhead_s, np.inf),
-        )
+        predicted = (parts["queue_s"] + parts["prefill_s"]) * correction.ratio
+        return np.where(fleet.ready, predicted + self.pool.step_time.ttft_overhead_s, np.inf)
 
     def observe(self, observation: Observation) -> None:
         sent = self._sent.pop(observation.request_id)

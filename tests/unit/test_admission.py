@@ -40,7 +40,6 @@ from control.routing import (
     RouteRequest,
     make_router,
 )
-from control.routing.snapshot import LatencyPrediction
 from control.step_time import KneeRoofline
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
@@ -68,14 +67,10 @@ def request(task_class=CHAT, tokens=1_000, arrival=0.0, deadline=None, rid="r") 
     return AdmissionRequest(rid, task_class, "t", tokens, 100, arrival, deadline)
 
 
-def view(snapshot=None, now=0.0, predicted=None, tpot=None, **kwargs) -> AdmissionView:
+def view(snapshot=None, now=0.0, predicted=None, **kwargs) -> AdmissionView:
     snapshot = snapshot or fleet()
-    latency = None
-    if predicted is not None:
-        ttft = np.array(predicted, dtype=np.float64)
-        per_token = np.zeros_like(ttft) if tpot is None else np.array(tpot, dtype=np.float64)
-        latency = LatencyPrediction(ttft, per_token)
-    return AdmissionView(now, snapshot, latency, **kwargs)
+    ttft = None if predicted is None else np.array(predicted, dtype=np.float64)
+    return AdmissionView(now, snapshot, ttft, **kwargs)
 
 
 def allowed(decision: AdmissionDecision) -> list[bool]:
