@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import cast
 
 from control.admission.registry import Admission
 from control.admission.request import PRIORITY, AdmissionRequest
@@ -180,14 +181,27 @@ class GatewayAdmission:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), self.tick_s)
                 self._changed.clear()
+                await self._shared_loads()
                 try:
-                    await self.share_loads()
                     if await self.release_pass():
-                        await self.share_loads()
+                        await self._shared_loads()
                 except Exception:  # a bug in one pass must not leave every hold waiting
                     log.exception("admission release pass failed")
         finally:
             self.answer_held(SHUTDOWN)
+            with contextlib.suppress(Exception):  # the others stop counting this replica
+                await self._loads("{}")
+
+    async def _shared_loads(self) -> None:
+        """``share_loads``; a failure leaves this replica deciding alone until the next
+        pass, and never stops its releases."""
+        try:
+            await self.share_loads()
+        except Exception:
+            log.exception("sharing admission load failed")
+            self._peers = {}
+            for pipeline in self._pipelines.values():
+                pipeline.peers = {}
 
     def close(self) -> None:
         """The gateway is stopping: answer every held request now, and any held later."""
@@ -216,7 +230,7 @@ class GatewayAdmission:
             _pool_name(key): _encoded(pipeline.load(now), wall - now)
             for key, pipeline in self._pipelines.items()
         }
-        others = [json.loads(load) for load in await self._loads(json.dumps(own))]
+        others = [load for raw in await self._loads(json.dumps(own)) if (load := _read(raw))]
         names = {name for other in others for name in other}
         self._peers = {
             name: _summed([_decoded(o[name], now - wall) for o in others if name in o])
@@ -285,6 +299,20 @@ def _encoded(loads: dict[TaskClass, ClassLoad], to_wall_s: float) -> dict[str, l
     }
 
 
+def _read(raw: str) -> dict[str, dict[str, list[float | None]]] | None:
+    """A peer's load, or None (logged) where it is not one this replica reads: a replica
+    of another version, mid-upgrade, must not stop this one's pools."""
+    try:
+        load = json.loads(raw)
+        for pool in load.values():
+            for name, (_inflight, _decoding, _held, _drained, _head) in pool.items():
+                TaskClass(name)
+    except (ValueError, TypeError, AttributeError) as exc:
+        log.warning("skipping a peer's admission load it cannot read (%s)", exc)
+        return None
+    return cast(dict[str, dict[str, list[float | None]]], load)
+
+
 def _decoded(encoded: dict[str, list[float | None]], to_own_s: float) -> dict[TaskClass, ClassLoad]:
     loads = {}
     for name, (inflight, decoding, held, drained, head) in encoded.items():
@@ -333,17 +361,17 @@ def _routed(outcome: Outcome[Held], *, waited: bool) -> Admitted:
 
 
 class Refused(ApiError):
-    """Admission's refusal; ``reason`` is what the lifecycle event reports."""
+    """A refusal of the gateway's policies; ``reason`` is what the lifecycle event reports."""
 
     def __init__(
         self,
         status: int,
         message: str,
-        admission_reason: str,
+        reason: RejectReason,
         retry_after_s: float | None = None,
     ) -> None:
         super().__init__(status, message, retry_after_s=retry_after_s)
-        self.reason = rejected_for(admission_reason)
+        self.reason = reason
 
 
 def rejected_for(admission_reason: str) -> RejectReason:
@@ -361,18 +389,19 @@ def _refusal(outcome: Outcome[Held], *, waited: bool) -> ApiError:
     (that one may come straight back, to another replica)."""
     decision = outcome.admission
     task_class, reason = outcome.request.task_class.value, decision.reason
+    why = rejected_for(reason)
     if reason == SHUTDOWN:
         message = "The gateway is stopping; send the request again."
-        return Refused(503, message, reason, retry_after_s=REFUSED_RETRY_AFTER_S)
+        return Refused(503, message, why, retry_after_s=REFUSED_RETRY_AFTER_S)
     if waited:
         message = (
             f"This {task_class} request waited for capacity and can no longer meet its "
             f"objective ({reason})."
         )
-        return Refused(503, message, reason)
+        return Refused(503, message, why)
     message = f"The fleet cannot take this {task_class} request now ({reason}); retry later."
     retry_after = decision.retry_after_s or REFUSED_RETRY_AFTER_S
-    return Refused(429, message, reason, retry_after_s=retry_after)
+    return Refused(429, message, why, retry_after_s=retry_after)
 
 
 def _admitting(inbound: Inbound, arrived: float, objectives: Objectives) -> AdmissionRequest:

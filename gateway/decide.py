@@ -14,6 +14,7 @@ Safe defaults when control is silent (no snapshot, or past its TTL):
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,13 +29,14 @@ from control.routing.registry import Router
 from control.routing.snapshot import BoolArray, Decision, FleetSnapshot, RouteRequest
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.tokens import BLOCK_TOKENS
-from gateway.admission import GatewayAdmission, Waiting
+from gateway.admission import GatewayAdmission, Refused, Waiting
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from gateway.state import SharedState, SharedView
 from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
 from schemas.fleet import TenantConfig
+from schemas.lifecycle import RejectReason
 from schemas.objectives import Objectives
 from schemas.openai_api import ApiError
 
@@ -90,6 +92,8 @@ class Decider:
         self.region = next(d.region for d in view.fleet.dcs if d.name == local_dc)
         self.dc_policy = dc_policy or FleetMind()
         self._round_trips = view.fleet.round_trips_s()
+        self._draws = random.Random()
+        """For the DC policies that split traffic at random (Envoy's priority levels)."""
         self.metrics = metrics
         self.quotas: LastKnown[AdmissionQuotas] = LastKnown()
         self.weights: LastKnown[RoutingWeights] = LastKnown()
@@ -135,25 +139,30 @@ class Decider:
         request = DcRequest(
             "",
             self.region,
+            self.local_dc,
             input_tokens,
             None if tenant is None or tenant.dcs is None else frozenset(tenant.dcs),
             frozenset(residency),
             None if config is None else config.version,
+            self._draws.random(),
         )
         decision = self.dc_policy.choose(request, self._dc_view(model))
         if decision.chosen is None:
-            why = ", ".join(f"{dc} ({reason})" for dc, reason in decision.excluded.items())
-            raise ApiError(
+            reasons = decision.excluded
+            why = ", ".join(f"{dc} ({reason})" for dc, reason in reasons.items())
+            kept_out = reasons and set(reasons.values()) <= {"permission", "residency"}
+            raise Refused(
                 503,
                 f"No data center may run this request for `{model}`: {why or 'none serves it'}.",
+                RejectReason.RESIDENCY if kept_out else RejectReason.NO_CAPACITY,
             )
         return decision.chosen
 
     def _dc_view(self, model: str) -> FleetState:
-        """The DCs serving ``model`` as this edge sees them: ready instances and versions
-        from telemetry, the controller's weights. Their load is not priced yet (the edge
-        does not read the capacity tables): a DC with room is chosen by round trip and
-        weight."""
+        """The DCs serving ``model`` as this edge sees them: instances, versions and load
+        from telemetry, the controller's weights. FleetMind does not price load from it
+        yet (the edge does not read the capacity tables, which say what a DC's load costs):
+        a DC with room is chosen by round trip and weight."""
         weights = self.weights.current(self.local_dc)
         self.metrics.control_defaults.labels("weights").set(weights is None)
         weight = {w.dc: w.weight for w in weights.weights if w.model == model} if weights else {}
@@ -163,14 +172,19 @@ class Decider:
             pool = self.view.pool(model, dc)
             assert pool is not None
             ready = [i for i in pool.instances if self.view.ready(i.id)]
+            load = self.view.load(pool)
             states.append(
                 DataCenterState(
                     dc,
                     regions[dc],
                     len(ready),
                     frozenset(i.version for i in ready),
+                    frozenset(i.version for i in pool.instances),
                     weight=weight.get(dc),
                     instances=len(pool.instances),
+                    inflight_requests=load.requests,
+                    kv_use=load.kv_use,
+                    queue=load.waiting,
                 )
             )
         return FleetState(tuple(states), self._round_trips)

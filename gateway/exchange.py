@@ -154,12 +154,16 @@ class Exchange:
                 return await self._attempt(trip, request)
             except UpstreamFailed as exc:
                 self.view.failed(trip.instance.id)
-                await self._release(trip)
                 error = str(exc)
             except BaseException:  # a bug, or the client gone: undo it all the same
                 self.spawn(self._abandoned(trip))
                 raise
-        self.decider.admission.finished(inbound, plan.dc)
+            try:  # only a failed attempt comes here
+                await self._release(trip)
+            except BaseException:  # the client gone meanwhile: its books still close
+                self.spawn(self._abandoned(trip))
+                raise
+        self.decider.admission.finished(inbound, plan.dc, cancelled=True)
         self.events.emit(
             RequestFailed(request_id=inbound.request_id, instance_id=trip.instance.id, error=error)
         )
@@ -175,14 +179,18 @@ class Exchange:
         async with self._deciding:
             decided = await self.decider.decide(inbound, dc, arrived)
             if isinstance(decided, Plan):
-                return await self._reserved(inbound, decided)
+                return await self._reserved(inbound, decided, locked=True)
         plan = await _unless_gone(decided, request)
-        async with self._deciding:
-            return await self._reserved(inbound, plan)
+        return await self._reserved(inbound, plan, locked=False)
 
-    async def _reserved(self, inbound: Inbound, plan: Plan) -> Plan:
+    async def _reserved(self, inbound: Inbound, plan: Plan, *, locked: bool) -> Plan:
+        """``_reserve`` under the decision lock (taken here unless ``locked``); a client
+        that leaves meanwhile, even while waiting for the lock, closes its books."""
         try:
-            return await self._reserve(inbound, plan)
+            if locked:
+                return await self._reserve(inbound, plan)
+            async with self._deciding:
+                return await self._reserve(inbound, plan)
         except BaseException:  # the client left: admission counted it in flight
             self.decider.admission.finished(inbound, plan.dc, cancelled=True)
             raise

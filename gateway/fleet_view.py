@@ -39,6 +39,16 @@ class Pool:
         return tuple(i.id for i in self.instances)
 
 
+@dataclass(frozen=True)
+class PoolLoad:
+    """A pool's load as last scraped: the mean requests waiting and mean share of KV in
+    use per ready instance, and the requests running or waiting in all."""
+
+    waiting: float = 0.0
+    kv_use: float = 0.0
+    requests: int = 0
+
+
 class FleetView:
     def __init__(self, fleet: FleetConfig, failure_cooldown_s: float = 5.0) -> None:
         self.fleet = fleet
@@ -88,6 +98,17 @@ class FleetView:
 
     def any_ready(self) -> bool:
         return any(self.ready(i.id) for i in self.fleet.instances)
+
+    def load(self, pool: Pool) -> PoolLoad:
+        """The pool's ready instances as last scraped."""
+        rows = [t for i in pool.ids if self.ready(i) and (t := self._telemetry.get(i))]
+        if not rows:
+            return PoolLoad()
+        return PoolLoad(
+            float(np.mean([t.waiting for t in rows])),
+            float(np.mean([t.kv_blocks_used / max(t.kv_blocks_total, 1) for t in rows])),
+            sum(t.waiting + t.running for t in rows),
+        )
 
     def snapshot(self, pool: Pool, shared: SharedView) -> FleetSnapshot:
         rows = [self._telemetry.get(i) for i in pool.ids]

@@ -13,15 +13,17 @@ from control.fleet.view import DataCenterState, DcDecision, DcRequest, FleetStat
 
 @dataclass(frozen=True)
 class LocalOnly:
-    """Every request runs in its entry region's home DC: the DC in that region, or for a
-    region without GPUs, the nearest by round trip. No fallback: a home DC that cannot
-    run the request leaves it unserved."""
+    """Every request runs in its entry region's home DC: the DC whose gateway took it,
+    else the DC in that region, or for a region without GPUs the nearest by round trip.
+    No fallback: a home DC that cannot run the request leaves it unserved."""
 
     name: str = "local_only"
 
     def choose(self, request: DcRequest, fleet: FleetState) -> DcDecision:
         allowed, excluded = admissible(request, fleet)
-        home = next(iter(fleet.nearest_first(request.source_region, fleet.dcs)), None)
+        by_name = {dc.name: dc for dc in fleet.dcs}
+        nearest = fleet.nearest_first(request.source_region, fleet.dcs)
+        home = by_name.get(request.source_dc or "") or next(iter(nearest), None)
         return DcDecision(self.name, (home.name,) if home in allowed else (), excluded)
 
 
@@ -127,7 +129,7 @@ class SkyServeLeastLoad:
         if not allowed:
             return DcDecision(self.name, (), excluded)
         rotated = _rotated(allowed, request.draw)
-        order = sorted(rotated, key=lambda dc: dc.inflight_requests / dc.ready_instances)
+        order = sorted(rotated, key=lambda dc: dc.inflight_requests / max(dc.ready_instances, 1))
         return DcDecision(self.name, tuple(dc.name for dc in order), excluded)
 
 

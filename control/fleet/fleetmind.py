@@ -44,7 +44,14 @@ class FleetMind:
     def choose(self, request: DcRequest, fleet: FleetState) -> DcDecision:
         allowed, excluded = admissible(request, fleet)
         costs = {dc.name: self._cost(request, dc, fleet) for dc in allowed}
-        order = sorted(allowed, key=lambda dc: (costs[dc.name]["full"], costs[dc.name]["cost"]))
+        order = sorted(
+            allowed,
+            key=lambda dc: (
+                costs[dc.name]["full"],
+                costs[dc.name]["cost"],
+                dc.name != request.source_dc,
+            ),
+        )
         return DcDecision(self.name, tuple(dc.name for dc in order), excluded, costs)
 
     def _cost(self, request: DcRequest, dc: DataCenterState, fleet: FleetState) -> dict[str, float]:

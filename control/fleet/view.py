@@ -25,6 +25,8 @@ class DataCenterState:
     ready_instances: int = 0
     ready_versions: frozenset[str] = frozenset()
     """The model versions with a ready instance here."""
+    versions: frozenset[str] = frozenset()
+    """The model versions deployed here, ready or not."""
     utilisation: float = 0.0
     """Demand over capacity lately (0 idle, 1 at capacity, more past it)."""
     predicted_wait_s: float = 0.0
@@ -70,6 +72,8 @@ class DcRequest:
     request_id: str
     source_region: str
     """Where the client's request entered the fleet."""
+    source_dc: str | None = None
+    """The DC whose gateway took the request, preferred among equals (None: none)."""
     input_tokens: int = 0
     tenant_dcs: frozenset[str] | None = None
     """The DCs the tenant may use (None: every DC)."""
@@ -89,7 +93,7 @@ class DcDecision:
     first token. Empty: no DC may run the request."""
     excluded: Mapping[str, str] = field(default_factory=dict)
     """Each DC the hard filters took out, and why (``permission``, ``residency``,
-    ``not_ready``)."""
+    ``not_deployed``, ``not_ready``)."""
     costs: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     """Each candidate's cost and its parts, where the policy prices candidates."""
 
@@ -102,18 +106,29 @@ def admissible(
     request: DcRequest, fleet: FleetState
 ) -> tuple[list[DataCenterState], dict[str, str]]:
     """The DCs the request may run in, and why each other one may not: the tenant's
-    permission, the request's residency, the model (and version) ready there."""
-    allowed: list[DataCenterState] = []
+    permission, the request's residency, the model (and version) deployed there, and
+    ready there while some other such DC has it ready. Where none has, the DCs it is
+    deployed in stay: an instance cooling down after a failure, or restarting, is a
+    gap the DC's own admission rides out (holding the request), not a refusal."""
+    deployed: list[DataCenterState] = []
     excluded: dict[str, str] = {}
     for dc in fleet.dcs:
         if request.tenant_dcs is not None and dc.name not in request.tenant_dcs:
             excluded[dc.name] = "permission"
         elif request.residency and dc.region not in request.residency:
             excluded[dc.name] = "residency"
-        elif dc.ready_instances == 0 or (
-            request.version is not None and request.version not in dc.ready_versions
+        elif dc.instances == 0 or (
+            request.version is not None and request.version not in dc.versions
         ):
-            excluded[dc.name] = "not_ready"
+            excluded[dc.name] = "not_deployed"
         else:
-            allowed.append(dc)
-    return allowed, excluded
+            deployed.append(dc)
+    ready = [dc for dc in deployed if _ready_for(dc, request.version)]
+    if not ready:
+        return deployed, excluded
+    excluded |= {dc.name: "not_ready" for dc in deployed if dc not in ready}
+    return ready, excluded
+
+
+def _ready_for(dc: DataCenterState, version: str | None) -> bool:
+    return dc.ready_instances > 0 and (version is None or version in dc.ready_versions)

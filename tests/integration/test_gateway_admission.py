@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,10 +17,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from control.admission.slomax import SLOMax
+from control.pipeline import ClassLoad
+from control.routing import FleetSnapshot, make_router
+from gateway.admission import GatewayAdmission
+from gateway.metrics import GatewayMetrics
 from schemas import topic_for
+from schemas.base import TaskClass
 from schemas.lifecycle import RejectReason, RequestRejected
+from schemas.objectives import Objectives
 from tests.conftest import read_for
 from tests.gateway_harness import (
+    MODEL,
     Gateway,
     chat,
     chat_answer,
@@ -278,3 +287,33 @@ async def test_replicas_side_by_side_keep_one_class_ceiling_and_one_pool_order(
     assert [a.status_code for a in answers] == [200] * len(documents)
     assert most == 4
     assert started == documents
+
+
+async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_counted() -> None:
+    """A replica of another version (mid-upgrade) publishes a load with a class or a field
+    this one does not know: it is left out, and the others still count."""
+    readable = {"interactive": [3, 1, 2, 0.5, None]}
+    published = [
+        json.dumps({f"{MODEL}/dc-a": {"video": [1, 0, 0, 0.0, None]}}),
+        json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, 0, 0.0, None, 7]}}),
+        "not json",
+        json.dumps({f"{MODEL}/dc-a": readable}),
+    ]
+
+    async def loads(_own: str) -> list[str]:
+        return published
+
+    async def no_snapshot(_model: str, _dc: str) -> FleetSnapshot:
+        raise AssertionError("no pass needs one: nothing is held")
+
+    host = GatewayAdmission(
+        lambda _model: SLOMax(),
+        lambda _model, _dc: make_router("round_robin"),
+        no_snapshot,
+        Objectives(),
+        GatewayMetrics(),
+        loads,
+    )
+    pipeline = host.pipeline(MODEL, "dc-a")
+    await host.share_loads()
+    assert pipeline.peers[TaskClass.INTERACTIVE] == ClassLoad(3, 1, 2, 0.5, None)

@@ -16,9 +16,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from schemas import Envelope
+from schemas import Envelope, topic_for
 from schemas.control import DcWeight, RoutingWeights
 from schemas.fleet import FleetConfig
+from schemas.lifecycle import RejectReason, RequestRejected
+from tests.conftest import read_for
 from tests.gateway_harness import (
     KEY,
     MODEL,
@@ -91,11 +93,14 @@ async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherw
         assert us.status_code == 200
         async with front.client(EU_ONLY_KEY) as eu_only:
             refused = await ask(eu_only, **{"x-tokenfleet-residency": "us-east"})
-    assert served == ["dc-a", "dc-b"]
+        assert served == ["dc-a", "dc-b"]
     assert refused.status_code == 503
     message = refused.json()["error"]["message"]
     assert "dc-a (residency)" in message
     assert "dc-b (permission)" in message
+    events = await read_for(front.app.state.parts.bus, topic_for(RequestRejected).name, 0.5)
+    [rejected] = [m for m in events if isinstance(m, RequestRejected)]
+    assert rejected.reason is RejectReason.RESIDENCY
 
 
 async def test_the_controller_s_weights_move_the_request_to_another_dc() -> None:

@@ -21,7 +21,12 @@ RTT = {
 
 
 def dc(name: str, region: str, **state: object) -> DataCenterState:
-    defaults = {"ready_instances": 4, "instances": 4, "ready_versions": frozenset({"v2"})}
+    defaults = {
+        "ready_instances": 4,
+        "instances": 4,
+        "ready_versions": frozenset({"v2"}),
+        "versions": frozenset({"v1", "v2"}),
+    }
     return DataCenterState(name, region, **{**defaults, **state})  # type: ignore[arg-type]
 
 
@@ -34,13 +39,36 @@ def asked(source: str = "eu", **fields: object) -> DcRequest:
 
 
 def test_the_hard_filters_say_why_each_dc_is_out() -> None:
+    old = frozenset({"v1"})
     view = fleet(
-        dc(B, "eu"), dc(C, "us"), dc(D, "eu", ready_versions=frozenset({"v1"})), dc("dc-e", "us")
+        dc(B, "eu"),
+        dc(C, "us"),
+        dc(D, "eu", ready_versions=old),  # v2 deployed, not ready yet
+        dc("dc-e", "us"),
+        dc("dc-f", "eu", ready_versions=old, versions=old),
     )
-    request = asked(tenant_dcs=frozenset({B, C, D}), residency=frozenset({"eu"}), version="v2")
+    request = asked(
+        tenant_dcs=frozenset({B, C, D, "dc-f"}), residency=frozenset({"eu"}), version="v2"
+    )
     decision = FleetMind().choose(request, view)
     assert decision.order == (B,)
-    assert dict(decision.excluded) == {C: "residency", D: "not_ready", "dc-e": "permission"}
+    assert dict(decision.excluded) == {
+        C: "residency",
+        D: "not_ready",
+        "dc-e": "permission",
+        "dc-f": "not_deployed",
+    }
+
+
+def test_where_no_dc_is_ready_the_deployed_ones_stay_for_their_admission_to_hold() -> None:
+    restarting = fleet(dc(B, "eu", ready_instances=0), dc(C, "us", ready_instances=0))
+    assert FleetMind().choose(asked(), restarting).order == (B, C)
+
+
+def test_among_equals_the_dc_that_took_the_request_keeps_it() -> None:
+    twins = fleet(dc(B, "eu"), dc(D, "eu"))
+    assert FleetMind().choose(asked(source_dc=D), twins).order == (D, B)
+    assert make_dc_policy("local_only").choose(asked(source_dc=D), twins).order == (D,)
 
 
 def test_the_local_dc_wins_while_it_has_room_and_a_short_queue() -> None:
@@ -139,22 +167,24 @@ def fleets_and_requests(draw: st.DrawFn) -> tuple[FleetState, DcRequest]:
         DataCenterState(
             name,
             draw(st.sampled_from(REGIONS)),
-            draw(st.integers(0, 3)),
-            frozenset(draw(st.sets(st.sampled_from(("v1", "v2"))))),
-            draw(st.floats(0, 3)),
-            draw(st.floats(0, 10)),
-            draw(st.none() | st.floats(0, 1)),
-            draw(st.booleans()),
-            draw(st.integers(3, 6)),
-            draw(st.floats(0, 50)),
-            draw(st.floats(0, 1)),
-            draw(st.floats(0, 20)),
+            ready_instances=draw(st.integers(0, 3)),
+            ready_versions=frozenset(draw(st.sets(st.sampled_from(("v1", "v2"))))),
+            versions=frozenset(draw(st.sets(st.sampled_from(("v1", "v2"))))),
+            utilisation=draw(st.floats(0, 3)),
+            predicted_wait_s=draw(st.floats(0, 10)),
+            weight=draw(st.none() | st.floats(0, 1)),
+            warm=draw(st.booleans()),
+            instances=draw(st.integers(0, 6)),
+            inflight_requests=draw(st.floats(0, 50)),
+            kv_use=draw(st.floats(0, 1)),
+            queue=draw(st.floats(0, 20)),
         )
         for name in draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=5, unique=True))
     )
     request = DcRequest(
         "r",
         draw(st.sampled_from(REGIONS)),
+        draw(st.none() | st.sampled_from(NAMES)),
         draw(st.integers(0, 100_000)),
         draw(st.none() | st.frozensets(st.sampled_from(NAMES))),
         draw(st.frozensets(st.sampled_from(REGIONS))),
@@ -171,14 +201,25 @@ def test_no_policy_ever_sends_a_request_where_it_may_not_run(
 ) -> None:
     view, request = case
     by_name = {d.name: d for d in view.dcs}
+    somewhere_ready = any(
+        d.ready_instances > 0
+        and d.instances > 0
+        and (request.tenant_dcs is None or d.name in request.tenant_dcs)
+        and (not request.residency or d.region in request.residency)
+        and (request.version is None or request.version in d.ready_versions & d.versions)
+        for d in view.dcs
+    )
     for policy in DC_POLICIES.values():
         decision = policy().choose(request, view)
         for name in decision.order:
             chosen = by_name[name]
             assert request.tenant_dcs is None or name in request.tenant_dcs
             assert not request.residency or chosen.region in request.residency
-            assert chosen.ready_instances > 0
-            assert request.version is None or request.version in chosen.ready_versions
+            assert chosen.instances > 0
+            assert request.version is None or request.version in chosen.versions
+            if somewhere_ready:  # none that is not, then
+                assert chosen.ready_instances > 0
+                assert request.version is None or request.version in chosen.ready_versions
         assert len(set(decision.order)) == len(decision.order)
         assert not set(decision.order) & set(decision.excluded)
     levels = [d for d in view.dcs if d.name not in FleetMind().choose(request, view).excluded]
