@@ -132,7 +132,9 @@ async def test_a_flood_of_long_documents_lowers_their_ceiling_and_chats_recover(
     late = _share_met(chats, FLOOD_UNTIL_S - 10.0, FLOOD_UNTIL_S)
     print(f"long-document limits {limits}; chats met {early} (2 s windows), then {late:.2f}")
     assert limits, "the controller published no quotas"
-    assert limits[0] == 8  # four per ready instance, where SLOMax starts
+    # where SLOMax starts (four per ready instance), or the controller's first step down
+    # from there when the flood reached the tables before its first pass did
+    assert limits[0] in (8, 6)
     assert min(limits) <= 6  # lowered through the tables while chats missed
     assert min(early) < 0.5  # the flood made chats miss
     assert late > 0.9  # and with fewer documents at once they met their objective again
