@@ -30,7 +30,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
 
 from control.admission.registry import Admission
 from control.admission.request import PRIORITY, AdmissionRequest
@@ -199,9 +198,7 @@ class GatewayAdmission:
             await self.share_loads()
         except Exception:
             log.exception("sharing admission load failed")
-            self._peers = {}
-            for pipeline in self._pipelines.values():
-                pipeline.peers = {}
+            self._take_peers({})
 
     def close(self) -> None:
         """The gateway is stopping: answer every held request now, and any held later."""
@@ -230,14 +227,16 @@ class GatewayAdmission:
             _pool_name(key): _encoded(pipeline.load(now), wall - now)
             for key, pipeline in self._pipelines.items()
         }
-        others = [load for raw in await self._loads(json.dumps(own)) if (load := _read(raw))]
+        raws = await self._loads(json.dumps(own))
+        others = [load for raw in raws if (load := _decoded(raw, now - wall)) is not None]
         names = {name for other in others for name in other}
-        self._peers = {
-            name: _summed([_decoded(o[name], now - wall) for o in others if name in o])
-            for name in names
-        }
+        self._take_peers({name: _summed([o[name] for o in others if name in o]) for name in names})
+
+    def _take_peers(self, peers: dict[str, dict[TaskClass, ClassLoad]]) -> None:
+        """The other replicas' load from now on, by pool."""
+        self._peers = peers
         for key, pipeline in self._pipelines.items():
-            pipeline.peers = self._peers.get(_pool_name(key), {})
+            pipeline.peers = peers.get(_pool_name(key), {})
 
     def answer_held(self, reason: str) -> None:
         """Refuse every held request now (the gateway is stopping)."""
@@ -299,31 +298,27 @@ def _encoded(loads: dict[TaskClass, ClassLoad], to_wall_s: float) -> dict[str, l
     }
 
 
-def _read(raw: str) -> dict[str, dict[str, list[float | None]]] | None:
-    """A peer's load, or None (logged) where it is not one this replica reads: a replica
-    of another version, mid-upgrade, must not stop this one's pools."""
+def _decoded(raw: str, to_own_s: float) -> dict[str, dict[TaskClass, ClassLoad]] | None:
+    """A peer's load by pool, its pool order on this replica's clock; None (logged) where
+    it is not one this replica reads: a replica of another version, mid-upgrade, must not
+    stop this one's pools."""
     try:
-        load = json.loads(raw)
-        for pool in load.values():
-            for name, (_inflight, _decoding, _held, _drained, _head) in pool.items():
-                TaskClass(name)
+        return {
+            pool: {
+                TaskClass(name): ClassLoad(
+                    int(inflight or 0),
+                    int(decoding or 0),
+                    int(held or 0),
+                    float(drained or 0.0),
+                    None if head is None else head + to_own_s,
+                )
+                for name, (inflight, decoding, held, drained, head) in classes.items()
+            }
+            for pool, classes in json.loads(raw).items()
+        }
     except (ValueError, TypeError, AttributeError) as exc:
         log.warning("skipping a peer's admission load it cannot read (%s)", exc)
         return None
-    return cast(dict[str, dict[str, list[float | None]]], load)
-
-
-def _decoded(encoded: dict[str, list[float | None]], to_own_s: float) -> dict[TaskClass, ClassLoad]:
-    loads = {}
-    for name, (inflight, decoding, held, drained, head) in encoded.items():
-        loads[TaskClass(name)] = ClassLoad(
-            int(inflight or 0),
-            int(decoding or 0),
-            int(held or 0),
-            float(drained or 0.0),
-            None if head is None else head + to_own_s,
-        )
-    return loads
 
 
 def _pool_name(key: Key) -> str:
