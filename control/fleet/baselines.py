@@ -56,8 +56,7 @@ class EnvoyPriorityFailover:
             if pick <= cumulative:
                 chosen = index
                 break
-        order = [levels[chosen], *(dc for i, dc in enumerate(levels) if i != chosen)]
-        return DcDecision(self.name, tuple(dc.name for dc in order), excluded)
+        return DcDecision(self.name, _led_by(levels[chosen], levels), excluded)
 
     def priority_loads(self, levels: list[DataCenterState]) -> list[int]:
         """Each level's share of traffic in percent, summing to 100 (empty: none)."""
@@ -110,8 +109,7 @@ class GcpWaterfall:
             first = nearest[0]
         else:
             return DcDecision(self.name, (), excluded)
-        order = [first, *(dc for dc in nearest if dc is not first)]
-        return DcDecision(self.name, tuple(dc.name for dc in order), excluded)
+        return DcDecision(self.name, _led_by(first, nearest), excluded)
 
 
 @dataclass(frozen=True)
@@ -157,6 +155,11 @@ class LlmdMulticluster:
         order = sorted(_rotated(allowed, request.draw), key=lambda dc: -scores[dc.name])
         costs = {name: {"score": score} for name, score in scores.items()}
         return DcDecision(self.name, tuple(dc.name for dc in order), excluded, costs)
+
+
+def _led_by(first: DataCenterState, rest: list[DataCenterState]) -> tuple[str, ...]:
+    """The DCs to try: ``first``, then the others in ``rest``'s order (the fallback)."""
+    return (first.name, *(dc.name for dc in rest if dc is not first))
 
 
 def _rotated(dcs: list[DataCenterState], draw: float) -> list[DataCenterState]:
