@@ -89,7 +89,8 @@ class Decider:
         self.view = view
         self.state = state
         self.local_dc = local_dc
-        self.region = next(d.region for d in view.fleet.dcs if d.name == local_dc)
+        self._regions = {dc.name: dc.region for dc in view.fleet.dcs}
+        self.region = self._regions[local_dc]
         self.dc_policy = dc_policy or FleetMind()
         self._round_trips = view.fleet.round_trips_s()
         self._draws = random.Random()
@@ -166,7 +167,6 @@ class Decider:
         weights = self.weights.current(self.local_dc)
         self.metrics.control_defaults.labels("weights").set(weights is None)
         weight = {w.dc: w.weight for w in weights.weights if w.model == model} if weights else {}
-        regions = {dc.name: dc.region for dc in self.view.fleet.dcs}
         states = []
         for dc in self.view.dcs_serving(model):
             pool = self.view.pool(model, dc)
@@ -176,7 +176,7 @@ class Decider:
             states.append(
                 DataCenterState(
                     dc,
-                    regions[dc],
+                    self._regions[dc],
                     len(ready),
                     frozenset(i.version for i in ready),
                     frozenset(i.version for i in pool.instances),

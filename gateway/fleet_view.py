@@ -104,10 +104,11 @@ class FleetView:
         rows = [t for i in pool.ids if self.ready(i) and (t := self._telemetry.get(i))]
         if not rows:
             return PoolLoad()
+        waiting = sum(t.waiting for t in rows)
         return PoolLoad(
-            float(np.mean([t.waiting for t in rows])),
-            float(np.mean([t.kv_blocks_used / max(t.kv_blocks_total, 1) for t in rows])),
-            sum(t.waiting + t.running for t in rows),
+            waiting / len(rows),
+            sum(t.kv_blocks_used / max(t.kv_blocks_total, 1) for t in rows) / len(rows),
+            waiting + sum(t.running for t in rows),
         )
 
     def snapshot(self, pool: Pool, shared: SharedView) -> FleetSnapshot:
