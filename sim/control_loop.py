@@ -38,22 +38,20 @@ class Step:
 
 
 @dataclass
-class QuotaLoop:
-    controller: QuotaController = field(default_factory=QuotaController)
-    period_s: float = 5.0
+class RecordTables:
+    """One DC's tables fed from a simulation's records and its engines' telemetry, as the
+    stream processors would build them from the events."""
+
+    dc: str
     window: WindowSpec = field(default_factory=lambda: WindowSpec(60.0, 5.0, 10.0))
-    dc: str = "dc"
-    quotas: AdmissionQuotas | None = None
-    steps: list[Step] = field(default_factory=list)
     _tables: DcTables = field(default_factory=DcTables)
     _counted: int = 0
 
-    def tick(
+    def update(
         self, records: list[RequestRecord], instances: list[tuple[str, Engine]], now: float
-    ) -> dict[TaskClass, ClassQuota] | None:
-        """Count the records that ended since the last pass and each instance's state now
-        (its telemetry, as the collector reports it), and reconcile; the quotas by class
-        when they changed, else None."""
+    ) -> tuple[GoodputTable, CapacityTable]:
+        """Count the records that ended since the last update and each instance's state
+        now (its telemetry, as the collector reports it); the tables as of now."""
         for instance_id, engine in instances:
             telemetry = instance_telemetry(engine, instance_id, self.dc, "model", "v1")
             self._tables.add_telemetry(telemetry, now, self.window)
@@ -65,6 +63,27 @@ class QuotaLoop:
         tables = self._tables.tables(self.dc, self.window, now)
         goodput = next(t for t in tables if isinstance(t, GoodputTable))
         capacity = next(t for t in tables if isinstance(t, CapacityTable))
+        return goodput, capacity
+
+
+@dataclass
+class QuotaLoop:
+    controller: QuotaController = field(default_factory=QuotaController)
+    period_s: float = 5.0
+    dc: str = "dc"
+    quotas: AdmissionQuotas | None = None
+    steps: list[Step] = field(default_factory=list)
+    _tables: RecordTables = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._tables = RecordTables(self.dc)
+
+    def tick(
+        self, records: list[RequestRecord], instances: list[tuple[str, Engine]], now: float
+    ) -> dict[TaskClass, ClassQuota] | None:
+        """Bring the DC's tables up to now and reconcile; the quotas by class when they
+        changed, else None."""
+        goodput, capacity = self._tables.update(records, instances, now)
         changed = self.controller.reconcile(goodput, capacity, self.quotas, now)
         if changed is not None:
             self.quotas = changed

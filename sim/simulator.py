@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -130,43 +130,77 @@ class Simulation:
         self._order = 0
         self.records: list[RequestRecord] = []
         self.now = 0.0
+        self.arrivals_pending = False
+        """Whether requests are still to arrive from outside (the control loop runs on)."""
+        self.reenter: Callable[[TraceRequest], None] | None = None
+        """Where a client's second attempt goes (None: back to this host): a fleet's
+        edge, which chooses its DC again."""
+        self.fall_back: Callable[[TraceRequest], bool] | None = None
+        """Offered each request this host refuses, before any token: True when it took
+        the request elsewhere (a fleet's edge, trying the next DC), so it is no refusal."""
 
     def run(self, requests: Iterable[TraceRequest]) -> list[RequestRecord]:
         """Serve every request to the end; records come in completion order."""
         arrivals = iter(requests)
         upcoming = next(arrivals, None)
-        if self.control is not None and upcoming is not None:
-            self._push(upcoming.arrival_s + self.control.period_s, _CONTROL, -1, 0)
+        if upcoming is not None:
+            self.start(upcoming.arrival_s)
         while upcoming is not None or self._heap:
-            if upcoming is not None and (not self._heap or upcoming.arrival_s <= self._heap[0][0]):
-                self.now = upcoming.arrival_s
-                self._arrive(upcoming)
+            self.arrivals_pending = upcoming is not None
+            if upcoming is not None and upcoming.arrival_s <= self.next_event_s():
+                self.arrive(upcoming, upcoming.arrival_s)
                 upcoming = next(arrivals, None)
                 continue
-            self.now, _, kind, index, payload = heapq.heappop(self._heap)
-            if kind == _ENTER:
-                assert isinstance(payload, Sequence)
-                self._enter(index, payload)
-            elif kind == _HOLD_ENDS:
-                self._release()
-            elif kind == _CONTROL:
-                assert self.control is not None
-                engines = [(i.instance_id, i.engine) for i in self.instances]
-                if (quotas := self.control.tick(self.records, engines, self.now)) is not None:
-                    self.pipeline.quotas = quotas
-                if upcoming is not None or self._heap:
-                    self._push(self.now + self.control.period_s, _CONTROL, -1, 0)
-            elif kind == _RETRY:
-                assert isinstance(payload, TraceRequest)
-                self._arrive(payload)
-            elif kind == _GIVE_UP:
-                assert isinstance(payload, str)
-                self._give_up(payload, first_token_only=bool(index))
-            elif payload == self.instances[index].version:
-                self._end_step(index)
-                self._release()
-        self._deliver_kv_events(until=math.inf)  # what was still on its way
+            self.step()
+        self.finish()
         return self.records
+
+    def start(self, first_arrival_s: float) -> None:
+        """Schedule the control loop's first pass, one period after the first arrival."""
+        if self.control is not None:
+            self._push(first_arrival_s + self.control.period_s, _CONTROL, -1, 0)
+
+    def next_event_s(self) -> float:
+        """When the next event in the simulation's own heap is due (inf: none is)."""
+        return self._heap[0][0] if self._heap else math.inf
+
+    def arrive(self, request: TraceRequest, now: float) -> None:
+        """A request reaches the host at ``now``: admission and routing decide it."""
+        self.now = now
+        self._arrive(request)
+
+    def step(self) -> None:
+        """Handle the next event of the heap; ``arrivals_pending`` tells the control loop
+        whether to schedule its next pass when the heap is otherwise empty."""
+        self.now, _, kind, index, payload = heapq.heappop(self._heap)
+        if kind == _ENTER:
+            assert isinstance(payload, Sequence)
+            self._enter(index, payload)
+        elif kind == _HOLD_ENDS:
+            self._release()
+        elif kind == _CONTROL:
+            self._reconcile()
+        elif kind == _RETRY:
+            assert isinstance(payload, TraceRequest)
+            (self.reenter or self._arrive)(payload)
+        elif kind == _GIVE_UP:
+            assert isinstance(payload, str)
+            self._give_up(payload, first_token_only=bool(index))
+        elif payload == self.instances[index].version:
+            self._end_step(index)
+            self._release()
+
+    def finish(self) -> None:
+        """Deliver what was still on its way once nothing is left to run."""
+        self._deliver_kv_events(until=math.inf)
+
+    def _reconcile(self) -> None:
+        assert self.control is not None
+        engines = [(i.instance_id, i.engine) for i in self.instances]
+        if (quotas := self.control.tick(self.records, engines, self.now)) is not None:
+            self.pipeline.quotas = quotas
+        if self.arrivals_pending or self._heap:
+            self._push(self.now + self.control.period_s, _CONTROL, -1, 0)
 
     @property
     def engines(self) -> list[Engine]:
@@ -243,9 +277,11 @@ class Simulation:
                 self._push(max(until, self.now), _HOLD_ENDS, -1, 0)
             return
         if index is None or not self.instances[index].engine.accepts(request):
-            self.records.append(RequestRecord.rejected(request, self.now))
             self._open.pop(request.request_id, None)
             self.pipeline.finished(request.request_id, self.now)
+            if self.fall_back is not None and self.fall_back(request):
+                return
+            self.records.append(RequestRecord.rejected(request, self.now))
             self._come_back(request, outcome.admission.retry_after_s)
             return
         assert outcome.route is not None
@@ -413,12 +449,12 @@ class Simulation:
         request = sequence.request
         self._inflight[index] -= _charged_tokens(request)
         step_time = instance.engine.step_time
-        rtt = self.cluster.rtt(request.region, instance.dc)
+        network = self.cluster.network_s(request.region, instance.dc, request.input_tokens)
         record = RequestRecord.completed(
             sequence,
             instance.instance_id,
             instance.dc,
-            ttft_overhead_s=step_time.ttft_overhead_s + rtt,
+            ttft_overhead_s=step_time.ttft_overhead_s + network,
             token_overhead_s=step_time.token_overhead_s,
         )
         self.records.append(record)

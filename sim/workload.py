@@ -37,6 +37,8 @@ class TraceRequest:
     max_tokens: int | None = None
     """The cap the client sends (``max_tokens``); None, as in the public traces, which
     record what was generated and not what was asked."""
+    residency: tuple[str, ...] = ()
+    """The regions the request may run in (empty: any)."""
 
 
 def reusable_blocks(blocks: Sequence[int], seen: Container[int]) -> int:

@@ -8,6 +8,7 @@ it adds. Requests that are running are never preempted: SLOMax decides only what
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from control.admission.registry import EngineScheduling
 from control.routing.snapshot import BoolArray
 from schemas.base import TaskClass
+from schemas.control import ClassQuota
 from schemas.objectives import ClassObjective
 
 
@@ -95,15 +97,23 @@ class SLOMax:
         until = _hold_until(request, objective, predicted or 0.0)
         return AdmissionDecision(Verdict.HOLD, blocked, hold_until_s=until, figures=_items(figures))
 
+    def concurrency_limit(
+        self, task_class: TaskClass, quotas: Mapping[TaskClass, ClassQuota], ready: int
+    ) -> int | None:
+        """The requests of ``task_class`` a DC with ``ready`` instances runs at once under
+        ``quotas`` (None: no limit): the quota's, else for long documents the default."""
+        quota = quotas.get(task_class)
+        limit = None if quota is None else quota.max_concurrency
+        if limit is None and task_class is TaskClass.LONG_DOCUMENT:
+            limit = math.ceil(self.params.long_documents_per_instance * ready)
+        return limit
+
     def _gate(self, request: AdmissionRequest, view: AdmissionView) -> tuple[str | None, BoolArray]:
         """The first reason the request may not start now (None: it may), and the
         instances it may start on."""
         p, fleet, task_class = self.params, view.fleet, request.task_class
         allowed = fleet.ready.copy()
-        quota = view.quotas.get(task_class)
-        limit = None if quota is None else quota.max_concurrency
-        if limit is None and task_class is TaskClass.LONG_DOCUMENT:
-            limit = math.ceil(p.long_documents_per_instance * int(fleet.ready.sum()))
+        limit = self.concurrency_limit(task_class, view.quotas, int(fleet.ready.sum()))
         if limit is not None and view.inflight.get(task_class, 0) >= limit:
             return "concurrency", allowed
         if p.interactive_reservation and task_class is not TaskClass.INTERACTIVE:

@@ -30,11 +30,14 @@ class DataCenterState:
     utilisation: float = 0.0
     """Demand over capacity lately (0 idle, 1 at capacity, more past it)."""
     predicted_wait_s: float = 0.0
-    """How long a new request would queue here before its prefill starts."""
+    """How long a new request would wait here behind the work in flight (its backlog)."""
     weight: float | None = None
     """The controller's routing weight for the DC (None: none published)."""
-    warm: bool = False
-    """Whether the request's prefix (or tenant) ran here lately: its KV is likely warm."""
+    warm_tokens: int = 0
+    """How much of the request's prompt ran here lately: KV the DC likely still holds."""
+    class_room: float | None = None
+    """The share of the request's class's concurrency limit here still free (None: the
+    class has no limit here): a DC whose admission holds the class back has no room."""
     instances: int = 0
     """Instances of the model configured here, ready or not."""
     inflight_requests: float = 0.0

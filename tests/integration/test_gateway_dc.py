@@ -123,4 +123,4 @@ async def test_the_controller_s_weights_move_the_request_to_another_dc() -> None
         else:
             pytest.fail("the gateway never took the weights")
         assert (await ask(http)).status_code == 200
-    assert served == ["dc-b"]  # 0.5 s of weight outweighs an 80 ms round trip
+    assert served == ["dc-b"]  # weight 0: dc-a counts as full, the 80 ms trip is worth it

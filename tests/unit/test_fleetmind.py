@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control.fleet.baselines import EnvoyPriorityFailover
-from control.fleet.fleetmind import FleetMind
+from control.fleet.fleetmind import FleetMind, FleetMindParams
 from control.fleet.registry import DC_POLICIES, make_dc_policy
 from control.fleet.view import DataCenterState, DcRequest, FleetState
 
@@ -96,11 +96,25 @@ def test_a_full_dc_comes_after_every_dc_with_room_and_keeps_a_reserve_for_its_re
     assert FleetMind().choose(asked("eu"), fleet(warm, other)).chosen == D
 
 
-def test_the_controller_s_weight_and_a_warm_prefix_bias_the_choice() -> None:
-    view = fleet(dc(B, "eu"), dc(C, "us", weight=1.0))
-    assert FleetMind().choose(asked(), view).chosen == C  # 0.5 s of weight beats 90 ms
-    warm = fleet(dc(B, "eu", predicted_wait_s=0.15), dc(C, "us", predicted_wait_s=0.1, warm=True))
-    assert FleetMind().choose(asked(), warm).chosen == C
+def test_the_controller_s_weight_scales_the_capacity_counted_on() -> None:
+    busy = {"predicted_wait_s": 0.06, "utilisation": 0.6}
+    assert FleetMind().choose(asked(), fleet(dc(B, "eu", **busy), dc(C, "us"))).chosen == B
+    decision = FleetMind().choose(asked(), fleet(dc(B, "eu", weight=0.5, **busy), dc(C, "us")))
+    assert decision.chosen == C  # 0.12 s behind B's backlog on half its capacity: 90 ms is less
+    assert decision.costs[B]["wait_s"] == pytest.approx(0.12)
+    full = fleet(dc(B, "eu", weight=0.6, utilisation=0.6), dc(C, "us"))
+    assert FleetMind().choose(asked(), full).order == (C, B)  # 0.6 of 0.6 counted on: full
+    drained = fleet(dc(B, "eu", weight=0.0), dc(C, "us", utilisation=2.0))
+    assert FleetMind().choose(asked(), drained).order == (C, B)  # weight 0: full, last
+
+
+def test_a_warm_prefix_biases_the_choice_where_warmth_is_priced() -> None:
+    priced = FleetMind(FleetMindParams(prefill_s_per_token=2e-5))
+    warm = fleet(dc(B, "eu"), dc(C, "us", warm_tokens=8192))
+    assert priced.choose(asked(), warm).chosen == C  # 8k tokens of prefill beat 90 ms
+    assert FleetMind().choose(asked(), warm).chosen == B  # by default, warmth is not priced
+    lukewarm = fleet(dc(B, "eu"), dc(C, "us", warm_tokens=1024))
+    assert priced.choose(asked(), lukewarm).chosen == B
 
 
 def test_local_only_runs_at_home_or_nowhere() -> None:
@@ -173,7 +187,7 @@ def fleets_and_requests(draw: st.DrawFn) -> tuple[FleetState, DcRequest]:
             utilisation=draw(st.floats(0, 3)),
             predicted_wait_s=draw(st.floats(0, 10)),
             weight=draw(st.none() | st.floats(0, 1)),
-            warm=draw(st.booleans()),
+            warm_tokens=draw(st.integers(0, 100_000)),
             instances=draw(st.integers(0, 6)),
             inflight_requests=draw(st.floats(0, 50)),
             kv_use=draw(st.floats(0, 1)),
@@ -226,3 +240,27 @@ def test_no_policy_ever_sends_a_request_where_it_may_not_run(
     assert sum(EnvoyPriorityFailover().priority_loads(levels)) == (100 if levels else 0)
     fleetmind = FleetMind().choose(request, view)  # every allowed DC is a fallback
     assert set(fleetmind.order) | set(fleetmind.excluded) == set(by_name)
+
+
+def test_load_is_priced_from_the_edges_own_counts_where_capacity_is_known() -> None:
+    from control.fleet.load import DcLoad
+
+    known = DcLoad(queued=50, completed_per_s=5.0, sent_per_s=9.0, inflight=30, capacity_rps=10.0)
+    assert known.utilisation == pytest.approx(0.9)
+    assert known.backlog_s == pytest.approx(3.0)  # 30 in flight at 10 a second
+
+
+def test_without_capacity_load_is_read_off_the_tables_queue() -> None:
+    from control.fleet.load import MIN_DRAIN_RPS, DcLoad
+
+    assert DcLoad(kv_use=0.4).utilisation == 0.4
+    assert DcLoad(queued=3, kv_use=0.4).utilisation == 1.0
+    assert DcLoad(queued=20, completed_per_s=4.0).backlog_s == pytest.approx(5.0)
+    assert DcLoad(queued=3).backlog_s == pytest.approx(3 / MIN_DRAIN_RPS)
+    assert DcLoad(inflight=100).backlog_s == 0.0
+
+
+def test_a_dc_whose_admission_holds_the_class_back_is_full_for_it() -> None:
+    view = fleet(dc(B, "eu", class_room=0.0), dc(C, "us", class_room=0.5))
+    assert FleetMind().choose(asked(), view).order == (C, B)
+    assert FleetMind().choose(asked(), fleet(dc(B, "eu", class_room=0.1), dc(C, "us"))).chosen == B

@@ -27,6 +27,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     sim.set_defaults(handler=_bench_sim)
     _add_bench_routing(sub)
     _add_bench_admission(sub)
+    _add_bench_fleet(sub)
     decision = sub.add_parser(
         "decision",
         help="time one routing decision at 16 to 4,096 instances (16k-token prompt)",
@@ -252,6 +253,80 @@ def _bench_admission(args: argparse.Namespace) -> int:
             f"{policy:22}{result['goodput_tok_s']:>10.0f}{result['total_tok_s']:>10.0f}"
             f"{result['compliance']:>8.1%}{chat:>8.1%}{result['rejected_share']:>8.1%}"
             f"{result['lost_work_tok']:>12,}{'-' if capacity is None else f'{capacity:.1f}':>9}"
+        )
+    return 0
+
+
+def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
+    from control.fleet.registry import DC_POLICIES
+    from sim.profiles import PROFILES
+
+    fleet = sub.add_parser(
+        "fleet",
+        help="every DC policy on a hotspot in the seed's multi-DC layout",
+        description="Runs each DC policy at the edge of the same fleet (entry region A "
+        "without GPUs; B, its home, the existing cluster; C and D extension DCs, D warming "
+        "up for its first 90 s), each DC running TokenPilot behind SLOMax, on the same "
+        "arrivals: A's traffic at 0.6 x B's capacity, 2 x for the hotspot (60 to 240 s), "
+        "C's and D's own at 0.3 x; 30 % of A's requests must stay in the EU, one tenant "
+        "may use B and C only. Writes goodput per region and class, TTFT, cross-DC share, "
+        "violations of residency and permission, capacity mismatch and time to react.",
+    )
+    fleet.add_argument(
+        "--trace",
+        default="mixed",
+        help="a labelled workload whose region is the entry (default: mixed). " + trace_help(),
+    )
+    fleet.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
+    fleet.add_argument("--seed", type=int, default=0)
+    fleet.add_argument(
+        "--policies",
+        type=lambda t: t.split(","),
+        default=None,
+        help=f"comma-separated subset of: {', '.join(DC_POLICIES)}",
+    )
+    fleet.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
+    fleet.add_argument("--json", type=Path, required=True, help="write the figures here")
+    fleet.add_argument("--plot", type=Path, help="write A's traffic by DC over time here (PNG)")
+    fleet.set_defaults(handler=_bench_fleet)
+
+
+def _bench_fleet(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from control.fleet.registry import DC_POLICIES
+    from sim.fleet_bench import bench_fleet, plot_fleet
+
+    policies = _known(args.policies or list(DC_POLICIES), DC_POLICIES, "DC policies")
+    with tqdm(total=len(policies), desc="policies", unit="run") as bar:
+        try:
+            document = bench_fleet(
+                args.trace,
+                seed=args.seed,
+                profile_name=args.profile,
+                policies=policies,
+                jobs=args.jobs,
+                progress=lambda name: (bar.set_postfix_str(name), bar.update()),
+            )
+        except (ValueError, KeyError) as exc:
+            raise CliError(str(exc)) from None
+    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    if args.plot:
+        plot_fleet(document, args.plot)
+    print(
+        f"{'policy':26}{'goodput':>9}{'comply':>8}{'hot P95':>9}{'cross-DC':>9}"
+        f"{'mismatch':>10}{'react':>7}{'violations':>11}"
+    )
+    for policy, result in document["policies"].items():
+        react = result["react_s"]
+        violations = result["residency_violations"] + result["permission_violations"]
+        print(
+            f"{policy:26}{result['goodput_tok_s']:>9.0f}{result['compliance']:>8.1%}"
+            f"{result['hotspot']['ttft_p95_s']:>8.2f}s{result['cross_dc_share']:>9.1%}"
+            f"{result['capacity_mismatch_request_s']:>10.0f}"
+            f"{'-' if react is None else f'{react:.0f}s':>7}{violations:>11}"
         )
     return 0
 

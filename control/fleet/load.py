@@ -1,0 +1,91 @@
+"""What the edge knows of a DC's load, and the two figures DC policies price it by:
+utilisation (how close to capacity it runs) and backlog (how long a new request waits).
+
+Two sources, fresh to different degrees:
+
+- the DC's tables, published every few seconds and late by the pipeline that builds
+  them: requests running, requests queued (in the engines' queues and in the DC's
+  admission pools), the share of KV in use, requests completed per second;
+- the edge's own counts, fresh: the requests it sent there lately and those not yet
+  finished (every answer passes back through it).
+
+A DC's rate at capacity is the operator's figure for the model's traffic (Google Cloud's
+``maxRatePerInstance``, times the ready instances), or unknown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from control.fleet.view import DataCenterState
+
+MIN_DRAIN_RPS = 1.0
+"""The completion rate assumed of a DC whose tables show a queue and no completions: one
+request a second, so that a queue of n reads as n seconds rather than as forever."""
+
+
+@dataclass(frozen=True)
+class DcLoad:
+    running: int = 0
+    queued: int = 0
+    """Requests waiting in the DC: in its engines' queues and in its admission pools."""
+    kv_use: float = 0.0
+    completed_per_s: float = 0.0
+    sent_per_s: float = 0.0
+    """Requests the edge sent to the DC per second, lately (its own count)."""
+    inflight: int = 0
+    """Requests the edge sent to the DC that have not finished (its own count)."""
+    capacity_rps: float | None = None
+    """Requests per second the DC serves at capacity (None: not known)."""
+
+    @property
+    def utilisation(self) -> float:
+        """Demand over capacity: the edge's recent rate into the DC over the DC's rate at
+        capacity. Where that is not known, 1 while the tables show a queue, else the
+        share of KV in use."""
+        if self.capacity_rps:
+            return self.sent_per_s / self.capacity_rps
+        return 1.0 if self.queued else self.kv_use
+
+    @property
+    def backlog_s(self) -> float:
+        """Seconds of work ahead of a request sent now: what the edge has in flight there
+        over the rate the DC completes requests at capacity (Little's law). Where that is
+        not known, the tables' queue over the rate they saw it drain at."""
+        if self.capacity_rps:
+            return self.inflight / self.capacity_rps
+        if not self.queued:
+            return 0.0
+        return self.queued / max(self.completed_per_s, MIN_DRAIN_RPS)
+
+
+def dc_state(
+    name: str,
+    region: str,
+    *,
+    instances: int,
+    versions: frozenset[str],
+    ready_versions: frozenset[str],
+    ready_instances: int,
+    load: DcLoad,
+    weight: float | None = None,
+    warm_tokens: int = 0,
+    class_room: float | None = None,
+) -> DataCenterState:
+    """A DC as the policies see it, from what the edge knows of its pool and its load."""
+    return DataCenterState(
+        name,
+        region,
+        ready_instances,
+        ready_versions,
+        versions,
+        utilisation=load.utilisation,
+        predicted_wait_s=load.backlog_s,
+        weight=weight,
+        warm_tokens=warm_tokens,
+        class_room=class_room,
+        instances=instances,
+        inflight_requests=load.inflight,
+        kv_use=load.kv_use,
+        queue=load.queued / ready_instances if ready_instances else 0.0,
+    )

@@ -1,0 +1,321 @@
+"""Every DC policy on one multi-DC scenario in the seed's layout: ``tokenfleet bench fleet``.
+
+The layout (the seed's Figure 3): clients enter in region A (``eu-west``), which has no
+GPUs; B (``dc-b``, ``eu-central``) is the existing cluster and A's home; C (``dc-c``,
+``eu-north``) and D (``dc-d``, ``us-east``) are extension DCs with light local traffic of
+their own, and D's model is still warming up for the first ``D_READY_S``. A's traffic
+runs at ``BASE_LEVEL`` of B's capacity, then at ``HOTSPOT_LEVEL`` for the hotspot, then
+at the base level again. ``RESIDENT_SHARE`` of A's requests must stay in the EU, and one
+tenant may use B and C only. Every DC runs the same stack (TokenPilot behind SLOMax),
+so the DC policy is all that differs between rows.
+
+Arrivals come from a labelled workload (default ``mixed``), split by the region its
+labels give (``eu-west`` enters at A, ``ap-south`` at C, ``us-east`` at D), each
+stream's own times stretched or pressed to the scenario's rates: bursts keep their
+shape, sessions their order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from control.controllers.fleetmind import WeightController
+from control.fleet.registry import DC_POLICIES, make_dc_policy
+from schemas.objectives import DEFAULT_OBJECTIVES
+from sim.admission_bench import figures
+from sim.clients import ClientModel
+from sim.fleet_sim import FleetLayout, FleetSimulation, PublishedLoad, Site
+from sim.ladder import instance_capacity_rps
+from sim.metrics import met_objective
+from sim.profiles import profile
+from sim.records import RequestRecord
+from sim.registry import load_trace
+from sim.workload import TraceRequest
+
+EU = ("eu-west", "eu-central", "eu-north")
+SITES = (
+    Site("dc-b", "eu-central", 4),
+    Site("dc-c", "eu-north", 4),
+    Site("dc-d", "us-east", 4, ready_at_s=90.0),
+)
+ROUND_TRIPS_S = {
+    ("eu-west", "eu-central"): 0.010,
+    ("eu-west", "eu-north"): 0.030,
+    ("eu-west", "us-east"): 0.080,
+    ("eu-central", "eu-north"): 0.025,
+    ("eu-central", "us-east"): 0.090,
+    ("eu-north", "us-east"): 0.100,
+}
+"""Typical public-cloud figures: 10 to 30 ms within Europe, 80 to 100 across the Atlantic."""
+LAYOUT = FleetLayout(
+    SITES,
+    ROUND_TRIPS_S | {(b, a): rtt for (a, b), rtt in ROUND_TRIPS_S.items()},
+    {"eu-west": "dc-b", "eu-central": "dc-b", "eu-north": "dc-c", "us-east": "dc-d"},
+    {"tenant-d": frozenset({"dc-b", "dc-c"})},
+)
+ENTRIES = {"eu-west": "eu-west", "ap-south": "eu-north", "us-east": "us-east"}
+"""Where each labelled region's requests enter the scenario's fleet."""
+HOTSPOT_S = (60.0, 240.0)
+END_S = 360.0
+BASE_LEVEL, HOTSPOT_LEVEL, LOCAL_LEVEL = 0.6, 2.0, 0.3
+D_READY_S = 90.0
+RESIDENT_SHARE = 0.3
+REACTED_SHARE = 0.1
+"""A second of A's traffic in which this share or more ran outside B counts as reacting."""
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    requests: tuple[TraceRequest, ...]
+    capacity_rps_per_instance: float
+    """The operator's figure of what one instance serves: measured on the workload
+    (``instance_capacity_rps``)."""
+
+
+def scenario(
+    trace: str = "mixed", *, seed: int = 0, profile_name: str = "llama3-70b-4xh100"
+) -> Scenario:
+    """The scenario's arrivals from ``trace``'s labelled requests."""
+    workload = load_trace(trace, seed=seed)
+    per_instance = instance_capacity_rps(profile(profile_name), workload)
+    capacity = {site.region: site.instances * per_instance for site in SITES}
+    capacity["eu-west"] = capacity["eu-central"]
+    rates = {
+        "eu-west": [(0.0, BASE_LEVEL), (HOTSPOT_S[0], HOTSPOT_LEVEL), (HOTSPOT_S[1], BASE_LEVEL)],
+        "eu-north": [(0.0, LOCAL_LEVEL)],
+        "us-east": [(0.0, LOCAL_LEVEL)],
+    }
+    requests: list[TraceRequest] = []
+    for label, entry in ENTRIES.items():
+        stream = [replace(r, region=entry) for r in workload if r.region == label]
+        if not stream:
+            raise ValueError(f"{trace!r} has no requests labelled with region {label!r}")
+        pieces = [(start, level * capacity[entry]) for start, level in rates[entry]]
+        requests += paced(stream, pieces, END_S)
+    requests = [_resident(r, seed) if r.region == "eu-west" else r for r in requests]
+    requests.sort(key=lambda r: (r.arrival_s, r.request_id))
+    return Scenario(tuple(requests), per_instance)
+
+
+def paced(
+    stream: Sequence[TraceRequest], pieces: Sequence[tuple[float, float]], end_s: float
+) -> list[TraceRequest]:
+    """``stream`` (in arrival order) with its times mapped so that it arrives at each
+    piece's rate (requests per second from the piece's start to the next's), until
+    ``end_s``: the n-th request of the stream's own cumulative count arrives when the
+    pieces' cumulative count reaches it; what would come after ``end_s`` is dropped."""
+    if len(stream) < 2:
+        return list(stream)
+    own = np.array([r.arrival_s for r in stream]) - stream[0].arrival_s
+    rate = len(stream) / max(own[-1], 1e-9)
+    starts = [start for start, _ in pieces] + [end_s]
+    counts = np.concatenate(
+        [[0.0], np.cumsum([r * (b - a) for (a, r), b in zip(pieces, starts[1:], strict=True)])]
+    )
+    times = np.interp(own * rate, counts, starts, right=np.inf)
+    return [
+        replace(request, arrival_s=float(at))
+        for request, at in zip(stream, times, strict=True)
+        if at < end_s
+    ]
+
+
+def _resident(request: TraceRequest, seed: int) -> TraceRequest:
+    key = f"{seed}:residency:{request.session_id or request.request_id}"
+    point = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest()) / 2**64
+    return replace(request, residency=EU) if point < RESIDENT_SHARE else request
+
+
+def run_policy(
+    policy: str, case: Scenario, profile_name: str, seed: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One policy's figures, and its series for the plot."""
+    simulation = FleetSimulation(
+        LAYOUT,
+        profile(profile_name),
+        make_dc_policy(policy),
+        seed=seed,
+        clients=ClientModel(seed=seed),
+        capacity_rps_per_instance=case.capacity_rps_per_instance,
+        weights=WeightController() if policy == "fleetmind" else None,
+    )
+    records = simulation.run(case.requests)
+    return fleet_figures(records, simulation, case.requests), _series(simulation)
+
+
+def bench_fleet(
+    trace: str = "mixed",
+    *,
+    seed: int = 0,
+    profile_name: str = "llama3-70b-4xh100",
+    policies: Sequence[str] | None = None,
+    jobs: int = 1,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """The benchmark's JSON document."""
+    case = scenario(trace, seed=seed, profile_name=profile_name)
+    names = list(policies or DC_POLICIES)
+    results: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    with ProcessPoolExecutor(max_workers=max(jobs, 1)) as pool:
+        futures = {name: pool.submit(run_policy, name, case, profile_name, seed) for name in names}
+        for name, future in futures.items():
+            results[name] = future.result()
+            if progress:
+                progress(name)
+    return {
+        "trace": trace,
+        "seed": seed,
+        "profile": profile_name,
+        "requests": len(case.requests),
+        "capacity_rps_per_instance": case.capacity_rps_per_instance,
+        "layout": {
+            "sites": [vars(site) for site in SITES],
+            "round_trips_s": {f"{a}-{b}": rtt for (a, b), rtt in ROUND_TRIPS_S.items()},
+            "home": dict(LAYOUT.home),
+            "tenant_dcs": {t: sorted(dcs) for t, dcs in LAYOUT.tenant_dcs.items()},
+        },
+        "hotspot_s": list(HOTSPOT_S),
+        "end_s": END_S,
+        "levels": {"base": BASE_LEVEL, "hotspot": HOTSPOT_LEVEL, "local": LOCAL_LEVEL},
+        "resident_share": RESIDENT_SHARE,
+        "policies": {name: results[name][0] for name in names},
+        "series": {name: results[name][1] for name in names},
+    }
+
+
+def fleet_figures(
+    records: Sequence[RequestRecord], simulation: FleetSimulation, requests: Sequence[TraceRequest]
+) -> dict[str, Any]:
+    """A run's figures: the admission bench's (rates over the scenario's span), and per
+    entry region, for the hotspot, across DCs, against the hard filters."""
+    by_id = {c.request.request_id: c.request for c in simulation.choices}
+    result = figures(records, END_S)
+    result["per_region"] = {
+        region: _region([r for r in records if by_id[r.request_id].region == region], END_S)
+        for region in sorted({r.region for r in requests})
+    }
+    hot = [
+        r
+        for r in records
+        if by_id[r.request_id].region == "eu-west" and HOTSPOT_S[0] <= r.arrival_s < HOTSPOT_S[1]
+    ]
+    result["hotspot"] = _region(hot, HOTSPOT_S[1] - HOTSPOT_S[0])
+    ran = [r for r in records if r.dc is not None]
+    home = simulation.layout.home
+    result["cross_dc_share"] = (
+        sum(r.dc != home[by_id[r.request_id].region] for r in ran) / len(ran) if ran else 0.0
+    )
+    result |= _violations(simulation)
+    result["capacity_mismatch_request_s"] = mismatch(simulation.tables, simulation.view_period_s)
+    result["react_s"] = react_s(simulation)
+    return result
+
+
+def _region(records: Sequence[RequestRecord], window_s: float) -> dict[str, Any]:
+    done = [r for r in records if r.outcome == "completed"]
+    met = [r for r in done if met_objective(r, DEFAULT_OBJECTIVES)]
+    ttft = np.array([r.ttft_s for r in done if r.ttft_s is not None])
+    return {
+        "arrivals": len(records),
+        "goodput_tok_s": sum(r.output_tokens for r in met) / window_s,
+        "compliance": len(met) / max(len(records), 1),
+        "ttft_p50_s": float(np.percentile(ttft, 50)) if ttft.size else None,
+        "ttft_p95_s": float(np.percentile(ttft, 95)) if ttft.size else None,
+    }
+
+
+def _violations(simulation: FleetSimulation) -> dict[str, int]:
+    """Edge choices that put a request where its residency or its tenant may not run."""
+    region = {site.name: site.region for site in simulation.layout.sites}
+    residency = permission = 0
+    for choice in simulation.choices:
+        if choice.chosen is None:
+            continue
+        request = choice.request
+        residency += bool(request.residency) and region[choice.chosen] not in request.residency
+        allowed = simulation.layout.tenant_dcs.get(request.tenant)
+        permission += allowed is not None and choice.chosen not in allowed
+    return {"residency_violations": residency, "permission_violations": permission}
+
+
+def mismatch(tables: Sequence[Mapping[str, PublishedLoad]], period_s: float) -> float:
+    """Demand left waiting while capacity idled elsewhere, in request-seconds: at each
+    publication, the requests queued in a DC while another ready DC had none queued,
+    times the period between publications."""
+    total = 0.0
+    for published in tables:
+        idle = {name for name, load in published.items() if load.ready and not load.queued}
+        for name, load in published.items():
+            if load.queued and idle - {name}:
+                total += load.queued * period_s
+    return total
+
+
+def react_s(simulation: FleetSimulation) -> float | None:
+    """Seconds from the hotspot's start to the first second in which ``REACTED_SHARE``
+    of A's requests ran outside its home DC (None: never)."""
+    home = simulation.layout.home["eu-west"]
+    seconds: dict[int, list[bool]] = {}
+    for choice in simulation.choices:
+        if choice.request.region == "eu-west" and choice.at_s >= HOTSPOT_S[0] and choice.chosen:
+            seconds.setdefault(int(choice.at_s), []).append(choice.chosen != home)
+    for second in sorted(seconds):
+        if np.mean(seconds[second]) >= REACTED_SHARE:
+            return second - HOTSPOT_S[0]
+    return None
+
+
+SPLIT_BIN_S = 10.0
+
+
+def _series(simulation: FleetSimulation) -> dict[str, Any]:
+    """A's requests per DC in each ``SPLIT_BIN_S`` bin, each DC's queue at each
+    publication and the weights after each pass of their controller: what the plot draws."""
+    bins = int(np.ceil(END_S / SPLIT_BIN_S))
+    names = [site.name for site in simulation.layout.sites]
+    counts = {name: [0] * bins for name in [*names, "refused"]}
+    for choice in simulation.choices:
+        if choice.request.region == "eu-west":
+            index = min(int(choice.at_s // SPLIT_BIN_S), bins - 1)
+            counts[choice.chosen or "refused"][index] += 1
+    queues = {name: [tables[name].queued for tables in simulation.tables] for name in names}
+    weights = [{"at_s": at, **weights} for at, weights in simulation.weight_steps]
+    return {"bin_s": SPLIT_BIN_S, "a_requests": counts, "queued": queues, "weights": weights}
+
+
+def plot_fleet(document: Mapping[str, Any], path: Path) -> None:
+    """A's traffic by DC over time under each policy, the hotspot shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(document["policies"])
+    columns = 3
+    rows = -(-len(names) // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), sharey=True)
+    for axis, name in zip(np.ravel(axes), names, strict=False):
+        series = document["series"][name]
+        width = series["bin_s"]
+        for dc, counts in series["a_requests"].items():
+            if any(counts):
+                axis.plot(np.arange(len(counts)) * width, np.array(counts) / width, label=dc)
+        axis.axvspan(*document["hotspot_s"], color="0.9")
+        goodput = document["policies"][name]["goodput_tok_s"]
+        axis.set_title(f"{name}\n{goodput:,.0f} tok/s goodput", fontsize=9)
+        axis.set_xlabel("seconds")
+    np.ravel(axes)[0].set_ylabel("A's requests per second")
+    np.ravel(axes)[0].legend(fontsize=7)
+    for axis in np.ravel(axes)[len(names) :]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

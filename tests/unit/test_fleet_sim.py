@@ -1,0 +1,109 @@
+"""The multi-DC simulator: an edge that sees the DCs through delayed tables and its own
+counts, in front of one simulated pool per DC; and the fleet bench's pieces."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from control.fleet.registry import DC_POLICIES, make_dc_policy
+from sim.fleet_bench import mismatch, paced
+from sim.fleet_sim import FleetLayout, FleetSimulation, PublishedLoad, Site
+from sim.profiles import profile
+from sim.workload import TraceRequest
+
+PROFILE = profile("llama3-70b-4xh100")
+EU = ("eu-west", "eu-central")
+LAYOUT = FleetLayout(
+    (Site("dc-b", "eu-central", 1), Site("dc-d", "us-east", 1, ready_at_s=5.0)),
+    {
+        ("eu-west", "eu-central"): 0.01,
+        ("eu-central", "eu-west"): 0.01,
+        ("eu-west", "us-east"): 0.08,
+        ("us-east", "eu-west"): 0.08,
+        ("eu-central", "us-east"): 0.09,
+        ("us-east", "eu-central"): 0.09,
+    },
+    {"eu-west": "dc-b", "eu-central": "dc-b", "us-east": "dc-d"},
+    {"tenant-d": frozenset({"dc-b"})},
+)
+
+
+def chats(
+    count: int, rate_rps: float, region: str = "eu-west", **fields: object
+) -> list[TraceRequest]:
+    return [
+        TraceRequest(f"{region}-{n}", n / rate_rps, 2000, 200, (), region=region, **fields)  # type: ignore[arg-type]
+        for n in range(count)
+    ]
+
+
+def simulate(policy: str, requests: list[TraceRequest]) -> FleetSimulation:
+    simulation = FleetSimulation(
+        LAYOUT, PROFILE, make_dc_policy(policy), capacity_rps_per_instance=4.0
+    )
+    simulation.records = simulation.run(sorted(requests, key=lambda r: r.arrival_s))  # type: ignore[attr-defined]
+    return simulation
+
+
+def test_local_only_keeps_every_request_home_and_refuses_while_home_warms_up() -> None:
+    simulation = simulate("local_only", chats(60, 6.0) + chats(30, 3.0, "us-east"))
+    records = simulation.records  # type: ignore[attr-defined]
+    assert {r.dc for r in records if r.request_id.startswith("eu-west")} == {"dc-b"}
+    us = [r for r in records if r.request_id.startswith("us-east")]
+    refused = [r for r in us if r.dc is None]
+    assert refused
+    assert all(r.outcome == "rejected" and r.arrival_s < 6.0 for r in refused)
+    assert {r.dc for r in us if r.dc is not None} == {"dc-d"}
+
+
+def test_nothing_runs_in_a_dc_before_the_edge_hears_it_is_ready() -> None:
+    simulation = simulate("skyserve_least_load", chats(120, 12.0))
+    first_in_d = min(c.at_s for c in simulation.choices if c.chosen == "dc-d")
+    # ready at 5 s, published each second, heard a second later
+    assert first_in_d >= 5.0 + simulation.view_delay_s
+
+
+def test_fleetmind_spills_a_hotspot_but_never_a_resident_or_restricted_request() -> None:
+    bound = chats(200, 20.0, residency=EU)
+    restricted = [
+        replace(r, request_id=f"t-{r.request_id}", tenant="tenant-d") for r in chats(100, 10.0)
+    ]
+    free = [replace(r, request_id=f"f-{r.request_id}") for r in chats(200, 20.0)]
+    simulation = simulate("fleetmind", bound + restricted + free)
+    placed = {c.request.request_id: c.chosen for c in simulation.choices if c.chosen}
+    assert all(placed[r.request_id] == "dc-b" for r in bound + restricted if r.request_id in placed)
+    assert sum(dc == "dc-d" for dc in placed.values()) > 50  # the unbound overflow
+
+
+@pytest.mark.parametrize("policy", sorted(DC_POLICIES))
+def test_a_run_is_a_function_of_its_inputs(policy: str) -> None:
+    requests = chats(80, 16.0) + chats(20, 4.0, "us-east")
+    first = simulate(policy, requests).records  # type: ignore[attr-defined]
+    second = simulate(policy, requests).records  # type: ignore[attr-defined]
+    assert first == second
+    assert len(first) >= len(requests)
+
+
+def test_paced_arrivals_follow_the_pieces_rates_and_keep_their_order() -> None:
+    stream = chats(3000, 10.0)
+    out = paced(stream, [(0.0, 5.0), (10.0, 20.0), (20.0, 5.0)], 30.0)
+    times = [r.arrival_s for r in out]
+    assert times == sorted(times)
+    assert [r.request_id for r in out] == [r.request_id for r in stream[: len(out)]]
+    per_piece = [sum(a <= t < b for t in times) for a, b in ((0, 10), (10, 20), (20, 30))]
+    assert per_piece == pytest.approx([50, 200, 50], abs=1)
+
+
+def test_mismatch_counts_queues_only_while_another_ready_dc_has_none() -> None:
+    def load(queued: int, ready: bool = True) -> PublishedLoad:
+        return PublishedLoad(0.0, ready, 10, queued, 0.5, 1.0)
+
+    tables = [
+        {"b": load(8), "c": load(0)},  # 8 wait while c idles
+        {"b": load(8), "c": load(2)},  # both queue: nothing idles
+        {"b": load(8), "c": load(0, ready=False)},  # c cannot take them
+        {"b": load(0), "c": load(0)},
+    ]
+    assert mismatch(tables, 2.0) == 16.0
