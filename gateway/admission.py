@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from control.admission.registry import Admission
 from control.admission.request import PRIORITY, AdmissionRequest
+from control.admission.slomax import SLOMax
 from control.admission.view import Verdict
 from control.pipeline import ClassLoad, Outcome, Pipeline
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
@@ -86,6 +87,8 @@ class GatewayAdmission:
         self._pipelines: dict[Key, Pipeline[Held]] = {}
         self._peers: dict[str, dict[TaskClass, ClassLoad]] = {}
         """The other replicas' load, by pool (``_pool_name``)."""
+        self.replicas = 1
+        """The replicas sharing the pools, this one included, as last heard."""
         self._changed = asyncio.Event()
         self._closing = False
 
@@ -229,11 +232,35 @@ class GatewayAdmission:
         }
         raws = await self._loads(json.dumps(own))
         others = [load for raw in raws if (load := _decoded(raw, now - wall)) is not None]
+        self.replicas = 1 + len(others)
         names = {name for other in others for name in other}
         self._take_peers({name: _summed([o[name] for o in others if name in o]) for name in names})
 
+    def pool_load(self, model: str, dc: str) -> tuple[dict[TaskClass, int], int]:
+        """The pool's requests in flight by class, and held, across the replicas."""
+        pipeline = self._pipelines.get((model, dc))
+        peers = self._peers.get(_pool_name((model, dc)), {})
+        inflight = {
+            c: (pipeline.inflight[c] if pipeline else 0) + peers.get(c, ClassLoad()).inflight
+            for c in TaskClass
+        }
+        held = (len(pipeline.pools) if pipeline else 0) + sum(p.held for p in peers.values())
+        return inflight, held
+
+    def concurrency_limit(
+        self, model: str, dc: str, task_class: TaskClass, ready: int, quotas: AdmissionQuotas | None
+    ) -> int | None:
+        """How many requests of ``task_class`` the pool's admission runs at once (None: no
+        limit, or an admission policy that sets none)."""
+        admission = self.pipeline(model, dc).admission
+        if not isinstance(admission, SLOMax):
+            return None
+        return admission.concurrency_limit(task_class, _class_quotas(quotas), ready)
+
     def _take_peers(self, peers: dict[str, dict[TaskClass, ClassLoad]]) -> None:
         """The other replicas' load from now on, by pool."""
+        if not peers:
+            self.replicas = 1
         self._peers = peers
         for key, pipeline in self._pipelines.items():
             pipeline.peers = peers.get(_pool_name(key), {})

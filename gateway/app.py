@@ -273,7 +273,11 @@ def create_app(parts: GatewayParts) -> FastAPI:
             events.emit(_arrived_event(inbound, regions[local_dc]))
             await decider.take_quota(inbound)
             dc = decider.choose_dc(
-                inbound.model.name, inbound.tenant, inbound.residency, inbound.input_tokens
+                inbound.model.name,
+                inbound.tenant,
+                inbound.residency,
+                inbound.input_tokens,
+                inbound.task_class,
             )
             return await exchange.serve(inbound, dc, request, arrived, scoped)
         except ApiError as exc:

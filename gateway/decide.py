@@ -1,15 +1,16 @@
 """The decision path: admit -> choose the DC -> choose the instance.
 
-A tenant's token bucket first (``take_quota``), then the DC (a hook with simple behaviour
-until FleetMind lands), then the pipeline of ``control/pipeline.py`` (``gateway.admission``):
-the admission policy (SLOMax by default) and the routing policy (TokenPilot by default),
-on a snapshot built from last-known telemetry and the shared accounting.
+A tenant's token bucket first (``take_quota``), then the DC (``choose_dc``: the DC policy,
+FleetMind by default, on this edge's view of the DCs), then the pipeline of
+``control/pipeline.py`` (``gateway.admission``): the admission policy (SLOMax by default)
+and the routing policy (TokenPilot by default), on a snapshot built from last-known
+telemetry and the shared accounting.
 
 Safe defaults when control is silent (no snapshot, or past its TTL):
 
 - **quotas**: no bucket, and the admission policy's own defaults;
-- **weights**: the local DC if it serves the model and the request may run there, else the
-  allowed DC that serves it, first in the fleet file.
+- **weights**: every DC counted on whole (weight 1): the DC policy prices load from the
+  telemetry and the admission pools alone.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import numpy as np
 
 from control.admission.registry import Admission
 from control.fleet.fleetmind import FleetMind
+from control.fleet.load import DcLoad, Rate, class_room, dc_state
 from control.fleet.registry import DcPolicy
-from control.fleet.view import DataCenterState, DcRequest, FleetState
+from control.fleet.view import DcRequest, FleetState
 from control.routing.registry import Router
 from control.routing.snapshot import BoolArray, Decision, FleetSnapshot, RouteRequest
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
@@ -34,6 +36,7 @@ from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from gateway.state import SharedState, SharedView
+from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
 from schemas.fleet import TenantConfig
 from schemas.lifecycle import RejectReason
@@ -93,6 +96,8 @@ class Decider:
         self.region = self._regions[local_dc]
         self.dc_policy = dc_policy or FleetMind()
         self._round_trips = view.fleet.round_trips_s()
+        self._sent: dict[tuple[str, str], Rate] = {}
+        """The requests this replica sent to each (model, DC) lately."""
         self._draws = random.Random()
         """For the DC policies that split traffic at random (Envoy's priority levels)."""
         self.metrics = metrics
@@ -133,6 +138,7 @@ class Decider:
         tenant: TenantConfig | None = None,
         residency: tuple[str, ...] = (),
         input_tokens: int = 0,
+        task_class: TaskClass = TaskClass.INTERACTIVE,
     ) -> str:
         """The DC to run in, as the DC policy picks it from this edge's view; ApiError(503)
         saying why when no DC may run the request."""
@@ -147,7 +153,7 @@ class Decider:
             None if config is None else config.version,
             self._draws.random(),
         )
-        decision = self.dc_policy.choose(request, self._dc_view(model))
+        decision = self.dc_policy.choose(request, self._dc_view(model, task_class))
         if decision.chosen is None:
             reasons = decision.excluded
             why = ", ".join(f"{dc} ({reason})" for dc, reason in reasons.items())
@@ -157,34 +163,50 @@ class Decider:
                 f"No data center may run this request for `{model}`: {why or 'none serves it'}.",
                 RejectReason.RESIDENCY if kept_out else RejectReason.NO_CAPACITY,
             )
+        self._sent.setdefault((model, decision.chosen), Rate()).add(time.monotonic())
         return decision.chosen
 
-    def _dc_view(self, model: str) -> FleetState:
-        """The DCs serving ``model`` as this edge sees them: instances, versions and load
-        from telemetry, the controller's weights. FleetMind does not price load from it
-        yet (the edge does not read the capacity tables, which say what a DC's load costs):
-        a DC with room is chosen by round trip and weight."""
+    def _dc_view(self, model: str, task_class: TaskClass) -> FleetState:
+        """The DCs serving ``model`` as this edge sees them: instances, versions, queues
+        and KV from telemetry; requests in flight and held from the admission pools of
+        every replica; the rate this replica sent there times the replicas; the operator's
+        capacity figure; the controller's weights."""
         weights = self.weights.current(self.local_dc)
         self.metrics.control_defaults.labels("weights").set(weights is None)
         weight = {w.dc: w.weight for w in weights.weights if w.model == model} if weights else {}
+        config = self.view.fleet.model(model)
+        per_instance = None if config is None else config.rps_per_instance
+        now = time.monotonic()
         states = []
         for dc in self.view.dcs_serving(model):
             pool = self.view.pool(model, dc)
             assert pool is not None
             ready = [i for i in pool.instances if self.view.ready(i.id)]
-            load = self.view.load(pool)
+            telemetry = self.view.load(pool)
+            inflight, held = self.admission.pool_load(model, dc)
+            sent = self._sent.get((model, dc))
+            load = DcLoad(
+                running=telemetry.requests,
+                queued=round(telemetry.waiting * len(ready)) + held,
+                kv_use=telemetry.kv_use,
+                sent_per_s=(sent.per_s(now) if sent else 0.0) * self.admission.replicas,
+                inflight=sum(inflight.values()),
+                capacity_rps=per_instance * len(ready) if per_instance and ready else None,
+            )
+            limit = self.admission.concurrency_limit(
+                model, dc, task_class, len(ready), self.quotas.current(dc)
+            )
             states.append(
-                DataCenterState(
+                dc_state(
                     dc,
                     self._regions[dc],
-                    len(ready),
-                    frozenset(i.version for i in ready),
-                    frozenset(i.version for i in pool.instances),
-                    weight=weight.get(dc),
                     instances=len(pool.instances),
-                    inflight_requests=load.requests,
-                    kv_use=load.kv_use,
-                    queue=load.waiting,
+                    versions=frozenset(i.version for i in pool.instances),
+                    ready_versions=frozenset(i.version for i in ready),
+                    ready_instances=len(ready),
+                    load=load,
+                    weight=weight.get(dc),
+                    class_room=class_room(inflight[task_class], limit),
                 )
             )
         return FleetState(tuple(states), self._round_trips)
@@ -198,7 +220,7 @@ class Decider:
             return await self.least_loaded(inbound.model.name, dc)
         pool, sampled, shared, request = await self._prepare(inbound, dc)
         snapshot = self.view.snapshot(pool, shared)
-        quotas = self.quotas.current(self.local_dc)
+        quotas = self.quotas.current(dc)
         admitted = self.admission.arrive(inbound, dc, request, snapshot, arrived, quotas)
         if isinstance(admitted, Waiting):
             return self._plan_when_released(admitted, inbound, dc, pool, sampled, shared)

@@ -38,6 +38,13 @@ class ModelConfig(Frozen):
         description="The version requests must run on: a DC whose ready instances of the "
         "model are all of other versions is not chosen (unset: any version).",
     )
+    rps_per_instance: float | None = Field(
+        default=None,
+        gt=0,
+        description="Requests per second one instance serves at capacity (the operator's "
+        "figure, as Google Cloud's maxRatePerInstance): the edge prices a DC's load as its "
+        "requests in flight and sent lately against it (unset: by the DC's queues).",
+    )
 
 
 class InstanceConfig(Frozen):

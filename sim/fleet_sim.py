@@ -32,7 +32,7 @@ from functools import partial
 from control.admission.registry import CONTROLLED, make_admission
 from control.admission.slomax import SLOMax
 from control.controllers.fleetmind import WeightController
-from control.fleet.load import DcLoad, dc_state
+from control.fleet.load import DcLoad, Rate, class_room, dc_state
 from control.fleet.registry import DcPolicy
 from control.fleet.view import DcDecision, DcRequest, FleetState
 from control.routing import make_router
@@ -50,8 +50,6 @@ VERSION = "v1"
 PREFIX_STRIDE = TokenPilotParams().index_stride
 """The edge remembers every n-th block of each prompt it sent, as the gateway's shared
 prefix index does."""
-RATE_WINDOW_S = 10.0
-"""The span over which the edge counts its own sends, and the tables their completions."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +84,10 @@ class _Dc:
     site: Site
     simulation: Simulation
     seen_records: int = 0
-    sent: deque[float] = field(default_factory=deque)
+    sent: Rate = field(default_factory=Rate)
     inflight: dict[str, TaskClass] = field(default_factory=dict)
     """The edge's requests in flight there, and their classes."""
-    completions: deque[float] = field(default_factory=deque)
+    completions: Rate = field(default_factory=Rate)
 
 
 @dataclass(frozen=True)
@@ -261,7 +259,7 @@ class FleetSimulation:
 
     def _send(self, request: TraceRequest, name: str) -> None:
         dc = self._by_name[name]
-        dc.sent.append(self.now)
+        dc.sent.add(self.now)
         dc.inflight[request.request_id] = request.task_class
         for block in request.prefix_blocks[PREFIX_STRIDE - 1 :: PREFIX_STRIDE]:
             self._prefixes[block] = name
@@ -293,15 +291,13 @@ class FleetSimulation:
             table = self._tables.get(dc.site.name)
             ready = table is not None and table.ready
             instances = dc.site.instances
-            while dc.sent and dc.sent[0] <= self.now - RATE_WINDOW_S:
-                dc.sent.popleft()
             capacity = self.capacity_rps_per_instance
             load = DcLoad(
                 table.running if table else 0,
                 table.queued if table else 0,
                 table.kv_use if table else 0.0,
                 table.completed_per_s if table else 0.0,
-                len(dc.sent) / RATE_WINDOW_S,
+                dc.sent.per_s(self.now),
                 len(dc.inflight),
                 capacity * instances if capacity and ready else None,
             )
@@ -336,7 +332,7 @@ class FleetSimulation:
         for record in records[dc.seen_records :]:
             dc.inflight.pop(record.request_id, None)
             if record.outcome == "completed":
-                dc.completions.append(self.now)
+                dc.completions.add(self.now)
         dc.seen_records = len(records)
 
     def _publish_tables(self) -> None:
@@ -344,8 +340,6 @@ class FleetSimulation:
         tables = {}
         for dc in self._dcs:
             simulation = dc.simulation
-            while dc.completions and dc.completions[0] <= self.now - RATE_WINDOW_S:
-                dc.completions.popleft()
             engines = simulation.engines
             waiting = sum(len(e.waiting) for e in engines) + len(simulation.pipeline.pools)
             admission = simulation.pipeline.admission
@@ -363,7 +357,7 @@ class FleetSimulation:
                 sum(len(e.running) for e in engines),
                 waiting,
                 sum(e.pool.used_blocks / e.config.num_blocks for e in engines) / len(engines),
-                len(dc.completions) / RATE_WINDOW_S,
+                dc.completions.per_s(self.now),
                 limits,
             )
         self.tables.append(tables)
@@ -402,10 +396,7 @@ class FleetSimulation:
 def _room(dc: _Dc, table: PublishedLoad | None, task_class: TaskClass) -> float | None:
     """The share of ``task_class``'s limit in ``dc`` that the edge's requests leave free."""
     limit = table.limits.get(task_class) if table else None
-    if limit is None:
-        return None
-    running = sum(c is task_class for c in dc.inflight.values())
-    return 1 - running / limit if limit else 0.0
+    return class_room(sum(c is task_class for c in dc.inflight.values()), limit)
 
 
 def _weights(published: RoutingWeights | None) -> dict[str, float]:

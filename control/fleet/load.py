@@ -15,10 +15,13 @@ A DC's rate at capacity is the operator's figure for the model's traffic (Google
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from control.fleet.view import DataCenterState
 
+RATE_WINDOW_S = 10.0
+"""The span over which the edge counts its own sends."""
 MIN_DRAIN_RPS = 1.0
 """The completion rate assumed of a DC whose tables show a queue and no completions: one
 request a second, so that a queue of n reads as n seconds rather than as forever."""
@@ -57,6 +60,29 @@ class DcLoad:
         if not self.queued:
             return 0.0
         return self.queued / max(self.completed_per_s, MIN_DRAIN_RPS)
+
+
+@dataclass
+class Rate:
+    """Events per second over the last ``window_s``."""
+
+    window_s: float = RATE_WINDOW_S
+    _times: deque[float] = field(default_factory=deque)
+
+    def add(self, now: float) -> None:
+        self._times.append(now)
+
+    def per_s(self, now: float) -> float:
+        while self._times and self._times[0] <= now - self.window_s:
+            self._times.popleft()
+        return len(self._times) / self.window_s
+
+
+def class_room(inflight: int, limit: int | None) -> float | None:
+    """The share of a class's concurrency limit still free (None: no limit)."""
+    if limit is None:
+        return None
+    return 1 - inflight / limit if limit > 0 else 0.0
 
 
 def dc_state(

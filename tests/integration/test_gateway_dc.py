@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -37,12 +38,26 @@ from tests.gateway_harness import (
 EU_ONLY_KEY = "sk-eu-only"
 
 
-def instance(served: list[str], dc: str) -> Starlette:
+@dataclass
+class Gate:
+    """Where an instance holds its answers: ``reached`` once a request waits, answered
+    once ``opened``."""
+
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
+    opened: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def instance(served: list[str], dc: str, gate: Gate | None = None) -> Starlette:
+    """An instance that answers at once, or once its gate opens."""
+
     async def metrics(_: Request) -> Response:
         return vllm_metrics(waiting=0, running=0)
 
     async def answer(_: Request) -> Response:
         served.append(dc)
+        if gate is not None:
+            gate.reached.set()
+            await gate.opened.wait()
         return chat_answer()
 
     return Starlette(
@@ -51,11 +66,16 @@ def instance(served: list[str], dc: str) -> Starlette:
 
 
 @contextlib.asynccontextmanager
-async def two_dcs(served: list[str]) -> AsyncIterator[Gateway]:
-    """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east)."""
+async def two_dcs(
+    served: list[str], rps_per_instance: float | None = None, gate: Gate | None = None
+) -> AsyncIterator[Gateway]:
+    """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east);
+    ``gate``: dc-a's instance answers only once it is set."""
     async with contextlib.AsyncExitStack() as stack:
         urls = {
-            dc: await stack.enter_async_context(http_server(instance(served, dc)))
+            dc: await stack.enter_async_context(
+                http_server(instance(served, dc, gate if dc == "dc-a" else None))
+            )
             for dc in ("dc-a", "dc-b")
         }
         fleet = FleetConfig.model_validate(
@@ -65,7 +85,9 @@ async def two_dcs(served: list[str]) -> AsyncIterator[Gateway]:
                     {"name": "dc-b", "region": "us-east"},
                 ],
                 "network": [{"regions": ["eu-west", "us-east"], "rtt_ms": 80}],
-                "models": [{"name": MODEL, "profile": PROFILE}],
+                "models": [
+                    {"name": MODEL, "profile": PROFILE, "rps_per_instance": rps_per_instance}
+                ],
                 "instances": [
                     {"id": f"i-{dc}", "dc": dc, "url": url, "model": MODEL}
                     for dc, url in urls.items()
@@ -83,6 +105,21 @@ async def two_dcs(served: list[str]) -> AsyncIterator[Gateway]:
 
 async def ask(http: httpx.AsyncClient, **headers: str) -> httpx.Response:
     return await http.post("/v1/chat/completions", json=chat("hi"), headers=headers)
+
+
+async def test_work_in_flight_at_home_sends_the_next_request_abroad() -> None:
+    """At one request a second per instance, a request in flight in dc-a is a second of
+    backlog there, more than dc-b's 80 ms round trip; unpriced, both would run at home."""
+    served: list[str] = []
+    gate = Gate()
+    async with two_dcs(served, rps_per_instance=1.0, gate=gate) as front, front.client() as http:
+        first = asyncio.create_task(ask(http))
+        await asyncio.wait_for(gate.reached.wait(), 5)
+        second = await ask(http)
+        gate.opened.set()
+        assert (await first).status_code == 200
+    assert second.status_code == 200
+    assert served == ["dc-a", "dc-b"]
 
 
 async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherwise() -> None:
