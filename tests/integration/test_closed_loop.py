@@ -49,14 +49,17 @@ pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 
 CHAT_TTFT_S = 2.0
 """The interactive objective a whole (unstreamed) chat must meet: its answer within 2 s."""
-CHAT_S, CHAT_S_PER_DOCUMENT = 0.05, 0.6
-"""A chat's time on an instance: 50 ms, and 0.6 s more for each long document there.
-Four documents on an instance make a chat miss its objective; three do not."""
+CHAT_S, CHAT_S_PER_DOCUMENT = 0.05, 0.7
+"""A chat's time on an instance: 50 ms, and 0.7 s more for each long document there.
+Three documents on an instance make a chat miss its objective; two do not. (At 0.6 s a
+chat missed only beside four, and the controller's first step, from eight documents to
+six, let most chats meet it again while the two instances split the six unevenly: once
+the worst 2 s window of the flood still had 65 % of chats in time.)"""
 DOCUMENT_S = 1.5
 CHAT_EVERY_S, DOCUMENT_EVERY_S = 0.05, 0.1
 """Twenty chats a second all along; ten documents a second during the flood, which at
 1.5 s each would keep 15 in flight: more than SLOMax's starting limit of four per
-instance, so until the controller acts every instance runs four and its chats miss."""
+instance, so until the controller brings it to two per instance chats miss."""
 DOCUMENT = "a long document"
 """What the instances tell documents from chats by (the class header stays at the gateway)."""
 RUN_S = 50.0
