@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from control.admission.registry import Admission
+from control.controllers.fleetmind import weights_of
 from control.fleet.fleetmind import FleetMind
 from control.fleet.load import DcLoad, Rate, class_room, dc_state
 from control.fleet.registry import DcPolicy
@@ -173,7 +174,7 @@ class Decider:
         capacity figure; the controller's weights."""
         weights = self.weights.current(self.local_dc)
         self.metrics.control_defaults.labels("weights").set(weights is None)
-        weight = {w.dc: w.weight for w in weights.weights if w.model == model} if weights else {}
+        weight = weights_of(weights, model)
         config = self.view.fleet.model(model)
         per_instance = None if config is None else config.rps_per_instance
         now = time.monotonic()

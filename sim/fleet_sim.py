@@ -38,7 +38,6 @@ from control.fleet.view import DcDecision, DcRequest, FleetState
 from control.routing import make_router
 from control.routing.tokenpilot import TokenPilotParams
 from schemas.base import TaskClass
-from schemas.control import RoutingWeights
 from sim.clients import ClientModel
 from sim.cluster import Cluster, DataCenter, InstanceProfile
 from sim.control_loop import QuotaLoop, RecordTables
@@ -152,11 +151,10 @@ class FleetSimulation:
         """The DCs each request may still fall back to."""
         self._draws = random.Random(f"edge:{seed}")
         self._tables: dict[str, PublishedLoad] = {}
-        self._in_transit: deque[tuple[float, dict[str, PublishedLoad], RoutingWeights | None]] = (
-            deque()
-        )
+        self._in_transit: deque[tuple[float, dict[str, PublishedLoad], dict[str, float]]] = deque()
         self._record_tables = {site.name: RecordTables(site.name) for site in layout.sites}
-        self._published_weights: RoutingWeights | None = None
+        self._weights: dict[str, float] = {}
+        """Each DC's weight as the controller last published it."""
         self._edge_weights: dict[str, float] = {}
         self._weights_changed_at: dict[str, float] = {}
         self.weight_steps: list[tuple[float, dict[str, float]]] = []
@@ -363,7 +361,7 @@ class FleetSimulation:
         self.tables.append(tables)
         if self.weights is not None and len(self.tables) % self.weights_every == 0:
             self._reconcile_weights()
-        self._in_transit.append((self.now + self.view_delay_s, tables, self._published_weights))
+        self._in_transit.append((self.now + self.view_delay_s, tables, dict(self._weights)))
 
     def _reconcile_weights(self) -> None:
         """A pass of FleetMind's weights controller on each DC's goodput table."""
@@ -375,29 +373,20 @@ class FleetSimulation:
             goodput[dc.site.name] = self._record_tables[dc.site.name].update(
                 simulation.records, engines, self.now
             )[0]
-        changed = self.weights.reconcile(
-            "model", "edge", goodput, self._published_weights, self._weights_changed_at, self.now
-        )
+        changed = self.weights.reconcile(goodput, self._weights, self._weights_changed_at, self.now)
         if changed is not None:
-            before = _weights(self._published_weights)
-            after = _weights(changed)
-            for name, weight in after.items():
-                if before.get(name, 1.0) != weight:
+            for name, weight in changed.items():
+                if self._weights.get(name, 1.0) != weight:
                     self._weights_changed_at[name] = self.now
-            self._published_weights = changed
-        self.weight_steps.append((self.now, _weights(self._published_weights)))
+            self._weights = changed
+        self.weight_steps.append((self.now, dict(self._weights)))
 
     def _receive_tables(self) -> None:
         while self._in_transit and self._in_transit[0][0] <= self.now:
-            _, self._tables, weights = self._in_transit.popleft()
-            self._edge_weights = _weights(weights)
+            _, self._tables, self._edge_weights = self._in_transit.popleft()
 
 
 def _room(dc: _Dc, table: PublishedLoad | None, task_class: TaskClass) -> float | None:
     """The share of ``task_class``'s limit in ``dc`` that the edge's requests leave free."""
     limit = table.limits.get(task_class) if table else None
     return class_room(sum(c is task_class for c in dc.inflight.values()), limit)
-
-
-def _weights(published: RoutingWeights | None) -> dict[str, float]:
-    return {w.dc: w.weight for w in published.weights} if published else {}

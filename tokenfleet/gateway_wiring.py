@@ -38,7 +38,7 @@ from streams.memory import InMemoryBus
 from streams.settings import WorkerSettings
 from streams.table_host import TableHost
 from streams.tables.builder import TableBuilder
-from tokenfleet.controller_host import QuotaHost
+from tokenfleet.controller_host import QuotaHost, WeightHost
 from tokenfleet.settings import Settings
 
 
@@ -156,8 +156,9 @@ async def _serving(
     address: str,
     controlled: bool,
 ) -> AsyncIterator[None]:
-    """uvicorn on the bound socket, and in embedded mode the collector, the tables and,
-    for an admission policy a controller steers (``controlled``), its controller."""
+    """uvicorn on the bound socket, and in embedded mode the collector, the tables, for an
+    admission policy a controller steers (``controlled``) its controller, and for a fleet
+    of several DCs FleetMind's weights controller."""
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     tasks = [asyncio.create_task(server.serve([listening]))]
     async with aiohttp.ClientSession() as scraper:
@@ -170,6 +171,9 @@ async def _serving(
             tasks.append(asyncio.create_task(table_host.run()))
             if controlled:
                 tasks.append(asyncio.create_task(QuotaHost(bus).run()))
+            if len(fleet.dcs) > 1:
+                models, edges = [m.name for m in fleet.models], [dc.name for dc in fleet.dcs]
+                tasks.append(asyncio.create_task(WeightHost(bus, models, edges).run()))
         try:
             while not server.started:
                 if tasks[0].done():

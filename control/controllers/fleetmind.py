@@ -8,12 +8,13 @@ what the DC delivers: while a DC's requests miss their objectives, its weight fa
 the edge sends it less before its queues show; once they meet them again, it climbs
 back. It moves one bounded step per DC per pass, not at all inside the hysteresis band,
 on a window with too few outcomes to judge, or sooner than ``settle_s`` after the DC's
-last change; it publishes only a change.
+last change. The tables hold no model, so a DC's weight is the same for every model it
+serves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -49,29 +50,21 @@ class WeightController:
 
     def reconcile(
         self,
-        model: str,
-        scope: str,
         goodput: Mapping[str, GoodputTable],
-        current: RoutingWeights | None,
+        current: Mapping[str, float],
         changed_at: Mapping[str, float],
         now: float,
-    ) -> RoutingWeights | None:
-        """The weights the DCs' goodput tables call for; None when they are the ones
-        published. ``changed_at``: when each DC's weight last changed."""
-        held = {w.dc: w.weight for w in current.weights if w.model == model} if current else {}
+    ) -> dict[str, float] | None:
+        """Each DC's weight as its goodput table calls for (a DC not in ``current``
+        stands at 1); None when they are the ``current`` ones. ``changed_at``: when each
+        DC's weight last changed."""
         desired = {
-            dc: self._desired(table, held.get(dc, 1.0), now - changed_at.get(dc, -1e18))
+            dc: self._desired(table, current.get(dc, 1.0), now - changed_at.get(dc, -1e18))
             for dc, table in sorted(goodput.items())
         }
-        if current is not None and all(held.get(dc, 1.0) == w for dc, w in desired.items()):
+        if all(current.get(dc, 1.0) == weight for dc, weight in desired.items()):
             return None
-        return RoutingWeights(
-            scope=scope,
-            version=1 if current is None else current.version + 1,
-            issued_at=now,
-            ttl_s=self.params.ttl_s,
-            weights=tuple(DcWeight(model=model, dc=dc, weight=w) for dc, w in desired.items()),
-        )
+        return {**current, **desired}
 
     def _desired(self, table: GoodputTable, weight: float, since_change_s: float) -> float:
         p = self.params
@@ -88,3 +81,35 @@ class WeightController:
         if share >= p.target:
             return min(1.0, round(weight + p.raise_by, 4))
         return weight
+
+    def snapshot(
+        self,
+        weights: Mapping[str, float],
+        models: Iterable[str],
+        scope: str,
+        version: int,
+        now: float,
+    ) -> RoutingWeights:
+        """The weights as published for the edge ``scope``: each DC's for every model."""
+        return RoutingWeights(
+            scope=scope,
+            version=version,
+            issued_at=now,
+            ttl_s=self.params.ttl_s,
+            weights=tuple(
+                DcWeight(model=model, dc=dc, weight=weight)
+                for model in models
+                for dc, weight in sorted(weights.items())
+            ),
+        )
+
+
+def weights_of(published: RoutingWeights | None, model: str | None = None) -> dict[str, float]:
+    """Each DC's weight in ``published`` (for ``model``; None: the first given per DC)."""
+    if published is None:
+        return {}
+    found: dict[str, float] = {}
+    for w in published.weights:
+        if model is None or w.model == model:
+            found.setdefault(w.dc, w.weight)
+    return found

@@ -1,9 +1,12 @@
-"""SLOMax's controller on a bus: tables in, quotas out, renewed before they expire."""
+"""The controllers on a bus: tables in, quotas and weights out, renewed before they
+expire, continued after a restart."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 
+from control.controllers.fleetmind import weights_of
 from control.controllers.slomax import QuotaController, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
@@ -12,7 +15,7 @@ from streams.feeds import follow
 from streams.memory import InMemoryBus
 from tests.conftest import read_for
 from tests.unit.test_quota_controller import capacity, row
-from tokenfleet.controller_host import QUOTAS_TOPIC, QuotaHost
+from tokenfleet.controller_host import QUOTAS_TOPIC, WEIGHTS_TOPIC, QuotaHost, WeightHost
 
 
 class Clock:
@@ -123,3 +126,59 @@ async def test_stale_tables_move_nothing_and_renew_nothing() -> None:
     feed(host, chats_met=50, documents_refused=0, now=96.0)  # the worker is back
     [lowered] = await host.reconcile()
     assert long_documents(lowered) < long_documents(first)
+
+
+TABLE_VERSIONS = itertools.count(1)
+
+
+def feed_goodput(host: WeightHost, dc: str, met: int, now: float) -> None:
+    """The DC's goodput table of the window ending ``now`` (a newer version each time):
+    100 requests, ``met`` in time."""
+    host.apply(
+        GoodputTable(
+            dc=dc,
+            version=next(TABLE_VERSIONS),
+            window_start=now - 60,
+            window_end=now,
+            classes=(row(TaskClass.INTERACTIVE, 100, met),),
+            tenants=(),
+        )
+    )
+
+
+async def test_the_weights_follow_goodput_for_every_edge_and_model_and_are_renewed() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    host = WeightHost(bus, ["m1", "m2"], ["dc-a", "dc-b"], renew_s=20.0, clock=clock)
+    feed_goodput(host, "dc-a", 99, clock.now)
+    feed_goodput(host, "dc-b", 99, clock.now)
+    assert await host.reconcile() == []  # every DC in time: nothing to publish
+    feed_goodput(host, "dc-b", 60, clock.now)
+    published = await host.reconcile()
+    assert sorted(w.scope for w in published) == ["dc-a", "dc-b"]
+    for snapshot in published:
+        assert weights_of(snapshot, "m2") == {"dc-a": 1.0, "dc-b": 0.8}
+    clock.now = 85.0  # no change (settled, within the band), and a renewal due
+    feed_goodput(host, "dc-b", 88, clock.now)
+    renewed = await host.reconcile()
+    assert [w.version for w in renewed] == [2, 2]
+    assert weights_of(renewed[0]) == {"dc-a": 1.0, "dc-b": 0.8}
+    clock.now = 120.0  # the tables stopped 35 s ago: nothing moves, nothing is renewed
+    assert await host.reconcile() == []
+
+
+async def test_a_restarted_weights_controller_continues_versions_and_weights() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    first = WeightHost(bus, ["m"], ["dc-a"], clock=clock)
+    feed_goodput(first, "dc-b", 50, clock.now)
+    [lowered] = await first.reconcile()
+    restarted = WeightHost(bus, ["m"], ["dc-a"], clock=clock)
+    reader = asyncio.create_task(follow(bus, WEIGHTS_TOPIC, restarted.apply, "earliest"))
+    try:
+        await asyncio.wait_for(restarted.caught_up(), 5.0)
+    finally:
+        reader.cancel()
+    clock.now = 75.0
+    feed_goodput(restarted, "dc-b", 50, clock.now)
+    [again] = await restarted.reconcile()
+    assert again.version == lowered.version + 1
+    assert weights_of(again) == {"dc-b": 0.64}  # a step down from where it stood

@@ -49,16 +49,22 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _register_controller(commands: argparse._SubParsersAction) -> None:
     controller = commands.add_parser(
         "controller",
-        help="SLOMax's quota controller: the goodput and capacity tables in, quotas out",
+        help="the controllers: goodput and capacity tables in, quotas and DC weights out",
         description="Reads tf.tables.goodput and tf.tables.capacity (from tokenfleet "
-        "worker), reconciles each DC's class quotas every period (while chats miss their "
-        "objective, fewer long documents in flight; with room to spare, more) and "
-        "publishes them on tf.control.quotas, where the gateways apply them. Unchanged "
-        "quotas are published again before their TTL runs out. Needs "
-        "TOKENFLEET_KAFKA_BOOTSTRAP; the embedded gateway runs the same loop itself.",
+        "worker), reconciles each DC's class quotas every period (SLOMax: while chats miss "
+        "their objective, fewer long documents in flight; with room to spare, more) and "
+        "publishes them on tf.control.quotas, where the gateways apply them. With --fleet, "
+        "FleetMind's weights too: each DC's share of its capacity the edges count on "
+        "(lower while its requests miss their objectives), on tf.control.weights for every "
+        "DC's gateway and every model. Unchanged quotas and weights are published again "
+        "before their TTL runs out. Needs TOKENFLEET_KAFKA_BOOTSTRAP; the embedded gateway "
+        "runs the same loops itself.",
     )
     controller.add_argument(
         "--period", type=float, default=5.0, help="seconds between passes (default: 5)"
+    )
+    controller.add_argument(
+        "--fleet", type=Path, help="the fleet file: its DCs and models, for the weights loop"
     )
     controller.set_defaults(handler=_controller)
 
@@ -120,18 +126,27 @@ def _collect(args: argparse.Namespace) -> int:
 
 def _controller(args: argparse.Namespace) -> int:
     from schemas import TOPICS
+    from schemas.fleet import FleetFileError, load_fleet
     from streams.kafka import KafkaBus, create_topics
-    from tokenfleet.controller_host import QuotaHost
+    from tokenfleet.controller_host import QuotaHost, WeightHost
 
     bootstrap = _bootstrap()
     if args.period <= 0:
         raise CliError("--period must be positive")
+    try:
+        fleet = load_fleet(args.fleet) if args.fleet else None
+    except FleetFileError as exc:
+        raise CliError(str(exc)) from None
 
     async def run() -> None:
         await create_topics(bootstrap, TOPICS)
         bus = KafkaBus(bootstrap, source="controller")
+        hosts = [QuotaHost(bus, period_s=args.period).run()]
+        if fleet is not None:
+            models, edges = [m.name for m in fleet.models], [dc.name for dc in fleet.dcs]
+            hosts.append(WeightHost(bus, models, edges, period_s=args.period).run())
         try:
-            await QuotaHost(bus, period_s=args.period).run()
+            await asyncio.gather(*hosts)
         finally:
             await bus.close()
 
