@@ -34,7 +34,7 @@ from control.routing.registry import Router
 from gateway.admission import Refused
 from gateway.decide import Decider
 from gateway.events import EventSink
-from gateway.exchange import Exchange
+from gateway.exchange import DcFailed, Exchange
 from gateway.fleet_view import FleetView
 from gateway.inbound import (
     CHAT_PATH,
@@ -244,7 +244,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
     async def passed_through(request: Request) -> Response:
         """A request the instance answers as sent, e.g. ``/tokenize``: no admission,
         accounting or events; the least loaded instance of the model in the DC
-        ``Decider.choose_dc`` picks for it."""
+        ``Decider.choose_dcs`` puts first."""
         tenant = authenticate(fleet, request.headers.get("authorization"))
         body = await read_body(request, settings.max_body_bytes)
         name = parse_request(UtilityRequest, body).model
@@ -272,14 +272,14 @@ def create_app(parts: GatewayParts) -> FastAPI:
         try:
             events.emit(_arrived_event(inbound, regions[local_dc]))
             await decider.take_quota(inbound)
-            dc = decider.choose_dc(
+            dcs = decider.choose_dcs(
                 inbound.model.name,
                 inbound.tenant,
                 inbound.residency,
                 inbound.input_tokens,
                 inbound.task_class,
             )
-            return await exchange.serve(inbound, dc, request, arrived, scoped)
+            return await _in_turn(dcs, inbound, request, arrived, scoped)
         except ApiError as exc:
             if scoped is not None:
                 await parts.state.release(scoped)
@@ -292,6 +292,29 @@ def create_app(parts: GatewayParts) -> FastAPI:
                         retry_after_s=exc.retry_after_s,
                     )
                 )
+            raise
+
+    async def _in_turn(
+        dcs: tuple[str, ...],
+        inbound: Inbound,
+        request: Request,
+        arrived: float,
+        scoped: str | None,
+    ) -> Response:
+        """Serve in the first DC; one that refuses the request or fails it before its
+        first token passes it to the next (FleetMind's fallback). The last DC's answer
+        stands."""
+        for dc in dcs[:-1]:
+            decider.sending(inbound.model.name, dc)
+            try:
+                return await exchange.serve(inbound, dc, request, arrived, scoped)
+            except (Refused, DcFailed) as exc:
+                metrics.dc_fallbacks.labels(dc, type(exc).__name__).inc()
+        decider.sending(inbound.model.name, dcs[-1])
+        try:
+            return await exchange.serve(inbound, dcs[-1], request, arrived, scoped)
+        except DcFailed as failure:
+            exchange.failed(inbound, failure)
             raise
 
     @app.post(CHAT_PATH, openapi_extra=_body_schema(ChatRequest))

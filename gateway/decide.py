@@ -1,6 +1,6 @@
 """The decision path: admit -> choose the DC -> choose the instance.
 
-A tenant's token bucket first (``take_quota``), then the DC (``choose_dc``: the DC policy,
+A tenant's token bucket first (``take_quota``), then the DC (``choose_dcs``: the DC policy,
 FleetMind by default, on this edge's view of the DCs), then the pipeline of
 ``control/pipeline.py`` (``gateway.admission``): the admission policy (SLOMax by default)
 and the routing policy (TokenPilot by default), on a snapshot built from last-known
@@ -133,16 +133,16 @@ class Decider:
                 retry_after_s=wait if wait != float("inf") else 60.0,
             )
 
-    def choose_dc(
+    def choose_dcs(
         self,
         model: str,
         tenant: TenantConfig | None = None,
         residency: tuple[str, ...] = (),
         input_tokens: int = 0,
         task_class: TaskClass = TaskClass.INTERACTIVE,
-    ) -> str:
-        """The DC to run in, as the DC policy picks it from this edge's view; ApiError(503)
-        saying why when no DC may run the request."""
+    ) -> tuple[str, ...]:
+        """The DCs to try, best first, as the DC policy orders them on this edge's view;
+        ApiError(503) saying why when no DC may run the request."""
         config = self.view.fleet.model(model)
         request = DcRequest(
             "",
@@ -164,8 +164,11 @@ class Decider:
                 f"No data center may run this request for `{model}`: {why or 'none serves it'}.",
                 RejectReason.RESIDENCY if kept_out else RejectReason.NO_CAPACITY,
             )
-        self._sent.setdefault((model, decision.chosen), Rate()).add(time.monotonic())
-        return decision.chosen
+        return decision.order
+
+    def sending(self, model: str, dc: str) -> None:
+        """Count a request sent to ``dc``: the rate the edge prices utilisation by."""
+        self._sent.setdefault((model, dc), Rate()).add(time.monotonic())
 
     def _dc_view(self, model: str, task_class: TaskClass) -> FleetState:
         """The DCs serving ``model`` as this edge sees them: instances, versions, queues
@@ -257,7 +260,7 @@ class Decider:
         """The pool, the request's blocks as the shared index keeps them, the shared
         accounting and index match, and the request as the router sees it."""
         pool = self.view.pool(inbound.model.name, dc)
-        assert pool is not None  # choose_dc only returns DCs serving the model
+        assert pool is not None  # choose_dcs only returns DCs serving the model
         sampled = inbound.blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
         shared = await self.state.view(pool.ids, sampled)
         request = RouteRequest(
@@ -299,11 +302,11 @@ class Decider:
     async def least_loaded(
         self, model: str, dc: str | None = None, tenant: TenantConfig | None = None
     ) -> Plan:
-        """The ready instance of ``model`` in ``dc`` (None: ``choose_dc``'s) with the fewest
+        """The ready instance of ``model`` in ``dc`` (None: ``choose_dcs``' first) with the fewest
         tokens in flight through the gateways, ties taken in turn (an idle pool shares its
         embeddings out evenly): for requests with no prefix to reuse and nothing to
         generate (embeddings, ``/tokenize``)."""
-        pool = self.view.pool(model, dc or self.choose_dc(model, tenant))
+        pool = self.view.pool(model, dc or self.choose_dcs(model, tenant)[0])
         assert pool is not None  # only DCs serving the model are asked for
         shared = await self.state.view(pool.ids, [])
         ready = [row for row, i in enumerate(pool.instances) if self.view.ready(i.id)]

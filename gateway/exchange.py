@@ -2,7 +2,8 @@
 
 - An instance that fails before the first token (connection error, 5xx, a stream that
   breaks early) is left out for a cooldown and the request goes once to the next-best
-  instance, counted as a retry. A stream that breaks after tokens reached the client ends
+  instance, counted as a retry; if that fails too, the DC failed it (``DcFailed``), and
+  the edge may try the next DC. A stream that breaks after tokens reached the client ends
   with an error event and ``[DONE]``, as vLLM ends a stream that failed; it is never run
   twice. Only the transport or an error status fails an instance, never the shape of a
   valid answer (an empty answer, a tool call, all reasoning).
@@ -97,6 +98,16 @@ class Trip:
         return self.plan.pool.instances[self.row]
 
 
+class DcFailed(ApiError):
+    """Every instance tried in a DC failed the request before its first token: the edge
+    may try another DC (nothing reached the client yet)."""
+
+    def __init__(self, error: str, instance_id: str) -> None:
+        super().__init__(502, f"The model instance failed: {error}")
+        self.error = error
+        self.instance_id = instance_id
+
+
 class Exchange:
     """Serves routed requests; one per gateway app."""
 
@@ -164,10 +175,15 @@ class Exchange:
                 self.spawn(self._abandoned(trip))
                 raise
         self.decider.admission.finished(inbound, plan.dc, cancelled=True)
+        raise DcFailed(error, trip.instance.id)
+
+    def failed(self, inbound: Inbound, failure: DcFailed) -> None:
+        """Report a request whose last DC failed it before any token."""
         self.events.emit(
-            RequestFailed(request_id=inbound.request_id, instance_id=trip.instance.id, error=error)
+            RequestFailed(
+                request_id=inbound.request_id, instance_id=failure.instance_id, error=failure.error
+            )
         )
-        raise ApiError(502, f"The model instance failed: {error}")
 
     async def _decide(self, inbound: Inbound, dc: str, arrived: float, request: Request) -> Plan:
         """Admit, route and charge the request, one request of this replica at a time:

@@ -38,6 +38,13 @@ class GatewayMetrics:
         self.retries = Counter(
             "tokenfleet_gateway_retries", "Requests retried on another instance.", registry=r
         )
+        self.dc_fallbacks = Counter(
+            "tokenfleet_gateway_dc_fallbacks",
+            "Requests passed to the next DC, by the DC that refused (Refused) or failed "
+            "(DcFailed) them before their first token.",
+            ("dc", "why"),
+            registry=r,
+        )
         self.replans = Counter(
             "tokenfleet_gateway_replans",
             "Decisions made again because another request was routed since their view.",

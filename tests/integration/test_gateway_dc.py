@@ -20,7 +20,7 @@ from starlette.routing import Route
 from schemas import Envelope, topic_for
 from schemas.control import DcWeight, RoutingWeights
 from schemas.fleet import FleetConfig
-from schemas.lifecycle import RejectReason, RequestRejected
+from schemas.lifecycle import RejectReason, RequestFailed, RequestRejected
 from tests.conftest import read_for
 from tests.gateway_harness import (
     KEY,
@@ -31,6 +31,7 @@ from tests.gateway_harness import (
     chat_answer,
     gateway,
     http_server,
+    scraped,
     until_ready,
     vllm_metrics,
 )
@@ -47,14 +48,18 @@ class Gate:
     opened: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def instance(served: list[str], dc: str, gate: Gate | None = None) -> Starlette:
-    """An instance that answers at once, or once its gate opens."""
+def instance(
+    served: list[str], dc: str, gate: Gate | None = None, failing: bool = False
+) -> Starlette:
+    """An instance that answers at once, or once its gate opens, or fails every request."""
 
     async def metrics(_: Request) -> Response:
         return vllm_metrics(waiting=0, running=0)
 
     async def answer(_: Request) -> Response:
         served.append(dc)
+        if failing:
+            return Response("engine dead", status_code=500)
         if gate is not None:
             gate.reached.set()
             await gate.opened.wait()
@@ -67,14 +72,19 @@ def instance(served: list[str], dc: str, gate: Gate | None = None) -> Starlette:
 
 @contextlib.asynccontextmanager
 async def two_dcs(
-    served: list[str], rps_per_instance: float | None = None, gate: Gate | None = None
+    served: list[str],
+    rps_per_instance: float | None = None,
+    gate: Gate | None = None,
+    home_fails: bool = False,
 ) -> AsyncIterator[Gateway]:
     """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east);
-    ``gate``: dc-a's instance answers only once it is set."""
+    ``gate``: dc-a's instance answers only once it opens; ``home_fails``: dc-a's fails."""
     async with contextlib.AsyncExitStack() as stack:
         urls = {
             dc: await stack.enter_async_context(
-                http_server(instance(served, dc, gate if dc == "dc-a" else None))
+                http_server(
+                    instance(served, dc, *((gate, home_fails) if dc == "dc-a" else (None, False)))
+                )
             )
             for dc in ("dc-a", "dc-b")
         }
@@ -120,6 +130,29 @@ async def test_work_in_flight_at_home_sends_the_next_request_abroad() -> None:
         assert (await first).status_code == 200
     assert second.status_code == 200
     assert served == ["dc-a", "dc-b"]
+
+
+async def test_a_dc_that_fails_a_request_before_its_first_token_passes_it_to_the_next() -> None:
+    served: list[str] = []
+    async with two_dcs(served, home_fails=True) as front, front.client() as http:
+        moved = await ask(http)
+        fallbacks = await scraped(front.url, "tokenfleet_gateway_dc_fallbacks_total", dc="dc-a")
+        events = await read_for(front.app.state.parts.bus, topic_for(RequestFailed).name, 0.5)
+    assert moved.status_code == 200
+    assert served == ["dc-a", "dc-b"]
+    assert fallbacks == 1
+    assert not [e for e in events if isinstance(e, RequestFailed)]  # it did not fail
+
+
+async def test_the_last_dc_s_failure_is_the_answer() -> None:
+    served: list[str] = []
+    async with two_dcs(served, home_fails=True) as front, front.client() as http:
+        kept = await ask(http, **{"x-tokenfleet-residency": "eu-west"})  # nowhere else to go
+        events = await read_for(front.app.state.parts.bus, topic_for(RequestFailed).name, 0.5)
+    assert kept.status_code == 502
+    assert served == ["dc-a"]
+    [failed] = [e for e in events if isinstance(e, RequestFailed)]  # reported once
+    assert failed.instance_id == "i-dc-a"
 
 
 async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherwise() -> None:
