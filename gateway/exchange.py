@@ -12,7 +12,8 @@
   comes first; events before it (a role chunk, the Responses API's lifecycle events)
   wait for it, so that a failure before it can still be retried.
 - A client that goes away aborts the upstream call (closing the connection cancels the
-  request in vLLM) and is reported as a cancellation.
+  request in vLLM) and is reported as a cancellation; a whole answer's client is watched
+  from the moment the request is sent, since its headers come only with its end.
 - Shared accounting follows the request: its uncached prompt counts as pending prefill
   until the first token, its prompt and budget as in flight until it ends. A whole
   (non-streamed) answer shows no first token: its prefill stops counting when the router
@@ -30,7 +31,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -62,6 +63,7 @@ Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
+T = TypeVar("T")
 _JSON = {"content-type": "application/json"}
 
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -245,9 +247,15 @@ class Exchange:
         self.metrics.added_latency.observe(trip.sent_at - trip.arrived)
         # A whole answer's headers come with its end: no first token is seen before.
         settling = None if inbound.stream else self._settle_at_predicted_first_token(trip)
+        # A whole answer's client is watched from the start: its headers come with its end.
+        gone = None if inbound.stream else asyncio.ensure_future(_disconnected(request))
         try:
             body = self.decider.admission.upstream_body(inbound, trip.plan.dc)
-            upstream = await self._post(trip.instance, inbound.path, body)
+            posting = self._post(trip.instance, inbound.path, body)
+            upstream = await (posting if gone is None else _unless_left(posting, gone))
+            if upstream is None:  # closing the connection cancels the request in vLLM
+                await self._cancelled(trip)
+                return Response(status_code=499)
             if upstream.status >= 400:  # the instance refused the request itself: pass it on
                 try:
                     body = await upstream.read()
@@ -257,12 +265,14 @@ class Exchange:
                 upstream.release()
                 await self._fail(trip, f"instance answered {upstream.status}")
                 return Response(body, upstream.status, media_type="application/json")
-            if inbound.stream:
+            if gone is None:
                 return await self._stream(trip, upstream)
-            return await self._whole(trip, upstream, request)
+            return await self._whole(trip, upstream, gone)
         finally:
             if settling is not None:
                 settling.cancel()
+            if gone is not None:
+                gone.cancel()
 
     async def forward(self, plan: Plan, path: str, body: bytes) -> Response:
         """Pass a request to ``plan``'s instance as sent, and its answer back as given,
@@ -300,22 +310,23 @@ class Exchange:
         return upstream
 
     async def _whole(
-        self, trip: Trip, upstream: aiohttp.ClientResponse, request: Request
+        self, trip: Trip, upstream: aiohttp.ClientResponse, gone: asyncio.Future[None]
     ) -> Response:
-        reading = asyncio.ensure_future(upstream.read())
-        gone = asyncio.ensure_future(_disconnected(request))
-        done, _ = await asyncio.wait({reading, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if reading not in done:
-            reading.cancel()
+        """Read the whole answer, unless the client leaves first (``gone``)."""
+        try:
+            body = await _unless_left(upstream.read(), gone)
+        except UPSTREAM_ERRORS as exc:
+            upstream.close()
+            self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
+            raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
+        if body is None:
             upstream.close()
             await self._cancelled(trip)
             return Response(status_code=499)
-        gone.cancel()
         upstream.release()
         try:
-            body = reading.result()
             answer = json.loads(body)
-        except (*UPSTREAM_ERRORS, ValueError) as exc:
+        except ValueError as exc:
             self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
         trip.first_token_at = time.monotonic()  # unseen: a whole response counts TTFT as E2E
@@ -590,15 +601,26 @@ class ClientLeft(Exception):
 async def _unless_gone(held: Awaitable[Plan], request: Request) -> Plan:
     """The held request's plan once released; ClientLeft (and the request withdrawn from
     its pool) if its client goes away first."""
-    waiting = asyncio.ensure_future(held)
     gone = asyncio.ensure_future(_disconnected(request))
-    done, _ = await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if waiting in done:
+    try:
+        plan = await _unless_left(held, gone)
+    finally:
         gone.cancel()
-        return waiting.result()
-    waiting.cancel()
-    await asyncio.gather(waiting, return_exceptions=True)
-    raise ClientLeft
+    if plan is None:
+        raise ClientLeft
+    return plan
+
+
+async def _unless_left(work: Awaitable[T], gone: asyncio.Future[None]) -> T | None:
+    """What ``work`` gives, or None (and ``work`` cancelled) if the client goes first."""
+    doing = asyncio.ensure_future(work)
+    watched: set[asyncio.Future[Any]] = {doing, gone}
+    done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+    if doing in done:
+        return doing.result()
+    doing.cancel()
+    await asyncio.gather(doing, return_exceptions=True)
+    return None
 
 
 async def _disconnected(request: Request) -> None:

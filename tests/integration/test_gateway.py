@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from starlette.applications import Starlette
@@ -18,11 +19,13 @@ from starlette.responses import StreamingResponse
 from control.routing.cache_aware import SglangCacheAware
 from control.tokens import block_hashes, chat_text
 from gateway.decide import INDEX_STRIDE
-from schemas import Envelope
+from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
+from schemas.lifecycle import RequestCompleted
 from schemas.telemetry import KvBlocksRemoved
 from sim.emulator.server import EmulatedInstance
+from tests.conftest import read_for
 from tests.gateway_harness import (
     KEY,
     MODEL,
@@ -328,6 +331,31 @@ async def test_a_client_that_leaves_cancels_the_upstream_request(
             break
         await asyncio.sleep(0.02)
     assert await metric(front, "tokenfleet_gateway_cancellations_total") == 1
+
+
+async def test_a_client_that_leaves_before_a_whole_answer_cancels_it_upstream(
+    front: Gateway, instances: list[EmulatedInstance]
+) -> None:
+    """A whole answer's headers come with its end: the client is watched from the start,
+    so it is not generated to the end and reported completed for nobody."""
+    body = chat("long " * 100, max_tokens=5000)
+    async with front.client() as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/chat/completions", json=body, timeout=0.5)
+    engines = [i.driver.engine for i in instances]
+    for _ in range(200):
+        if not any(e.running or e.waiting for e in engines):
+            break
+        await asyncio.sleep(0.02)
+    assert not any(e.running or e.waiting for e in engines)
+    for _ in range(100):
+        if await metric(front, "tokenfleet_gateway_cancellations_total") == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert await metric(front, "tokenfleet_gateway_cancellations_total") == 1
+    completions = topic_for(RequestCompleted).name
+    events = await read_for(front.app.state.parts.bus, completions, 0.3)
+    assert not [e for e in events if isinstance(e, RequestCompleted)]
 
 
 async def test_the_embedded_gateway_keeps_goodput_tables_of_its_requests(
