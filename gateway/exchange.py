@@ -104,10 +104,11 @@ class DcFailed(ApiError):
     """Every instance tried in a DC failed the request before its first token: the edge
     may try another DC (nothing reached the client yet)."""
 
-    def __init__(self, error: str, instance_id: str) -> None:
+    def __init__(self, error: str, instance_id: str, dc: str) -> None:
         super().__init__(502, f"The model instance failed: {error}")
         self.error = error
         self.instance_id = instance_id
+        self.dc = dc
 
 
 class Exchange:
@@ -150,7 +151,9 @@ class Exchange:
             self.metrics.cancellations.inc()
             self.events.emit(
                 RequestCancelled(
-                    request_id=inbound.request_id, reason=CancelReason.CLIENT_DISCONNECT
+                    request_id=inbound.request_id,
+                    reason=CancelReason.CLIENT_DISCONNECT,
+                    **_attribution(inbound, dc),
                 )
             )
             return Response(status_code=499)
@@ -177,13 +180,16 @@ class Exchange:
                 self.spawn(self._abandoned(trip))
                 raise
         self.decider.admission.finished(inbound, plan.dc, cancelled=True)
-        raise DcFailed(error, trip.instance.id)
+        raise DcFailed(error, trip.instance.id, plan.dc)
 
     def failed(self, inbound: Inbound, failure: DcFailed) -> None:
         """Report a request whose last DC failed it before any token."""
         self.events.emit(
             RequestFailed(
-                request_id=inbound.request_id, instance_id=failure.instance_id, error=failure.error
+                request_id=inbound.request_id,
+                instance_id=failure.instance_id,
+                error=failure.error,
+                **_attribution(inbound, failure.dc),
             )
         )
 
@@ -492,6 +498,7 @@ class Exchange:
                 instance_id=trip.instance.id,
                 reason=CancelReason.CLIENT_DISCONNECT,
                 output_tokens=trip.output_tokens,
+                **_attribution(trip.inbound, trip.plan.dc),
             )
         )
         await self._forget_key(trip)
@@ -521,6 +528,7 @@ class Exchange:
                 instance_id=trip.instance.id,
                 error=error,
                 output_tokens=trip.output_tokens,
+                **_attribution(trip.inbound, trip.plan.dc),
             )
         )
 
@@ -596,6 +604,11 @@ def _routed_event(inbound: Inbound, plan: Plan) -> RequestRouted:
 
 class ClientLeft(Exception):
     """The client went away while its request was held."""
+
+
+def _attribution(inbound: Inbound, dc: str) -> dict[str, Any]:
+    """What an early end's event says of where and whose the request was."""
+    return {"dc": dc, "task_class": inbound.task_class, "tenant": inbound.tenant.name}
 
 
 async def _unless_gone(held: Awaitable[Plan], request: Request) -> Plan:

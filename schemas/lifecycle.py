@@ -133,7 +133,16 @@ class CancelReason(StrEnum):
     DEADLINE = "deadline"
 
 
-class RequestCancelled(Message):
+class Attributed(Message):
+    """An early end, with what attributes it without a join on the request's other events
+    (None in events from before these fields existed)."""
+
+    dc: Identifier | None = Field(default=None, description="Where it was to run, if decided.")
+    task_class: TaskClass | None = None
+    tenant: Identifier | None = None
+
+
+class RequestCancelled(Attributed):
     schema_name = "tf.request.cancelled"
 
     request_id: Identifier
@@ -142,7 +151,7 @@ class RequestCancelled(Message):
     output_tokens: NonNegInt = Field(default=0, description="Tokens generated before the end.")
 
 
-class RequestFailed(Message):
+class RequestFailed(Attributed):
     schema_name = "tf.request.failed"
 
     request_id: Identifier

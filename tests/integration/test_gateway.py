@@ -22,7 +22,7 @@ from gateway.decide import INDEX_STRIDE
 from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
-from schemas.lifecycle import RequestCompleted
+from schemas.lifecycle import RequestCancelled, RequestCompleted
 from schemas.telemetry import KvBlocksRemoved
 from sim.emulator.server import EmulatedInstance
 from tests.conftest import read_for
@@ -353,9 +353,12 @@ async def test_a_client_that_leaves_before_a_whole_answer_cancels_it_upstream(
             break
         await asyncio.sleep(0.02)
     assert await metric(front, "tokenfleet_gateway_cancellations_total") == 1
-    completions = topic_for(RequestCompleted).name
-    events = await read_for(front.app.state.parts.bus, completions, 0.3)
+    bus = front.app.state.parts.bus
+    events = await read_for(bus, topic_for(RequestCompleted).name, 0.3)
     assert not [e for e in events if isinstance(e, RequestCompleted)]
+    cancelled = await read_for(bus, topic_for(RequestCancelled).name, 0.3)
+    [event] = [e for e in cancelled if isinstance(e, RequestCancelled)]
+    assert (event.dc, event.task_class, event.tenant) == ("dc-a", TaskClass.INTERACTIVE, "tenant-a")
 
 
 async def test_the_embedded_gateway_keeps_goodput_tables_of_its_requests(
