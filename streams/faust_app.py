@@ -25,6 +25,7 @@ persists only assignments.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -47,6 +48,8 @@ from streams.tables import outcomes
 from streams.tables.builder import DcTables
 from streams.tables.outcomes import Outcome
 from streams.tables.windows import WindowSpec
+
+log = logging.getLogger(__name__)
 
 LIFECYCLE_TOPICS = ("tf.requests", "tf.completions", "tf.cancellations")
 FLEET_TOPICS = ("tf.telemetry", "tf.kv-events")
@@ -98,6 +101,8 @@ def build_app(
         )
     )
 
+    dead_lettered: dict[str, int] = {}
+
     async def decoded(event: faust.EventT) -> Envelope | None:
         try:
             return decode(event.value)
@@ -107,6 +112,15 @@ def build_app(
             record = RawRecord(message.topic, message.partition, message.offset, key, message.value)
             letter = encode(dead_letter(record, str(exc), settings.app_id))
             await dead_letters.send(key=message.topic.encode(), value=letter)
+            dead_lettered[message.topic] = dead_lettered.get(message.topic, 0) + 1
+            log.warning(
+                "dead-lettered %s[%d]@%d (%d from that topic so far): %s",
+                message.topic,
+                message.partition,
+                message.offset,
+                dead_lettered[message.topic],
+                exc,
+            )
             return None
 
     quiet = _QuietRequests(joins, spec.size_s + spec.grace_s)
