@@ -464,7 +464,8 @@ class Exchange:
         )
         self.decider.admission.finished(inbound, trip.plan.dc, trip.output_tokens, observation)
         objective = self.decider.admission.objectives.of(inbound.task_class, inbound.tenant.name)
-        met = objective.met(ttft, tpot, e2e, inbound.deadline_s)
+        whole = None if inbound.stream else trip.output_tokens
+        met = objective.met(ttft, tpot, e2e, inbound.deadline_s, whole_output_tokens=whole)
         self.metrics.output_tokens.labels(inbound.task_class.value, str(met).lower()).inc(
             trip.output_tokens
         )
@@ -481,6 +482,7 @@ class Exchange:
                 ttft_s=ttft,
                 tpot_s=tpot,
                 e2e_s=e2e,
+                streamed=inbound.stream,
             )
         )
         if trip.idempotency_key is not None:

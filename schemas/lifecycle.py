@@ -125,6 +125,11 @@ class RequestCompleted(Message):
     tpot_s: NonNegFloat
     e2e_s: NonNegFloat
     finish_reason: Identifier = "stop"
+    streamed: bool = Field(
+        default=True,
+        description="False: a whole answer, whose first token no one saw: its ttft_s is "
+        "its e2e_s, and its objective is judged on its end (ClassObjective.met).",
+    )
 
 
 class CancelReason(StrEnum):

@@ -5,6 +5,8 @@ Defaults follow DESIGN.md (Measures); deployments override them in configuration
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field
 
 from schemas.base import Frozen, TaskClass
@@ -15,12 +17,32 @@ class ClassObjective(Frozen):
     tpot_s: float | None = Field(default=None, gt=0, description="Time per output token, at most.")
     use_deadline: bool = Field(default=False, description="Must finish by its own deadline.")
 
-    def met(self, ttft_s: float, tpot_s: float, e2e_s: float, deadline_s: float | None) -> bool:
-        """Whether a completed request met this objective (a missing deadline is met)."""
-        if self.ttft_s is not None and ttft_s > self.ttft_s:
-            return False
-        if self.tpot_s is not None and tpot_s > self.tpot_s:
-            return False
+    def met(
+        self,
+        ttft_s: float,
+        tpot_s: float,
+        e2e_s: float,
+        deadline_s: float | None,
+        *,
+        whole_output_tokens: int | None = None,
+    ) -> bool:
+        """Whether a completed request met this objective (a missing deadline is met).
+
+        A whole (unstreamed) answer shows no first token, so its TTFT and TPOT cannot be
+        measured: give ``whole_output_tokens``, and it is judged by its end instead, which
+        must come by when a streamed answer meeting both bounds would have ended (TTFT
+        bound, plus the TPOT bound for each token after the first)."""
+        if whole_output_tokens is not None:
+            latest = (self.ttft_s or math.inf) + (self.tpot_s or 0.0) * max(
+                whole_output_tokens - 1, 0
+            )
+            if e2e_s > latest:
+                return False
+        else:
+            if self.ttft_s is not None and ttft_s > self.ttft_s:
+                return False
+            if self.tpot_s is not None and tpot_s > self.tpot_s:
+                return False
         return not (self.use_deadline and deadline_s is not None and e2e_s > deadline_s)
 
 

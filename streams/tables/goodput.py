@@ -44,9 +44,18 @@ class GoodputCounts:
             return
         self.completed += 1
         self.output_tokens += outcome.output_tokens
-        self.ttft.add(outcome.ttft_s)
-        self.tpot.add(outcome.tpot_s)
-        if objective.met(outcome.ttft_s, outcome.tpot_s, outcome.e2e_s, outcome.deadline_s):
+        whole = None if outcome.streamed else outcome.output_tokens
+        if outcome.streamed:  # a whole answer has no TTFT or TPOT to put beside these
+            self.ttft.add(outcome.ttft_s)
+            self.tpot.add(outcome.tpot_s)
+        met = objective.met(
+            outcome.ttft_s,
+            outcome.tpot_s,
+            outcome.e2e_s,
+            outcome.deadline_s,
+            whole_output_tokens=whole,
+        )
+        if met:
             self.met += 1
             self.goodput_tokens += outcome.output_tokens
 

@@ -69,6 +69,8 @@ class Outcome:
     tpot_s: float = 0.0
     e2e_s: float = 0.0
     deadline_s: float | None = None
+    streamed: bool = True
+    """False: a whole answer, judged on its end (``ClassObjective.met``)."""
     retries: int = 0
     repeated: bool = False
     unmatched: bool = False
@@ -160,6 +162,7 @@ def _release(state: RequestState) -> list[Outcome]:
                 tpot_s=end.get("tpot_s", 0.0),
                 e2e_s=end.get("e2e_s", 0.0),
                 deadline_s=arrived["deadline_s"],
+                streamed=end.get("streamed", True),
                 retries=state["retries"],
                 repeated=completed and state["ended"] > 0,
             )

@@ -361,6 +361,17 @@ async def test_a_client_that_leaves_before_a_whole_answer_cancels_it_upstream(
     assert (event.dc, event.task_class, event.tenant) == ("dc-a", TaskClass.INTERACTIVE, "tenant-a")
 
 
+async def test_a_completion_says_whether_it_was_streamed(front: Gateway) -> None:
+    """A whole answer's first token is unseen: its event says so, and the tables judge it
+    on its end."""
+    async with front.client() as http:
+        for stream in (False, True):
+            body = chat(f"streamed {stream} " * 10, max_tokens=3, stream=stream)
+            assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+    events = await read_for(front.app.state.parts.bus, topic_for(RequestCompleted).name, 0.3)
+    assert [e.streamed for e in events if isinstance(e, RequestCompleted)] == [False, True]
+
+
 async def test_the_embedded_gateway_keeps_goodput_tables_of_its_requests(
     instances: list[EmulatedInstance], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -260,3 +260,32 @@ def test_a_tenant_s_own_objective_decides_whether_its_requests_count_as_goodput(
             builder.feed(event)
         compliance.append(goodput(builder.tables(EPOCH + 59)).classes[0].compliance)
     assert compliance == [1.0, 0.0]
+
+
+def test_a_whole_answer_is_judged_on_its_end_and_kept_out_of_the_ttft_percentiles() -> None:
+    """Chats: TTFT 2 s, TPOT 0.1 s. A whole answer of 11 tokens meets that if it ends by
+    2 + 10 x 0.1 = 3 s, whatever its unseen first token; its TTFT (its end) is no TTFT."""
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    answers = {1: 2.9, 2: 3.1}  # whole, ending in time and late
+    for n, e2e in answers.items():
+        for event in _request(n, EPOCH):
+            builder.feed(event)
+        whole = _completed(n, EPOCH + 4, output_tokens=11).payload.model_copy(
+            update={"ttft_s": e2e, "tpot_s": 0.0, "e2e_s": e2e, "streamed": False}
+        )
+        builder.feed(Envelope.wrap(whole, source="test", ts=EPOCH + 4))
+    for event in [*_request(3, EPOCH), _completed(3, EPOCH + 1)]:  # streamed, TTFT 0.5 s
+        builder.feed(event)
+    classes = goodput(builder.tables(EPOCH + 59)).classes
+    [row] = [r for r in classes if r.key == TaskClass.INTERACTIVE.value]
+    assert (row.completed, row.compliance) == (3, pytest.approx(2 / 3))
+    assert row.ttft_p95_s == pytest.approx(0.5, rel=0.02)
+
+
+def test_an_objective_judges_a_whole_answer_by_when_a_streamed_one_would_have_ended() -> None:
+    chats = DEFAULT_OBJECTIVES[TaskClass.INTERACTIVE]
+    assert chats.met(9.0, 0.0, 9.0, None, whole_output_tokens=71)  # by 2 + 70 x 0.1
+    assert not chats.met(9.0, 0.0, 9.0, None, whole_output_tokens=70)
+    assert not chats.met(9.0, 0.0, 9.0, None)  # read as streamed: a 9 s first token
+    documents = DEFAULT_OBJECTIVES[TaskClass.LONG_DOCUMENT]  # TTFT only: the end by 30 s
+    assert documents.met(29.0, 0.0, 29.0, None, whole_output_tokens=500)
