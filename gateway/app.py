@@ -232,7 +232,11 @@ def create_app(parts: GatewayParts) -> FastAPI:
             body = await read_body(request, settings.max_body_bytes)
             inbound = read_inbound(fleet, tenant, path, body, request.headers)
             model = inbound.model.name
-            response = await _serve(inbound, request, arrived)
+            try:
+                response = await _serve(inbound, request, arrived)
+            except ApiError as exc:
+                exc.request_id = inbound.request_id
+                raise
             metrics.requests.labels(model, str(response.status_code)).inc()
             return response
         except ApiError as exc:

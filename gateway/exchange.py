@@ -57,7 +57,7 @@ from schemas.lifecycle import (
     RequestRetried,
     RequestRouted,
 )
-from schemas.openai_api import ApiError
+from schemas.openai_api import REQUEST_ID_HEADER, ApiError
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
@@ -567,7 +567,7 @@ def _error_event(message: str) -> bytes:
 
 def _headers(trip: Trip) -> dict[str, str]:
     return {
-        "x-tokenfleet-request-id": trip.inbound.request_id,
+        REQUEST_ID_HEADER: trip.inbound.request_id,
         "x-tokenfleet-instance": trip.instance.id,
         "x-tokenfleet-dc": trip.plan.dc,
     }

@@ -198,6 +198,10 @@ class UtilityRequest(BaseModel):
     model: str | None = None
 
 
+REQUEST_ID_HEADER = "x-tokenfleet-request-id"
+"""The gateway's id of a request, on every answer to it: the id its events carry."""
+
+
 class ApiError(Exception):
     """An error to answer in OpenAI's format."""
 
@@ -216,12 +220,18 @@ class ApiError(Exception):
         self.param = param
         self.error_type = error_type or _TYPES.get(status, "api_error")
         self.retry_after_s = retry_after_s
+        self.request_id: str | None = None
+        """The gateway's id of the request it answers, once it has one."""
 
     def headers(self) -> dict[str, str]:
-        """``Retry-After`` in whole seconds (at least 1) when the error says when to retry."""
-        if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        """``Retry-After`` in whole seconds (at least 1) when the error says when to retry;
+        the request's id where it has one, as a served answer carries it."""
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        if self.request_id is not None:
+            headers[REQUEST_ID_HEADER] = self.request_id
+        return headers
 
     def body(self) -> dict[str, Any]:
         return {

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import httpx
 
 from control.tokens import BLOCK_TOKENS, BYTES_PER_TOKEN
+from schemas.openai_api import REQUEST_ID_HEADER
 from sim.clients import ClientModel
 from sim.workload import TraceRequest
 
@@ -60,6 +61,9 @@ class ReplayRecord:
     ``failed`` (any other status)."""
     retry_after_s: float | None = None
     """What a refusal's ``Retry-After`` said, in the workload's seconds."""
+    gateway_request_id: str | None = None
+    """The gateway's id of the request (``x-tokenfleet-request-id``), which its events
+    carry; None against a bare instance."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class _Progress:
     tokens: int = 0
     failed: bool = False
     """An error event came in the stream (an instance that failed mid-answer)."""
+    gateway_request_id: str | None = None
 
 
 async def _one(
@@ -158,6 +163,7 @@ async def _stream(
         "POST", "/v1/completions", json=_body(request, model), headers=headers
     ) as response:
         seen.status = response.status_code
+        seen.gateway_request_id = response.headers.get(REQUEST_ID_HEADER)
         if response.status_code != 200:
             await response.aread()
             return _refused(request, response, sent, clock)
@@ -207,6 +213,7 @@ def _refused(
         request.task_class.value,
         "rejected" if status in REFUSALS else "failed",
         None if retry_after is None else float(retry_after) * clock.speedup,
+        response.headers.get(REQUEST_ID_HEADER),
     )
 
 
@@ -224,4 +231,5 @@ def _record(
         seen.tokens,
         request.task_class.value,
         outcome,
+        gateway_request_id=seen.gateway_request_id,
     )

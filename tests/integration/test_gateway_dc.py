@@ -153,6 +153,7 @@ async def test_the_last_dc_s_failure_is_the_answer() -> None:
     assert served == ["dc-a"]
     [failed] = [e for e in events if isinstance(e, RequestFailed)]  # reported once
     assert failed.instance_id == "i-dc-a"
+    assert failed.request_id == kept.headers["x-tokenfleet-request-id"]  # errors carry it too
 
 
 async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherwise() -> None:

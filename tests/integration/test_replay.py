@@ -35,7 +35,8 @@ def endpoint(first_answer: Response | None, first_token_after_s: float = 0.0) ->
                 yield f"data: {json.dumps({'choices': [{'text': 'tok '}]})}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(tokens(), media_type="text/event-stream")
+        headers = {"x-tokenfleet-request-id": f"req-{len(calls)}"}  # as the gateway sends
+        return StreamingResponse(tokens(), media_type="text/event-stream", headers=headers)
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
     app.state.calls = calls
@@ -43,7 +44,11 @@ def endpoint(first_answer: Response | None, first_token_after_s: float = 0.0) ->
 
 
 async def test_a_refused_client_comes_back_after_retry_after() -> None:
-    refusal = JSONResponse({"error": {"message": "busy"}}, 429, headers={"retry-after": "1"})
+    refusal = JSONResponse(
+        {"error": {"message": "busy"}},
+        429,
+        headers={"retry-after": "1", "x-tokenfleet-request-id": "req-1"},
+    )
     app = endpoint(refusal)
     chat = TraceRequest("c", 0.0, 100, 3, ())
     async with http_server(app) as url:
@@ -54,6 +59,7 @@ async def test_a_refused_client_comes_back_after_retry_after() -> None:
     ]
     assert records[0].retry_after_s == 1.0
     assert records[1].output_tokens == 3
+    assert [r.gateway_request_id for r in records] == ["req-1", "req-2"]  # joins the events
     assert app.state.calls == ["interactive", "interactive"]
 
 
