@@ -79,6 +79,12 @@ class GoodputRow(Frozen):
     completed: NonNegInt
     output_tokens: NonNegInt
     goodput_tokens: NonNegInt = Field(description="Output tokens of requests that met the SLO.")
+    output_tokens_per_s: NonNegFloat = Field(
+        default=0.0, description="output_tokens over the window's span (window_end - start)."
+    )
+    goodput_tokens_per_s: NonNegFloat = Field(
+        default=0.0, description="goodput_tokens over the window's span: the goodput rate."
+    )
     compliance: Fraction
     ttft_p50_s: NonNegFloat
     ttft_p95_s: NonNegFloat

@@ -104,8 +104,8 @@ class DcTables:
                 fleet.merge(self.fleet[at])
         start = slices[0]
         version = int(now * 1000)
-        classes, tenants = rows(groups)
         span = now - start
+        classes, tenants = rows(groups, span)
         kv = fleet.kv_totals(span)
         return [
             CapacityTable(

@@ -65,12 +65,16 @@ class GoodputCounts:
         self.ttft.merge(other.ttft)
         self.tpot.merge(other.tpot)
 
-    def row(self, key: str) -> GoodputRow:
+    def row(self, key: str, span_s: float) -> GoodputRow:
+        """The group's row; rates over ``span_s``, the window's span."""
+        per_s = 1 / span_s if span_s > 0 else 0.0
         return GoodputRow(
             key=key,
             completed=self.completed,
             output_tokens=self.output_tokens,
             goodput_tokens=self.goodput_tokens,
+            output_tokens_per_s=self.output_tokens * per_s,
+            goodput_tokens_per_s=self.goodput_tokens * per_s,
             compliance=self.met / self.completed if self.completed else 0.0,
             ttft_p50_s=self.ttft.quantile(0.5),
             ttft_p95_s=self.ttft.quantile(0.95),
@@ -107,11 +111,15 @@ def group_keys(outcome: Outcome) -> tuple[str, str]:
     return f"class:{outcome.task_class}", f"tenant:{outcome.tenant}"
 
 
-def rows(groups: dict[str, GoodputCounts]) -> tuple[tuple[GoodputRow, ...], tuple[GoodputRow, ...]]:
+def rows(
+    groups: dict[str, GoodputCounts], span_s: float
+) -> tuple[tuple[GoodputRow, ...], tuple[GoodputRow, ...]]:
     """Class rows (every class, even without traffic) and tenant rows, sorted by key."""
-    classes = tuple(groups.get(f"class:{c.value}", GoodputCounts()).row(c.value) for c in TaskClass)
+    classes = tuple(
+        groups.get(f"class:{c.value}", GoodputCounts()).row(c.value, span_s) for c in TaskClass
+    )
     tenants = tuple(
-        counts.row(key.removeprefix("tenant:"))
+        counts.row(key.removeprefix("tenant:"), span_s)
         for key, counts in sorted(groups.items())
         if key.startswith("tenant:")
     )

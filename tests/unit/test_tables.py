@@ -276,10 +276,14 @@ def test_a_whole_answer_is_judged_on_its_end_and_kept_out_of_the_ttft_percentile
         builder.feed(Envelope.wrap(whole, source="test", ts=EPOCH + 4))
     for event in [*_request(3, EPOCH), _completed(3, EPOCH + 1)]:  # streamed, TTFT 0.5 s
         builder.feed(event)
-    classes = goodput(builder.tables(EPOCH + 59)).classes
-    [row] = [r for r in classes if r.key == TaskClass.INTERACTIVE.value]
+    table = goodput(builder.tables(EPOCH + 59))
+    [row] = [r for r in table.classes if r.key == TaskClass.INTERACTIVE.value]
     assert (row.completed, row.compliance) == (3, pytest.approx(2 / 3))
     assert row.ttft_p95_s == pytest.approx(0.5, rel=0.02)
+    span = table.window_end - table.window_start  # the counts, and the rates they make
+    assert (row.output_tokens, row.goodput_tokens) == (32, 21)
+    assert row.goodput_tokens_per_s == pytest.approx(21 / span)
+    assert row.output_tokens_per_s == pytest.approx(32 / span)
 
 
 def test_an_objective_judges_a_whole_answer_by_when_a_streamed_one_would_have_ended() -> None:
