@@ -10,13 +10,19 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from control.fleet.view import FleetState
+from schemas.fleet import FleetConfig
 from sim.cluster import InstanceProfile
 from sim.emulator.app import create_app
 from sim.emulator.driver import EngineDriver
 from sim.emulator.kv_feed import KvEventFeed
 from sim.emulator.metrics import EngineMetrics
 from sim.engine import Engine
+from sim.profiles import profile
+
+LOOPBACK = frozenset({"127.0.0.1", "localhost"})
 
 
 @dataclass
@@ -55,9 +61,11 @@ async def serve(
     speedup: float = 1.0,
     kv_events: bool = False,
     reasoning: bool = False,
+    network_s: float = 0.0,
 ) -> AsyncIterator[list[EmulatedInstance]]:
     """Start one instance per port on 127.0.0.1 (port 0: any free one); stop them all on
-    exit. A port taken raises ``OSError`` before any starts."""
+    exit. A port taken raises ``OSError`` before any starts. ``network_s``: a round trip
+    added before each request is handled, as a client in another region would see."""
     with contextlib.ExitStack() as bound:
         sockets = [bound.enter_context(socket.create_server(("127.0.0.1", port))) for port in ports]
         bound.pop_all()  # every port is ours: the servers own the sockets from here
@@ -67,7 +75,13 @@ async def serve(
     ]
     servers = [
         uvicorn.Server(
-            uvicorn.Config(i.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+            uvicorn.Config(
+                _behind(i.app, network_s),
+                host="127.0.0.1",
+                port=port,
+                log_level="warning",
+                lifespan="off",
+            )
         )
         for i, port in zip(instances, ports, strict=True)
     ]
@@ -85,3 +99,45 @@ async def serve(
         for task in tasks[len(servers) :]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _behind(app: ASGIApp, network_s: float) -> ASGIApp:
+    """``app`` as seen across a network whose round trip is ``network_s``."""
+    if network_s <= 0:
+        return app
+
+    async def delayed(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await asyncio.sleep(network_s)
+        await app(scope, receive, send)
+
+    return delayed
+
+
+@contextlib.asynccontextmanager
+async def serve_fleet(
+    fleet: FleetConfig,
+    region: str,
+    speedup: float = 1.0,
+    kv_events: bool = False,
+    default_profile: str = "llama3-70b-4xh100",
+) -> AsyncIterator[list[EmulatedInstance]]:
+    """Every instance of ``fleet`` on this machine's loopback (its URL's port), with its
+    model's profile, behind the round trip between ``region`` and its DC's region (the
+    fleet file's ``[[network]]``; pairs not named, ``DEFAULT_RTT_S``)."""
+    local = [i for i in fleet.instances if i.url.host in LOOPBACK]
+    if not local:
+        raise ValueError("no instance of the fleet file is on 127.0.0.1 or localhost")
+    regions = {dc.name: dc.region for dc in fleet.dcs}
+    trips = FleetState((), fleet.round_trips_s())
+    async with contextlib.AsyncExitStack() as stack:
+        started = []
+        for instance in local:
+            config = fleet.model(instance.model)
+            chosen = profile((config.profile if config else None) or default_profile)
+            network = trips.rtt_s(region, regions[instance.dc])
+            port = instance.url.port or 80
+            started += await stack.enter_async_context(
+                serve(chosen, instance.model, [port], speedup, kv_events, network_s=network)
+            )
+        yield started

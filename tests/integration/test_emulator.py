@@ -13,8 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from control.routing import make_router
 from control.tokens import block_hashes, count_tokens
+from schemas.fleet import FleetConfig
 from sim.cluster import Cluster
-from sim.emulator.server import EmulatedInstance, serve
+from sim.emulator.server import EmulatedInstance, serve, serve_fleet
 from sim.profiles import profile
 from sim.replay import prompt_text, replay
 from sim.simulator import Simulation
@@ -203,3 +204,28 @@ def test_emulate_on_a_taken_port_exits_2_naming_the_ports(
 ) -> None:
     assert main(["emulate", "--instances", "1", "--base-port", str(taken_port)]) == 2
     assert f"cannot listen on ports {taken_port}..{taken_port}" in capsys.readouterr().err
+
+
+async def test_a_fleet_file_starts_its_local_instances_each_behind_its_dc_s_round_trip() -> None:
+    near, far = free_port(), free_port()
+    fleet = FleetConfig.model_validate(
+        {
+            "dcs": [{"name": "dc-a", "region": "eu-west"}, {"name": "dc-b", "region": "us-east"}],
+            "network": [{"regions": ["eu-west", "us-east"], "rtt_ms": 300}],
+            "models": [{"name": "m", "profile": "llama3-70b-4xh100"}],
+            "instances": [
+                {"id": "a", "dc": "dc-a", "url": f"http://127.0.0.1:{near}", "model": "m"},
+                {"id": "b", "dc": "dc-b", "url": f"http://localhost:{far}", "model": "m"},
+                {"id": "c", "dc": "dc-b", "url": "http://10.0.0.9:8000", "model": "m"},
+            ],
+        }
+    )
+    async with serve_fleet(fleet, "eu-west", speedup=10) as instances, httpx.AsyncClient() as http:
+        assert sorted(i.url for i in instances) == sorted(
+            f"http://127.0.0.1:{port}" for port in (near, far)
+        )  # the one on another host is not this machine's to start
+        started = asyncio.get_running_loop().time()
+        assert (await http.get(f"http://127.0.0.1:{far}/metrics")).status_code == 200
+        assert asyncio.get_running_loop().time() - started >= 0.3  # across the Atlantic
+        models = (await http.get(f"http://127.0.0.1:{near}/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["m"]

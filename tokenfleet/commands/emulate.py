@@ -25,7 +25,9 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         description="Runs N emulated instances in this process, each on 127.0.0.1 and its own "
         "port, stepping the simulator's engine in wall-clock time: vLLM's OpenAI routes "
         "(chat with tool calls, completions, responses, embeddings, tokenize) and its metrics "
-        "at /metrics. Stop with Ctrl-C.",
+        "at /metrics. With --fleet, the fleet file's instances instead (those on 127.0.0.1 "
+        "or localhost, on their URLs' ports, each with its model's profile), each behind "
+        "the round trip between --region and its DC's region. Stop with Ctrl-C.",
     )
     emulate.add_argument("--instances", type=int, default=1, help="how many (default: 1)")
     emulate.add_argument(
@@ -61,6 +63,16 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         help="as vLLM's: fcfs (default), or priority, where each request's `priority` "
         "(lower first) orders the wait queue and picks whom KV pressure preempts",
     )
+    emulate.add_argument(
+        "--fleet",
+        type=Path,
+        help="start the fleet file's local instances (a multi-DC fleet on one machine)",
+    )
+    emulate.add_argument(
+        "--region",
+        help="with --fleet: the region the clients (the gateway) are in, whose round trip "
+        "to each DC every request pays (default: the first DC's)",
+    )
     emulate.set_defaults(handler=_emulate)
 
 
@@ -72,6 +84,8 @@ def _emulate(args: argparse.Namespace) -> int:
 
     if args.instances < 1 or args.speedup <= 0:
         raise CliError("--instances must be at least 1 and --speedup positive")
+    if args.fleet is not None:
+        return _emulate_fleet(args)
     ports = [args.base_port + n for n in range(args.instances)]
 
     chosen = profile(args.profile)
@@ -97,6 +111,31 @@ def _emulate(args: argparse.Namespace) -> int:
         pass
     except OSError as exc:
         raise CliError(f"cannot listen on ports {ports[0]}..{ports[-1]}: {exc}") from None
+    return 0
+
+
+def _emulate_fleet(args: argparse.Namespace) -> int:
+    from schemas.fleet import FleetFileError, load_fleet
+    from sim.emulator.server import serve_fleet
+
+    try:
+        fleet = load_fleet(args.fleet)
+    except FleetFileError as exc:
+        raise CliError(str(exc)) from None
+    region = args.region or fleet.dcs[0].region
+
+    async def run() -> None:
+        async with serve_fleet(fleet, region, args.speedup, args.kv_events) as instances:
+            for instance in instances:
+                print(f"{instance.url}/v1", flush=True)
+            await asyncio.Event().wait()
+
+    try:
+        run_fast(run())
+    except KeyboardInterrupt:
+        pass
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot start the fleet's instances: {exc}") from None
     return 0
 
 
