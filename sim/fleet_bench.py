@@ -31,7 +31,7 @@ from control.fleet.registry import DC_POLICIES, make_dc_policy
 from schemas.objectives import DEFAULT_OBJECTIVES
 from sim.admission_bench import figures
 from sim.clients import ClientModel
-from sim.fleet_sim import FleetLayout, FleetSimulation, PublishedLoad, Site
+from sim.fleet_sim import FleetLayout, FleetSimulation, Observer, PublishedLoad, Site
 from sim.ladder import instance_capacity_rps
 from sim.metrics import met_objective
 from sim.profiles import profile
@@ -40,11 +40,6 @@ from sim.registry import load_trace
 from sim.workload import TraceRequest
 
 EU = ("eu-west", "eu-central", "eu-north")
-SITES = (
-    Site("dc-b", "eu-central", 4),
-    Site("dc-c", "eu-north", 4),
-    Site("dc-d", "us-east", 4, ready_at_s=90.0),
-)
 ROUND_TRIPS_S = {
     ("eu-west", "eu-central"): 0.010,
     ("eu-west", "eu-north"): 0.030,
@@ -54,18 +49,30 @@ ROUND_TRIPS_S = {
     ("eu-north", "us-east"): 0.100,
 }
 """Typical public-cloud figures: 10 to 30 ms within Europe, 80 to 100 across the Atlantic."""
-LAYOUT = FleetLayout(
-    SITES,
-    ROUND_TRIPS_S | {(b, a): rtt for (a, b), rtt in ROUND_TRIPS_S.items()},
-    {"eu-west": "dc-b", "eu-central": "dc-b", "eu-north": "dc-c", "us-east": "dc-d"},
-    {"tenant-d": frozenset({"dc-b", "dc-c"})},
-)
+INSTANCES_PER_DC = 4
+D_READY_S = 90.0
+
+
+def layout(instances_per_dc: int = INSTANCES_PER_DC) -> FleetLayout:
+    """The seed's Figure 3: A (``eu-west``) enters without GPUs; B its home; C and D the
+    extension DCs, D warming up for its first ``D_READY_S``."""
+    return FleetLayout(
+        (
+            Site("dc-b", "eu-central", instances_per_dc),
+            Site("dc-c", "eu-north", instances_per_dc),
+            Site("dc-d", "us-east", instances_per_dc, ready_at_s=D_READY_S),
+        ),
+        ROUND_TRIPS_S | {(b, a): rtt for (a, b), rtt in ROUND_TRIPS_S.items()},
+        {"eu-west": "dc-b", "eu-central": "dc-b", "eu-north": "dc-c", "us-east": "dc-d"},
+        {"tenant-d": frozenset({"dc-b", "dc-c"})},
+    )
+
+
 ENTRIES = {"eu-west": "eu-west", "ap-south": "eu-north", "us-east": "us-east"}
 """Where each labelled region's requests enter the scenario's fleet."""
 HOTSPOT_S = (60.0, 240.0)
 END_S = 360.0
 BASE_LEVEL, HOTSPOT_LEVEL, LOCAL_LEVEL = 0.6, 2.0, 0.3
-D_READY_S = 90.0
 RESIDENT_SHARE = 0.3
 REACTED_SHARE = 0.1
 """A second of A's traffic in which this share or more ran outside B counts as reacting."""
@@ -78,15 +85,38 @@ class Scenario:
     capacity_rps_per_instance: float
     """The operator's figure of what one instance serves: measured on the workload
     (``instance_capacity_rps``)."""
+    layout: FleetLayout
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What runs at each level: the DC policy at the edge, admission and routing in each
+    DC. The benchmark varies the DC policy in front of TokenPilot behind SLOMax."""
+
+    name: str
+    dc_policy: str
+    admission: str = "slomax"
+    router: str = "tokenpilot"
+
+
+TOKENFLEET = Stack("tokenfleet", "fleetmind")
+BASELINE = Stack("baseline", "local_only", "fcfs", "llmd_default")
+"""What an operator runs without TokenFleet: each request in its home DC, admitted as it
+comes, routed by llm-d's default scorers."""
 
 
 def scenario(
-    trace: str = "mixed", *, seed: int = 0, profile_name: str = "llama3-70b-4xh100"
+    trace: str = "mixed",
+    *,
+    seed: int = 0,
+    profile_name: str = "llama3-70b-4xh100",
+    instances_per_dc: int = INSTANCES_PER_DC,
 ) -> Scenario:
     """The scenario's arrivals from ``trace``'s labelled requests."""
     workload = load_trace(trace, seed=seed)
     per_instance = instance_capacity_rps(profile(profile_name), workload)
-    capacity = {site.region: site.instances * per_instance for site in SITES}
+    fleet = layout(instances_per_dc)
+    capacity = {site.region: site.instances * per_instance for site in fleet.sites}
     capacity["eu-west"] = capacity["eu-central"]
     rates = {
         "eu-west": [(0.0, BASE_LEVEL), (HOTSPOT_S[0], HOTSPOT_LEVEL), (HOTSPOT_S[1], BASE_LEVEL)],
@@ -102,7 +132,7 @@ def scenario(
         requests += paced(stream, pieces, END_S)
     requests = [_resident(r, seed) if r.region == "eu-west" else r for r in requests]
     requests.sort(key=lambda r: (r.arrival_s, r.request_id))
-    return Scenario(tuple(requests), per_instance)
+    return Scenario(tuple(requests), per_instance, fleet)
 
 
 def paced(
@@ -134,18 +164,25 @@ def _resident(request: TraceRequest, seed: int) -> TraceRequest:
     return replace(request, residency=EU) if point < RESIDENT_SHARE else request
 
 
-def run_policy(
-    policy: str, case: Scenario, profile_name: str, seed: int
+def run_stack(
+    stack: Stack,
+    case: Scenario,
+    profile_name: str,
+    seed: int,
+    observe: Observer | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One policy's figures, and its series for the plot."""
+    """One stack's figures, and its series for the plot."""
     simulation = FleetSimulation(
-        LAYOUT,
+        case.layout,
         profile(profile_name),
-        make_dc_policy(policy),
+        make_dc_policy(stack.dc_policy),
+        router=stack.router,
+        admission=stack.admission,
         seed=seed,
         clients=ClientModel(seed=seed),
         capacity_rps_per_instance=case.capacity_rps_per_instance,
-        weights=WeightController() if policy == "fleetmind" else None,
+        weights=WeightController() if stack.dc_policy == "fleetmind" else None,
+        observe=observe,
     )
     records = simulation.run(case.requests)
     return fleet_figures(records, simulation, case.requests), _series(simulation)
@@ -165,7 +202,10 @@ def bench_fleet(
     names = list(policies or DC_POLICIES)
     results: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     with ProcessPoolExecutor(max_workers=max(jobs, 1)) as pool:
-        futures = {name: pool.submit(run_policy, name, case, profile_name, seed) for name in names}
+        futures = {
+            name: pool.submit(run_stack, Stack(name, name), case, profile_name, seed)
+            for name in names
+        }
         for name, future in futures.items():
             results[name] = future.result()
             if progress:
@@ -177,10 +217,10 @@ def bench_fleet(
         "requests": len(case.requests),
         "capacity_rps_per_instance": case.capacity_rps_per_instance,
         "layout": {
-            "sites": [vars(site) for site in SITES],
+            "sites": [vars(site) for site in case.layout.sites],
             "round_trips_s": {f"{a}-{b}": rtt for (a, b), rtt in ROUND_TRIPS_S.items()},
-            "home": dict(LAYOUT.home),
-            "tenant_dcs": {t: sorted(dcs) for t, dcs in LAYOUT.tenant_dcs.items()},
+            "home": dict(case.layout.home),
+            "tenant_dcs": {t: sorted(dcs) for t, dcs in case.layout.tenant_dcs.items()},
         },
         "hotspot_s": list(HOTSPOT_S),
         "end_s": END_S,
@@ -299,7 +339,7 @@ def plot_fleet(document: Mapping[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(document["policies"])
-    columns = 3
+    columns = min(3, len(names))
     rows = -(-len(names) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), sharey=True)
     for axis, name in zip(np.ravel(axes), names, strict=False):

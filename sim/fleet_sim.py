@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -103,6 +103,9 @@ class PublishedLoad:
     """The requests of each limited class the DC's admission runs at once."""
 
 
+Observer = Callable[["FleetSimulation"], None]
+
+
 @dataclass(frozen=True)
 class EdgeChoice:
     """One decision of the edge, for the benchmark's figures."""
@@ -133,8 +136,11 @@ class FleetSimulation:
         view_delay_s: float = 1.0,
         weights: WeightController | None = None,
         weights_every: int = 5,
+        observe: Observer | None = None,
     ) -> None:
+        """``observe``: called after every publication of the tables (a live view)."""
         self.layout = layout
+        self.observe = observe
         self.weights = weights
         self.weights_every = weights_every
         self.policy = dc_policy
@@ -196,6 +202,11 @@ class FleetSimulation:
     @property
     def simulations(self) -> list[Simulation]:
         return [dc.simulation for dc in self._dcs]
+
+    @property
+    def weights_now(self) -> dict[str, float]:
+        """Each DC's weight as last published (a DC not named counts whole)."""
+        return dict(self._weights)
 
     def run(self, requests: Iterable[TraceRequest]) -> list[RequestRecord]:
         """Serve every request to the end; every DC's records, then the edge's refusals."""
@@ -362,6 +373,8 @@ class FleetSimulation:
         if self.weights is not None and len(self.tables) % self.weights_every == 0:
             self._reconcile_weights()
         self._in_transit.append((self.now + self.view_delay_s, tables, dict(self._weights)))
+        if self.observe is not None:
+            self.observe(self)
 
     def _reconcile_weights(self) -> None:
         """A pass of FleetMind's weights controller on each DC's goodput table."""

@@ -1,34 +1,136 @@
 """The embedded main job: no Kafka, no Redis, everything in one process.
 
-Simulates a slice of the Mooncake conversation trace on a small cluster under each routing
-policy there is, side by side, on the same requests and seed.
+The whole policy stack on a fleet in the seed's layout (``sim/fleet_bench.py``: an entry
+region without GPUs, its home DC taking a hotspot at twice its capacity, two extension
+DCs, one still warming up), on the mixed workload: TokenFleet (FleetMind at the edge with
+its weights loop, SLOMax and its quota loop in front of TokenPilot in each DC) against
+what an operator runs without it (llm-d's default routing, first come first served, each
+request in its home DC), on the same arrivals. TokenFleet runs here with a live view
+every ``LIVE_EVERY_S`` simulated seconds; the baseline runs beside it in a worker
+process. At the end: a report, a plot and the figures as JSON, and the command again.
 """
 
 from __future__ import annotations
 
-from control.routing import ROUTERS
-from sim.run import RunConfig, simulate_run
+import json
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
 
-COLUMNS = ("ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "e2e_p95_s", "goodput_tok_s", "cache_hit_rate")
+from control.controllers.slomax import long_documents
+from schemas.objectives import DEFAULT_OBJECTIVES
+from sim.fleet_bench import (
+    BASELINE,
+    END_S,
+    HOTSPOT_S,
+    INSTANCES_PER_DC,
+    TOKENFLEET,
+    plot_fleet,
+    run_stack,
+    scenario,
+)
+from sim.fleet_sim import FleetSimulation
+from sim.metrics import met_objective
+
+PROFILE = "llama3-70b-4xh100"
+LIVE_EVERY_S = 30
+Say = Callable[[str], None]
 
 
-def run_demo(requests: int, instances: int, seed: int) -> dict[str, dict[str, float]]:
-    """The summary figures of each policy."""
-    figures = {}
-    for policy in ROUTERS:
-        config = RunConfig("mooncake", instances, policy, requests=requests, seed=seed)
-        result, _ = simulate_run(config)
-        figures[policy] = {column: result["summary"][column] for column in COLUMNS}
-    return figures
-
-
-def main(requests: int, instances: int, seed: int) -> int:
-    figures = run_demo(requests, instances, seed)
-    print(
-        f"Mooncake conversation trace, first {requests} requests, {instances} simulated "
-        f"Llama-70B instances (4 x H100 each):"
+def run_demo(
+    seed: int = 0,
+    instances_per_dc: int = INSTANCES_PER_DC,
+    out: Path | None = None,
+    say: Say = print,
+) -> dict[str, Any]:
+    """Both stacks' figures (as ``bench fleet`` writes them); with ``out``, the JSON and
+    the plot are written there."""
+    say(f"Building the scenario: the mixed workload in the seed's layout, seed {seed} ...")
+    case = scenario(seed=seed, instances_per_dc=instances_per_dc)
+    say(
+        f"{len(case.requests):,} requests over {END_S:.0f} s; the hotspot in dc-b from "
+        f"{HOTSPOT_S[0]:.0f} to {HOTSPOT_S[1]:.0f} s; {instances_per_dc} instances a DC."
     )
-    print(f"{'policy':24}" + "".join(f"{c:>16}" for c in COLUMNS))
-    for policy, row in figures.items():
-        print(f"{policy:24}" + "".join(f"{row[c]:>16.3f}" for c in COLUMNS))
+    with ProcessPoolExecutor(max_workers=1) as pool:
+        baseline = pool.submit(run_stack, BASELINE, case, PROFILE, seed)
+        say(f"TokenFleet, live (the baseline runs beside it): every {LIVE_EVERY_S} s simulated")
+        ours = run_stack(TOKENFLEET, case, PROFILE, seed, observe=_live_view(say))
+        theirs = baseline.result()
+    document: dict[str, Any] = {
+        "seed": seed,
+        "instances_per_dc": instances_per_dc,
+        "requests": len(case.requests),
+        "hotspot_s": list(HOTSPOT_S),
+        "end_s": END_S,
+        "stacks": {stack.name: vars(stack) for stack in (TOKENFLEET, BASELINE)},
+        "policies": {TOKENFLEET.name: ours[0], BASELINE.name: theirs[0]},
+        "series": {TOKENFLEET.name: ours[1], BASELINE.name: theirs[1]},
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "demo.json").write_text(json.dumps(document, indent=2) + "\n")
+        plot_fleet(document, out / "demo.png")
+    return document
+
+
+def _live_view(say: Say) -> Callable[[FleetSimulation], None]:
+    """Every ``LIVE_EVERY_S``: each DC's running and queued requests, weight and limit on
+    long documents, and the goodput so far."""
+
+    def view(simulation: FleetSimulation) -> None:
+        at = round(simulation.now)
+        if at % LIVE_EVERY_S or not simulation.tables:
+            return
+        latest = simulation.tables[-1].values()
+        if at > END_S and not any(load.running or load.queued for load in latest):
+            return  # the arrivals are over and the DCs idle: only clients' timers are left
+        weights = simulation.weights_now
+        parts = []
+        for site, dc in zip(simulation.layout.sites, simulation.simulations, strict=True):
+            load = simulation.tables[-1][site.name]
+            quotas = dc.control.quotas if dc.control else None
+            limit = long_documents(quotas) if quotas else None
+            parts.append(
+                f"{site.name} {load.running:>3} run {load.queued:>3} queued "
+                f"w {weights.get(site.name, 1.0):.2f} docs<={limit if limit else '-'}"
+            )
+        records = [r for dc in simulation.simulations for r in dc.records]
+        met = sum(r.output_tokens for r in records if met_objective(r, DEFAULT_OBJECTIVES))
+        rate = met / max(at, 1)
+        say(f"t={at:>4}s | " + " | ".join(parts) + f" | goodput so far {rate:,.0f} tok/s")
+
+    return view
+
+
+def report(document: dict[str, Any]) -> list[str]:
+    """The end-of-run report: the two stacks side by side."""
+    ours, theirs = (document["policies"][s.name] for s in (TOKENFLEET, BASELINE))
+    rows = [
+        ("goodput (tokens/s)", "goodput_tok_s", "{:,.0f}"),
+        ("met their objective", "compliance", "{:.1%}"),
+        ("refused", "rejected_share", "{:.1%}"),
+        ("run outside their home DC", "cross_dc_share", "{:.1%}"),
+    ]
+    lines = [f"{'':34}{'TokenFleet':>14}{'baseline':>14}"]
+    for label, key, fmt in rows:
+        lines.append(f"{label:34}{fmt.format(ours[key]):>14}{fmt.format(theirs[key]):>14}")
+    for task_class in sorted(ours["per_class"]):
+        mine = ours["per_class"][task_class]["compliance"]
+        other = theirs["per_class"].get(task_class, {}).get("compliance", 0.0)
+        lines.append(f"{'  in time, ' + task_class:34}{mine:>14.1%}{other:>14.1%}")
+    hot = [p["hotspot"]["ttft_p95_s"] for p in (ours, theirs)]
+    lines.append(f"{'hotspot TTFT P95 (s)':34}{hot[0]:>14.2f}{hot[1]:>14.2f}")
+    ratio = ours["goodput_tok_s"] / max(theirs["goodput_tok_s"], 1e-9)
+    lines.append(f"TokenFleet's goodput is {ratio:.2f} x the baseline's.")
+    return lines
+
+
+def main(seed: int, instances_per_dc: int, out: Path) -> int:
+    document = run_demo(seed, instances_per_dc, out)
+    print()
+    for line in report(document):
+        print(line)
+    print(f"\nFigures: {out / 'demo.json'}; A's traffic by DC over time: {out / 'demo.png'}")
+    print(f"Run it again: tokenfleet demo --seed {seed} --out {out}")
     return 0

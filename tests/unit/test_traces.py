@@ -4,11 +4,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from control.routing import ROUTERS
 from sim.registry import load_trace
 from sim.traces import MOONCAKE_BUCKET_S, engine_blocks, load_mooncake
 from sim.workload import reusable_blocks
-from tokenfleet.demo import run_demo
 
 
 def test_shared_trace_blocks_become_shared_engine_blocks() -> None:
@@ -68,13 +66,6 @@ def test_a_jsonl_path_replays_its_timestamps_as_given(tmp_path: Path) -> None:
     for seed in (0, 1):
         replayed = load_trace(str(path), seed=seed)
         assert [r.arrival_s for r in replayed] == [0.0, 0.01, 2.5, 2.501]
-
-
-def test_the_demo_compares_every_policy_on_the_same_requests() -> None:
-    figures = run_demo(requests=200, instances=2, seed=0)
-    assert set(figures) == set(ROUTERS)
-    for row in figures.values():
-        assert 0 < row["ttft_p50_s"] <= row["ttft_p95_s"]
 
 
 def test_the_carried_traces_are_the_published_files() -> None:

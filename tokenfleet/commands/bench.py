@@ -263,7 +263,7 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
 
     fleet = sub.add_parser(
         "fleet",
-        help="every DC policy on a hotspot in the seed's multi-DC layout",
+        help="every DC policy on a hotspot in a three-DC layout (an entry region without GPUs)",
         description="Runs each DC policy at the edge of the same fleet (entry region A "
         "without GPUs; B, its home, the existing cluster; C and D extension DCs, D warming "
         "up for its first 90 s), each DC running TokenPilot behind SLOMax, on the same "

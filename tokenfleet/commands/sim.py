@@ -23,22 +23,35 @@ def register(commands: argparse._SubParsersAction) -> None:
 def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo",
-        help="the embedded main job: no Kafka or Redis needed",
-        description="Simulates the first requests of the Mooncake conversation trace on a "
-        "small cluster under each routing policy, side by side.",
+        help="the embedded main job: the whole stack against a baseline, no Kafka or Redis",
+        description="Simulates a multi-DC layout (an entry region without GPUs, "
+        "its home DC taking a hotspot at twice its capacity, two extension DCs, one "
+        "warming up) on the mixed workload of chats, long documents and batch jobs, under "
+        "TokenFleet (FleetMind, SLOMax and TokenPilot, with their controllers) and under "
+        "a baseline stack (llm-d's default routing, first come first served, each request "
+        "in its home DC), on the same arrivals. Shows TokenFleet's DCs live, then a "
+        "report; writes the figures (demo.json) and a plot (demo.png) to --out. About a "
+        "minute on two cores.",
     )
-    demo.add_argument("--requests", type=int, default=2000, help="trace rows (default: 2000)")
-    demo.add_argument("--instances", type=int, default=8, help="instances (default: 8)")
     demo.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    demo.add_argument(
+        "--instances-per-dc", type=int, default=4, help="instances in each DC (default: 4)"
+    )
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/demo"),
+        help="where the figures and the plot go (default: out/demo)",
+    )
     demo.set_defaults(handler=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
     from tokenfleet.demo import main as demo_main
 
-    if args.requests < 1 or args.instances < 1:
-        raise CliError("--requests and --instances must be at least 1")
-    return demo_main(args.requests, args.instances, args.seed)
+    if args.instances_per_dc < 1:
+        raise CliError("--instances-per-dc must be at least 1")
+    return demo_main(args.seed, args.instances_per_dc, args.out)
 
 
 def _add_sim(commands: argparse._SubParsersAction) -> None:
