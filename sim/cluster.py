@@ -31,6 +31,8 @@ class DataCenter:
     name: str
     instances: int
     profile: InstanceProfile
+    standby: int = 0
+    """GPUs for more replicas, idle (not ready) until a replica is placed on them."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from control.controllers.fleetmind import WeightController
+from control.controllers.placement import PlacementController
 from control.fleet.registry import DC_POLICIES, make_dc_policy
 from schemas.objectives import DEFAULT_OBJECTIVES
 from sim.admission_bench import figures
@@ -54,13 +55,20 @@ D_READY_S = 90.0
 
 
 def layout(instances_per_dc: int = INSTANCES_PER_DC) -> FleetLayout:
-    """The seed's Figure 3: A (``eu-west``) enters without GPUs; B its home; C and D the
-    extension DCs, D warming up for its first ``D_READY_S``."""
+    """The seed's Figure 3: A (``eu-west``) enters without GPUs; B its home, its GPUs all
+    in use; C and D the extension DCs, with GPUs for half as many replicas again (used
+    only by the long cycle), D warming up for its first ``D_READY_S``."""
     return FleetLayout(
         (
             Site("dc-b", "eu-central", instances_per_dc),
-            Site("dc-c", "eu-north", instances_per_dc),
-            Site("dc-d", "us-east", instances_per_dc, ready_at_s=D_READY_S),
+            Site("dc-c", "eu-north", instances_per_dc, standby=instances_per_dc // 2),
+            Site(
+                "dc-d",
+                "us-east",
+                instances_per_dc,
+                ready_at_s=D_READY_S,
+                standby=instances_per_dc // 2,
+            ),
         ),
         ROUND_TRIPS_S | {(b, a): rtt for (a, b), rtt in ROUND_TRIPS_S.items()},
         {"eu-west": "dc-b", "eu-central": "dc-b", "eu-north": "dc-c", "us-east": "dc-d"},
@@ -97,9 +105,15 @@ class Stack:
     dc_policy: str
     admission: str = "slomax"
     router: str = "tokenpilot"
+    placement: bool = False
+    """Whether FleetMind's long cycle places replicas on the DCs' idle GPUs."""
 
 
-TOKENFLEET = Stack("tokenfleet", "fleetmind")
+STACKS = {name: Stack(name, name) for name in DC_POLICIES} | {
+    "fleetmind_placement": Stack("fleetmind_placement", "fleetmind", placement=True)
+}
+"""The benchmark's rows: each DC policy, and FleetMind with its long cycle too."""
+TOKENFLEET = Stack("tokenfleet", "fleetmind", placement=True)
 BASELINE = Stack("baseline", "local_only", "fcfs", "llmd_default")
 """What an operator runs without TokenFleet: each request in its home DC, admitted as it
 comes, routed by llm-d's default scorers."""
@@ -182,6 +196,7 @@ def run_stack(
         clients=ClientModel(seed=seed),
         capacity_rps_per_instance=case.capacity_rps_per_instance,
         weights=WeightController() if stack.dc_policy == "fleetmind" else None,
+        placement=PlacementController() if stack.placement else None,
         observe=observe,
     )
     records = simulation.run(case.requests)
@@ -199,12 +214,11 @@ def bench_fleet(
 ) -> dict[str, Any]:
     """The benchmark's JSON document."""
     case = scenario(trace, seed=seed, profile_name=profile_name)
-    names = list(policies or DC_POLICIES)
+    names = list(policies or STACKS)
     results: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     with ProcessPoolExecutor(max_workers=max(jobs, 1)) as pool:
         futures = {
-            name: pool.submit(run_stack, Stack(name, name), case, profile_name, seed)
-            for name in names
+            name: pool.submit(run_stack, STACKS[name], case, profile_name, seed) for name in names
         }
         for name, future in futures.items():
             results[name] = future.result()
@@ -328,7 +342,14 @@ def _series(simulation: FleetSimulation) -> dict[str, Any]:
             counts[choice.chosen or "refused"][index] += 1
     queues = {name: [tables[name].queued for tables in simulation.tables] for name in names}
     weights = [{"at_s": at, **weights} for at, weights in simulation.weight_steps]
-    return {"bin_s": SPLIT_BIN_S, "a_requests": counts, "queued": queues, "weights": weights}
+    replicas = [{"at_s": at, **deployed} for at, deployed in simulation.placement_steps]
+    return {
+        "bin_s": SPLIT_BIN_S,
+        "a_requests": counts,
+        "queued": queues,
+        "weights": weights,
+        "replicas": replicas,
+    }
 
 
 def plot_fleet(document: Mapping[str, Any], path: Path) -> None:

@@ -32,6 +32,7 @@ from functools import partial
 from control.admission.registry import CONTROLLED, make_admission
 from control.admission.slomax import SLOMax
 from control.controllers.fleetmind import WeightController
+from control.controllers.placement import DcReplicas, PlacementController
 from control.fleet.load import DcLoad, Rate, class_room, dc_state
 from control.fleet.registry import DcPolicy
 from control.fleet.view import DcDecision, DcRequest, FleetState
@@ -46,6 +47,8 @@ from sim.simulator import Simulation
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
 
 VERSION = "v1"
+PLACEMENT_WINDOW_S = 60.0
+"""The long cycle judges a DC's demand over the last minute."""
 PREFIX_STRIDE = TokenPilotParams().index_stride
 """The edge remembers every n-th block of each prompt it sent, as the gateway's shared
 prefix index does."""
@@ -59,6 +62,8 @@ class Site:
     ready_at_s: float | None = None
     """When the model becomes ready here; before, it is deployed and warming up (None:
     ready all along)."""
+    standby: int = 0
+    """GPUs for more replicas, idle until the placement loop puts a replica on them."""
 
     def ready(self, now: float) -> bool:
         return self.ready_at_s is None or now >= self.ready_at_s
@@ -87,6 +92,17 @@ class _Dc:
     inflight: dict[str, TaskClass] = field(default_factory=dict)
     """The edge's requests in flight there, and their classes."""
     completions: Rate = field(default_factory=Rate)
+    demand: Rate = field(default_factory=lambda: Rate(PLACEMENT_WINDOW_S))
+    """What the edge sent here over the placement loop's window."""
+    deployed: int = 0
+    """Replicas serving or loading the model here."""
+    warming: list[tuple[float, int]] = field(default_factory=list)
+    """Replicas loading the model: when each is ready, and its instance."""
+
+    def ready_instances(self, now: float) -> int:
+        if not self.site.ready(now):
+            return 0
+        return len(self.simulation.ready_engines)
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,9 @@ class PublishedLoad:
     completed_per_s: float
     limits: Mapping[TaskClass, int] = field(default_factory=dict)
     """The requests of each limited class the DC's admission runs at once."""
+    ready_instances: int = 0
+    deployed: int = 0
+    """Replicas serving or loading the model."""
 
 
 Observer = Callable[["FleetSimulation"], None]
@@ -136,11 +155,19 @@ class FleetSimulation:
         view_delay_s: float = 1.0,
         weights: WeightController | None = None,
         weights_every: int = 5,
+        placement: PlacementController | None = None,
+        placement_every: int = 60,
+        warmup_s: float = 60.0,
         observe: Observer | None = None,
     ) -> None:
-        """``observe``: called after every publication of the tables (a live view)."""
+        """``placement``: FleetMind's long cycle, every ``placement_every`` publications; a
+        replica it places is ready ``warmup_s`` later. ``observe``: called after every
+        publication of the tables (a live view)."""
         self.layout = layout
         self.observe = observe
+        self.placement = placement
+        self.placement_every = placement_every
+        self.warmup_s = warmup_s
         self.weights = weights
         self.weights_every = weights_every
         self.policy = dc_policy
@@ -149,7 +176,11 @@ class FleetSimulation:
         self.view_delay_s = view_delay_s
         regions = {region for pair in layout.round_trips_s for region in pair} | set(layout.home)
         self._dcs = [
-            _Dc(site, self._simulation(site, profile, regions, router, admission, seed, clients))
+            _Dc(
+                site,
+                self._simulation(site, profile, regions, router, admission, seed, clients),
+                deployed=site.instances,
+            )
             for site in layout.sites
         ]
         self._by_name = {dc.site.name: dc for dc in self._dcs}
@@ -161,9 +192,12 @@ class FleetSimulation:
         self._record_tables = {site.name: RecordTables(site.name) for site in layout.sites}
         self._weights: dict[str, float] = {}
         """Each DC's weight as the controller last published it."""
+        self._placed_at: dict[str, float] = {}
         self._edge_weights: dict[str, float] = {}
         self._weights_changed_at: dict[str, float] = {}
         self.weight_steps: list[tuple[float, dict[str, float]]] = []
+        self.placement_steps: list[tuple[float, dict[str, int]]] = []
+        """The replicas deployed in each DC after each pass of the long cycle."""
         """The weights after each pass of the controller."""
         self._prefixes: dict[int, str] = {}
         """The DC each sampled prompt block last went to."""
@@ -185,7 +219,7 @@ class FleetSimulation:
     ) -> Simulation:
         pool = profile.pool_model()
         cluster = Cluster(
-            (DataCenter(site.name, site.instances, profile),),
+            (DataCenter(site.name, site.instances, profile, site.standby),),
             {(region, site.name): self.layout.rtt_s(region, site.region) for region in regions},
         )
         simulation = Simulation(
@@ -269,6 +303,7 @@ class FleetSimulation:
     def _send(self, request: TraceRequest, name: str) -> None:
         dc = self._by_name[name]
         dc.sent.add(self.now)
+        dc.demand.add(self.now)
         dc.inflight[request.request_id] = request.task_class
         for block in request.prefix_blocks[PREFIX_STRIDE - 1 :: PREFIX_STRIDE]:
             self._prefixes[block] = name
@@ -298,8 +333,7 @@ class FleetSimulation:
         states = []
         for dc in self._dcs:
             table = self._tables.get(dc.site.name)
-            ready = table is not None and table.ready
-            instances = dc.site.instances
+            ready = table.ready_instances if table and table.ready else 0
             capacity = self.capacity_rps_per_instance
             load = DcLoad(
                 table.running if table else 0,
@@ -308,16 +342,16 @@ class FleetSimulation:
                 table.completed_per_s if table else 0.0,
                 dc.sent.per_s(self.now),
                 len(dc.inflight),
-                capacity * instances if capacity and ready else None,
+                capacity * ready if capacity and ready else None,
             )
             states.append(
                 dc_state(
                     dc.site.name,
                     dc.site.region,
-                    instances=instances,
+                    instances=table.deployed if table else dc.site.instances,
                     versions=frozenset({VERSION}),
                     ready_versions=frozenset({VERSION}) if ready else frozenset(),
-                    ready_instances=instances if ready else 0,
+                    ready_instances=ready,
                     load=load,
                     weight=self._edge_weights.get(dc.site.name),
                     warm_tokens=warm.get(dc.site.name, 0),
@@ -345,36 +379,75 @@ class FleetSimulation:
         dc.seen_records = len(records)
 
     def _publish_tables(self) -> None:
-        """Each DC's tables as of now, on their way to the edge."""
+        """Each DC's tables as of now, on their way to the edge (replicas whose warm-up
+        ended are ready first)."""
         tables = {}
         for dc in self._dcs:
+            self._warmed(dc)
             simulation = dc.simulation
-            engines = simulation.engines
-            waiting = sum(len(e.waiting) for e in engines) + len(simulation.pipeline.pools)
+            ready = dc.ready_instances(self.now)
+            engines = [engine for _, engine in simulation.ready_engines] or simulation.engines
+            waiting = sum(len(e.waiting) for e in simulation.engines)
             admission = simulation.pipeline.admission
             limits = {}
-            if isinstance(admission, SLOMax) and dc.site.ready(self.now):
+            if isinstance(admission, SLOMax) and ready:
                 for task_class in TaskClass:
                     limit = admission.concurrency_limit(
-                        task_class, simulation.pipeline.quotas, dc.site.instances
+                        task_class, simulation.pipeline.quotas, ready
                     )
                     if limit is not None:
                         limits[task_class] = limit
             tables[dc.site.name] = PublishedLoad(
                 self.now,
                 dc.site.ready(self.now),
-                sum(len(e.running) for e in engines),
-                waiting,
+                sum(len(e.running) for e in simulation.engines),
+                waiting + len(simulation.pipeline.pools),
                 sum(e.pool.used_blocks / e.config.num_blocks for e in engines) / len(engines),
                 dc.completions.per_s(self.now),
                 limits,
+                ready,
+                dc.deployed,
             )
         self.tables.append(tables)
         if self.weights is not None and len(self.tables) % self.weights_every == 0:
             self._reconcile_weights()
+        if self.placement is not None and len(self.tables) % self.placement_every == 0:
+            self._place(tables)
         self._in_transit.append((self.now + self.view_delay_s, tables, dict(self._weights)))
         if self.observe is not None:
             self.observe(self)
+
+    def _place(self, tables: Mapping[str, PublishedLoad]) -> None:
+        """A pass of FleetMind's long cycle: replicas placed on standby GPUs load for
+        ``warmup_s``; replicas taken away stop taking requests at once."""
+        assert self.placement is not None
+        capacity = self.capacity_rps_per_instance or 1.0
+        replicas = {
+            dc.site.name: DcReplicas(
+                tables[dc.site.name].ready_instances,
+                dc.deployed,
+                dc.site.instances,
+                dc.site.instances + dc.site.standby,
+                dc.demand.per_s(self.now),
+            )
+            for dc in self._dcs
+            if dc.site.ready(self.now)
+        }
+        targets = self.placement.targets(replicas, capacity, self._placed_at, self.now)
+        for name, (target, _) in targets.items():
+            dc = self._by_name[name]
+            for index in range(dc.deployed, target):
+                dc.warming.append((self.now + self.warmup_s, index))
+            for index in range(target, dc.deployed):
+                dc.simulation.set_ready(index, False)
+            dc.deployed = target
+            self._placed_at[name] = self.now
+        self.placement_steps.append((self.now, {dc.site.name: dc.deployed for dc in self._dcs}))
+
+    def _warmed(self, dc: _Dc) -> None:
+        for ready_at, index in [w for w in dc.warming if w[0] <= self.now]:
+            dc.simulation.set_ready(index, True)
+            dc.warming.remove((ready_at, index))
 
     def _reconcile_weights(self) -> None:
         """A pass of FleetMind's weights controller on each DC's goodput table."""

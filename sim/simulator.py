@@ -112,11 +112,18 @@ class Simulation:
                 ),
             )
             for dc in cluster.data_centers
-            for n in range(dc.instances)
+            for n in range(dc.instances + dc.standby)
         ]
         size = len(self.instances)
         self._ids = tuple(i.instance_id for i in self.instances)
-        self._ready = np.ones(size, dtype=np.bool_)
+        self._ready = np.array(
+            [
+                n < dc.instances
+                for dc in cluster.data_centers
+                for n in range(dc.instances + dc.standby)
+            ],
+            dtype=np.bool_,
+        )
         self._waiting = np.zeros(size, dtype=np.int64)
         self._running = np.zeros(size, dtype=np.int64)
         self._inflight = np.zeros(size, dtype=np.int64)
@@ -194,9 +201,20 @@ class Simulation:
         """Deliver what was still on its way once nothing is left to run."""
         self._deliver_kv_events(until=math.inf)
 
+    def set_ready(self, index: int, ready: bool) -> None:
+        """An instance starts taking requests (its replica loaded) or stops (drained:
+        what runs there finishes)."""
+        self._ready[index] = ready
+
+    @property
+    def ready_engines(self) -> list[tuple[str, Engine]]:
+        """The instances taking requests, as the collector reports them."""
+        ready = zip(self.instances, self._ready, strict=True)
+        return [(i.instance_id, i.engine) for i, ok in ready if ok]
+
     def _reconcile(self) -> None:
         assert self.control is not None
-        engines = [(i.instance_id, i.engine) for i in self.instances]
+        engines = self.ready_engines
         if (quotas := self.control.tick(self.records, engines, self.now)) is not None:
             self.pipeline.quotas = quotas
         if self.arrivals_pending or self._heap:

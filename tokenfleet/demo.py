@@ -3,7 +3,8 @@
 The whole policy stack on a fleet in the seed's layout (``sim/fleet_bench.py``: an entry
 region without GPUs, its home DC taking a hotspot at twice its capacity, two extension
 DCs, one still warming up), on the mixed workload: TokenFleet (FleetMind at the edge with
-its weights loop, SLOMax and its quota loop in front of TokenPilot in each DC) against
+its weights loop and its long cycle placing replicas on idle GPUs, SLOMax and its quota
+loop in front of TokenPilot in each DC) against
 what an operator runs without it (llm-d's default routing, first come first served, each
 request in its home DC), on the same arrivals. TokenFleet runs here with a live view
 every ``LIVE_EVERY_S`` simulated seconds; the baseline runs beside it in a worker
@@ -75,8 +76,8 @@ def run_demo(
 
 
 def _live_view(say: Say) -> Callable[[FleetSimulation], None]:
-    """Every ``LIVE_EVERY_S``: each DC's running and queued requests, weight and limit on
-    long documents, and the goodput so far."""
+    """Every ``LIVE_EVERY_S``: each DC's replicas ready of those placed, running and
+    queued requests, weight and limit on long documents, and the goodput so far."""
 
     def view(simulation: FleetSimulation) -> None:
         at = round(simulation.now)
@@ -92,8 +93,9 @@ def _live_view(say: Say) -> Callable[[FleetSimulation], None]:
             quotas = dc.control.quotas if dc.control else None
             limit = long_documents(quotas) if quotas else None
             parts.append(
-                f"{site.name} {load.running:>3} run {load.queued:>3} queued "
-                f"w {weights.get(site.name, 1.0):.2f} docs<={limit if limit else '-'}"
+                f"{site.name} {load.ready_instances}/{load.deployed} up {load.running:>3} run "
+                f"{load.queued:>3} queued w {weights.get(site.name, 1.0):.2f} "
+                f"docs<={limit if limit else '-'}"
             )
         records = [r for dc in simulation.simulations for r in dc.records]
         met = sum(r.output_tokens for r in records if met_objective(r, DEFAULT_OBJECTIVES))

@@ -107,3 +107,27 @@ def test_mismatch_counts_queues_only_while_another_ready_dc_has_none() -> None:
         {"b": load(0), "c": load(0)},
     ]
     assert mismatch(tables, 2.0) == 16.0
+
+
+def test_the_long_cycle_places_replicas_on_idle_gpus_that_serve_after_their_warm_up() -> None:
+    from control.controllers.placement import PlacementController
+
+    standby = FleetLayout(
+        (Site("dc-b", "eu-central", 1, standby=1), Site("dc-d", "us-east", 1)),
+        LAYOUT.round_trips_s,
+        LAYOUT.home,
+    )
+    simulation = FleetSimulation(
+        standby,
+        PROFILE,
+        make_dc_policy("local_only"),
+        capacity_rps_per_instance=2.0,
+        placement=PlacementController(),
+        placement_every=10,
+        warmup_s=15.0,
+    )
+    simulation.run(chats(600, 10.0))  # 10 a second for a minute: 5 times one replica's rate
+    placed_at = min(at for at, deployed in simulation.placement_steps if deployed["dc-b"] == 2)
+    served = [r for r in simulation.simulations[0].records if r.instance_id == "dc-b/1"]
+    assert served  # the new replica took requests
+    assert min(r.arrival_s for r in served) >= placed_at + 15.0 - 1.0  # once it had loaded

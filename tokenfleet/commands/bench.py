@@ -258,7 +258,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
 
 def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
-    from control.fleet.registry import DC_POLICIES
+    from sim.fleet_bench import STACKS
     from sim.profiles import PROFILES
 
     fleet = sub.add_parser(
@@ -283,7 +283,7 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
         "--policies",
         type=lambda t: t.split(","),
         default=None,
-        help=f"comma-separated subset of: {', '.join(DC_POLICIES)}",
+        help=f"comma-separated subset of: {', '.join(STACKS)}",
     )
     fleet.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
     fleet.add_argument("--json", type=Path, required=True, help="write the figures here")
@@ -296,10 +296,9 @@ def _bench_fleet(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from control.fleet.registry import DC_POLICIES
-    from sim.fleet_bench import bench_fleet, plot_fleet
+    from sim.fleet_bench import STACKS, bench_fleet, plot_fleet
 
-    policies = _known(args.policies or list(DC_POLICIES), DC_POLICIES, "DC policies")
+    policies = _known(args.policies or list(STACKS), STACKS, "DC policies")
     with tqdm(total=len(policies), desc="policies", unit="run") as bar:
         try:
             document = bench_fleet(
