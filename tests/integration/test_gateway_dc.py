@@ -37,6 +37,7 @@ from tests.gateway_harness import (
 )
 
 EU_ONLY_KEY = "sk-eu-only"
+ON_DEFAULTS = "tokenfleet_gateway_control_defaults"
 
 
 @dataclass
@@ -174,24 +175,36 @@ async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherw
     assert rejected.reason is RejectReason.RESIDENCY
 
 
-async def test_the_controller_s_weights_move_the_request_to_another_dc() -> None:
+async def test_the_controller_s_weights_hold_until_their_ttl_then_safe_defaults() -> None:
+    """A controller gone quiet: its last weights hold while they live, then every DC
+    counts whole again (and the gateway says it runs on defaults)."""
     served: list[str] = []
     async with two_dcs(served) as front, front.client() as http:
-        weights = RoutingWeights(
-            scope="dc-a",
-            version=1,
-            issued_at=time.time(),
-            ttl_s=60,
-            weights=tuple(
-                DcWeight(model=MODEL, dc=dc, weight=w) for dc, w in (("dc-a", 0.0), ("dc-b", 1.0))
-            ),
-        )
-        await front.app.state.parts.bus.publish_event(Envelope.wrap(weights, source="test"))
-        for _ in range(100):
-            if front.app.state.decider.weights.current("dc-a"):
-                break
-            await asyncio.sleep(0.02)
-        else:
-            pytest.fail("the gateway never took the weights")
+        await _drain_dc_a(front, ttl_s=1.5)
         assert (await ask(http)).status_code == 200
-    assert served == ["dc-b"]  # weight 0: dc-a counts as full, the 80 ms trip is worth it
+        draining = await scraped(front.url, ON_DEFAULTS, kind="weights")
+        await asyncio.sleep(1.6)  # no newer weights came: they expire
+        assert (await ask(http)).status_code == 200
+        defaults = await scraped(front.url, ON_DEFAULTS, kind="weights")
+    assert served == ["dc-b", "dc-a"]  # weight 0: dc-a counts as full; then home again
+    assert (draining, defaults) == (0, 1)
+
+
+async def _drain_dc_a(front: Gateway, ttl_s: float) -> None:
+    """Publish weights that count on none of dc-a's capacity, and wait for the gateway
+    to hold them."""
+    weights = RoutingWeights(
+        scope="dc-a",
+        version=1,
+        issued_at=time.time(),
+        ttl_s=ttl_s,
+        weights=tuple(
+            DcWeight(model=MODEL, dc=dc, weight=w) for dc, w in (("dc-a", 0.0), ("dc-b", 1.0))
+        ),
+    )
+    await front.app.state.parts.bus.publish_event(Envelope.wrap(weights, source="test"))
+    for _ in range(100):
+        if front.app.state.decider.weights.current("dc-a"):
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail("the gateway never took the weights")
