@@ -49,3 +49,46 @@ async def test_topic_creation_is_idempotent_and_follows_the_catalog(kafka: Servi
         await admin.close()
     for t in TOPICS:
         assert len(described[t.name]["partitions"]) == t.partitions, t.name
+
+
+async def test_status_says_whether_the_loop_is_closed_from_the_topics(
+    kafka: Service, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tokenfleet status`` reads the compacted topics as any reader would: fresh tables
+    and quotas in force close the loop (exit 0); a stale table opens it (exit 1). Only
+    this test's DC is asked for: the broker is shared with the other tests."""
+    import time
+    import uuid
+
+    from schemas import Envelope
+    from schemas.control import AdmissionQuotas
+    from streams.kafka import KafkaBus
+    from tests.unit.test_quota_controller import capacity, table
+    from tokenfleet.cli import main
+
+    dc = f"dc-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", kafka.address)
+
+    async def publish(ended: float, version: int) -> None:
+        bus = KafkaBus(kafka.address, source="test")
+        try:
+            for payload in (
+                table((100, 96), now=ended).model_copy(update={"dc": dc, "version": version}),
+                capacity(2, now=ended).model_copy(update={"dc": dc, "version": version}),
+                AdmissionQuotas(
+                    scope=dc, version=version, issued_at=time.time(), ttl_s=60, quotas=()
+                ),
+            ):
+                await bus.publish_event(Envelope.wrap(payload, source="test"))
+        finally:
+            await bus.close()
+
+    await publish(time.time(), 1)
+    closed = await asyncio.to_thread(main, ["status", "--dc", dc])
+    out = capsys.readouterr().out
+    await publish(time.time() - 120, 2)
+    opened = await asyncio.to_thread(main, ["status", "--dc", dc])
+    assert closed == 0, out
+    assert f"tf.tables.goodput    {dc}" in out
+    assert opened == 1
+    assert f"tf.tables.goodput[{dc}] 120" in capsys.readouterr().out

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import Any
 
 from tokenfleet.commands.errors import CliError
 
@@ -44,6 +45,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     collect.set_defaults(handler=_collect)
     _register_controller(commands)
+    _register_status(commands)
 
 
 def _register_controller(commands: argparse._SubParsersAction) -> None:
@@ -67,6 +69,61 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
         "--fleet", type=Path, help="the fleet file: its DCs and models, for the weights loop"
     )
     controller.set_defaults(handler=_controller)
+
+
+def _register_status(commands: argparse._SubParsersAction) -> None:
+    status = commands.add_parser(
+        "status",
+        help="whether the control loop is closed: tables fresh, controls in force",
+        description="Reads the latest tables (tf.tables.goodput, tf.tables.capacity) and "
+        "controls (tf.control.quotas, tf.control.weights) from Kafka and says, per DC and "
+        "per scope, how old each table and its telemetry are and how long each control "
+        "has left; exits 0 when the loop is closed (every table fresh, controls in force), "
+        "1 when not, saying why. Needs TOKENFLEET_KAFKA_BOOTSTRAP.",
+    )
+    status.add_argument(
+        "--stale-after",
+        type=float,
+        default=30.0,
+        help="seconds after which a table is stale (default: 30, as the controllers judge)",
+    )
+    status.add_argument(
+        "--dc",
+        action="append",
+        help="only this DC's tables and controls (repeat for several; default: every DC)",
+    )
+    status.set_defaults(handler=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import time
+
+    from streams.kafka import KafkaBus
+    from tokenfleet.loop_status import CONTROL_TOPICS, TABLE_TOPICS, loop_checks, verdict
+
+    bootstrap = _bootstrap()
+
+    async def read() -> dict[str, dict[str, Any]]:
+        bus = KafkaBus(bootstrap, source="status")
+        latest: dict[str, dict[str, Any]] = {}
+        try:
+            for topic in (*TABLE_TOPICS, *CONTROL_TOPICS):
+                with contextlib.suppress(LookupError):  # never published
+                    latest[topic] = await bus.read_latest(topic)
+        finally:
+            await bus.close()
+        return latest
+
+    try:
+        latest = asyncio.run(read())
+    except Exception as exc:
+        raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
+    checks = loop_checks(latest, time.time(), args.stale_after, args.dc)
+    for check in checks:
+        print(f"{'ok ' if check.ok else 'NO '} {check.what:20} {check.key:16} {check.detail}")
+    closed, why = verdict(checks)
+    print(f"loop {'closed' if closed else 'open'}: {why}")
+    return 0 if closed else 1
 
 
 def _bootstrap() -> str:

@@ -1,0 +1,83 @@
+"""Whether the control loop is closed: ``tokenfleet status``.
+
+The loop is closed when, for every DC, the stream processors' tables are fresh (the
+worker runs and reads the events, and its capacity table holds recent telemetry: the
+collector runs) and the controllers' snapshots are in force (published and within their
+TTL, so the gateways apply them rather than their safe defaults). Read from the compacted
+topics, the latest value per key, as any reader of them would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from schemas import Envelope
+from schemas.control import ControlSnapshot
+from schemas.tables import CapacityTable, WindowedTable
+
+TABLE_TOPICS = ("tf.tables.goodput", "tf.tables.capacity")
+CONTROL_TOPICS = ("tf.control.quotas", "tf.control.weights")
+STALE_AFTER_S = 30.0
+"""Tables older than this move no controller (``tokenfleet/controller_host.py``)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    what: str
+    key: str
+    ok: bool
+    detail: str
+
+
+def loop_checks(
+    latest: Mapping[str, Mapping[str, Envelope]],
+    now: float,
+    stale_after_s: float = STALE_AFTER_S,
+    only: Collection[str] | None = None,
+) -> list[Check]:
+    """One check per table per DC and per control snapshot per scope, from the latest
+    value of each topic's keys (``latest[topic][key]``); ``only``: these DCs and scopes."""
+    checks = []
+    for topic in TABLE_TOPICS:
+        for dc, envelope in sorted(latest.get(topic, {}).items()):
+            if only is not None and dc not in only:
+                continue
+            table = envelope.payload
+            if not isinstance(table, WindowedTable):
+                continue
+            age = now - table.window_end
+            detail = f"{age:.1f} s old"
+            fresh = age <= stale_after_s
+            if isinstance(table, CapacityTable) and table.rows:
+                telemetry = min(row.telemetry_age_s for row in table.rows)
+                detail += f", telemetry {telemetry:.1f} s old"
+                fresh = fresh and telemetry <= stale_after_s
+            checks.append(Check(topic, dc, fresh, detail))
+    for topic in CONTROL_TOPICS:
+        for scope, envelope in sorted(latest.get(topic, {}).items()):
+            if only is not None and scope not in only:
+                continue
+            control = envelope.payload
+            if not isinstance(control, ControlSnapshot):
+                continue
+            left = control.issued_at + control.ttl_s - now
+            detail = f"version {control.version}, " + (
+                f"{left:.0f} s of TTL left" if left >= 0 else f"expired {-left:.0f} s ago"
+            )
+            checks.append(Check(topic, scope, left >= 0, detail))
+    return checks
+
+
+def verdict(checks: list[Check]) -> tuple[bool, str]:
+    """Whether the loop is closed, and why not."""
+    tables = {c.what for c in checks if c.what in TABLE_TOPICS}
+    missing = [topic for topic in TABLE_TOPICS if topic not in tables]
+    failing = [f"{c.what}[{c.key}] {c.detail}" for c in checks if not c.ok]
+    if missing:
+        return False, "no " + ", ".join(missing) + " yet (is tokenfleet worker running?)"
+    if failing:
+        return False, "; ".join(failing)
+    if not any(c.what in CONTROL_TOPICS for c in checks):
+        return False, "no controls published (is tokenfleet controller running?)"
+    return True, "tables fresh and controls in force"
