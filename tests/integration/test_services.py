@@ -92,3 +92,34 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
     assert f"tf.tables.goodput    {dc}" in out
     assert opened == 1
     assert f"tf.tables.goodput[{dc}] 120" in capsys.readouterr().out
+
+
+async def test_a_plain_kafka_client_reads_the_goodput_stream(kafka: Service) -> None:
+    """``examples/goodput_consumer.py``, which knows nothing of the project but aiokafka
+    and JSON, reads a table the project published."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+    from pathlib import Path
+
+    from schemas import Envelope
+    from streams.kafka import KafkaBus
+    from tests.unit.test_quota_controller import table
+
+    dc = f"dc-{uuid.uuid4().hex[:8]}"
+    bus = KafkaBus(kafka.address, source="test")
+    try:
+        published = table((100, 96), now=time.time()).model_copy(update={"dc": dc})
+        await bus.publish_event(Envelope.wrap(published, source="test"))
+    finally:
+        await bus.close()
+    example = Path(__file__).parents[2] / "examples" / "goodput_consumer.py"
+    argv = [sys.executable, str(example), "--bootstrap", kafka.address, "--dc", dc]
+    done = await asyncio.to_thread(
+        subprocess.run, [*argv, "--tables", "1"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    interactive = next(line for line in done.stdout.splitlines() if " interactive:" in line)
+    assert interactive.startswith(f"{dc} interactive: ")
+    assert "96.0% in time (100 completed" in interactive
