@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 from control.controllers.fleetmind import WeightController, weights_of
 from control.controllers.slomax import QuotaController
@@ -37,11 +38,105 @@ log = logging.getLogger(__name__)
 QUOTAS_TOPIC = "tf.control.quotas"
 WEIGHTS_TOPIC = "tf.control.weights"
 TABLE_TOPICS = ("tf.tables.goodput", "tf.tables.capacity")
+SnapshotT = TypeVar("SnapshotT", bound=ControlSnapshot)
 STALE_AFTER_S = 30.0
 """Six slides of the tables' default window (5 s): the worker has stopped publishing."""
 
 
-class QuotaHost:
+class _ControlHost(ABC, Generic[SnapshotT]):
+    """What both controllers' hosts share: follow their inputs and their own topic from
+    the start, read back what they published before deciding anything, then reconcile
+    every ``period_s``; publish a pass's snapshots and take them in as if read back."""
+
+    control_topic: str
+    input_topics: tuple[str, ...]
+
+    def __init__(
+        self,
+        bus: EventBus,
+        ttl_s: float,
+        period_s: float,
+        renew_s: float | None,
+        clock: Callable[[], float],
+        source: str,
+        stale_after_s: float,
+    ) -> None:
+        """``renew_s`` None: a third of the snapshots' TTL."""
+        self.bus = bus
+        self.period_s = period_s
+        self.renew_s = ttl_s / 3 if renew_s is None else renew_s
+        self.clock = clock
+        self.source = source
+        self.stale_after_s = stale_after_s
+        self._published: dict[str, SnapshotT] = {}
+        """The newest snapshot on the topic per scope (a change or a renewal)."""
+        self._read = asyncio.Event()
+        """Set whenever a snapshot of this host's topic is taken in."""
+
+    async def run(self) -> None:
+        """Read and reconcile until cancelled."""
+        readers = [
+            asyncio.create_task(follow(self.bus, topic, self.apply, "earliest"))
+            for topic in (*self.input_topics, self.control_topic)
+        ]
+        try:
+            await self.caught_up()
+            while True:
+                await asyncio.sleep(self.period_s)
+                await self.reconcile()
+        finally:
+            for reader in readers:
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+
+    async def caught_up(self, retry_s: float = 1.0) -> None:
+        """Until the snapshots on the topic now have been read (and applied) by the reader:
+        a restarted controller continues their versions instead of publishing versions
+        the gateways drop as old."""
+        while True:
+            try:
+                newest = await self.bus.read_latest(self.control_topic)
+                break
+            except LookupError:  # no such topic yet: nothing was ever published
+                return
+            except Exception as exc:  # the bus is away: read again, decide nothing yet
+                log.warning("reading %s failed (%s); retrying", self.control_topic, exc)
+                await asyncio.sleep(retry_s)
+        waiting = [e.payload for e in newest.values() if isinstance(e.payload, ControlSnapshot)]
+        while True:
+            self._read.clear()
+            if not any(s.supersedes(self._published.get(s.scope)) for s in waiting):
+                return
+            await self._read.wait()
+
+    @abstractmethod
+    async def reconcile(self) -> list[SnapshotT]:
+        """One pass: the snapshots the inputs call for, published."""
+
+    @abstractmethod
+    def apply(self, message: object) -> None:
+        """Take in an input or a snapshot of this host's topic read from the bus."""
+
+    async def _publish(self, snapshots: list[SnapshotT]) -> list[SnapshotT]:
+        if snapshots:
+            await self.bus.publish_events([Envelope.wrap(s, source=self.source) for s in snapshots])
+            for snapshot in snapshots:
+                self.apply(snapshot)
+        return snapshots
+
+    def _taken_in(self, snapshot: SnapshotT) -> bool:
+        """Hold ``snapshot`` if it is newer than the one held for its scope."""
+        if not snapshot.supersedes(self._published.get(snapshot.scope)):
+            return False
+        self._published[snapshot.scope] = snapshot
+        self._read.set()
+        return True
+
+
+class QuotaHost(_ControlHost[AdmissionQuotas]):
+    control_topic = QUOTAS_TOPIC
+    input_topics = TABLE_TOPICS
+
     def __init__(
         self,
         bus: EventBus,
@@ -53,43 +148,25 @@ class QuotaHost:
         stale_after_s: float = STALE_AFTER_S,
     ) -> None:
         """``renew_s`` None: a third of the quotas' TTL."""
-        self.bus = bus
         self.controller = controller or QuotaController()
-        self.period_s = period_s
-        self.renew_s = self.controller.params.ttl_s / 3 if renew_s is None else renew_s
-        self.clock = clock
-        self.source = source
-        self.stale_after_s = stale_after_s
+        ttl_s = self.controller.params.ttl_s
+        super().__init__(bus, ttl_s, period_s, renew_s, clock, source, stale_after_s)
         self._goodput: dict[str, GoodputTable] = {}
         self._capacity: dict[str, CapacityTable] = {}
-        self._published: dict[str, AdmissionQuotas] = {}
-        """The newest quotas on the topic per DC (a change or a renewal)."""
         self._changed: dict[str, AdmissionQuotas] = {}
         """The quotas of the last change per DC: when and to what the limits last moved."""
-        self._quotas_read = asyncio.Event()
-
-    async def run(self) -> None:
-        """Read and reconcile until cancelled."""
-        await _reconcile_loop(self, (*TABLE_TOPICS, QUOTAS_TOPIC))
-
-    async def caught_up(self) -> None:
-        """Until the quotas on the topic now have been read (and applied) by the reader."""
-        await read_back(self.bus, QUOTAS_TOPIC, self._published, self._quotas_read)
 
     async def reconcile(self) -> list[AdmissionQuotas]:
         """One pass over every DC with both tables; what it published."""
         now = self.clock()
-        out = [
-            quotas
-            for dc, goodput in self._goodput.items()
-            if dc in self._capacity
-            and (quotas := self._next(dc, goodput, self._capacity[dc], now)) is not None
-        ]
-        if out:
-            await self.bus.publish_events([Envelope.wrap(q, source=self.source) for q in out])
-            for quotas in out:
-                self.apply(quotas)
-        return out
+        return await self._publish(
+            [
+                quotas
+                for dc, goodput in self._goodput.items()
+                if dc in self._capacity
+                and (quotas := self._next(dc, goodput, self._capacity[dc], now)) is not None
+            ]
+        )
 
     def apply(self, message: object) -> None:
         """Take in a table or a quota snapshot read from the bus (newer versions only)."""
@@ -99,11 +176,7 @@ class QuotaHost:
             self._capacity.get(message.dc)
         ):
             self._capacity[message.dc] = message
-        elif isinstance(message, AdmissionQuotas) and message.supersedes(
-            self._published.get(message.scope)
-        ):
-            self._published[message.scope] = message
-            self._quotas_read.set()
+        elif isinstance(message, AdmissionQuotas) and self._taken_in(message):
             changed = self._changed.get(message.scope)
             if changed is None or changed.quotas != message.quotas:  # a change, not a renewal
                 self._changed[message.scope] = message
@@ -131,13 +204,16 @@ class QuotaHost:
         return None
 
 
-class WeightHost:
+class WeightHost(_ControlHost[RoutingWeights]):
     """FleetMind's weights controller on a bus: every ``period_s`` it reconciles the DCs'
     weights from their goodput tables (``control.controllers.fleetmind``) and publishes
     one snapshot per edge (``edges``: the DCs whose gateways choose DCs) on
     ``tf.control.weights``, for every one of ``models``. Like ``QuotaHost``, it renews
     unchanged weights before their TTL runs out, reads the topic back before deciding
     anything, and lets stale tables move nothing."""
+
+    control_topic = WEIGHTS_TOPIC
+    input_topics = TABLE_TOPICS[:1]
 
     def __init__(
         self,
@@ -152,29 +228,15 @@ class WeightHost:
         stale_after_s: float = STALE_AFTER_S,
     ) -> None:
         """``renew_s`` None: a third of the weights' TTL."""
-        self.bus = bus
         self.models = tuple(models)
         self.edges = tuple(edges)
         self.controller = controller or WeightController()
-        self.period_s = period_s
-        self.renew_s = self.controller.params.ttl_s / 3 if renew_s is None else renew_s
-        self.clock = clock
-        self.source = source
-        self.stale_after_s = stale_after_s
+        ttl_s = self.controller.params.ttl_s
+        super().__init__(bus, ttl_s, period_s, renew_s, clock, source, stale_after_s)
         self._goodput: dict[str, GoodputTable] = {}
-        self._published: dict[str, RoutingWeights] = {}
-        """The newest weights on the topic per edge."""
         self._weights: dict[str, float] = {}
         """Each DC's weight as last published."""
         self._changed_at: dict[str, float] = {}
-        self._read = asyncio.Event()
-
-    async def run(self) -> None:
-        """Read and reconcile until cancelled."""
-        await _reconcile_loop(self, (TABLE_TOPICS[0], WEIGHTS_TOPIC))
-
-    async def caught_up(self) -> None:
-        await read_back(self.bus, WEIGHTS_TOPIC, self._published, self._read)
 
     async def reconcile(self) -> list[RoutingWeights]:
         """One pass over every DC with a fresh goodput table; what it published."""
@@ -192,15 +254,12 @@ class WeightHost:
         else:
             due = []
         weights = self._weights if changed is None else changed
-        out = [
-            self.controller.snapshot(weights, self.models, edge, self._version(edge), now)
-            for edge in due
-        ]
-        if out:
-            await self.bus.publish_events([Envelope.wrap(w, source=self.source) for w in out])
-            for snapshot in out:
-                self.apply(snapshot)
-        return out
+        return await self._publish(
+            [
+                self.controller.snapshot(weights, self.models, edge, self._version(edge), now)
+                for edge in due
+            ]
+        )
 
     def _renewal_due(self, edge: str, now: float) -> bool:
         published = self._published.get(edge)
@@ -214,67 +273,8 @@ class WeightHost:
         """Take in a goodput table or a weights snapshot read from the bus (newer only)."""
         if isinstance(message, GoodputTable) and message.supersedes(self._goodput.get(message.dc)):
             self._goodput[message.dc] = message
-        elif isinstance(message, RoutingWeights) and message.supersedes(
-            self._published.get(message.scope)
-        ):
-            self._published[message.scope] = message
-            self._read.set()
+        elif isinstance(message, RoutingWeights) and self._taken_in(message):
             for dc, weight in weights_of(message).items():
                 if self._weights.get(dc, 1.0) != weight:
                     self._changed_at[dc] = message.issued_at
                 self._weights[dc] = weight
-
-
-class _Host(Protocol):
-    bus: EventBus
-    period_s: float
-
-    def apply(self, message: object) -> None: ...
-
-    async def caught_up(self) -> None: ...
-
-    async def reconcile(self) -> Sequence[ControlSnapshot]: ...
-
-
-async def _reconcile_loop(host: _Host, topics: Sequence[str]) -> None:
-    """Follow ``topics`` from the start, and once the host has read back what it published
-    before, reconcile every ``period_s`` until cancelled."""
-    readers = [
-        asyncio.create_task(follow(host.bus, topic, host.apply, "earliest")) for topic in topics
-    ]
-    try:
-        await host.caught_up()
-        while True:
-            await asyncio.sleep(host.period_s)
-            await host.reconcile()
-    finally:
-        for reader in readers:
-            reader.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
-
-
-async def read_back(
-    bus: EventBus,
-    topic: str,
-    published: Mapping[str, ControlSnapshot],
-    read: asyncio.Event,
-    retry_s: float = 1.0,
-) -> None:
-    """Until the snapshots on ``topic`` now are in ``published``, which the reader that
-    follows the topic fills (setting ``read`` each time): a restarted controller continues
-    their versions instead of publishing versions the gateways drop as old."""
-    while True:
-        try:
-            newest = await bus.read_latest(topic)
-            break
-        except LookupError:  # no such topic yet: nothing was ever published
-            return
-        except Exception as exc:  # the bus is away: read again, decide nothing yet
-            log.warning("reading %s failed (%s); retrying", topic, exc)
-            await asyncio.sleep(retry_s)
-    waiting = [e.payload for e in newest.values() if isinstance(e.payload, ControlSnapshot)]
-    while True:
-        read.clear()
-        if not any(s.supersedes(published.get(s.scope)) for s in waiting):
-            return
-        await read.wait()
