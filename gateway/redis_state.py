@@ -1,20 +1,28 @@
 """Shared state in Redis: each operation is one round trip, atomic by a Lua script.
 
-Keys, all under a prefix (default ``tf:``):
+Keys, all under a prefix (default ``tf:``), the routing state of each pool under a hash tag
+of its own (``{model@dc}``, from ``shard_of``), so that a script touches one hash slot and
+runs on a Redis Cluster, and the pools spread over its nodes:
 
-- ``acct:<replica>:pending`` and ``acct:<replica>:inflight``: each replica's share of the
-  accounting, hashes of instance id -> tokens; ``replicas``: a sorted set of replicas
-  scored by when their share expires. A view sums the shares of live replicas. Each
-  replica rewrites its share from its own record every few seconds (``reconcile``), so a
-  replica that died, or an update lost while Redis was away, is gone within a TTL;
-- ``px:<block>``: the set of instances holding a prefix block;
-- ``lru:<instance>``: that instance's blocks, scored by a global sequence number, so the
+- ``{pool}:acct:<replica>:pending`` and ``{pool}:acct:<replica>:inflight``: each
+  replica's share of the accounting, hashes of instance id -> tokens; ``{pool}:replicas``:
+  a sorted set of replicas scored by when their share expires. A view sums the shares of
+  live replicas. Each replica rewrites its share from its own record every few seconds
+  (``reconcile``), so a replica that died, or an update lost while Redis was away, is gone
+  within a TTL;
+- ``{pool}:px:<block>``: the set of the pool's instances holding a prefix block;
+- ``{pool}:lru:<instance>``: that instance's blocks, scored by a sequence number, so the
   lowest scores are the least recently used;
+- ``{pool}:routes``: requests routed in the pool (a view's version);
 - ``bucket:<name>``: a token bucket's level and last refill (Redis server time, so every
   gateway refills on the same clock);
 - ``idem:<key>``: ``pending`` or a JSON outcome, with the key's time to live;
-- ``load:<replica>``: the replica's admission load (JSON) with a short time to live, and
-  ``loads``, a sorted set of replicas scored by when theirs expires.
+- ``{loads}:load:<replica>``: the replica's admission load (JSON) with a short time to
+  live, and ``{loads}:loads``, a sorted set of replicas scored by when theirs expires.
+
+A script is given its slot's first key (``KEYS[1]``), which a cluster client routes by, and
+derives the others from the tagged prefix; Redis serves keys a script did not declare when
+they are in the slot of those it did (tested on a cluster of three nodes).
 
 Block hashes travel as decimal strings; Lua never does arithmetic on them.
 """
@@ -33,6 +41,7 @@ from typing import Any, cast
 
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.state import IN_PROGRESS, Accounting, InProgress, LocalState, Outcome, SharedView
@@ -250,28 +259,26 @@ class RedisState:
         share_ttl_s: float = 10.0,
         own: Accounting | None = None,
         load_ttl_s: float = 2.0,
+        shard_of: Callable[[str], str] = lambda instance_id: "fleet",
+        cluster: bool = False,
     ) -> None:
         """``load_ttl_s``: how long a replica's admission load counts after it last
         published it. Replicas publish theirs every admission tick (50 ms), so two seconds
         ride out a stalled event loop, and a replica that died stops holding the others'
-        pools back within them."""
+        pools back within them.
+
+        ``shard_of``: the hash tag an instance's routing keys go under, the same for every
+        instance of a pool (a view reads a pool in one script); ``cluster``: ``url`` names
+        a node of a Redis Cluster."""
         self.url = url
         self.prefix = prefix
+        self.shard_of = shard_of
         self.replica = replica or uuid.uuid4().hex
         self.share_ttl_s = share_ttl_s
         self.load_ttl_s = load_ttl_s
         self._own = own or Accounting()
         self._gate = _ShareGate()
-        # More calls at once than connections wait for one (up to the timeout): the
-        # default pool raises instead, which sent a burst of 500 to the local fallback.
-        pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=MAX_CONNECTIONS,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-        )
-        self._redis = Redis.from_pool(pool)  # closing the client closes its pool
+        self._redis = _client(url, timeout_s, cluster)
         self._view = self._redis.register_script(_VIEW)
         self._routed = self._redis.register_script(_ROUTED)
         self._adjust = self._redis.register_script(_ADJUST)
@@ -281,9 +288,18 @@ class RedisState:
         self._take = self._redis.register_script(_TAKE)
         self._loads = self._redis.register_script(_LOADS)
 
+    def _pool(self, instance_ids: Sequence[str]) -> list[str]:
+        """KEYS and the first ARGV (the tagged prefix) of a script on these instances' pool."""
+        shards = {self.shard_of(i) for i in instance_ids}
+        if len(shards) != 1:
+            raise ValueError(f"one call spans hash tags {sorted(shards)}: {list(instance_ids)}")
+        prefix = f"{self.prefix}{{{shards.pop()}}}:"
+        return [prefix + "routes", prefix]
+
     async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
+        key, prefix = self._pool(instance_ids)
         sums, matched, version = await self._view(
-            args=[self.prefix, len(instance_ids), *instance_ids, *blocks]
+            keys=[key], args=[prefix, len(instance_ids), *instance_ids, *blocks]
         )
         totals = np.array([float(v) for v in sums]).reshape(2, len(instance_ids))
         return SharedView(totals[0], totals[1], np.array(matched, dtype=np.int64), int(version))
@@ -298,16 +314,18 @@ class RedisState:
         seen_version: int | None = None,
     ) -> bool:
         async with self._gate.write():
+            key, prefix = self._pool([instance_id])
             written = await self._routed(
+                keys=[key],
                 args=[
-                    *self._share(),
+                    *self._share(prefix),
                     instance_id,
                     capacity_blocks,
                     pending_prefill,
                     inflight_tokens,
                     "" if seen_version is None else seen_version,
                     *blocks,
-                ]
+                ],
             )
             if written:
                 self._own.add(instance_id, pending_prefill, inflight_tokens)
@@ -315,31 +333,41 @@ class RedisState:
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         async with self._gate.write():
-            await self._adjust(args=[*self._share(), instance_id, pending_prefill, inflight])
+            key, prefix = self._pool([instance_id])
+            args = [*self._share(prefix), instance_id, pending_prefill, inflight]
+            await self._adjust(keys=[key], args=args)
             self._own.add(instance_id, pending_prefill, inflight)
 
     async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:
-        await self._evicted(args=[self.prefix, instance_id, *blocks])
+        key, prefix = self._pool([instance_id])
+        await self._evicted(keys=[key], args=[prefix, instance_id, *blocks])
 
     async def cleared(self, instance_id: str) -> None:
-        await self._cleared(args=[self.prefix, instance_id])
+        key, prefix = self._pool([instance_id])
+        await self._cleared(keys=[key], args=[prefix, instance_id])
 
     async def reconcile(self) -> None:
+        """One script per pool this replica has counted in."""
         async with self._gate.rewrite():
             pending, inflight = self._own.pending, self._own.inflight
-            ids = sorted(pending.keys() | inflight.keys())
-            await self._sync(
-                args=[
-                    *self._share(),
-                    len(ids),
-                    *ids,
-                    *(pending.get(i, 0.0) for i in ids),
-                    *(inflight.get(i, 0.0) for i in ids),
-                ]
-            )
+            by_pool: dict[str, list[str]] = {}
+            for i in sorted(pending.keys() | inflight.keys()):
+                by_pool.setdefault(self.shard_of(i), []).append(i)
+            for ids in by_pool.values():
+                key, prefix = self._pool(ids)
+                await self._sync(
+                    keys=[key],
+                    args=[
+                        *self._share(prefix),
+                        len(ids),
+                        *ids,
+                        *(pending.get(i, 0.0) for i in ids),
+                        *(inflight.get(i, 0.0) for i in ids),
+                    ],
+                )
 
-    def _share(self) -> list[Any]:
-        return [self.prefix, self.replica, self.share_ttl_s]
+    def _share(self, prefix: str) -> list[Any]:
+        return [prefix, self.replica, self.share_ttl_s]
 
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
         wait = float(
@@ -373,11 +401,31 @@ class RedisState:
         await self._redis.delete(f"{self.prefix}idem:{key}")
 
     async def admission_loads(self, own: str) -> list[str]:
-        others = await self._loads(args=[self.prefix, self.replica, self.load_ttl_s, own])
+        prefix = f"{self.prefix}{{loads}}:"
+        others = await self._loads(
+            keys=[prefix + "loads"], args=[prefix, self.replica, self.load_ttl_s, own]
+        )
         return [o.decode() for o in others]
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def _client(url: str, timeout_s: float, cluster: bool) -> Redis | RedisCluster:
+    if cluster:
+        return RedisCluster.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+    # More calls at once than connections wait for one (up to the timeout): the default
+    # pool raises instead, which sent a burst of 500 to the local fallback.
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=timeout_s,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+    )
+    return Redis.from_pool(pool)  # closing the client closes its pool
 
 
 class FallbackState:

@@ -16,7 +16,7 @@ import pytest
 
 from streams.bus import EventBus
 from streams.kafka import create_topics
-from tests.services import Service, kafka_service, redis_service
+from tests.services import Service, kafka_service, redis_cluster_service, redis_service
 from tokenfleet.services.kafka import LocalKafka
 
 T = TypeVar("T")
@@ -118,6 +118,12 @@ def run_in_thread(coroutine: Coroutine[Any, Any, T]) -> T:
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     with contextlib.ExitStack() as stack:
         yield _provide(redis_service(tmp_path_factory.mktemp("redis")), stack)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with contextlib.ExitStack() as stack:
+        yield _provide(redis_cluster_service(tmp_path_factory.mktemp("redis-cluster")), stack)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

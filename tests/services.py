@@ -3,6 +3,8 @@
 1. an address from the environment (``TOKENFLEET_KAFKA_BOOTSTRAP``, ``TOKENFLEET_REDIS_URL``);
 2. testcontainers, when a Docker engine answers;
 3. the project's own local broker / server (``tokenfleet.services``).
+
+A Redis Cluster always comes from the last: three local ``redis-server`` nodes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from tokenfleet.services.kafka import KAFKA_VERSION, LocalKafka
-from tokenfleet.services.redis import LocalRedis
+from tokenfleet.services.redis import LocalRedis, LocalRedisCluster
 from tokenfleet.settings import Settings
 
 
@@ -87,3 +89,12 @@ def redis_service(home: Path) -> Iterator[Service]:
             yield Service("redis", server.start(), "local redis-server")
         finally:
             server.stop()
+
+
+@contextlib.contextmanager
+def redis_cluster_service(home: Path) -> Iterator[Service]:
+    cluster = LocalRedisCluster(home)
+    try:
+        yield Service("redis cluster", cluster.start(), "three local redis-server nodes")
+    finally:
+        cluster.stop()

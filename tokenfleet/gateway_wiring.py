@@ -102,16 +102,19 @@ def gateway_parts(
     return GatewayParts(fleet, settings, state, bus, routers, admissions)
 
 
-def shared_state(services: Settings, settings: GatewaySettings) -> SharedState:
+def shared_state(fleet: FleetConfig, services: Settings, settings: GatewaySettings) -> SharedState:
     if services.redis_url is None:
         return LocalState()
     own = Accounting()  # one record of this replica's requests, whichever state serves
+    pools = {i.id: f"{i.model}@{i.dc}" for i in fleet.instances}
     redis = RedisState(
         services.redis_url,
         settings.redis_prefix,
         replica=f"{settings.name}-{secrets.token_hex(4)}",
         share_ttl_s=settings.share_ttl_s,
         own=own,
+        shard_of=lambda instance_id: pools.get(instance_id, "unknown"),
+        cluster=services.redis_cluster,
     )
     return FallbackState(redis, LocalState(own))
 
@@ -131,7 +134,7 @@ async def running_gateway(
         if services.kafka_bootstrap
         else InMemoryBus(source=settings.name)
     )
-    state = shared_state(services, settings)
+    state = shared_state(fleet, services, settings)
     try:
         app = create_app(gateway_parts(fleet, settings, bus, state))
         # Bound here, so that a port taken raises OSError, where uvicorn would log it and

@@ -156,16 +156,17 @@ async def _burst(urls: list[str], groups: int, per_group: int) -> list[str]:
 
 @contextlib.contextmanager
 def _gateway_processes(
-    count: int, fleet: FleetConfig, home: Path, redis: str
+    count: int, fleet: FleetConfig, home: Path, redis: str, cluster: bool = False
 ) -> Iterator[list[str]]:
     """``count`` ``tokenfleet gateway`` processes on one fleet file and one Redis (with a
-    key prefix of their own, so runs do not share state)."""
+    key prefix of their own, so runs do not share state), or one Redis Cluster."""
     home.mkdir(parents=True)
     fleet_file = home / "fleet.json"
     fleet_file.write_text(fleet.model_dump_json())
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
     prefix = f"test-{uuid.uuid4().hex}:"
     env |= {"TOKENFLEET_REDIS_URL": redis, "TOKENFLEET_GATEWAY_REDIS_PREFIX": prefix}
+    env |= {"TOKENFLEET_REDIS_CLUSTER": str(cluster).lower()}
     with contextlib.ExitStack() as stack:
         urls = []
         for n in range(count):
@@ -178,16 +179,23 @@ def _gateway_processes(
 
 
 @pytest.mark.redis
+@pytest.mark.parametrize("shared", ["redis_server", "redis_cluster"])
 async def test_two_gateway_processes_sharing_redis_route_a_burst_like_one(
-    redis_server: Service, tmp_path: Path
+    shared: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
+    redis: Service = request.getfixturevalue(shared)
     outcomes = {}
     for replicas in (1, 2):
         async with emulated(4, speedup=20) as running:
             fleet = fleet_for([i.url for i in running])
             home = tmp_path / f"replicas-{replicas}"
-            with _gateway_processes(replicas, fleet, home, redis_server.address) as urls:
+            cluster = shared == "redis_cluster"
+            with _gateway_processes(replicas, fleet, home, redis.address, cluster) as urls:
                 placed = await _burst(urls, groups=8, per_group=6)
+                for url in urls:  # every decision went through Redis, none was local
+                    assert (
+                        await scraped(url, "tokenfleet_gateway_shared_state_fallbacks_total") == 0
+                    )
             counts = np.array([placed.count(f"i{n}") for n in range(4)])
             outcomes[replicas] = (
                 counts,

@@ -1,5 +1,6 @@
-"""One contract for the gateways' shared state, run on the in-process state and on a real
-Redis server; and the fallback from Redis to local state."""
+"""One contract for the gateways' shared state, run on the in-process state, on a real
+Redis server and on a Redis Cluster of three nodes; and the fallback from Redis to local
+state."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from gateway.redis_state import FallbackState, RedisState
 from gateway.state import IN_PROGRESS, Accounting, LocalState, Outcome, SharedState
@@ -19,13 +21,24 @@ from tokenfleet.services.process import free_port
 from tokenfleet.services.redis import LocalRedis
 
 
-@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(
+    params=[
+        "local",
+        pytest.param("redis", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.redis),
+    ]
+)
 async def state(request: pytest.FixtureRequest) -> AsyncIterator[SharedState]:
     if request.param == "local":
         yield LocalState()
         return
-    service: Service = request.getfixturevalue("redis_server")
-    redis = RedisState(service.address, prefix=f"test-{uuid.uuid4().hex}:")
+    prefix = f"test-{uuid.uuid4().hex}:"
+    if request.param == "cluster":
+        cluster: Service = request.getfixturevalue("redis_cluster")
+        redis = RedisState(cluster.address, prefix, cluster=True)
+    else:
+        server: Service = request.getfixturevalue("redis_server")
+        redis = RedisState(server.address, prefix)
     try:
         yield redis
     finally:
@@ -181,7 +194,7 @@ async def test_reconcile_rewrites_a_share_from_the_replicas_own_record(
     try:
         await state.routed("a", (), 100, 10.0, 20.0)
         await state.adjust("a", -10.0, 0.0)
-        await other.hset(f"{prefix}acct:r:inflight", "a", 999.0)
+        await other.hset(f"{prefix}{{fleet}}:acct:r:inflight", "a", 999.0)
         assert (await state.view(["a"], ())).inflight_tokens.tolist() == [999.0]
         await state.reconcile()
         view = await state.view(["a"], ())
@@ -254,3 +267,35 @@ async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_rec
         await admin.aclose()
         await state.close()
         server.stop()
+
+
+@pytest.mark.redis
+async def test_on_a_cluster_each_pool_s_state_lives_on_its_own_node(
+    redis_cluster: Service,
+) -> None:
+    """Pools spread over the nodes, and each keeps its own accounting, index and version."""
+    pools = {"a": "m@dc-1", "b": "m@dc-2", "c": "m@dc-3", "d": "m@dc-4"}
+    state = RedisState(
+        redis_cluster.address, f"test-{uuid.uuid4().hex}:", shard_of=pools.__getitem__, cluster=True
+    )
+    nodes = RedisCluster.from_url(redis_cluster.address)
+    try:
+        await nodes.initialize()
+        for n, instance in enumerate(pools, start=1):
+            await state.routed(instance, (7, n), 100, float(n), 2.0 * n)
+        await state.reconcile()
+        for n, instance in enumerate(pools, start=1):
+            view = await state.view([instance], (7, n))
+            assert view.pending_prefill.tolist() == [float(n)]
+            assert view.matched_blocks.tolist() == [2]
+            assert view.version == 1  # one request routed in each pool
+        serving = {
+            nodes.get_node_from_key(f"{{{pool}}}").name
+            for pool in pools.values()  # type: ignore[union-attr]
+        }
+        assert len(serving) > 1
+        with pytest.raises(ValueError, match="hash tags"):
+            await state.view(["a", "b"], ())
+    finally:
+        await state.close()
+        await nodes.aclose()
