@@ -291,7 +291,10 @@ async def test_two_workers_sharing_the_partitions_end_with_the_same_totals(
     app_id = f"tables-{dc}"
     with worker(kafka, app_id):
         await _publish(kafka, events[: len(events) // 3])
-        with worker(kafka, app_id):  # joins while the first is running: a rebalance
+        # The first has joined requests that end later: the second, joining now (a
+        # rebalance), recovers their join states from the changelog partitions it takes.
+        assert await _tables_appear(kafka, dc)
+        with worker(kafka, app_id):
             await _publish(kafka, events[len(events) // 3 :])
             published, expected = await _published_equal_reference(kafka, dc, events)
     _assert_equal(published, expected)
