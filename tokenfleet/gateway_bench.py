@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -52,13 +53,14 @@ def bench_gateway(
     duration_s: float = 10.0,
     instances: int = 2,
     litellm: str | None = None,
+    redis: str | None = None,
 ) -> dict[str, Any]:
     """Figures for our gateway with SLOMax, its default (top-level keys), for the same
-    gateway admitting everything (under ``gateway_fcfs``: what admission costs), for a bare
-    pass-through proxy on the same stack (under ``bare_proxy``, ``tokenfleet.bare_proxy``:
-    the floor under the gateway's cost)
-    and, with the path of LiteLLM's ``litellm`` command, for its proxy in front of the same
-    instances (under ``litellm``)."""
+    gateway admitting everything (under ``gateway_fcfs``: what admission costs), with its
+    state in the Redis at URL ``redis`` (under ``gateway_redis``), for a bare pass-through
+    proxy on the same stack (under ``bare_proxy``, ``tokenfleet.bare_proxy``: the floor
+    under the gateway's cost) and, with the path of LiteLLM's ``litellm`` command, for its
+    proxy in front of the same instances (under ``litellm``)."""
     with tempfile.TemporaryDirectory() as home, contextlib.ExitStack() as stack:
         direct = stack.enter_context(_instances(Path(home), instances))
         fronts = {
@@ -68,6 +70,10 @@ def bench_gateway(
             ),
             "bare_proxy": stack.enter_context(_bare_proxy(Path(home), direct)),
         }
+        if redis:
+            fronts["gateway_redis"] = stack.enter_context(
+                _gateway(Path(home), direct, "slomax", "gateway_redis", redis)
+            )
         if litellm:
             fronts["litellm"] = stack.enter_context(_litellm(Path(home), litellm, direct))
         latency = asyncio.run(_latency(direct, fronts, requests))
@@ -122,13 +128,17 @@ def _instances(home: Path, count: int) -> Iterator[list[str]]:
 
 
 @contextlib.contextmanager
-def _gateway(home: Path, instances: list[str], admission: str, name: str) -> Iterator[str]:
+def _gateway(
+    home: Path, instances: list[str], admission: str, name: str, redis: str | None = None
+) -> Iterator[str]:
     fleet = home / "fleet.toml"
     fleet.write_text(_fleet_file(instances))
     port = free_port()
     argv = [*_CLI, "gateway", "--fleet", str(fleet), "--port", str(port)]
     argv += ["--admission", admission]
     env = _environment() | {"TOKENFLEET_GATEWAY_NAME": name}
+    if redis:
+        env |= {"TOKENFLEET_REDIS_URL": redis, "TOKENFLEET_GATEWAY_REDIS_PREFIX": f"bench-{port}:"}
     with http_service(home / name, argv, f"http://127.0.0.1:{port}", env=env) as url:
         yield url
 
@@ -139,6 +149,13 @@ def _bare_proxy(home: Path, instances: list[str]) -> Iterator[str]:
     argv = [sys.executable, "-m", "tokenfleet.bare_proxy", str(port), ",".join(instances)]
     with http_service(home / "bare", argv, f"http://127.0.0.1:{port}", env=_environment()) as url:
         yield url
+
+
+def litellm_command() -> str | None:
+    """LiteLLM's ``litellm`` command when installed (``pip install tokenfleet[litellm]``
+    puts it beside this interpreter), else one on the PATH."""
+    beside = Path(sys.executable).parent / "litellm"
+    return str(beside) if beside.exists() else shutil.which("litellm")
 
 
 @contextlib.contextmanager
@@ -160,7 +177,7 @@ def _litellm(home: Path, command: str, instances: list[str]) -> Iterator[str]:
 
 
 _CLI = [sys.executable, "-m", "tokenfleet.cli"]
-_MEASURED_CPU = ("gateway", "gateway_fcfs", "bare_proxy")
+_MEASURED_CPU = ("gateway", "gateway_fcfs", "gateway_redis", "bare_proxy")
 """Fronts whose ``/metrics`` carry ``process_cpu_seconds_total``."""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -59,7 +60,15 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument(
         "--litellm",
         metavar="COMMAND",
-        help="LiteLLM's `litellm` command: measure its proxy the same way, side by side",
+        help="LiteLLM's `litellm` command, to measure its proxy the same way, side by side "
+        "(default: the one `pip install tokenfleet[litellm]` installs, if any)",
+    )
+    gateway.add_argument("--no-litellm", action="store_true", help="leave LiteLLM out")
+    gateway.add_argument(
+        "--no-redis",
+        action="store_true",
+        help="leave out the gateway with its state in Redis (TOKENFLEET_REDIS_URL, else a "
+        "local redis-server the bench starts)",
     )
     gateway.add_argument("--json", type=Path, required=True, help="write the figures here")
     gateway.set_defaults(handler=_bench_gateway)
@@ -81,7 +90,6 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench_streams(args: argparse.Namespace) -> int:
-    import contextlib
     import json
     import tempfile
 
@@ -108,14 +116,35 @@ def _bench_streams(args: argparse.Namespace) -> int:
     return 0
 
 
+def _redis_url(stack: contextlib.ExitStack) -> str:
+    """TOKENFLEET_REDIS_URL, else a local redis-server, stopped when ``stack`` closes."""
+    import tempfile
+
+    from tokenfleet.services.redis import LocalRedis
+    from tokenfleet.settings import Settings
+
+    if url := Settings().redis_url:
+        return url
+    server = LocalRedis(Path(stack.enter_context(tempfile.TemporaryDirectory())))
+    stack.callback(server.stop)
+    return server.start()
+
+
 def _bench_gateway(args: argparse.Namespace) -> int:
     import json
 
-    from tokenfleet.gateway_bench import bench_gateway
+    from tokenfleet.gateway_bench import bench_gateway, litellm_command
 
     if args.requests < 1 or args.concurrency < 1 or args.duration <= 0:
         raise CliError("--requests and --concurrency must be at least 1, --duration positive")
-    figures = bench_gateway(args.requests, args.concurrency, args.duration, litellm=args.litellm)
+    litellm = None if args.no_litellm else args.litellm or litellm_command()
+    if litellm is None and not args.no_litellm:
+        print("LiteLLM is not installed (pip install tokenfleet[litellm]): left out")
+    with contextlib.ExitStack() as stack:
+        redis = None if args.no_redis else _redis_url(stack)
+        figures = bench_gateway(
+            args.requests, args.concurrency, args.duration, litellm=litellm, redis=redis
+        )
     print(
         f"added latency p50 {figures['added_latency_p50_ms']:.2f} ms, "
         f"p99 {figures['added_latency_p99_ms']:.2f} ms "
@@ -126,6 +155,7 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     )
     for name, label in (
         ("gateway_fcfs", "gateway without admission (fcfs)"),
+        ("gateway_redis", "gateway with its state in Redis"),
         ("bare_proxy", "bare proxy"),
         ("litellm", "LiteLLM"),
     ):
