@@ -192,9 +192,10 @@ def build_app(
             for dc, items in by_dc.items():
                 state = live.of(dc)
                 changed: set[float] = set()
+                counted: dict[float, list[str]] = defaultdict(list)
                 for item in items:
-                    changed |= _apply(state, item, spec, objectives)
-                live.store(dc, state, changed, state.expire(spec))
+                    changed |= _apply(state, item, spec, objectives, counted)
+                live.store(dc, state, changed, state.expire(spec), counted)
 
     owner_of_updates = TP(updates_topic, 0)
 
@@ -321,13 +322,17 @@ class _QuietRequests:
 
 
 class _LiveStates:
-    """Each DC's state as objects, over a table that keeps it as JSON, one key per slice
-    (``dc|slice start``) plus ``dc|meta``, so a write costs one slice, not the window.
+    """Each DC's state as objects, over a table that keeps it as JSON: one key per slice
+    (``dc|slice start``: its counts), the ids each write newly counted in a slice under
+    keys of their own (``dc|slice start|ids|n``), and ``dc|meta``. A write costs the
+    slices it changed and the ids it added: a slice record holding every id it counted had
+    passed Kafka's 1 MB record limit at 30,000 outcomes in one 5 s slice, and crashed the
+    worker.
 
     A cached state is used while the table still holds the very ``meta`` value it was
     built with; after a recovery or a rebalance it holds another, and the state is rebuilt
-    from the table. ``meta`` lists the DC's slices: a state built while the table is still
-    recovering (some listed slices missing) is used once and not cached.
+    from the table. ``meta`` lists the DC's slices and id keys: a state built while the
+    table is still recovering (some listed keys missing) is used once and not cached.
     """
 
     def __init__(self, table: faust.types.TableT) -> None:
@@ -343,20 +348,47 @@ class _LiveStates:
         if cached is not None and cached[1] is meta:
             return cached[0]
         state = DcTables(watermark=meta["watermark"] if meta else float("-inf"))
-        prefix = f"{dc}|"
+        prefix, id_keys = f"{dc}|", 0
         for key, value in list(self.table.items()):
-            if key.startswith(prefix) and key != f"{dc}|meta":
-                state.load_slice(float(key.removeprefix(prefix)), value)
-        if meta is None or set(meta["slices"]) <= state.slice_starts():
+            if not key.startswith(prefix) or key == f"{dc}|meta":
+                continue
+            at, _, chunk = key.removeprefix(prefix).partition("|ids|")
+            if chunk:
+                state.load_counted(float(at), value)
+                id_keys += 1
+            else:
+                state.load_slice(float(at), value)
+        if meta is None or (
+            set(meta["slices"]) <= state.slice_starts() and id_keys == sum(meta["ids"].values())
+        ):
             self._states[dc] = (state, meta)
         return state
 
-    def store(self, dc: str, state: DcTables, changed: set[float], gone: set[float]) -> None:
+    def store(
+        self,
+        dc: str,
+        state: DcTables,
+        changed: set[float],
+        gone: set[float],
+        counted: dict[float, list[str]],
+    ) -> None:
+        """Write the slices ``changed``, the ids newly ``counted`` per slice, and drop the
+        slices ``gone``."""
+        known = self.table.get(f"{dc}|meta")
+        id_keys: dict[str, int] = dict(known["ids"]) if known else {}
         for at in changed - gone:
             self.table[f"{dc}|{at}"] = state.slice_dict(at)
+        for at, ids in counted.items():
+            if at not in gone:
+                written = id_keys.get(str(at), 0)
+                self.table[f"{dc}|{at}|ids|{written}"] = ids
+                id_keys[str(at)] = written + 1
         for at in gone:
             self.table.pop(f"{dc}|{at}", None)
-        meta = {"watermark": state.watermark, "slices": sorted(state.slice_starts())}
+            for n in range(id_keys.pop(str(at), 0)):
+                self.table.pop(f"{dc}|{at}|ids|{n}", None)
+        slices = sorted(state.slice_starts())
+        meta = {"watermark": state.watermark, "slices": slices, "ids": id_keys}
         self.table[f"{dc}|meta"] = meta
         self._states[dc] = (state, meta)
 
@@ -391,16 +423,25 @@ def _apply(
     item: dict[str, Any],
     spec: WindowSpec,
     objectives: Objectives,
+    counted: dict[float, list[str]],
 ) -> set[float]:
-    """Apply one update; returns the slices it changed."""
+    """Apply one update; returns the slices it changed, and adds to ``counted`` the ids
+    it counted for the first time, by the slice that remembers them."""
     if item["kind"] == "outcomes":
         changed: set[float] = set()
-        for counted in item["outcomes"]:
-            outcome = Outcome.from_dict(counted)
+        for fields in item["outcomes"]:
+            outcome = Outcome.from_dict(fields)
             objective = objectives.of(TaskClass(outcome.task_class), outcome.tenant)
-            changed |= state.add_outcome(outcome, objective, spec)
+            if slices := state.add_outcome(outcome, objective, spec):
+                counted[spec.slice_of(outcome.ts)].append(outcome.event_id)
+                changed |= slices
         return changed
     if item["kind"] == "telemetry":
         reading = InstanceTelemetry.model_validate(item["reading"])
         return state.add_telemetry(reading, item["ts"], spec)
-    return state.add_evictions(item["event_id"], item["instance"], item["blocks"], item["ts"], spec)
+    at = spec.slice_of(item["ts"])
+    if slices := state.add_evictions(
+        item["event_id"], item["instance"], item["blocks"], item["ts"], spec
+    ):
+        counted[at].append(item["event_id"])
+    return slices

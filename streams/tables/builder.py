@@ -143,19 +143,21 @@ class DcTables:
         return set(self.goodput) | set(self.fleet) | set(self.counted)
 
     def slice_dict(self, at: float) -> dict[str, Any]:
-        """One slice as JSON-able data, for a host that stores slices one by one."""
+        """One slice's counts as JSON-able data, for a host that stores slices one by one
+        (the ids it counted apart: they grow with the events, the counts do not)."""
         fleet = self.fleet.get(at)
         return {
             "goodput": {k: c.to_dict() for k, c in self.goodput.get(at, {}).items()},
             "fleet": fleet.to_dict() if fleet else None,
-            "counted": sorted(self.counted.get(at, ())),
         }
 
     def load_slice(self, at: float, data: dict[str, Any]) -> None:
         self.goodput[at] = {k: GoodputCounts.from_dict(c) for k, c in data["goodput"].items()}
         if data["fleet"] is not None:
             self.fleet[at] = FleetSlice.from_dict(data["fleet"])
-        self.counted[at] = set(data["counted"])
+
+    def load_counted(self, at: float, ids: list[str]) -> None:
+        self.counted.setdefault(at, set()).update(ids)
 
 
 class TableBuilder:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,8 +28,10 @@ from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from sim.events import lifecycle_events
 from sim.records import RequestRecord
 from sim.run import RunConfig, simulate_run
+from streams.faust_app import _apply, _LiveStates
 from streams.tables import outcomes
 from streams.tables.builder import TableBuilder
+from streams.tables.outcomes import Outcome, OutcomeKind
 from streams.tables.sketch import QuantileSketch
 from streams.tables.windows import WindowSpec
 
@@ -293,3 +296,44 @@ def test_an_objective_judges_a_whole_answer_by_when_a_streamed_one_would_have_en
     assert not chats.met(9.0, 0.0, 9.0, None)  # read as streamed: a 9 s first token
     documents = DEFAULT_OBJECTIVES[TaskClass.LONG_DOCUMENT]  # TTFT only: the end by 30 s
     assert documents.met(29.0, 0.0, 29.0, None, whole_output_tokens=500)
+
+
+def test_the_worker_stores_a_busy_slice_in_records_under_kafka_s_limit() -> None:
+    """30,000 outcomes in one 5 s slice, counted in batches of 500: each record stays far
+    under Kafka's 1 MB default (one record of the slice's every id had crashed the worker),
+    and a state rebuilt from the records (a recovery) knows every id, so a replayed
+    outcome is not counted again."""
+    spec = WindowSpec(size_s=120.0, slide_s=5.0, grace_s=60.0)
+    records: dict[str, object] = {}
+    live = _LiveStates(records)  # type: ignore[arg-type]  # a dict stands in for the table
+    ids = [f"{n:032x}" for n in range(30_000)]
+    batches = [ids[at : at + 500] for at in range(0, len(ids), 500)]
+    for batch in batches:
+        state = live.of("dc")
+        counted: dict[float, list[str]] = defaultdict(list)
+        update = {"kind": "outcomes", "outcomes": [_outcome_fields(i) for i in batch]}
+        changed = _apply(state, update, spec, Objectives(), counted)
+        live.store("dc", state, changed, state.expire(spec), counted)
+    assert max(len(json.dumps(value)) for value in records.values()) < 100_000
+    rebuilt = _LiveStates(records).of("dc")  # type: ignore[arg-type]
+    replayed: dict[float, list[str]] = defaultdict(list)
+    update = {"kind": "outcomes", "outcomes": [_outcome_fields(ids[7])]}
+    assert _apply(rebuilt, update, spec, Objectives(), replayed) == set()
+    assert sum(len(c) for c in rebuilt.counted.values()) == 30_000
+
+
+def _outcome_fields(event_id: str) -> dict[str, object]:
+    return Outcome(
+        request_id=event_id,
+        event_id=event_id,
+        ts=1_000_002.0,
+        dc="dc",
+        model="m",
+        task_class="interactive",
+        tenant="t",
+        kind=OutcomeKind.COMPLETED,
+        output_tokens=10,
+        ttft_s=0.1,
+        tpot_s=0.01,
+        e2e_s=0.2,
+    ).to_dict()
