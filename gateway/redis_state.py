@@ -1,8 +1,9 @@
 """Shared state in Redis: each operation is one round trip, atomic by a Lua script.
 
-Keys, all under a prefix (default ``tf:``), the routing state of each pool under a hash tag
-of its own (``{model@dc}``, from ``shard_of``), so that a script touches one hash slot and
-runs on a Redis Cluster, and the pools spread over its nodes:
+Keys, all under a prefix (default ``tf:``); on a Redis Cluster the routing state of each
+pool goes under a hash tag of its own (``{model@dc}``, from ``shard_of``) and the admission
+loads under ``{loads}``, so that a script touches one hash slot and the pools spread over
+the nodes (on one server the keys carry no tag, as with earlier versions):
 
 - ``{pool}:acct:<replica>:pending`` and ``{pool}:acct:<replica>:inflight``: each
   replica's share of the accounting, hashes of instance id -> tokens; ``{pool}:replicas``:
@@ -42,7 +43,7 @@ from typing import Any, cast
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.state import IN_PROGRESS, Accounting, InProgress, LocalState, Outcome, SharedView
 
@@ -273,6 +274,7 @@ class RedisState:
         self.url = url
         self.prefix = prefix
         self.shard_of = shard_of
+        self.cluster = cluster
         self.replica = replica or uuid.uuid4().hex
         self.share_ttl_s = share_ttl_s
         self.load_ttl_s = load_ttl_s
@@ -288,13 +290,17 @@ class RedisState:
         self._take = self._redis.register_script(_TAKE)
         self._loads = self._redis.register_script(_LOADS)
 
-    def _pool(self, instance_ids: Sequence[str]) -> list[str]:
-        """KEYS and the first ARGV (the tagged prefix) of a script on these instances' pool."""
-        shards = {self.shard_of(i) for i in instance_ids}
-        if len(shards) != 1:
-            raise ValueError(f"one call spans hash tags {sorted(shards)}: {list(instance_ids)}")
-        prefix = f"{self.prefix}{{{shards.pop()}}}:"
-        return [prefix + "routes", prefix]
+    def _pool(self, instance_ids: Sequence[str]) -> tuple[str, str]:
+        """The first key and the key prefix of a script on these instances' pool: on a
+        cluster, under the pool's hash tag (ValueError for instances of several pools);
+        on one server, the plain prefix, the layout replicas of earlier versions use."""
+        prefix = self.prefix
+        if self.cluster:
+            shards = {self.shard_of(i) for i in instance_ids}
+            if len(shards) != 1:
+                raise ValueError(f"one call spans hash tags {sorted(shards)}: {list(instance_ids)}")
+            prefix = f"{self.prefix}{{{shards.pop()}}}:"
+        return prefix + "routes", prefix
 
     async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
         key, prefix = self._pool(instance_ids)
@@ -352,7 +358,7 @@ class RedisState:
             pending, inflight = self._own.pending, self._own.inflight
             by_pool: dict[str, list[str]] = {}
             for i in sorted(pending.keys() | inflight.keys()):
-                by_pool.setdefault(self.shard_of(i), []).append(i)
+                by_pool.setdefault(self.shard_of(i) if self.cluster else "", []).append(i)
             for ids in by_pool.values():
                 key, prefix = self._pool(ids)
                 await self._sync(
@@ -401,7 +407,7 @@ class RedisState:
         await self._redis.delete(f"{self.prefix}idem:{key}")
 
     async def admission_loads(self, own: str) -> list[str]:
-        prefix = f"{self.prefix}{{loads}}:"
+        prefix = f"{self.prefix}{{loads}}:" if self.cluster else self.prefix
         others = await self._loads(
             keys=[prefix + "loads"], args=[prefix, self.replica, self.load_ttl_s, own]
         )
@@ -413,6 +419,8 @@ class RedisState:
 
 def _client(url: str, timeout_s: float, cluster: bool) -> Redis | RedisCluster:
     if cluster:
+        # No blocking pool here: past its connections per node (100) the cluster client
+        # raises, and the replica answers locally until ``retry_s`` has passed.
         return RedisCluster.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
@@ -457,7 +465,7 @@ class FallbackState:
         if not self.degraded:
             try:
                 return await getattr(self.primary, method)(*args)
-            except (RedisError, OSError) as exc:
+            except (RedisError, RedisClusterException, OSError) as exc:
                 if self._down_until == 0.0 or not self.degraded:
                     log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
                 self._down_until = time.monotonic() + self.retry_s

@@ -194,7 +194,7 @@ async def test_reconcile_rewrites_a_share_from_the_replicas_own_record(
     try:
         await state.routed("a", (), 100, 10.0, 20.0)
         await state.adjust("a", -10.0, 0.0)
-        await other.hset(f"{prefix}{{fleet}}:acct:r:inflight", "a", 999.0)
+        await other.hset(f"{prefix}acct:r:inflight", "a", 999.0)
         assert (await state.view(["a"], ())).inflight_tokens.tolist() == [999.0]
         await state.reconcile()
         view = await state.view(["a"], ())
@@ -273,26 +273,27 @@ async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_rec
 async def test_on_a_cluster_each_pool_s_state_lives_on_its_own_node(
     redis_cluster: Service,
 ) -> None:
-    """Pools spread over the nodes, and each keeps its own accounting, index and version."""
+    """Pools spread over the nodes, and each keeps its own accounting, index and version;
+    reconcile rewrites each pool's share on its own node."""
     pools = {"a": "m@dc-1", "b": "m@dc-2", "c": "m@dc-3", "d": "m@dc-4"}
-    state = RedisState(
-        redis_cluster.address, f"test-{uuid.uuid4().hex}:", shard_of=pools.__getitem__, cluster=True
-    )
+    prefix = f"test-{uuid.uuid4().hex}:"
+    state = RedisState(redis_cluster.address, prefix, shard_of=pools.__getitem__, cluster=True)
     nodes = RedisCluster.from_url(redis_cluster.address)
     try:
         await nodes.initialize()
         for n, instance in enumerate(pools, start=1):
             await state.routed(instance, (7, n), 100, float(n), 2.0 * n)
+        for instance, pool in pools.items():  # lost updates, behind the replica's back
+            share = f"{prefix}{{{pool}}}:acct:{state.replica}:pending"
+            await nodes.hset(share, instance, 999.0)
         await state.reconcile()
         for n, instance in enumerate(pools, start=1):
             view = await state.view([instance], (7, n))
             assert view.pending_prefill.tolist() == [float(n)]
             assert view.matched_blocks.tolist() == [2]
             assert view.version == 1  # one request routed in each pool
-        serving = {
-            nodes.get_node_from_key(f"{{{pool}}}").name
-            for pool in pools.values()  # type: ignore[union-attr]
-        }
+        node_of = nodes.get_node_from_key
+        serving = {node_of(f"{{{pool}}}").name for pool in pools.values()}  # type: ignore[union-attr]
         assert len(serving) > 1
         with pytest.raises(ValueError, match="hash tags"):
             await state.view(["a", "b"], ())
