@@ -64,6 +64,8 @@ and 19.9 s of CPU for 90,000 events with the defaults, 14.5 s with these (4,230 
 JOIN_WITHIN_S = 0.05
 """Longest a lifecycle event waits for its batch to fill: a small share of the tables'
 publish interval."""
+IDS_PER_RECORD = 10_000
+"""Counted ids per table record: about 350 KB of 32-character ids, under Kafka's 1 MB."""
 OUTCOMES_PER_UPDATE = 500
 """Outcomes per record on the updates topic: about 250 KB, under Kafka's 1 MB default."""
 
@@ -272,27 +274,34 @@ class _KeyedTable(faust.Table):
     processing, which in a batch is another key's (a worker recovering that partition after
     a rebalance would then miss the key)."""
 
-    _partition = 0
+    _partition: int | None = None
 
     def put(self, key: str, value: Any, partition: int) -> None:
         self._partition = partition
-        self[key] = value
+        try:
+            self[key] = value
+        finally:
+            self._partition = None
 
     def remove(self, key: str, partition: int) -> Any:
         self._partition = partition
-        return self.pop(key)
+        try:
+            return self.pop(key)
+        finally:
+            self._partition = None
 
     def partition_for_key(self, key: Any) -> int:
+        if self._partition is None:
+            raise RuntimeError("write the join table with put or remove, naming the partition")
         return self._partition
 
 
 class _QuietRequests:
     """Forgets the join state of requests no event has touched for ``after_s`` seconds.
 
-    Faust writes a table change to the changelog partition of the event being processed,
-    so a key may only be deleted while an event of its own partition is: each state
-    records its partition, and processing an event of partition P sweeps P's quiet states,
-    at most every ``after_s / 2``. Quiet is measured in processing time, not event time,
+    A key's deletion goes to its own changelog partition, which each state records;
+    a batch with events of partition P sweeps P's quiet states, at most every
+    ``after_s / 2``. Quiet is measured in processing time, not event time,
     so a worker replaying old events does not forget a request between its own events.
     """
 
@@ -322,17 +331,22 @@ class _QuietRequests:
 
 
 class _LiveStates:
-    """Each DC's state as objects, over a table that keeps it as JSON: one key per slice
-    (``dc|slice start``: its counts), the ids each write newly counted in a slice under
-    keys of their own (``dc|slice start|ids|n``), and ``dc|meta``. A write costs the
-    slices it changed and the ids it added: a slice record holding every id it counted had
+    """Each DC's state as objects, over a table that keeps it as JSON: one record per slice
+    (``dc|slice start``: its counts, and how many id records it has), the ids counted in the
+    slice (so that a replay counts nothing twice) in records of their own
+    (``dc|slice start|ids|n``, up to ``IDS_PER_RECORD`` each), and ``dc|meta``. A write
+    costs the slices it changed and the ids it added. (A slice record that held all its ids
     passed Kafka's 1 MB record limit at 30,000 outcomes in one 5 s slice, and crashed the
-    worker.
+    worker.)
+
+    A write puts a slice's new id records first and its slice record after, with their new
+    count: a worker that dies between the two left id records that no slice record counts,
+    which are ignored and later overwritten, and counts that never ran ahead of their ids.
 
     A cached state is used while the table still holds the very ``meta`` value it was
     built with; after a recovery or a rebalance it holds another, and the state is rebuilt
-    from the table. ``meta`` lists the DC's slices and id keys: a state built while the
-    table is still recovering (some listed keys missing) is used once and not cached.
+    from the table. ``meta`` lists the DC's slices: a state built while the table is still
+    recovering (a listed slice or a counted id record missing) is used once, not cached.
     """
 
     def __init__(self, table: faust.types.TableT) -> None:
@@ -348,19 +362,26 @@ class _LiveStates:
         if cached is not None and cached[1] is meta:
             return cached[0]
         state = DcTables(watermark=meta["watermark"] if meta else float("-inf"))
-        prefix, id_keys = f"{dc}|", 0
+        id_records: dict[float, int] = {}
+        ids: dict[tuple[float, int], list[str]] = {}
+        prefix = f"{dc}|"
         for key, value in list(self.table.items()):
             if not key.startswith(prefix) or key == f"{dc}|meta":
                 continue
-            at, _, chunk = key.removeprefix(prefix).partition("|ids|")
-            if chunk:
-                state.load_counted(float(at), value)
-                id_keys += 1
+            at, _, n = key.removeprefix(prefix).partition("|ids|")
+            if n:
+                ids[float(at), int(n)] = value
             else:
                 state.load_slice(float(at), value)
-        if meta is None or (
-            set(meta["slices"]) <= state.slice_starts() and id_keys == sum(meta["ids"].values())
-        ):
+                id_records[float(at)] = value.get("ids", 0)
+        complete = meta is None or set(meta["slices"]) <= set(id_records)
+        for at, count in id_records.items():
+            for n in range(count):
+                if (at, n) in ids:
+                    state.load_counted(at, ids[at, n])
+                else:
+                    complete = False
+        if complete:
             self._states[dc] = (state, meta)
         return state
 
@@ -372,23 +393,22 @@ class _LiveStates:
         gone: set[float],
         counted: dict[float, list[str]],
     ) -> None:
-        """Write the slices ``changed``, the ids newly ``counted`` per slice, and drop the
-        slices ``gone``."""
-        known = self.table.get(f"{dc}|meta")
-        id_keys: dict[str, int] = dict(known["ids"]) if known else {}
-        for at in changed - gone:
-            self.table[f"{dc}|{at}"] = state.slice_dict(at)
-        for at, ids in counted.items():
-            if at not in gone:
-                written = id_keys.get(str(at), 0)
-                self.table[f"{dc}|{at}|ids|{written}"] = ids
-                id_keys[str(at)] = written + 1
+        """Write the slices ``changed`` with the ids newly ``counted`` in them, and drop
+        the slices ``gone`` with every id record under them."""
         for at in gone:
+            under = f"{dc}|{at}|"
+            for key in [key for key in list(self.table) if key.startswith(under)]:
+                self.table.pop(key, None)
             self.table.pop(f"{dc}|{at}", None)
-            for n in range(id_keys.pop(str(at), 0)):
-                self.table.pop(f"{dc}|{at}|ids|{n}", None)
-        slices = sorted(state.slice_starts())
-        meta = {"watermark": state.watermark, "slices": slices, "ids": id_keys}
+        for at in changed - gone:
+            known = self.table.get(f"{dc}|{at}")
+            records = known.get("ids", 0) if known else 0
+            new = counted.get(at, [])
+            for first in range(0, len(new), IDS_PER_RECORD):
+                self.table[f"{dc}|{at}|ids|{records}"] = new[first : first + IDS_PER_RECORD]
+                records += 1
+            self.table[f"{dc}|{at}"] = state.slice_dict(at) | {"ids": records}
+        meta = {"watermark": state.watermark, "slices": sorted(state.slice_starts())}
         self.table[f"{dc}|meta"] = meta
         self._states[dc] = (state, meta)
 
@@ -427,9 +447,9 @@ def _apply(
 ) -> set[float]:
     """Apply one update; returns the slices it changed, and adds to ``counted`` the ids
     it counted for the first time, by the slice that remembers them."""
-    if item["kind"] == "outcomes":
+    if item["kind"] in ("outcomes", "outcome"):  # one each, from workers before 2026-12-03
         changed: set[float] = set()
-        for fields in item["outcomes"]:
+        for fields in item.get("outcomes") or [item["outcome"]]:
             outcome = Outcome.from_dict(fields)
             objective = objectives.of(TaskClass(outcome.task_class), outcome.tenant)
             if slices := state.add_outcome(outcome, objective, spec):

@@ -155,6 +155,8 @@ class DcTables:
         self.goodput[at] = {k: GoodputCounts.from_dict(c) for k, c in data["goodput"].items()}
         if data["fleet"] is not None:
             self.fleet[at] = FleetSlice.from_dict(data["fleet"])
+        if "counted" in data:  # a slice stored with its ids, by workers before 2026-12-03
+            self.load_counted(at, data["counted"])
 
     def load_counted(self, at: float, ids: list[str]) -> None:
         self.counted.setdefault(at, set()).update(ids)
