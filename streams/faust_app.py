@@ -26,6 +26,7 @@ persists only assignments.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -192,12 +193,7 @@ def build_app(
             for update in batch:
                 by_dc[update["dc"]].append(update)
             for dc, items in by_dc.items():
-                state = live.of(dc)
-                changed: set[float] = set()
-                counted: dict[float, list[str]] = defaultdict(list)
-                for item in items:
-                    changed |= _apply(state, item, spec, objectives, counted)
-                live.store(dc, state, changed, state.expire(spec), counted)
+                live.apply(dc, items, spec, objectives)
 
     owner_of_updates = TP(updates_topic, 0)
 
@@ -277,16 +273,18 @@ class _KeyedTable(faust.Table):
     _partition: int | None = None
 
     def put(self, key: str, value: Any, partition: int) -> None:
-        self._partition = partition
-        try:
+        with self._writing_to(partition):
             self[key] = value
-        finally:
-            self._partition = None
 
     def remove(self, key: str, partition: int) -> Any:
+        with self._writing_to(partition):
+            return self.pop(key)
+
+    @contextlib.contextmanager
+    def _writing_to(self, partition: int) -> Iterator[None]:
         self._partition = partition
         try:
-            return self.pop(key)
+            yield
         finally:
             self._partition = None
 
@@ -385,6 +383,17 @@ class _LiveStates:
             self._states[dc] = (state, meta)
         return state
 
+    def apply(
+        self, dc: str, items: list[dict[str, Any]], spec: WindowSpec, objectives: Objectives
+    ) -> None:
+        """Apply a batch's updates of ``dc`` to its state and store what they changed."""
+        state = self.of(dc)
+        changed: set[float] = set()
+        counted: dict[float, list[str]] = defaultdict(list)
+        for item in items:
+            changed |= _apply(state, item, spec, objectives, counted)
+        self.store(dc, state, changed, state.expire(spec), counted)
+
     def store(
         self,
         dc: str,
@@ -395,11 +404,12 @@ class _LiveStates:
     ) -> None:
         """Write the slices ``changed`` with the ids newly ``counted`` in them, and drop
         the slices ``gone`` with every id record under them."""
-        for at in gone:
-            under = f"{dc}|{at}|"
+        if gone:
+            under = tuple(f"{dc}|{at}|" for at in gone)
             for key in [key for key in list(self.table) if key.startswith(under)]:
                 self.table.pop(key, None)
-            self.table.pop(f"{dc}|{at}", None)
+            for at in gone:
+                self.table.pop(f"{dc}|{at}", None)
         for at in changed - gone:
             known = self.table.get(f"{dc}|{at}")
             records = known.get("ids", 0) if known else 0

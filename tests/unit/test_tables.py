@@ -7,6 +7,7 @@ import json
 import random
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -309,20 +310,20 @@ def test_the_worker_stores_a_busy_slice_in_records_under_kafka_s_limit() -> None
     ids = [f"{n:032x}" for n in range(30_000)]
     batches = [ids[:15_000], ids[15_000:]]
     for batch in batches:
-        state = live.of("dc")
-        counted: dict[float, list[str]] = defaultdict(list)
-        update = {"kind": "outcomes", "outcomes": [_outcome_fields(i) for i in batch]}
-        changed = _apply(state, update, spec, Objectives(), counted)
-        live.store("dc", state, changed, state.expire(spec), counted)
+        live.apply("dc", [_outcomes_update(batch)], spec, Objectives())
     assert max(len(json.dumps(value)) for value in records.values()) < 500_000
     rebuilt = _LiveStates(records).of("dc")  # type: ignore[arg-type]
     replayed: dict[float, list[str]] = defaultdict(list)
-    update = {"kind": "outcomes", "outcomes": [_outcome_fields(ids[7])]}
-    assert _apply(rebuilt, update, spec, Objectives(), replayed) == set()
+    assert _apply(rebuilt, _outcomes_update(ids[7:8]), spec, Objectives(), replayed) == set()
     assert sum(len(c) for c in rebuilt.counted.values()) == 30_000
 
 
-def _outcome_fields(event_id: str, ts: float = 1_000_002.0) -> dict[str, object]:
+def _outcomes_update(ids: list[str], ts: float = 1_000_002.0) -> dict[str, Any]:
+    """An update of the worker's aggregate: completions with these ids, at ``ts``."""
+    return {"kind": "outcomes", "outcomes": [_outcome_fields(i, ts) for i in ids]}
+
+
+def _outcome_fields(event_id: str, ts: float) -> dict[str, object]:
     return Outcome(
         request_id=event_id,
         event_id=event_id,
@@ -346,21 +347,14 @@ def test_ids_that_no_slice_record_counts_are_ignored_and_gone_slices_leave_no_id
     spec = WindowSpec(size_s=10.0, slide_s=5.0, grace_s=0.0)
     records: dict[str, object] = {}
     live = _LiveStates(records)  # type: ignore[arg-type]  # a dict stands in for the table
-
-    def write(ids: list[str], ts: float = 1_000_002.0) -> None:
-        state = live.of("dc")
-        counted: dict[float, list[str]] = defaultdict(list)
-        update = {"kind": "outcomes", "outcomes": [_outcome_fields(i, ts) for i in ids]}
-        changed = _apply(state, update, spec, Objectives(), counted)
-        live.store("dc", state, changed, state.expire(spec), counted)
-
-    write(["a", "b"])
+    live.apply("dc", [_outcomes_update(["a", "b"])], spec, Objectives())
     records["dc|1000000.0|ids|1"] = ["c"]  # the died-between-writes leftover
-    rebuilt = _LiveStates(records).of("dc")  # type: ignore[arg-type]
-    assert rebuilt.counted[1_000_000.0] == {"a", "b"}
-    live = _LiveStates(records)  # type: ignore[arg-type]
-    write(["c"])  # the replay: counted, its id record written over the leftover
+    live = _LiveStates(records)  # type: ignore[arg-type]  # a restarted worker's
+    assert live.of("dc").counted[1_000_000.0] == {"a", "b"}
+    # the replay: counted, its id record written over the leftover
+    live.apply("dc", [_outcomes_update(["c"])], spec, Objectives())
     goodput = _LiveStates(records).of("dc").goodput[1_000_000.0]  # type: ignore[arg-type]
     assert {c.completed for c in goodput.values()} == {3}  # 2 if "c" had been loaded
-    write(["z"], ts=1_000_100.0)  # far later: the first slice expires
+    far_later = _outcomes_update(["z"], ts=1_000_100.0)  # the first slice expires
+    live.apply("dc", [far_later], spec, Objectives())
     assert not [key for key in records if key.startswith("dc|1000000.0")]

@@ -68,12 +68,7 @@ class LocalRedis:
         self._server.terminate()
 
     def _answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        return _ask(self.port, b"PING").startswith(b"+PONG")
 
 
 class LocalRedisCluster:
@@ -121,12 +116,17 @@ class LocalRedisCluster:
     @staticmethod
     def _state_ok(port: int) -> bool:
         """Whether the node sees every slot served (``cluster_state:ok``)."""
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
-                sock.sendall(b"CLUSTER INFO\r\n")
-                return b"cluster_state:ok" in sock.recv(4096)
-        except OSError:
-            return False
+        return b"cluster_state:ok" in _ask(port, b"CLUSTER INFO")
+
+
+def _ask(port: int, command: bytes) -> bytes:
+    """The start of a local server's reply to ``command``; empty when it does not answer."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+            sock.sendall(command + b"\r\n")
+            return sock.recv(4096)
+    except OSError:
+        return b""
 
 
 def running_url(home: Path | None = None) -> str | None:
