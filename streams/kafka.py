@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -164,7 +165,8 @@ class _KafkaStream(RecordStream):
         await self._consumer.stop()
 
 
-def _raw(message) -> RawRecord:
+def _raw(message: Any) -> RawRecord:
+    """A record as aiokafka's consumer yields it (a ``ConsumerRecord``)."""
     key = message.key.decode(errors="replace") if message.key is not None else None
     return RawRecord(message.topic, message.partition, message.offset, key, message.value)
 

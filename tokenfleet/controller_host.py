@@ -208,9 +208,11 @@ class WeightHost(_ControlHost[RoutingWeights]):
     """FleetMind's weights controller on a bus: every ``period_s`` it reconciles the DCs'
     weights from their goodput tables (``control.controllers.fleetmind``) and publishes
     one snapshot per edge (``edges``: the DCs whose gateways choose DCs) on
-    ``tf.control.weights``, for every one of ``models``. Like ``QuotaHost``, it renews
-    unchanged weights before their TTL runs out, reads the topic back before deciding
-    anything, and lets stale tables move nothing."""
+    ``tf.control.weights``, for every one of ``models``: the first as soon as tables are
+    fresh, every DC whole, so that gateways and ``tokenfleet status`` see the controller
+    at work before anything moves. Like ``QuotaHost``, it renews unchanged weights before
+    their TTL runs out, reads the topic back before deciding anything, and lets stale
+    tables move nothing."""
 
     control_topic = WEIGHTS_TOPIC
     input_topics = TABLE_TOPICS[:1]
@@ -249,11 +251,9 @@ class WeightHost(_ControlHost[RoutingWeights]):
         changed = self.controller.reconcile(fresh, self._weights, self._changed_at, now)
         if changed is not None:
             due = list(self.edges)
-        elif self._weights:
-            due = [e for e in self.edges if self._renewal_due(e, now) and fresh]
-        else:
-            due = []
-        weights = self._weights if changed is None else changed
+        else:  # the first snapshot (every DC whole), or a renewal: only on fresh tables
+            due = [e for e in self.edges if fresh and self._renewal_due(e, now)]
+        weights = dict.fromkeys(fresh, 1.0) | (self._weights if changed is None else changed)
         return await self._publish(
             [
                 self.controller.snapshot(weights, self.models, edge, self._version(edge), now)

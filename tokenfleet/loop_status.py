@@ -9,17 +9,33 @@ topics, the latest value per key, as any reader of them would.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from schemas import Envelope
 from schemas.control import ControlSnapshot
 from schemas.tables import CapacityTable, WindowedTable
+from streams.kafka import KafkaBus
 
 TABLE_TOPICS = ("tf.tables.goodput", "tf.tables.capacity")
 CONTROL_TOPICS = ("tf.control.quotas", "tf.control.weights")
 STALE_AFTER_S = 30.0
 """Tables older than this move no controller (``tokenfleet/controller_host.py``)."""
+
+
+async def latest_on(bootstrap: str) -> dict[str, dict[str, Envelope]]:
+    """The latest value of each key of the tables' and controls' topics on the broker
+    (a topic never published is left out)."""
+    bus = KafkaBus(bootstrap, source="status")
+    latest = {}
+    try:
+        for topic in (*TABLE_TOPICS, *CONTROL_TOPICS):
+            with contextlib.suppress(LookupError):
+                latest[topic] = await bus.read_latest(topic)
+    finally:
+        await bus.close()
+    return latest
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,14 @@ def loop_checks(
             )
             checks.append(Check(topic, scope, left >= 0, detail))
     return checks
+
+
+def process_checks(pids: Mapping[str, int | None]) -> list[Check]:
+    """One check per part of a local deployment (``tokenfleet up``): whether it runs."""
+    return [
+        Check("process", name, pid is not None, "not running" if pid is None else f"pid {pid}")
+        for name, pid in pids.items()
+    ]
 
 
 def verdict(checks: list[Check]) -> tuple[bool, str]:

@@ -121,13 +121,16 @@ async def serve_fleet(
     speedup: float = 1.0,
     kv_events: bool = False,
     default_profile: str = "llama3-70b-4xh100",
+    dc: str | None = None,
 ) -> AsyncIterator[list[EmulatedInstance]]:
     """Every instance of ``fleet`` on this machine's loopback (its URL's port), with its
     model's profile, behind the round trip between ``region`` and its DC's region (the
-    fleet file's ``[[network]]``; pairs not named, ``DEFAULT_RTT_S``)."""
-    local = [i for i in fleet.instances if i.url.host in LOOPBACK]
+    fleet file's ``[[network]]``; pairs not named, ``DEFAULT_RTT_S``); ``dc``: that DC's
+    alone (one process per DC, so that a DC can be stopped on its own)."""
+    local = [i for i in fleet.instances if i.url.host in LOOPBACK and dc in (None, i.dc)]
     if not local:
-        raise ValueError("no instance of the fleet file is on 127.0.0.1 or localhost")
+        where = "" if dc is None else f" of {dc}"
+        raise ValueError(f"no instance{where} of the fleet file is on 127.0.0.1 or localhost")
     regions = {dc.name: dc.region for dc in fleet.dcs}
     trips = FleetState((), fleet.round_trips_s())
     async with contextlib.AsyncExitStack() as stack:

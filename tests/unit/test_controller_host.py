@@ -151,7 +151,12 @@ async def test_the_weights_follow_goodput_for_every_edge_and_model_and_are_renew
     host = WeightHost(bus, ["m1", "m2"], ["dc-a", "dc-b"], renew_s=20.0, clock=clock)
     feed_goodput(host, "dc-a", 99, clock.now)
     feed_goodput(host, "dc-b", 99, clock.now)
-    assert await host.reconcile() == []  # every DC in time: nothing to publish
+    first = await host.reconcile()  # every DC in time: each whole, for every edge
+    assert [(w.scope, w.version, weights_of(w, "m1")) for w in first] == [
+        ("dc-a", 1, {"dc-a": 1.0, "dc-b": 1.0}),
+        ("dc-b", 1, {"dc-a": 1.0, "dc-b": 1.0}),
+    ]
+    assert await host.reconcile() == []  # unchanged, and no renewal due yet
     feed_goodput(host, "dc-b", 60, clock.now)
     published = await host.reconcile()
     assert sorted(w.scope for w in published) == ["dc-a", "dc-b"]
@@ -160,7 +165,7 @@ async def test_the_weights_follow_goodput_for_every_edge_and_model_and_are_renew
     clock.now = 85.0  # no change (settled, within the band), and a renewal due
     feed_goodput(host, "dc-b", 88, clock.now)
     renewed = await host.reconcile()
-    assert [w.version for w in renewed] == [2, 2]
+    assert [w.version for w in renewed] == [3, 3]
     assert weights_of(renewed[0]) == {"dc-a": 1.0, "dc-b": 0.8}
     clock.now = 120.0  # the tables stopped 35 s ago: nothing moves, nothing is renewed
     assert await host.reconcile() == []

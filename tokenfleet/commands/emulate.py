@@ -73,6 +73,9 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         help="with --fleet: the region the clients (the gateway) are in, whose round trip "
         "to each DC every request pays (default: the first DC's)",
     )
+    emulate.add_argument(
+        "--dc", help="with --fleet: only this DC's instances (default: every DC's)"
+    )
     emulate.set_defaults(handler=_emulate)
 
 
@@ -123,9 +126,12 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
     region = args.region or fleet.dcs[0].region
+    if args.dc is not None and args.dc not in {dc.name for dc in fleet.dcs}:
+        raise CliError(f"--dc {args.dc}: the fleet file has no such DC")
 
     async def run() -> None:
-        async with serve_fleet(fleet, region, args.speedup, args.kv_events) as instances:
+        serving = serve_fleet(fleet, region, args.speedup, args.kv_events, dc=args.dc)
+        async with serving as instances:
             for instance in instances:
                 print(f"{instance.url}/v1", flush=True)
             await asyncio.Event().wait()

@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import contextlib
 from pathlib import Path
-from typing import Any
 
 from tokenfleet.commands.errors import CliError
+from tokenfleet.deployment import DEFAULT_HOME
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -68,6 +68,13 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
     controller.add_argument(
         "--fleet", type=Path, help="the fleet file: its DCs and models, for the weights loop"
     )
+    controller.add_argument(
+        "--ttl",
+        type=float,
+        default=60.0,
+        help="seconds the gateways keep a snapshot without hearing a newer one; renewed "
+        "every third of it (default: 60)",
+    )
     controller.set_defaults(handler=_controller)
 
 
@@ -92,33 +99,32 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
         action="append",
         help="only this DC's tables and controls (repeat for several; default: every DC)",
     )
+    status.add_argument(
+        "--home",
+        type=Path,
+        default=DEFAULT_HOME,
+        help="where tokenfleet up recorded its deployment, if it did: its parts must run "
+        "too, and its broker is read when TOKENFLEET_KAFKA_BOOTSTRAP is unset "
+        "(default: %(default)s)",
+    )
     status.set_defaults(handler=_status)
 
 
 def _status(args: argparse.Namespace) -> int:
     import time
 
-    from streams.kafka import KafkaBus
-    from tokenfleet.loop_status import CONTROL_TOPICS, TABLE_TOPICS, loop_checks, verdict
+    from tokenfleet.deployment import Deployment
+    from tokenfleet.loop_status import latest_on, loop_checks, process_checks, verdict
 
-    bootstrap = _bootstrap()
-
-    async def read() -> dict[str, dict[str, Any]]:
-        bus = KafkaBus(bootstrap, source="status")
-        latest: dict[str, dict[str, Any]] = {}
-        try:
-            for topic in (*TABLE_TOPICS, *CONTROL_TOPICS):
-                with contextlib.suppress(LookupError):  # never published
-                    latest[topic] = await bus.read_latest(topic)
-        finally:
-            await bus.close()
-        return latest
-
+    deployment = Deployment(args.home)
+    bootstrap = _bootstrap(deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP"))
     try:
-        latest = asyncio.run(read())
+        latest = asyncio.run(latest_on(bootstrap))
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
-    checks = loop_checks(latest, time.time(), args.stale_after, args.dc)
+    checks = process_checks(deployment.pids()) + loop_checks(
+        latest, time.time(), args.stale_after, args.dc
+    )
     for check in checks:
         print(f"{'ok ' if check.ok else 'NO '} {check.what:20} {check.key:16} {check.detail}")
     closed, why = verdict(checks)
@@ -126,10 +132,11 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if closed else 1
 
 
-def _bootstrap() -> str:
+def _bootstrap(deployed: str | None = None) -> str:
+    """The environment's broker, else ``deployed`` (the one ``tokenfleet up`` recorded)."""
     from tokenfleet.settings import Settings
 
-    bootstrap = Settings().kafka_bootstrap
+    bootstrap = Settings().kafka_bootstrap or deployed
     if bootstrap is None:
         raise CliError("set TOKENFLEET_KAFKA_BOOTSTRAP to the broker (tokenfleet kafka start)")
     return bootstrap
@@ -182,14 +189,16 @@ def _collect(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace) -> int:
+    from control.controllers.fleetmind import WeightController, WeightParams
+    from control.controllers.slomax import QuotaController, QuotaControllerParams
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
     from streams.kafka import KafkaBus, create_topics
     from tokenfleet.controller_host import QuotaHost, WeightHost
 
     bootstrap = _bootstrap()
-    if args.period <= 0:
-        raise CliError("--period must be positive")
+    if args.period <= 0 or args.ttl <= 0:
+        raise CliError("--period and --ttl must be positive")
     try:
         fleet = load_fleet(args.fleet) if args.fleet else None
     except FleetFileError as exc:
@@ -198,10 +207,12 @@ def _controller(args: argparse.Namespace) -> int:
     async def run() -> None:
         await create_topics(bootstrap, TOPICS)
         bus = KafkaBus(bootstrap, source="controller")
-        hosts = [QuotaHost(bus, period_s=args.period).run()]
+        quotas = QuotaController(QuotaControllerParams(ttl_s=args.ttl))
+        hosts = [QuotaHost(bus, quotas, period_s=args.period).run()]
         if fleet is not None:
             models, edges = [m.name for m in fleet.models], [dc.name for dc in fleet.dcs]
-            hosts.append(WeightHost(bus, models, edges, period_s=args.period).run())
+            weights = WeightController(WeightParams(ttl_s=args.ttl))
+            hosts.append(WeightHost(bus, models, edges, weights, period_s=args.period).run())
         try:
             await asyncio.gather(*hosts)
         finally:

@@ -28,7 +28,8 @@ class ServiceError(RuntimeError):
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def free_ports(count: int) -> int:
@@ -138,13 +139,15 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 def read_http(url: str, timeout_s: float = 10.0) -> str:
     """The body a local service answers at ``url``."""
     with _DIRECT.open(url, timeout=timeout_s) as response:
-        return response.read().decode()
+        body: bytes = response.read()
+        return body.decode()
 
 
 def answers_http(url: str, timeout_s: float = 1.0) -> bool:
     try:
         with _DIRECT.open(url, timeout=timeout_s) as response:
-            return response.status == 200
+            status: int = response.status
+            return status == 200
     except (urllib.error.URLError, OSError):
         return False
 
@@ -186,8 +189,24 @@ def _signal_and_wait(pid: int, process: subprocess.Popen[bytes] | None, timeout_
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A child of this process that has exited is reaped; another's
+    that has exited but is not reaped yet (a zombie, which signals still reach) counts as
+    gone, where ``/proc`` tells."""
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:  # not this process's child: its parent reaps it
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] == "Z"

@@ -1,0 +1,232 @@
+"""The whole control plane as ``tokenfleet up`` deploys it, one process per part, on a
+real broker and a real Redis server: traffic through the edge closes the loop (events,
+tables, controllers, gateways), survives a broker restart without losing a lifecycle
+event, falls back when a DC goes away, and keeps a silent controller's last controls
+until their TTL, then the safe defaults."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from schemas.control import ControlSnapshot
+from schemas.fleet import load_fleet
+from schemas.lifecycle import RequestArrived, RequestCompleted
+from schemas.openai_api import REQUEST_ID_HEADER
+from streams.kafka import KafkaBus, create_topics
+from tests.conftest import read_for, run_in_thread
+from tests.gateway_harness import scraped
+from tests.services import Service
+from tokenfleet.deployment import Deployment, Part, plan
+from tokenfleet.loop_status import latest_on, loop_checks, verdict
+from tokenfleet.services.kafka import LocalKafka
+from tokenfleet.services.process import free_ports
+
+pytestmark = [pytest.mark.kafka, pytest.mark.redis]
+
+LOCAL_FLEET = Path(__file__).parents[2] / "examples" / "fleet-local.toml"
+PERIOD_S, TTL_S = 1.0, 8.0
+"""The controllers' period and their snapshots' TTL (renewed every third of it)."""
+TABLES = {
+    "TOKENFLEET_WORKER_WINDOW_S": "10",
+    "TOKENFLEET_WORKER_SLIDE_S": "1",
+    "TOKENFLEET_WORKER_GRACE_S": "1",
+    "TOKENFLEET_WORKER_PUBLISH_S": "1",
+}
+"""Tables over 10 s, published every second: the loop turns in seconds, not minutes."""
+LOOP_BOUND_S = 20.0
+"""From a moment on (the first request, the broker back) to every DC's tables and
+controls made after it: the parts' reconnecting, a slide of the tables, a controller's
+pass and the renewal of unchanged controls (a third of their TTL)."""
+EVERY_S = 0.1
+ON_DEFAULTS = "tokenfleet_gateway_control_defaults"
+
+
+@dataclass
+class Deployed:
+    edge: str
+    bootstrap: str
+    deployment: Deployment
+    broker: LocalKafka
+    dcs: list[str]
+
+
+@pytest.fixture
+def deployed(own_broker: LocalKafka, redis_server: Service, tmp_path: Path) -> Iterator[Deployed]:
+    fleet_file = _fleet_on_free_ports(tmp_path / "fleet.toml")
+    fleet = load_fleet(fleet_file)
+    env = os.environ | TABLES
+    env |= {
+        "TOKENFLEET_KAFKA_BOOTSTRAP": own_broker.bootstrap,
+        "TOKENFLEET_REDIS_URL": redis_server.address,
+        "TOKENFLEET_GATEWAY_REDIS_PREFIX": f"tf-{uuid.uuid4().hex[:8]}:",
+    }
+    run_in_thread(create_topics(own_broker.bootstrap))
+    parts = plan(fleet, str(fleet_file), gateway_port=free_ports(3), period_s=PERIOD_S, ttl_s=TTL_S)
+    deployment = Deployment(tmp_path / "up")
+    deployment.start(parts, env)
+    try:
+        edge = next(p.url for p in parts if p.name == "gateway-dc-a")
+        assert edge is not None
+        yield Deployed(
+            edge, own_broker.bootstrap, deployment, own_broker, [d.name for d in fleet.dcs]
+        )
+    finally:
+        _print_logs(deployment, parts)
+        deployment.stop()
+
+
+def _fleet_on_free_ports(path: Path) -> Path:
+    """The local fleet file with its instances on ports free here."""
+    text = LOCAL_FLEET.read_text()
+    ports = sorted(set(re.findall(r"127\.0\.0\.1:(\d+)", text)))
+    base = free_ports(len(ports))
+    for n, port in enumerate(ports):
+        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{base + n}")
+    path.write_text(text)
+    return path
+
+
+def _print_logs(deployment: Deployment, parts: tuple[Part, ...]) -> None:
+    """Each part's log tail, for a failure's report."""
+    for part in parts:
+        log = deployment.home / part.name / "server.log"
+        if log.exists():
+            print(f"--- {part.name}\n{log.read_text(errors='replace')[-1500:]}")
+
+
+@dataclass
+class Traffic:
+    """Chats through the edge, one every ``EVERY_S``, each answer recorded."""
+
+    edge: str
+    answers: list[tuple[float, int, str, str]] = field(default_factory=list)
+    """(sent at, status, request id, DC that served it) per request."""
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        headers = {"authorization": "Bearer sk-demo"}
+        async with httpx.AsyncClient(base_url=self.edge, headers=headers, timeout=60) as http:
+            sender = asyncio.create_task(self._send(http))
+            try:
+                yield
+            finally:
+                sender.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sender
+                await asyncio.sleep(3.0)  # the last answers (they are their own tasks)
+
+    async def _send(self, http: httpx.AsyncClient) -> None:
+        async with asyncio.TaskGroup() as group:
+            while True:
+                group.create_task(self._one(http))
+                await asyncio.sleep(EVERY_S)
+
+    async def _one(self, http: httpx.AsyncClient) -> None:
+        sent = time.monotonic()
+        body = {"model": "emulated", "messages": [{"role": "user", "content": "hi"}]}
+        response = await http.post("/v1/chat/completions", json=body | {"max_tokens": 4})
+        request_id = response.headers.get(REQUEST_ID_HEADER, "")
+        dc = response.headers.get("x-tokenfleet-dc", "")
+        self.answers.append((sent, response.status_code, request_id, dc))
+
+    def since(self, at: float) -> list[tuple[float, int, str, str]]:
+        return [answer for answer in self.answers if answer[0] >= at]
+
+
+async def until_closed(bootstrap: str, dcs: list[str], since: float, within_s: float) -> float:
+    """Seconds from ``since`` (wall clock) until every DC has tables and controls (quotas
+    and weights) made after it, the tables fresh; fails saying what is missing if that
+    takes longer than ``within_s``."""
+    why = ""
+    every = {(f"tf.control.{kind}", dc) for kind in ("quotas", "weights") for dc in dcs}
+    while (now := time.time()) - since < within_s:
+        with contextlib.suppress(Exception):  # the broker may be coming back
+            latest = await latest_on(bootstrap)
+            checks = loop_checks(latest, now, stale_after_s=now - since, only=dcs)
+            closed, why = verdict(checks)
+            renewed = {
+                (topic, scope)
+                for topic, snapshots in latest.items()
+                for scope, envelope in snapshots.items()
+                if isinstance(envelope.payload, ControlSnapshot)
+                and envelope.payload.issued_at >= since
+            }
+            if closed and every <= renewed:
+                return now - since
+            why = why if not closed else f"no controls since: {sorted(every - renewed)}"
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"the loop did not close within {within_s:.0f} s: {why}")
+
+
+async def defaults_applied(edge: str) -> dict[str, float]:
+    return {kind: await scraped(edge, ON_DEFAULTS, kind=kind) for kind in ("quotas", "weights")}
+
+
+async def test_the_deployed_loop_closes_and_survives_a_broker_restart_a_lost_dc_and_a_silent_controller(  # noqa: E501
+    deployed: Deployed,
+) -> None:
+    traffic = Traffic(deployed.edge)
+    async with traffic.running():
+        closed_s = await until_closed(deployed.bootstrap, deployed.dcs, time.time(), LOOP_BOUND_S)
+        print(f"loop closed {closed_s:.1f} s after the first request")
+        assert await defaults_applied(deployed.edge) == {"quotas": 0.0, "weights": 0.0}
+
+        await asyncio.to_thread(deployed.broker.stop)  # under load: the gateways buffer
+        await asyncio.sleep(2.0)
+        await asyncio.to_thread(deployed.broker.start)
+        back = time.time()
+        reclosed_s = await until_closed(deployed.bootstrap, deployed.dcs, back, LOOP_BOUND_S)
+        print(f"loop closed again {reclosed_s:.1f} s after the broker's restart")
+
+        await asyncio.to_thread(deployed.deployment.stop_parts, ["emulate-dc-a"])
+        home_lost = time.monotonic()
+        await asyncio.sleep(6.0)
+        after_loss = traffic.since(home_lost)
+        assert after_loss
+        assert all(status == 200 for _, status, _, _ in after_loss), after_loss
+        assert {dc for _, _, _, dc in after_loss} <= {"dc-b", "dc-c"}
+
+        silent = time.monotonic()
+        await asyncio.to_thread(deployed.deployment.stop_parts, ["controller"])
+        await asyncio.sleep(max(0.0, TTL_S * 2 / 3 - 1.0 - (time.monotonic() - silent)))
+        assert await defaults_applied(deployed.edge) == {"quotas": 0.0, "weights": 0.0}
+        while await defaults_applied(deployed.edge) != {"quotas": 1.0, "weights": 1.0}:
+            assert time.monotonic() - silent < TTL_S + 5.0, "the controls outlived their TTL"
+            await asyncio.sleep(0.5)
+        print(f"safe defaults {time.monotonic() - silent:.1f} s after the controller stopped")
+    await _every_answer_has_its_lifecycle_events(deployed.bootstrap, traffic)
+
+
+async def _every_answer_has_its_lifecycle_events(bootstrap: str, traffic: Traffic) -> None:
+    """Each answered request's arrival and completion are on Kafka, the broker's restart
+    notwithstanding (the gateways' producers held them and sent them on)."""
+    answered = {request_id for _, status, request_id, _ in traffic.answers if status == 200}
+    assert len(answered) == len(traffic.answers), "a request went unanswered"
+    bus = KafkaBus(bootstrap, source="test")
+    try:
+        arrived = {
+            e.request_id
+            for e in await read_for(bus, "tf.requests", 8.0)
+            if isinstance(e, RequestArrived)
+        }
+        completed = {
+            e.request_id
+            for e in await read_for(bus, "tf.completions", 8.0)
+            if isinstance(e, RequestCompleted)
+        }
+    finally:
+        await bus.close()
+    print(f"{len(answered)} answered; {len(arrived)} arrivals, {len(completed)} completions")
+    assert answered - arrived == set()
+    assert answered - completed == set()

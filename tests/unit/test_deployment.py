@@ -1,0 +1,98 @@
+"""The deployment ``tokenfleet up`` starts, and docker-compose.yml saying the same.
+
+No Docker engine runs here: the compose file is checked by reading it (every TokenFleet
+part is ``tokenfleet up``'s, with the same command line and service settings), and each
+part's command line by parsing it with the CLI's own parser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from schemas.fleet import load_fleet
+from tokenfleet.cli import build_parser, main
+from tokenfleet.deployment import SERVICE_SETTINGS, Deployment, Part, plan
+
+ROOT = Path(__file__).parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+SERVICES = {"kafka", "redis", "topics"}
+"""The compose file's services that are not parts: the two services and topic creation."""
+
+
+def local_plan(**changes: Any) -> tuple[Part, ...]:
+    """What ``tokenfleet up`` starts with its defaults, run from the repository's root."""
+    up = build_parser().parse_args(["up"])
+    defaults = {"gateway_port": up.gateway_port, "period_s": up.period, "ttl_s": up.ttl}
+    return plan(load_fleet(ROOT / up.fleet), str(up.fleet), **(defaults | changes))
+
+
+def compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return loaded
+
+
+def test_the_local_fleet_runs_an_emulator_and_a_gateway_per_dc_around_the_loop() -> None:
+    names = [part.name for part in local_plan()]
+    assert names == [
+        "emulate-dc-a",
+        "emulate-dc-b",
+        "emulate-dc-c",
+        "collector",
+        "worker",
+        "controller",
+        "gateway-dc-a",
+        "gateway-dc-b",
+        "gateway-dc-c",
+    ]
+    gateways = [part.url for part in local_plan(gateway_port=9000) if part.name[:8] == "gateway-"]
+    assert gateways == [f"http://127.0.0.1:{port}" for port in (9000, 9001, 9002)]
+    emulators = {part.name: part.url for part in local_plan() if part.name[:8] == "emulate-"}
+    assert emulators["emulate-dc-b"] == "http://127.0.0.1:8110"  # its DC's first instance
+
+
+def test_every_part_is_a_command_line_the_cli_accepts() -> None:
+    parser = build_parser()
+    for part in local_plan(ttl_s=12.5, period_s=0.5):
+        args = parser.parse_args(list(part.args))
+        assert args.handler is not None, part.name
+    controller = next(part for part in local_plan(ttl_s=12.5) if part.name == "controller")
+    assert controller.args[-2:] == ("--ttl", "12.5")
+
+
+def test_the_compose_file_runs_the_same_parts_with_the_same_settings() -> None:
+    services = compose()["services"]
+    parts = local_plan()
+    assert [name for name in services if name not in SERVICES] == [p.name for p in parts]
+    for part in parts:
+        service = services[part.name]
+        assert service["command"] == list(part.args), part.name
+        assert set(SERVICE_SETTINGS) <= set(service["environment"]), part.name
+        assert service["network_mode"] == "host", part.name  # the fleet's 127.0.0.1 URLs
+        assert service["image"] == "tokenfleet:local", part.name
+        assert "topics" in service["depends_on"], part.name
+    settings = services["collector"]["environment"]
+    kafka = services["kafka"]["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    assert kafka == "PLAINTEXT://" + settings["TOKENFLEET_KAFKA_BOOTSTRAP"]
+    assert "6379" in services["redis"]["command"]
+    assert settings["TOKENFLEET_REDIS_URL"] == "redis://127.0.0.1:6379/0"
+
+
+def test_the_dockerfile_installs_every_package_the_parts_import() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in ("schemas", "streams", "control", "gateway", "sim", "tokenfleet"):
+        assert f"COPY {package} {package}" in dockerfile
+    assert 'ENTRYPOINT ["tokenfleet"]' in dockerfile
+    assert "COPY examples examples" in dockerfile  # the fleet file the commands name
+
+
+def test_up_refuses_a_missing_fleet_file_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = tmp_path / "up"
+    assert main(["up", "--home", str(home), "--fleet", str(tmp_path / "none.toml")]) == 2
+    assert "cannot read fleet file" in capsys.readouterr().err
+    assert Deployment(home).parts() == []
+    assert main(["down", "--home", str(home)]) == 0  # nothing to stop is no error

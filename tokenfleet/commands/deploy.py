@@ -1,0 +1,102 @@
+"""``tokenfleet up`` and ``down``: the whole control plane on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+from tokenfleet.commands.errors import CliError
+from tokenfleet.deployment import DEFAULT_HOME, GATEWAY_PORT
+
+LOCAL_FLEET = Path("examples/fleet-local.toml")
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    up = commands.add_parser(
+        "up",
+        help="start the whole control plane here: emulated DCs, collector, table worker, "
+        "controllers, gateways, on real Kafka and Redis",
+        description="Starts one process per part of the fleet file's deployment, in the "
+        "background, each logging to HOME/<part>/server.log: an emulator per DC, the "
+        "collector, the table worker, the controllers, and a gateway per DC (the first "
+        "DC's is the edge, on --gateway-port; the others on the ports after it). Kafka and "
+        "Redis: TOKENFLEET_KAFKA_BOOTSTRAP and TOKENFLEET_REDIS_URL, else a local broker "
+        "and server started in HOME. Every other TOKENFLEET_* setting in the environment "
+        "reaches the parts. docker-compose.yml runs the same parts. "
+        "Then: tokenfleet status, tokenfleet down.",
+    )
+    up.add_argument(
+        "--fleet", type=Path, default=LOCAL_FLEET, help="the fleet file (default: %(default)s)"
+    )
+    _home_argument(up)
+    up.add_argument(
+        "--gateway-port",
+        type=int,
+        default=GATEWAY_PORT,
+        help="the edge gateway's port (default: %(default)s)",
+    )
+    up.add_argument(
+        "--period", type=float, default=5.0, help="the controllers' period (default: 5 s)"
+    )
+    up.add_argument("--ttl", type=float, default=60.0, help="the controls' TTL (default: 60 s)")
+    up.set_defaults(handler=_up)
+    down = commands.add_parser(
+        "down",
+        help="stop what tokenfleet up started",
+        description="Stops every part of the deployment in HOME, gateways first, then the "
+        "Kafka broker and Redis server it started (their logs stay in HOME).",
+    )
+    _home_argument(down)
+    down.set_defaults(handler=_down)
+
+
+def _home_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--home",
+        type=Path,
+        default=DEFAULT_HOME,
+        help="the deployment's folder: its record and each part's log (default: %(default)s)",
+    )
+
+
+def _up(args: argparse.Namespace) -> int:
+    from schemas import TOPICS
+    from schemas.fleet import FleetFileError, load_fleet
+    from streams.kafka import create_topics
+    from tokenfleet.deployment import Deployment, plan
+
+    deployment = Deployment(args.home)
+    if any(pid is not None for pid in deployment.pids().values()):
+        raise CliError(f"a deployment runs from {args.home}: tokenfleet down --home {args.home}")
+    try:
+        fleet = load_fleet(args.fleet)
+    except FleetFileError as exc:
+        raise CliError(str(exc)) from None
+    parts = plan(
+        fleet, str(args.fleet), gateway_port=args.gateway_port, period_s=args.period, ttl_s=args.ttl
+    )
+    env, own = deployment.with_own_services(os.environ)
+    print(f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {env['TOKENFLEET_REDIS_URL']}")
+    asyncio.run(create_topics(env["TOKENFLEET_KAFKA_BOOTSTRAP"], TOPICS))
+    deployment.start(parts, env, own, say=lambda part: print(f"  started {part.name}", flush=True))
+    edge = next(part.url for part in parts if part.name.startswith("gateway-"))
+    print(
+        f"The edge gateway: {edge}/v1 (an API key of the fleet file's tenants).\n"
+        f"Logs: {args.home}/<part>/server.log. Next: tokenfleet status --home {args.home}; "
+        f"tokenfleet down --home {args.home}."
+    )
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from tokenfleet.deployment import Deployment
+
+    deployment = Deployment(args.home)
+    if not deployment.record_path.exists():
+        print(f"no deployment in {args.home}")
+        return 0
+    deployment.stop()
+    print(f"stopped the deployment in {args.home}")
+    return 0

@@ -1,0 +1,195 @@
+"""The whole control plane on one machine, one process per part: ``tokenfleet up``.
+
+``plan`` says which processes a fleet needs, as ``tokenfleet`` command lines: one
+emulator per DC (stopping it takes the DC away), the collector, the table worker, the
+controllers, and a gateway per DC (the first DC's is the edge clients enter by). The same
+description is what ``docker-compose.yml`` runs (a test compares the two). ``Deployment``
+starts the parts as separate processes, each with its folder and log, and finds and stops
+them again from another process through ``deployment.json`` in its home.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypedDict
+
+from schemas.fleet import FleetConfig
+from tokenfleet.services.kafka import LocalKafka, running_bootstrap
+from tokenfleet.services.process import CACHE, ServerProcess, answers_http, read_pid
+from tokenfleet.services.redis import LocalRedis, running_url
+
+DEFAULT_HOME = CACHE / "run" / "up"
+GATEWAY_PORT = 8080
+"""The edge gateway's port; the other DCs' gateways take the ports after it."""
+SERVICE_SETTINGS = ("TOKENFLEET_KAFKA_BOOTSTRAP", "TOKENFLEET_REDIS_URL")
+"""What every part is told of the services it shares, through its environment."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One process: its name, its ``tokenfleet`` arguments, and the URL it serves (it is
+    ready once ``url/health`` answers; a part without one is ready once started)."""
+
+    name: str
+    args: tuple[str, ...]
+    url: str | None = None
+
+
+def plan(
+    fleet: FleetConfig,
+    fleet_file: str,
+    *,
+    gateway_port: int = GATEWAY_PORT,
+    period_s: float = 5.0,
+    ttl_s: float | None = None,
+) -> tuple[Part, ...]:
+    """The parts that run ``fleet`` (read from ``fleet_file``, as every part reads it):
+    ``period_s`` and ``ttl_s`` are the controllers' (unset TTL: their default)."""
+    fleet_args = ("--fleet", fleet_file)
+    controller: tuple[str, ...] = ("controller", *fleet_args, "--period", f"{period_s:g}")
+    if ttl_s is not None:
+        controller += ("--ttl", f"{ttl_s:g}")
+    return (
+        *_emulators(fleet, fleet_args),
+        Part("collector", ("collect", *fleet_args)),
+        Part("worker", ("worker", *fleet_args)),
+        Part("controller", controller),
+        *(
+            Part(
+                f"gateway-{dc.name}",
+                ("gateway", *fleet_args, "--dc", dc.name, "--port", str(gateway_port + n)),
+                f"http://127.0.0.1:{gateway_port + n}",
+            )
+            for n, dc in enumerate(fleet.dcs)
+        ),
+    )
+
+
+def _emulators(fleet: FleetConfig, fleet_args: tuple[str, ...]) -> list[Part]:
+    """One emulator per DC with instances, each behind the round trip from the edge's
+    region; ready once its first instance answers."""
+    entry_region = fleet.dcs[0].region
+    parts = []
+    for dc in fleet.dcs:
+        urls = [str(i.url).rstrip("/") for i in fleet.instances if i.dc == dc.name]
+        if urls:
+            args = ("emulate", *fleet_args, "--dc", dc.name, "--region", entry_region)
+            parts.append(Part(f"emulate-{dc.name}", (*args, "--kv-events"), urls[0]))
+    return parts
+
+
+class Record(TypedDict):
+    """What ``deployment.json`` holds."""
+
+    parts: list[dict[str, Any]]
+    settings: dict[str, str]
+    own_services: list[str]
+
+
+class Deployment:
+    """A plan's parts run from ``home``: each in ``home/<name>`` (``server.log``, ``pid``);
+    ``home/deployment.json`` holds the parts and the services' settings, for ``down`` and
+    ``status`` from another process."""
+
+    def __init__(self, home: Path = DEFAULT_HOME) -> None:
+        self.home = home
+        self._started: dict[str, ServerProcess] = {}
+        """The parts this object started, so that stopping them also reaps them."""
+
+    @property
+    def record_path(self) -> Path:
+        return self.home / "deployment.json"
+
+    def start(
+        self,
+        parts: Sequence[Part],
+        env: Mapping[str, str],
+        own_services: Sequence[str] = (),
+        timeout_s: float = 120.0,
+        say: Callable[[Part], None] = lambda part: None,
+    ) -> None:
+        """Start every part in order, each with ``env`` as its environment, waiting for
+        each to be ready (``say`` is told of each); on a failure, stop everything, as
+        ``stop`` does, and raise. ``own_services``: the local services (``kafka``,
+        ``redis``) started for this deployment, which ``stop`` stops too."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = {"TOKENFLEET_WORKER_DATA_DIR": str(self.home / "worker" / "data"), **env}
+        record: Record = {
+            "parts": [asdict(part) for part in parts],
+            "settings": {key: env[key] for key in SERVICE_SETTINGS if key in env},
+            "own_services": list(own_services),
+        }
+        self.record_path.write_text(json.dumps(record, indent=2) + "\n")
+        try:
+            for part in parts:
+                self._launch(part, env, timeout_s)
+                say(part)
+        except BaseException:
+            self.stop()
+            raise
+
+    def parts(self) -> list[Part]:
+        """The parts of the deployment recorded in ``home`` (none if there is none)."""
+        return [Part(p["name"], tuple(p["args"]), p["url"]) for p in self.record()["parts"]]
+
+    def record(self) -> Record:
+        """The deployment recorded in ``home``; an empty one where there is none."""
+        if not self.record_path.exists():
+            return {"parts": [], "settings": {}, "own_services": []}
+        loaded: Record = json.loads(self.record_path.read_text())
+        return loaded
+
+    def pids(self) -> dict[str, int | None]:
+        """Each recorded part's process id, None for one that does not run."""
+        return {part.name: read_pid(self.home / part.name) for part in self.parts()}
+
+    def with_own_services(self, env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+        """``env`` with a local Kafka broker and Redis server, started in ``home``, for
+        the services it names none of; and which were started (for ``start``)."""
+        env, started = dict(env), []
+        if "TOKENFLEET_KAFKA_BOOTSTRAP" not in env:
+            home = self.home / "kafka"
+            bootstrap = running_bootstrap(home) or LocalKafka(home).start(detach=True)
+            env["TOKENFLEET_KAFKA_BOOTSTRAP"] = bootstrap
+            started.append("kafka")
+        if "TOKENFLEET_REDIS_URL" not in env:
+            home = self.home / "redis"
+            env["TOKENFLEET_REDIS_URL"] = running_url(home) or LocalRedis(home).start(detach=True)
+            started.append("redis")
+        return env, started
+
+    def stop(self) -> None:
+        """Stop every part, then the services started for them; forget the deployment."""
+        self.stop_parts()
+        own = self.record()["own_services"]
+        if "redis" in own:
+            LocalRedis(self.home / "redis").stop()
+        if "kafka" in own:
+            LocalKafka(self.home / "kafka").stop()
+        self.record_path.unlink(missing_ok=True)
+
+    def stop_parts(self, names: Sequence[str] | None = None) -> None:
+        """Stop the parts named (default: all, the gateways first: the reverse order)."""
+        for part in reversed(self.parts()):
+            if names is None or part.name in names:
+                self._server(part).terminate()
+
+    def _launch(self, part: Part, env: Mapping[str, str], timeout_s: float) -> None:
+        url = part.url
+        server = ServerProcess(self.home / part.name, url or part.name)
+        self._started[part.name] = server
+        server.launch(
+            [sys.executable, "-m", "tokenfleet.cli", *part.args],
+            ready=(lambda: True) if url is None else (lambda: answers_http(url + "/health")),
+            timeout_s=timeout_s,
+            detach=True,
+            env=env,
+        )
+
+    def _server(self, part: Part) -> ServerProcess:
+        """The part's process: the one started here, else the one its folder names."""
+        return self._started.pop(part.name, None) or ServerProcess(self.home / part.name, part.name)
