@@ -25,6 +25,8 @@ from tokenfleet.services.redis import LocalRedis, running_url
 DEFAULT_HOME = CACHE / "run" / "up"
 GATEWAY_PORT = 8080
 """The edge gateway's port; the other DCs' gateways take the ports after it."""
+CONTROLLER_PORT = 9090
+"""Where the controller serves the operators' view (``tokenfleet/operator_page.py``)."""
 SERVICE_SETTINGS = ("TOKENFLEET_KAFKA_BOOTSTRAP", "TOKENFLEET_REDIS_URL")
 """What every part is told of the services it shares, through its environment."""
 
@@ -44,6 +46,7 @@ def plan(
     fleet_file: str,
     *,
     gateway_port: int = GATEWAY_PORT,
+    controller_port: int = CONTROLLER_PORT,
     period_s: float = 5.0,
     ttl_s: float | None = None,
 ) -> tuple[Part, ...]:
@@ -53,11 +56,12 @@ def plan(
     controller: tuple[str, ...] = ("controller", *fleet_args, "--period", f"{period_s:g}")
     if ttl_s is not None:
         controller += ("--ttl", f"{ttl_s:g}")
+    controller += ("--port", str(controller_port))
     return (
         *_emulators(fleet, fleet_args),
         Part("collector", ("collect", *fleet_args)),
         Part("worker", ("worker", *fleet_args)),
-        Part("controller", controller),
+        Part("controller", controller, f"http://127.0.0.1:{controller_port}"),
         *(
             Part(
                 f"gateway-{dc.name}",

@@ -55,10 +55,14 @@ ON_DEFAULTS = "tokenfleet_gateway_control_defaults"
 @dataclass
 class Deployed:
     edge: str
-    bootstrap: str
-    deployment: Deployment
+    controller: str
     broker: LocalKafka
+    deployment: Deployment
     dcs: list[str]
+
+    @property
+    def bootstrap(self) -> str:
+        return self.broker.bootstrap
 
 
 @pytest.fixture
@@ -72,15 +76,14 @@ def deployed(own_broker: LocalKafka, redis_server: Service, tmp_path: Path) -> I
         "TOKENFLEET_GATEWAY_REDIS_PREFIX": f"tf-{uuid.uuid4().hex[:8]}:",
     }
     run_in_thread(create_topics(own_broker.bootstrap))
-    parts = plan(fleet, str(fleet_file), gateway_port=free_ports(3), period_s=PERIOD_S, ttl_s=TTL_S)
+    ports = {"gateway_port": free_ports(3), "controller_port": free_ports(1)}
+    parts = plan(fleet, str(fleet_file), **ports, period_s=PERIOD_S, ttl_s=TTL_S)
     deployment = Deployment(tmp_path / "up")
     deployment.start(parts, env)
     try:
-        edge = next(p.url for p in parts if p.name == "gateway-dc-a")
-        assert edge is not None
-        yield Deployed(
-            edge, own_broker.bootstrap, deployment, own_broker, [d.name for d in fleet.dcs]
-        )
+        urls = {p.name: p.url or "" for p in parts}
+        dcs = [d.name for d in fleet.dcs]
+        yield Deployed(urls["gateway-dc-a"], urls["controller"], own_broker, deployment, dcs)
     finally:
         _print_logs(deployment, parts)
         deployment.stop()
@@ -181,6 +184,7 @@ async def test_the_deployed_loop_closes_and_survives_a_broker_restart_a_lost_dc_
         closed_s = await until_closed(deployed.bootstrap, deployed.dcs, time.time(), LOOP_BOUND_S)
         print(f"loop closed {closed_s:.1f} s after the first request")
         assert await defaults_applied(deployed.edge) == {"quotas": 0.0, "weights": 0.0}
+        await _the_operators_view_shows_every_dc(deployed)
 
         await asyncio.to_thread(deployed.broker.stop)  # under load: the gateways buffer
         await asyncio.sleep(2.0)
@@ -206,6 +210,19 @@ async def test_the_deployed_loop_closes_and_survives_a_broker_restart_a_lost_dc_
             await asyncio.sleep(0.5)
         print(f"safe defaults {time.monotonic() - silent:.1f} s after the controller stopped")
     await _every_answer_has_its_lifecycle_events(deployed.bootstrap, traffic)
+
+
+async def _the_operators_view_shows_every_dc(deployed: Deployed) -> None:
+    """The controller's page state and gauges name every DC, its weight and its chats."""
+    async with httpx.AsyncClient(base_url=deployed.controller) as http:
+        state = (await http.get("/api/state")).json()
+    shown = {dc["dc"]: dc for dc in state["dcs"]}
+    assert sorted(shown) == deployed.dcs
+    assert all(dc["weight"] == 1.0 for dc in shown.values())
+    assert all(dc["capacity"]["ready"] >= 1 for dc in shown.values())
+    assert any(row["completed"] for row in shown["dc-a"]["classes"])  # the edge's chats
+    gauge = "tokenfleet_controller_weight"
+    assert await scraped(deployed.controller, gauge, dc="dc-c") == 1.0
 
 
 async def _every_answer_has_its_lifecycle_events(bootstrap: str, traffic: Traffic) -> None:

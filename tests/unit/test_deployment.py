@@ -59,7 +59,8 @@ def test_every_part_is_a_command_line_the_cli_accepts() -> None:
         args = parser.parse_args(list(part.args))
         assert args.handler is not None, part.name
     controller = next(part for part in local_plan(ttl_s=12.5) if part.name == "controller")
-    assert controller.args[-2:] == ("--ttl", "12.5")
+    assert controller.args[-4:] == ("--ttl", "12.5", "--port", "9090")
+    assert controller.url == "http://127.0.0.1:9090"  # ready once its view answers
 
 
 def test_the_compose_file_runs_the_same_parts_with_the_same_settings() -> None:

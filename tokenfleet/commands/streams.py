@@ -8,7 +8,7 @@ import contextlib
 from pathlib import Path
 
 from tokenfleet.commands.errors import CliError
-from tokenfleet.deployment import DEFAULT_HOME
+from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -59,8 +59,9 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
         "FleetMind's weights too: each DC's share of its capacity the edges count on "
         "(lower while its requests miss their objectives), on tf.control.weights for every "
         "DC's gateway and every model. Unchanged quotas and weights are published again "
-        "before their TTL runs out. Needs TOKENFLEET_KAFKA_BOOTSTRAP; the embedded gateway "
-        "runs the same loops itself.",
+        "before their TTL runs out. The operators' view (a live page, server-sent events, "
+        "Prometheus metrics) is served on --port. Needs TOKENFLEET_KAFKA_BOOTSTRAP; the "
+        "embedded gateway runs the same loops itself.",
     )
     controller.add_argument(
         "--period", type=float, default=5.0, help="seconds between passes (default: 5)"
@@ -75,6 +76,15 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
         help="seconds the gateways keep a snapshot without hearing a newer one; renewed "
         "every third of it (default: 60)",
     )
+    controller.add_argument(
+        "--port",
+        type=int,
+        default=CONTROLLER_PORT,
+        help="serve the operators' view on 127.0.0.1:PORT: the page at /, server-sent "
+        "events at /events, JSON at /api/state, Prometheus metrics at /metrics "
+        "(default: %(default)s; 0: none)",
+    )
+    controller.add_argument("--host", default="127.0.0.1", help="address the view listens on")
     controller.set_defaults(handler=_controller)
 
 
@@ -195,10 +205,13 @@ def _controller(args: argparse.Namespace) -> int:
     from schemas.fleet import FleetFileError, load_fleet
     from streams.kafka import KafkaBus, create_topics
     from tokenfleet.controller_host import QuotaHost, WeightHost
+    from tokenfleet.operator_page import serve_operator_view
 
     bootstrap = _bootstrap()
     if args.period <= 0 or args.ttl <= 0:
         raise CliError("--period and --ttl must be positive")
+    if not 0 <= args.port < 65536:
+        raise CliError("--port must be a port number, or 0 for none")
     try:
         fleet = load_fleet(args.fleet) if args.fleet else None
     except FleetFileError as exc:
@@ -213,6 +226,8 @@ def _controller(args: argparse.Namespace) -> int:
             models, edges = [m.name for m in fleet.models], [dc.name for dc in fleet.dcs]
             weights = WeightController(WeightParams(ttl_s=args.ttl))
             hosts.append(WeightHost(bus, models, edges, weights, period_s=args.period).run())
+        if args.port:
+            hosts.append(serve_operator_view(bus, args.host, args.port, args.period))
         try:
             await asyncio.gather(*hosts)
         finally:

@@ -1,0 +1,138 @@
+"""The operators' view: what it keeps of the tables and controls, and its gauges."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from schemas.base import TaskClass
+from schemas.control import AdmissionQuotas, ClassQuota, DcWeight, RoutingWeights
+from schemas.tables import CapacityTable, GoodputTable
+from tests.unit.test_quota_controller import capacity as two_ready
+from tests.unit.test_quota_controller import row
+from tokenfleet.operator_page import ViewMetrics
+from tokenfleet.operator_view import OperatorView
+
+
+class Clock:
+    now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def goodput(dc: str, version: int, end: float, met: int, tokens_per_s: float) -> GoodputTable:
+    """A window of 100 interactive requests, ``met`` of them in time (one failed, two
+    cancelled, three timed out)."""
+    chats = row(TaskClass.INTERACTIVE, 100, met, failures=1).model_copy(
+        update={
+            "output_tokens_per_s": tokens_per_s,
+            "goodput_tokens_per_s": tokens_per_s * met / 100,
+            "cancellations": 2,
+            "timeouts": 3,
+        }
+    )
+    start = end - 60
+    return GoodputTable(
+        dc=dc, version=version, window_start=start, window_end=end, classes=(chats,), tenants=()
+    )
+
+
+def capacity(dc: str, version: int, end: float) -> CapacityTable:
+    """Two instances, 9 requests running and 4 queued, a quarter of their KV free."""
+    [free] = two_ready(2).rows
+    busy = free.model_copy(update={"kv_blocks_free": 50, "queued": 4, "running": 9})
+    return CapacityTable(
+        dc=dc, version=version, window_start=end - 60, window_end=end, rows=(busy,)
+    )
+
+
+def quotas(dc: str, at: float, limit: int) -> AdmissionQuotas:
+    quota = ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=limit)
+    return AdmissionQuotas(scope=dc, version=int(at) + 1, issued_at=at, ttl_s=30, quotas=(quota,))
+
+
+def weights(at: float, **by_dc: float) -> RoutingWeights:
+    listed = tuple(
+        DcWeight(model="m", dc=dc.replace("_", "-"), weight=w) for dc, w in by_dc.items()
+    )
+    return RoutingWeights(scope="dc-a", version=int(at) + 1, issued_at=at, ttl_s=30, weights=listed)
+
+
+def test_the_state_holds_the_newest_tables_and_controls_of_each_dc() -> None:
+    clock = Clock()
+    view = OperatorView(clock)
+    view.apply(goodput("dc-b", 2, 990.0, met=90, tokens_per_s=500.0))
+    view.apply(goodput("dc-b", 1, 995.0, met=10, tokens_per_s=1.0))  # an older version
+    view.apply(capacity("dc-b", 1, 985.0))
+    view.apply(quotas("dc-b", 980.0, limit=6))
+    view.apply(weights(990.0, dc_a=1.0, dc_b=0.8))
+    view.apply(weights(970.0, dc_a=1.0, dc_b=0.3))  # issued before the one held
+    [dc_a, dc_b] = view.state()["dcs"]
+    assert dc_a["dc"] == "dc-a"
+    assert dc_a["classes"] == []
+    assert dc_a["weight"] == 1.0
+    assert dc_b["tables_age_s"] == 15.0  # the older of its two tables
+    [row] = dc_b["classes"]
+    assert (row["goodput_tokens_per_s"], row["compliance"], row["failures"]) == (450.0, 0.9, 4)
+    assert dc_b["capacity"] == {
+        "ready": 2,
+        "running": 9,
+        "queued": 4,
+        "kv_used": 0.75,
+        "headroom": 0.5,
+    }
+    assert (dc_b["weight"], dc_b["long_documents"]) == (0.8, 6)
+    assert dc_b["controls_left_s"] == {"quotas": 10.0, "weights": 20.0}
+
+
+def test_the_history_keeps_a_point_per_goodput_table_within_its_horizon() -> None:
+    view = OperatorView(Clock(), history_s=30.0)
+    view.apply(weights(0.0, dc_a=0.5))
+    for n in range(10):
+        view.apply(quotas("dc-a", 10.0 * n, limit=8 - n // 5))
+        view.apply(goodput("dc-a", n + 1, 10.0 * n, met=50 + n, tokens_per_s=100.0))
+    history = view.state()["dcs"][0]["history"]
+    assert [point["at"] for point in history] == [60.0, 70.0, 80.0, 90.0]
+    assert history[-1] == {
+        "at": 90.0,
+        "goodput_tokens_per_s": 59.0,
+        "interactive_compliance": 0.59,
+        "weight": 0.5,
+        "long_documents": 7,
+    }
+
+
+def test_the_gauges_say_what_the_state_says() -> None:
+    clock = Clock()
+    view = OperatorView(clock)
+    view.apply(goodput("dc-a", 1, 990.0, met=80, tokens_per_s=200.0))
+    view.apply(capacity("dc-a", 1, 990.0))
+    view.apply(weights(995.0, dc_a=0.64))
+    registry = CollectorRegistry()
+    registry.register(ViewMetrics(view))
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    dc = (("dc", "dc-a"),)
+    interactive = (("dc", "dc-a"), ("task_class", "interactive"))
+    assert samples[("tokenfleet_controller_weight", dc)] == 0.64
+    assert samples[("tokenfleet_controller_table_age_seconds", dc)] == 10.0
+    assert samples[("tokenfleet_controller_goodput_tokens_per_second", interactive)] == 160.0
+    assert samples[("tokenfleet_controller_compliance", interactive)] == 0.8
+    left = (("dc", "dc-a"), ("kind", "weights"))
+    assert samples[("tokenfleet_controller_control_ttl_left_seconds", left)] == 25.0
+    assert ("tokenfleet_controller_long_documents_limit", dc) not in samples  # no quotas yet
+
+
+def test_a_class_with_nothing_ended_in_the_window_is_left_out() -> None:
+    view = OperatorView(Clock())
+    table = goodput("dc-a", 1, 990.0, met=90, tokens_per_s=10.0)
+    idle = table.classes[0].model_copy(
+        update={"key": "batch", "completed": 0, "failures": 0, "cancellations": 0, "timeouts": 0}
+    )
+    view.apply(table.model_copy(update={"classes": (*table.classes, idle)}))
+    [dc] = view.state()["dcs"]
+    assert [row["task_class"] for row in dc["classes"]] == ["interactive"]

@@ -1,0 +1,155 @@
+"""What operators watch: per DC, goodput, compliance and capacity by class, and the
+controls in force (weights, the long-document limit), now and over the last minutes.
+
+Built from the same compacted topics the controllers read (``tf.tables.goodput``,
+``tf.tables.capacity``, ``tf.control.quotas``, ``tf.control.weights``), so it shows what
+the loop acts on. The controller's process serves it (``tokenfleet/operator_page.py``):
+a web page fed by server-sent events, a JSON document, and Prometheus gauges.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from control.controllers.fleetmind import weights_of
+from control.controllers.slomax import long_documents
+from schemas.control import AdmissionQuotas, RoutingWeights
+from schemas.tables import CapacityTable, GoodputRow, GoodputTable
+
+HISTORY_S = 900.0
+"""How far back the page's charts reach: fifteen minutes of table slides."""
+
+
+@dataclass
+class _Dc:
+    """The latest of each table and control for one DC, and its points over time."""
+
+    goodput: GoodputTable | None = None
+    capacity: CapacityTable | None = None
+    quotas: AdmissionQuotas | None = None
+    weight: float | None = None
+    history: deque[dict[str, float | None]] = field(default_factory=deque)
+
+
+class OperatorView:
+    """Takes in tables and controls (``apply``, newer versions only) and says the state
+    of every DC (``state``); ``clock``: wall-clock seconds, as the tables' times."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, history_s: float = HISTORY_S):
+        self.clock = clock
+        self.history_s = history_s
+        self._dcs: dict[str, _Dc] = {}
+        self._weights: RoutingWeights | None = None
+        """The newest weights snapshot of any edge (every edge is sent the same)."""
+
+    def apply(self, message: object) -> None:
+        if isinstance(message, GoodputTable):
+            dc = self._dc(message.dc)
+            if message.supersedes(dc.goodput):
+                dc.goodput = message
+                self._record(dc, message)
+        elif isinstance(message, CapacityTable):
+            dc = self._dc(message.dc)
+            if message.supersedes(dc.capacity):
+                dc.capacity = message
+        elif isinstance(message, AdmissionQuotas):
+            dc = self._dc(message.scope)
+            if dc.quotas is None or message.issued_at >= dc.quotas.issued_at:
+                dc.quotas = message
+        elif isinstance(message, RoutingWeights) and (
+            self._weights is None or message.issued_at >= self._weights.issued_at
+        ):
+            self._weights = message
+            for name, weight in weights_of(message).items():
+                self._dc(name).weight = weight
+
+    def state(self) -> dict[str, Any]:
+        """Every DC's figures now and its points over time, ready for JSON."""
+        now = self.clock()
+        dcs = sorted(self._dcs.items())
+        return {"at": now, "dcs": [self._dc_state(name, dc, now) for name, dc in dcs]}
+
+    def _dc(self, name: str) -> _Dc:
+        return self._dcs.setdefault(name, _Dc())
+
+    def _record(self, dc: _Dc, table: GoodputTable) -> None:
+        dc.history.append(
+            {
+                "at": table.window_end,
+                "goodput_tokens_per_s": sum(r.goodput_tokens_per_s for r in table.classes),
+                "interactive_compliance": _compliance(table, "interactive"),
+                "weight": dc.weight,
+                "long_documents": None if dc.quotas is None else long_documents(dc.quotas),
+            }
+        )
+        horizon = table.window_end - self.history_s
+        while (dc.history[0]["at"] or 0.0) < horizon:
+            dc.history.popleft()
+
+    def _dc_state(self, name: str, dc: _Dc, now: float) -> dict[str, Any]:
+        return {
+            "dc": name,
+            "tables_age_s": _age(now, dc.goodput, dc.capacity),
+            "classes": [_class_row(row) for row in _active(dc.goodput)],
+            "capacity": _capacity(dc.capacity),
+            "weight": dc.weight,
+            "long_documents": None if dc.quotas is None else long_documents(dc.quotas),
+            "controls_left_s": _controls_left(now, dc.quotas, self._weights),
+            "history": list(dc.history),
+        }
+
+
+def _compliance(table: GoodputTable, task_class: str) -> float | None:
+    row = next((r for r in table.classes if r.key == task_class), None)
+    return None if row is None or not row.completed else row.compliance
+
+
+def _active(table: GoodputTable | None) -> list[GoodputRow]:
+    """The classes that had any request end in the window."""
+    if table is None:
+        return []
+    return [r for r in table.classes if r.completed + r.failures + r.cancellations + r.timeouts]
+
+
+def _class_row(row: GoodputRow) -> dict[str, Any]:
+    return {
+        "task_class": row.key,
+        "completed": row.completed,
+        "goodput_tokens_per_s": row.goodput_tokens_per_s,
+        "output_tokens_per_s": row.output_tokens_per_s,
+        "compliance": row.compliance,
+        "ttft_p95_s": row.ttft_p95_s,
+        "failures": row.failures + row.timeouts,
+        "cancellations": row.cancellations,
+    }
+
+
+def _capacity(table: CapacityTable | None) -> dict[str, Any] | None:
+    if table is None:
+        return None
+    blocks = sum(r.kv_blocks_total for r in table.rows)
+    return {
+        "ready": sum(r.ready_endpoints for r in table.rows),
+        "running": sum(r.running for r in table.rows),
+        "queued": sum(r.queued for r in table.rows),
+        "kv_used": 1 - sum(r.kv_blocks_free for r in table.rows) / blocks if blocks else None,
+        "headroom": min((r.headroom for r in table.rows), default=None),
+    }
+
+
+def _age(now: float, *tables: GoodputTable | CapacityTable | None) -> float | None:
+    ends = [t.window_end for t in tables if t is not None]
+    return now - min(ends) if ends else None
+
+
+def _controls_left(
+    now: float, quotas: AdmissionQuotas | None, weights: RoutingWeights | None
+) -> dict[str, float | None]:
+    return {
+        kind: None if snapshot is None else snapshot.issued_at + snapshot.ttl_s - now
+        for kind, snapshot in (("quotas", quotas), ("weights", weights))
+    }
