@@ -110,6 +110,19 @@ class EventBus(ABC):
                 latest[key] = envelope
         return latest
 
+    async def read_all(self, topic: str) -> tuple[list[Envelope], int]:
+        """Every decodable event of ``topic`` from its start to its end as of now, and how
+        many records were not (skipped, not dead-lettered again: an auditor's read)."""
+        events, undecodable = [], 0
+        for record in await self._records_to_end(topic):
+            if record.value is None:
+                continue
+            try:
+                events.append(decode(record.value))
+            except DecodeError:
+                undecodable += 1
+        return events, undecodable
+
     async def _decode_or_dead_letter(self, record: RawRecord) -> Envelope | None:
         assert record.value is not None
         try:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from tokenfleet.allocator import keep_freed_memory
-from tokenfleet.commands import bench, deploy, emulate, gateway, services, sim, streams
+from tokenfleet.commands import audit, bench, deploy, emulate, gateway, services, sim, streams
 from tokenfleet.commands.errors import CliError
 from tokenfleet.services.process import ServiceError
 
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="TokenFleet: route, admit and place LLM requests across a fleet for goodput.",
     )
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    for area in (sim, bench, emulate, gateway, streams, deploy, services):
+    for area in (sim, bench, emulate, gateway, streams, deploy, audit, services):
         area.register(commands)
     return parser
 

@@ -105,6 +105,19 @@ async def test_a_compacted_topic_reads_back_the_latest_value_per_key(bus: EventB
     assert ours == {f"{run}-a": 2, f"{run}-b": 1}
 
 
+async def test_read_all_gives_every_decodable_event_to_the_end_and_counts_the_rest(
+    bus: EventBus,
+) -> None:
+    run = uuid.uuid4().hex
+    await bus.publish("tf.requests", f"{run}-bad", b"{not json")
+    for n in range(3):
+        await bus.publish_event(_admitted(f"{run}-{n}", f"q{n}"))
+    events, undecodable = await bus.read_all("tf.requests")
+    ours = [e.payload.queue for e in events if e.payload.request_id.startswith(run)]
+    assert sorted(ours) == ["q0", "q1", "q2"]
+    assert undecodable >= 1
+
+
 async def test_undecodable_records_go_to_the_dead_letter_topic(bus: EventBus) -> None:
     run = uuid.uuid4().hex
     key = f"{run}-k"  # one key, so the bad record is read before the good one

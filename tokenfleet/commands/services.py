@@ -11,10 +11,9 @@ from functools import partial
 from pathlib import Path
 from types import ModuleType
 
-from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.broker import broker
 from tokenfleet.services import kafka as local_kafka
 from tokenfleet.services import redis as local_redis
-from tokenfleet.settings import Settings
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -56,7 +55,7 @@ def _add_topics(commands: argparse._SubParsersAction) -> None:
 def _topics_create(args: argparse.Namespace) -> int:
     from streams.kafka import create_topics
 
-    bootstrap = args.bootstrap or kafka_bootstrap()
+    bootstrap = args.bootstrap or broker()
     created = asyncio.run(create_topics(bootstrap))
     print(
         f"{bootstrap}: created {len(created)} topics"
@@ -74,16 +73,6 @@ def _topics_list(_: argparse.Namespace) -> int:
         names = ", ".join(m.schema_ref() for m in t.messages)
         print(f"{t.name:22} {t.key_field:14} {t.partitions:>5}  {cleanup:8}  {names}")
     return 0
-
-
-def kafka_bootstrap() -> str:
-    """The broker to use: the environment's, else the running local one."""
-    address = Settings().kafka_bootstrap or local_kafka.running_bootstrap()
-    if address is None:
-        raise CliError(
-            "no Kafka broker: set TOKENFLEET_KAFKA_BOOTSTRAP or run 'tokenfleet kafka start'"
-        )
-    return address
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME
 
@@ -127,7 +128,7 @@ def _status(args: argparse.Namespace) -> int:
     from tokenfleet.loop_status import latest_on, loop_checks, process_checks, verdict
 
     deployment = Deployment(args.home)
-    bootstrap = _bootstrap(deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP"))
+    bootstrap = broker(args.home)
     try:
         latest = asyncio.run(latest_on(bootstrap))
     except Exception as exc:
@@ -142,16 +143,6 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if closed else 1
 
 
-def _bootstrap(deployed: str | None = None) -> str:
-    """The environment's broker, else ``deployed`` (the one ``tokenfleet up`` recorded)."""
-    from tokenfleet.settings import Settings
-
-    bootstrap = Settings().kafka_bootstrap or deployed
-    if bootstrap is None:
-        raise CliError("set TOKENFLEET_KAFKA_BOOTSTRAP to the broker (tokenfleet kafka start)")
-    return bootstrap
-
-
 def _worker(args: argparse.Namespace) -> int:
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
@@ -159,7 +150,7 @@ def _worker(args: argparse.Namespace) -> int:
     from streams.kafka import create_topics
     from streams.settings import WorkerSettings
 
-    bootstrap = _bootstrap()
+    bootstrap = broker()
     try:
         objectives = load_fleet(args.fleet).all_objectives() if args.fleet else None
     except FleetFileError as exc:
@@ -177,7 +168,7 @@ def _collect(args: argparse.Namespace) -> int:
     from streams.collector import Collector
     from streams.kafka import KafkaBus
 
-    bootstrap = _bootstrap()
+    bootstrap = broker()
     if args.interval <= 0 or args.timeout <= 0:
         raise CliError("--interval and --timeout must be positive")
     try:
@@ -207,7 +198,7 @@ def _controller(args: argparse.Namespace) -> int:
     from tokenfleet.controller_host import QuotaHost, WeightHost
     from tokenfleet.operator_page import serve_operator_view
 
-    bootstrap = _bootstrap()
+    bootstrap = broker()
     if args.period <= 0 or args.ttl <= 0:
         raise CliError("--period and --ttl must be positive")
     if not 0 <= args.port < 65536:

@@ -1,0 +1,23 @@
+"""Which Kafka broker a command talks to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenfleet.commands.errors import CliError
+from tokenfleet.deployment import DEFAULT_HOME, Deployment
+from tokenfleet.services.kafka import running_bootstrap
+from tokenfleet.settings import Settings
+
+
+def broker(home: Path = DEFAULT_HOME) -> str:
+    """``TOKENFLEET_KAFKA_BOOTSTRAP``; else the broker of the deployment ``tokenfleet up``
+    recorded in ``home``; else the local broker of ``tokenfleet kafka start``."""
+    recorded = Deployment(home).record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
+    address = Settings().kafka_bootstrap or recorded or running_bootstrap()
+    if address is None:
+        raise CliError(
+            "no Kafka broker: set TOKENFLEET_KAFKA_BOOTSTRAP, or start one with "
+            "'tokenfleet up' or 'tokenfleet kafka start'"
+        )
+    return address
