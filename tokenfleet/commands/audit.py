@@ -7,12 +7,14 @@ import asyncio
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from tokenfleet.commands.deploy import LOCAL_FLEET
 from tokenfleet.commands.errors import CliError
 
 if TYPE_CHECKING:
     from tokenfleet.recount import Recount
+    from tokenfleet.whatif import Stack
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,6 +36,32 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     recount.add_argument("--json", type=Path, help="write the tables and differences here")
     recount.set_defaults(handler=_recount)
+    _register_whatif(commands)
+
+
+def _register_whatif(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    whatif = commands.add_parser(
+        "whatif",
+        help="re-simulate the recorded arrivals under another policy stack",
+        description="Reads the arrivals on tf.requests (each in the DC it was routed to, "
+        "with the output length its completion on tf.completions recorded), simulates "
+        "each DC's arrivals on its instances from the fleet file under the stack the "
+        "gateways run (the fleet file's routing policy and SLOMax) and under the one asked "
+        "for, and prints both with what the clients got. Both sides are simulated alike: "
+        "the difference is the policies'. Needs TOKENFLEET_KAFKA_BOOTSTRAP (or tokenfleet up).",
+    )
+    whatif.add_argument(
+        "--fleet", type=Path, default=LOCAL_FLEET, help="the fleet file (default: %(default)s)"
+    )
+    whatif.add_argument("--policy", help="the routing policy to try (default: the fleet's)")
+    whatif.add_argument(
+        "--admission", default="slomax", help="the admission policy to try (default: slomax)"
+    )
+    whatif.add_argument(
+        "--dc", action="append", help="only this DC (repeat for several; default: every DC)"
+    )
+    whatif.add_argument("--json", type=Path, help="write the figures here")
+    whatif.set_defaults(handler=_whatif)
 
 
 def _recount(args: argparse.Namespace) -> int:
@@ -100,3 +128,64 @@ def _as_json(result: Recount) -> dict[str, object]:
         },
         "differences": [asdict(d) for d in result.differences],
     }
+
+
+def _whatif(args: argparse.Namespace) -> int:
+    from schemas import Envelope
+    from schemas.fleet import FleetFileError, load_fleet
+    from streams.kafka import KafkaBus
+    from tokenfleet.commands.broker import broker
+    from tokenfleet.whatif import WHATIF_TOPICS, Stack, recorded, whatif
+
+    try:
+        fleet = load_fleet(args.fleet)
+    except FleetFileError as exc:
+        raise CliError(str(exc)) from None
+    running = Stack(fleet.routing.policy, "slomax")
+    asked = Stack(args.policy or running.policy, args.admission)
+    if asked == running:
+        raise CliError(f"--policy or --admission must name a stack other than {running.name}")
+    bootstrap = broker()
+
+    async def read() -> list[Envelope]:
+        bus = KafkaBus(bootstrap, source="whatif")
+        try:
+            return [e for topic in WHATIF_TOPICS for e in (await bus.read_all(topic))[0]]
+        finally:
+            await bus.close()
+
+    try:
+        record = recorded(asyncio.run(read()))
+    except Exception as exc:
+        raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
+    try:
+        figures = whatif(record, fleet, [running, asked], args.dc or ())
+    except (KeyError, ValueError) as exc:
+        raise CliError(f"cannot simulate: {exc}") from None
+    _print_whatif(figures, running, asked, record.unrouted)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    return 0 if figures else 1
+
+
+def _print_whatif(figures: dict[str, Any], running: Stack, asked: Stack, unrouted: int) -> None:
+    if not figures:
+        print("no recorded arrivals in a DC of the fleet file")
+    print(f"{unrouted} arrivals no DC ran are left out")
+    for dc, by_stack in figures.items():
+        measured = by_stack["measured"]
+        print(
+            f"{dc} ({by_stack['instances']} instances, {measured['requests']} arrivals): "
+            f"clients got {measured['completed']} completions, "
+            f"TTFT P50/P95 {measured['ttft_p50_s']:.3f}/{measured['ttft_p95_s']:.3f} s"
+        )
+        for stack in (running, asked):
+            f = by_stack[stack.name]
+            print(
+                f"  {stack.name:32} goodput {f['goodput_tok_s']:9.1f} tok/s, "
+                f"{100 * f['compliance']:5.1f} % in time, "
+                f"TTFT P50/P95 {f['ttft_p50_s']:.3f}/{f['ttft_p95_s']:.3f} s"
+            )
+        mine, theirs = by_stack[running.name], by_stack[asked.name]
+        change = theirs["goodput_tok_s"] / mine["goodput_tok_s"] if mine["goodput_tok_s"] else 0
+        print(f"  {asked.name}: {change:.2f} x the goodput of {running.name}")

@@ -1,9 +1,11 @@
-"""``tokenfleet recount`` on a real broker: the worker's published goodput table matches
-the recount of the raw events, and a table that does not is caught, figure by figure."""
+"""The auditors' commands on a real broker: ``tokenfleet recount`` (the worker's published
+goodput table matches the recount of the raw events; a table that does not is caught,
+figure by figure) and ``tokenfleet whatif`` (the recorded arrivals re-simulated)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ from tests.integration.test_tables_on_kafka import (
     worker,
 )
 from tests.services import Service
+from tests.unit.test_whatif import LOCAL_FLEET, simulated_events
 from tokenfleet.cli import main
 from tokenfleet.recount import recount_on
 
@@ -64,6 +67,27 @@ async def test_the_published_table_matches_the_recount_and_a_tampered_one_does_n
     cli = ["recount", "--dc", dc, "--json", str(tmp_path / "r.json")]
     assert await asyncio.to_thread(main, cli) == 1
     assert '"figure": "completed"' in (tmp_path / "r.json").read_text()
+
+
+async def test_whatif_reads_the_recorded_arrivals_and_simulates_both_stacks(
+    kafka: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await _publish(kafka, simulated_events("round_robin", requests=50))
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", kafka.address)
+    out = tmp_path / "whatif.json"
+    cli = ["whatif", "--fleet", str(LOCAL_FLEET), "--policy", "round_robin"]
+    assert (
+        await asyncio.to_thread(
+            main, [*cli, "--admission", "fcfs", "--dc", "dc-a", "--json", str(out)]
+        )
+        == 0
+    )
+    figures = json.loads(out.read_text())["dc-a"]
+    assert figures["measured"]["completed"] == 50
+    assert figures["round_robin + fcfs"]["completed"] == 50
+    assert "tokenpilot + slomax" in figures  # the fleet file's stack, beside it
+    refused = ["whatif", "--fleet", str(LOCAL_FLEET), "--policy", "tokenpilot"]
+    assert await asyncio.to_thread(main, refused) == 2  # the stack that runs already
 
 
 def _with_one_more_completion(table: GoodputTable) -> GoodputTable:

@@ -1,0 +1,137 @@
+"""Re-simulate the recorded arrivals under another policy stack: ``tokenfleet whatif``.
+
+The arrivals come from ``tf.requests`` (what the gateways knew of each request when it
+arrived: its class, tenant, prompt length and blocks, budget, deadline), each in the DC
+its ``tf.request.routed`` event names, with the output length its completion recorded
+(its budget where it has none). Each DC's arrivals are simulated twice on its instances
+from the fleet file, with the model's calibrated profile: under the stack the gateways run
+(the fleet file's routing policy, SLOMax) and under the one asked about; the difference
+is the policy's, both sides simulated alike. What the clients actually got is reported
+beside them, from the completions, as a check of the simulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from schemas import Envelope
+from schemas.fleet import FleetConfig
+from schemas.lifecycle import RequestArrived, RequestCompleted, RequestRouted
+from sim.metrics import latency_stats
+from sim.run import RunConfig, simulate_run
+from sim.workload import TraceRequest
+
+WHATIF_TOPICS = ("tf.requests", "tf.completions")
+DEFAULT_PROFILE = "llama3-70b-4xh100"
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A routing policy and an admission policy, by the names ``tokenfleet sim`` takes."""
+
+    policy: str
+    admission: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.policy} + {self.admission}"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The recorded arrivals per DC, and what the clients got."""
+
+    workloads: dict[str, list[TraceRequest]]
+    measured: dict[str, dict[str, float]]
+    unrouted: int
+    """Arrivals no DC ran (refused at the edge): left out of every simulation."""
+
+
+def recorded(events: Iterable[Envelope]) -> Recorded:
+    """The arrivals of ``events`` (the lifecycle topics' envelopes) per DC."""
+    arrived: dict[str, tuple[float, RequestArrived]] = {}
+    routed: dict[str, str] = {}
+    completed: dict[str, RequestCompleted] = {}
+    for envelope in events:
+        payload = envelope.payload
+        if isinstance(payload, RequestArrived):
+            arrived.setdefault(payload.request_id, (envelope.ts, payload))
+        elif isinstance(payload, RequestRouted):
+            routed[payload.request_id] = payload.dc
+        elif isinstance(payload, RequestCompleted):
+            completed[payload.request_id] = payload
+    start = min((ts for ts, _ in arrived.values()), default=0.0)
+    workloads: dict[str, list[TraceRequest]] = {}
+    for request_id, (ts, request) in sorted(arrived.items(), key=lambda item: item[1][0]):
+        if request_id in routed:
+            done = completed.get(request_id)
+            trace = _trace_request(request, ts - start, done)
+            workloads.setdefault(routed[request_id], []).append(trace)
+    measured = {dc: _measured(work, completed) for dc, work in workloads.items()}
+    return Recorded(workloads, measured, len(arrived) - len(routed.keys() & arrived.keys()))
+
+
+def _trace_request(
+    request: RequestArrived, arrival_s: float, done: RequestCompleted | None
+) -> TraceRequest:
+    return TraceRequest(
+        request_id=request.request_id,
+        arrival_s=arrival_s,
+        input_tokens=request.input_tokens,
+        output_tokens=max(1, done.output_tokens if done else request.output_budget),
+        prefix_blocks=tuple(request.prefix_blocks),
+        task_class=request.task_class,
+        tenant=request.tenant,
+        deadline_s=request.deadline_s,
+        max_tokens=request.output_budget or None,
+        residency=request.residency,
+    )
+
+
+def _measured(
+    workload: Sequence[TraceRequest], completed: dict[str, RequestCompleted]
+) -> dict[str, float]:
+    """What the clients of these requests got: completions and TTFT (streamed ones)."""
+    done = [completed[r.request_id] for r in workload if r.request_id in completed]
+    ttfts = [c.ttft_s for c in done if c.streamed]
+    return {"requests": len(workload), "completed": len(done)} | latency_stats("ttft", ttfts)
+
+
+def whatif(
+    record: Recorded, fleet: FleetConfig, stacks: Sequence[Stack], dcs: Collection[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """Per DC (``dcs``: only these), each stack's simulated figures on the DC's recorded
+    arrivals, beside what its clients got."""
+    out: dict[str, dict[str, Any]] = {}
+    for dc, workload in sorted(record.workloads.items()):
+        instances = [i for i in fleet.instances if i.dc == dc]
+        if not instances or (dcs and dc not in dcs):
+            continue
+        model = fleet.model(instances[0].model)
+        profile = (model.profile if model else None) or DEFAULT_PROFILE
+        out[dc] = {"measured": record.measured[dc], "instances": len(instances)}
+        for stack in stacks:
+            config = RunConfig(
+                trace="recorded",
+                instances=len(instances),
+                policy=stack.policy,
+                profile=profile,
+                admission=stack.admission,
+            )
+            result, _ = simulate_run(config, workload=workload)
+            out[dc][stack.name] = _figures(result["summary"])
+    return out
+
+
+def _figures(summary: dict[str, Any]) -> dict[str, float]:
+    classes = summary["classes"].values()
+    requests = sum(c["requests"] for c in classes)
+    return {
+        "goodput_tok_s": summary["goodput_tok_s"],
+        "compliance": sum(c["met"] for c in classes) / requests if requests else 1.0,
+        "completed": summary["completed"],
+        "ttft_p50_s": summary["ttft_p50_s"],
+        "ttft_p95_s": summary["ttft_p95_s"],
+    }
