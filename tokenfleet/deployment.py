@@ -74,16 +74,24 @@ def plan(
 
 
 def _emulators(fleet: FleetConfig, fleet_args: tuple[str, ...]) -> list[Part]:
-    """One emulator per DC with instances, each behind the round trip from the edge's
-    region; ready once its first instance answers."""
+    """One emulator per DC with instances on this machine (the others are real servers),
+    each behind the round trip from the edge's region; ready once its first answers."""
     entry_region = fleet.dcs[0].region
     parts = []
     for dc in fleet.dcs:
-        urls = [str(i.url).rstrip("/") for i in fleet.instances if i.dc == dc.name]
+        urls = [
+            str(i.url).rstrip("/")
+            for i in fleet.instances
+            if i.dc == dc.name and i.url.host in ("127.0.0.1", "localhost")
+        ]
         if urls:
             args = ("emulate", *fleet_args, "--dc", dc.name, "--region", entry_region)
             parts.append(Part(f"emulate-{dc.name}", (*args, "--kv-events"), urls[0]))
     return parts
+
+
+def _service_settings(env: Mapping[str, str]) -> dict[str, str]:
+    return {key: env[key] for key in SERVICE_SETTINGS if key in env}
 
 
 class Record(TypedDict):
@@ -120,14 +128,12 @@ class Deployment:
         each to be ready (``say`` is told of each); on a failure, stop everything, as
         ``stop`` does, and raise. ``own_services``: the local services (``kafka``,
         ``redis``) started for this deployment, which ``stop`` stops too."""
-        self.home.mkdir(parents=True, exist_ok=True)
         env = {"TOKENFLEET_WORKER_DATA_DIR": str(self.home / "worker" / "data"), **env}
-        record: Record = {
-            "parts": [asdict(part) for part in parts],
-            "settings": {key: env[key] for key in SERVICE_SETTINGS if key in env},
-            "own_services": list(own_services),
-        }
-        self.record_path.write_text(json.dumps(record, indent=2) + "\n")
+        settings = _service_settings(env)
+        parts_recorded = [asdict(part) for part in parts]
+        self._write(
+            {"parts": parts_recorded, "settings": settings, "own_services": [*own_services]}
+        )
         try:
             for part in parts:
                 self._launch(part, env, timeout_s)
@@ -164,6 +170,7 @@ class Deployment:
             home = self.home / "redis"
             env["TOKENFLEET_REDIS_URL"] = running_url(home) or LocalRedis(home).start(detach=True)
             started.append("redis")
+        self._write({"parts": [], "settings": _service_settings(env), "own_services": started})
         return env, started
 
     def stop(self) -> None:
@@ -181,6 +188,11 @@ class Deployment:
         for part in reversed(self.parts()):
             if names is None or part.name in names:
                 self._server(part).terminate()
+
+    def _write(self, record: Record) -> None:
+        """Record what runs before starting it, so that ``stop`` finds whatever started."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.record_path.write_text(json.dumps(record, indent=2) + "\n")
 
     def _launch(self, part: Part, env: Mapping[str, str], timeout_s: float) -> None:
         url = part.url

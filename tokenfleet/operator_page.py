@@ -9,7 +9,9 @@ derived from the same state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator, Iterator
 from importlib import resources
 from typing import Any
@@ -25,36 +27,49 @@ from starlette.routing import Route
 
 from streams.bus import EventBus
 from streams.feeds import follow
+from tokenfleet.loop_status import CONTROL_TOPICS, TABLE_TOPICS
 from tokenfleet.operator_view import OperatorView
 
 PAGE = resources.files("tokenfleet") / "static" / "operators.html"
 
 
-VIEWED_TOPICS = (
-    "tf.tables.goodput",
-    "tf.tables.capacity",
-    "tf.control.quotas",
-    "tf.control.weights",
-)
+VIEWED_TOPICS = (*TABLE_TOPICS, *CONTROL_TOPICS)
 
 
-async def serve_operator_view(bus: EventBus, host: str, port: int, every_s: float) -> None:
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handling: the controller's process stops it (and its
+    loops) on SIGTERM and Ctrl-C itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve_operator_view(bus: EventBus, listening: socket.socket, every_s: float) -> None:
     """Follow the tables and controls on ``bus`` (from the start of their compacted
-    topics) and serve their view on ``host:port`` until cancelled."""
+    topics) and serve their view on the ``listening`` socket until cancelled; open event
+    streams get a second to end, then are closed."""
     view = OperatorView()
     readers = [
         asyncio.create_task(follow(bus, topic, view.apply, "earliest")) for topic in VIEWED_TOPICS
     ]
-    config = uvicorn.Config(operator_app(view, every_s), host=host, port=port, log_level="warning")
+    config = uvicorn.Config(
+        operator_app(view, every_s), log_level="warning", timeout_graceful_shutdown=1
+    )
+    server = _Server(config)
+    serving = asyncio.create_task(server.serve([listening]))
     try:
-        await uvicorn.Server(config).serve()
+        await asyncio.shield(serving)
     finally:
+        server.should_exit = True
+        await asyncio.gather(serving, return_exceptions=True)
         for reader in readers:
             reader.cancel()
         await asyncio.gather(*readers, return_exceptions=True)
 
 
 def operator_app(view: OperatorView, every_s: float = 1.0) -> Starlette:
+    """The page, the events, the state and the gauges of ``view``."""
     registry = CollectorRegistry()
     registry.register(ViewMetrics(view))
 
@@ -68,15 +83,16 @@ def operator_app(view: OperatorView, every_s: float = 1.0) -> Starlette:
         """One event every ``every_s``; with ``?limit=N``, N events and the end (a
         headless browser's page load ends; an ``EventSource`` would reconnect)."""
         limit = request.query_params.get("limit")
-        if limit is not None and not limit.isdigit():
+        if limit is not None and not (limit.isascii() and limit.isdigit()):
             return JSONResponse({"error": "limit must be a whole number"}, status_code=400)
+        retry_ms = 60_000 if limit else 2_000  # a bounded stream is not to be resumed
 
         async def stream() -> AsyncIterator[str]:
             sent = 0
             while limit is None or sent < int(limit):
                 if await request.is_disconnected():
                     return
-                yield f"retry: 60000\ndata: {json.dumps(view.state())}\n\n"
+                yield f"retry: {retry_ms}\ndata: {json.dumps(view.state())}\n\n"
                 sent += 1
                 await asyncio.sleep(every_s)
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,9 +18,11 @@ import pytest
 
 from tests.conftest import unavailable
 from tests.gateway_harness import http_server
+from tests.services import Service
 from tests.unit.test_operator_view import Clock, capacity, goodput, quotas, weights
 from tokenfleet.operator_page import operator_app
 from tokenfleet.operator_view import OperatorView
+from tokenfleet.services.process import answers_http, free_port
 
 
 @pytest.fixture
@@ -86,3 +91,36 @@ async def _render(url: str, tmp_path: Path) -> str:
     out, _ = await asyncio.wait_for(process.communicate(), timeout=120)
     assert process.returncode == 0
     return out.decode()
+
+
+@pytest.mark.kafka
+async def test_the_controller_stops_on_sigterm_while_a_page_follows_its_events(
+    kafka: Service,
+) -> None:
+    """An open event stream does not hold the process: it ends within the grace that
+    ``tokenfleet down`` gives before SIGKILL (30 s), as does its view's stream."""
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "tokenfleet.cli", "controller", "--port", str(port)),
+        env=os.environ | {"TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):  # its imports and the broker's topics: seconds here
+            if await asyncio.to_thread(answers_http, url + "/health"):
+                break
+            await asyncio.sleep(0.2)
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+            http.stream("GET", "/events") as events,
+        ):
+            lines = events.aiter_lines()
+            assert (await anext(lines)).startswith("retry: ")
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), timeout=25) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

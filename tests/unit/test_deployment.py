@@ -72,6 +72,7 @@ def test_the_compose_file_runs_the_same_parts_with_the_same_settings() -> None:
         assert service["command"] == list(part.args), part.name
         assert set(SERVICE_SETTINGS) <= set(service["environment"]), part.name
         assert service["network_mode"] == "host", part.name  # the fleet's 127.0.0.1 URLs
+        assert service["init"] is True, part.name  # SIGTERM reaches the part
         assert service["image"] == "tokenfleet:local", part.name
         assert "topics" in service["depends_on"], part.name
     settings = services["collector"]["environment"]
@@ -97,3 +98,12 @@ def test_up_refuses_a_missing_fleet_file_and_starts_nothing(
     assert "cannot read fleet file" in capsys.readouterr().err
     assert Deployment(home).parts() == []
     assert main(["down", "--home", str(home)]) == 0  # nothing to stop is no error
+
+
+def test_the_controller_refuses_a_taken_view_port_before_it_starts(
+    taken_port: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # never reached
+    assert main(["controller", "--port", str(taken_port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{taken_port}" in capsys.readouterr().err
+    assert main(["controller", "--period", "5", "--ttl", "10"]) == 2  # renewed too late

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from tokenfleet.commands.errors import CliError
-from tokenfleet.deployment import DEFAULT_HOME, GATEWAY_PORT
+from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME, GATEWAY_PORT
 
 LOCAL_FLEET = Path("examples/fleet-local.toml")
 
@@ -36,6 +36,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=int,
         default=GATEWAY_PORT,
         help="the edge gateway's port (default: %(default)s)",
+    )
+    up.add_argument(
+        "--controller-port",
+        type=int,
+        default=CONTROLLER_PORT,
+        help="the operators' view, served by the controller (default: %(default)s)",
     )
     up.add_argument(
         "--period", type=float, default=5.0, help="the controllers' period (default: 5 s)"
@@ -75,15 +81,27 @@ def _up(args: argparse.Namespace) -> int:
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
     parts = plan(
-        fleet, str(args.fleet), gateway_port=args.gateway_port, period_s=args.period, ttl_s=args.ttl
+        fleet,
+        str(args.fleet),
+        gateway_port=args.gateway_port,
+        controller_port=args.controller_port,
+        period_s=args.period,
+        ttl_s=args.ttl,
     )
     env, own = deployment.with_own_services(os.environ)
     print(f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {env['TOKENFLEET_REDIS_URL']}")
-    asyncio.run(create_topics(env["TOKENFLEET_KAFKA_BOOTSTRAP"], TOPICS))
-    deployment.start(parts, env, own, say=lambda part: print(f"  started {part.name}", flush=True))
+    try:
+        asyncio.run(create_topics(env["TOKENFLEET_KAFKA_BOOTSTRAP"], TOPICS))
+        deployment.start(parts, env, own, say=lambda p: print(f"  started {p.name}", flush=True))
+    except BaseException as exc:
+        deployment.stop()  # the services started for it too
+        if isinstance(exc, Exception) and not isinstance(exc, CliError):
+            raise CliError(f"the deployment did not start: {exc}") from None
+        raise
     edge = next(part.url for part in parts if part.name.startswith("gateway-"))
     print(
-        f"The edge gateway: {edge}/v1 (an API key of the fleet file's tenants).\n"
+        f"The edge gateway: {edge}/v1 (an API key of the fleet file's tenants); the "
+        f"operators' page: http://127.0.0.1:{args.controller_port}/.\n"
         f"Logs: {args.home}/<part>/server.log. Next: tokenfleet status --home {args.home}; "
         f"tokenfleet down --home {args.home}."
     )

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import signal
+import socket
+from collections.abc import Awaitable
 from pathlib import Path
 
 from tokenfleet.commands.broker import broker
@@ -129,13 +132,13 @@ def _status(args: argparse.Namespace) -> int:
 
     deployment = Deployment(args.home)
     bootstrap = broker(args.home)
+    recorded = deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
+    parts = deployment.pids() if recorded == bootstrap else {}  # another broker's, else
     try:
         latest = asyncio.run(latest_on(bootstrap))
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
-    checks = process_checks(deployment.pids()) + loop_checks(
-        latest, time.time(), args.stale_after, args.dc
-    )
+    checks = process_checks(parts) + loop_checks(latest, time.time(), args.stale_after, args.dc)
     for check in checks:
         print(f"{'ok ' if check.ok else 'NO '} {check.what:20} {check.key:16} {check.detail}")
     closed, why = verdict(checks)
@@ -199,14 +202,16 @@ def _controller(args: argparse.Namespace) -> int:
     from tokenfleet.operator_page import serve_operator_view
 
     bootstrap = broker()
-    if args.period <= 0 or args.ttl <= 0:
-        raise CliError("--period and --ttl must be positive")
-    if not 0 <= args.port < 65536:
-        raise CliError("--port must be a port number, or 0 for none")
+    if args.period <= 0 or args.ttl < 3 * args.period:
+        raise CliError(
+            "--period must be positive and --ttl at least three periods (snapshots are "
+            "renewed every third of their TTL, on a pass)"
+        )
     try:
         fleet = load_fleet(args.fleet) if args.fleet else None
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
+    listening = _view_socket(args.host, args.port)
 
     async def run() -> None:
         await create_topics(bootstrap, TOPICS)
@@ -217,13 +222,40 @@ def _controller(args: argparse.Namespace) -> int:
             models, edges = [m.name for m in fleet.models], [dc.name for dc in fleet.dcs]
             weights = WeightController(WeightParams(ttl_s=args.ttl))
             hosts.append(WeightHost(bus, models, edges, weights, period_s=args.period).run())
-        if args.port:
-            hosts.append(serve_operator_view(bus, args.host, args.port, args.period))
+        if listening is not None:
+            hosts.append(serve_operator_view(bus, listening, args.period))
         try:
-            await asyncio.gather(*hosts)
+            await until_stopped(asyncio.gather(*hosts))
         finally:
             await bus.close()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
     return 0
+
+
+def _view_socket(host: str, port: int) -> socket.socket | None:
+    """The operators' view's listening socket, bound now so that a taken port is an error
+    before anything starts (None for port 0: no view)."""
+    if port == 0:
+        return None
+    try:
+        return socket.create_server((host, port))
+    except (OSError, OverflowError) as exc:
+        raise CliError(f"the operators' view cannot listen on {host}:{port}: {exc}") from None
+
+
+async def until_stopped(work: Awaitable[object]) -> None:
+    """Run ``work`` until it ends or SIGTERM or SIGINT comes; then cancel it and wait for
+    its clean-up (a controller's loops and its view close their connections)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    running = asyncio.ensure_future(work)
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    running.cancel()  # no-op when it has ended by itself: its exception is raised below
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
