@@ -1,4 +1,5 @@
-"""The Grafana dashboard asks only for metrics, and labels, the gateway exports."""
+"""The Grafana dashboards ask only for metrics, and labels, that TokenFleet exports: the
+gateways' and the controller's."""
 
 from __future__ import annotations
 
@@ -7,41 +8,79 @@ import re
 from pathlib import Path
 
 from gateway.metrics import GatewayMetrics
+from tests.unit.test_operator_view import Clock, capacity, goodput, quotas, weights
+from tokenfleet.operator_page import ViewMetrics
+from tokenfleet.operator_view import OperatorView
 
-DASHBOARD = Path(__file__).parents[2] / "examples" / "grafana" / "tokenfleet-gateways.json"
-
-
-def exported(metrics: GatewayMetrics) -> set[str]:
-    """Each sample name the gateway's registry can export."""
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
-    return {
-        family.name + suffix
-        for family in metrics.registry.collect()
-        for suffix in suffixes.get(family.type, ("",))
-    }
+DASHBOARDS = Path(__file__).parents[2] / "examples" / "grafana"
+Exported = dict[str, set[str]]
+"""Each sample name that can be exported, with the labels it carries."""
 
 
-def test_every_query_names_an_exported_metric_and_its_labels() -> None:
+def gateway_metrics() -> Exported:
     metrics = GatewayMetrics()
-    known = exported(metrics)
     labels_of = {
         collector._name: set(collector._labelnames)  # type: ignore[attr-defined]
         for collector in metrics.registry._collector_to_names  # type: ignore[attr-defined]
         if hasattr(collector, "_labelnames")
     }
-    expressions = [
-        target["expr"]
-        for panel in json.loads(DASHBOARD.read_text())["panels"]
-        for target in panel["targets"]
-    ]
-    assert len(expressions) >= 10
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+    return {
+        family.name + suffix: labels_of.get(family.name, set()) | {"le"}
+        for family in metrics.registry.collect()
+        for suffix in suffixes.get(family.type, ("",))
+    }
+
+
+def controller_metrics() -> Exported:
+    """What the controller's view exports once every table and control has arrived."""
+    view = OperatorView(Clock())
+    for message in (
+        goodput("dc-a", 1, 990.0, met=90, tokens_per_s=100.0),
+        capacity("dc-a", 1, 990.0),
+        quotas("dc-a", 990.0, limit=4),
+        weights(990.0, dc_a=1.0),
+    ):
+        view.apply(message)
+    return {
+        sample.name: set(sample.labels)
+        for family in ViewMetrics(view).collect()
+        for sample in family.samples
+    }
+
+
+def queries(dashboard: str) -> list[str]:
+    panels = json.loads((DASHBOARDS / dashboard).read_text())["panels"]
+    return [target["expr"] for panel in panels for target in panel["targets"]]
+
+
+def unknown_in(expressions: list[str], prefix: str, exported: Exported) -> list[str]:
+    """What each expression asks for that is not exported: a metric, or a label of one."""
+    wrong = []
     for expression in expressions:
-        for name in re.findall(r"tokenfleet_gateway_[a-z_]+", expression):
-            assert name in known, f"{name} is not exported"
-            base = re.sub(r"_(total|bucket|sum|count)$", "", name)
-            used = set(re.findall(r"(\w+)=", expression)) | set(
-                label.strip()
-                for group in re.findall(r"by \(([^)]*)\)", expression)
-                for label in group.split(",")
-            )
-            assert used <= labels_of.get(base, set()) | {"le"}, (expression, used)
+        used = set(re.findall(r"(\w+)=", expression)) | {
+            label.strip()
+            for group in re.findall(r"by \(([^)]*)\)", expression)
+            for label in group.split(",")
+        }
+        for name in re.findall(prefix + r"[a-z_]+", expression):
+            if name not in exported:
+                wrong.append(f"{name} is not exported")
+            elif not used <= exported[name]:
+                wrong.append(f"{expression}: labels {sorted(used - exported[name])}")
+    return wrong
+
+
+def test_the_gateways_dashboard_asks_for_what_the_gateway_exports() -> None:
+    expressions = queries("tokenfleet-gateways.json")
+    assert len(expressions) >= 10
+    assert unknown_in(expressions, "tokenfleet_gateway_", gateway_metrics()) == []
+
+
+def test_the_controllers_dashboard_asks_for_what_the_controller_exports() -> None:
+    expressions = queries("tokenfleet-controller.json")
+    exported = controller_metrics()
+    assert len(expressions) == 6
+    assert unknown_in(expressions, "tokenfleet_controller_", exported) == []
+    asked = {n for e in expressions for n in re.findall(r"tokenfleet_controller_[a-z_]+", e)}
+    assert asked == set(exported)  # every gauge has its panel
