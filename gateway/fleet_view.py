@@ -54,6 +54,8 @@ class FleetView:
         self.fleet = fleet
         self.failure_cooldown_s = failure_cooldown_s
         self._telemetry: dict[str, InstanceTelemetry] = {}
+        self._standby = frozenset(i.id for i in fleet.instances if i.standby)
+        """Instances down until a placement starts them: not ready before telemetry says."""
         self._failed_until: dict[str, float] = {}
         self._tokens_seen: dict[str, float] = {}
         self._pools: dict[tuple[str, str], Pool] = {}
@@ -89,7 +91,9 @@ class FleetView:
         if time.monotonic() < self._failed_until.get(instance_id, 0.0):
             return False
         telemetry = self._telemetry.get(instance_id)
-        return telemetry is None or telemetry.ready
+        if telemetry is None:
+            return instance_id not in self._standby
+        return telemetry.ready
 
     def kv_capacity(self, instance_id: str) -> int:
         """The instance's KV cache in blocks, as last reported."""

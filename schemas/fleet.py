@@ -54,6 +54,12 @@ class InstanceConfig(Frozen):
     model: Identifier
     version: Identifier = "1"
     engine: Literal["vllm", "sglang"] = "vllm"
+    standby: bool = Field(
+        default=False,
+        description="A GPU kept for one more replica: down until FleetMind's long cycle "
+        "places a replica on it (``tf.control.placement``), and down again when it takes "
+        "the replica back. Gateways count it not ready until its telemetry says otherwise.",
+    )
 
 
 class TenantConfig(Frozen):

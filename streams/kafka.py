@@ -42,6 +42,9 @@ class KafkaBus(EventBus):
         self.source = source
         self._delivery_timeout_ms = int(delivery_timeout_s * 1000)
         self._producer: AIOKafkaProducer | None = None
+        self._producer_starting = asyncio.Lock()
+        """Publishers that start at once share one producer (each made its own, and all
+        but the last leaked)."""
 
     async def publish(self, topic: str, key: str, value: bytes | None) -> None:
         producer = await self._started_producer()
@@ -66,17 +69,18 @@ class KafkaBus(EventBus):
             self._producer = None
 
     async def _started_producer(self) -> AIOKafkaProducer:
-        if self._producer is None:
-            producer = AIOKafkaProducer(
-                bootstrap_servers=self.bootstrap,
-                client_id=self.source,
-                enable_idempotence=True,
-                acks="all",
-                request_timeout_ms=self._delivery_timeout_ms,
-            )
-            await _started(producer)
-            self._producer = producer
-        return self._producer
+        async with self._producer_starting:
+            if self._producer is None:
+                producer = AIOKafkaProducer(
+                    bootstrap_servers=self.bootstrap,
+                    client_id=self.source,
+                    enable_idempotence=True,
+                    acks="all",
+                    request_timeout_ms=self._delivery_timeout_ms,
+                )
+                await _started(producer)
+                self._producer = producer
+            return self._producer
 
     async def _open(self, topic: str, start: StartFrom) -> RecordStream:
         consumer, partitions = await self._assigned_consumer(topic)

@@ -1,5 +1,6 @@
-"""The controllers on an event bus: SLOMax's quotas and FleetMind's weights, in
-``tokenfleet controller`` on Kafka and in the embedded mode's in-process loop.
+"""The controllers on an event bus: SLOMax's quotas, FleetMind's weights and its long
+cycle's placements, in ``tokenfleet controller`` on Kafka (quotas and weights also in the
+embedded mode's in-process loop).
 
 ``QuotaHost``: every ``period_s`` it reconciles each DC whose goodput and capacity tables it
 has read (``control.controllers.slomax``) and publishes the quotas a change calls for on
@@ -22,13 +23,27 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from control.controllers.fleetmind import WeightController, weights_of
+from control.controllers.placement import (
+    DcReplicas,
+    PlacementController,
+    concluded_rps,
+)
 from control.controllers.slomax import QuotaController
 from schemas import Envelope
-from schemas.control import AdmissionQuotas, ControlSnapshot, RoutingWeights
+from schemas.control import (
+    AdmissionQuotas,
+    ControlSnapshot,
+    PlacementAction,
+    PlacementRecommendation,
+    RoutingWeights,
+)
+from schemas.fleet import FleetConfig
 from schemas.tables import CapacityTable, GoodputTable
 from streams.bus import EventBus
 from streams.feeds import follow
@@ -37,6 +52,7 @@ log = logging.getLogger(__name__)
 
 QUOTAS_TOPIC = "tf.control.quotas"
 WEIGHTS_TOPIC = "tf.control.weights"
+PLACEMENT_TOPIC = "tf.control.placement"
 TABLE_TOPICS = ("tf.tables.goodput", "tf.tables.capacity")
 SnapshotT = TypeVar("SnapshotT", bound=ControlSnapshot)
 STALE_AFTER_S = 30.0
@@ -278,3 +294,145 @@ class WeightHost(_ControlHost[RoutingWeights]):
                 if self._weights.get(dc, 1.0) != weight:
                     self._changed_at[dc] = message.issued_at
                 self._weights[dc] = weight
+
+
+@dataclass(frozen=True)
+class _Managed:
+    """A model the long cycle places in a DC."""
+
+    floor: int
+    """Instances not on standby: its base deployment."""
+    ceiling: int
+    """Every instance of it there, standby included."""
+    version: str
+    rps: float
+    """What one replica serves (the fleet file's ``rps_per_instance``)."""
+
+
+class PlacementHost(_ControlHost[PlacementRecommendation]):
+    """FleetMind's long cycle on a bus: every ``period_s`` (minutes) it judges each DC's
+    demand over the last ``window_s`` against the replicas ready there
+    (``control.controllers.placement``) and publishes one snapshot per DC on
+    ``tf.control.placement``: the replicas to run of every model that has standby GPUs
+    in it (instances marked ``standby`` in the fleet file). The first as soon as the DC's
+    tables are fresh (its base deployment), then a change or a renewal. Like the other
+    hosts it reads its topic back before deciding, and lets stale tables move nothing.
+
+    Demand is what the DC's goodput tables say it ended per second over the window, plus
+    what its capacity table shows waiting now, spread over the window; with several
+    models in one DC (the tables hold no model), each model's share is its share of the
+    requests running and queued. A model without ``rps_per_instance`` cannot be sized and
+    is left alone."""
+
+    control_topic = PLACEMENT_TOPIC
+    input_topics = TABLE_TOPICS
+
+    def __init__(
+        self,
+        bus: EventBus,
+        fleet: FleetConfig,
+        controller: PlacementController | None = None,
+        period_s: float = 60.0,
+        window_s: float | None = None,
+        renew_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+        source: str = "controller",
+        stale_after_s: float = STALE_AFTER_S,
+    ) -> None:
+        """``window_s`` None: one period."""
+        self.fleet = fleet
+        self.controller = controller or PlacementController()
+        self.window_s = period_s if window_s is None else window_s
+        ttl_s = self.controller.params.ttl_s
+        super().__init__(bus, ttl_s, period_s, renew_s, clock, source, stale_after_s)
+        self._ended: dict[str, deque[tuple[float, float, int]]] = {}
+        """Per DC, each goodput table's (window end, requests ended per second, version)."""
+        self._capacity: dict[str, CapacityTable] = {}
+        self._changed_at: dict[str, float] = {}
+
+    def managed(self, dc: str) -> dict[str, _Managed]:
+        """The models of ``dc`` the long cycle places: those with standby GPUs there and
+        a stated ``rps_per_instance`` (the size of a replica)."""
+        out = {}
+        for model in self.fleet.models:
+            mine = [i for i in self.fleet.instances if (i.dc, i.model) == (dc, model.name)]
+            spare = [i for i in mine if i.standby]
+            if model.rps_per_instance and spare:
+                floor = len(mine) - len(spare)
+                out[model.name] = _Managed(
+                    floor, len(mine), spare[0].version, model.rps_per_instance
+                )
+        return out
+
+    async def reconcile(self) -> list[PlacementRecommendation]:
+        """One pass over every DC with standby GPUs and fresh tables; what it published."""
+        now = self.clock()
+        snapshots = []
+        for dc in (d.name for d in self.fleet.dcs):
+            models = self.managed(dc)
+            capacity, ended = self._capacity.get(dc), self._ended.get(dc)
+            if not models or capacity is None or not ended:
+                continue
+            if now - capacity.window_end > self.stale_after_s:
+                continue
+            desired = self._desired(dc, models, capacity, now)
+            published = self._published.get(dc)
+            if published is None:
+                snapshots.append(self.controller.snapshot(dc, desired, 1, now))
+            elif desired != published.actions or now - published.issued_at >= self.renew_s:
+                snapshots.append(self.controller.snapshot(dc, desired, published.version + 1, now))
+        return await self._publish(snapshots)
+
+    def _desired(
+        self, dc: str, models: dict[str, _Managed], capacity: CapacityTable, now: float
+    ) -> tuple[PlacementAction, ...]:
+        ended = [rate for end, rate, _ in self._ended[dc] if end >= now - self.window_s]
+        rate = sum(ended) / len(ended) if ended else 0.0
+        busy = {m: sum(r.running + r.queued for r in capacity.rows if r.model == m) for m in models}
+        actions = []
+        for model, managed in models.items():
+            rows = [r for r in capacity.rows if r.model == model]
+            share = busy[model] / sum(busy.values()) if any(busy.values()) else 1 / len(models)
+            current = self._current(dc, model)
+            deployed = managed.floor if current is None else current.target_replicas
+            replicas = DcReplicas(
+                ready=sum(r.ready_endpoints for r in rows),
+                deployed=deployed,
+                floor=managed.floor,
+                ceiling=managed.ceiling,
+                sent_rps=rate * share + sum(r.queued for r in rows) / self.window_s,
+            )
+            moves = self.controller.targets({dc: replicas}, managed.rps, self._changed_at, now)
+            kept = (deployed, "base deployment" if current is None else current.reason)
+            target, why = moves.get(dc, kept)
+            actions.append(
+                PlacementAction(
+                    model=model,
+                    model_version=managed.version,
+                    dc=dc,
+                    target_replicas=target,
+                    reason=why,
+                )
+            )
+        return tuple(actions)
+
+    def _current(self, dc: str, model: str) -> PlacementAction | None:
+        """What was last published for ``model`` in ``dc``."""
+        published = self._published.get(dc)
+        actions = published.actions if published is not None else ()
+        return next((a for a in actions if a.model == model), None)
+
+    def apply(self, message: object) -> None:
+        """Take in a table or a placement read from the bus (newer versions only)."""
+        if isinstance(message, GoodputTable):
+            ended = self._ended.setdefault(message.dc, deque(maxlen=1000))
+            if not ended or message.version > ended[-1][2]:
+                ended.append((message.window_end, concluded_rps(message), message.version))
+        elif isinstance(message, CapacityTable) and message.supersedes(
+            self._capacity.get(message.dc)
+        ):
+            self._capacity[message.dc] = message
+        elif isinstance(message, PlacementRecommendation):
+            before = self._published.get(message.scope)
+            if self._taken_in(message) and before is not None and before.actions != message.actions:
+                self._changed_at[message.scope] = message.issued_at

@@ -75,18 +75,21 @@ def plan(
 
 def _emulators(fleet: FleetConfig, fleet_args: tuple[str, ...]) -> list[Part]:
     """One emulator per DC with instances on this machine (the others are real servers),
-    each behind the round trip from the edge's region; ready once its first answers."""
+    each behind the round trip from the edge's region; ready once its first instance not
+    on standby answers. A DC with standby instances follows FleetMind's placements."""
     entry_region = fleet.dcs[0].region
     parts = []
     for dc in fleet.dcs:
-        urls = [
-            str(i.url).rstrip("/")
+        local = [
+            i
             for i in fleet.instances
             if i.dc == dc.name and i.url.host in ("127.0.0.1", "localhost")
         ]
-        if urls:
+        if local:
             args = ("emulate", *fleet_args, "--dc", dc.name, "--region", entry_region)
-            parts.append(Part(f"emulate-{dc.name}", (*args, "--kv-events"), urls[0]))
+            args += ("--kv-events", *(("--placement",) if any(i.standby for i in local) else ()))
+            serving = [str(i.url).rstrip("/") for i in local if not i.standby]
+            parts.append(Part(f"emulate-{dc.name}", args, serving[0] if serving else None))
     return parts
 
 

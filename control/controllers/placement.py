@@ -13,13 +13,15 @@ last one asked for.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import Field
 
 from schemas.control import PlacementAction, PlacementRecommendation
+from schemas.fleet import InstanceConfig
+from schemas.tables import GoodputTable
 
 
 @dataclass(frozen=True)
@@ -74,24 +76,40 @@ class PlacementController:
                 out[name] = (dc.deployed - 1, f"load {load:.2f}")
         return out
 
-    def recommendation(
-        self,
-        targets: Mapping[str, tuple[int, str]],
-        model: str,
-        version: str,
-        scope: str,
-        version_number: int,
-        now: float,
+    def snapshot(
+        self, dc: str, desired: Sequence[PlacementAction], version: int, now: float
     ) -> PlacementRecommendation:
+        """``dc``'s replicas of every model the long cycle manages there, whole: whoever
+        applies it (an emulator, an operator's tooling) reads only the newest and makes
+        its replicas match."""
         return PlacementRecommendation(
-            scope=scope,
-            version=version_number,
+            scope=dc,
+            version=version,
             issued_at=now,
             ttl_s=self.params.ttl_s,
-            actions=tuple(
-                PlacementAction(
-                    model=model, model_version=version, dc=dc, target_replicas=n, reason=why
-                )
-                for dc, (n, why) in sorted(targets.items())
-            ),
+            actions=tuple(desired),
         )
+
+
+def concluded_rps(table: GoodputTable) -> float:
+    """Requests a DC's window ended per second: completed, failed, cancelled or timed out.
+    At saturation this reads what its replicas serve, so a DC that runs hot shows as
+    running at capacity and grows a step at a time."""
+    span = max(table.window_end - table.window_start, 1e-9)
+    ended = sum(r.completed + r.failures + r.cancellations + r.timeouts for r in table.classes)
+    return ended / span
+
+
+def instances_to_run(
+    instances: Sequence[InstanceConfig], placed: PlacementRecommendation | None
+) -> frozenset[str]:
+    """Which of a DC's ``instances`` run under ``placed``: every one not on standby, and
+    per model the first standby ones (in the fleet file's order) that bring it to the
+    replicas ``placed`` asks for; none of the standby ones without a recommendation."""
+    running = {i.id for i in instances if not i.standby}
+    for action in placed.actions if placed is not None else ():
+        placed_here = [i for i in instances if (i.model, i.dc) == (action.model, action.dc)]
+        floor = sum(1 for i in placed_here if not i.standby)
+        spare = [i.id for i in placed_here if i.standby]
+        running.update(spare[: max(action.target_replicas - floor, 0)])
+    return frozenset(running)

@@ -135,8 +135,12 @@ class QuotaController:
     def desired_per_instance(self, goodput: GoodputTable, per_instance: float) -> float:
         p = self.params
         rows = {row.key: row for row in goodput.classes}
-        chats, ended = attainment(rows[TaskClass.INTERACTIVE.value])
-        turned_away = rows[TaskClass.LONG_DOCUMENT.value].failures > 0
+        interactive = rows.get(TaskClass.INTERACTIVE.value)
+        documents = rows.get(TaskClass.LONG_DOCUMENT.value)
+        if interactive is None:  # a table without the class's row: nothing to judge by
+            return per_instance
+        chats, ended = attainment(interactive)
+        turned_away = documents is not None and documents.failures > 0
         if ended < p.min_outcomes:
             return per_instance
         if chats < p.interactive_target:

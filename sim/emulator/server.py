@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control.fleet.view import FleetState
-from schemas.fleet import FleetConfig
+from schemas.fleet import FleetConfig, InstanceConfig
 from sim.cluster import InstanceProfile
 from sim.emulator.app import create_app
 from sim.emulator.driver import EngineDriver
@@ -23,6 +23,9 @@ from sim.engine import Engine
 from sim.profiles import profile
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost"})
+DEFAULT_PROFILE = "llama3-70b-4xh100"
+DRAIN_S = 30
+"""How long a stopping instance lets the requests it runs finish before cutting them."""
 
 
 @dataclass
@@ -81,6 +84,7 @@ async def serve(
                 port=port,
                 log_level="warning",
                 lifespan="off",
+                timeout_graceful_shutdown=DRAIN_S,
             )
         )
         for i, port in zip(instances, ports, strict=True)
@@ -93,9 +97,10 @@ async def serve(
                 await asyncio.gather(*tasks)  # surfaces the start-up error
             await asyncio.sleep(0.01)
         yield instances
-    finally:
+    finally:  # stop listening, let what runs finish, then stop the engines
         for server in servers:
             server.should_exit = True
+        await asyncio.gather(*tasks[: len(servers)], return_exceptions=True)
         for task in tasks[len(servers) :]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -120,27 +125,44 @@ async def serve_fleet(
     region: str,
     speedup: float = 1.0,
     kv_events: bool = False,
-    default_profile: str = "llama3-70b-4xh100",
+    default_profile: str = DEFAULT_PROFILE,
     dc: str | None = None,
 ) -> AsyncIterator[list[EmulatedInstance]]:
-    """Every instance of ``fleet`` on this machine's loopback (its URL's port), with its
-    model's profile, behind the round trip between ``region`` and its DC's region (the
-    fleet file's ``[[network]]``; pairs not named, ``DEFAULT_RTT_S``); ``dc``: that DC's
-    alone (one process per DC, so that a DC can be stopped on its own)."""
-    local = [i for i in fleet.instances if i.url.host in LOOPBACK and dc in (None, i.dc)]
+    """Every instance of ``fleet`` on this machine's loopback (its URL's port) but those
+    on standby (``sim.emulator.standby`` starts them when a placement asks), each as
+    ``serve_instance`` serves it; ``dc``: that DC's alone (one process per DC, so that a
+    DC can be stopped on its own)."""
+    local = local_instances(fleet, dc)
     if not local:
         where = "" if dc is None else f" of {dc}"
         raise ValueError(f"no instance{where} of the fleet file is on 127.0.0.1 or localhost")
-    regions = {dc.name: dc.region for dc in fleet.dcs}
-    trips = FleetState((), fleet.round_trips_s())
     async with contextlib.AsyncExitStack() as stack:
         started = []
-        for instance in local:
-            config = fleet.model(instance.model)
-            chosen = profile((config.profile if config else None) or default_profile)
-            network = trips.rtt_s(region, regions[instance.dc])
-            port = instance.url.port or 80
-            started += await stack.enter_async_context(
-                serve(chosen, instance.model, [port], speedup, kv_events, network_s=network)
-            )
+        for instance in (i for i in local if not i.standby):
+            serving = serve_instance(fleet, instance, region, speedup, kv_events, default_profile)
+            started += await stack.enter_async_context(serving)
         yield started
+
+
+def local_instances(fleet: FleetConfig, dc: str | None = None) -> list[InstanceConfig]:
+    """``fleet``'s instances on this machine's loopback (``dc``'s alone, if given)."""
+    return [i for i in fleet.instances if i.url.host in LOOPBACK and dc in (None, i.dc)]
+
+
+def serve_instance(
+    fleet: FleetConfig,
+    instance: InstanceConfig,
+    region: str,
+    speedup: float = 1.0,
+    kv_events: bool = False,
+    default_profile: str = DEFAULT_PROFILE,
+) -> contextlib.AbstractAsyncContextManager[list[EmulatedInstance]]:
+    """One instance of ``fleet`` on its URL's port, with its model's profile, behind the
+    round trip between ``region`` and its DC's region (the fleet file's ``[[network]]``;
+    pairs not named, ``DEFAULT_RTT_S``)."""
+    regions = {dc.name: dc.region for dc in fleet.dcs}
+    config = fleet.model(instance.model)
+    chosen = profile((config.profile if config else None) or default_profile)
+    network = FleetState((), fleet.round_trips_s()).rtt_s(region, regions[instance.dc])
+    port = instance.url.port or 80
+    return serve(chosen, instance.model, [port], speedup, kv_events, network_s=network)

@@ -1,13 +1,16 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections import defaultdict
 
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from schemas import Envelope
 from schemas.lifecycle import RequestAdmitted
 from streams.kafka import KafkaBus, create_topics
+from tests.services import Service
 from tokenfleet.services.kafka import LocalKafka
 
 pytestmark = pytest.mark.kafka
@@ -42,3 +45,19 @@ async def test_a_producer_keeps_its_events_across_a_broker_restart(own_broker: L
     for key, numbers in queues.items():
         assert numbers == sorted(numbers), f"{key} out of order"
     assert sorted(n for numbers in queues.values() for n in numbers) == list(range(20))
+
+
+async def test_publishers_that_start_at_once_share_one_producer(kafka: Service) -> None:
+    """A controller's hosts publish their first snapshots in the same instant: each once
+    made a producer of its own, and all but the last were left running, unclosed."""
+    bus = KafkaBus(kafka.address, source="test")
+    before = _producers()
+    try:
+        await asyncio.gather(*(bus.publish_event(_admitted(n)) for n in range(3)))
+        assert _producers() - before == 1
+    finally:
+        await bus.close()
+
+
+def _producers() -> int:
+    return sum(isinstance(o, AIOKafkaProducer) for o in gc.get_objects())

@@ -1,5 +1,5 @@
-"""The controllers on a bus: tables in, quotas and weights out, renewed before they
-expire, continued after a restart."""
+"""The controllers on a bus: tables in, quotas, weights and placements out, renewed
+before they expire, continued after a restart."""
 
 from __future__ import annotations
 
@@ -9,13 +9,21 @@ import itertools
 from control.controllers.fleetmind import weights_of
 from control.controllers.slomax import QuotaController, long_documents
 from schemas.base import TaskClass
-from schemas.control import AdmissionQuotas
-from schemas.tables import GoodputTable
+from schemas.control import AdmissionQuotas, PlacementRecommendation
+from schemas.fleet import FleetConfig
+from schemas.tables import CapacityTable, GoodputTable
 from streams.feeds import follow
 from streams.memory import InMemoryBus
 from tests.conftest import read_for
 from tests.unit.test_quota_controller import capacity, row
-from tokenfleet.controller_host import QUOTAS_TOPIC, WEIGHTS_TOPIC, QuotaHost, WeightHost
+from tokenfleet.controller_host import (
+    PLACEMENT_TOPIC,
+    QUOTAS_TOPIC,
+    WEIGHTS_TOPIC,
+    PlacementHost,
+    QuotaHost,
+    WeightHost,
+)
 
 
 class Clock:
@@ -187,3 +195,115 @@ async def test_a_restarted_weights_controller_continues_versions_and_weights() -
     [again] = await restarted.reconcile()
     assert again.version == lowered.version + 1
     assert weights_of(again) == {"dc-b": 0.64}  # a step down from where it stood
+
+
+LONG_CYCLE_FLEET = FleetConfig.model_validate(
+    {
+        "dcs": [{"name": "dc-a", "region": "r1"}, {"name": "dc-b", "region": "r2"}],
+        "models": [{"name": "m", "rps_per_instance": 5.0}, {"name": "unsized"}],
+        "instances": [
+            {"id": "a-0", "dc": "dc-a", "url": "http://127.0.0.1:1", "model": "m"},
+            {"id": "b-0", "dc": "dc-b", "url": "http://127.0.0.1:2", "model": "m"},
+            *(
+                {"id": f"b-{n}", "dc": "dc-b", "url": f"http://127.0.0.1:{n + 2}", "model": "m"}
+                | {"standby": True}
+                for n in (1, 2)
+            ),
+            *(
+                {"id": f"u-{n}", "dc": "dc-b", "url": "http://127.0.0.1:9", "model": "unsized"}
+                | {"standby": n > 0}
+                for n in (0, 1)
+            ),
+        ],
+    }
+)
+"""dc-b runs one replica of ``m`` (5 requests a second each) and has GPUs for two more;
+dc-a has none to spare, and ``unsized`` states no rate, so the long cycle leaves both."""
+
+
+def feed_dc_b(
+    host: PlacementHost, ended_rps: float, ready: int, now: float, queued: int = 0
+) -> None:
+    """dc-b's tables for the minute ending ``now``: ``ended_rps`` requests a second ended
+    there, ``ready`` replicas of ``m`` serve and ``queued`` requests wait."""
+    version = next(TABLE_VERSIONS)
+    host.apply(
+        GoodputTable(
+            dc="dc-b",
+            version=version,
+            window_start=now - 60,
+            window_end=now,
+            classes=(row(TaskClass.INTERACTIVE, round(ended_rps * 60), 0),),
+            tenants=(),
+        )
+    )
+    rows = capacity(ready, now).rows[0].model_copy(update={"queued": queued, "running": 1})
+    host.apply(
+        CapacityTable(
+            dc="dc-b", version=version, window_start=now - 60, window_end=now, rows=(rows,)
+        )
+    )
+
+
+def targets(snapshot: PlacementRecommendation) -> dict[str, int]:
+    return {a.model: a.target_replicas for a in snapshot.actions}
+
+
+async def test_the_long_cycle_grows_a_hot_dc_onto_its_standby_gpus_and_waits_for_them() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=60.0, clock=clock)
+    feed_dc_b(host, ended_rps=6.0, ready=1, now=clock.now)  # 1.2 of its one replica
+    [grown] = await host.reconcile()
+    assert (grown.scope, grown.version, targets(grown)) == ("dc-b", 1, {"m": 2})
+    assert grown.actions[0].reason == "load 1.20"
+    clock.now += 150  # settled, but the second replica is still loading: nothing moves
+    feed_dc_b(host, ended_rps=12.0, ready=1, now=clock.now)
+    assert await host.reconcile() == []
+    feed_dc_b(host, ended_rps=12.0, ready=2, now=clock.now + 1)  # it serves: 1.2 of two
+    clock.now += 1
+    [again] = await host.reconcile()
+    assert (again.version, targets(again)) == (2, {"m": 3})  # 12 / 3.5 is 4; it has 3
+    clock.now += 60  # too soon after the move, though the load fell away
+    feed_dc_b(host, ended_rps=1.0, ready=3, now=clock.now)
+    assert await host.reconcile() == []
+    clock.now += 90  # settled and cold: one replica back, not all
+    feed_dc_b(host, ended_rps=1.0, ready=3, now=clock.now)
+    [shrunk] = await host.reconcile()
+    assert targets(shrunk) == {"m": 2}
+    clock.now += 45  # the tables stopped: nothing moves, nothing is renewed
+    assert await host.reconcile() == []
+    published = await read_for(bus, PLACEMENT_TOPIC, 0.05)
+    assert [targets(p) for p in published] == [{"m": 2}, {"m": 3}, {"m": 2}]
+
+
+async def test_a_queue_counts_as_demand_and_the_placement_is_renewed_unchanged() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=60.0, renew_s=100.0, clock=clock)
+    feed_dc_b(host, ended_rps=3.0, ready=1, now=clock.now)  # 0.6 of its replica
+    [base] = await host.reconcile()
+    assert (targets(base), base.actions[0].reason) == ({"m": 1}, "base deployment")
+    clock.now += 120
+    feed_dc_b(host, ended_rps=3.0, ready=1, now=clock.now, queued=120)  # + 2 a second
+    [grown] = await host.reconcile()
+    assert targets(grown) == {"m": 2}
+    clock.now += 100
+    feed_dc_b(host, ended_rps=6.0, ready=2, now=clock.now)  # 0.6 of two: in the band
+    [renewed] = await host.reconcile()
+    assert (renewed.version, targets(renewed), renewed.issued_at) == (3, {"m": 2}, clock.now)
+
+
+async def test_a_restarted_long_cycle_continues_from_the_published_placement() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    first = PlacementHost(bus, LONG_CYCLE_FLEET, clock=clock)
+    feed_dc_b(first, ended_rps=6.0, ready=1, now=clock.now)
+    [grown] = await first.reconcile()
+    restarted = PlacementHost(bus, LONG_CYCLE_FLEET, clock=clock, renew_s=10.0)
+    reader = asyncio.create_task(follow(bus, PLACEMENT_TOPIC, restarted.apply, "earliest"))
+    try:
+        await asyncio.wait_for(restarted.caught_up(), 5.0)
+    finally:
+        reader.cancel()
+    clock.now += 30
+    feed_dc_b(restarted, ended_rps=6.0, ready=2, now=clock.now)  # in the band on two
+    [renewed] = await restarted.reconcile()
+    assert (renewed.version, targets(renewed)) == (grown.version + 1, {"m": 2})

@@ -63,6 +63,19 @@ def test_every_part_is_a_command_line_the_cli_accepts() -> None:
     assert controller.url == "http://127.0.0.1:9090"  # ready once its view answers
 
 
+def test_a_dc_with_standby_gpus_follows_placements_and_is_ready_by_a_serving_instance() -> None:
+    fleet = load_fleet(ROOT / "examples" / "fleet-local.toml")
+    b0 = next(i for i in fleet.instances if i.id == "b-0")
+    spare = b0.model_copy(update={"id": "b-1", "standby": True})
+    fleet = fleet.model_copy(update={"instances": (spare, *fleet.instances)})
+    emulators = {p.name: p for p in plan(fleet, "fleet.toml") if p.name[:8] == "emulate-"}
+    assert "--placement" in emulators["emulate-dc-b"].args
+    assert "--placement" not in emulators["emulate-dc-a"].args
+    assert emulators["emulate-dc-b"].url == str(b0.url).rstrip("/")  # not the standby one
+    args = build_parser().parse_args(list(emulators["emulate-dc-b"].args))
+    assert (args.placement, args.warmup) == (True, 60.0)
+
+
 def test_the_compose_file_runs_the_same_parts_with_the_same_settings() -> None:
     services = compose()["services"]
     parts = local_plan()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.fleet_view import FleetView
 from schemas.base import TaskClass
 from schemas.fleet import FleetFileError, load_fleet
 from schemas.telemetry import KvAllCleared, KvBlocksRemoved, KvBlocksStored
@@ -81,6 +82,20 @@ def test_sglang_metrics_become_telemetry() -> None:
 def test_an_instance_that_did_not_answer_is_not_ready() -> None:
     fleet = load_fleet(EXAMPLE)
     assert not telemetry_of(fleet.instances[1], None).ready
+
+
+def test_a_standby_instance_is_ready_only_once_its_telemetry_says_so() -> None:
+    """A standby GPU runs nothing until a placement starts a replica on it: gateways
+    must not send it requests before the collector has scraped it."""
+    fleet = load_fleet(EXAMPLE)
+    spare = fleet.instances[1].model_copy(update={"id": "spare", "standby": True})
+    view = FleetView(fleet.model_copy(update={"instances": (*fleet.instances, spare)}))
+    assert view.ready(fleet.instances[1].id)
+    assert not view.ready("spare")
+    view.observe(telemetry_of(spare, parse_metrics(VLLM, "vllm")))
+    assert view.ready("spare")
+    view.observe(telemetry_of(spare, None))  # taken back: its port closed
+    assert not view.ready("spare")
 
 
 def test_garbage_is_not_an_exposition() -> None:

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from control.controllers.placement import DcReplicas, PlacementController, PlacementParams
+from control.controllers.placement import (
+    DcReplicas,
+    PlacementController,
+    PlacementParams,
+    concluded_rps,
+    instances_to_run,
+)
+from schemas.base import TaskClass
+from schemas.control import PlacementAction, PlacementRecommendation
+from schemas.fleet import InstanceConfig
+from schemas.tables import GoodputTable
+from tests.unit.test_quota_controller import row
 
 P = PlacementParams()
 
@@ -31,6 +42,37 @@ def test_nothing_moves_while_replicas_warm_up_or_before_the_last_move_settles() 
     assert controller.targets({"c": dc(18.0, ready=4, deployed=6)}, 5.0, {}, 100.0) == {}
     settling = {"c": 100.0 - P.settle_s / 2}
     assert controller.targets({"c": dc(18.0)}, 5.0, settling, 100.0) == {}
-    recommendation = controller.recommendation({"c": (6, "load 0.90")}, "m", "v1", "edge", 3, 9)
-    [action] = recommendation.actions
-    assert (action.dc, action.target_replicas, action.model_version) == ("c", 6, "v1")
+
+
+def instance(name: str, dc: str = "c", model: str = "m", standby: bool = False) -> InstanceConfig:
+    return InstanceConfig(
+        id=name, dc=dc, url=f"http://127.0.0.1:1/{name}", model=model, standby=standby
+    )
+
+
+def placed(target: int, dc: str = "c", model: str = "m") -> PlacementRecommendation:
+    action = PlacementAction(model=model, model_version="1", dc=dc, target_replicas=target)
+    return PlacementController().snapshot(dc, [action], 1, 0.0)
+
+
+def test_a_placement_runs_the_base_and_the_first_standby_gpus_it_asks_for() -> None:
+    dc = [
+        instance("c-0"),
+        instance("c-1", standby=True),
+        instance("c-2", standby=True),
+        instance("o-0", model="other", standby=True),
+    ]
+    assert instances_to_run(dc, None) == {"c-0"}  # standby GPUs idle until placed
+    assert instances_to_run(dc, placed(2)) == {"c-0", "c-1"}
+    assert instances_to_run(dc, placed(9)) == {"c-0", "c-1", "c-2"}  # no more than it has
+    assert instances_to_run(dc, placed(0)) == {"c-0"}  # never below its base
+    assert instances_to_run(dc, placed(2, dc="d")) == {"c-0"}  # another DC's placement
+    assert instances_to_run(dc, placed(1, model="other")) == {"c-0", "o-0"}
+
+
+def test_demand_is_what_a_window_ended_per_second_failures_included() -> None:
+    classes = (row(TaskClass.INTERACTIVE, 90, 80, failures=6), row(TaskClass.BATCH, 4, 4))
+    table = GoodputTable(
+        dc="c", version=1, window_start=0.0, window_end=20.0, classes=classes, tenants=()
+    )
+    assert concluded_rps(table) == 5.0  # (90 + 6 + 4) requests over 20 s

@@ -95,6 +95,21 @@ def test_the_first_pass_publishes_where_slomax_starts_sized_by_the_ready_instanc
     assert QuotaController().reconcile(table((100, 96)), capacity(0), None, now=60.0) is None
 
 
+def test_a_table_without_some_class_rows_is_judged_by_the_rows_it_has() -> None:
+    """The schema lets a table leave classes out (the worker writes every class): a
+    controller must not fail on one, as it once did on the live path."""
+    missing = table((100, 50))
+    only_chats = missing.model_copy(update={"classes": missing.classes[:1]})
+    controller = QuotaController()
+    first = controller.reconcile(only_chats, SIXTEEN, None, now=60.0)
+    assert first is not None
+    lowered = controller.reconcile(only_chats, SIXTEEN, first, now=120.0)
+    assert lowered is not None
+    assert long_documents(lowered) < long_documents(first)  # chats late: fewer documents
+    no_chats = missing.model_copy(update={"classes": missing.classes[1:]})
+    assert controller.reconcile(no_chats, SIXTEEN, first, now=120.0) is None
+
+
 def test_chats_missing_their_objective_lower_the_long_document_limit_one_step() -> None:
     controller = QuotaController()
     first = controller.reconcile(table((100, 96)), SIXTEEN, None, now=60.0)

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.loop import run_fast
+
+if TYPE_CHECKING:
+    from schemas.fleet import FleetConfig, InstanceConfig
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -17,6 +23,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_emulate(commands: argparse._SubParsersAction) -> None:
+    from sim.emulator.standby import WARMUP_S
     from sim.profiles import PROFILES
 
     emulate = commands.add_parser(
@@ -76,6 +83,21 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
     emulate.add_argument(
         "--dc", help="with --fleet: only this DC's instances (default: every DC's)"
     )
+    emulate.add_argument(
+        "--placement",
+        action="store_true",
+        help="with --fleet: follow FleetMind's placements (tf.control.placement, from "
+        "tokenfleet controller; needs Kafka): an instance marked standby in the fleet file "
+        "starts when a placement asks for it, after --warmup, and stops when one takes it "
+        "back (without this flag, standby instances stay down)",
+    )
+    emulate.add_argument(
+        "--warmup",
+        type=float,
+        default=WARMUP_S,
+        help="with --placement: seconds a placed replica takes to load before it listens "
+        "(default: %(default)g, a 70B model's weights)",
+    )
     emulate.set_defaults(handler=_emulate)
 
 
@@ -128,13 +150,19 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     region = args.region or fleet.dcs[0].region
     if args.dc is not None and args.dc not in {dc.name for dc in fleet.dcs}:
         raise CliError(f"--dc {args.dc}: the fleet file has no such DC")
+    if args.warmup < 0:
+        raise CliError("--warmup must not be negative")
+    bootstrap = broker() if args.placement else None
 
     async def run() -> None:
         serving = serve_fleet(fleet, region, args.speedup, args.kv_events, dc=args.dc)
         async with serving as instances:
             for instance in instances:
                 print(f"{instance.url}/v1", flush=True)
-            await asyncio.Event().wait()
+            if bootstrap is None:
+                await asyncio.Event().wait()
+            else:
+                await _follow_placements(fleet, args, region, bootstrap)
 
     try:
         run_fast(run())
@@ -143,6 +171,27 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot start the fleet's instances: {exc}") from None
     return 0
+
+
+async def _follow_placements(
+    fleet: FleetConfig, args: argparse.Namespace, region: str, bootstrap: str
+) -> None:
+    """Start and stop the standby instances as the newest placement for their DC says."""
+    from sim.emulator.server import local_instances, serve_instance
+    from sim.emulator.standby import StandbyReplicas
+    from streams.feeds import follow
+    from streams.kafka import KafkaBus
+
+    def serve(instance: InstanceConfig) -> contextlib.AbstractAsyncContextManager[object]:
+        return serve_instance(fleet, instance, region, args.speedup, args.kv_events)
+
+    bus = KafkaBus(bootstrap, source=f"emulate-{args.dc or 'fleet'}")
+    standby = StandbyReplicas(local_instances(fleet, args.dc), serve, args.warmup)
+    try:
+        async with standby.running():
+            await follow(bus, "tf.control.placement", standby.apply, "earliest")
+    finally:
+        await bus.close()
 
 
 def _add_replay(commands: argparse._SubParsersAction) -> None:

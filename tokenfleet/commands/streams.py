@@ -62,7 +62,9 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
         "publishes them on tf.control.quotas, where the gateways apply them. With --fleet, "
         "FleetMind's weights too: each DC's share of its capacity the edges count on "
         "(lower while its requests miss their objectives), on tf.control.weights for every "
-        "DC's gateway and every model. Unchanged quotas and weights are published again "
+        "DC's gateway and every model; and its placements, where the fleet file has "
+        "standby instances (see --long-cycle; tokenfleet emulate --placement applies "
+        "them). Unchanged quotas and weights are published again "
         "before their TTL runs out. The operators' view (a live page, server-sent events, "
         "Prometheus metrics) is served on --port. Needs TOKENFLEET_KAFKA_BOOTSTRAP; the "
         "embedded gateway runs the same loops itself.",
@@ -89,6 +91,15 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
         "(default: %(default)s; 0: none)",
     )
     controller.add_argument("--host", default="127.0.0.1", help="address the view listens on")
+    controller.add_argument(
+        "--long-cycle",
+        type=float,
+        default=60.0,
+        help="with --fleet: seconds between passes of FleetMind's long cycle, which judges "
+        "each DC's demand over that long and publishes the replicas it should run on "
+        "tf.control.placement, for DCs with standby instances and models with "
+        "rps_per_instance; a DC moves at most once per two cycles (default: %(default)g)",
+    )
     controller.set_defaults(handler=_controller)
 
 
@@ -194,14 +205,17 @@ def _collect(args: argparse.Namespace) -> int:
 
 def _controller(args: argparse.Namespace) -> int:
     from control.controllers.fleetmind import WeightController, WeightParams
+    from control.controllers.placement import PlacementController, PlacementParams
     from control.controllers.slomax import QuotaController, QuotaControllerParams
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
     from streams.kafka import KafkaBus, create_topics
-    from tokenfleet.controller_host import QuotaHost, WeightHost
+    from tokenfleet.controller_host import PlacementHost, QuotaHost, WeightHost
     from tokenfleet.operator_page import serve_operator_view
 
     bootstrap = broker()
+    if args.long_cycle <= 0:
+        raise CliError("--long-cycle must be positive")
     if args.period <= 0 or args.ttl < 3 * args.period:
         raise CliError(
             "--period must be positive and --ttl at least three periods (snapshots are "
@@ -222,6 +236,10 @@ def _controller(args: argparse.Namespace) -> int:
             models, edges = [m.name for m in fleet.models], [dc.name for dc in fleet.dcs]
             weights = WeightController(WeightParams(ttl_s=args.ttl))
             hosts.append(WeightHost(bus, models, edges, weights, period_s=args.period).run())
+        if fleet is not None and any(i.standby for i in fleet.instances):
+            cycle = args.long_cycle
+            placement = PlacementController(PlacementParams(settle_s=2 * cycle, ttl_s=10 * cycle))
+            hosts.append(PlacementHost(bus, fleet, placement, period_s=cycle).run())
         if listening is not None:
             hosts.append(serve_operator_view(bus, listening, args.period))
         try:

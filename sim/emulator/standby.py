@@ -1,0 +1,102 @@
+"""Standby GPUs on an emulated fleet: replicas that FleetMind's long cycle starts and
+takes back (``tf.control.placement``), with the lag and the cost a real one has.
+
+A placed replica starts listening only after its warm-up (a vLLM server opens its port
+once the model's weights are loaded), so the collector scrapes it, and the gateways
+count it ready, no sooner. A replica taken back stops taking requests at once and
+finishes what it runs. A recommendation read after its TTL is not applied (it sized a
+demand that is gone); one applied stays in force until the next, as a deployment keeps
+its replicas when the controller goes quiet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from control.controllers.placement import instances_to_run
+from schemas.control import PlacementRecommendation
+from schemas.fleet import InstanceConfig
+
+log = logging.getLogger(__name__)
+
+WARMUP_S = 60.0
+"""A replica's load time: a 70B model's weights read into four GPUs (the simulator's
+``FleetSimulation`` default)."""
+
+Serve = Callable[[InstanceConfig], contextlib.AbstractAsyncContextManager[object]]
+
+
+class StandbyReplicas:
+    """The standby instances among ``instances`` (one process's, of any DCs), each
+    served by ``serve`` while the newest recommendation for its DC places it."""
+
+    def __init__(
+        self,
+        instances: Sequence[InstanceConfig],
+        serve: Serve,
+        warmup_s: float = WARMUP_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.instances = tuple(instances)
+        self.serve = serve
+        self.warmup_s = warmup_s
+        self.clock = clock
+        self._placed: dict[str, PlacementRecommendation] = {}
+        """The recommendation in force per DC."""
+        self._replicas: dict[str, asyncio.Task[None]] = {}
+        """Each placed standby instance: warming up, then serving until cancelled."""
+        self.started: dict[str, float] = {}
+        """When each placed instance began to listen (clock seconds), while it runs."""
+
+    def apply(self, message: object) -> None:
+        """Take in a placement read from the bus: a newer, unexpired one for one of our
+        DCs starts the replicas it adds and stops those it takes back."""
+        if not isinstance(message, PlacementRecommendation):
+            return
+        dcs = {i.dc for i in self.instances}
+        if message.scope not in dcs or not message.supersedes(self._placed.get(message.scope)):
+            return
+        if message.expired(self.clock()):
+            return
+        self._placed[message.scope] = message
+        wanted = set().union(
+            *(
+                instances_to_run([i for i in self.instances if i.dc == dc], placed)
+                for dc, placed in self._placed.items()
+            )
+        )
+        for instance in (i for i in self.instances if i.standby):
+            replica = self._replicas.get(instance.id)
+            if instance.id in wanted and replica is None:
+                log.info("placing a replica on %s (ready in %.0f s)", instance.id, self.warmup_s)
+                self._replicas[instance.id] = asyncio.create_task(self._run(instance))
+            elif instance.id not in wanted and replica is not None:
+                log.info("taking the replica on %s back", instance.id)
+                replica.cancel()
+                del self._replicas[instance.id]
+
+    async def _run(self, instance: InstanceConfig) -> None:
+        await asyncio.sleep(self.warmup_s)
+        try:
+            async with self.serve(instance):
+                self.started[instance.id] = self.clock()
+                await asyncio.Event().wait()
+        except OSError as exc:  # its port is taken: the GPU stays idle, the others run
+            log.error("cannot start the replica on %s: %s", instance.id, exc)
+        finally:
+            self.started.pop(instance.id, None)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[StandbyReplicas]:
+        """Stop every placed replica on exit."""
+        try:
+            yield self
+        finally:
+            for replica in self._replicas.values():
+                replica.cancel()
+            await asyncio.gather(*self._replicas.values(), return_exceptions=True)
+            self._replicas.clear()
