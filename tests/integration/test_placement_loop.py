@@ -1,7 +1,8 @@
 """FleetMind's long cycle on the live path, on a real broker: ``tokenfleet controller``
 reads a DC's tables, places a replica on its standby GPU (``tf.control.placement``), and
-``tokenfleet emulate --placement`` starts it after its warm-up, a real emulated vLLM that
-answers; once the DC runs cold the controller takes the replica back and its port closes."""
+``tokenfleet emulate --placement`` starts it after its warm-up; the collector scrapes it
+and the DC's gateway sends it requests; once the DC runs cold the controller takes the
+replica back and its port closes."""
 
 from __future__ import annotations
 
@@ -81,6 +82,23 @@ async def placements(bus: KafkaBus, dc: str, target: int) -> PlacementRecommenda
     raise AssertionError(f"no placement of {target} replicas for {dc} within {BOUND_S} s")
 
 
+async def served_by(gateway: str, chats: int = 6) -> set[str]:
+    """The instances that answered ``chats`` chats sent at once through ``gateway``."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+    auth = {"authorization": "Bearer sk-t"}
+    async with httpx.AsyncClient(base_url=gateway, headers=auth, timeout=60.0) as http:
+        sent = [http.post("/v1/chat/completions", json=chat) for _ in range(chats)]
+        answered = await asyncio.gather(*sent)
+    assert [a.status_code for a in answered] == [200] * chats
+    return {a.headers["x-tokenfleet-instance"] for a in answered}
+
+
+async def until_served_by(gateway: str, instance: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while instance not in await served_by(gateway):
+        assert time.monotonic() < deadline, f"{instance} took no request in {BOUND_S} s"
+
+
 async def answers(url: str) -> bool:
     try:
         async with httpx.AsyncClient(timeout=1.0) as http:
@@ -101,25 +119,28 @@ async def until(url: str, listening: bool) -> float:
 
 @contextlib.asynccontextmanager
 async def deployed(kafka: Service, tmp_path: Path, dc: str) -> AsyncIterator[list[str]]:
-    """The DC's emulator following placements and the controller, as processes; yields
-    the base instance's URL and the standby one's."""
-    ports = free_ports(3)
-    urls = [f"http://127.0.0.1:{ports + n}" for n in range(2)]
+    """The DC's emulator following placements, the controller, the collector and the
+    DC's gateway, as processes; yields the base instance's URL, the standby one's and
+    the gateway's."""
+    ports = free_ports(4)
+    urls = [f"http://127.0.0.1:{ports + n}" for n in range(3)]
     fleet = tmp_path / "fleet.toml"
     fleet.write_text(
         f'version = 1\n[[dcs]]\nname = "{dc}"\nregion = "r"\n'
-        f'[[models]]\nname = "m"\nrps_per_instance = {RPS_PER_INSTANCE}\n'
+        f'[[models]]\nname = "m"\nprofile = "llama3-70b-4xh100"\n'
+        f"rps_per_instance = {RPS_PER_INSTANCE}\n"
         f'[[instances]]\nid = "{dc}-0"\ndc = "{dc}"\nurl = "{urls[0]}"\nmodel = "m"\n'
         f'[[instances]]\nid = "{dc}-1"\ndc = "{dc}"\nurl = "{urls[1]}"\nmodel = "m"\n'
-        "standby = true\n"
+        'standby = true\n[[tenants]]\nname = "t"\napi_keys = ["sk-t"]\n'
     )
     fleet_args = ("--fleet", str(fleet))
     cycle = ("--period", "1", "--ttl", "3", "--long-cycle", f"{LONG_CYCLE_S:g}")
+    placed = ("--placement", "--warmup", f"{WARMUP_S:g}")
     parts = [
-        Part(
-            "emulate", ("emulate", *fleet_args, "--placement", "--warmup", f"{WARMUP_S:g}"), urls[0]
-        ),
-        Part("controller", ("controller", *fleet_args, *cycle, "--port", str(ports + 2))),
+        Part("emulate", ("emulate", *fleet_args, *placed), urls[0]),
+        Part("controller", ("controller", *fleet_args, *cycle, "--port", str(ports + 3))),
+        Part("collector", ("collect", *fleet_args)),
+        Part("gateway", ("gateway", *fleet_args, "--dc", dc, "--port", str(ports + 2)), urls[2]),
     ]
     deployment = Deployment(tmp_path / "up")
     env = os.environ | {"TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address}
@@ -141,16 +162,14 @@ async def test_a_hot_dc_gets_a_replica_after_its_warm_up_and_a_cold_one_gives_it
     bus = KafkaBus(kafka.address, source="test")
     publisher = asyncio.create_task(tables.publish(bus))
     try:
-        async with deployed(kafka, tmp_path, dc) as (base, spare):
+        async with deployed(kafka, tmp_path, dc) as (base, spare, gateway):
             assert await answers(base)
             assert not await answers(spare)
+            assert await served_by(gateway) == {f"{dc}-0"}
             grown = await placements(bus, dc, 2)
             started_at = await until(spare, listening=True)
             assert started_at - grown.issued_at >= WARMUP_S  # it loaded before it listened
-            async with httpx.AsyncClient(base_url=spare, timeout=30.0) as http:
-                chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-                answered = await http.post("/v1/chat/completions", json=chat | {"max_tokens": 4})
-            assert answered.status_code == 200
+            await until_served_by(gateway, f"{dc}-1")  # scraped, ready, chosen
             tables.ready, tables.ended_rps = 2, 0.2  # it serves, and the demand is gone
             await placements(bus, dc, 1)
             await until(spare, listening=False)
