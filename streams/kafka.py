@@ -64,9 +64,10 @@ class KafkaBus(EventBus):
         await asyncio.gather(*sent)
 
     async def close(self) -> None:
-        if self._producer is not None:
-            await self._producer.stop()
-            self._producer = None
+        async with self._producer_starting:  # a producer still starting is stopped too
+            if self._producer is not None:
+                await self._producer.stop()
+                self._producer = None
 
     async def _started_producer(self) -> AIOKafkaProducer:
         async with self._producer_starting:

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 QUOTAS_TOPIC = "tf.control.quotas"
 WEIGHTS_TOPIC = "tf.control.weights"
 PLACEMENT_TOPIC = "tf.control.placement"
+BASE = "base deployment"
+"""The reason of a model's replicas the long cycle has not moved."""
 TABLE_TOPICS = ("tf.tables.goodput", "tf.tables.capacity")
 SnapshotT = TypeVar("SnapshotT", bound=ControlSnapshot)
 STALE_AFTER_S = 30.0
@@ -373,8 +375,8 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
             capacity, ended = self._capacity.get(dc), self._ended.get(dc)
             if not models or capacity is None or not ended:
                 continue
-            if now - capacity.window_end > self.stale_after_s:
-                continue
+            if now - min(capacity.window_end, ended[-1][0]) > self.stale_after_s:
+                continue  # a table stopped: it would read as a cold DC
             desired = self._desired(dc, models, capacity, now)
             published = self._published.get(dc)
             if published is None:
@@ -388,22 +390,31 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
     ) -> tuple[PlacementAction, ...]:
         ended = [rate for end, rate, _ in self._ended[dc] if end >= now - self.window_s]
         rate = sum(ended) / len(ended) if ended else 0.0
-        busy = {m: sum(r.running + r.queued for r in capacity.rows if r.model == m) for m in models}
+        busy = {r.model: 0 for r in capacity.rows}
+        for r in capacity.rows:  # every model's, managed or not: the rate is the DC's
+            busy[r.model] += r.running + r.queued
         actions = []
         for model, managed in models.items():
             rows = [r for r in capacity.rows if r.model == model]
-            share = busy[model] / sum(busy.values()) if any(busy.values()) else 1 / len(models)
+            total = sum(busy.values())
+            share = busy.get(model, 0) / total if total else 1 / max(len(busy), 1)
             current = self._current(dc, model)
+            ready = sum(r.ready_endpoints for r in rows)
             deployed = managed.floor if current is None else current.target_replicas
+            if ready < deployed and now - self._changed_at.get(dc, now) > self._given_up_after_s:
+                log.warning(
+                    "%s: %d of %d %s replicas never came up", dc, deployed - ready, deployed, model
+                )
+                deployed = max(ready, managed.floor)  # judge the DC by what serves
             replicas = DcReplicas(
-                ready=sum(r.ready_endpoints for r in rows),
+                ready=ready,
                 deployed=deployed,
                 floor=managed.floor,
                 ceiling=managed.ceiling,
                 sent_rps=rate * share + sum(r.queued for r in rows) / self.window_s,
             )
             moves = self.controller.targets({dc: replicas}, managed.rps, self._changed_at, now)
-            kept = (deployed, "base deployment" if current is None else current.reason)
+            kept = (deployed, BASE if current is None else current.reason)
             target, why = moves.get(dc, kept)
             actions.append(
                 PlacementAction(
@@ -415,6 +426,12 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
                 )
             )
         return tuple(actions)
+
+    @property
+    def _given_up_after_s(self) -> float:
+        """How long replicas asked for may take to serve before they count as failed
+        (else a DC whose new replicas never come up would never move again)."""
+        return 2 * self.controller.params.settle_s
 
     def _current(self, dc: str, model: str) -> PlacementAction | None:
         """What was last published for ``model`` in ``dc``."""
@@ -434,5 +451,15 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
             self._capacity[message.dc] = message
         elif isinstance(message, PlacementRecommendation):
             before = self._published.get(message.scope)
-            if self._taken_in(message) and before is not None and before.actions != message.actions:
+            if not self._taken_in(message):
+                return
+            if before is None:  # the first read (after a restart, maybe the newest alone)
+                moved = any(a.reason != BASE for a in message.actions)
+            else:
+                moved = _targets(before) != _targets(message)
+            if moved:
                 self._changed_at[message.scope] = message.issued_at
+
+
+def _targets(placement: PlacementRecommendation) -> dict[str, int]:
+    return {a.model: a.target_replicas for a in placement.actions}

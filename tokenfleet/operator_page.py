@@ -9,7 +9,6 @@ derived from the same state.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -25,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from sim.emulator.server import SignalFreeServer
 from streams.bus import EventBus
 from streams.feeds import follow
 from tokenfleet.loop_status import CONTROL_TOPICS, TABLE_TOPICS
@@ -34,15 +34,6 @@ PAGE = resources.files("tokenfleet") / "static" / "operators.html"
 
 
 VIEWED_TOPICS = (*TABLE_TOPICS, *CONTROL_TOPICS)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handling: the controller's process stops it (and its
-    loops) on SIGTERM and Ctrl-C itself."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 async def serve_operator_view(bus: EventBus, listening: socket.socket, every_s: float) -> None:
@@ -56,7 +47,7 @@ async def serve_operator_view(bus: EventBus, listening: socket.socket, every_s: 
     config = uvicorn.Config(
         operator_app(view, every_s), log_level="warning", timeout_graceful_shutdown=1
     )
-    server = _Server(config)
+    server = SignalFreeServer(config)
     serving = asyncio.create_task(server.serve([listening]))
     try:
         await asyncio.shield(serving)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import uvicorn
@@ -26,6 +26,17 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost"})
 DEFAULT_PROFILE = "llama3-70b-4xh100"
 DRAIN_S = 30
 """How long a stopping instance lets the requests it runs finish before cutting them."""
+
+
+class SignalFreeServer(uvicorn.Server):
+    """uvicorn without its signal handling, which each server installs and restores on
+    exit: servers that start and stop out of order (replicas placed and taken back) left
+    a stopped one's handler in place, and the process deaf to SIGTERM and Ctrl-C. The
+    process handles its signals itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 @dataclass
@@ -77,7 +88,7 @@ async def serve(
         build_instance(profile, model, port, speedup, kv_events, reasoning) for port in ports
     ]
     servers = [
-        uvicorn.Server(
+        SignalFreeServer(
             uvicorn.Config(
                 _behind(i.app, network_s),
                 host="127.0.0.1",
@@ -100,10 +111,12 @@ async def serve(
     finally:  # stop listening, let what runs finish, then stop the engines
         for server in servers:
             server.should_exit = True
-        await asyncio.gather(*tasks[: len(servers)], return_exceptions=True)
-        for task in tasks[len(servers) :]:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await asyncio.gather(*tasks[: len(servers)], return_exceptions=True)
+        finally:
+            for task in tasks[len(servers) :]:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _behind(app: ASGIApp, network_s: float) -> ASGIApp:

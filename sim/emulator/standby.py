@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 
 from control.controllers.placement import instances_to_run
 from schemas.control import PlacementRecommendation
@@ -31,17 +31,20 @@ Serve = Callable[[InstanceConfig], contextlib.AbstractAsyncContextManager[object
 
 
 class StandbyReplicas:
-    """The standby instances among ``instances`` (one process's, of any DCs), each
+    """The standby instances among ``instances`` (every instance of one process's DCs,
+    wherever it runs: the base deployment counts them all) that are in ``local``, each
     served by ``serve`` while the newest recommendation for its DC places it."""
 
     def __init__(
         self,
         instances: Sequence[InstanceConfig],
+        local: Collection[str],
         serve: Serve,
         warmup_s: float = WARMUP_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.instances = tuple(instances)
+        self.local = frozenset(local)
         self.serve = serve
         self.warmup_s = warmup_s
         self.clock = clock
@@ -49,6 +52,8 @@ class StandbyReplicas:
         """The recommendation in force per DC."""
         self._replicas: dict[str, asyncio.Task[None]] = {}
         """Each placed standby instance: warming up, then serving until cancelled."""
+        self._stopping: set[asyncio.Task[None]] = set()
+        """Replicas taken back, finishing what they run."""
         self.started: dict[str, float] = {}
         """When each placed instance began to listen (clock seconds), while it runs."""
 
@@ -69,26 +74,31 @@ class StandbyReplicas:
                 for dc, placed in self._placed.items()
             )
         )
-        for instance in (i for i in self.instances if i.standby):
+        for instance in (i for i in self.instances if i.standby and i.id in self.local):
             replica = self._replicas.get(instance.id)
-            if instance.id in wanted and replica is None:
+            if instance.id in wanted and (replica is None or replica.done()):  # or it failed
                 log.info("placing a replica on %s (ready in %.0f s)", instance.id, self.warmup_s)
                 self._replicas[instance.id] = asyncio.create_task(self._run(instance))
             elif instance.id not in wanted and replica is not None:
                 log.info("taking the replica on %s back", instance.id)
                 replica.cancel()
+                self._stopping.add(replica)
+                replica.add_done_callback(self._stopping.discard)
                 del self._replicas[instance.id]
 
     async def _run(self, instance: InstanceConfig) -> None:
+        """Warm up, then serve until cancelled; a failure is logged, and the next
+        placement that asks for the replica starts it again."""
         await asyncio.sleep(self.warmup_s)
         try:
             async with self.serve(instance):
                 self.started[instance.id] = self.clock()
                 await asyncio.Event().wait()
-        except OSError as exc:  # its port is taken: the GPU stays idle, the others run
-            log.error("cannot start the replica on %s: %s", instance.id, exc)
+        except Exception:
+            log.exception("the replica on %s failed", instance.id)
         finally:
-            self.started.pop(instance.id, None)
+            if self._replicas.get(instance.id) in (None, asyncio.current_task()):
+                self.started.pop(instance.id, None)  # not a replica placed after this one
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[StandbyReplicas]:
@@ -96,7 +106,8 @@ class StandbyReplicas:
         try:
             yield self
         finally:
-            for replica in self._replicas.values():
+            replicas = [*self._replicas.values(), *self._stopping]
+            for replica in replicas:
                 replica.cancel()
-            await asyncio.gather(*self._replicas.values(), return_exceptions=True)
+            await asyncio.gather(*replicas, return_exceptions=True)
             self._replicas.clear()

@@ -222,25 +222,35 @@ dc-a has none to spare, and ``unsized`` states no rate, so the long cycle leaves
 
 
 def feed_dc_b(
-    host: PlacementHost, ended_rps: float, ready: int, now: float, queued: int = 0
+    host: PlacementHost,
+    ended_rps: float,
+    ready: int,
+    now: float,
+    queued: int = 0,
+    unsized_running: int = 0,
+    goodput: bool = True,
 ) -> None:
     """dc-b's tables for the minute ending ``now``: ``ended_rps`` requests a second ended
-    there, ``ready`` replicas of ``m`` serve and ``queued`` requests wait."""
+    there, ``ready`` replicas of ``m`` serve and ``queued`` requests wait for them, while
+    ``unsized`` runs ``unsized_running``; ``goodput`` False: the capacity table alone."""
     version = next(TABLE_VERSIONS)
-    host.apply(
-        GoodputTable(
-            dc="dc-b",
-            version=version,
-            window_start=now - 60,
-            window_end=now,
-            classes=(row(TaskClass.INTERACTIVE, round(ended_rps * 60), 0),),
-            tenants=(),
+    if goodput:
+        ended = row(TaskClass.INTERACTIVE, round(ended_rps * 60), 0)
+        host.apply(
+            GoodputTable(
+                dc="dc-b",
+                version=version,
+                window_start=now - 60,
+                window_end=now,
+                classes=(ended,),
+                tenants=(),
+            )
         )
-    )
-    rows = capacity(ready, now).rows[0].model_copy(update={"queued": queued, "running": 1})
+    m = capacity(ready, now).rows[0].model_copy(update={"queued": queued, "running": 1})
+    unsized = m.model_copy(update={"model": "unsized", "queued": 0, "running": unsized_running})
     host.apply(
         CapacityTable(
-            dc="dc-b", version=version, window_start=now - 60, window_end=now, rows=(rows,)
+            dc="dc-b", version=version, window_start=now - 60, window_end=now, rows=(m, unsized)
         )
     )
 
@@ -256,7 +266,10 @@ async def test_the_long_cycle_grows_a_hot_dc_onto_its_standby_gpus_and_waits_for
     [grown] = await host.reconcile()
     assert (grown.scope, grown.version, targets(grown)) == ("dc-b", 1, {"m": 2})
     assert grown.actions[0].reason == "load 1.20"
-    clock.now += 150  # settled, but the second replica is still loading: nothing moves
+    clock.now += 30  # the first move settles too, though it was the first snapshot
+    feed_dc_b(host, ended_rps=20.0, ready=2, now=clock.now)
+    assert await host.reconcile() == []
+    clock.now += 120  # settled, but the second replica is still loading: nothing moves
     feed_dc_b(host, ended_rps=12.0, ready=1, now=clock.now)
     assert await host.reconcile() == []
     feed_dc_b(host, ended_rps=12.0, ready=2, now=clock.now + 1)  # it serves: 1.2 of two
@@ -307,3 +320,33 @@ async def test_a_restarted_long_cycle_continues_from_the_published_placement() -
     feed_dc_b(restarted, ended_rps=6.0, ready=2, now=clock.now)  # in the band on two
     [renewed] = await restarted.reconcile()
     assert (renewed.version, targets(renewed)) == (grown.version + 1, {"m": 2})
+
+
+async def test_the_first_move_settles_and_the_other_models_demand_is_not_charged() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=60.0, clock=clock)
+    # 6 a second ended in dc-b, but five sixths of what runs there is the other model's
+    feed_dc_b(host, ended_rps=6.0, ready=1, now=clock.now, unsized_running=5)
+    [base] = await host.reconcile()
+    assert targets(base) == {"m": 1}
+    feed_dc_b(host, ended_rps=6.0, ready=1, now=clock.now)  # now all of it is m's
+    [grown] = await host.reconcile()
+    assert targets(grown) == {"m": 2}
+    clock.now += 30  # served, and hotter still: but the move is 30 s old
+    feed_dc_b(host, ended_rps=20.0, ready=2, now=clock.now)
+    assert await host.reconcile() == []
+
+
+async def test_stale_goodput_moves_nothing_and_replicas_that_never_serve_are_given_up() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=60.0, clock=clock)
+    feed_dc_b(host, ended_rps=6.0, ready=1, now=clock.now)
+    [grown] = await host.reconcile()
+    assert targets(grown) == {"m": 2}
+    clock.now += 150  # capacity fresh, goodput 150 s old: it would read as a cold DC
+    feed_dc_b(host, ended_rps=0.0, ready=1, now=clock.now, goodput=False)
+    assert await host.reconcile() == []
+    clock.now += 100  # the second replica never came up, 250 s after it was asked for
+    feed_dc_b(host, ended_rps=1.0, ready=1, now=clock.now)
+    [given_up] = await host.reconcile()
+    assert targets(given_up) == {"m": 1}

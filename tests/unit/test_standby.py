@@ -13,6 +13,7 @@ from schemas.fleet import InstanceConfig
 from sim.emulator.standby import StandbyReplicas
 
 WARMUP_S = 0.2
+LOCAL = {"b-0", "b-1", "b-2"}
 INSTANCES = [
     InstanceConfig(id="b-0", dc="dc-b", url="http://127.0.0.1:1", model="m"),
     InstanceConfig(id="b-1", dc="dc-b", url="http://127.0.0.1:2", model="m", standby=True),
@@ -54,7 +55,7 @@ def placement(
 
 async def test_a_placed_replica_listens_only_after_its_warm_up_and_stops_when_taken_back() -> None:
     servers = Servers()
-    standby = StandbyReplicas(INSTANCES, servers.serve, WARMUP_S, Clock())
+    standby = StandbyReplicas(INSTANCES, LOCAL, servers.serve, WARMUP_S, Clock())
     async with standby.running():
         standby.apply(placement(3, version=1))
         await asyncio.sleep(WARMUP_S / 2)
@@ -69,7 +70,7 @@ async def test_a_placed_replica_listens_only_after_its_warm_up_and_stops_when_ta
 
 async def test_a_replica_taken_back_during_its_warm_up_never_starts() -> None:
     servers = Servers()
-    standby = StandbyReplicas(INSTANCES, servers.serve, WARMUP_S, Clock())
+    standby = StandbyReplicas(INSTANCES, LOCAL, servers.serve, WARMUP_S, Clock())
     async with standby.running():
         standby.apply(placement(2, version=1))
         await asyncio.sleep(WARMUP_S / 2)
@@ -81,7 +82,7 @@ async def test_a_replica_taken_back_during_its_warm_up_never_starts() -> None:
 async def test_only_a_newer_unexpired_placement_for_its_own_dc_moves_it() -> None:
     servers = Servers()
     clock = Clock()
-    standby = StandbyReplicas(INSTANCES, servers.serve, 0.0, clock)
+    standby = StandbyReplicas(INSTANCES, LOCAL, servers.serve, 0.0, clock)
     async with standby.running():
         standby.apply(placement(2, version=5))
         standby.apply(placement(1, version=4))  # older: read late, ignored
@@ -93,3 +94,24 @@ async def test_only_a_newer_unexpired_placement_for_its_own_dc_moves_it() -> Non
         standby.apply(placement(1, version=8, ttl_s=900))
         await asyncio.sleep(0.01)
         assert servers.listening == set()
+
+
+async def test_a_replica_that_failed_to_start_starts_again_at_the_next_placement() -> None:
+    servers, failing = Servers(), {"b-1"}
+
+    @contextlib.asynccontextmanager
+    async def serve(instance: InstanceConfig) -> AsyncIterator[None]:
+        if instance.id in failing:
+            failing.discard(instance.id)
+            raise OSError("address already in use")
+        async with servers.serve(instance):
+            yield
+
+    standby = StandbyReplicas(INSTANCES, LOCAL, serve, 0.0, Clock())
+    async with standby.running():
+        standby.apply(placement(2, version=1))
+        await asyncio.sleep(0.05)
+        assert servers.listening == set()
+        standby.apply(placement(2, version=2))  # the renewal
+        await asyncio.sleep(0.05)
+        assert servers.listening == {"b-1"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -111,6 +112,8 @@ def _emulate(args: argparse.Namespace) -> int:
         raise CliError("--instances must be at least 1 and --speedup positive")
     if args.fleet is not None:
         return _emulate_fleet(args)
+    if args.placement:
+        raise CliError("--placement needs --fleet: the standby instances are the fleet file's")
     ports = [args.base_port + n for n in range(args.instances)]
 
     chosen = profile(args.profile)
@@ -150,8 +153,8 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     region = args.region or fleet.dcs[0].region
     if args.dc is not None and args.dc not in {dc.name for dc in fleet.dcs}:
         raise CliError(f"--dc {args.dc}: the fleet file has no such DC")
-    if args.warmup < 0:
-        raise CliError("--warmup must not be negative")
+    if not 0 <= args.warmup < math.inf:
+        raise CliError("--warmup must be a number of seconds, 0 or more")
     bootstrap = broker() if args.placement else None
 
     async def run() -> None:
@@ -186,7 +189,9 @@ async def _follow_placements(
         return serve_instance(fleet, instance, region, args.speedup, args.kv_events)
 
     bus = KafkaBus(bootstrap, source=f"emulate-{args.dc or 'fleet'}")
-    standby = StandbyReplicas(local_instances(fleet, args.dc), serve, args.warmup)
+    mine = [i for i in fleet.instances if args.dc in (None, i.dc)]
+    local = {i.id for i in local_instances(fleet, args.dc)}
+    standby = StandbyReplicas(mine, local, serve, args.warmup)
     try:
         async with standby.running():
             await follow(bus, "tf.control.placement", standby.apply, "earliest")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import signal
 import socket
 from collections.abc import Awaitable
@@ -214,8 +215,8 @@ def _controller(args: argparse.Namespace) -> int:
     from tokenfleet.operator_page import serve_operator_view
 
     bootstrap = broker()
-    if args.long_cycle <= 0:
-        raise CliError("--long-cycle must be positive")
+    if not 0 < args.long_cycle < math.inf:
+        raise CliError("--long-cycle must be a positive number of seconds")
     if args.period <= 0 or args.ttl < 3 * args.period:
         raise CliError(
             "--period must be positive and --ttl at least three periods (snapshots are "
