@@ -177,7 +177,7 @@ class Decider:
         capacity figure; the controller's weights."""
         weights = self.weights.current(self.local_dc)
         self.metrics.control_defaults.labels("weights").set(weights is None)
-        weight = weights_of(weights, model)
+        weight = weights_of(weights, model, task_class)
         config = self.view.fleet.model(model)
         per_instance = None if config is None else config.rps_per_instance
         now = time.monotonic()

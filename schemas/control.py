@@ -63,6 +63,10 @@ class DcWeight(Frozen):
     model: Identifier
     dc: Identifier
     weight: NonNegFloat
+    task_class: TaskClass | None = Field(
+        default=None,
+        description="The class the weight is for (None: every class without one of its own).",
+    )
 
 
 class RoutingWeights(ControlSnapshot):

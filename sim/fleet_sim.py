@@ -31,7 +31,7 @@ from functools import partial
 
 from control.admission.registry import CONTROLLED, make_admission
 from control.admission.slomax import SLOMax
-from control.controllers.fleetmind import WeightController
+from control.controllers.fleetmind import WeightController, WeightKey, weight_for
 from control.controllers.placement import DcReplicas, PlacementController
 from control.fleet.load import DcLoad, Rate, class_room, dc_state
 from control.fleet.registry import DcPolicy
@@ -188,17 +188,19 @@ class FleetSimulation:
         """The DCs each request may still fall back to."""
         self._draws = random.Random(f"edge:{seed}")
         self._tables: dict[str, PublishedLoad] = {}
-        self._in_transit: deque[tuple[float, dict[str, PublishedLoad], dict[str, float]]] = deque()
+        self._in_transit: deque[tuple[float, dict[str, PublishedLoad], dict[WeightKey, float]]] = (
+            deque()
+        )
         self._record_tables = {site.name: RecordTables(site.name) for site in layout.sites}
-        self._weights: dict[str, float] = {}
-        """Each DC's weight as the controller last published it."""
+        self._weights: dict[WeightKey, float] = {}
+        """Each (DC, class) weight as the controller last published it."""
         self._placed_at: dict[str, float] = {}
-        self._edge_weights: dict[str, float] = {}
-        self._weights_changed_at: dict[str, float] = {}
+        self._edge_weights: dict[WeightKey, float] = {}
+        self._weights_changed_at: dict[WeightKey, float] = {}
         self.weight_steps: list[tuple[float, dict[str, float]]] = []
+        """The weights after each pass of the controller, by DC (and class: "dc/class")."""
         self.placement_steps: list[tuple[float, dict[str, int]]] = []
         """The replicas deployed in each DC after each pass of the long cycle."""
-        """The weights after each pass of the controller."""
         self._prefixes: dict[int, str] = {}
         """The DC each sampled prompt block last went to."""
         self.choices: list[EdgeChoice] = []
@@ -238,8 +240,8 @@ class FleetSimulation:
         return [dc.simulation for dc in self._dcs]
 
     @property
-    def weights_now(self) -> dict[str, float]:
-        """Each DC's weight as last published (a DC not named counts whole)."""
+    def weights_now(self) -> dict[WeightKey, float]:
+        """Each (DC, class) weight as last published (one not named counts whole)."""
         return dict(self._weights)
 
     def run(self, requests: Iterable[TraceRequest]) -> list[RequestRecord]:
@@ -353,7 +355,7 @@ class FleetSimulation:
                     ready_versions=frozenset({VERSION}) if ready else frozenset(),
                     ready_instances=ready,
                     load=load,
-                    weight=self._edge_weights.get(dc.site.name),
+                    weight=weight_for(self._edge_weights, dc.site.name, request.task_class),
                     warm_tokens=warm.get(dc.site.name, 0),
                     class_room=_room(dc, table, request.task_class),
                 )
@@ -465,7 +467,8 @@ class FleetSimulation:
                 if self._weights.get(name, 1.0) != weight:
                     self._weights_changed_at[name] = self.now
             self._weights = changed
-        self.weight_steps.append((self.now, dict(self._weights)))
+        named = {dc if c is None else f"{dc}/{c.value}": w for (dc, c), w in self._weights.items()}
+        self.weight_steps.append((self.now, named))
 
     def _receive_tables(self) -> None:
         while self._in_transit and self._in_transit[0][0] <= self.now:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from control.controllers.fleetmind import WeightController, weights_of
+from control.controllers.fleetmind import WeightController, WeightKey, keyed_weights
 from control.controllers.placement import (
     DcReplicas,
     PlacementController,
@@ -254,9 +254,9 @@ class WeightHost(_ControlHost[RoutingWeights]):
         ttl_s = self.controller.params.ttl_s
         super().__init__(bus, ttl_s, period_s, renew_s, clock, source, stale_after_s)
         self._goodput: dict[str, GoodputTable] = {}
-        self._weights: dict[str, float] = {}
-        """Each DC's weight as last published."""
-        self._changed_at: dict[str, float] = {}
+        self._weights: dict[WeightKey, float] = {}
+        """Each (DC, class) weight as last published."""
+        self._changed_at: dict[WeightKey, float] = {}
 
     async def reconcile(self) -> list[RoutingWeights]:
         """One pass over every DC with a fresh goodput table; what it published."""
@@ -271,7 +271,8 @@ class WeightHost(_ControlHost[RoutingWeights]):
             due = list(self.edges)
         else:  # the first snapshot (every DC whole), or a renewal: only on fresh tables
             due = [e for e in self.edges if fresh and self._renewal_due(e, now)]
-        weights = dict.fromkeys(fresh, 1.0) | (self._weights if changed is None else changed)
+        whole = {key: 1.0 for dc, t in fresh.items() for key in self.controller.groups(dc, t)}
+        weights = whole | (self._weights if changed is None else changed)
         return await self._publish(
             [
                 self.controller.snapshot(weights, self.models, edge, self._version(edge), now)
@@ -292,10 +293,10 @@ class WeightHost(_ControlHost[RoutingWeights]):
         if isinstance(message, GoodputTable) and message.supersedes(self._goodput.get(message.dc)):
             self._goodput[message.dc] = message
         elif isinstance(message, RoutingWeights) and self._taken_in(message):
-            for dc, weight in weights_of(message).items():
-                if self._weights.get(dc, 1.0) != weight:
-                    self._changed_at[dc] = message.issued_at
-                self._weights[dc] = weight
+            for key, weight in keyed_weights(message).items():
+                if self._weights.get(key, 1.0) != weight:
+                    self._changed_at[key] = message.issued_at
+                self._weights[key] = weight
 
 
 @dataclass(frozen=True)

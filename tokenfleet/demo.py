@@ -19,7 +19,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from control.controllers.fleetmind import weight_for
 from control.controllers.slomax import long_documents
+from schemas.base import TaskClass
 from schemas.objectives import DEFAULT_OBJECTIVES
 from sim.fleet_bench import (
     BASELINE,
@@ -92,9 +94,10 @@ def _live_view(say: Say) -> Callable[[FleetSimulation], None]:
             load = simulation.tables[-1][site.name]
             quotas = dc.control.quotas if dc.control else None
             limit = long_documents(quotas) if quotas else None
+            chats = weight_for(weights, site.name, TaskClass.INTERACTIVE) or 1.0
             parts.append(
                 f"{site.name} {load.ready_instances}/{load.deployed} up {load.running:>3} run "
-                f"{load.queued:>3} queued w {weights.get(site.name, 1.0):.2f} "
+                f"{load.queued:>3} queued w {chats:.2f} "
                 f"docs<={limit if limit else '-'}"
             )
         records = [r for dc in simulation.simulations for r in dc.records]

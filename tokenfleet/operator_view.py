@@ -17,6 +17,7 @@ from typing import Any
 
 from control.controllers.fleetmind import weights_of
 from control.controllers.slomax import long_documents
+from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, RoutingWeights
 from schemas.tables import CapacityTable, GoodputRow, GoodputTable
 
@@ -64,7 +65,7 @@ class OperatorView:
             self._weights is None or message.issued_at >= self._weights.issued_at
         ):
             self._weights = message
-            for name, weight in weights_of(message).items():
+            for name, weight in weights_of(message, task_class=TaskClass.INTERACTIVE).items():
                 self._dc(name).weight = weight
 
     def state(self) -> dict[str, Any]:

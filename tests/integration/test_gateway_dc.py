@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from schemas import Envelope, topic_for
+from schemas.base import TaskClass
 from schemas.control import DcWeight, RoutingWeights
 from schemas.fleet import FleetConfig
 from schemas.lifecycle import RejectReason, RequestFailed, RequestRejected
@@ -190,16 +191,27 @@ async def test_the_controller_s_weights_hold_until_their_ttl_then_safe_defaults(
     assert (draining, defaults) == (0, 1)
 
 
-async def _drain_dc_a(front: Gateway, ttl_s: float) -> None:
-    """Publish weights that count on none of dc-a's capacity, and wait for the gateway
-    to hold them."""
+async def test_weights_for_one_class_move_that_class_alone() -> None:
+    """Weights per class (the controller's ``per_class``): dc-a drained for chats only."""
+    served: list[str] = []
+    async with two_dcs(served) as front, front.client() as http:
+        await _drain_dc_a(front, ttl_s=30.0, task_class=TaskClass.INTERACTIVE)
+        assert (await ask(http)).status_code == 200
+        assert (await ask(http, **{"x-tokenfleet-class": "batch"})).status_code == 200
+    assert served == ["dc-b", "dc-a"]
+
+
+async def _drain_dc_a(front: Gateway, ttl_s: float, task_class: TaskClass | None = None) -> None:
+    """Publish weights that count on none of dc-a's capacity (for ``task_class``; None:
+    every class), and wait for the gateway to hold them."""
     weights = RoutingWeights(
         scope="dc-a",
         version=1,
         issued_at=time.time(),
         ttl_s=ttl_s,
         weights=tuple(
-            DcWeight(model=MODEL, dc=dc, weight=w) for dc, w in (("dc-a", 0.0), ("dc-b", 1.0))
+            DcWeight(model=MODEL, dc=dc, weight=w, task_class=task_class)
+            for dc, w in (("dc-a", 0.0), ("dc-b", 1.0))
         ),
     )
     await front.app.state.parts.bus.publish_event(Envelope.wrap(weights, source="test"))

@@ -26,6 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from control.controllers.fleetmind import WeightController, WeightParams, weights_of
+from schemas.base import TaskClass
 from schemas.control import RoutingWeights
 from schemas.fleet import FleetConfig
 from streams.collector import Collector
@@ -124,9 +125,10 @@ async def test_a_dc_that_misses_loses_weight_and_its_traffic_moves_but_not_the_r
         weights = [
             w for w in await read_for(bus, WEIGHTS_TOPIC, 3.0) if isinstance(w, RoutingWeights)
         ]
-    lowered = [w.issued_at for w in weights if weights_of(w, MODEL).get("dc-a", 1.0) < 1.0]
+    chats = [(w.issued_at, weights_of(w, MODEL, TaskClass.INTERACTIVE)) for w in weights]
+    lowered = [at for at, by_dc in chats if by_dc.get("dc-a", 1.0) < 1.0]
     abroad = [at - start for dc, at, _ in served if dc == "dc-b"]
-    print(f"dc-a's weights {[weights_of(w, MODEL).get('dc-a') for w in weights]}")
+    print(f"dc-a's weights for chats {[by_dc.get('dc-a') for _, by_dc in chats]}")
     first = min(abroad, default=-1.0)
     print(f"first chat in dc-b after {first:.1f} s; {len(abroad)} of {len(served)}")
     assert lowered, "the controller never lowered dc-a's weight"
