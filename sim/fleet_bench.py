@@ -253,7 +253,7 @@ def fleet_figures(
     by_id = {c.request.request_id: c.request for c in simulation.choices}
     result = figures(records, END_S)
     result["per_region"] = {
-        region: _region([r for r in records if by_id[r.request_id].region == region], END_S)
+        region: region_figures([r for r in records if by_id[r.request_id].region == region], END_S)
         for region in sorted({r.region for r in requests})
     }
     hot = [
@@ -261,7 +261,7 @@ def fleet_figures(
         for r in records
         if by_id[r.request_id].region == "eu-west" and HOTSPOT_S[0] <= r.arrival_s < HOTSPOT_S[1]
     ]
-    result["hotspot"] = _region(hot, HOTSPOT_S[1] - HOTSPOT_S[0])
+    result["hotspot"] = region_figures(hot, HOTSPOT_S[1] - HOTSPOT_S[0])
     ran = [r for r in records if r.dc is not None]
     home = simulation.layout.home
     result["cross_dc_share"] = (
@@ -273,7 +273,7 @@ def fleet_figures(
     return result
 
 
-def _region(records: Sequence[RequestRecord], window_s: float) -> dict[str, Any]:
+def region_figures(records: Sequence[RequestRecord], window_s: float) -> dict[str, Any]:
     done = [r for r in records if r.outcome == "completed"]
     met = [r for r in done if met_objective(r, DEFAULT_OBJECTIVES)]
     ttft = np.array([r.ttft_s for r in done if r.ttft_s is not None])

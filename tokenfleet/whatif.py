@@ -8,6 +8,11 @@ from the fleet file, with the model's calibrated profile: under the stack the ga
 (the fleet file's routing policy, SLOMax) and under the one asked about; the difference
 is the policy's, both sides simulated alike. What the clients actually got is reported
 beside them, from the completions, as a check of the simulation.
+
+``whatif_fleet`` re-makes the choice of DC as well: every recorded arrival enters at the
+region of the gateway that took it, and the multi-DC simulator (``sim.fleet_sim``) runs
+the whole fleet under each DC policy asked about, each DC behind SLOMax and the fleet's
+routing policy, as the live edge would have.
 """
 
 from __future__ import annotations
@@ -16,10 +21,17 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from control.controllers.fleetmind import WeightController
+from control.fleet.registry import make_dc_policy
+from control.fleet.view import FleetState
 from schemas import Envelope
 from schemas.fleet import FleetConfig
 from schemas.lifecycle import RequestArrived, RequestCompleted, RequestRouted
+from sim.fleet_bench import region_figures
+from sim.fleet_sim import FleetLayout, FleetSimulation, Site
 from sim.metrics import latency_stats
+from sim.profiles import profile
+from sim.records import RequestRecord
 from sim.run import RunConfig, simulate_run
 from sim.workload import TraceRequest
 
@@ -46,7 +58,10 @@ class Recorded:
     workloads: dict[str, list[TraceRequest]]
     measured: dict[str, dict[str, float]]
     unrouted: int
-    """Arrivals no DC ran (refused at the edge): left out of every simulation."""
+    """Arrivals no DC ran (refused at the edge): left out of every simulation per DC."""
+    arrivals: list[TraceRequest]
+    """Every arrival, routed or not, entering at its gateway's region: the fleet's
+    workload."""
 
 
 def recorded(events: Iterable[Envelope]) -> Recorded:
@@ -64,13 +79,15 @@ def recorded(events: Iterable[Envelope]) -> Recorded:
             completed[payload.request_id] = payload
     start = min((ts for ts, _ in arrived.values()), default=0.0)
     workloads: dict[str, list[TraceRequest]] = {}
+    arrivals = []
     for request_id, (ts, request) in sorted(arrived.items(), key=lambda item: item[1][0]):
+        trace = _trace_request(request, ts - start, completed.get(request_id))
+        arrivals.append(trace)
         if request_id in routed:
-            done = completed.get(request_id)
-            trace = _trace_request(request, ts - start, done)
             workloads.setdefault(routed[request_id], []).append(trace)
     measured = {dc: _measured(work, completed) for dc, work in workloads.items()}
-    return Recorded(workloads, measured, len(arrived) - len(routed.keys() & arrived.keys()))
+    unrouted = len(arrived) - len(routed.keys() & arrived.keys())
+    return Recorded(workloads, measured, unrouted, arrivals)
 
 
 def _trace_request(
@@ -86,6 +103,7 @@ def _trace_request(
         tenant=request.tenant,
         deadline_s=request.deadline_s,
         max_tokens=request.output_budget or None,
+        region=request.source_region,
         residency=request.residency,
     )
 
@@ -134,4 +152,70 @@ def _figures(summary: dict[str, Any]) -> dict[str, float]:
         "completed": summary["completed"],
         "ttft_p50_s": summary["ttft_p50_s"],
         "ttft_p95_s": summary["ttft_p95_s"],
+    }
+
+
+def fleet_layout(fleet: FleetConfig, entry_regions: Collection[str]) -> FleetLayout:
+    """``fleet`` as the multi-DC simulator lays it out: each DC's instances (standby
+    ones as idle GPUs for the long cycle), the round trips between every two regions
+    (pairs the fleet file does not name: the edge's default), each entry region's home
+    (the first DC in it, else the nearest), and the tenants' DCs."""
+    sites = []
+    for dc in fleet.dcs:
+        mine = [i for i in fleet.instances if i.dc == dc.name]
+        if mine:
+            standby = sum(i.standby for i in mine)
+            sites.append(Site(dc.name, dc.region, len(mine) - standby, standby=standby))
+    trips = FleetState((), fleet.round_trips_s())
+    regions = {site.region for site in sites} | set(entry_regions)
+    home = {
+        region: min(
+            sites, key=lambda site: (site.region != region, trips.rtt_s(region, site.region))
+        ).name
+        for region in entry_regions
+    }
+    return FleetLayout(
+        sites=tuple(sites),
+        round_trips_s={(a, b): trips.rtt_s(a, b) for a in regions for b in regions if a != b},
+        home=home,
+        tenant_dcs={t.name: frozenset(t.dcs) for t in fleet.tenants if t.dcs is not None},
+    )
+
+
+def whatif_fleet(
+    record: Recorded, fleet: FleetConfig, dc_policies: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """Each DC policy's simulated figures on every recorded arrival, the whole fleet at
+    once; the simulator has one model, with the first instance's profile."""
+    arrivals = record.arrivals
+    layout = fleet_layout(fleet, {r.region for r in arrivals})
+    model = fleet.model(fleet.instances[0].model)
+    chosen = profile((model.profile if model else None) or DEFAULT_PROFILE)
+    span_s = max((r.arrival_s for r in arrivals), default=0.0) + 1.0
+    out = {}
+    for name in dc_policies:
+        simulation = FleetSimulation(
+            layout,
+            chosen,
+            make_dc_policy(name),
+            router=fleet.routing.policy,
+            capacity_rps_per_instance=model.rps_per_instance if model else None,
+            weights=WeightController() if name == "fleetmind" else None,
+        )
+        records = simulation.run(arrivals)
+        out[name] = _fleet_figures(
+            records, layout, {r.request_id: r.region for r in arrivals}, span_s
+        )
+    return out
+
+
+def _fleet_figures(
+    records: Sequence[RequestRecord], layout: FleetLayout, regions: dict[str, str], span_s: float
+) -> dict[str, Any]:
+    ran = [r for r in records if r.dc is not None]
+    abroad = sum(r.dc != layout.home[regions[r.request_id]] for r in ran)
+    return region_figures(records, span_s) | {
+        "cross_dc_share": abroad / len(ran) if ran else 0.0,
+        "refused": len(records) - len(ran),
+        "per_dc": {site.name: sum(r.dc == site.name for r in ran) for site in layout.sites},
     }

@@ -88,6 +88,14 @@ async def test_whatif_reads_the_recorded_arrivals_and_simulates_both_stacks(
     assert "tokenpilot + slomax" in figures  # the fleet file's stack, beside it
     refused = ["whatif", "--fleet", str(LOCAL_FLEET), "--policy", "tokenpilot"]
     assert await asyncio.to_thread(main, refused) == 2  # the stack that runs already
+    fleet_wide = ["whatif", "--fleet", str(LOCAL_FLEET), "--json", str(out), "--dc-policy"]
+    assert await asyncio.to_thread(main, [*fleet_wide, "local_only"]) == 0
+    by_policy = json.loads(out.read_text())
+    assert sorted(by_policy) == ["fleetmind", "local_only"]  # the gateways' policy beside it
+    assert by_policy["local_only"]["cross_dc_share"] == 0.0
+    assert by_policy["local_only"]["arrivals"] >= 50
+    assert await asyncio.to_thread(main, [*fleet_wide, "fleetmind"]) == 2  # it runs already
+    assert await asyncio.to_thread(main, [*fleet_wide, "nearest"]) == 2  # no such policy
 
 
 def _with_one_more_completion(table: GoodputTable) -> GoodputTable:

@@ -13,7 +13,7 @@ from schemas.fleet import load_fleet
 from schemas.lifecycle import RequestArrived, RequestCompleted
 from sim.events import lifecycle_events
 from sim.run import RunConfig, simulate_run
-from tokenfleet.whatif import Stack, recorded, whatif
+from tokenfleet.whatif import Stack, fleet_layout, recorded, whatif, whatif_fleet
 
 LOCAL_FLEET = Path(__file__).parents[2] / "examples" / "fleet-local.toml"
 
@@ -65,3 +65,45 @@ def test_the_stack_that_ran_reproduces_what_its_clients_got_and_another_differs(
     assert figures[same.name]["ttft_p50_s"] == pytest.approx(measured["ttft_p50_s"], rel=1e-3)
     assert figures[other.name]["ttft_p95_s"] != pytest.approx(measured["ttft_p95_s"], rel=1e-3)
     assert figures["instances"] == 2
+
+
+def chats_entering(region: str, count: int, every_s: float, tenant: str) -> list[Envelope]:
+    """Chats a gateway in ``region`` took, one every ``every_s``, none of them routed."""
+    return [
+        Envelope.wrap(
+            RequestArrived(
+                request_id=f"{tenant}-{n}",
+                tenant=tenant,
+                task_class="interactive",
+                model="emulated",
+                input_tokens=2000,
+                output_budget=200,
+                source_region=region,
+            ),
+            source="test",
+            ts=1000.0 + n * every_s,
+        )
+        for n in range(count)
+    ]
+
+
+def test_the_fleet_what_if_re_makes_the_choice_of_dc_within_the_tenants_dcs() -> None:
+    """dc-a's gateway took more than dc-a serves: kept at home, as local_only keeps
+    it, or spread, as FleetMind spreads it."""
+    fleet = load_fleet(LOCAL_FLEET)
+    events = chats_entering("eu-west", 300, 0.02, "demo")
+    events += chats_entering("eu-west", 100, 0.06, "eu-only")
+    record = recorded(events)
+    assert record.unrouted == 400
+    assert {r.region for r in record.arrivals} == {"eu-west"}
+    layout = fleet_layout(fleet, {"eu-west"})
+    assert layout.home == {"eu-west": "dc-a"}
+    assert layout.rtt_s("eu-west", "us-east") == 0.08
+    figures = whatif_fleet(record, fleet, ["local_only", "fleetmind"])
+    home, spread = figures["local_only"], figures["fleetmind"]
+    assert home["cross_dc_share"] == 0.0
+    assert (home["per_dc"]["dc-b"], home["per_dc"]["dc-c"]) == (0, 0)
+    assert home["refused"] > 0  # dc-a's SLOMax turned away what it could not serve
+    assert spread["cross_dc_share"] > 0.2
+    assert spread["refused"] < home["refused"]
+    assert spread["goodput_tok_s"] > home["goodput_tok_s"]

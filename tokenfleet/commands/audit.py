@@ -60,6 +60,13 @@ def _register_whatif(commands: argparse._SubParsersAction[argparse.ArgumentParse
     whatif.add_argument(
         "--dc", action="append", help="only this DC (repeat for several; default: every DC)"
     )
+    whatif.add_argument(
+        "--dc-policy",
+        help="re-make the choice of DC too: simulate the whole fleet on every arrival "
+        "(each entering at its gateway's region, refused ones included) under this DC "
+        "policy and under the gateways' (TOKENFLEET_GATEWAY_DC_POLICY, default fleetmind), "
+        "each DC behind SLOMax and the fleet's routing policy",
+    )
     whatif.add_argument("--json", type=Path, help="write the figures here")
     whatif.set_defaults(handler=_whatif)
 
@@ -135,7 +142,7 @@ def _whatif(args: argparse.Namespace) -> int:
     from schemas.fleet import FleetFileError, load_fleet
     from streams.kafka import KafkaBus
     from tokenfleet.commands.broker import broker
-    from tokenfleet.whatif import WHATIF_TOPICS, Stack, recorded, whatif
+    from tokenfleet.whatif import WHATIF_TOPICS, Stack, recorded, whatif, whatif_fleet
 
     try:
         fleet = load_fleet(args.fleet)
@@ -143,7 +150,8 @@ def _whatif(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     running = Stack(fleet.routing.policy, "slomax")
     asked = Stack(args.policy or running.policy, args.admission)
-    if asked == running:
+    dc_policies = _dc_policies(args.dc_policy)
+    if asked == running and not dc_policies:
         raise CliError(f"--policy or --admission must name a stack other than {running.name}")
     bootstrap = broker()
 
@@ -159,13 +167,46 @@ def _whatif(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
     try:
-        figures = whatif(record, fleet, [running, asked], args.dc or ())
+        if dc_policies:
+            figures = whatif_fleet(record, fleet, dc_policies)
+            _print_fleet_whatif(figures, len(record.arrivals))
+        else:
+            figures = whatif(record, fleet, [running, asked], args.dc or ())
+            _print_whatif(figures, running, asked, record.unrouted)
     except (KeyError, ValueError) as exc:
         raise CliError(f"cannot simulate: {exc}") from None
-    _print_whatif(figures, running, asked, record.unrouted)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    return 0 if figures else 1
+    return 0 if figures and record.arrivals else 1
+
+
+def _dc_policies(asked: str | None) -> list[str]:
+    """The gateways' DC policy and ``asked`` (none: no fleet what-if)."""
+    from control.fleet.registry import DC_POLICIES
+    from gateway.settings import GatewaySettings
+
+    if asked is None:
+        return []
+    if asked not in DC_POLICIES:
+        raise CliError(f"--dc-policy {asked}: not one of {', '.join(sorted(DC_POLICIES))}")
+    running = GatewaySettings().dc_policy
+    if asked == running:
+        raise CliError(f"--dc-policy must name a policy other than the gateways' ({running})")
+    return [running, asked]
+
+
+def _print_fleet_whatif(figures: dict[str, Any], arrivals: int) -> None:
+    print(f"{arrivals} arrivals, the whole fleet simulated under each DC policy")
+    for name, f in figures.items():
+        where = ", ".join(f"{dc} {n}" for dc, n in f["per_dc"].items())
+        print(
+            f"  {name:22} goodput {f['goodput_tok_s']:9.1f} tok/s, "
+            f"{100 * f['compliance']:5.1f} % in time, {100 * f['cross_dc_share']:4.1f} % "
+            f"outside their home DC, {f['refused']} refused ({where})"
+        )
+    (running, mine), (asked, theirs) = figures.items()
+    change = theirs["goodput_tok_s"] / mine["goodput_tok_s"] if mine["goodput_tok_s"] else 0
+    print(f"  {asked}: {change:.2f} x the goodput of {running}")
 
 
 def _print_whatif(figures: dict[str, Any], running: Stack, asked: Stack, unrouted: int) -> None:
