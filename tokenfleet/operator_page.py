@@ -33,7 +33,7 @@ from tokenfleet.operator_view import OperatorView
 PAGE = resources.files("tokenfleet") / "static" / "operators.html"
 
 
-VIEWED_TOPICS = (*TABLE_TOPICS, *CONTROL_TOPICS)
+VIEWED_TOPICS = (*TABLE_TOPICS, *CONTROL_TOPICS, "tf.control.placement")
 
 
 async def serve_operator_view(bus: EventBus, listening: socket.socket, every_s: float) -> None:
@@ -133,6 +133,15 @@ class ViewMetrics(Collector):
             dcs,
             lambda dc: dc["long_documents"],
         )
+        placed = GaugeMetricFamily(
+            "tokenfleet_controller_placed_replicas",
+            "Replicas of the model FleetMind's long cycle runs in the DC (tf.control.placement).",
+            labels=("dc", "model"),
+        )
+        for dc in dcs:
+            for model, replicas in (dc["replicas"] or {}).items():
+                placed.add_metric((dc["dc"], model), replicas)
+        yield placed
         left = GaugeMetricFamily(
             "tokenfleet_controller_control_ttl_left_seconds",
             "TTL left of the DC's newest quotas and weights (negative: expired).",

@@ -1,10 +1,12 @@
 """What operators watch: per DC, goodput, compliance and capacity by class, and the
-controls in force (weights, the long-document limit), now and over the last minutes.
+controls in force (weights, the long-document limit, the replicas placed), now and over
+the last minutes.
 
-Built from the same compacted topics the controllers read (``tf.tables.goodput``,
-``tf.tables.capacity``, ``tf.control.quotas``, ``tf.control.weights``), so it shows what
-the loop acts on. The controller's process serves it (``tokenfleet/operator_page.py``):
-a web page fed by server-sent events, a JSON document, and Prometheus gauges.
+Built from the same compacted topics the controllers read and write
+(``tf.tables.goodput``, ``tf.tables.capacity``, ``tf.control.quotas``,
+``tf.control.weights``, ``tf.control.placement``), so it shows what the loop acts on. The
+controller's process serves it (``tokenfleet/operator_page.py``): a web page fed by
+server-sent events, a JSON document, and Prometheus gauges.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from control.controllers.fleetmind import weights_of
 from control.controllers.slomax import long_documents
 from schemas.base import TaskClass
-from schemas.control import AdmissionQuotas, RoutingWeights
+from schemas.control import AdmissionQuotas, PlacementRecommendation, RoutingWeights
 from schemas.tables import CapacityTable, GoodputRow, GoodputTable
 
 HISTORY_S = 900.0
@@ -33,6 +35,7 @@ class _Dc:
     capacity: CapacityTable | None = None
     quotas: AdmissionQuotas | None = None
     weight: float | None = None
+    placement: PlacementRecommendation | None = None
     history: deque[dict[str, float | None]] = field(default_factory=deque)
 
 
@@ -61,6 +64,10 @@ class OperatorView:
             dc = self._dc(message.scope)
             if dc.quotas is None or message.issued_at >= dc.quotas.issued_at:
                 dc.quotas = message
+        elif isinstance(message, PlacementRecommendation):
+            dc = self._dc(message.scope)
+            if message.supersedes(dc.placement):
+                dc.placement = message
         elif isinstance(message, RoutingWeights) and (
             self._weights is None or message.issued_at >= self._weights.issued_at
         ):
@@ -99,9 +106,18 @@ class OperatorView:
             "capacity": _capacity(dc.capacity),
             "weight": dc.weight,
             "long_documents": None if dc.quotas is None else long_documents(dc.quotas),
+            "replicas": _replicas(dc.placement),
             "controls_left_s": _controls_left(now, dc.quotas, self._weights),
             "history": list(dc.history),
         }
+
+
+def _replicas(placement: PlacementRecommendation | None) -> dict[str, int] | None:
+    """The replicas of each model FleetMind's long cycle runs in the DC (None: it
+    places none there)."""
+    if placement is None:
+        return None
+    return {a.model: a.target_replicas for a in placement.actions}
 
 
 def _compliance(table: GoodputTable, task_class: str) -> float | None:

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from gateway.metrics import GatewayMetrics
-from tests.unit.test_operator_view import Clock, capacity, goodput, quotas, weights
+from tests.unit.test_operator_view import Clock, capacity, goodput, placement, quotas, weights
 from tokenfleet.operator_page import ViewMetrics
 from tokenfleet.operator_view import OperatorView
 
@@ -40,6 +40,7 @@ def controller_metrics() -> Exported:
         capacity("dc-a", 1, 990.0),
         quotas("dc-a", 990.0, limit=4),
         weights(990.0, dc_a=1.0),
+        placement("dc-a", 990.0, replicas=2),
     ):
         view.apply(message)
     return {
@@ -80,7 +81,7 @@ def test_the_gateways_dashboard_asks_for_what_the_gateway_exports() -> None:
 def test_the_controllers_dashboard_asks_for_what_the_controller_exports() -> None:
     expressions = queries("tokenfleet-controller.json")
     exported = controller_metrics()
-    assert len(expressions) == 6
+    assert len(expressions) == 7
     assert unknown_in(expressions, "tokenfleet_controller_", exported) == []
     asked = {n for e in expressions for n in re.findall(r"tokenfleet_controller_[a-z_]+", e)}
     assert asked == set(exported)  # every gauge has its panel

@@ -5,8 +5,16 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from control.controllers.placement import PlacementController
 from schemas.base import TaskClass
-from schemas.control import AdmissionQuotas, ClassQuota, DcWeight, RoutingWeights
+from schemas.control import (
+    AdmissionQuotas,
+    ClassQuota,
+    DcWeight,
+    PlacementAction,
+    PlacementRecommendation,
+    RoutingWeights,
+)
 from schemas.tables import CapacityTable, GoodputTable
 from tests.unit.test_quota_controller import capacity as two_ready
 from tests.unit.test_quota_controller import row
@@ -59,6 +67,11 @@ def weights(at: float, **by_dc: float) -> RoutingWeights:
     return RoutingWeights(scope="dc-a", version=int(at) + 1, issued_at=at, ttl_s=30, weights=listed)
 
 
+def placement(dc: str, at: float, replicas: int) -> PlacementRecommendation:
+    action = PlacementAction(model="m", model_version="1", dc=dc, target_replicas=replicas)
+    return PlacementController().snapshot(dc, [action], int(at) + 1, at)
+
+
 def test_the_state_holds_the_newest_tables_and_controls_of_each_dc() -> None:
     clock = Clock()
     view = OperatorView(clock)
@@ -68,6 +81,8 @@ def test_the_state_holds_the_newest_tables_and_controls_of_each_dc() -> None:
     view.apply(quotas("dc-b", 980.0, limit=6))
     view.apply(weights(990.0, dc_a=1.0, dc_b=0.8))
     view.apply(weights(970.0, dc_a=1.0, dc_b=0.3))  # issued before the one held
+    view.apply(placement("dc-b", 980.0, replicas=3))
+    view.apply(placement("dc-b", 960.0, replicas=1))  # an older version
     [dc_a, dc_b] = view.state()["dcs"]
     assert dc_a["dc"] == "dc-a"
     assert dc_a["classes"] == []
@@ -83,6 +98,7 @@ def test_the_state_holds_the_newest_tables_and_controls_of_each_dc() -> None:
         "headroom": 0.5,
     }
     assert (dc_b["weight"], dc_b["long_documents"]) == (0.8, 6)
+    assert (dc_a["replicas"], dc_b["replicas"]) == (None, {"m": 3})
     assert dc_b["controls_left_s"] == {"quotas": 10.0, "weights": 20.0}
 
 
@@ -109,6 +125,7 @@ def test_the_gauges_say_what_the_state_says() -> None:
     view.apply(goodput("dc-a", 1, 990.0, met=80, tokens_per_s=200.0))
     view.apply(capacity("dc-a", 1, 990.0))
     view.apply(weights(995.0, dc_a=0.64))
+    view.apply(placement("dc-a", 995.0, replicas=2))
     registry = CollectorRegistry()
     registry.register(ViewMetrics(view))
     samples = {
@@ -119,6 +136,7 @@ def test_the_gauges_say_what_the_state_says() -> None:
     dc = (("dc", "dc-a"),)
     interactive = (("dc", "dc-a"), ("task_class", "interactive"))
     assert samples[("tokenfleet_controller_weight", dc)] == 0.64
+    assert samples[("tokenfleet_controller_placed_replicas", (*dc, ("model", "m")))] == 2
     assert samples[("tokenfleet_controller_table_age_seconds", dc)] == 10.0
     assert samples[("tokenfleet_controller_goodput_tokens_per_second", interactive)] == 160.0
     assert samples[("tokenfleet_controller_compliance", interactive)] == 0.8
