@@ -294,6 +294,8 @@ class WeightHost(_ControlHost[RoutingWeights]):
             self._goodput[message.dc] = message
         elif isinstance(message, RoutingWeights) and self._taken_in(message):
             for key, weight in keyed_weights(message).items():
+                if (key[1] is None) == self.controller.params.per_class:
+                    continue  # a weight of the other mode, from before a restart: not ours
                 if self._weights.get(key, 1.0) != weight:
                     self._changed_at[key] = message.issued_at
                 self._weights[key] = weight

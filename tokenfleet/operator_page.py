@@ -123,7 +123,7 @@ class ViewMetrics(Collector):
         )
         yield _per_dc(
             "tokenfleet_controller_weight",
-            "The DC's weight in the newest tf.control.weights snapshot.",
+            "The DC's weight for chats in the newest tf.control.weights snapshot.",
             dcs,
             lambda dc: dc["weight"],
         )

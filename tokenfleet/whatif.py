@@ -186,7 +186,11 @@ def whatif_fleet(
     record: Recorded, fleet: FleetConfig, dc_policies: Sequence[str]
 ) -> dict[str, dict[str, Any]]:
     """Each DC policy's simulated figures on every recorded arrival, the whole fleet at
-    once; the simulator has one model, with the first instance's profile."""
+    once. The multi-DC simulator has one model: a fleet of several is refused
+    (ValueError), since the simulation would send requests where their model is not."""
+    if len(fleet.models) > 1:
+        names = ", ".join(m.name for m in fleet.models)
+        raise ValueError(f"the fleet what-if simulates one model; the fleet file has {names}")
     arrivals = record.arrivals
     layout = fleet_layout(fleet, {r.region for r in arrivals})
     model = fleet.model(fleet.instances[0].model)

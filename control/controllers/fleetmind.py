@@ -137,7 +137,7 @@ def weights_of(
 ) -> dict[str, float]:
     """Each DC's weight in ``published`` for ``model`` (None: any) and ``task_class``:
     the class's own, else the one for every class; a DC with neither is not named.
-    ``task_class`` None: the first weight given per DC."""
+    ``task_class`` None: the weights for every class alone."""
     if published is None:
         return {}
     general: dict[str, float] = {}
@@ -145,7 +145,7 @@ def weights_of(
     for w in published.weights:
         if model is not None and w.model != model:
             continue
-        if task_class is None or w.task_class is None:
+        if w.task_class is None:
             general.setdefault(w.dc, w.weight)
         elif w.task_class is task_class:
             own.setdefault(w.dc, w.weight)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from control.controllers.fleetmind import weights_of
+from control.controllers.fleetmind import WeightController, WeightParams, weights_of
 from control.controllers.slomax import QuotaController, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, PlacementRecommendation
@@ -350,3 +350,25 @@ async def test_stale_goodput_moves_nothing_and_replicas_that_never_serve_are_giv
     feed_dc_b(host, ended_rps=1.0, ready=1, now=clock.now)
     [given_up] = await host.reconcile()
     assert targets(given_up) == {"m": 1}
+
+
+async def test_a_controller_no_longer_per_class_drops_the_class_weights_it_reads_back() -> None:
+    """Read back, a per-class controller's weights would shadow the per-DC one for good:
+    every reader takes a class's own weight first."""
+    bus, clock = InMemoryBus(), Clock()
+    per_class = WeightController(WeightParams(per_class=True))
+    first = WeightHost(bus, ["m"], ["dc-a"], per_class, clock=clock)
+    feed_goodput(first, "dc-b", 50, clock.now)
+    [lowered] = await first.reconcile()
+    assert weights_of(lowered, "m", TaskClass.INTERACTIVE) == {"dc-b": 0.8}
+    restarted = WeightHost(bus, ["m"], ["dc-a"], clock=clock, renew_s=1.0)
+    reader = asyncio.create_task(follow(bus, WEIGHTS_TOPIC, restarted.apply, "earliest"))
+    try:
+        await asyncio.wait_for(restarted.caught_up(), 5.0)
+    finally:
+        reader.cancel()
+    clock.now += 5
+    feed_goodput(restarted, "dc-b", 99, clock.now)
+    [renewed] = await restarted.reconcile()
+    assert {w.task_class for w in renewed.weights} == {None}
+    assert weights_of(renewed, "m", TaskClass.INTERACTIVE) == {"dc-b": 1.0}

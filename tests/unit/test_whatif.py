@@ -107,3 +107,12 @@ def test_the_fleet_what_if_re_makes_the_choice_of_dc_within_the_tenants_dcs() ->
     assert spread["cross_dc_share"] > 0.2
     assert spread["refused"] < home["refused"]
     assert spread["goodput_tok_s"] > home["goodput_tok_s"]
+
+
+def test_the_fleet_what_if_refuses_a_fleet_of_several_models() -> None:
+    """The multi-DC simulator has one model: it would send requests where theirs is not."""
+    fleet = load_fleet(LOCAL_FLEET)
+    other = fleet.models[0].model_copy(update={"name": "other"})
+    two = fleet.model_copy(update={"models": (*fleet.models, other)})
+    with pytest.raises(ValueError, match="one model"):
+        whatif_fleet(recorded(chats_entering("eu-west", 5, 0.1, "demo")), two, ["local_only"])

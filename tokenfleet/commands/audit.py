@@ -151,6 +151,11 @@ def _whatif(args: argparse.Namespace) -> int:
     running = Stack(fleet.routing.policy, "slomax")
     asked = Stack(args.policy or running.policy, args.admission)
     dc_policies = _dc_policies(args.dc_policy)
+    if dc_policies and (args.policy or args.admission != "slomax" or args.dc):
+        raise CliError(
+            "--dc-policy simulates the whole fleet under the gateways' stack: "
+            "--policy, --admission and --dc do not apply to it"
+        )
     if asked == running and not dc_policies:
         raise CliError(f"--policy or --admission must name a stack other than {running.name}")
     bootstrap = broker()
@@ -167,6 +172,9 @@ def _whatif(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
     try:
+        if dc_policies and not record.arrivals:
+            print("no recorded arrivals on tf.requests")
+            return 1
         if dc_policies:
             figures = whatif_fleet(record, fleet, dc_policies)
             _print_fleet_whatif(figures, len(record.arrivals))
