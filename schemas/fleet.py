@@ -17,6 +17,8 @@ from schemas.base import Frozen, Identifier, TaskClass
 from schemas.envelope import describe
 from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective, Objectives
 
+LOOPBACK = frozenset({"127.0.0.1", "localhost"})
+
 
 class DataCenter(Frozen):
     name: Identifier
@@ -178,6 +180,11 @@ class FleetConfig(Frozen):
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def local_instances(self, dc: str | None = None) -> list[InstanceConfig]:
+        """The instances on this machine's loopback (``dc``'s alone, if given): those the
+        emulator serves and ``tokenfleet up`` starts."""
+        return [i for i in self.instances if i.url.host in LOOPBACK and dc in (None, i.dc)]
 
 
 class FleetFileError(ValueError):

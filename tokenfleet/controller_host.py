@@ -396,10 +396,10 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
         busy = {r.model: 0 for r in capacity.rows}
         for r in capacity.rows:  # every model's, managed or not: the rate is the DC's
             busy[r.model] += r.running + r.queued
+        total = sum(busy.values())
         actions = []
         for model, managed in models.items():
             rows = [r for r in capacity.rows if r.model == model]
-            total = sum(busy.values())
             share = busy.get(model, 0) / total if total else 1 / max(len(busy), 1)
             current = self._current(dc, model)
             ready = sum(r.ready_endpoints for r in rows)

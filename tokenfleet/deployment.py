@@ -80,11 +80,7 @@ def _emulators(fleet: FleetConfig, fleet_args: tuple[str, ...]) -> list[Part]:
     entry_region = fleet.dcs[0].region
     parts = []
     for dc in fleet.dcs:
-        local = [
-            i
-            for i in fleet.instances
-            if i.dc == dc.name and i.url.host in ("127.0.0.1", "localhost")
-        ]
+        local = fleet.local_instances(dc.name)
         if local:
             args = ("emulate", *fleet_args, "--dc", dc.name, "--region", entry_region)
             args += ("--kv-events", *(("--placement",) if any(i.standby for i in local) else ()))

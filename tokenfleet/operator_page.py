@@ -27,13 +27,14 @@ from starlette.routing import Route
 from sim.emulator.server import SignalFreeServer
 from streams.bus import EventBus
 from streams.feeds import follow
+from tokenfleet.controller_host import PLACEMENT_TOPIC
 from tokenfleet.loop_status import CONTROL_TOPICS, TABLE_TOPICS
 from tokenfleet.operator_view import OperatorView
 
 PAGE = resources.files("tokenfleet") / "static" / "operators.html"
 
 
-VIEWED_TOPICS = (*TABLE_TOPICS, *CONTROL_TOPICS, "tf.control.placement")
+VIEWED_TOPICS = (*TABLE_TOPICS, *CONTROL_TOPICS, PLACEMENT_TOPIC)
 
 
 async def serve_operator_view(bus: EventBus, listening: socket.socket, every_s: float) -> None:

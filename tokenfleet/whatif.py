@@ -196,6 +196,7 @@ def whatif_fleet(
     model = fleet.model(fleet.instances[0].model)
     chosen = profile((model.profile if model else None) or DEFAULT_PROFILE)
     span_s = max((r.arrival_s for r in arrivals), default=0.0) + 1.0
+    regions = {r.request_id: r.region for r in arrivals}
     out = {}
     for name in dc_policies:
         simulation = FleetSimulation(
@@ -207,9 +208,7 @@ def whatif_fleet(
             weights=WeightController() if name == "fleetmind" else None,
         )
         records = simulation.run(arrivals)
-        out[name] = _fleet_figures(
-            records, layout, {r.request_id: r.region for r in arrivals}, span_s
-        )
+        out[name] = _fleet_figures(records, layout, regions, span_s)
     return out
 
 

@@ -22,7 +22,6 @@ from sim.emulator.metrics import EngineMetrics
 from sim.engine import Engine
 from sim.profiles import profile
 
-LOOPBACK = frozenset({"127.0.0.1", "localhost"})
 DEFAULT_PROFILE = "llama3-70b-4xh100"
 DRAIN_S = 30
 """How long a stopping instance lets the requests it runs finish before cutting them."""
@@ -145,7 +144,7 @@ async def serve_fleet(
     on standby (``sim.emulator.standby`` starts them when a placement asks), each as
     ``serve_instance`` serves it; ``dc``: that DC's alone (one process per DC, so that a
     DC can be stopped on its own)."""
-    local = local_instances(fleet, dc)
+    local = fleet.local_instances(dc)
     if not local:
         where = "" if dc is None else f" of {dc}"
         raise ValueError(f"no instance{where} of the fleet file is on 127.0.0.1 or localhost")
@@ -155,11 +154,6 @@ async def serve_fleet(
             serving = serve_instance(fleet, instance, region, speedup, kv_events, default_profile)
             started += await stack.enter_async_context(serving)
         yield started
-
-
-def local_instances(fleet: FleetConfig, dc: str | None = None) -> list[InstanceConfig]:
-    """``fleet``'s instances on this machine's loopback (``dc``'s alone, if given)."""
-    return [i for i in fleet.instances if i.url.host in LOOPBACK and dc in (None, i.dc)]
 
 
 def serve_instance(

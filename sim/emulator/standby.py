@@ -44,6 +44,7 @@ class StandbyReplicas:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.instances = tuple(instances)
+        self.dcs = frozenset(i.dc for i in self.instances)
         self.local = frozenset(local)
         self.serve = serve
         self.warmup_s = warmup_s
@@ -62,8 +63,7 @@ class StandbyReplicas:
         DCs starts the replicas it adds and stops those it takes back."""
         if not isinstance(message, PlacementRecommendation):
             return
-        dcs = {i.dc for i in self.instances}
-        if message.scope not in dcs or not message.supersedes(self._placed.get(message.scope)):
+        if message.scope not in self.dcs or not message.supersedes(self._placed.get(message.scope)):
             return
         if message.expired(self.clock()):
             return

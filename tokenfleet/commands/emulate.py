@@ -180,21 +180,22 @@ async def _follow_placements(
     fleet: FleetConfig, args: argparse.Namespace, region: str, bootstrap: str
 ) -> None:
     """Start and stop the standby instances as the newest placement for their DC says."""
-    from sim.emulator.server import local_instances, serve_instance
+    from sim.emulator.server import serve_instance
     from sim.emulator.standby import StandbyReplicas
     from streams.feeds import follow
     from streams.kafka import KafkaBus
+    from tokenfleet.controller_host import PLACEMENT_TOPIC
 
     def serve(instance: InstanceConfig) -> contextlib.AbstractAsyncContextManager[object]:
         return serve_instance(fleet, instance, region, args.speedup, args.kv_events)
 
     bus = KafkaBus(bootstrap, source=f"emulate-{args.dc or 'fleet'}")
     mine = [i for i in fleet.instances if args.dc in (None, i.dc)]
-    local = {i.id for i in local_instances(fleet, args.dc)}
+    local = {i.id for i in fleet.local_instances(args.dc)}
     standby = StandbyReplicas(mine, local, serve, args.warmup)
     try:
         async with standby.running():
-            await follow(bus, "tf.control.placement", standby.apply, "earliest")
+            await follow(bus, PLACEMENT_TOPIC, standby.apply, "earliest")
     finally:
         await bus.close()
 
