@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Generic, TypeVar, cast
@@ -37,12 +37,13 @@ from control.routing import (
     FollowsRequests,
     Learner,
     PredictsTtft,
+    ReadsKvEvents,
     Router,
     RouteRequest,
     Withdrawing,
 )
 from control.routing.registry import implements
-from control.routing.snapshot import BoolArray, Observation
+from control.routing.snapshot import BoolArray, KvEvent, Observation
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
 from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
@@ -126,6 +127,7 @@ class Pipeline(Generic[Payload]):
     _follows: FollowsRequests | None = field(init=False)
     _learner: Learner | None = field(init=False)
     _forgets: Withdrawing | None = field(init=False)
+    _kv_reader: ReadsKvEvents | None = field(init=False)
 
     def __post_init__(self) -> None:
         router = self.router
@@ -134,6 +136,8 @@ class Pipeline(Generic[Payload]):
         )
         self._learner = cast(Learner, router) if implements(router, Learner) else None
         self._forgets = cast(Withdrawing, router) if implements(router, Withdrawing) else None
+        reads_kv = implements(router, ReadsKvEvents)
+        self._kv_reader = cast(ReadsKvEvents, router) if reads_kv else None
 
     def arrive(
         self,
@@ -245,6 +249,11 @@ class Pipeline(Generic[Payload]):
             self._first_tokens[request_id] = now
         if self._follows is not None:
             self._follows.first_token(request_id)
+
+    def kv_events(self, instance: int, events: Sequence[KvEvent]) -> None:
+        """An instance's KV events reached the host: for routers that read them."""
+        if self._kv_reader is not None:
+            self._kv_reader.kv_events(instance, events)
 
     def left_instance(self, request_id: str) -> None:
         """The request left the instance the router chose for it (ended, failed or was

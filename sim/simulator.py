@@ -18,7 +18,6 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import cast
 
 import numpy as np
 
@@ -456,11 +455,10 @@ class Simulation:
     def _deliver_kv_events(self, until: float | None = None) -> None:
         """The KV events that reached the host by now (or ``until``), in the order they
         were published."""
-        router = cast(ReadsKvEvents, self.router)
         until = self.now if until is None else until
         while self._kv_in_transit and self._kv_in_transit[0][0] <= until:
             _, index, events = self._kv_in_transit.popleft()
-            router.kv_events(index, events)
+            self.pipeline.kv_events(index, events)
 
     def _complete(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]

@@ -1,0 +1,600 @@
+"""A pipeline's journal, and the audit that replays it.
+
+A decision is reproducible from the log alone when the log holds everything that shaped
+it: the snapshot and request it was made on, and everything the pipeline learned before
+(every first token, end and observation its router learned from, every quota and peer
+load it was given). ``JournaledPipeline`` records each of those calls, in order, as JSON
+records; ``replay`` builds the same pipeline afresh from the journal's first record,
+makes the same calls and reports every decision that comes out different
+(``tokenfleet audit``). Nothing but the calls is recorded: the router's and admission's
+state is rebuilt by replaying what built it, so a router that learns needs no hook of
+its own.
+
+A record is plain JSON: floats that JSON cannot carry (infinities, NaN: an instance never
+seen streaming, an ineligible candidate's score) are written as the strings ``"inf"``,
+``"-inf"`` and ``"nan"``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from control.admission.request import AdmissionRequest
+from control.admission.view import AdmissionDecision
+from control.fleet.registry import DcPolicy
+from control.fleet.view import DataCenterState, DcDecision, DcRequest, FleetState
+from control.pipeline import ClassLoad, Outcome, Payload, Pipeline
+from control.routing.snapshot import (
+    BoolArray,
+    Decision,
+    FleetSnapshot,
+    KvEvent,
+    Observation,
+    RouteRequest,
+)
+from schemas.base import TaskClass
+from schemas.control import ClassQuota
+from schemas.objectives import ClassObjective
+
+Record = dict[str, Any]
+Journal = Callable[[Record], None]
+"""Where a journaled pipeline writes its records, one call each, in order."""
+
+CHOOSE_DC = "choose_dc"
+"""The call of a DC decision's record, in a gateway's DC journal."""
+START = "start"
+"""The call of a journal's first record: the recipe the pipeline was built from, and its
+objectives, quotas and peers' load at that moment."""
+
+_SNAPSHOT_ARRAYS = (
+    "ready",
+    "waiting",
+    "running",
+    "inflight_tokens",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "pending_prefill_tokens",
+    "last_step_end_s",
+)
+
+
+def _number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
+def _optional_number(value: float | None) -> float | str | None:
+    return None if value is None else _number(value)
+
+
+def _array(values: np.ndarray) -> list[Any]:
+    if values.dtype.kind == "f":
+        return [_number(v) for v in values.tolist()]
+    return list(values.tolist())
+
+
+def _optional_array(values: np.ndarray | None) -> list[Any] | None:
+    return None if values is None else _array(values)
+
+
+def _floats(values: Sequence[Any]) -> np.ndarray:
+    return np.array([float(v) for v in values], dtype=np.float64)
+
+
+def snapshot_record(fleet: FleetSnapshot) -> Record:
+    return {"ids": list(fleet.instance_ids)} | {
+        name: _array(getattr(fleet, name)) for name in _SNAPSHOT_ARRAYS
+    }
+
+
+def snapshot_from(record: Record) -> FleetSnapshot:
+    return FleetSnapshot(
+        tuple(record["ids"]),
+        np.array(record["ready"], dtype=np.bool_),
+        np.array(record["waiting"], dtype=np.int64),
+        np.array(record["running"], dtype=np.int64),
+        np.array(record["inflight_tokens"], dtype=np.int64),
+        np.array(record["kv_blocks_used"], dtype=np.int64),
+        np.array(record["kv_blocks_total"], dtype=np.int64),
+        _floats(record["pending_prefill_tokens"]),
+        _floats(record["last_step_end_s"]),
+    )
+
+
+def _route_record(route: RouteRequest) -> Record:
+    return {
+        "request_id": route.request_id,
+        "input_tokens": route.input_tokens,
+        "output_budget": route.output_budget,
+        "prefix_blocks": list(route.prefix_blocks),
+        "task_class": route.task_class,
+        "known_matches": _optional_array(route.known_matches),
+    }
+
+
+def _route_from(record: Record) -> RouteRequest:
+    matches = record["known_matches"]
+    return RouteRequest(
+        record["request_id"],
+        record["input_tokens"],
+        record["output_budget"],
+        tuple(record["prefix_blocks"]),
+        record["task_class"],
+        None if matches is None else np.array(matches, dtype=np.int64),
+    )
+
+
+def _request_record(request: AdmissionRequest) -> Record:
+    objective = request.objective
+    return {
+        "request_id": request.request_id,
+        "task_class": request.task_class.value,
+        "tenant": request.tenant,
+        "input_tokens": request.input_tokens,
+        "output_budget": request.output_budget,
+        "arrival_s": request.arrival_s,
+        "deadline_s": request.deadline_s,
+        "objective": None if objective is None else objective.model_dump(mode="json"),
+    }
+
+
+def _request_from(record: Record) -> AdmissionRequest:
+    objective = record["objective"]
+    return AdmissionRequest(
+        record["request_id"],
+        TaskClass(record["task_class"]),
+        record["tenant"],
+        record["input_tokens"],
+        record["output_budget"],
+        record["arrival_s"],
+        record["deadline_s"],
+        None if objective is None else ClassObjective.model_validate(objective),
+    )
+
+
+def decision_record(decision: Decision | None) -> Record | None:
+    """What a routing decision is compared by: the instance and every candidate's score."""
+    if decision is None:
+        return None
+    return {"policy": decision.policy, "chosen": decision.chosen, "scores": _array(decision.scores)}
+
+
+def _admission_record(decision: AdmissionDecision) -> Record:
+    return {
+        "verdict": decision.verdict.value,
+        "reason": decision.reason,
+        "allowed": _optional_array(decision.allowed),
+        "hold_until_s": _optional_number(decision.hold_until_s),
+        "retry_after_s": _optional_number(decision.retry_after_s),
+        "figures": [[name, _number(value)] for name, value in decision.figures],
+    }
+
+
+def outcome_record(outcome: Outcome[Any]) -> Record:
+    return {
+        "request_id": outcome.request.request_id,
+        "admission": _admission_record(outcome.admission),
+        "route": decision_record(outcome.route),
+    }
+
+
+def _quotas_record(quotas: Mapping[TaskClass, ClassQuota]) -> Record:
+    return {c.value: q.model_dump(mode="json") for c, q in quotas.items()}
+
+
+def _quotas_from(record: Record) -> dict[TaskClass, ClassQuota]:
+    return {TaskClass(c): ClassQuota.model_validate(q) for c, q in record.items()}
+
+
+def _peers_record(peers: Mapping[TaskClass, ClassLoad]) -> Record:
+    return {
+        c.value: [p.inflight, p.decoding, p.held, p.drained_per_s, p.head_key]
+        for c, p in peers.items()
+    }
+
+
+def _peers_from(record: Record) -> dict[TaskClass, ClassLoad]:
+    return {TaskClass(c): ClassLoad(*load) for c, load in record.items()}
+
+
+def objectives_record(objectives: Mapping[TaskClass, ClassObjective]) -> Record:
+    return {c.value: o.model_dump(mode="json") for c, o in objectives.items()}
+
+
+def objectives_from(record: Record) -> dict[TaskClass, ClassObjective]:
+    return {TaskClass(c): ClassObjective.model_validate(o) for c, o in record.items()}
+
+
+def _observation_record(observation: Observation | None) -> list[Any] | None:
+    if observation is None:
+        return None
+    o = observation
+    return [o.request_id, o.instance, o.ttft_s, o.output_tokens]
+
+
+_RECORDED_FIELDS: dict[str, Callable[[Any], Record]] = {
+    "quotas": _quotas_record,
+    "peers": _peers_record,
+}
+"""The fields a host sets between calls, recorded when they change."""
+
+
+@dataclass
+class JournaledPipeline(Pipeline[Payload]):
+    """A pipeline that writes every call that shapes its decisions to ``journal``, with
+    its results; it decides exactly as ``Pipeline`` does. ``recipe``: what an auditor
+    needs to build its admission and router afresh (the host's to say: policy names,
+    parameters, seed, the pool's profile), written in the first record."""
+
+    journal: Journal | None = None
+    recipe: Record = field(default_factory=dict)
+    _seq: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._write(
+            START,
+            recipe=self.recipe,
+            objectives=objectives_record(self.objectives),
+            quotas=_quotas_record(self.quotas),
+            peers=_peers_record(self.peers),
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        encode = _RECORDED_FIELDS.get(name)
+        watched = encode is not None and self.__dict__.get("journal") is not None
+        if watched and value != getattr(self, name):
+            assert encode is not None
+            self._write(name, value=encode(value))
+        object.__setattr__(self, name, value)
+
+    def _write(self, call: str, **fields: Any) -> None:
+        if self.journal is None:
+            return
+        self.journal({"seq": self._seq, "call": call} | fields)
+        self._seq += 1
+
+    def arrive(
+        self,
+        request: AdmissionRequest,
+        route: RouteRequest,
+        payload: Payload,
+        fleet: FleetSnapshot,
+        now: float,
+    ) -> Outcome[Payload]:
+        outcome = super().arrive(request, route, payload, fleet, now)
+        self._write(
+            "arrive",
+            now=now,
+            request=_request_record(request),
+            route=_route_record(route),
+            fleet=snapshot_record(fleet),
+            outcome=outcome_record(outcome),
+        )
+        return outcome
+
+    def release(self, fleet: Callable[[], FleetSnapshot], now: float) -> list[Outcome[Payload]]:
+        taken: list[FleetSnapshot] = []
+
+        def recorded() -> FleetSnapshot:
+            taken.append(fleet())
+            return taken[-1]
+
+        outcomes = super().release(recorded, now)
+        self._write(
+            "release",
+            now=now,
+            fleets=_distinct_snapshots(taken),
+            outcomes=[outcome_record(o) for o in outcomes],
+        )
+        return outcomes
+
+    def reroute(
+        self, route: RouteRequest, fleet: FleetSnapshot, now: float, allowed: BoolArray | None
+    ) -> Decision:
+        decision = super().reroute(route, fleet, now, allowed)
+        self._write(
+            "reroute",
+            now=now,
+            route=_route_record(route),
+            fleet=snapshot_record(fleet),
+            allowed=_optional_array(allowed),
+            decision=decision_record(decision),
+        )
+        return decision
+
+    def first_token(self, request_id: str, now: float) -> None:
+        super().first_token(request_id, now)
+        self._write("first_token", request_id=request_id, now=now)
+
+    def kv_events(self, instance: int, events: Sequence[KvEvent]) -> None:
+        super().kv_events(instance, events)
+        self._write("kv_events", instance=instance, events=[[b, s] for b, s in events])
+
+    def left_instance(self, request_id: str) -> None:
+        super().left_instance(request_id)
+        self._write("left_instance", request_id=request_id)
+
+    def finished(
+        self,
+        request_id: str,
+        now: float,
+        *,
+        completed_tokens: int = 0,
+        observation: Observation | None = None,
+        cancelled: bool = False,
+    ) -> None:
+        # Pipeline.finished calls left_instance, which must not be recorded twice.
+        journal, self.__dict__["journal"] = self.journal, None
+        try:
+            super().finished(
+                request_id,
+                now,
+                completed_tokens=completed_tokens,
+                observation=observation,
+                cancelled=cancelled,
+            )
+        finally:
+            self.__dict__["journal"] = journal
+        self._write(
+            "finished",
+            request_id=request_id,
+            now=now,
+            completed_tokens=completed_tokens,
+            observation=_observation_record(observation),
+            cancelled=cancelled,
+        )
+
+    def withdraw(self, request_id: str) -> bool:
+        withdrawn = super().withdraw(request_id)
+        self._write("withdraw", request_id=request_id, withdrawn=withdrawn)
+        return withdrawn
+
+    def drain(self, reason: str) -> list[Outcome[Payload]]:
+        outcomes = super().drain(reason)
+        self._write("drain", reason=reason, outcomes=[outcome_record(o) for o in outcomes])
+        return outcomes
+
+
+def _distinct_snapshots(taken: list[FleetSnapshot]) -> Record:
+    """The snapshots a release pass took, each written once (a host usually hands the
+    same one to every dispatch of a pass), and the order it took them in."""
+    distinct: list[FleetSnapshot] = []
+    order = []
+    for snapshot in taken:
+        row = next((n for n, s in enumerate(distinct) if s is snapshot), None)
+        if row is None:
+            distinct.append(snapshot)
+            row = len(distinct) - 1
+        order.append(row)
+    return {"snapshots": [snapshot_record(s) for s in distinct], "order": order}
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A recorded result that the replay did not reproduce."""
+
+    seq: int
+    call: str
+    recorded: Any
+    replayed: Any
+
+
+@dataclass
+class Replayed:
+    """One journal's audit."""
+
+    decisions: int = 0
+    """Results compared: arrivals, release passes' outcomes, reroutes, withdrawals,
+    drains."""
+    differences: list[Difference] = field(default_factory=list)
+    problem: str | None = None
+    """Why the journal could not be replayed to its end (no first record, a gap)."""
+
+
+class _Diverged(Exception):
+    """The replay asked for a snapshot the recorded call never took."""
+
+
+def replay(records: Iterable[Record], build: Callable[[Record], Pipeline[str]]) -> Replayed:
+    """Replay one pipeline's journal, in order: ``build`` makes the pipeline from the
+    first record's recipe (its admission and router, fresh), then every call is made again
+    and every result compared with the recorded one. A gap in the records ends the replay
+    (the state after it is unknown), reported as the problem."""
+    result = Replayed()
+    pipeline: Pipeline[str] | None = None
+    for expected, record in enumerate(records):
+        if record["seq"] != expected:
+            result.problem = f"record {expected} is missing (the next is {record['seq']})"
+            break
+        if pipeline is None:
+            if record["call"] != START:
+                result.problem = f"the journal begins with {record['call']!r}, not {START!r}"
+                break
+            pipeline = build(record)
+            pipeline.objectives = objectives_from(record["objectives"])
+            pipeline.quotas = _quotas_from(record["quotas"])
+            pipeline.peers = _peers_from(record["peers"])
+            continue
+        replayed = _call(pipeline, record)
+        if replayed is _NO_RESULT:
+            continue
+        result.decisions += 1
+        recorded = record[_RESULT_FIELD[record["call"]]]
+        if replayed != recorded:
+            result.differences.append(Difference(record["seq"], record["call"], recorded, replayed))
+    else:
+        if pipeline is None:
+            result.problem = "the journal is empty"
+    return result
+
+
+_RESULT_FIELD = {
+    "arrive": "outcome",
+    "release": "outcomes",
+    "reroute": "decision",
+    "withdraw": "withdrawn",
+    "drain": "outcomes",
+}
+_NO_RESULT = object()
+
+
+def _call(pipeline: Pipeline[str], record: Record) -> Any:
+    """Make the recorded call on ``pipeline``; its result as recorded, or ``_NO_RESULT``
+    for a call that decides nothing."""
+    call, now = record["call"], record.get("now", 0.0)
+    if call == "arrive":
+        request = _request_from(record["request"])
+        route, fleet = _route_from(record["route"]), snapshot_from(record["fleet"])
+        return outcome_record(pipeline.arrive(request, route, request.request_id, fleet, now))
+    if call == "release":
+        return _replayed_release(pipeline, record, now)
+    if call == "reroute":
+        allowed = record["allowed"]
+        decision = pipeline.reroute(
+            _route_from(record["route"]),
+            snapshot_from(record["fleet"]),
+            now,
+            None if allowed is None else np.array(allowed, dtype=np.bool_),
+        )
+        return decision_record(decision)
+    if call == "withdraw":
+        return pipeline.withdraw(record["request_id"])
+    if call == "drain":
+        return [outcome_record(o) for o in pipeline.drain(record["reason"])]
+    _learn(pipeline, record)
+    return _NO_RESULT
+
+
+def _replayed_release(pipeline: Pipeline[str], record: Record, now: float) -> Any:
+    taken = record["fleets"]
+    snapshots = [snapshot_from(s) for s in taken["snapshots"]]
+    order = iter(taken["order"])
+
+    def recorded() -> FleetSnapshot:
+        row = next(order, None)
+        if row is None:
+            raise _Diverged
+        snapshot: FleetSnapshot = snapshots[row]
+        return snapshot
+
+    try:
+        return [outcome_record(o) for o in pipeline.release(recorded, now)]
+    except _Diverged:
+        return "asked for more snapshots than the recorded pass took"
+
+
+def _learn(pipeline: Pipeline[str], record: Record) -> None:
+    """The calls that only tell the pipeline something: first tokens, ends, settings."""
+    call = record["call"]
+    if call == "first_token":
+        pipeline.first_token(record["request_id"], record["now"])
+    elif call == "kv_events":
+        pipeline.kv_events(record["instance"], [(b, s) for b, s in record["events"]])
+    elif call == "left_instance":
+        pipeline.left_instance(record["request_id"])
+    elif call == "finished":
+        seen = record["observation"]
+        pipeline.finished(
+            record["request_id"],
+            record["now"],
+            completed_tokens=record["completed_tokens"],
+            observation=None if seen is None else Observation(*seen),
+            cancelled=record["cancelled"],
+        )
+    elif call == "quotas":
+        pipeline.quotas = _quotas_from(record["value"])
+    elif call == "peers":
+        pipeline.peers = _peers_from(record["value"])
+    else:
+        raise ValueError(f"unknown call {call!r} in a pipeline's journal")
+
+
+def dc_choice_record(request: DcRequest, fleet: FleetState, decision: DcDecision) -> Record:
+    """A DC decision with its inputs: the DC policy is pure, so one record replays it."""
+    return {
+        "call": CHOOSE_DC,
+        "request": {
+            "request_id": request.request_id,
+            "source_region": request.source_region,
+            "source_dc": request.source_dc,
+            "input_tokens": request.input_tokens,
+            "tenant_dcs": None if request.tenant_dcs is None else sorted(request.tenant_dcs),
+            "residency": sorted(request.residency),
+            "version": request.version,
+            "draw": request.draw,
+        },
+        "dcs": [_dc_record(dc) for dc in fleet.dcs],
+        "round_trips_s": [[a, b, rtt] for (a, b), rtt in fleet.round_trips_s.items()],
+        "decision": _dc_decision_record(decision),
+    }
+
+
+_DC_FLOATS = frozenset(
+    {
+        "utilisation",
+        "predicted_wait_s",
+        "weight",
+        "class_room",
+        "inflight_requests",
+        "kv_use",
+        "queue",
+    }
+)
+
+
+def _dc_record(dc: DataCenterState) -> Record:
+    record: Record = {}
+    for f in fields(dc):
+        value = getattr(dc, f.name)
+        record[f.name] = _number(value) if f.name in _DC_FLOATS and value is not None else value
+    record["ready_versions"] = sorted(dc.ready_versions)
+    record["versions"] = sorted(dc.versions)
+    return record
+
+
+def _dc_from(record: Record) -> DataCenterState:
+    values: dict[str, Any] = {
+        k: float(v) if k in _DC_FLOATS and v is not None else v for k, v in record.items()
+    }
+    values["ready_versions"] = frozenset(record["ready_versions"])
+    values["versions"] = frozenset(record["versions"])
+    return DataCenterState(**values)
+
+
+def _dc_decision_record(decision: DcDecision) -> Record:
+    return {
+        "policy": decision.policy,
+        "order": list(decision.order),
+        "excluded": dict(decision.excluded),
+        "costs": {
+            dc: {part: _number(value) for part, value in parts.items()}
+            for dc, parts in decision.costs.items()
+        },
+    }
+
+
+def replay_dc_choice(record: Record, policy: DcPolicy) -> Difference | None:
+    """Make a recorded DC decision again with ``policy``; the difference, if any."""
+    asked = record["request"]
+    tenant_dcs = asked["tenant_dcs"]
+    request = DcRequest(
+        asked["request_id"],
+        asked["source_region"],
+        asked["source_dc"],
+        asked["input_tokens"],
+        None if tenant_dcs is None else frozenset(tenant_dcs),
+        frozenset(asked["residency"]),
+        asked["version"],
+        asked["draw"],
+    )
+    dcs = tuple(_dc_from(d) for d in record["dcs"])
+    fleet = FleetState(dcs, {(a, b): rtt for a, b, rtt in record["round_trips_s"]})
+    replayed = _dc_decision_record(policy.choose(request, fleet))
+    if replayed == record["decision"]:
+        return None
+    return Difference(record["seq"], CHOOSE_DC, record["decision"], replayed)

@@ -1,0 +1,145 @@
+"""A pipeline's journal replays to the same decisions, and the audit catches a record that
+was changed or lost (``control/journal.py``)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from control.admission.registry import make_admission
+from control.fleet.fleetmind import FleetMind
+from control.fleet.view import DataCenterState, DcRequest, FleetState
+from control.journal import (
+    JournaledPipeline,
+    Record,
+    dc_choice_record,
+    replay,
+    replay_dc_choice,
+)
+from control.pipeline import Pipeline
+from control.routing import PoolModel, make_router
+from schemas.base import TaskClass
+from sim.clients import ClientModel
+from sim.cluster import Cluster
+from sim.control_loop import QuotaLoop
+from sim.simulator import Simulation
+from sim.workload import TraceRequest
+from tests.unit.test_simulator import STEPS, _profile
+
+SEED = 7
+POOL = PoolModel(STEPS, 16, 2_048)
+
+
+def _pipeline(_start: Record) -> Pipeline[str]:
+    return Pipeline(make_admission("slomax"), make_router("tokenpilot", seed=SEED, pool=POOL))
+
+
+def _journaled_run() -> tuple[list[Record], Simulation]:
+    """Chats beside long documents and deadline batch work on two small instances, past
+    what they serve: SLOMax holds, rejects and answers holds early, its controller moves
+    the quotas, clients give up and retry, and TokenPilot learns from first tokens and
+    KV events, all of it recorded."""
+    chats = [
+        TraceRequest(f"c{n}", 0.05 * n, 200, 20, tuple(range(n % 3, n % 3 + 10)))
+        for n in range(300)
+    ]
+    documents = [
+        TraceRequest(f"d{n}", 0.5 * n, 16_384, 5, (), TaskClass.LONG_DOCUMENT) for n in range(30)
+    ]
+    batch = [
+        TraceRequest(f"b{n}", 0.3 * n, 800, 200, (), TaskClass.BATCH, deadline_s=0.3 * n + 8)
+        for n in range(40)
+    ]
+    simulation = Simulation(
+        Cluster.single(_profile(num_blocks=4_000, budget=2_048), 2),
+        make_router("tokenpilot", seed=SEED, pool=POOL),
+        admission=make_admission("slomax"),
+        clients=ClientModel(retry_share=0.5),
+        control=QuotaLoop(),
+    )
+    records: list[Record] = []
+    host = simulation.pipeline
+    simulation.pipeline = JournaledPipeline(
+        host.admission, host.router, journal=records.append, recipe={"policy": "tokenpilot"}
+    )
+    simulation.run(sorted(chats + documents + batch, key=lambda r: r.arrival_s))
+    return records, simulation
+
+
+def test_a_simulated_run_s_journal_replays_to_the_same_decisions() -> None:
+    records, _ = _journaled_run()
+    calls = {r["call"] for r in records}
+    assert {"arrive", "release", "first_token", "finished", "kv_events", "quotas"} <= calls
+    verdicts = {r["outcome"]["admission"]["verdict"] for r in records if r["call"] == "arrive"}
+    assert verdicts == {"dispatch", "hold", "reject"}
+    # Through JSON, as the journal travels.
+    audit = replay(json.loads(json.dumps(records)), _pipeline)
+    assert audit.problem is None
+    assert audit.differences == []
+    assert audit.decisions == sum(r["call"] in ("arrive", "release") for r in records)
+
+
+def _first(records: list[Record], call: str, **where: Any) -> Record:
+    return next(
+        r for r in records if r["call"] == call and all(r[k] == v for k, v in where.items())
+    )
+
+
+def test_a_changed_snapshot_or_a_lost_first_token_shows_as_differences() -> None:
+    records, _ = _journaled_run()
+    routed = [
+        r
+        for r in records
+        if r["call"] == "arrive" and r["outcome"]["route"] is not None and r["seq"] > 50
+    ]
+    changed = copy.deepcopy(records)
+    seq = routed[0]["seq"]
+    chosen = routed[0]["outcome"]["route"]["chosen"]
+    changed[seq]["fleet"]["waiting"][chosen] += 50  # the log says it saw another queue
+    audit = replay(changed, _pipeline)
+    assert audit.differences
+    assert audit.differences[0].seq == seq
+
+    # A record lost from the middle: the replay stops there and says so.
+    lost = [r for r in records if r["seq"] != seq]
+    audit = replay(lost, _pipeline)
+    assert audit.problem == f"record {seq} is missing (the next is {seq + 1})"
+    assert audit.differences == []
+
+    # What the router learned from counts: without the first tokens it observed (the
+    # ends recorded without them), later decisions come out different.
+    unlearned = copy.deepcopy(records)
+    for record in unlearned:
+        if record["call"] == "finished":
+            record["observation"] = None
+    assert replay(unlearned, _pipeline).differences
+
+
+def test_a_journal_must_begin_with_its_recipe() -> None:
+    records, _ = _journaled_run()
+    audit = replay([dict(r, seq=n) for n, r in enumerate(records[1:])], _pipeline)
+    assert audit.problem == "the journal begins with 'arrive', not 'start'"
+    assert replay([], _pipeline).problem == "the journal is empty"
+
+
+def test_a_dc_choice_replays_and_a_changed_input_shows() -> None:
+    request = DcRequest("r1", "eu", "dc-a", 1_000, None, frozenset({"eu", "us"}), None, 0.3)
+    v1 = frozenset({"v1"})
+
+    def dc(name: str, region: str, utilisation: float, wait_s: float) -> DataCenterState:
+        return DataCenterState(name, region, 4, v1, v1, utilisation, wait_s, instances=4)
+
+    fleet = FleetState(
+        (dc("dc-a", "eu", 1.4, 2.0), dc("dc-b", "us", 0.2, 0.0), dc("dc-c", "ap", 0.0, 0.0)),
+        {("eu", "us"): 0.08},
+    )
+    policy = FleetMind()
+    decision = policy.choose(request, fleet)
+    record = json.loads(json.dumps(dc_choice_record(request, fleet, decision) | {"seq": 0}))
+    assert decision.excluded == {"dc-c": "residency"}
+    assert replay_dc_choice(record, policy) is None
+    record["dcs"][0] |= {"utilisation": 0.0, "predicted_wait_s": 0.0}  # says dc-a was idle
+    difference = replay_dc_choice(record, policy)
+    assert difference is not None
+    assert difference.recorded["order"] != difference.replayed["order"]
