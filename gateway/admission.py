@@ -35,6 +35,7 @@ from control.admission.registry import Admission
 from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.slomax import SLOMax
 from control.admission.view import Verdict
+from control.journal import Journal, JournaledPipeline, Record
 from control.pipeline import ClassLoad, Outcome, Pipeline
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
 from control.routing.snapshot import BoolArray, Observation
@@ -72,11 +73,13 @@ class GatewayAdmission:
         objectives: Objectives,
         metrics: GatewayMetrics,
         loads: Callable[[str], Awaitable[list[str]]],
+        journal_for: Callable[[str, str], tuple[Journal, Record]] | None = None,
         tick_s: float = 0.05,
     ) -> None:
         """``snapshot_for(model, dc)``: the pool's snapshot now, for a release pass;
         ``loads``: publish this replica's admission load, read the others'
-        (``SharedState.admission_loads``)."""
+        (``SharedState.admission_loads``); ``journal_for(model, dc)``: a new pool's
+        journal and recipe (None: pipelines keep none)."""
         self._make_admission = make_admission
         self._router_for = router_for
         self._snapshot_for = snapshot_for
@@ -84,6 +87,7 @@ class GatewayAdmission:
         self.metrics = metrics
         self.tick_s = tick_s
         self._loads = loads
+        self._journal_for = journal_for
         self._pipelines: dict[Key, Pipeline[Held]] = {}
         self._peers: dict[str, dict[TaskClass, ClassLoad]] = {}
         """The other replicas' load, by pool (``_pool_name``)."""
@@ -95,12 +99,16 @@ class GatewayAdmission:
     def pipeline(self, model: str, dc: str) -> Pipeline[Held]:
         key = (model, dc)
         if key not in self._pipelines:
-            self._pipelines[key] = Pipeline(
-                self._make_admission(model),
-                self._router_for(model, dc),
-                self.objectives.classes,
-                peers=self._peers.get(_pool_name(key), {}),
-            )
+            admission, router = self._make_admission(model), self._router_for(model, dc)
+            objectives, peers = self.objectives.classes, self._peers.get(_pool_name(key), {})
+            if self._journal_for is None:
+                pipeline: Pipeline[Held] = Pipeline(admission, router, objectives, peers=peers)
+            else:
+                journal, recipe = self._journal_for(model, dc)
+                pipeline = JournaledPipeline(
+                    admission, router, objectives, peers=peers, journal=journal, recipe=recipe
+                )
+            self._pipelines[key] = pipeline
         return self._pipelines[key]
 
     def arrive(

@@ -46,6 +46,7 @@ from gateway.inbound import (
     authenticate,
     read_inbound,
 )
+from gateway.journal import Journals
 from gateway.metrics import GatewayMetrics
 from gateway.redis_state import FallbackState
 from gateway.settings import GatewaySettings
@@ -84,6 +85,9 @@ class GatewayParts:
     make_admission: Callable[[str], Admission] = lambda _model: Fcfs()
     """A fresh admission policy for a model's pool (one per model and DC; the command
     line's default is SLOMax, ``TOKENFLEET_GATEWAY_ADMISSION``)."""
+    recipe: Callable[[str], dict[str, Any]] | None = None
+    """How ``make_router`` and ``make_admission`` build a model's pool (policy names,
+    parameters, seed, profile), for the decision journal; None: no journal can be kept."""
 
 
 def create_app(parts: GatewayParts) -> FastAPI:
@@ -96,6 +100,23 @@ def create_app(parts: GatewayParts) -> FastAPI:
     regions = {dc.name: dc.region for dc in fleet.dcs}
     if local_dc not in regions:
         raise ValueError(f"the gateway's dc {local_dc!r} is not in the fleet file")
+    events = EventSink(
+        parts.bus,
+        settings.name,
+        settings.event_buffer,
+        on_drop=lambda reason, count: metrics.events_dropped.labels(reason).inc(count),
+    )
+    journals = None
+    if settings.journal or settings.journal_file is not None:
+        if parts.recipe is None:
+            raise ValueError("a gateway keeps a journal only where its parts give their recipe")
+        journals = Journals(
+            settings.name,
+            parts.recipe,
+            settings.dc_policy,
+            events.emit if settings.journal else None,
+            settings.journal_file,
+        )
     decider = Decider(
         view,
         parts.state,
@@ -105,12 +126,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
         parts.make_admission,
         fleet.all_objectives(),
         make_dc_policy(settings.dc_policy),
-    )
-    events = EventSink(
-        parts.bus,
-        settings.name,
-        settings.event_buffer,
-        on_drop=lambda reason, count: metrics.events_dropped.labels(reason).inc(count),
+        journals,
     )
     background: set[asyncio.Task[None]] = set()
 
@@ -162,6 +178,8 @@ def create_app(parts: GatewayParts) -> FastAPI:
             await asyncio.gather(*loops, return_exceptions=True)
             await asyncio.gather(*background, return_exceptions=True)
             await events.flush(timeout_s=2.0)
+            if journals is not None:
+                journals.close()
             await exchange.client.close()
 
     app = FastAPI(
@@ -282,6 +300,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
                 inbound.residency,
                 inbound.input_tokens,
                 inbound.task_class,
+                inbound.request_id,
             )
             return await _in_turn(dcs, inbound, request, arrived, scoped)
         except ApiError as exc:

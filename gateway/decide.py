@@ -28,6 +28,7 @@ from control.fleet.fleetmind import FleetMind
 from control.fleet.load import DcLoad, Rate, class_room, dc_state
 from control.fleet.registry import DcPolicy
 from control.fleet.view import DcRequest, FleetState
+from control.journal import dc_choice_record
 from control.routing.registry import Router
 from control.routing.snapshot import BoolArray, Decision, FleetSnapshot, RouteRequest
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
@@ -35,6 +36,7 @@ from control.tokens import BLOCK_TOKENS
 from gateway.admission import GatewayAdmission, Refused, Waiting
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
+from gateway.journal import Journals
 from gateway.metrics import GatewayMetrics
 from gateway.state import SharedState, SharedView
 from schemas.base import TaskClass
@@ -88,14 +90,17 @@ class Decider:
         make_admission: Callable[[str], Admission],
         objectives: Objectives,
         dc_policy: DcPolicy | None = None,
+        journals: Journals | None = None,
     ) -> None:
-        """``dc_policy``: FleetMind unless named."""
+        """``dc_policy``: FleetMind unless named; ``journals``: where decisions are
+        journaled (None: nowhere)."""
         self.view = view
         self.state = state
         self.local_dc = local_dc
         self._regions = {dc.name: dc.region for dc in view.fleet.dcs}
         self.region = self._regions[local_dc]
         self.dc_policy = dc_policy or FleetMind()
+        self._journals = journals
         self._round_trips = view.fleet.round_trips_s()
         self._sent: dict[tuple[str, str], Rate] = {}
         """The requests this replica sent to each (model, DC) lately."""
@@ -114,6 +119,7 @@ class Decider:
             objectives,
             metrics,
             state.admission_loads,
+            None if journals is None else journals.pool,
         )
 
     async def take_quota(self, inbound: Inbound) -> None:
@@ -140,12 +146,13 @@ class Decider:
         residency: tuple[str, ...] = (),
         input_tokens: int = 0,
         task_class: TaskClass = TaskClass.INTERACTIVE,
+        request_id: str = "",
     ) -> tuple[str, ...]:
         """The DCs to try, best first, as the DC policy orders them on this edge's view;
         ApiError(503) saying why when no DC may run the request."""
         config = self.view.fleet.model(model)
         request = DcRequest(
-            "",
+            request_id,
             self.region,
             self.local_dc,
             input_tokens,
@@ -154,7 +161,10 @@ class Decider:
             None if config is None else config.version,
             self._draws.random(),
         )
-        decision = self.dc_policy.choose(request, self._dc_view(model, task_class))
+        fleet = self._dc_view(model, task_class)
+        decision = self.dc_policy.choose(request, fleet)
+        if self._journals is not None:
+            self._journals.dc_choice(dc_choice_record(request, fleet, decision))
         if decision.chosen is None:
             reasons = decision.excluded
             why = ", ".join(f"{dc} ({reason})" for dc, reason in reasons.items())

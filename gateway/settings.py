@@ -48,4 +48,9 @@ class GatewaySettings(BaseSettings):
     """How often a replica rewrites its share of the shared accounting from its own record."""
     share_ttl_s: float = Field(default=10.0, gt=0)
     """A replica's share that is not rewritten for this long (it died) stops counting."""
+    journal: bool = False
+    """Publish the decision journal on ``tf.audit.journal``: every decision with the inputs
+    it was made on and what its pipeline learned, for ``tokenfleet audit``."""
+    journal_file: Path | None = None
+    """Append the decision journal to this file too (JSON lines, one envelope each)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)

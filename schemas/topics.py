@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schemas.audit import JournalRecord
 from schemas.base import Message
 from schemas.control import AdmissionQuotas, PlacementRecommendation, RoutingWeights
 from schemas.deadletter import DeadLetter
@@ -90,7 +91,10 @@ TOPICS: tuple[Topic, ...] = (
     Topic("tf.control.weights", "scope", 1, True, None, (RoutingWeights,)),
     Topic("tf.control.placement", "scope", 1, True, None, (PlacementRecommendation,)),
     Topic("tf.deadletter", "source_topic", 1, False, 14 * DAY_MS, (DeadLetter,)),
+    Topic("tf.audit.journal", "journal", 3, False, 7 * DAY_MS, (JournalRecord,)),
 )
+
+JOURNAL_TOPIC = "tf.audit.journal"
 
 DEADLETTER_TOPIC = "tf.deadletter"
 

@@ -44,7 +44,22 @@ def for_type(tp: Any, constraints: tuple[Any, ...] = ()) -> st.SearchStrategy[An
     return _scalar(tp, _bounds(constraints))
 
 
+_JSON: st.SearchStrategy[Any] = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(_TEXT, max_size=8),
+    lambda values: st.lists(values, max_size=3)
+    | st.dictionaries(st.text(_TEXT, max_size=8), values, max_size=3),
+    max_leaves=8,
+)
+"""Any JSON value: what a field typed ``Any`` carries through the codec."""
+
+
 def _scalar(tp: Any, bounds: dict[str, Any]) -> st.SearchStrategy[Any]:
+    if tp is Any:
+        return _JSON
     if tp is type(None):
         return st.none()
     if tp is bool:

@@ -14,7 +14,7 @@ import contextlib
 import secrets
 import socket
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import aiohttp
@@ -99,7 +99,15 @@ def gateway_parts(
     policy, params = routing_params(fleet, settings)
     routers = router_factory(fleet, policy, seed, params)
     admissions = admission_factory(fleet, settings.admission)
-    return GatewayParts(fleet, settings, state, bus, routers, admissions)
+
+    def recipe(model: str) -> dict[str, Any]:
+        """How ``routers`` and ``admissions`` build ``model``'s pool, for an auditor."""
+        config = fleet.model(model)
+        assert config is not None
+        routing = {"policy": policy, "params": asdict(params), "seed": seed}
+        return routing | {"admission": settings.admission, "profile": config.profile}
+
+    return GatewayParts(fleet, settings, state, bus, routers, admissions, recipe)
 
 
 def shared_state(fleet: FleetConfig, services: Settings, settings: GatewaySettings) -> SharedState:

@@ -9,6 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from schemas import Envelope
+from schemas.topics import JOURNAL_TOPIC, TOPICS
 from tokenfleet.commands.deploy import LOCAL_FLEET
 from tokenfleet.commands.errors import CliError
 
@@ -37,6 +39,113 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     recount.add_argument("--json", type=Path, help="write the tables and differences here")
     recount.set_defaults(handler=_recount)
     _register_whatif(commands)
+    _register_audit(commands)
+
+
+def _register_audit(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    audit = commands.add_parser(
+        "audit",
+        help="make every journaled decision again from its recorded inputs and report "
+        "those that come out different",
+        description="Reads the gateways' decision journals (gateways started with "
+        "TOKENFLEET_GATEWAY_JOURNAL=true publish them on tf.audit.journal; "
+        "TOKENFLEET_GATEWAY_JOURNAL_FILE writes them to a file), rebuilds each pool's "
+        "admission and router from the recipe its journal begins with, replays every call "
+        "in order (arrivals with the snapshots they were decided on, release passes, "
+        "first tokens, ends and what the router observed, KV events, quotas) and compares "
+        "each decision: verdict, reason, instance, every candidate's score. DC choices "
+        "are made again from their recorded view of the DCs. Exit 0 when every decision "
+        "is reproduced, 1 when one is not or a journal has a gap.",
+    )
+    audit.add_argument(
+        "--from",
+        dest="sources",
+        action="append",
+        metavar="TOPIC|FILE",
+        help="a journal file, or a topic (needs TOKENFLEET_KAFKA_BOOTSTRAP); repeat for "
+        f"several (default: {JOURNAL_TOPIC})",
+    )
+    audit.add_argument("--json", type=Path, help="write each journal's result here")
+    audit.set_defaults(handler=_audit)
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from tokenfleet.audit import audit_journal, journals_in
+
+    envelopes, undecodable = _journal_envelopes(args.sources or [JOURNAL_TOPIC])
+    audits = [audit_journal(name, records) for name, records in journals_in(envelopes).items()]
+    print(f"{len(envelopes):,} records read ({undecodable} undecodable, skipped)")
+    for audit in sorted(audits, key=lambda a: a.journal):
+        verdict = audit.problem or (
+            "every decision reproduced"
+            if audit.reproduced
+            else f"{len(audit.differences)} decisions differ"
+        )
+        print(
+            f"{audit.journal}: {audit.records:,} records, {audit.decisions:,} decisions, {verdict}"
+        )
+        for d in audit.differences[:5]:
+            print(f"  DIFFERS record {d.seq} ({d.call}):")
+            print(f"    recorded {_brief(d.recorded)}")
+            print(f"    replayed {_brief(d.replayed)}")
+    if not audits:
+        print("no journal found (are the gateways started with TOKENFLEET_GATEWAY_JOURNAL=true?)")
+    if args.json:
+        document = [asdict(a) | {"reproduced": a.reproduced} for a in audits]
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
+    return 0 if audits and all(a.reproduced for a in audits) else 1
+
+
+def _brief(result: object, limit: int = 300) -> str:
+    text = json.dumps(result)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _journal_envelopes(sources: list[str]) -> tuple[list[Envelope], int]:
+    """The envelopes of every source: files read from disk, topics from the broker."""
+    from tokenfleet.audit import read_file
+
+    envelopes: list[Envelope] = []
+    undecodable = 0
+    topics = [s for s in sources if not Path(s).exists()]
+    for source in sources:
+        if source not in topics:
+            read, skipped = read_file(Path(source))
+            envelopes += read
+            undecodable += skipped
+    unknown = [t for t in topics if t not in {topic.name for topic in TOPICS}]
+    if unknown:
+        raise CliError(f"no such file or topic: {', '.join(unknown)}")
+    if topics:
+        read, skipped = _read_topics(topics)
+        envelopes += read
+        undecodable += skipped
+    return envelopes, undecodable
+
+
+def _read_topics(topics: list[str]) -> tuple[list[Envelope], int]:
+    from streams.kafka import KafkaBus
+    from tokenfleet.commands.broker import broker
+
+    bootstrap = broker()
+
+    async def run() -> tuple[list[Envelope], int]:
+        bus = KafkaBus(bootstrap, source="audit")
+        envelopes: list[Envelope] = []
+        undecodable = 0
+        try:
+            for name in topics:
+                read, skipped = await bus.read_all(name)
+                envelopes += read
+                undecodable += skipped
+        finally:
+            await bus.close()
+        return envelopes, undecodable
+
+    try:
+        return asyncio.run(run())
+    except Exception as exc:
+        raise CliError(f"cannot read {', '.join(topics)} from {bootstrap}: {exc}") from None
 
 
 def _register_whatif(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -138,7 +247,6 @@ def _as_json(result: Recount) -> dict[str, object]:
 
 
 def _whatif(args: argparse.Namespace) -> int:
-    from schemas import Envelope
     from schemas.fleet import FleetFileError, load_fleet
     from streams.kafka import KafkaBus
     from tokenfleet.commands.broker import broker

@@ -1,0 +1,79 @@
+"""The gateway's decision journal, for ``tokenfleet audit``: every call of its pipelines
+(``control.journal.JournaledPipeline``) and every choice of DC, with their inputs, as
+``tf.audit.journal`` records on the bus (``TOKENFLEET_GATEWAY_JOURNAL``) and as JSON lines
+in a file (``TOKENFLEET_GATEWAY_JOURNAL_FILE``).
+
+Each pool's pipeline writes a journal of its own, and the DC choices one more; a journal's
+name says whose it is and which run of the gateway wrote it, so a restarted gateway starts
+new journals (its pipelines start afresh too). On the bus the records travel with the
+lifecycle events, through the same bounded buffer: a record dropped there shows as a gap
+in its journal, which the audit reports.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+from control.journal import START, Journal, Record
+from schemas import Envelope, Message
+from schemas.audit import JournalRecord
+from schemas.envelope import encode
+
+DC_CHOICES = "dc-choices"
+"""The pool part of the name of a gateway's journal of DC choices."""
+
+
+class Journals:
+    def __init__(
+        self,
+        gateway: str,
+        recipe: Callable[[str], Record],
+        dc_policy: str,
+        emit: Callable[[Message], None] | None = None,
+        path: Path | None = None,
+    ) -> None:
+        """``recipe(model)``: how the gateway builds a pool's admission and router (policy
+        names, parameters, seed, the model's profile); ``emit``: onto the bus; ``path``:
+        the file, appended to."""
+        self.gateway = gateway
+        self._recipe = recipe
+        self._run = secrets.token_hex(4)
+        self._emit = emit
+        self._file = None if path is None else path.open("a", encoding="utf-8", buffering=1)
+        self.dc_choice = self._numbered(self._writer(DC_CHOICES))
+        self.dc_choice({"call": START, "recipe": {"dc_policy": dc_policy}})
+
+    def pool(self, model: str, dc: str) -> tuple[Journal, Record]:
+        """The journal for a new pipeline of ``model`` in ``dc``, and its recipe."""
+        return self._writer(f"{model}@{dc}"), self._recipe(model)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+    def _writer(self, pool: str) -> Journal:
+        name = f"{self.gateway}/{pool}/{self._run}"
+
+        def write(record: Record) -> None:
+            message = JournalRecord(journal=name, record=record)
+            if self._emit is not None:
+                self._emit(message)
+            if self._file is not None:
+                line = encode(Envelope.wrap(message, source=self.gateway)).decode()
+                self._file.write(line + "\n")
+
+        return write
+
+    @staticmethod
+    def _numbered(write: Journal) -> Journal:
+        """A journal whose records are numbered as they are written."""
+        count = 0
+
+        def numbered(record: Record) -> None:
+            nonlocal count
+            write({"seq": count} | record)
+            count += 1
+
+        return numbered

@@ -1,0 +1,88 @@
+"""``tokenfleet audit``: the gateways' decision journals replayed, every decision made again
+from the inputs recorded with it (``control.journal``), and each one that comes out
+different reported.
+
+A journal is read whole and in order: a pool's pipeline is rebuilt from its first record's
+recipe (the same policies, parameters and seed the gateway built it with), and every call
+is made again, so what its router learned is learned again from the same observations.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from control.admission.registry import make_admission
+from control.fleet.registry import make_dc_policy
+from control.journal import START, Difference, Record, replay, replay_dc_choice
+from control.pipeline import Pipeline
+from control.routing import make_router, policy_params
+from schemas import Envelope
+from schemas.audit import JournalRecord
+from schemas.envelope import DecodeError, decode
+from sim.profiles import profile
+
+
+@dataclass
+class JournalAudit:
+    journal: str
+    records: int
+    decisions: int = 0
+    differences: list[Difference] = field(default_factory=list)
+    problem: str | None = None
+
+    @property
+    def reproduced(self) -> bool:
+        return self.problem is None and not self.differences
+
+
+def journals_in(envelopes: Iterable[Envelope]) -> dict[str, list[Record]]:
+    """Each journal's records, in their order (a topic's partitions, or a file written by
+    several gateways, interleave journals; a journal's records keep their numbers)."""
+    journals: dict[str, list[Record]] = defaultdict(list)
+    for envelope in envelopes:
+        if isinstance(envelope.payload, JournalRecord):
+            journals[envelope.payload.journal].append(envelope.payload.record)
+    return {name: sorted(records, key=lambda r: r["seq"]) for name, records in journals.items()}
+
+
+def read_file(path: Path) -> tuple[list[Envelope], int]:
+    """The envelopes of a journal file (JSON lines), and how many lines were not one."""
+    envelopes, undecodable = [], 0
+    with path.open("rb") as lines:
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                envelopes.append(decode(line))
+            except DecodeError:
+                undecodable += 1
+    return envelopes, undecodable
+
+
+def audit_journal(name: str, records: list[Record]) -> JournalAudit:
+    """Replay one journal: a pool's pipeline, or a gateway's DC choices."""
+    result = JournalAudit(name, len(records))
+    start = records[0] if records else None
+    if start is not None and start["call"] == START and "dc_policy" in start["recipe"]:
+        policy = make_dc_policy(start["recipe"]["dc_policy"])
+        for record in records[1:]:
+            result.decisions += 1
+            if (difference := replay_dc_choice(record, policy)) is not None:
+                result.differences.append(difference)
+        return result
+    replayed = replay(records, _pipeline)
+    result.decisions, result.differences = replayed.decisions, replayed.differences
+    result.problem = replayed.problem
+    return result
+
+
+def _pipeline(start: Record) -> Pipeline[str]:
+    """A pool's pipeline as the gateway built it (``tokenfleet.gateway_wiring``)."""
+    recipe = start["recipe"]
+    pool = profile(recipe["profile"]).pool_model() if recipe["profile"] else None
+    params = policy_params(recipe["policy"], recipe["params"])
+    router = make_router(recipe["policy"], recipe["seed"], pool, params)
+    return Pipeline(make_admission(recipe["admission"], pool), router)
