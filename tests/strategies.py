@@ -50,8 +50,10 @@ _JSON: st.SearchStrategy[Any] = st.recursive(
     | st.integers(-(2**63), 2**63)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(_TEXT, max_size=8),
-    lambda values: st.lists(values, max_size=3)
-    | st.dictionaries(st.text(_TEXT, max_size=8), values, max_size=3),
+    lambda values: (
+        st.lists(values, max_size=3)
+        | st.dictionaries(st.text(_TEXT, max_size=8), values, max_size=3)
+    ),
     max_leaves=8,
 )
 """Any JSON value: what a field typed ``Any`` carries through the codec."""

@@ -39,13 +39,15 @@ class JournalAudit:
 
 
 def journals_in(envelopes: Iterable[Envelope]) -> dict[str, list[Record]]:
-    """Each journal's records, in their order (a topic's partitions, or a file written by
-    several gateways, interleave journals; a journal's records keep their numbers)."""
-    journals: dict[str, list[Record]] = defaultdict(list)
+    """Each journal's records, in their order, each once (a topic's partitions, or a file
+    written by several gateways, interleave journals; a producer that retried after a
+    broker failure may have written a record twice; a record keeps its number)."""
+    journals: dict[str, dict[int, Record]] = defaultdict(dict)
     for envelope in envelopes:
         if isinstance(envelope.payload, JournalRecord):
-            journals[envelope.payload.journal].append(envelope.payload.record)
-    return {name: sorted(records, key=lambda r: r["seq"]) for name, records in journals.items()}
+            record = envelope.payload.record
+            journals[envelope.payload.journal].setdefault(record["seq"], record)
+    return {name: [r[n] for n in sorted(r)] for name, r in journals.items()}
 
 
 def read_file(path: Path) -> tuple[list[Envelope], int]:

@@ -65,7 +65,15 @@ def plan(
         *(
             Part(
                 f"gateway-{dc.name}",
-                ("gateway", *fleet_args, "--dc", dc.name, "--port", str(gateway_port + n)),
+                (
+                    "gateway",
+                    *fleet_args,
+                    "--dc",
+                    dc.name,
+                    "--port",
+                    str(gateway_port + n),
+                    "--journal",
+                ),
                 f"http://127.0.0.1:{gateway_port + n}",
             )
             for n, dc in enumerate(fleet.dcs)

@@ -23,10 +23,12 @@ from schemas.control import ControlSnapshot
 from schemas.fleet import load_fleet
 from schemas.lifecycle import RequestArrived, RequestCompleted
 from schemas.openai_api import REQUEST_ID_HEADER
+from schemas.topics import JOURNAL_TOPIC
 from streams.kafka import KafkaBus, create_topics
 from tests.conftest import read_for, run_in_thread
 from tests.gateway_harness import scraped
 from tests.services import Service
+from tokenfleet.audit import audit_journal, journals_in
 from tokenfleet.deployment import Deployment, Part, plan
 from tokenfleet.loop_status import latest_on, loop_checks, verdict
 from tokenfleet.services.kafka import LocalKafka
@@ -210,6 +212,7 @@ async def test_the_deployed_loop_closes_and_survives_a_broker_restart_a_lost_dc_
             await asyncio.sleep(0.5)
         print(f"safe defaults {time.monotonic() - silent:.1f} s after the controller stopped")
     await _every_answer_has_its_lifecycle_events(deployed.bootstrap, traffic)
+    await _every_journaled_decision_is_made_again(deployed.bootstrap)
 
 
 async def _the_operators_view_shows_every_dc(deployed: Deployed) -> None:
@@ -223,6 +226,22 @@ async def _the_operators_view_shows_every_dc(deployed: Deployed) -> None:
     assert any(row["completed"] for row in shown["dc-a"]["classes"])  # the edge's chats
     gauge = "tokenfleet_controller_weight"
     assert await scraped(deployed.controller, gauge, dc="dc-c") == 1.0
+
+
+async def _every_journaled_decision_is_made_again(bootstrap: str) -> None:
+    """``tokenfleet audit``'s check on what the gateways journaled through it all (the
+    broker's restart included): every decision comes out the same from its record."""
+    bus = KafkaBus(bootstrap, source="test")
+    try:
+        envelopes, undecodable = await bus.read_all(JOURNAL_TOPIC)
+    finally:
+        await bus.close()
+    audits = [audit_journal(name, records) for name, records in journals_in(envelopes).items()]
+    print(f"{sum(a.decisions for a in audits)} decisions in {len(audits)} journals audited")
+    assert undecodable == 0
+    edge = [a for a in audits if "/emulated@" in a.journal and a.decisions]
+    assert edge, "no gateway journaled a decision"
+    assert [(a.journal, a.problem, a.differences) for a in audits if not a.reproduced] == []
 
 
 async def _every_answer_has_its_lifecycle_events(bootstrap: str, traffic: Traffic) -> None:

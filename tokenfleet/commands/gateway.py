@@ -46,6 +46,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "local_only, envoy_priority_failover, gcp_waterfall, skyserve_least_load and "
         "llmd_multicluster are the baselines of docs/fleetmind.md)",
     )
+    gateway.add_argument(
+        "--journal",
+        action="store_const",
+        const=True,
+        help="publish the decision journal on tf.audit.journal, for tokenfleet audit "
+        "(TOKENFLEET_GATEWAY_JOURNAL; TOKENFLEET_GATEWAY_JOURNAL_FILE writes it to a file)",
+    )
     gateway.set_defaults(handler=_gateway)
 
 
@@ -63,6 +70,7 @@ def _gateway(args: argparse.Namespace) -> int:
             "admission": args.admission,
             "dc": args.dc,
             "dc_policy": args.dc_policy,
+            "journal": args.journal,
         }.items()
         if v is not None
     }
