@@ -54,13 +54,15 @@ def bench_gateway(
     instances: int = 2,
     litellm: str | None = None,
     redis: str | None = None,
+    journal: bool = False,
 ) -> dict[str, Any]:
     """Figures for our gateway with SLOMax, its default (top-level keys), for the same
     gateway admitting everything (under ``gateway_fcfs``: what admission costs), with its
     state in the Redis at URL ``redis`` (under ``gateway_redis``), for a bare pass-through
     proxy on the same stack (under ``bare_proxy``, ``tokenfleet.bare_proxy``: the floor
     under the gateway's cost) and, with the path of LiteLLM's ``litellm`` command, for its
-    proxy in front of the same instances (under ``litellm``)."""
+    proxy in front of the same instances (under ``litellm``); with ``journal``, for the
+    gateway keeping its decision journal (under ``gateway_journal``)."""
     with tempfile.TemporaryDirectory() as home, contextlib.ExitStack() as stack:
         direct = stack.enter_context(_instances(Path(home), instances))
         fronts = {
@@ -73,6 +75,10 @@ def bench_gateway(
         if redis:
             fronts["gateway_redis"] = stack.enter_context(
                 _gateway(Path(home), direct, "slomax", "gateway_redis", redis)
+            )
+        if journal:
+            fronts["gateway_journal"] = stack.enter_context(
+                _gateway(Path(home), direct, "slomax", "gateway_journal", journal=True)
             )
         if litellm:
             fronts["litellm"] = stack.enter_context(_litellm(Path(home), litellm, direct))
@@ -129,13 +135,19 @@ def _instances(home: Path, count: int) -> Iterator[list[str]]:
 
 @contextlib.contextmanager
 def _gateway(
-    home: Path, instances: list[str], admission: str, name: str, redis: str | None = None
+    home: Path,
+    instances: list[str],
+    admission: str,
+    name: str,
+    redis: str | None = None,
+    *,
+    journal: bool = False,
 ) -> Iterator[str]:
     fleet = home / "fleet.toml"
     fleet.write_text(_fleet_file(instances))
     port = free_port()
     argv = [*_CLI, "gateway", "--fleet", str(fleet), "--port", str(port)]
-    argv += ["--admission", admission]
+    argv += ["--admission", admission, *(["--journal"] if journal else [])]
     env = _environment() | {"TOKENFLEET_GATEWAY_NAME": name}
     if redis:
         env |= {"TOKENFLEET_REDIS_URL": redis, "TOKENFLEET_GATEWAY_REDIS_PREFIX": f"bench-{port}:"}
@@ -177,7 +189,7 @@ def _litellm(home: Path, command: str, instances: list[str]) -> Iterator[str]:
 
 
 _CLI = [sys.executable, "-m", "tokenfleet.cli"]
-_MEASURED_CPU = ("gateway", "gateway_fcfs", "gateway_redis", "bare_proxy")
+_MEASURED_CPU = ("gateway", "gateway_fcfs", "gateway_redis", "gateway_journal", "bare_proxy")
 """Fronts whose ``/metrics`` carry ``process_cpu_seconds_total``."""
 
 

@@ -70,6 +70,12 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         help="leave out the gateway with its state in Redis (TOKENFLEET_REDIS_URL, else a "
         "local redis-server the bench starts)",
     )
+    gateway.add_argument(
+        "--journal",
+        action="store_true",
+        help="also measure the gateway keeping its decision journal (--journal, on the "
+        "in-process bus): what tokenfleet audit costs",
+    )
     gateway.add_argument("--json", type=Path, required=True, help="write the figures here")
     gateway.set_defaults(handler=_bench_gateway)
     streams = sub.add_parser(
@@ -143,7 +149,12 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         redis = None if args.no_redis else _redis_url(stack)
         figures = bench_gateway(
-            args.requests, args.concurrency, args.duration, litellm=litellm, redis=redis
+            args.requests,
+            args.concurrency,
+            args.duration,
+            litellm=litellm,
+            redis=redis,
+            journal=args.journal,
         )
     print(
         f"added latency p50 {figures['added_latency_p50_ms']:.2f} ms, "
@@ -156,6 +167,7 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     for name, label in (
         ("gateway_fcfs", "gateway without admission (fcfs)"),
         ("gateway_redis", "gateway with its state in Redis"),
+        ("gateway_journal", "gateway keeping its decision journal"),
         ("bare_proxy", "bare proxy"),
         ("litellm", "LiteLLM"),
     ):
