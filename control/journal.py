@@ -231,6 +231,7 @@ class JournaledPipeline(Pipeline[Payload]):
     parameters, seed, the pool's profile), written in the first record."""
 
     journal: Journal | None = None
+    """Must not raise: the call it records has already changed the pipeline."""
     recipe: Record = field(default_factory=dict)
     _seq: int = field(default=0, init=False)
 
@@ -253,10 +254,12 @@ class JournaledPipeline(Pipeline[Payload]):
         object.__setattr__(self, name, value)
 
     def _write(self, call: str, **fields: Any) -> None:
+        """Hand the record to the journal; its number is taken first, so that a record
+        the journal fails to keep shows as a gap, never as a number used twice."""
         if self.journal is None:
             return
-        self.journal({"seq": self._seq, "call": call} | fields)
-        self._seq += 1
+        seq, self._seq = self._seq, self._seq + 1
+        self.journal({"seq": seq, "call": call} | fields)
 
     def arrive(
         self,

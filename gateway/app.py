@@ -116,6 +116,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
             settings.dc_policy,
             events.emit if settings.journal else None,
             settings.journal_file,
+            on_lost=metrics.events_dropped.labels("journal_write").inc,
         )
     decider = Decider(
         view,

@@ -12,6 +12,8 @@ in its journal, which the audit reports.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +23,12 @@ from schemas import Envelope, Message
 from schemas.audit import JournalRecord
 from schemas.envelope import encode
 
+log = logging.getLogger(__name__)
+
 DC_CHOICES = "dc-choices"
 """The pool part of the name of a gateway's journal of DC choices."""
+NAME_LIMIT = 256
+"""The longest journal name a ``JournalRecord`` carries."""
 
 
 class Journals:
@@ -33,14 +39,17 @@ class Journals:
         dc_policy: str,
         emit: Callable[[Message], None] | None = None,
         path: Path | None = None,
+        on_lost: Callable[[], None] = lambda: None,
     ) -> None:
         """``recipe(model)``: how the gateway builds a pool's admission and router (policy
         names, parameters, seed, the model's profile); ``emit``: onto the bus; ``path``:
-        the file, appended to."""
+        the file, appended to; ``on_lost``: a record could not be kept (logged, and a gap
+        in its journal for the audit: serving goes on)."""
         self.gateway = gateway
         self._recipe = recipe
         self._run = secrets.token_hex(4)
         self._emit = emit
+        self._on_lost = on_lost
         self._file = None if path is None else path.open("a", encoding="utf-8", buffering=1)
         self.dc_choice = self._numbered(self._writer(DC_CHOICES))
         self.dc_choice({"call": START, "recipe": {"dc_policy": dc_policy}})
@@ -54,15 +63,19 @@ class Journals:
             self._file.close()
 
     def _writer(self, pool: str) -> Journal:
-        name = f"{self.gateway}/{pool}/{self._run}"
+        name = _bounded(f"{self.gateway}/{pool}/{self._run}")
 
         def write(record: Record) -> None:
-            message = JournalRecord(journal=name, record=record)
-            if self._emit is not None:
-                self._emit(message)
-            if self._file is not None:
-                line = encode(Envelope.wrap(message, source=self.gateway)).decode()
-                self._file.write(line + "\n")
+            try:
+                message = JournalRecord(journal=name, record=record)
+                if self._emit is not None:
+                    self._emit(message)
+                if self._file is not None:
+                    line = encode(Envelope.wrap(message, source=self.gateway)).decode()
+                    self._file.write(line + "\n")
+            except Exception:  # the decision stands; the audit will see the gap
+                log.exception("journal %s lost record %s", name, record.get("seq"))
+                self._on_lost()
 
         return write
 
@@ -77,3 +90,11 @@ class Journals:
             count += 1
 
         return numbered
+
+
+def _bounded(name: str) -> str:
+    """``name``, or where it is too long for a record, its start and a digest of it."""
+    if len(name) <= NAME_LIMIT:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return f"{name[: NAME_LIMIT - 17]}~{digest}"

@@ -38,21 +38,27 @@ class JournalAudit:
         return self.problem is None and not self.differences
 
 
-def journals_in(envelopes: Iterable[Envelope]) -> dict[str, list[Record]]:
+def journals_in(envelopes: Iterable[Envelope]) -> tuple[dict[str, list[Record]], int]:
     """Each journal's records, in their order, each once (a topic's partitions, or a file
     written by several gateways, interleave journals; a producer that retried after a
-    broker failure may have written a record twice; a record keeps its number)."""
+    broker failure may have written a record twice; a record keeps its number); and how
+    many records had no number or no call (left out)."""
     journals: dict[str, dict[int, Record]] = defaultdict(dict)
+    malformed = 0
     for envelope in envelopes:
         if isinstance(envelope.payload, JournalRecord):
             record = envelope.payload.record
+            if not isinstance(record.get("seq"), int) or not isinstance(record.get("call"), str):
+                malformed += 1
+                continue
             journals[envelope.payload.journal].setdefault(record["seq"], record)
-    return {name: [r[n] for n in sorted(r)] for name, r in journals.items()}
+    return {name: [r[n] for n in sorted(r)] for name, r in journals.items()}, malformed
 
 
 def read_file(path: Path) -> tuple[list[Envelope], int]:
     """The envelopes of a journal file (JSON lines), and how many lines were not one."""
-    envelopes, undecodable = [], 0
+    envelopes: list[Envelope] = []
+    undecodable = 0
     with path.open("rb") as lines:
         for line in lines:
             if not line.strip():
@@ -65,20 +71,33 @@ def read_file(path: Path) -> tuple[list[Envelope], int]:
 
 
 def audit_journal(name: str, records: list[Record]) -> JournalAudit:
-    """Replay one journal: a pool's pipeline, or a gateway's DC choices."""
+    """Replay one journal: a pool's pipeline, or a gateway's DC choices. A record that is
+    not what the journal's format says ends the replay, as the problem."""
     result = JournalAudit(name, len(records))
-    start = records[0] if records else None
-    if start is not None and start["call"] == START and "dc_policy" in start["recipe"]:
-        policy = make_dc_policy(start["recipe"]["dc_policy"])
-        for record in records[1:]:
-            result.decisions += 1
-            if (difference := replay_dc_choice(record, policy)) is not None:
-                result.differences.append(difference)
+    try:
+        start = records[0] if records else None
+        if start is not None and start["call"] == START and "dc_policy" in start["recipe"]:
+            _replay_dc_choices(start["recipe"]["dc_policy"], records, result)
+            return result
+        replayed = replay(records, _pipeline)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        result.problem = f"a record is malformed ({type(exc).__name__}: {exc})"
         return result
-    replayed = replay(records, _pipeline)
     result.decisions, result.differences = replayed.decisions, replayed.differences
     result.problem = replayed.problem
     return result
+
+
+def _replay_dc_choices(dc_policy: str, records: list[Record], result: JournalAudit) -> None:
+    """Each DC choice made again; a missing record is reported (the others still are
+    checked: a DC choice depends on its own record alone)."""
+    policy = make_dc_policy(dc_policy)
+    for expected, record in enumerate(records[1:], start=1):
+        if record["seq"] != expected and result.problem is None:
+            result.problem = f"record {expected} is missing (the next is {record['seq']})"
+        result.decisions += 1
+        if (difference := replay_dc_choice(record, policy)) is not None:
+            result.differences.append(difference)
 
 
 def _pipeline(start: Record) -> Pipeline[str]:

@@ -236,9 +236,10 @@ async def _every_journaled_decision_is_made_again(bootstrap: str) -> None:
         envelopes, undecodable = await bus.read_all(JOURNAL_TOPIC)
     finally:
         await bus.close()
-    audits = [audit_journal(name, records) for name, records in journals_in(envelopes).items()]
+    journals, malformed = journals_in(envelopes)
+    audits = [audit_journal(name, records) for name, records in journals.items()]
     print(f"{sum(a.decisions for a in audits)} decisions in {len(audits)} journals audited")
-    assert undecodable == 0
+    assert (undecodable, malformed) == (0, 0)
     edge = [a for a in audits if "/emulated@" in a.journal and a.decisions]
     assert edge, "no gateway journaled a decision"
     assert [(a.journal, a.problem, a.differences) for a in audits if not a.reproduced] == []

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.gateway_harness import (
     KEY,
@@ -90,6 +91,26 @@ async def test_a_gateway_s_journal_replays_to_every_decision_it_made(tmp_path: P
     differences = pool["differences"]
     assert isinstance(differences, list)
     assert differences[0]["seq"] == envelope["payload"]["record"]["seq"]
+
+    # A DC choice lost from its journal, and a record without its number: both reported.
+    choices = [n for n, line in enumerate(lines) if "/dc-choices/" in line]
+    garbled = json.loads(lines[0])
+    del garbled["payload"]["record"]["seq"]
+    lines = [line for n, line in enumerate(journal.read_text().splitlines()) if n != choices[5]]
+    changed.write_text("\n".join([*lines, json.dumps(garbled)]) + "\n")
+    code, audits = _audit("--from", str(changed), str(tmp_path / "lost.json"))
+    assert code == 1
+    [dc_choices] = [a for a in audits if "/dc-choices/" in str(a["journal"])]
+    assert dc_choices["problem"] == "record 5 is missing (the next is 6)"
+
+
+def test_audit_refuses_what_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["audit", "--from", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["audit", "--from", str(tmp_path / "nowhere.jsonl")]) == 2
+    assert "no such file or topic" in capsys.readouterr().err
 
 
 async def test_a_held_and_released_request_replays_through_its_release_pass(

@@ -19,7 +19,9 @@ from control.journal import (
 )
 from control.pipeline import Pipeline
 from control.routing import PoolModel, make_router
-from schemas.base import TaskClass
+from gateway.journal import Journals
+from schemas.audit import JournalRecord
+from schemas.base import Message, TaskClass
 from sim.clients import ClientModel
 from sim.cluster import Cluster
 from sim.control_loop import QuotaLoop
@@ -143,3 +145,31 @@ def test_a_dc_choice_replays_and_a_changed_input_shows() -> None:
     difference = replay_dc_choice(record, policy)
     assert difference is not None
     assert difference.recorded["order"] != difference.replayed["order"]
+
+
+def test_a_record_the_gateway_cannot_keep_leaves_a_gap_and_the_decision_stands() -> None:
+    lost: list[int] = []
+    kept: list[tuple[str, Record]] = []
+    failing = iter([False, False, False, True])  # DC choices' start, the pool's, r0, r1
+
+    def emit(message: Message) -> None:
+        assert isinstance(message, JournalRecord)
+        assert len(message.journal) <= 256  # a long gateway name is cut to fit
+        if next(failing, False):
+            raise OSError(28, "No space left on device")
+        kept.append((message.journal, message.record))
+
+    journals = Journals(
+        "g" * 300, lambda _model: {}, "fleetmind", emit, on_lost=lambda: lost.append(1)
+    )
+    journal, _ = journals.pool("m", "dc-a")
+    pipeline = JournaledPipeline(
+        make_admission("fcfs"), make_router("round_robin"), journal=journal
+    )
+    for n in range(3):
+        pipeline.first_token(f"r{n}", float(n))
+    assert lost == [1]
+    dc_choices = kept[0][0]
+    pool = [record for name, record in kept if name != dc_choices]
+    assert [r["seq"] for r in pool] == [0, 1, 3]
+    assert replay(pool, _pipeline).problem == "record 2 is missing (the next is 3)"

@@ -73,8 +73,12 @@ def _audit(args: argparse.Namespace) -> int:
     from tokenfleet.audit import audit_journal, journals_in
 
     envelopes, undecodable = _journal_envelopes(args.sources or [JOURNAL_TOPIC])
-    audits = [audit_journal(name, records) for name, records in journals_in(envelopes).items()]
-    print(f"{len(envelopes):,} records read ({undecodable} undecodable, skipped)")
+    journals, malformed = journals_in(envelopes)
+    audits = [audit_journal(name, records) for name, records in journals.items()]
+    print(
+        f"{len(envelopes):,} records read ({undecodable} undecodable, {malformed} without "
+        "a number or call: skipped)"
+    )
     for audit in sorted(audits, key=lambda a: a.journal):
         verdict = audit.problem or (
             "every decision reproduced"
@@ -93,7 +97,7 @@ def _audit(args: argparse.Namespace) -> int:
     if args.json:
         document = [asdict(a) | {"reproduced": a.reproduced} for a in audits]
         args.json.write_text(json.dumps(document, indent=2) + "\n")
-    return 0 if audits and all(a.reproduced for a in audits) else 1
+    return 0 if audits and all(a.reproduced for a in audits) and not malformed else 1
 
 
 def _brief(result: object, limit: int = 300) -> str:
@@ -110,7 +114,10 @@ def _journal_envelopes(sources: list[str]) -> tuple[list[Envelope], int]:
     topics = [s for s in sources if not Path(s).exists()]
     for source in sources:
         if source not in topics:
-            read, skipped = read_file(Path(source))
+            try:
+                read, skipped = read_file(Path(source))
+            except OSError as exc:
+                raise CliError(f"cannot read {source}: {exc}") from None
             envelopes += read
             undecodable += skipped
     unknown = [t for t in topics if t not in {topic.name for topic in TOPICS}]
