@@ -100,6 +100,8 @@ def build_app(
         # Changelog writes and outcomes are many small records: let the producer batch
         # them for 5 ms instead of sending each on its own.
         producer_linger=0.005,
+        broker_session_timeout=settings.session_timeout_s,
+        broker_heartbeat_interval=settings.session_timeout_s / 3,
     )
     spec = settings.spec
     raw = {"key_serializer": "raw", "value_serializer": "raw"}

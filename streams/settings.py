@@ -28,6 +28,12 @@ class WorkerSettings(BaseSettings):
     """Seconds between table snapshots."""
     batch: int = Field(default=1000, ge=1)
     """Updates applied to the DC tables per write."""
+    session_timeout_s: float = Field(default=10.0, ge=6, le=300)
+    """How long the broker waits for a silent worker before its partitions move to the
+    others (Kafka's ``session.timeout.ms``; heartbeats go every third of it). Faust's own
+    default, 60 s, left the tables unpublished for over a minute after a worker died:
+    twice the 30 s after which the controllers stop acting on them. The broker's bounds
+    (``group.min.session.timeout.ms``, 6 s by default) limit it."""
     data_dir: Path = Path(tempfile.gettempdir()) / "tokenfleet-worker"
     """Faust's folder (it keeps tables in memory but still makes one), not the cwd."""
 
