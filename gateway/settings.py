@@ -50,7 +50,8 @@ class GatewaySettings(BaseSettings):
     """A replica's share that is not rewritten for this long (it died) stops counting."""
     journal: bool = False
     """Publish the decision journal on ``tf.audit.journal``: every decision with the inputs
-    it was made on and what its pipeline learned, for ``tokenfleet audit``."""
+    it was made on and what its pipeline learned, for ``tokenfleet audit``. Needs Kafka
+    (``TOKENFLEET_KAFKA_BOOTSTRAP``); without it, use ``journal_file``."""
     journal_file: Path | None = None
     """Append the decision journal to this file too (JSON lines, one envelope each)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)

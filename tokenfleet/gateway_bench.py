@@ -62,7 +62,7 @@ def bench_gateway(
     proxy on the same stack (under ``bare_proxy``, ``tokenfleet.bare_proxy``: the floor
     under the gateway's cost) and, with the path of LiteLLM's ``litellm`` command, for its
     proxy in front of the same instances (under ``litellm``); with ``journal``, for the
-    gateway keeping its decision journal (under ``gateway_journal``)."""
+    gateway keeping its decision journal in a file (under ``gateway_journal``)."""
     with tempfile.TemporaryDirectory() as home, contextlib.ExitStack() as stack:
         direct = stack.enter_context(_instances(Path(home), instances))
         fronts = {
@@ -147,8 +147,10 @@ def _gateway(
     fleet.write_text(_fleet_file(instances))
     port = free_port()
     argv = [*_CLI, "gateway", "--fleet", str(fleet), "--port", str(port)]
-    argv += ["--admission", admission, *(["--journal"] if journal else [])]
+    argv += ["--admission", admission]
     env = _environment() | {"TOKENFLEET_GATEWAY_NAME": name}
+    if journal:  # no Kafka here: to a file, as an embedded gateway keeps it
+        env |= {"TOKENFLEET_GATEWAY_JOURNAL_FILE": str(home / f"{name}.journal.jsonl")}
     if redis:
         env |= {"TOKENFLEET_REDIS_URL": redis, "TOKENFLEET_GATEWAY_REDIS_PREFIX": f"bench-{port}:"}
     with http_service(home / name, argv, f"http://127.0.0.1:{port}", env=env) as url:

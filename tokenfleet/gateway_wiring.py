@@ -136,7 +136,14 @@ async def running_gateway(
     port: int,
 ) -> AsyncIterator[FastAPI]:
     """Serve a gateway on ``host:port`` until the context exits (``OSError`` when the port
-    is taken)."""
+    is taken; ``ValueError`` for settings that cannot work together)."""
+    if settings.journal and not services.kafka_bootstrap:
+        # On the in-process bus nobody could read it, and it would be kept until exit.
+        raise ValueError(
+            "TOKENFLEET_GATEWAY_JOURNAL publishes the journal on Kafka, and "
+            "TOKENFLEET_KAFKA_BOOTSTRAP is unset; without Kafka, write it to a file "
+            "(TOKENFLEET_GATEWAY_JOURNAL_FILE)"
+        )
     bus: EventBus = (
         KafkaBus(services.kafka_bootstrap, source=settings.name)
         if services.kafka_bootstrap

@@ -145,3 +145,14 @@ async def test_a_held_and_released_request_replays_through_its_release_pass(
     released = [o for r in records if r["call"] == "release" for o in r["outcomes"]]
     assert [o["admission"]["verdict"] for o in released] == ["dispatch"]
     assert all(a["differences"] == [] for a in audits)
+
+
+def test_a_journal_on_the_bus_needs_kafka(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the in-process bus nobody could read the journal, and it would grow until exit."""
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(fleet_for(["http://127.0.0.1:1"]).model_dump_json())
+    assert main(["gateway", "--fleet", str(fleet), "--port", "0", "--journal"]) == 2
+    assert "TOKENFLEET_GATEWAY_JOURNAL_FILE" in capsys.readouterr().err

@@ -73,8 +73,8 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument(
         "--journal",
         action="store_true",
-        help="also measure the gateway keeping its decision journal (--journal, on the "
-        "in-process bus): what tokenfleet audit costs",
+        help="also measure the gateway keeping its decision journal (in a file, "
+        "TOKENFLEET_GATEWAY_JOURNAL_FILE): what tokenfleet audit costs",
     )
     gateway.add_argument("--json", type=Path, required=True, help="write the figures here")
     gateway.set_defaults(handler=_bench_gateway)
