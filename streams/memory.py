@@ -3,14 +3,50 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import zlib
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schemas import TOPICS, Envelope, encode, topic_for
 from streams.bus import EventBus, RawRecord, RecordStream, StartFrom
 
 _DEFAULT_PARTITIONS = {t.name: t.partitions for t in TOPICS}
+_COMPACTED = frozenset(t.name for t in TOPICS if t.compacted)
+RETAINED_RECORDS = 100_000
+"""Records a topic keeps before the oldest go (Kafka keeps them by time and size; this bus
+by count): an embedded gateway that runs for days must not keep every event it ever sent.
+Past it, a compacted topic keeps each key's latest record, any other its newest half."""
+
+
+@dataclass
+class _Log:
+    """One topic's records in the order they were appended, each with its place in that
+    order (``seqs``), which stays when older records go."""
+
+    records: list[RawRecord] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    appended: int = 0
+
+    def append(self, record: RawRecord, compacted: bool, limit: int) -> None:
+        self.records.append(record)
+        self.seqs.append(self.appended)
+        self.appended += 1
+        if len(self.records) > limit:
+            self._trim(compacted, limit)
+
+    def position(self, seq: int) -> int:
+        """Where the first record at or after ``seq`` is now."""
+        return bisect.bisect_left(self.seqs, seq)
+
+    def _trim(self, compacted: bool, limit: int) -> None:
+        if compacted:
+            latest = {r.key: n for n, r in enumerate(self.records)}
+            kept = sorted(latest.values())
+        else:
+            kept = list(range(len(self.records) - limit // 2, len(self.records)))
+        self.records = [self.records[n] for n in kept]
+        self.seqs = [self.seqs[n] for n in kept]
 
 
 class InMemoryBus(EventBus):
@@ -21,9 +57,10 @@ class InMemoryBus(EventBus):
     positions mean what they mean on Kafka.
     """
 
-    def __init__(self, source: str = "tokenfleet") -> None:
+    def __init__(self, source: str = "tokenfleet", retained: int = RETAINED_RECORDS) -> None:
         self.source = source
-        self._logs: dict[str, list[RawRecord]] = {}
+        self.retained = retained
+        self._logs: dict[str, _Log] = {}
         self._next_offset: dict[tuple[str, int], int] = {}
         self._changed: dict[str, asyncio.Condition] = {}
         """One per topic, so a record wakes only the readers of its own topic."""
@@ -49,7 +86,7 @@ class InMemoryBus(EventBus):
             if envelope is None
             else _HeldRecord(topic, partition, offset, key, value, envelope)
         )
-        self._logs.setdefault(topic, []).append(record)
+        self._log(topic).append(record, topic in _COMPACTED, self.retained)
         changed = self._changed_of(topic)
         async with changed:
             changed.notify_all()
@@ -63,16 +100,19 @@ class InMemoryBus(EventBus):
         return None
 
     async def _open(self, topic: str, start: StartFrom) -> RecordStream:
-        log = self._logs.setdefault(topic, [])
-        first = len(log) if start == "latest" else 0
+        log = self._log(topic)
+        first = log.appended if start == "latest" else 0
         offsets = start if isinstance(start, Mapping) else {}
         return _MemoryStream(log, first, offsets, self._changed_of(topic))
+
+    def _log(self, topic: str) -> _Log:
+        return self._logs.setdefault(topic, _Log())
 
     def _changed_of(self, topic: str) -> asyncio.Condition:
         return self._changed.setdefault(topic, asyncio.Condition())
 
     async def _records_to_end(self, topic: str) -> list[RawRecord]:
-        return list(self._logs.get(topic, []))
+        return list(self._log(topic).records)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,27 +123,37 @@ class _HeldRecord(RawRecord):
 
 
 class _MemoryStream(RecordStream):
+    """Reads on from the place in its log's order it reached: a reader that fell behind
+    the records the log let go goes on from the oldest still kept, as a Kafka consumer
+    whose offset has gone does from the earliest."""
+
     def __init__(
         self,
-        log: list[RawRecord],
+        log: _Log,
         first: int,
         offsets: Mapping[int, int],
         changed: asyncio.Condition,
     ) -> None:
         self._log = log
-        self._index = first
+        self._next = first
         self._offsets = offsets
         self._changed = changed
 
     async def __aiter__(self) -> AsyncIterator[RawRecord]:
+        log = self._log
         while True:
-            while self._index < len(self._log):
-                record = self._log[self._index]
-                self._index += 1
+            records, position = log.records, log.position(self._next)
+            while position < len(records):
+                if records is not log.records:  # trimmed while the reader had the record
+                    records, position = log.records, log.position(self._next)
+                    continue
+                record = records[position]
+                self._next = log.seqs[position] + 1
+                position += 1
                 if record.offset >= self._offsets.get(record.partition, 0):
                     yield record
             async with self._changed:
-                await self._changed.wait_for(lambda: self._index < len(self._log))
+                await self._changed.wait_for(lambda: self._next < log.appended)
 
     async def close(self) -> None:
         return None
