@@ -22,35 +22,46 @@ Past it, a compacted topic keeps each key's latest record, any other its newest 
 @dataclass
 class _Log:
     """One topic's records in the order they were appended, each with its place in that
-    order (``seqs``), which stays when older records go."""
+    order (``seqs``), which stays when older records go. Past ``limit`` records it lets
+    the oldest go (a compacted topic: all but each key's latest), and does so again only
+    once it holds twice what the last trim left: a compacted topic with more keys than
+    ``limit`` is not rebuilt at every append."""
 
+    compacted: bool
+    limit: int
     records: list[RawRecord] = field(default_factory=list)
     seqs: list[int] = field(default_factory=list)
     appended: int = 0
+    trim_at: int = field(init=False)
 
-    def append(self, record: RawRecord, compacted: bool, limit: int) -> None:
+    def __post_init__(self) -> None:
+        self.trim_at = self.limit
+
+    def append(self, record: RawRecord) -> None:
         self.records.append(record)
         self.seqs.append(self.appended)
         self.appended += 1
-        if len(self.records) > limit:
-            self._trim(compacted, limit)
+        if len(self.records) > self.trim_at:
+            self._trim()
+            self.trim_at = max(self.limit, 2 * len(self.records))
 
     def position(self, seq: int) -> int:
         """Where the first record at or after ``seq`` is now."""
         return bisect.bisect_left(self.seqs, seq)
 
-    def _trim(self, compacted: bool, limit: int) -> None:
-        if compacted:
+    def _trim(self) -> None:
+        if self.compacted:
             latest = {r.key: n for n, r in enumerate(self.records)}
             kept = sorted(latest.values())
         else:
-            kept = list(range(len(self.records) - limit // 2, len(self.records)))
+            kept = list(range(len(self.records) - self.limit // 2, len(self.records)))
         self.records = [self.records[n] for n in kept]
         self.seqs = [self.seqs[n] for n in kept]
 
 
 class InMemoryBus(EventBus):
-    """Keeps every record of every topic in one append-only list per topic.
+    """Keeps each topic's records in one list, in the order they came, up to ``retained``
+    of them (``RETAINED_RECORDS``).
 
     A record's partition comes from a stable hash of its key (like Kafka's keyed
     partitioner, though not the same function), and offsets count per partition, so
@@ -58,6 +69,8 @@ class InMemoryBus(EventBus):
     """
 
     def __init__(self, source: str = "tokenfleet", retained: int = RETAINED_RECORDS) -> None:
+        if retained < 2:
+            raise ValueError(f"a topic must keep at least 2 records, not {retained}")
         self.source = source
         self.retained = retained
         self._logs: dict[str, _Log] = {}
@@ -86,7 +99,7 @@ class InMemoryBus(EventBus):
             if envelope is None
             else _HeldRecord(topic, partition, offset, key, value, envelope)
         )
-        self._log(topic).append(record, topic in _COMPACTED, self.retained)
+        self._log(topic).append(record)
         changed = self._changed_of(topic)
         async with changed:
             changed.notify_all()
@@ -106,7 +119,9 @@ class InMemoryBus(EventBus):
         return _MemoryStream(log, first, offsets, self._changed_of(topic))
 
     def _log(self, topic: str) -> _Log:
-        return self._logs.setdefault(topic, _Log())
+        if topic not in self._logs:
+            self._logs[topic] = _Log(topic in _COMPACTED, self.retained)
+        return self._logs[topic]
 
     def _changed_of(self, topic: str) -> asyncio.Condition:
         return self._changed.setdefault(topic, asyncio.Condition())

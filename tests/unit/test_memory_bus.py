@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from schemas import Envelope
 from schemas.control import AdmissionQuotas
 from schemas.lifecycle import RequestAdmitted
@@ -59,3 +61,19 @@ async def test_a_compacted_topic_keeps_every_key_s_latest_record() -> None:
     }
     kept, _ = await bus.read_all("tf.control.quotas")
     assert len(kept) <= LIMIT
+
+
+async def test_a_compacted_topic_with_more_keys_than_it_keeps_still_keeps_each_latest() -> None:
+    bus = InMemoryBus(retained=LIMIT)
+    for version in (1, 2):
+        await bus.publish_events([_quotas(f"dc-{n}", version) for n in range(3 * LIMIT)])
+    latest = await bus.read_latest("tf.control.quotas")
+    assert len(latest) == 3 * LIMIT
+    assert {e.payload.version for e in latest.values()} == {2}  # type: ignore[attr-defined]
+    kept, _ = await bus.read_all("tf.control.quotas")
+    assert len(kept) <= 2 * 3 * LIMIT  # at most twice its keys
+
+
+def test_a_bus_keeps_at_least_two_records_a_topic() -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        InMemoryBus(retained=1)
