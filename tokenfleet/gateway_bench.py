@@ -26,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +59,9 @@ def bench_gateway(
 ) -> dict[str, Any]:
     """Figures for our gateway with SLOMax, its default (top-level keys), for the same
     gateway admitting everything (under ``gateway_fcfs``: what admission costs), with its
-    state in the Redis at URL ``redis`` (under ``gateway_redis``), for a bare pass-through
-    proxy on the same stack (under ``bare_proxy``, ``tokenfleet.bare_proxy``: the floor
+    state in the Redis at URL ``redis`` (under ``gateway_redis``; and two such replicas
+    sharing it, the clients split between them, under ``gateway_redis_pair``), for a bare
+    pass-through proxy on the same stack (under ``bare_proxy``, ``tokenfleet.bare_proxy``: the floor
     under the gateway's cost) and, with the path of LiteLLM's ``litellm`` command, for its
     proxy in front of the same instances (under ``litellm``); with ``journal``, for the
     gateway keeping its decision journal in a file (under ``gateway_journal``)."""
@@ -72,10 +74,16 @@ def bench_gateway(
             ),
             "bare_proxy": stack.enter_context(_bare_proxy(Path(home), direct)),
         }
+        pair: list[str] = []
         if redis:
-            fronts["gateway_redis"] = stack.enter_context(
-                _gateway(Path(home), direct, "slomax", "gateway_redis", redis)
-            )
+            shared = f"bench-{uuid.uuid4().hex[:8]}:"
+            pair = [
+                stack.enter_context(
+                    _gateway(Path(home), direct, "slomax", name, redis, prefix=shared)
+                )
+                for name in ("gateway_redis", "gateway_redis_b")
+            ]
+            fronts["gateway_redis"] = pair[0]
         if journal:
             fronts["gateway_journal"] = stack.enter_context(
                 _gateway(Path(home), direct, "slomax", "gateway_journal", journal=True)
@@ -89,6 +97,11 @@ def bench_gateway(
             rates[name] = asyncio.run(_rate([url], concurrency, duration_s))
             if name in _MEASURED_CPU:
                 cpu_ms[name] = (_cpu_seconds(url) - cpu_before) * 1000 / rates[name].requests
+        if pair:  # both replicas of one Redis, each taking half the clients
+            cpu_before = sum(_cpu_seconds(url) for url in pair)
+            rates["gateway_redis_pair"] = asyncio.run(_rate(pair, concurrency, duration_s))
+            used = sum(_cpu_seconds(url) for url in pair) - cpu_before
+            cpu_ms["gateway_redis_pair"] = used * 1000 / rates["gateway_redis_pair"].requests
         direct_rate = asyncio.run(_rate(direct, concurrency, duration_s))
     figures = {
         "requests": requests,
@@ -101,6 +114,13 @@ def bench_gateway(
         "gateway_cpu_ms_per_request": cpu_ms["gateway"],
         "cpus": os.cpu_count(),
     }
+    if pair:
+        figures["gateway_redis_pair"] = {
+            "max_rps": rates["gateway_redis_pair"].per_s,
+            "cpu_ms_per_request": cpu_ms["gateway_redis_pair"],
+            "rate_over_one_replica": rates["gateway_redis_pair"].per_s
+            / rates["gateway_redis"].per_s,
+        }
     for name in fronts:
         added = {
             f"added_latency_p{q}_ms": latency[name][q] - latency["direct"][q] for q in (50, 99)
@@ -142,7 +162,10 @@ def _gateway(
     redis: str | None = None,
     *,
     journal: bool = False,
+    prefix: str | None = None,
 ) -> Iterator[str]:
+    """A gateway process; with ``redis``, its state there under ``prefix`` (replicas of
+    one fleet share one; default: a prefix of its own)."""
     fleet = home / "fleet.toml"
     fleet.write_text(_fleet_file(instances))
     port = free_port()
@@ -152,7 +175,8 @@ def _gateway(
     if journal:  # no Kafka here: to a file, as an embedded gateway keeps it
         env |= {"TOKENFLEET_GATEWAY_JOURNAL_FILE": str(home / f"{name}.journal.jsonl")}
     if redis:
-        env |= {"TOKENFLEET_REDIS_URL": redis, "TOKENFLEET_GATEWAY_REDIS_PREFIX": f"bench-{port}:"}
+        shared = prefix or f"bench-{port}:"
+        env |= {"TOKENFLEET_REDIS_URL": redis, "TOKENFLEET_GATEWAY_REDIS_PREFIX": shared}
     with http_service(home / name, argv, f"http://127.0.0.1:{port}", env=env) as url:
         yield url
 

@@ -61,6 +61,11 @@ def test_the_gateway_bench_measures_the_gateway_beside_the_instances(tmp_path: P
     assert figures["bare_proxy"]["cpu_ms_per_request"] > 0
     assert figures["bare_proxy"]["max_rps"] > 0
     assert figures["gateway_redis"]["cpu_ms_per_request"] > 0  # its own redis-server
+    pair = figures["gateway_redis_pair"]  # two replicas on that one Redis
+    assert pair["max_rps"] > 0
+    assert pair["cpu_ms_per_request"] > 0
+    expected = pair["max_rps"] / figures["gateway_redis"]["max_rps"]
+    assert pair["rate_over_one_replica"] == pytest.approx(expected)
     for q in (50, 99):
         added = figures[f"gateway_p{q}_ms"] - figures[f"direct_p{q}_ms"]
         assert figures[f"added_latency_p{q}_ms"] == pytest.approx(added)

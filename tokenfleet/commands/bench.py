@@ -177,6 +177,12 @@ def _bench_gateway(args: argparse.Namespace) -> int:
                 f"{label}: added p50 {other['added_latency_p50_ms']:.2f} ms, "
                 f"p99 {other['added_latency_p99_ms']:.2f} ms; {other['max_rps']:.0f} requests/s"
             )
+    if "gateway_redis_pair" in figures:
+        pair = figures["gateway_redis_pair"]
+        print(
+            f"two gateways sharing one Redis: {pair['max_rps']:.0f} requests/s, "
+            f"{pair['rate_over_one_replica']:.2f} x one replica's"
+        )
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
