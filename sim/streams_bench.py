@@ -9,7 +9,12 @@
   measured rate (or ``paced_per_s`` if lower); a completion's lag is the time from its
   publication (acknowledged) to the first published table counting it. A table holds the
   slice still open, so the publish interval (0.25 s here), not the slide, bounds it.
-- **Ceiling**: last, with the worker gone, the bulk events are copied to a topic of their
+- **More workers** (``workers`` > 1): a group of that many workers, started together
+  once the first is gone, and once their tables count a warm-up request the rate is
+  measured again on a DC of its own, every worker paused while it is published. The
+  join's partitions are shared; one DC's slices are one partition, so one worker
+  aggregates a DC.
+- **Ceiling**: last, with the workers gone, the bulk events are copied to a topic of their
   own and consumed by a Faust agent that only counts them (``sim.faust_ceiling``): no
   worker built on Faust goes faster on this broker and these cores.
 """
@@ -42,6 +47,9 @@ WORKER_SETTINGS = {
     "TOKENFLEET_WORKER_SLIDE_S": "5",
     "TOKENFLEET_WORKER_GRACE_S": "60",
     "TOKENFLEET_WORKER_PUBLISH_S": "0.25",
+    # A worker is paused while the runs are published: the broker must not hand its
+    # partitions on meanwhile, as it could after the worker's 10 s default.
+    "TOKENFLEET_WORKER_SESSION_TIMEOUT_S": "60",
 }
 WINDOW_S = float(WORKER_SETTINGS["TOKENFLEET_WORKER_WINDOW_S"])
 PROBE_REQUESTS = 1_000
@@ -51,19 +59,28 @@ window first), so the timed run is kept to what the worker drains in half of it.
 
 
 def bench_streams(
-    bootstrap: str, requests: int = 20_000, paced_per_s: float = 500.0, paced_s: float = 20.0
+    bootstrap: str,
+    requests: int = 20_000,
+    paced_per_s: float = 500.0,
+    paced_s: float = 20.0,
+    workers: int = 1,
 ) -> dict[str, Any]:
     asyncio.run(create_topics(bootstrap))
     tag = uuid.uuid4().hex[:8]
+    more: dict[str, Any] = {}
     with _worker(bootstrap, f"bench-{tag}") as worker:
-        asyncio.run(_counted(bootstrap, worker, f"warm-{tag}", 10, timeout_s=300))
+        group = [worker]
+        asyncio.run(_counted(bootstrap, group, f"warm-{tag}", 10, timeout_s=300))
         probe = min(requests, PROBE_REQUESTS)
-        probe_s = asyncio.run(_counted(bootstrap, worker, f"probe-{tag}", probe, timeout_s=1800))
+        probe_s = asyncio.run(_counted(bootstrap, group, f"probe-{tag}", probe, timeout_s=1800))
         bulk = max(probe, min(requests, int(probe / probe_s * WINDOW_S / 2)))
-        elapsed = asyncio.run(_counted(bootstrap, worker, f"bulk-{tag}", bulk, timeout_s=1800))
+        elapsed = asyncio.run(_counted(bootstrap, group, f"bulk-{tag}", bulk, timeout_s=1800))
         events_per_s = 3 * bulk / elapsed
         pace = min(paced_per_s, events_per_s / 3 / 2)
         lags = asyncio.run(_paced(bootstrap, f"paced-{tag}", pace, paced_s))
+    if workers > 1:
+        more = _more_workers(bootstrap, workers, bulk, tag)
+        more["over_one_worker"] = more["events_per_s"] / events_per_s
     ceiling_per_s = 3 * bulk / _ceiling(bootstrap, f"bench-ceiling-{tag}", bulk)
     return {
         "events": 3 * bulk,
@@ -80,7 +97,18 @@ def bench_streams(
             k.removeprefix("TOKENFLEET_WORKER_").lower(): v for k, v in WORKER_SETTINGS.items()
         },
         "cpus": os.cpu_count(),
-    }
+    } | ({"workers": workers, f"{workers}_workers": more} if more else {})
+
+
+def _more_workers(bootstrap: str, workers: int, bulk: int, tag: str) -> dict[str, Any]:
+    """The bulk run's rate again, by a group of ``workers`` workers started together."""
+    app_id = f"bench{workers}-{tag}"
+    with contextlib.ExitStack() as stack:
+        group = [stack.enter_context(_worker(bootstrap, app_id)) for _ in range(workers)]
+        asyncio.run(_counted(bootstrap, group, f"warm{workers}-{tag}", 10, timeout_s=300))
+        dc = f"bulk{workers}-{tag}"
+        elapsed = asyncio.run(_counted(bootstrap, group, dc, bulk, timeout_s=1800))
+    return {"events": 3 * bulk, "events_per_s": 3 * bulk / elapsed}
 
 
 def _request(dc: str, n: int, at: float | None = None) -> list[Envelope]:
@@ -178,10 +206,10 @@ def _completed(envelope: Envelope) -> int:
 
 
 async def _counted(
-    bootstrap: str, worker: subprocess.Popen[bytes], dc: str, requests: int, timeout_s: float
+    bootstrap: str, workers: list[subprocess.Popen[bytes]], dc: str, requests: int, timeout_s: float
 ) -> float:
-    """Publish ``requests`` requests in ``dc`` with the worker stopped; return the seconds
-    from its resumption to the first table counting them all. RuntimeError, at once, when
+    """Publish ``requests`` requests in ``dc`` with the workers stopped; return the seconds
+    from their resumption to the first table counting them all. RuntimeError, at once, when
     the count falls back before it gets there: the window let the first ones go."""
     bus = KafkaBus(bootstrap)
     events = [e for n in range(requests) for e in _request(dc, n)]
@@ -190,12 +218,14 @@ async def _counted(
             asyncio.timeout(timeout_s),
             bus.subscribe("tf.tables.goodput", "latest") as tables,
         ):
-            worker.send_signal(signal.SIGSTOP)
+            for worker in workers:
+                worker.send_signal(signal.SIGSTOP)
             try:
                 for at in tqdm(range(0, len(events), 5000), desc=f"publish {dc}", unit="batch"):
                     await bus.publish_events(events[at : at + 5000])
             finally:
-                worker.send_signal(signal.SIGCONT)
+                for worker in workers:
+                    worker.send_signal(signal.SIGCONT)
             started = time.monotonic()
             progress = tqdm(total=requests, desc="consume", unit="req")
             async for table in tables:

@@ -28,12 +28,14 @@ class WorkerSettings(BaseSettings):
     """Seconds between table snapshots."""
     batch: int = Field(default=1000, ge=1)
     """Updates applied to the DC tables per write."""
-    session_timeout_s: float = Field(default=10.0, ge=6, le=300)
+    session_timeout_s: float = Field(default=10.0, ge=6, le=60)
     """How long the broker waits for a silent worker before its partitions move to the
-    others (Kafka's ``session.timeout.ms``; heartbeats go every third of it). Faust's own
+    others (Kafka's ``session.timeout.ms``; heartbeats go every 3 s, or every third of it
+    if that is less). Faust's own
     default, 60 s, left the tables unpublished for over a minute after a worker died:
     twice the 30 s after which the controllers stop acting on them. The broker's bounds
-    (``group.min.session.timeout.ms``, 6 s by default) limit it."""
+    (``group.min.session.timeout.ms``, 6 s by default) and Faust's (under its 90 s
+    request timeout) limit it."""
     data_dir: Path = Path(tempfile.gettempdir()) / "tokenfleet-worker"
     """Faust's folder (it keeps tables in memory but still makes one), not the cwd."""
 

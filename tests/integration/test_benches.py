@@ -22,7 +22,7 @@ from tokenfleet.cli import main
 
 @pytest.mark.kafka
 def test_the_streams_bench_times_the_worker_and_faust_alone(kafka: Service) -> None:
-    figures = bench_streams(kafka.address, requests=200, paced_per_s=20.0, paced_s=3.0)
+    figures = bench_streams(kafka.address, requests=200, paced_per_s=20.0, paced_s=3.0, workers=2)
     assert figures["events"] == 600
     assert figures["events_per_s"] > 0
     assert figures["faust_ceiling_events_per_s"] > 0
@@ -31,6 +31,9 @@ def test_the_streams_bench_times_the_worker_and_faust_alone(kafka: Service) -> N
     assert figures["lag_samples"] >= 50
     # an infinite lag would mean a paced request never showed in a table
     assert 0 < figures["lag_p50_s"] <= figures["lag_p95_s"] < math.inf
+    two = figures["2_workers"]  # the same run again, two workers sharing the partitions
+    assert two["events"] == 600
+    assert two["over_one_worker"] == pytest.approx(two["events_per_s"] / figures["events_per_s"])
     assert not run_in_thread(_copies_left(kafka.address)), "the ceiling's copy was not deleted"
 
 

@@ -91,6 +91,13 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     streams.add_argument(
         "--paced-rate", type=float, default=500.0, help="requests/s in the lag run"
     )
+    streams.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="then measure the bulk rate again with this many workers sharing the "
+        "partitions (default: 1, not again)",
+    )
     streams.add_argument("--json", type=Path, required=True, help="write the figures here")
     streams.set_defaults(handler=_bench_streams)
 
@@ -103,8 +110,8 @@ def _bench_streams(args: argparse.Namespace) -> int:
     from tokenfleet.services.kafka import LocalKafka
     from tokenfleet.settings import Settings
 
-    if args.requests < 1 or args.paced_rate <= 0:
-        raise CliError("--requests must be at least 1 and --paced-rate positive")
+    if args.requests < 1 or args.paced_rate <= 0 or args.workers < 1:
+        raise CliError("--requests and --workers must be at least 1, --paced-rate positive")
     with contextlib.ExitStack() as stack:
         bootstrap = Settings().kafka_bootstrap
         if bootstrap is None:
@@ -112,12 +119,18 @@ def _bench_streams(args: argparse.Namespace) -> int:
             broker = LocalKafka(Path(home))
             stack.callback(broker.stop)
             bootstrap = broker.start()
-        figures = bench_streams(bootstrap, args.requests, args.paced_rate)
+        figures = bench_streams(bootstrap, args.requests, args.paced_rate, workers=args.workers)
     print(
         f"{figures['events_per_s']:.0f} events/s; lag p50 {figures['lag_p50_s']:.2f} s, "
         f"p95 {figures['lag_p95_s']:.2f} s at {figures['paced_events_per_s']:.0f} events/s; "
         f"Faust's ceiling {figures['faust_ceiling_events_per_s']:.0f} events/s"
     )
+    if args.workers > 1:
+        more = figures[f"{args.workers}_workers"]
+        print(
+            f"{args.workers} workers: {more['events_per_s']:.0f} events/s, "
+            f"{more['over_one_worker']:.2f} x one worker's"
+        )
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
 
