@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from schemas import Message
+from schemas import Envelope, Message
 from streams.bus import EventBus, StartFrom
 
 log = logging.getLogger(__name__)
@@ -26,11 +26,22 @@ async def follow(
 ) -> None:
     """Apply every event of ``topic`` from ``start`` until cancelled; after a failure,
     subscribe again from ``start`` (the appliers ignore what they already have)."""
+    await follow_envelopes(bus, topic, lambda envelope: apply(envelope.payload), start, retry_s)
+
+
+async def follow_envelopes(
+    bus: EventBus,
+    topic: str,
+    apply: Callable[[Envelope], object],
+    start: StartFrom = "latest",
+    retry_s: float = 1.0,
+) -> None:
+    """``follow``, for appliers that read the envelope too (who sent it, and when)."""
     while True:
         try:
             async with bus.subscribe(topic, start) as events:
                 async for event in events:
-                    apply(event.envelope.payload)
+                    apply(event.envelope)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any bus failure: keep last-known, retry

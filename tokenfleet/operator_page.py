@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from sim.emulator.server import SignalFreeServer
 from streams.bus import EventBus
-from streams.feeds import follow
+from streams.feeds import follow_envelopes
 from tokenfleet.controller_host import PLACEMENT_TOPIC
 from tokenfleet.loop_status import CONTROL_TOPICS, TABLE_TOPICS
 from tokenfleet.operator_view import OperatorView
@@ -43,7 +43,8 @@ async def serve_operator_view(bus: EventBus, listening: socket.socket, every_s: 
     streams get a second to end, then are closed."""
     view = OperatorView()
     readers = [
-        asyncio.create_task(follow(bus, topic, view.apply, "earliest")) for topic in VIEWED_TOPICS
+        asyncio.create_task(follow_envelopes(bus, topic, view.apply_envelope, "earliest"))
+        for topic in VIEWED_TOPICS
     ]
     config = uvicorn.Config(
         operator_app(view, every_s), log_level="warning", timeout_graceful_shutdown=1
@@ -121,6 +122,13 @@ class ViewMetrics(Collector):
             "Age of the DC's older table (goodput, capacity) as the controller last read it.",
             dcs,
             lambda dc: dc["tables_age_s"],
+        )
+        yield _per_dc(
+            "tokenfleet_controller_table_publishers",
+            "Table workers (app ids) that published the DC's tables in the last minute: "
+            "more than one is a deployment error.",
+            dcs,
+            lambda dc: len(dc["table_publishers"]),
         )
         yield _per_dc(
             "tokenfleet_controller_weight",

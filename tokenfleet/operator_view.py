@@ -11,6 +11,7 @@ server-sent events, a JSON document, and Prometheus gauges.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,12 +20,18 @@ from typing import Any
 
 from control.controllers.fleetmind import weights_of
 from control.controllers.slomax import long_documents
+from schemas import Envelope
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, PlacementRecommendation, RoutingWeights
 from schemas.tables import CapacityTable, GoodputRow, GoodputTable
 
+log = logging.getLogger(__name__)
+
 HISTORY_S = 900.0
 """How far back the page's charts reach: fifteen minutes of table slides."""
+PUBLISHERS_WINDOW_S = 60.0
+"""A table worker counts as publishing a DC's tables while one of its tables is this
+recent: thirty of the default 2 s publish intervals."""
 
 
 @dataclass
@@ -37,6 +44,8 @@ class _Dc:
     weight: float | None = None
     placement: PlacementRecommendation | None = None
     history: deque[dict[str, float | None]] = field(default_factory=deque)
+    publishers: dict[str, float] = field(default_factory=dict)
+    """Each table worker (its app id, the tables' ``source``) and when it last published."""
 
 
 class OperatorView:
@@ -49,6 +58,27 @@ class OperatorView:
         self._dcs: dict[str, _Dc] = {}
         self._weights: RoutingWeights | None = None
         """The newest weights snapshot of any edge (every edge is sent the same)."""
+
+    def apply_envelope(self, envelope: Envelope) -> None:
+        """``apply``, noting which table worker sent a table: two workers with different
+        app ids are two consumer groups, each counting every event, whose tables alternate
+        on the same keys; that is a deployment error, logged once each time it starts."""
+        table = envelope.payload
+        if isinstance(table, GoodputTable | CapacityTable):
+            dc = self._dc(table.dc)
+            before = self._publishers(dc)
+            dc.publishers[envelope.source] = max(dc.publishers.get(envelope.source, 0), envelope.ts)
+            now = self._publishers(dc)
+            if len(now) > 1 and len(before) <= 1:
+                log.warning(
+                    "the tables of %s come from %d table workers (%s): each counts every "
+                    "event and their tables alternate; run one app id "
+                    "(TOKENFLEET_WORKER_APP_ID)",
+                    table.dc,
+                    len(now),
+                    ", ".join(now),
+                )
+        self.apply(table)
 
     def apply(self, message: object) -> None:
         if isinstance(message, GoodputTable):
@@ -84,6 +114,11 @@ class OperatorView:
     def _dc(self, name: str) -> _Dc:
         return self._dcs.setdefault(name, _Dc())
 
+    def _publishers(self, dc: _Dc) -> list[str]:
+        """The table workers that published the DC's tables lately."""
+        horizon = self.clock() - PUBLISHERS_WINDOW_S
+        return sorted(source for source, at in dc.publishers.items() if at >= horizon)
+
     def _record(self, dc: _Dc, table: GoodputTable) -> None:
         dc.history.append(
             {
@@ -109,6 +144,7 @@ class OperatorView:
             "replicas": _replicas(dc.placement),
             "controls_left_s": _controls_left(now, dc.quotas, self._weights),
             "history": list(dc.history),
+            "table_publishers": self._publishers(dc),
         }
 
 

@@ -81,7 +81,7 @@ def test_the_gateways_dashboard_asks_for_what_the_gateway_exports() -> None:
 def test_the_controllers_dashboard_asks_for_what_the_controller_exports() -> None:
     expressions = queries("tokenfleet-controller.json")
     exported = controller_metrics()
-    assert len(expressions) == 7
+    assert len(expressions) == 8
     assert unknown_in(expressions, "tokenfleet_controller_", exported) == []
     asked = {n for e in expressions for n in re.findall(r"tokenfleet_controller_[a-z_]+", e)}
     assert asked == set(exported)  # every gauge has its panel

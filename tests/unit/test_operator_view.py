@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from control.controllers.placement import PlacementController
+from schemas import Envelope
 from schemas.base import TaskClass
 from schemas.control import (
     AdmissionQuotas,
@@ -154,3 +156,27 @@ def test_a_class_with_nothing_ended_in_the_window_is_left_out() -> None:
     view.apply(table.model_copy(update={"classes": (*table.classes, idle)}))
     [dc] = view.state()["dcs"]
     assert [row["task_class"] for row in dc["classes"]] == ["interactive"]
+
+
+def test_tables_from_two_table_workers_are_named_counted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    view = OperatorView(clock)
+    old = Envelope.wrap(goodput("dc-a", 1, 900.0, 80, 200.0), source="renamed", ts=900.0)
+    view.apply_envelope(old)  # a worker gone a while: not counted
+    for n, source in enumerate(("tables-a", "tables-a", "tables-b")):
+        table = goodput("dc-a", 2 + n, 990.0 + n, 80, 200.0)
+        view.apply_envelope(Envelope.wrap(table, source=source, ts=990.0 + n))
+    [dc] = view.state()["dcs"]
+    assert dc["table_publishers"] == ["tables-a", "tables-b"]
+    assert dc["classes"][0]["completed"] == 100  # the tables themselves still applied
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1
+    assert "tables-a, tables-b" in warnings[0]
+    registry = CollectorRegistry()
+    registry.register(ViewMetrics(view))
+    text = generate_latest(registry).decode()
+    assert 'tokenfleet_controller_table_publishers{dc="dc-a"} 2.0' in text
+    clock.now += 120  # both silent for two minutes: nobody publishes now
+    assert view.state()["dcs"][0]["table_publishers"] == []
