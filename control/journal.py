@@ -331,18 +331,13 @@ class JournaledPipeline(Pipeline[Payload]):
         observation: Observation | None = None,
         cancelled: bool = False,
     ) -> None:
-        # Pipeline.finished calls left_instance, which must not be recorded twice.
-        journal, self.__dict__["journal"] = self.journal, None
-        try:
-            super().finished(
-                request_id,
-                now,
-                completed_tokens=completed_tokens,
-                observation=observation,
-                cancelled=cancelled,
-            )
-        finally:
-            self.__dict__["journal"] = journal
+        super().finished(
+            request_id,
+            now,
+            completed_tokens=completed_tokens,
+            observation=observation,
+            cancelled=cancelled,
+        )
         self._write(
             "finished",
             request_id=request_id,

@@ -258,6 +258,9 @@ class Pipeline(Generic[Payload]):
     def left_instance(self, request_id: str) -> None:
         """The request left the instance the router chose for it (ended, failed or was
         cancelled there), though it may go on on another."""
+        self._left(request_id)
+
+    def _left(self, request_id: str) -> None:
         if self._follows is not None:
             self._follows.ended(request_id)
 
@@ -278,7 +281,7 @@ class Pipeline(Generic[Payload]):
         if task_class is not None:
             self.inflight[task_class] -= 1
             self._count(task_class, Usage(output_tokens=completed_tokens), now)
-        self.left_instance(request_id)
+        self._left(request_id)
         if observation is not None and self._learner is not None:
             self._learner.observe(observation)
         if cancelled and self._forgets is not None:
