@@ -30,6 +30,7 @@ from control.fleet.registry import DcPolicy
 from control.fleet.view import DataCenterState, DcDecision, DcRequest, FleetState
 from control.pipeline import ClassLoad, Outcome, Payload, Pipeline
 from control.routing.snapshot import (
+    SNAPSHOT_ARRAYS,
     BoolArray,
     Decision,
     FleetSnapshot,
@@ -50,17 +51,6 @@ CHOOSE_DC = "choose_dc"
 START = "start"
 """The call of a journal's first record: the recipe the pipeline was built from, and its
 objectives, quotas and peers' load at that moment."""
-
-_SNAPSHOT_ARRAYS = (
-    "ready",
-    "waiting",
-    "running",
-    "inflight_tokens",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "pending_prefill_tokens",
-    "last_step_end_s",
-)
 
 
 def _number(value: float) -> float | str:
@@ -87,7 +77,7 @@ def _floats(values: Sequence[Any]) -> np.ndarray:
 
 def snapshot_record(fleet: FleetSnapshot) -> Record:
     return {"ids": list(fleet.instance_ids)} | {
-        name: _array(getattr(fleet, name)) for name in _SNAPSHOT_ARRAYS
+        name: _array(getattr(fleet, name)) for name in SNAPSHOT_ARRAYS
     }
 
 
@@ -394,6 +384,13 @@ class Replayed:
     """Why the journal could not be replayed to its end (no first record, a gap)."""
 
 
+def missing(expected: int, record: Record) -> str | None:
+    """What is missing where ``record`` stands in place of record ``expected``."""
+    if record["seq"] == expected:
+        return None
+    return f"record {expected} is missing (the next is {record['seq']})"
+
+
 class _Diverged(Exception):
     """The replay asked for a snapshot the recorded call never took."""
 
@@ -406,8 +403,8 @@ def replay(records: Iterable[Record], build: Callable[[Record], Pipeline[str]]) 
     result = Replayed()
     pipeline: Pipeline[str] | None = None
     for expected, record in enumerate(records):
-        if record["seq"] != expected:
-            result.problem = f"record {expected} is missing (the next is {record['seq']})"
+        if (gap := missing(expected, record)) is not None:
+            result.problem = gap
             break
         if pipeline is None:
             if record["call"] != START:

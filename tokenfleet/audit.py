@@ -16,7 +16,7 @@ from pathlib import Path
 
 from control.admission.registry import make_admission
 from control.fleet.registry import make_dc_policy
-from control.journal import START, Difference, Record, replay, replay_dc_choice
+from control.journal import START, Difference, Record, missing, replay, replay_dc_choice
 from control.pipeline import Pipeline
 from control.routing import make_router, policy_params
 from schemas import Envelope
@@ -93,8 +93,8 @@ def _replay_dc_choices(dc_policy: str, records: list[Record], result: JournalAud
     checked: a DC choice depends on its own record alone)."""
     policy = make_dc_policy(dc_policy)
     for expected, record in enumerate(records[1:], start=1):
-        if record["seq"] != expected and result.problem is None:
-            result.problem = f"record {expected} is missing (the next is {record['seq']})"
+        if result.problem is None:
+            result.problem = missing(expected, record)
         result.decisions += 1
         if (difference := replay_dc_choice(record, policy)) is not None:
             result.differences.append(difference)

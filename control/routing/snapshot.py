@@ -26,6 +26,19 @@ KvEvent = tuple[int, bool]
 removed (False)."""
 
 
+SNAPSHOT_ARRAYS = (
+    "ready",
+    "waiting",
+    "running",
+    "inflight_tokens",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "pending_prefill_tokens",
+    "last_step_end_s",
+)
+"""``FleetSnapshot``'s per-instance arrays, in field order."""
+
+
 @dataclass(frozen=True)
 class FleetSnapshot:
     """Instance state as a router knows it. Arrays are read-only, aligned with
@@ -55,16 +68,7 @@ class FleetSnapshot:
             object.__setattr__(self, "pending_prefill_tokens", np.zeros(size))
         if self.last_step_end_s is _UNKNOWN:
             object.__setattr__(self, "last_step_end_s", np.full(size, -np.inf))
-        for name in (
-            "ready",
-            "waiting",
-            "running",
-            "inflight_tokens",
-            "kv_blocks_used",
-            "kv_blocks_total",
-            "pending_prefill_tokens",
-            "last_step_end_s",
-        ):
+        for name in SNAPSHOT_ARRAYS:
             array = getattr(self, name)
             if array.shape != (size,):
                 raise ValueError(f"{name} has shape {array.shape}, expected ({size},)")
