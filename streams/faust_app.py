@@ -26,6 +26,7 @@ persists only assignments.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -37,7 +38,9 @@ from typing import Any
 import faust
 import mode.loop
 from faust.transport.drivers import aiokafka as faust_kafka
+from faust.transport.producer import ProducerBuffer
 from faust.types import TP
+from faust.types.tuples import FutureMessage
 from faust.worker import Worker
 
 from schemas import DEADLETTER_TOPIC, DecodeError, Envelope, Topic, decode, encode, topic_for
@@ -219,34 +222,73 @@ def build_app(
     return app
 
 
-def run_worker(make_app: Callable[[], faust.App], **options: Any) -> None:
+def run_worker(
+    make_app: Callable[[], faust.App], loglevel: str = "WARNING", **options: Any
+) -> None:
     """Run the app ``make_app`` builds in a Faust worker until it stops: on uvloop (it
-    comes with uvicorn[standard]; chosen before the app exists), logging warnings, and
+    comes with uvicorn[standard]; chosen before the app exists), logging at ``loglevel``, and
     without Faust's start-up spinner, which lowers the root logger to DEBUG to spin on
     every record, so each debug call of Faust and aiokafka builds a record (a sixth of
     the CPU); and with ``GC_THRESHOLDS``. ``options`` go to the worker."""
     mode.loop.use("uvloop")
     gc.set_threshold(*GC_THRESHOLDS)
-    worker = Worker(make_app(), loglevel="WARNING", quiet=True, **options)
+    worker = Worker(make_app(), loglevel=loglevel, quiet=True, **options)
     worker.spinner = None
     worker.execute_from_commandline()
 
 
 class _DrainingProducer(faust_kafka.Producer):
-    """Faust's producer, with a flush that returns only once its buffer is empty.
+    """Faust's producer, with a flush that returns only once the broker acknowledged every
+    write handed to it before the flush.
 
     Faust flushes the producer before it commits offsets, so that what an event wrote
     reaches the broker before the event counts as done. Table changelog writes wait in
     the producer's buffer, and its flush (faust-streaming 0.15, ``ProducerBuffer.flush``)
-    gives up when no message left the buffer for 0.1 s: a commit could then pass join
-    states still buffered, and a worker killed just after lost them (seen in the kill
-    test: requests whose arrival or completion was never joined).
+    gives up when no message left the buffer for 0.1 s; and an empty buffer is not enough
+    either: the write the buffer took last may still be on its way into aiokafka's batches
+    (waiting for metadata or room), which aiokafka's flush does not cover. A commit could
+    then pass a table write still in flight, and a worker killed just after lost it (both
+    seen in the kill test: requests never joined, and a DC's slice one completion short).
+    A write the broker refused fails the flush, and with it the commit: the events are
+    read again.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.buffer = self._tracked = _TrackedBuffer(loop=self.loop, beacon=self.beacon)
+        self.buffer.app = self.app
+
     async def flush(self) -> None:
-        while self.buffer.size:
-            await self.buffer.flush()
         await super().flush()
+        await self._tracked.acknowledged()
+
+
+class _TrackedBuffer(ProducerBuffer):
+    """Faust's producer buffer, remembering each write until the broker answered it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._unanswered: set[asyncio.Future[Any]] = set()
+        self._refused: list[BaseException] = []
+
+    def put(self, fut: FutureMessage) -> None:
+        self._unanswered.add(fut)
+        fut.add_done_callback(self._answered)
+        super().put(fut)
+
+    def _answered(self, fut: asyncio.Future[Any]) -> None:
+        self._unanswered.discard(fut)
+        exception = None if fut.cancelled() else fut.exception()
+        if exception is not None:
+            self._refused.append(exception)
+
+    async def acknowledged(self) -> None:
+        """Wait until the broker answered every write put so far; raise if it refused one."""
+        while self._unanswered:
+            await asyncio.wait(list(self._unanswered))
+        if self._refused:
+            refused, self._refused = self._refused, []
+            raise RuntimeError(f"{len(refused)} table write(s) not delivered: {refused[0]!r}")
 
 
 class _App(faust.App):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -36,6 +37,9 @@ class WorkerSettings(BaseSettings):
     twice the 30 s after which the controllers stop acting on them. The broker's bounds
     (``group.min.session.timeout.ms``, 6 s by default) and Faust's (under its 90 s
     request timeout) limit it."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
+    """The worker's log level. INFO shows Faust's rebalances and table recoveries, which
+    are what to read when a restarted worker is slow to publish."""
     data_dir: Path = Path(tempfile.gettempdir()) / "tokenfleet-worker"
     """Faust's folder (it keeps tables in memory but still makes one), not the cwd."""
 

@@ -172,7 +172,7 @@ def _worker(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     settings = WorkerSettings()
     asyncio.run(create_topics(bootstrap, (*TOPICS, updates_topic_of(settings))))
-    run_worker(lambda: build_app(bootstrap, settings, objectives))
+    run_worker(lambda: build_app(bootstrap, settings, objectives), settings.log_level)
     return 0
 
 
