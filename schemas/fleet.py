@@ -181,6 +181,11 @@ class FleetConfig(Frozen):
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
 
+    def edge_regions(self) -> dict[str, str | None]:
+        """Each DC, as an edge whose gateways choose DCs, with the region its requests
+        come from (the DC's own): FleetMind's weights for it are judged on them."""
+        return {dc.name: dc.region for dc in self.dcs}
+
     def local_instances(self, dc: str | None = None) -> list[InstanceConfig]:
         """The instances on this machine's loopback (``dc``'s alone, if given): those the
         emulator serves and ``tokenfleet up`` starts."""

@@ -73,9 +73,12 @@ class KvTable(WindowedTable):
 
 
 class GoodputRow(Frozen):
-    """Outcomes of one class or one tenant over the window."""
+    """Outcomes of one class, one tenant, or one class of one source region over the window."""
 
-    key: Identifier = Field(description="A task class or a tenant id.")
+    key: Identifier = Field(
+        description="A task class, a tenant id, or a source region and a task class "
+        "(``region/class``)."
+    )
     completed: NonNegInt
     output_tokens: NonNegInt
     goodput_tokens: NonNegInt = Field(description="Output tokens of requests that met the SLO.")
@@ -101,16 +104,36 @@ class GoodputRow(Frozen):
     late_events: NonNegInt = Field(description="Events that arrived after the window's grace.")
 
 
+def region_row_key(region: str, task_class: TaskClass) -> str:
+    """The key of the ``GoodputTable.regions`` row of ``region``'s ``task_class``."""
+    return f"{region}/{task_class.value}"
+
+
 class GoodputTable(WindowedTable):
     schema_name = "tf.table.goodput"
 
     classes: tuple[GoodputRow, ...]
     tenants: tuple[GoodputRow, ...]
+    regions: tuple[GoodputRow, ...] = Field(
+        default=(),
+        description="Per source region (the region whose edge took the request) and class, "
+        "keyed ``region/class``: what the DC delivered to each region's clients, by which "
+        "FleetMind weighs the DC for each edge. Empty in tables from before 2026-12-05.",
+    )
 
     @model_validator(mode="after")
     def _known_classes(self) -> GoodputTable:
         known = {c.value for c in TaskClass}
         unknown = sorted(row.key for row in self.classes if row.key not in known)
+        unknown += sorted(r.key for r in self.regions if r.key.rpartition("/")[2] not in known)
         if unknown:
-            raise ValueError(f"unknown task classes in classes: {unknown}")
+            raise ValueError(f"unknown task classes in classes or regions: {unknown}")
         return self
+
+    def region_rows(self, region: str) -> dict[TaskClass, GoodputRow]:
+        """The rows of ``region``'s requests, by class (only classes it had)."""
+        return {
+            TaskClass(row.key.rpartition("/")[2]): row
+            for row in self.regions
+            if row.key.rpartition("/")[0] == region
+        }

@@ -115,4 +115,5 @@ def _outcome(record: RequestRecord, dc: str) -> Outcome:
         record.tpot_s or 0.0,
         record.e2e_s or 0.0,
         record.deadline_s,
+        source_region=record.source_region,
     )

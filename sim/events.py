@@ -35,7 +35,7 @@ def lifecycle_events(
                     model=model,
                     input_tokens=r.input_tokens,
                     output_budget=max(r.output_tokens, 1),
-                    source_region=r.dc,
+                    source_region=r.source_region or r.dc,
                     deadline_s=r.deadline_s,
                 ),
             ),

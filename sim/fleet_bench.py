@@ -78,6 +78,8 @@ def layout(instances_per_dc: int = INSTANCES_PER_DC) -> FleetLayout:
 
 ENTRIES = {"eu-west": "eu-west", "ap-south": "eu-north", "us-east": "us-east"}
 """Where each labelled region's requests enter the scenario's fleet."""
+HOTSPOT_REGION = "eu-west"
+"""Region A, where the hotspot's requests enter."""
 HOTSPOT_S = (60.0, 240.0)
 END_S = 360.0
 BASE_LEVEL, HOTSPOT_LEVEL, LOCAL_LEVEL = 0.6, 2.0, 0.3
@@ -337,7 +339,7 @@ def _series(simulation: FleetSimulation) -> dict[str, Any]:
     names = [site.name for site in simulation.layout.sites]
     counts = {name: [0] * bins for name in [*names, "refused"]}
     for choice in simulation.choices:
-        if choice.request.region == "eu-west":
+        if choice.request.region == HOTSPOT_REGION:
             index = min(int(choice.at_s // SPLIT_BIN_S), bins - 1)
             counts[choice.chosen or "refused"][index] += 1
     queues = {name: [tables[name].queued for tables in simulation.tables] for name in names}
@@ -353,16 +355,19 @@ def _series(simulation: FleetSimulation) -> dict[str, Any]:
 
 
 def plot_fleet(document: Mapping[str, Any], path: Path) -> None:
-    """A's traffic by DC over time under each policy, the hotspot shaded."""
+    """A's traffic by DC over time under each policy, the hotspot shaded; and, where a
+    policy ran FleetMind's weights loop, the weights the edge in A counted on, per DC."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(document["policies"])
-    columns = min(3, len(names))
-    rows = -(-len(names) // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows), sharey=True)
+    weighed = [n for n in names if document["series"][n]["weights"]][:1]
+    panels = len(names) + len(weighed)
+    columns = min(3, panels)
+    rows = -(-panels // columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows))
     for axis, name in zip(np.ravel(axes), names, strict=False):
         series = document["series"][name]
         width = series["bin_s"]
@@ -373,10 +378,35 @@ def plot_fleet(document: Mapping[str, Any], path: Path) -> None:
         goodput = document["policies"][name]["goodput_tok_s"]
         axis.set_title(f"{name}\n{goodput:,.0f} tok/s goodput", fontsize=9)
         axis.set_xlabel("seconds")
-    np.ravel(axes)[0].set_ylabel("A's requests per second")
+        axis.set_ylabel("A's requests per second", fontsize=8)
     np.ravel(axes)[0].legend(fontsize=7)
-    for axis in np.ravel(axes)[len(names) :]:
+    for axis, name in zip(np.ravel(axes)[len(names) :], weighed, strict=False):
+        _plot_weights(axis, document, name)
+    for axis in np.ravel(axes)[panels:]:
         axis.set_visible(False)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _plot_weights(axis: Any, document: Mapping[str, Any], name: str) -> None:
+    """The weights ``name``'s controller published for requests entering at A, per DC."""
+    series = document["series"][name]
+    steps = series["weights"]
+    prefix = f"{HOTSPOT_REGION}:"
+    keys = sorted({key for step in steps for key in step if key.startswith(prefix)})
+    times = [step["at_s"] for step in steps]
+    for key in keys:
+        axis.step(
+            times,
+            [step.get(key, 1.0) for step in steps],
+            where="post",
+            label=key.removeprefix(prefix),
+        )
+    axis.axvspan(*document["hotspot_s"], color="0.9")
+    axis.set_ylim(0, 1.05)
+    axis.set_xlim(0, len(series["a_requests"]["refused"]) * series["bin_s"])
+    axis.set_title(f"{name}: weights for A's requests", fontsize=9)
+    axis.set_xlabel("seconds")
+    axis.set_ylabel("weight", fontsize=8)
+    axis.legend(fontsize=7)

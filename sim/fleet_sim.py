@@ -16,8 +16,9 @@ each prompt's blocks went (so a prompt's warm DC is known, a prefix warm in one 
 cold in the others). A DC is
 deployed from the start and ready from its site's ``ready_at_s`` (a warm-up). Every
 ``weights_every`` publications, FleetMind's weights controller reads each DC's goodput
-table (built from the DC's records by the live stream processors' logic) and its weights
-travel to the edge with the next tables. Clients' second attempts come back through the
+table (built from the DC's records by the live stream processors' logic) and its weights,
+one set per entry region (as a live controller publishes one per edge), travel to the
+edge with the next tables. Clients' second attempts come back through the
 edge. A request no DC may take is refused there.
 """
 
@@ -123,6 +124,8 @@ class PublishedLoad:
 
 
 Observer = Callable[["FleetSimulation"], None]
+RegionWeights = dict[str, dict[WeightKey, float]]
+"""(DC, class) weights by the entry region whose requests they are for."""
 
 
 @dataclass(frozen=True)
@@ -188,17 +191,16 @@ class FleetSimulation:
         """The DCs each request may still fall back to."""
         self._draws = random.Random(f"edge:{seed}")
         self._tables: dict[str, PublishedLoad] = {}
-        self._in_transit: deque[tuple[float, dict[str, PublishedLoad], dict[WeightKey, float]]] = (
-            deque()
-        )
+        self._in_transit: deque[tuple[float, dict[str, PublishedLoad], RegionWeights]] = deque()
         self._record_tables = {site.name: RecordTables(site.name) for site in layout.sites}
-        self._weights: dict[WeightKey, float] = {}
-        """Each (DC, class) weight as the controller last published it."""
+        self._weights: RegionWeights = {region: {} for region in sorted(layout.home)}
+        """Each entry region's (DC, class) weights as the controller last published them."""
         self._placed_at: dict[str, float] = {}
-        self._edge_weights: dict[WeightKey, float] = {}
-        self._weights_changed_at: dict[WeightKey, float] = {}
+        self._edge_weights: RegionWeights = {}
+        self._weights_changed_at: RegionWeights = {region: {} for region in self._weights}
         self.weight_steps: list[tuple[float, dict[str, float]]] = []
-        """The weights after each pass of the controller, by DC (and class: "dc/class")."""
+        """The weights after each pass of the controller, by entry region and DC (and class:
+        "region:dc/class")."""
         self.placement_steps: list[tuple[float, dict[str, int]]] = []
         """The replicas deployed in each DC after each pass of the long cycle."""
         self._prefixes: dict[int, str] = {}
@@ -239,10 +241,10 @@ class FleetSimulation:
     def simulations(self) -> list[Simulation]:
         return [dc.simulation for dc in self._dcs]
 
-    @property
-    def weights_now(self) -> dict[WeightKey, float]:
-        """Each (DC, class) weight as last published (one not named counts whole)."""
-        return dict(self._weights)
+    def weights_now(self, region: str) -> dict[WeightKey, float]:
+        """Each (DC, class) weight for requests entering at ``region`` as last published
+        (one not named counts whole)."""
+        return dict(self._weights.get(region, {}))
 
     def run(self, requests: Iterable[TraceRequest]) -> list[RequestRecord]:
         """Serve every request to the end; every DC's records, then the edge's refusals."""
@@ -332,6 +334,7 @@ class FleetSimulation:
         own counts, how much of the prompt went there lately and the room for its class."""
         prefix_blocks = request.prefix_blocks
         warm = self._warm_tokens(prefix_blocks)
+        weights = self._edge_weights.get(request.region, {})
         states = []
         for dc in self._dcs:
             table = self._tables.get(dc.site.name)
@@ -355,7 +358,7 @@ class FleetSimulation:
                     ready_versions=frozenset({VERSION}) if ready else frozenset(),
                     ready_instances=ready,
                     load=load,
-                    weight=weight_for(self._edge_weights, dc.site.name, request.task_class),
+                    weight=weight_for(weights, dc.site.name, request.task_class),
                     warm_tokens=warm.get(dc.site.name, 0),
                     class_room=_room(dc, table, request.task_class),
                 )
@@ -415,7 +418,8 @@ class FleetSimulation:
             self._reconcile_weights()
         if self.placement is not None and len(self.tables) % self.placement_every == 0:
             self._place(tables)
-        self._in_transit.append((self.now + self.view_delay_s, tables, dict(self._weights)))
+        in_force = {region: dict(weights) for region, weights in self._weights.items()}
+        self._in_transit.append((self.now + self.view_delay_s, tables, in_force))
         if self.observe is not None:
             self.observe(self)
 
@@ -461,13 +465,16 @@ class FleetSimulation:
             goodput[dc.site.name] = self._record_tables[dc.site.name].update(
                 simulation.records, engines, self.now
             )[0]
-        changed = self.weights.reconcile(goodput, self._weights, self._weights_changed_at, self.now)
-        if changed is not None:
-            for name, weight in changed.items():
-                if self._weights.get(name, 1.0) != weight:
-                    self._weights_changed_at[name] = self.now
-            self._weights = changed
-        named = {dc if c is None else f"{dc}/{c.value}": w for (dc, c), w in self._weights.items()}
+        named = {}
+        for region, current in self._weights.items():
+            changed_at = self._weights_changed_at[region]
+            changed = self.weights.reconcile(goodput, current, changed_at, self.now, region)
+            for key, weight in (changed or {}).items():
+                if current.get(key, 1.0) != weight:
+                    changed_at[key] = self.now
+                current[key] = weight
+            for (name, c), weight in current.items():
+                named[f"{region}:{name}" if c is None else f"{region}:{name}/{c.value}"] = weight
         self.weight_steps.append((self.now, named))
 
     def _receive_tables(self) -> None:

@@ -32,6 +32,8 @@ class RequestRecord:
     """Tokens the engine computed for nothing: KV recomputed after a preemption and, for
     a request that did not complete, the uncached prompt it prefilled and what it
     generated."""
+    source_region: str = ""
+    """The region whose edge took the request (its trace row's ``region``)."""
 
     @classmethod
     def completed(
@@ -73,6 +75,7 @@ class RequestRecord:
             sequence.recomputed_tokens,
             request.deadline_s,
             sequence.recomputed_tokens,
+            request.region,
         )
 
     @classmethod
@@ -124,6 +127,7 @@ class RequestRecord:
             0 if sequence is None else sequence.recomputed_tokens,
             request.deadline_s,
             0 if sequence is None else _lost_work(sequence),
+            request.region,
         )
 
     def as_dict(self) -> dict[str, object]:

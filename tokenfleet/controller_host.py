@@ -24,7 +24,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -225,7 +225,8 @@ class QuotaHost(_ControlHost[AdmissionQuotas]):
 class WeightHost(_ControlHost[RoutingWeights]):
     """FleetMind's weights controller on a bus: every ``period_s`` it reconciles the DCs'
     weights from their goodput tables (``control.controllers.fleetmind``) and publishes
-    one snapshot per edge (``edges``: the DCs whose gateways choose DCs) on
+    one snapshot per edge (``edges``: the DCs whose gateways choose DCs, each with its
+    region, whose requests its weights are judged on; None: all requests) on
     ``tf.control.weights``, for every one of ``models``: the first as soon as tables are
     fresh, every DC whole, so that gateways and ``tokenfleet status`` see the controller
     at work before anything moves. Like ``QuotaHost``, it renews unchanged weights before
@@ -239,7 +240,7 @@ class WeightHost(_ControlHost[RoutingWeights]):
         self,
         bus: EventBus,
         models: Sequence[str],
-        edges: Sequence[str],
+        edges: Mapping[str, str | None],
         controller: WeightController | None = None,
         period_s: float = 5.0,
         renew_s: float | None = None,
@@ -249,36 +250,35 @@ class WeightHost(_ControlHost[RoutingWeights]):
     ) -> None:
         """``renew_s`` None: a third of the weights' TTL."""
         self.models = tuple(models)
-        self.edges = tuple(edges)
+        self.edges = dict(edges)
         self.controller = controller or WeightController()
         ttl_s = self.controller.params.ttl_s
         super().__init__(bus, ttl_s, period_s, renew_s, clock, source, stale_after_s)
         self._goodput: dict[str, GoodputTable] = {}
-        self._weights: dict[WeightKey, float] = {}
-        """Each (DC, class) weight as last published."""
-        self._changed_at: dict[WeightKey, float] = {}
+        self._weights: dict[str, dict[WeightKey, float]] = {edge: {} for edge in self.edges}
+        """Each edge's (DC, class) weights as last published."""
+        self._changed_at: dict[str, dict[WeightKey, float]] = {edge: {} for edge in self.edges}
 
     async def reconcile(self) -> list[RoutingWeights]:
-        """One pass over every DC with a fresh goodput table; what it published."""
+        """One pass over every DC with a fresh goodput table, for each edge; what it
+        published."""
         now = self.clock()
         fresh = {
             dc: table
             for dc, table in self._goodput.items()
             if now - table.window_end <= self.stale_after_s
         }
-        changed = self.controller.reconcile(fresh, self._weights, self._changed_at, now)
-        if changed is not None:
-            due = list(self.edges)
-        else:  # the first snapshot (every DC whole), or a renewal: only on fresh tables
-            due = [e for e in self.edges if fresh and self._renewal_due(e, now)]
         whole = {key: 1.0 for dc, t in fresh.items() for key in self.controller.groups(dc, t)}
-        weights = whole | (self._weights if changed is None else changed)
-        return await self._publish(
-            [
-                self.controller.snapshot(weights, self.models, edge, self._version(edge), now)
-                for edge in due
-            ]
-        )
+        due = []
+        for edge, region in self.edges.items():
+            current = self._weights[edge]
+            changed = self.controller.reconcile(fresh, current, self._changed_at[edge], now, region)
+            # unchanged: the first snapshot (every DC whole), or a renewal, on fresh tables
+            if changed is not None or (fresh and self._renewal_due(edge, now)):
+                weights = whole | (current if changed is None else changed)
+                snapshot = self.controller.snapshot
+                due.append(snapshot(weights, self.models, edge, self._version(edge), now))
+        return await self._publish(due)
 
     def _renewal_due(self, edge: str, now: float) -> bool:
         published = self._published.get(edge)
@@ -292,13 +292,18 @@ class WeightHost(_ControlHost[RoutingWeights]):
         """Take in a goodput table or a weights snapshot read from the bus (newer only)."""
         if isinstance(message, GoodputTable) and message.supersedes(self._goodput.get(message.dc)):
             self._goodput[message.dc] = message
-        elif isinstance(message, RoutingWeights) and self._taken_in(message):
+        elif (
+            isinstance(message, RoutingWeights)
+            and self._taken_in(message)
+            and message.scope in self.edges  # another edge's, from an older fleet file
+        ):
+            current, changed_at = self._weights[message.scope], self._changed_at[message.scope]
             for key, weight in keyed_weights(message).items():
                 if (key[1] is None) == self.controller.params.per_class:
                     continue  # a weight of the other mode, from before a restart: not ours
-                if self._weights.get(key, 1.0) != weight:
-                    self._changed_at[key] = message.issued_at
-                self._weights[key] = weight
+                if current.get(key, 1.0) != weight:
+                    changed_at[key] = message.issued_at
+                current[key] = weight
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from schemas.objectives import DEFAULT_OBJECTIVES
 from sim.fleet_bench import (
     BASELINE,
     END_S,
+    HOTSPOT_REGION,
     HOTSPOT_S,
     INSTANCES_PER_DC,
     TOKENFLEET,
@@ -88,7 +89,7 @@ def _live_view(say: Say) -> Callable[[FleetSimulation], None]:
         latest = simulation.tables[-1].values()
         if at > END_S and not any(load.running or load.queued for load in latest):
             return  # the arrivals are over and the DCs idle: only clients' timers are left
-        weights = simulation.weights_now
+        weights = simulation.weights_now(HOTSPOT_REGION)
         parts = []
         for site, dc in zip(simulation.layout.sites, simulation.simulations, strict=True):
             load = simulation.tables[-1][site.name]

@@ -190,7 +190,7 @@ async def _serving(
             if controlled:
                 tasks.append(asyncio.create_task(QuotaHost(bus).run()))
             if len(fleet.dcs) > 1:
-                models, edges = [m.name for m in fleet.models], [dc.name for dc in fleet.dcs]
+                models, edges = [m.name for m in fleet.models], fleet.edge_regions()
                 tasks.append(asyncio.create_task(WeightHost(bus, models, edges).run()))
         try:
             while not server.started:

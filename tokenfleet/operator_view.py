@@ -56,8 +56,9 @@ class OperatorView:
         self.clock = clock
         self.history_s = history_s
         self._dcs: dict[str, _Dc] = {}
-        self._weights: RoutingWeights | None = None
-        """The newest weights snapshot of any edge (every edge is sent the same)."""
+        self._weights: dict[str, RoutingWeights] = {}
+        """The newest weights snapshot of each edge (each has its own: they are judged on
+        its region's requests)."""
 
     def apply_envelope(self, envelope: Envelope) -> None:
         """``apply``, noting which table worker sent a table: two workers with different
@@ -98,12 +99,21 @@ class OperatorView:
             dc = self._dc(message.scope)
             if message.supersedes(dc.placement):
                 dc.placement = message
-        elif isinstance(message, RoutingWeights) and (
-            self._weights is None or message.issued_at >= self._weights.issued_at
-        ):
-            self._weights = message
-            for name, weight in weights_of(message, task_class=TaskClass.INTERACTIVE).items():
-                self._dc(name).weight = weight
+        elif isinstance(message, RoutingWeights):
+            held = self._weights.get(message.scope)
+            if held is None or message.issued_at >= held.issued_at:
+                self._weights[message.scope] = message
+                self._lowest_weights()
+
+    def _lowest_weights(self) -> None:
+        """Each DC's weight for chats as the edge that counts on it least holds it: the
+        figure that says whether any edge is moving traffic off it."""
+        lowest: dict[str, float] = {}
+        for snapshot in self._weights.values():
+            for name, weight in weights_of(snapshot, task_class=TaskClass.INTERACTIVE).items():
+                lowest[name] = min(weight, lowest.get(name, weight))
+        for name, weight in lowest.items():
+            self._dc(name).weight = weight
 
     def state(self) -> dict[str, Any]:
         """Every DC's figures now and its points over time, ready for JSON."""
@@ -133,6 +143,10 @@ class OperatorView:
         while (dc.history[0]["at"] or 0.0) < horizon:
             dc.history.popleft()
 
+    def _soonest_weights(self) -> RoutingWeights | None:
+        """The edges' weights snapshot that expires first."""
+        return min(self._weights.values(), key=lambda w: w.issued_at + w.ttl_s, default=None)
+
     def _dc_state(self, name: str, dc: _Dc, now: float) -> dict[str, Any]:
         return {
             "dc": name,
@@ -142,7 +156,7 @@ class OperatorView:
             "weight": dc.weight,
             "long_documents": None if dc.quotas is None else long_documents(dc.quotas),
             "replicas": _replicas(dc.placement),
-            "controls_left_s": _controls_left(now, dc.quotas, self._weights),
+            "controls_left_s": _controls_left(now, dc.quotas, self._soonest_weights()),
             "history": list(dc.history),
             "table_publishers": self._publishers(dc),
         }

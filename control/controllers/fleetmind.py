@@ -14,6 +14,13 @@ serves.
 With ``per_class``, each class has a weight of its own, judged on its own row of the
 table: a DC whose chats miss their objective while its long documents meet theirs sends
 chats elsewhere and keeps its documents. It is off by default (measured below).
+
+With ``per_region``, each edge gets weights of its own, judged on what each DC delivered
+to the requests of the edge's region (the tables' ``regions`` rows), since a DC far from
+one region can miss its clients' first-token objective while it serves a near one in
+time. Where a region has had fewer than ``min_outcomes`` requests end in a DC within the
+window, the DC is judged on all its requests, as it is for an edge with no region. Off
+by default (measured below).
 """
 
 from __future__ import annotations
@@ -50,6 +57,14 @@ class WeightParams:
     """Time after a DC's change before it may change again: two slides of the tables'
     window, so that the change shows in what the next one judges."""
     ttl_s: Annotated[float, Field(gt=0)] = 60.0
+    per_region: bool = False
+    """Each edge's weights judged on its own region's requests (``regions`` rows, where
+    at least ``min_outcomes`` of them ended); False: every edge's on all requests. Off by
+    default: in ``tokenfleet bench fleet`` it lost goodput (6,943 and 7,562 tokens/s on
+    seeds 0 and 1, against 6,995 and 7,650). Part of A's overflow into C ran late or was
+    refused while D's model warmed up, so C's weight for A fell to 0.64 and A's traffic
+    went to D, 80 ms away; judged on all C's requests, its own region's included, it
+    stayed whole."""
     per_class: bool = False
     """A weight per (DC, class), each judged on its class's outcomes; False: one per DC
     on all of them, which every class follows. Per class cut the hotspot's TTFT P95 in
@@ -68,24 +83,41 @@ class WeightController:
         current: Mapping[WeightKey, float],
         changed_at: Mapping[WeightKey, float],
         now: float,
+        region: str | None = None,
     ) -> dict[WeightKey, float] | None:
-        """Each weight as its DC's goodput table calls for (one not in ``current`` stands
-        at 1); None when they are the ``current`` ones. ``changed_at``: when each weight
-        last changed."""
+        """Each weight, for the edge of source ``region`` (None: judged on every region's
+        requests), as its DC's goodput table calls for (one not in ``current`` stands at
+        1); None when they are the ``current`` ones. ``changed_at``: when each weight last
+        changed."""
         desired = {
             key: self._desired(rows, current.get(key, 1.0), now - changed_at.get(key, -1e18))
             for dc, table in sorted(goodput.items())
-            for key, rows in self.groups(dc, table).items()
+            for key, rows in self.groups(dc, table, region).items()
         }
         if all(current.get(key, 1.0) == weight for key, weight in desired.items()):
             return None
         return {**current, **desired}
 
-    def groups(self, dc: str, table: GoodputTable) -> dict[WeightKey, list[GoodputRow]]:
-        """The weights ``dc``'s table judges, each with the rows it is judged on."""
+    def groups(
+        self, dc: str, table: GoodputTable, region: str | None = None
+    ) -> dict[WeightKey, list[GoodputRow]]:
+        """The weights ``dc``'s table judges for the edge of ``region``, each with the rows
+        it is judged on: with ``per_region``, the region's own where enough of its
+        requests ended; else the DC's rows for every region."""
+        own = table.region_rows(region) if region is not None and self.params.per_region else {}
         if not self.params.per_class:
-            return {(dc, None): list(table.classes)}
-        return {(dc, TaskClass(row.key)): [row] for row in table.classes}
+            return {(dc, None): self._enough(list(own.values())) or list(table.classes)}
+        judged: dict[WeightKey, list[GoodputRow]] = {}
+        for row in table.classes:
+            task_class = TaskClass(row.key)
+            mine = [own[task_class]] if task_class in own else []
+            judged[dc, task_class] = self._enough(mine) or [row]
+        return judged
+
+    def _enough(self, rows: list[GoodputRow]) -> list[GoodputRow]:
+        """``rows`` if at least ``min_outcomes`` of their requests ended, else none."""
+        ended = sum(attainment(row)[1] for row in rows)
+        return rows if ended >= self.params.min_outcomes else []
 
     def _desired(self, rows: Iterable[GoodputRow], weight: float, since_change_s: float) -> float:
         p = self.params

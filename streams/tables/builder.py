@@ -105,7 +105,7 @@ class DcTables:
         start = slices[0]
         version = int(now * 1000)
         span = now - start
-        classes, tenants = rows(groups, span)
+        classes, tenants, regions = rows(groups, span)
         kv = fleet.kv_totals(span)
         return [
             CapacityTable(
@@ -133,6 +133,7 @@ class DcTables:
                 window_end=now,
                 classes=classes,
                 tenants=tenants,
+                regions=regions,
             ),
         ]
 

@@ -1,4 +1,5 @@
-"""Goodput per (DC, class) and per (DC, tenant): one mergeable aggregate per group."""
+"""Goodput per (DC, class), per (DC, tenant) and per (DC, source region, class): one
+mergeable aggregate per group."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from schemas.base import TaskClass
 from schemas.objectives import ClassObjective
-from schemas.tables import GoodputRow
+from schemas.tables import GoodputRow, region_row_key
 from streams.tables.outcomes import Outcome, OutcomeKind
 from streams.tables.sketch import QuantileSketch
 
@@ -106,21 +107,31 @@ class GoodputCounts:
 _COUNTERS = tuple(f.name for f in fields(GoodputCounts) if f.type == "int")
 
 
-def group_keys(outcome: Outcome) -> tuple[str, str]:
-    """The two groups an outcome counts in: its class and its tenant."""
-    return f"class:{outcome.task_class}", f"tenant:{outcome.tenant}"
+def group_keys(outcome: Outcome) -> tuple[str, ...]:
+    """The groups an outcome counts in: its class, its tenant, and its source region's
+    class where the region is known."""
+    keys = f"class:{outcome.task_class}", f"tenant:{outcome.tenant}"
+    if not outcome.source_region:
+        return keys
+    region = region_row_key(outcome.source_region, TaskClass(outcome.task_class))
+    return (*keys, f"region:{region}")
 
 
-def rows(
-    groups: dict[str, GoodputCounts], span_s: float
-) -> tuple[tuple[GoodputRow, ...], tuple[GoodputRow, ...]]:
-    """Class rows (every class, even without traffic) and tenant rows, sorted by key."""
+Rows = tuple[GoodputRow, ...]
+
+
+def rows(groups: dict[str, GoodputCounts], span_s: float) -> tuple[Rows, Rows, Rows]:
+    """Class rows (every class, even without traffic), then tenant rows and source-region
+    rows, each sorted by key."""
     classes = tuple(
         groups.get(f"class:{c.value}", GoodputCounts()).row(c.value, span_s) for c in TaskClass
     )
-    tenants = tuple(
-        counts.row(key.removeprefix("tenant:"), span_s)
+    return classes, _rows_of(groups, "tenant:", span_s), _rows_of(groups, "region:", span_s)
+
+
+def _rows_of(groups: dict[str, GoodputCounts], kind: str, span_s: float) -> Rows:
+    return tuple(
+        counts.row(key.removeprefix(kind), span_s)
         for key, counts in sorted(groups.items())
-        if key.startswith("tenant:")
+        if key.startswith(kind)
     )
-    return classes, tenants

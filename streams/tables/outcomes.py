@@ -76,6 +76,9 @@ class Outcome:
     unmatched: bool = False
     """An end whose request's start never came: counted as a late event only, and ``ts`` is
     when the request was given up."""
+    source_region: str = ""
+    """The region whose edge took the request ('': not known, as for an end whose start
+    never came, or one joined by a worker from before 2026-12-05)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Its fields as they are (all plain values): ``asdict`` took 29 µs an outcome,
@@ -130,6 +133,7 @@ def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:
             "model": payload.model,
             "task_class": payload.task_class.value,
             "tenant": payload.tenant,
+            "source_region": payload.source_region,
             "deadline_s": payload.deadline_s,
         }
     elif isinstance(payload, RequestRouted):
@@ -208,6 +212,7 @@ def _outcome(end: dict[str, Any], dc: str, arrived: dict[str, Any], **counted: A
         model=arrived.get("model", ""),
         task_class=arrived.get("task_class") or end["task_class"],
         tenant=arrived.get("tenant") or end.get("tenant", ""),
+        source_region=arrived.get("source_region", ""),
         kind=_kind(end),
         **counted,
     )

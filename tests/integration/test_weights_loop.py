@@ -112,8 +112,9 @@ async def test_a_dc_that_misses_loses_weight_and_its_traffic_moves_but_not_the_r
         )
         bus = KafkaBus(kafka.address, source="test")
         stack.push_async_callback(bus.close)
-        controller = WeightController(WeightParams(settle_s=1.0, min_outcomes=5))
-        host = WeightHost(bus, [MODEL], ["dc-a", "dc-b"], controller, period_s=1.0)
+        # per region: dc-a's edge judges each DC on its own region's requests (all of them)
+        controller = WeightController(WeightParams(settle_s=1.0, min_outcomes=5, per_region=True))
+        host = WeightHost(bus, [MODEL], fleet.edge_regions(), controller, period_s=1.0)
         scraper = await stack.enter_async_context(aiohttp.ClientSession())
         front = await stack.enter_async_context(
             gateway(fleet, kafka=kafka.address, redis=redis_server.address, dc="dc-a")

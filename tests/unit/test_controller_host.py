@@ -11,7 +11,7 @@ from control.controllers.slomax import QuotaController, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, PlacementRecommendation
 from schemas.fleet import FleetConfig
-from schemas.tables import CapacityTable, GoodputTable
+from schemas.tables import CapacityTable, GoodputRow, GoodputTable, region_row_key
 from streams.feeds import follow
 from streams.memory import InMemoryBus
 from tests.conftest import read_for
@@ -139,9 +139,11 @@ async def test_stale_tables_move_nothing_and_renew_nothing() -> None:
 TABLE_VERSIONS = itertools.count(1)
 
 
-def feed_goodput(host: WeightHost, dc: str, met: int, now: float) -> None:
+def feed_goodput(
+    host: WeightHost, dc: str, met: int, now: float, regions: tuple[GoodputRow, ...] = ()
+) -> None:
     """The DC's goodput table of the window ending ``now`` (a newer version each time):
-    100 requests, ``met`` in time."""
+    100 requests, ``met`` in time; ``regions``: its rows by source region."""
     host.apply(
         GoodputTable(
             dc=dc,
@@ -150,13 +152,14 @@ def feed_goodput(host: WeightHost, dc: str, met: int, now: float) -> None:
             window_end=now,
             classes=(row(TaskClass.INTERACTIVE, 100, met),),
             tenants=(),
+            regions=regions,
         )
     )
 
 
 async def test_the_weights_follow_goodput_for_every_edge_and_model_and_are_renewed() -> None:
     bus, clock = InMemoryBus(), Clock()
-    host = WeightHost(bus, ["m1", "m2"], ["dc-a", "dc-b"], renew_s=20.0, clock=clock)
+    host = WeightHost(bus, ["m1", "m2"], {"dc-a": None, "dc-b": None}, renew_s=20.0, clock=clock)
     feed_goodput(host, "dc-a", 99, clock.now)
     feed_goodput(host, "dc-b", 99, clock.now)
     first = await host.reconcile()  # every DC in time: each whole, for every edge
@@ -179,12 +182,37 @@ async def test_the_weights_follow_goodput_for_every_edge_and_model_and_are_renew
     assert await host.reconcile() == []
 
 
+async def test_each_edge_gets_the_weights_its_own_region_s_requests_call_for() -> None:
+    """dc-b serves its own region's chats in time and misses those from eu-west, 80 ms
+    away: the edge in eu-west counts on less of dc-b, the one in us-east on all of it."""
+    bus, clock = InMemoryBus(), Clock()
+    per_region = WeightController(WeightParams(per_region=True))
+    edges = {"dc-a": "eu-west", "dc-b": "us-east"}
+    host = WeightHost(bus, ["m"], edges, per_region, clock=clock)
+    far = region_row("eu-west", TaskClass.INTERACTIVE, 40, 20)
+    near = region_row("us-east", TaskClass.INTERACTIVE, 60, 60)
+    feed_goodput(host, "dc-b", 80, clock.now, regions=(far, near))  # 80 % in all
+    published = {w.scope: weights_of(w) for w in await host.reconcile()}
+    assert published == {"dc-a": {"dc-b": 0.8}, "dc-b": {"dc-b": 1.0}}
+    clock.now += 15.0  # settled; dc-b now misses its own region's chats too
+    near = region_row("us-east", TaskClass.INTERACTIVE, 60, 30)
+    feed_goodput(host, "dc-b", 50, clock.now, regions=(far, near))
+    published = {w.scope: weights_of(w) for w in await host.reconcile()}
+    assert published == {"dc-a": {"dc-b": 0.64}, "dc-b": {"dc-b": 0.8}}
+
+
+def region_row(region: str, task_class: TaskClass, completed: int, met: int) -> GoodputRow:
+    return row(task_class, completed, met).model_copy(
+        update={"key": region_row_key(region, task_class)}
+    )
+
+
 async def test_a_restarted_weights_controller_continues_versions_and_weights() -> None:
     bus, clock = InMemoryBus(), Clock()
-    first = WeightHost(bus, ["m"], ["dc-a"], clock=clock)
+    first = WeightHost(bus, ["m"], {"dc-a": None}, clock=clock)
     feed_goodput(first, "dc-b", 50, clock.now)
     [lowered] = await first.reconcile()
-    restarted = WeightHost(bus, ["m"], ["dc-a"], clock=clock)
+    restarted = WeightHost(bus, ["m"], {"dc-a": None}, clock=clock)
     reader = asyncio.create_task(follow(bus, WEIGHTS_TOPIC, restarted.apply, "earliest"))
     try:
         await asyncio.wait_for(restarted.caught_up(), 5.0)
@@ -357,11 +385,11 @@ async def test_a_controller_no_longer_per_class_drops_the_class_weights_it_reads
     every reader takes a class's own weight first."""
     bus, clock = InMemoryBus(), Clock()
     per_class = WeightController(WeightParams(per_class=True))
-    first = WeightHost(bus, ["m"], ["dc-a"], per_class, clock=clock)
+    first = WeightHost(bus, ["m"], {"dc-a": None}, per_class, clock=clock)
     feed_goodput(first, "dc-b", 50, clock.now)
     [lowered] = await first.reconcile()
     assert weights_of(lowered, "m", TaskClass.INTERACTIVE) == {"dc-b": 0.8}
-    restarted = WeightHost(bus, ["m"], ["dc-a"], clock=clock, renew_s=1.0)
+    restarted = WeightHost(bus, ["m"], {"dc-a": None}, clock=clock, renew_s=1.0)
     reader = asyncio.create_task(follow(bus, WEIGHTS_TOPIC, restarted.apply, "earliest"))
     try:
         await asyncio.wait_for(restarted.caught_up(), 5.0)

@@ -62,11 +62,11 @@ def quotas(dc: str, at: float, limit: int) -> AdmissionQuotas:
     return AdmissionQuotas(scope=dc, version=int(at) + 1, issued_at=at, ttl_s=30, quotas=(quota,))
 
 
-def weights(at: float, **by_dc: float) -> RoutingWeights:
+def weights(at: float, scope: str = "dc-a", **by_dc: float) -> RoutingWeights:
     listed = tuple(
         DcWeight(model="m", dc=dc.replace("_", "-"), weight=w) for dc, w in by_dc.items()
     )
-    return RoutingWeights(scope="dc-a", version=int(at) + 1, issued_at=at, ttl_s=30, weights=listed)
+    return RoutingWeights(scope=scope, version=int(at) + 1, issued_at=at, ttl_s=30, weights=listed)
 
 
 def placement(dc: str, at: float, replicas: int) -> PlacementRecommendation:
@@ -102,6 +102,17 @@ def test_the_state_holds_the_newest_tables_and_controls_of_each_dc() -> None:
     assert (dc_b["weight"], dc_b["long_documents"]) == (0.8, 6)
     assert (dc_a["replicas"], dc_b["replicas"]) == (None, {"m": 3})
     assert dc_b["controls_left_s"] == {"quotas": 10.0, "weights": 20.0}
+
+
+def test_a_dc_shows_the_lowest_weight_an_edge_holds_and_the_soonest_ttl() -> None:
+    """Each edge's weights are judged on its own region's requests, so they differ."""
+    view = OperatorView(Clock())
+    view.apply(weights(990.0, "dc-a", dc_a=1.0, dc_b=0.5))
+    view.apply(weights(985.0, "dc-b", dc_a=0.8, dc_b=1.0))
+    view.apply(weights(980.0, "dc-a", dc_a=0.2, dc_b=0.2))  # older than dc-a's held
+    [dc_a, dc_b] = view.state()["dcs"]
+    assert (dc_a["weight"], dc_b["weight"]) == (0.8, 0.5)
+    assert dc_a["controls_left_s"]["weights"] == 15.0  # dc-b's edge's runs out first
 
 
 def test_the_history_keeps_a_point_per_goodput_table_within_its_horizon() -> None:

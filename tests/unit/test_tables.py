@@ -83,7 +83,7 @@ def test_reordered_and_redelivered_events_give_the_same_tables(
     assert build(shaken, now) == build(events, now)
 
 
-def _request(n: int, at: float) -> list[Envelope]:
+def _request(n: int, at: float, region: str = "eu") -> list[Envelope]:
     rid = f"r{n}"
     return [
         Envelope.wrap(
@@ -94,7 +94,7 @@ def _request(n: int, at: float) -> list[Envelope]:
                 model="m",
                 input_tokens=100,
                 output_budget=10,
-                source_region="eu",
+                source_region=region,
             ),
             source="test",
             ts=at,
@@ -150,6 +150,20 @@ def test_ends_repeats_and_late_events_are_counted_not_lost() -> None:
     later = goodput(builder.tables(start + 110)).classes[0]
     # r4, quiet for longer than a window and its grace, is forgotten: its held end is late too
     assert (later.completed, later.late_events) == (1, 2)
+
+
+def test_each_source_region_s_requests_have_rows_of_their_own_by_class() -> None:
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    for n, region in enumerate(("eu", "eu", "us")):
+        for event in _request(n, EPOCH, region):
+            builder.feed(event)
+        builder.feed(_completed(n, EPOCH + 1, output_tokens=10 * (n + 1)))
+    table = goodput(builder.tables(EPOCH + 59))
+    keyed = [(r.key, r.completed, r.output_tokens) for r in table.regions]
+    assert keyed == [("eu/interactive", 2, 30), ("us/interactive", 1, 30)]
+    assert table.region_rows("us") == {TaskClass.INTERACTIVE: table.regions[1]}
+    assert table.region_rows("ap") == {}
+    assert table.classes[0].completed == 3
 
 
 def test_a_redelivered_event_releases_again_what_its_request_released() -> None:

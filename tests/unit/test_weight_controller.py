@@ -12,7 +12,7 @@ from control.controllers.fleetmind import (
     weights_of,
 )
 from schemas.base import TaskClass
-from schemas.tables import GoodputTable
+from schemas.tables import GoodputRow, GoodputTable, region_row_key
 from tests.unit.test_quota_controller import row
 
 P = WeightParams()
@@ -87,3 +87,38 @@ def test_each_class_is_judged_on_its_own_outcomes_when_asked_to() -> None:
     pooled = WeightController().reconcile({"b": mixed}, {}, {}, 60.0)
     assert pooled == {B: P.lower_by}  # 100 of 140 in time: under the band
     assert weight_for(pooled, "b", TaskClass.BATCH) == P.lower_by
+
+
+def test_an_edge_judges_each_dc_on_its_own_region_s_requests_while_enough_ended() -> None:
+    """In b, the chats from eu-west miss while those from us-east meet: 90 % in all."""
+    far = region_row("eu-west", CHATS, 50, 30)
+    near = region_row("us-east", CHATS, 150, 150)
+    few = region_row("ap-south", CHATS, P.min_outcomes - 1, 0)
+    b = table("b", 200, 180).model_copy(update={"regions": (far, near, few)})
+    controller = WeightController(WeightParams(per_region=True))
+    assert controller.reconcile({"b": b}, {}, {}, 60.0, "eu-west") == {B: P.lower_by}
+    assert controller.reconcile({"b": b}, {}, {}, 60.0, "us-east") is None
+    assert controller.reconcile({"b": b}, {}, {}, 60.0, "ap-south") is None  # b as a whole
+    assert controller.reconcile({"b": b}, {}, {}, 60.0) is None
+    assert WeightController().reconcile({"b": b}, {}, {}, 60.0, "eu-west") is None  # off
+
+
+def test_per_class_an_edge_judges_each_class_on_its_region_s_requests_of_it() -> None:
+    chats = region_row("eu-west", CHATS, 50, 30)
+    documents = region_row("eu-west", DOCUMENTS, 40, 40)
+    b = table("b", 100, 95)
+    b = b.model_copy(
+        update={"classes": (*b.classes, row(DOCUMENTS, 5, 0)), "regions": (chats, documents)}
+    )
+    per_class = WeightController(WeightParams(per_class=True, per_region=True))
+    assert per_class.reconcile({"b": b}, {}, {}, 60.0, "eu-west") == {
+        ("b", CHATS): P.lower_by,
+        ("b", DOCUMENTS): 1.0,
+    }
+    assert per_class.reconcile({"b": b}, {}, {}, 60.0) is None  # 95 % of chats; 5 documents
+
+
+def region_row(region: str, task_class: TaskClass, completed: int, met: int) -> GoodputRow:
+    return row(task_class, completed, met).model_copy(
+        update={"key": region_row_key(region, task_class)}
+    )

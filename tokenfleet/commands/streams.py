@@ -93,6 +93,13 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
     )
     controller.add_argument("--host", default="127.0.0.1", help="address the view listens on")
     controller.add_argument(
+        "--weights-per-region",
+        action="store_true",
+        help="with --fleet: judge each DC's gateway's weights on the requests of its own "
+        "region alone (where at least 30 of them ended in the window), not on all; off by "
+        "default, as measured in docs/fleetmind.md",
+    )
+    controller.add_argument(
         "--long-cycle",
         type=float,
         default=60.0,
@@ -234,8 +241,9 @@ def _controller(args: argparse.Namespace) -> int:
         quotas = QuotaController(QuotaControllerParams(ttl_s=args.ttl))
         hosts = [QuotaHost(bus, quotas, period_s=args.period).run()]
         if fleet is not None:
-            models, edges = [m.name for m in fleet.models], [dc.name for dc in fleet.dcs]
-            weights = WeightController(WeightParams(ttl_s=args.ttl))
+            models, edges = [m.name for m in fleet.models], fleet.edge_regions()
+            params = WeightParams(ttl_s=args.ttl, per_region=args.weights_per_region)
+            weights = WeightController(params)
             hosts.append(WeightHost(bus, models, edges, weights, period_s=args.period).run())
         if fleet is not None and any(i.standby for i in fleet.instances):
             cycle = args.long_cycle
