@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from control.admission.request import AdmissionRequest
 from control.admission.view import AdmissionDecision
-from control.fleet.registry import DcPolicy
-from control.fleet.view import DataCenterState, DcDecision, DcRequest, FleetState
 from control.pipeline import ClassLoad, Outcome, Payload, Pipeline
 from control.routing.snapshot import (
     SNAPSHOT_ARRAYS,
@@ -46,24 +44,22 @@ Record = dict[str, Any]
 Journal = Callable[[Record], None]
 """Where a journaled pipeline writes its records, one call each, in order."""
 
-CHOOSE_DC = "choose_dc"
-"""The call of a DC decision's record, in a gateway's DC journal."""
 START = "start"
 """The call of a journal's first record: the recipe the pipeline was built from, and its
 objectives, quotas and peers' load at that moment."""
 
 
-def _number(value: float) -> float | str:
+def json_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
 def _optional_number(value: float | None) -> float | str | None:
-    return None if value is None else _number(value)
+    return None if value is None else json_number(value)
 
 
 def _array(values: np.ndarray) -> list[Any]:
     if values.dtype.kind == "f":
-        return [_number(v) for v in values.tolist()]
+        return [json_number(v) for v in values.tolist()]
     return list(values.tolist())
 
 
@@ -160,7 +156,7 @@ def _admission_record(decision: AdmissionDecision) -> Record:
         "allowed": _optional_array(decision.allowed),
         "hold_until_s": _optional_number(decision.hold_until_s),
         "retry_after_s": _optional_number(decision.retry_after_s),
-        "figures": [[name, _number(value)] for name, value in decision.figures],
+        "figures": [[name, json_number(value)] for name, value in decision.figures],
     }
 
 
@@ -507,89 +503,3 @@ def _learn(pipeline: Pipeline[str], record: Record) -> None:
         pipeline.peers = _peers_from(record["value"])
     else:
         raise ValueError(f"unknown call {call!r} in a pipeline's journal")
-
-
-def dc_choice_record(request: DcRequest, fleet: FleetState, decision: DcDecision) -> Record:
-    """A DC decision with its inputs: the DC policy is pure, so one record replays it."""
-    return {
-        "call": CHOOSE_DC,
-        "request": {
-            "request_id": request.request_id,
-            "source_region": request.source_region,
-            "source_dc": request.source_dc,
-            "input_tokens": request.input_tokens,
-            "tenant_dcs": None if request.tenant_dcs is None else sorted(request.tenant_dcs),
-            "residency": sorted(request.residency),
-            "version": request.version,
-            "draw": request.draw,
-        },
-        "dcs": [_dc_record(dc) for dc in fleet.dcs],
-        "round_trips_s": [[a, b, rtt] for (a, b), rtt in fleet.round_trips_s.items()],
-        "decision": _dc_decision_record(decision),
-    }
-
-
-_DC_FLOATS = frozenset(
-    {
-        "utilisation",
-        "predicted_wait_s",
-        "weight",
-        "class_room",
-        "inflight_requests",
-        "kv_use",
-        "queue",
-    }
-)
-
-
-def _dc_record(dc: DataCenterState) -> Record:
-    record: Record = {}
-    for f in fields(dc):
-        value = getattr(dc, f.name)
-        record[f.name] = _number(value) if f.name in _DC_FLOATS and value is not None else value
-    record["ready_versions"] = sorted(dc.ready_versions)
-    record["versions"] = sorted(dc.versions)
-    return record
-
-
-def _dc_from(record: Record) -> DataCenterState:
-    values: dict[str, Any] = {
-        k: float(v) if k in _DC_FLOATS and v is not None else v for k, v in record.items()
-    }
-    values["ready_versions"] = frozenset(record["ready_versions"])
-    values["versions"] = frozenset(record["versions"])
-    return DataCenterState(**values)
-
-
-def _dc_decision_record(decision: DcDecision) -> Record:
-    return {
-        "policy": decision.policy,
-        "order": list(decision.order),
-        "excluded": dict(decision.excluded),
-        "costs": {
-            dc: {part: _number(value) for part, value in parts.items()}
-            for dc, parts in decision.costs.items()
-        },
-    }
-
-
-def replay_dc_choice(record: Record, policy: DcPolicy) -> Difference | None:
-    """Make a recorded DC decision again with ``policy``; the difference, if any."""
-    asked = record["request"]
-    tenant_dcs = asked["tenant_dcs"]
-    request = DcRequest(
-        asked["request_id"],
-        asked["source_region"],
-        asked["source_dc"],
-        asked["input_tokens"],
-        None if tenant_dcs is None else frozenset(tenant_dcs),
-        frozenset(asked["residency"]),
-        asked["version"],
-        asked["draw"],
-    )
-    dcs = tuple(_dc_from(d) for d in record["dcs"])
-    fleet = FleetState(dcs, {(a, b): rtt for a, b, rtt in record["round_trips_s"]})
-    replayed = _dc_decision_record(policy.choose(request, fleet))
-    if replayed == record["decision"]:
-        return None
-    return Difference(record["seq"], CHOOSE_DC, record["decision"], replayed)

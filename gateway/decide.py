@@ -25,10 +25,10 @@ import numpy as np
 from control.admission.registry import Admission
 from control.controllers.fleetmind import weights_of
 from control.fleet.fleetmind import FleetMind
+from control.fleet.journal import dc_choice_record
 from control.fleet.load import DcLoad, Rate, class_room, dc_state
 from control.fleet.registry import DcPolicy
 from control.fleet.view import DcRequest, FleetState
-from control.journal import dc_choice_record
 from control.routing.registry import Router
 from control.routing.snapshot import BoolArray, Decision, FleetSnapshot, RouteRequest
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams

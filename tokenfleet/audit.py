@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from control.admission.registry import make_admission
+from control.fleet.journal import replay_dc_choice
 from control.fleet.registry import make_dc_policy
-from control.journal import START, Difference, Record, missing, replay, replay_dc_choice
+from control.journal import START, Difference, Record, missing, replay
 from control.pipeline import Pipeline
 from control.routing import make_router, policy_params
 from schemas import Envelope

@@ -9,13 +9,12 @@ from typing import Any
 
 from control.admission.registry import make_admission
 from control.fleet.fleetmind import FleetMind
+from control.fleet.journal import dc_choice_record, replay_dc_choice
 from control.fleet.view import DataCenterState, DcRequest, FleetState
 from control.journal import (
     JournaledPipeline,
     Record,
-    dc_choice_record,
     replay,
-    replay_dc_choice,
 )
 from control.pipeline import Pipeline
 from control.routing import PoolModel, make_router
