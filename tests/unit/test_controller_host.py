@@ -109,18 +109,18 @@ async def test_a_restart_after_renewals_continues_from_the_last_change_not_the_f
     [first] = await host.reconcile()  # 8
     clock.now = 75.0
     feed(host, chats_met=50, documents_refused=0, now=75.0)
-    [lowered] = await host.reconcile()  # 6
+    [lowered] = await host.reconcile()  # 4
     clock.now = 100.0
     feed(host, chats_met=96, documents_refused=0, now=100.0)
     [renewed] = await host.reconcile()
-    assert (long_documents(first), long_documents(lowered), long_documents(renewed)) == (8, 6, 6)
+    assert (long_documents(first), long_documents(lowered), long_documents(renewed)) == (8, 4, 4)
     restarted = QuotaHost(bus, clock=clock)
     for quotas in await published(bus):
         restarted.apply(quotas)
-    clock.now = 105.0  # 30 s after the change: a fall may come, from 6
+    clock.now = 105.0  # 30 s after the change: a fall may come, from 4
     feed(restarted, chats_met=50, documents_refused=0, now=105.0)
     [next_] = await restarted.reconcile()
-    assert (next_.version, long_documents(next_)) == (4, 4)
+    assert (next_.version, long_documents(next_)) == (4, 2)
 
 
 async def test_stale_tables_move_nothing_and_renew_nothing() -> None:

@@ -141,7 +141,8 @@ def test_inside_the_band_or_on_too_little_evidence_nothing_is_published() -> Non
 
 
 def test_on_a_small_fleet_each_step_still_moves_the_limit_by_a_request_at_least() -> None:
-    controller, two = QuotaController(), capacity(2)
+    """At the default step (halving) no step rounds back; at 1.25 x one would, unrounded."""
+    controller, two = QuotaController(QuotaControllerParams(lower_step=1.25)), capacity(2)
     quotas = controller.reconcile(table((100, 96)), two, None, now=0.0)
     limits = [long_documents(quotas)]
     for n in range(1, 12):
