@@ -249,12 +249,16 @@ class _DrainingProducer(faust_kafka.Producer):
     (waiting for metadata or room), which aiokafka's flush does not cover. A commit could
     then pass a table write still in flight, and a worker killed just after lost it (both
     seen in the kill test: requests never joined, and a DC's slice one completion short).
-    A write the broker refused fails the flush, and with it the commit: the events are
-    read again.
+
+    Once a write was refused, or abandoned by a buffer that stopped, every later flush
+    fails, so no commit passes it (the one at shutdown included): the worker stops, and
+    the events are read again when it restarts.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.app.conf.producer_threaded:  # its callbacks would come from another thread
+            raise ValueError("the table worker's producer tracks its writes on one loop")
         self.buffer = self._tracked = _TrackedBuffer(loop=self.loop, beacon=self.beacon)
         self.buffer.app = self.app
 
@@ -269,26 +273,41 @@ class _TrackedBuffer(ProducerBuffer):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._unanswered: set[asyncio.Future[Any]] = set()
-        self._refused: list[BaseException] = []
+        self._refused: BaseException | None = None
 
     def put(self, fut: FutureMessage) -> None:
         self._unanswered.add(fut)
         fut.add_done_callback(self._answered)
         super().put(fut)
 
+    async def _send_pending(self, fut: FutureMessage) -> None:
+        """Hand ``fut`` on; if that fails (aiokafka refusing it at once, say, for want of
+        metadata during an outage), fail ``fut`` too: no answer would ever come for it."""
+        try:
+            await super()._send_pending(fut)
+        except BaseException as exc:
+            if not fut.done():
+                fut.set_exception(exc)
+            raise
+
     def _answered(self, fut: asyncio.Future[Any]) -> None:
         self._unanswered.discard(fut)
-        exception = None if fut.cancelled() else fut.exception()
-        if exception is not None:
-            self._refused.append(exception)
+        exception = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+        if exception is not None and self._refused is None:
+            self._refused = exception
 
     async def acknowledged(self) -> None:
-        """Wait until the broker answered every write put so far; raise if it refused one."""
-        while self._unanswered:
-            await asyncio.wait(list(self._unanswered))
-        if self._refused:
-            refused, self._refused = self._refused, []
-            raise RuntimeError(f"{len(refused)} table write(s) not delivered: {refused[0]!r}")
+        """Wait until the broker answered every write put before this call (later ones
+        are the next flush's: under steady writes the set is never empty); raise if any
+        write was ever refused, or if the buffer stopped with writes it never sent."""
+        waiting = set(self._unanswered)
+        while waiting and self._refused is None:
+            if self.should_stop or self.crashed:
+                raise RuntimeError(f"the producer stopped with {len(waiting)} writes unsent")
+            await asyncio.wait(waiting, timeout=1.0)
+            waiting = {fut for fut in waiting if not fut.done()}
+        if self._refused is not None:
+            raise RuntimeError(f"a table write was not delivered: {self._refused!r}")
 
 
 class _App(faust.App):

@@ -132,7 +132,8 @@ class ViewMetrics(Collector):
         )
         yield _per_dc(
             "tokenfleet_controller_weight",
-            "The DC's weight for chats in the newest tf.control.weights snapshot.",
+            "The DC's weight for chats: the lowest any edge's tf.control.weights snapshot in "
+            "force holds.",
             dcs,
             lambda dc: dc["weight"],
         )
@@ -153,7 +154,8 @@ class ViewMetrics(Collector):
         yield placed
         left = GaugeMetricFamily(
             "tokenfleet_controller_control_ttl_left_seconds",
-            "TTL left of the DC's newest quotas and weights (negative: expired).",
+            "TTL left of the DC's newest quotas and of the edges' weights in force, the first "
+            "to run out (negative: expired).",
             labels=("dc", "kind"),
         )
         for dc in dcs:

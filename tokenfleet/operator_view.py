@@ -105,19 +105,31 @@ class OperatorView:
                 self._weights[message.scope] = message
                 self._lowest_weights()
 
+    def _in_force(self) -> list[RoutingWeights]:
+        """The edges' weights snapshots still within their TTL; with none, the newest (an
+        edge of an older fleet file, or a controller gone, leaves snapshots on the
+        compacted topic for good)."""
+        now = self.clock()
+        live = [w for w in self._weights.values() if w.issued_at + w.ttl_s >= now]
+        newest = max(self._weights.values(), key=lambda w: w.issued_at, default=None)
+        return live or ([] if newest is None else [newest])
+
     def _lowest_weights(self) -> None:
         """Each DC's weight for chats as the edge that counts on it least holds it: the
         figure that says whether any edge is moving traffic off it."""
         lowest: dict[str, float] = {}
-        for snapshot in self._weights.values():
+        for snapshot in self._in_force():
             for name, weight in weights_of(snapshot, task_class=TaskClass.INTERACTIVE).items():
                 lowest[name] = min(weight, lowest.get(name, weight))
+        for name, dc in self._dcs.items():
+            dc.weight = lowest.pop(name, None)
         for name, weight in lowest.items():
             self._dc(name).weight = weight
 
     def state(self) -> dict[str, Any]:
         """Every DC's figures now and its points over time, ready for JSON."""
         now = self.clock()
+        self._lowest_weights()  # a snapshot may have expired since the last one came
         dcs = sorted(self._dcs.items())
         return {"at": now, "dcs": [self._dc_state(name, dc, now) for name, dc in dcs]}
 
@@ -144,8 +156,8 @@ class OperatorView:
             dc.history.popleft()
 
     def _soonest_weights(self) -> RoutingWeights | None:
-        """The edges' weights snapshot that expires first."""
-        return min(self._weights.values(), key=lambda w: w.issued_at + w.ttl_s, default=None)
+        """The weights snapshot in force that expires first."""
+        return min(self._in_force(), key=lambda w: w.issued_at + w.ttl_s, default=None)
 
     def _dc_state(self, name: str, dc: _Dc, now: float) -> dict[str, Any]:
         return {

@@ -286,7 +286,19 @@ async def test_a_write_the_broker_refused_fails_the_flush_and_so_the_commit(
         raw.send_soon(key=b"k", value=b"fine")
         with pytest.raises(RuntimeError, match="not delivered"):
             await producer.flush()
-        await producer.flush()  # the failure is reported once
+        with pytest.raises(RuntimeError, match="not delivered"):  # and at every later flush,
+            await producer.flush()  # the one before the commit at shutdown included
+
+
+async def test_a_write_the_producer_cannot_send_fails_the_flush_instead_of_hanging_it(
+    kafka: Service, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiokafka refuses at once a record larger than a request may be: the buffer's sender
+    fails on it, and no answer will ever come for it."""
+    async with _producer_with_slow_buffer(kafka, tmp_path, monkeypatch) as (producer, raw):
+        raw.send_soon(key=b"k", value=b"x" * 2_000_000)
+        with pytest.raises(RuntimeError, match="not delivered"):
+            await asyncio.wait_for(producer.flush(), 30)
 
 
 @contextlib.asynccontextmanager

@@ -110,9 +110,14 @@ def test_a_dc_shows_the_lowest_weight_an_edge_holds_and_the_soonest_ttl() -> Non
     view.apply(weights(990.0, "dc-a", dc_a=1.0, dc_b=0.5))
     view.apply(weights(985.0, "dc-b", dc_a=0.8, dc_b=1.0))
     view.apply(weights(980.0, "dc-a", dc_a=0.2, dc_b=0.2))  # older than dc-a's held
+    view.apply(weights(900.0, "dc-old", dc_a=0.1, dc_b=0.1))  # an old edge's, expired
     [dc_a, dc_b] = view.state()["dcs"]
     assert (dc_a["weight"], dc_b["weight"]) == (0.8, 0.5)
     assert dc_a["controls_left_s"]["weights"] == 15.0  # dc-b's edge's runs out first
+    view.clock.now = 1100.0  # every edge's expired: the newest one's, and how long ago
+    [dc_a, dc_b] = view.state()["dcs"]
+    assert (dc_a["weight"], dc_b["weight"]) == (1.0, 0.5)
+    assert dc_a["controls_left_s"]["weights"] == -80.0
 
 
 def test_the_history_keeps_a_point_per_goodput_table_within_its_horizon() -> None:
