@@ -49,13 +49,17 @@ def plan(
     controller_port: int = CONTROLLER_PORT,
     period_s: float = 5.0,
     ttl_s: float | None = None,
+    long_cycle_s: float | None = None,
 ) -> tuple[Part, ...]:
     """The parts that run ``fleet`` (read from ``fleet_file``, as every part reads it):
-    ``period_s`` and ``ttl_s`` are the controllers' (unset TTL: their default)."""
+    ``period_s``, ``ttl_s`` and ``long_cycle_s`` are the controllers' (unset: their
+    defaults)."""
     fleet_args = ("--fleet", fleet_file)
     controller: tuple[str, ...] = ("controller", *fleet_args, "--period", f"{period_s:g}")
     if ttl_s is not None:
         controller += ("--ttl", f"{ttl_s:g}")
+    if long_cycle_s is not None:
+        controller += ("--long-cycle", f"{long_cycle_s:g}")
     controller += ("--port", str(controller_port))
     return (
         *_emulators(fleet, fleet_args),

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from schemas.control import ControlSnapshot
+from schemas.control import ControlSnapshot, PlacementRecommendation
 from schemas.fleet import load_fleet
 from schemas.lifecycle import RequestArrived, RequestCompleted
 from schemas.openai_api import REQUEST_ID_HEADER
@@ -38,8 +38,9 @@ from tokenfleet.services.process import free_ports
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 
 LOCAL_FLEET = Path(__file__).parents[2] / "examples" / "fleet-local.toml"
-PERIOD_S, TTL_S = 1.0, 8.0
-"""The controllers' period and their snapshots' TTL (renewed every third of it)."""
+PERIOD_S, TTL_S, LONG_CYCLE_S = 1.0, 8.0, 4.0
+"""The controllers' period, their snapshots' TTL (renewed every third of it), and the
+period of FleetMind's long cycle (placements for dc-b, which holds a standby server)."""
 TABLES = {
     "TOKENFLEET_WORKER_WINDOW_S": "10",
     "TOKENFLEET_WORKER_SLIDE_S": "1",
@@ -80,7 +81,8 @@ def deployed(own_broker: LocalKafka, redis_server: Service, tmp_path: Path) -> I
     }
     run_in_thread(create_topics(own_broker.bootstrap))
     ports = {"gateway_port": free_ports(3), "controller_port": free_ports(1)}
-    parts = plan(fleet, str(fleet_file), **ports, period_s=PERIOD_S, ttl_s=TTL_S)
+    controllers = {"period_s": PERIOD_S, "ttl_s": TTL_S, "long_cycle_s": LONG_CYCLE_S}
+    parts = plan(fleet, str(fleet_file), **ports, **controllers)
     deployment = Deployment(tmp_path / "up")
     deployment.start(parts, env)
     try:
@@ -214,6 +216,23 @@ async def test_the_deployed_loop_closes_and_survives_a_broker_restart_a_lost_dc_
         print(f"safe defaults {time.monotonic() - silent:.1f} s after the controller stopped")
     await _every_answer_has_its_lifecycle_events(deployed.bootstrap, traffic)
     await _every_journaled_decision_is_made_again(deployed.bootstrap)
+    await _placements_were_published_for_the_dc_with_a_standby_server(deployed.bootstrap)
+
+
+async def _placements_were_published_for_the_dc_with_a_standby_server(bootstrap: str) -> None:
+    """FleetMind's long cycle, while the controller ran, placed dc-b's replicas: between
+    its base deployment (one) and every server it has (two, its standby included)."""
+    bus = KafkaBus(bootstrap, source="test")
+    try:
+        published = await read_for(bus, "tf.control.placement", 5.0)
+    finally:
+        await bus.close()
+    placements = [p for p in published if isinstance(p, PlacementRecommendation)]
+    print(f"{len(placements)} placements: {[(p.scope, p.actions) for p in placements][-1:]}")
+    assert placements, "FleetMind's long cycle published no placement"
+    assert {p.scope for p in placements} == {"dc-b"}
+    assert {a.model for p in placements for a in p.actions} == {"emulated"}
+    assert all(1 <= a.target_replicas <= 2 for p in placements for a in p.actions)
 
 
 async def _the_operators_view_shows_every_dc(deployed: Deployed) -> None:
