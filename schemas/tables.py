@@ -6,6 +6,8 @@ window it summarises.
 
 from __future__ import annotations
 
+import hashlib
+
 from pydantic import Field, model_validator
 
 from schemas.base import (
@@ -104,8 +106,16 @@ class GoodputRow(Frozen):
     late_events: NonNegInt = Field(description="Events that arrived after the window's grace.")
 
 
+REGION_IN_KEY = 200
+"""Characters of a region kept in a row's key: with the class, within an identifier's 256."""
+
+
 def region_row_key(region: str, task_class: TaskClass) -> str:
-    """The key of the ``GoodputTable.regions`` row of ``region``'s ``task_class``."""
+    """The key of the ``GoodputTable.regions`` row of ``region``'s ``task_class``; a region
+    name longer than ``REGION_IN_KEY`` is cut and marked with a digest of the whole."""
+    if len(region) > REGION_IN_KEY:
+        digest = hashlib.sha256(region.encode()).hexdigest()[:16]
+        region = f"{region[: REGION_IN_KEY - 17]}~{digest}"
     return f"{region}/{task_class.value}"
 
 
@@ -132,8 +142,6 @@ class GoodputTable(WindowedTable):
 
     def region_rows(self, region: str) -> dict[TaskClass, GoodputRow]:
         """The rows of ``region``'s requests, by class (only classes it had)."""
-        return {
-            TaskClass(row.key.rpartition("/")[2]): row
-            for row in self.regions
-            if row.key.rpartition("/")[0] == region
-        }
+        rows = {row.key: row for row in self.regions}
+        keys = {c: region_row_key(region, c) for c in TaskClass}
+        return {c: rows[key] for c, key in keys.items() if key in rows}

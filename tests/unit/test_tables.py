@@ -166,6 +166,19 @@ def test_each_source_region_s_requests_have_rows_of_their_own_by_class() -> None
     assert table.classes[0].completed == 3
 
 
+def test_a_region_name_as_long_as_an_identifier_still_makes_a_row_key_that_fits() -> None:
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    long, other = "r" * 256, "r" * 255 + "s"  # equal for their first 255 characters
+    for n, region in enumerate((long, other)):
+        for event in _request(n, EPOCH, region):
+            builder.feed(event)
+        builder.feed(_completed(n, EPOCH + 1))
+    table = goodput(builder.tables(EPOCH + 59))
+    assert all(len(row.key) <= 256 for row in table.regions)
+    assert [len(table.region_rows(r)) for r in (long, other)] == [1, 1]
+    assert table.region_rows(long) != table.region_rows(other)
+
+
 def test_a_redelivered_event_releases_again_what_its_request_released() -> None:
     """A worker killed after writing a request's join state to its changelog but before
     the outcome it released reached its topic replays the event from its last committed
