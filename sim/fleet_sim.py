@@ -32,7 +32,7 @@ from functools import partial
 
 from control.admission.registry import CONTROLLED, make_admission
 from control.admission.slomax import SLOMax
-from control.controllers.fleetmind import WeightController, WeightKey, weight_for
+from control.controllers.fleetmind import WeightController, WeightKey, take_in, weight_for
 from control.controllers.placement import DcReplicas, PlacementController
 from control.fleet.load import DcLoad, Rate, class_room, dc_state
 from control.fleet.registry import DcPolicy
@@ -469,10 +469,7 @@ class FleetSimulation:
         for region, current in self._weights.items():
             changed_at = self._weights_changed_at[region]
             changed = self.weights.reconcile(goodput, current, changed_at, self.now, region)
-            for key, weight in (changed or {}).items():
-                if current.get(key, 1.0) != weight:
-                    changed_at[key] = self.now
-                current[key] = weight
+            take_in(current, changed_at, changed or {}, self.now)
             for (name, c), weight in current.items():
                 named[f"{region}:{name}" if c is None else f"{region}:{name}/{c.value}"] = weight
         self.weight_steps.append((self.now, named))

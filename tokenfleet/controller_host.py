@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from control.controllers.fleetmind import WeightController, WeightKey, keyed_weights
+from control.controllers.fleetmind import WeightController, WeightKey, keyed_weights, take_in
 from control.controllers.placement import (
     DcReplicas,
     PlacementController,
@@ -297,13 +297,14 @@ class WeightHost(_ControlHost[RoutingWeights]):
             and self._taken_in(message)
             and message.scope in self.edges  # another edge's, from an older fleet file
         ):
-            current, changed_at = self._weights[message.scope], self._changed_at[message.scope]
-            for key, weight in keyed_weights(message).items():
-                if (key[1] is None) == self.controller.params.per_class:
-                    continue  # a weight of the other mode, from before a restart: not ours
-                if current.get(key, 1.0) != weight:
-                    changed_at[key] = message.issued_at
-                current[key] = weight
+            per_class = self.controller.params.per_class
+            ours = {  # a weight of the other mode, from before a restart, is not ours
+                key: weight
+                for key, weight in keyed_weights(message).items()
+                if (key[1] is None) != per_class
+            }
+            edge = message.scope
+            take_in(self._weights[edge], self._changed_at[edge], ours, message.issued_at)
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,20 @@ def weights_of(
     return general | own
 
 
+def take_in(
+    current: dict[WeightKey, float],
+    changed_at: dict[WeightKey, float],
+    weights: Mapping[WeightKey, float],
+    at: float,
+) -> None:
+    """Hold ``weights`` in ``current`` as the ones in force since ``at``, noting in
+    ``changed_at`` when each one that moved changed (a weight not held stood at 1)."""
+    for key, weight in weights.items():
+        if current.get(key, 1.0) != weight:
+            changed_at[key] = at
+        current[key] = weight
+
+
 def keyed_weights(published: RoutingWeights) -> dict[WeightKey, float]:
     """Every (DC, class) weight in ``published`` (the same for every model)."""
     found: dict[WeightKey, float] = {}

@@ -11,11 +11,12 @@ from control.controllers.slomax import QuotaController, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, PlacementRecommendation
 from schemas.fleet import FleetConfig
-from schemas.tables import CapacityTable, GoodputRow, GoodputTable, region_row_key
+from schemas.tables import CapacityTable, GoodputRow, GoodputTable
 from streams.feeds import follow
 from streams.memory import InMemoryBus
 from tests.conftest import read_for
 from tests.unit.test_quota_controller import capacity, row
+from tests.unit.test_weight_controller import region_row
 from tokenfleet.controller_host import (
     PLACEMENT_TOPIC,
     QUOTAS_TOPIC,
@@ -199,12 +200,6 @@ async def test_each_edge_gets_the_weights_its_own_region_s_requests_call_for() -
     feed_goodput(host, "dc-b", 50, clock.now, regions=(far, near))
     published = {w.scope: weights_of(w) for w in await host.reconcile()}
     assert published == {"dc-a": {"dc-b": 0.64}, "dc-b": {"dc-b": 0.8}}
-
-
-def region_row(region: str, task_class: TaskClass, completed: int, met: int) -> GoodputRow:
-    return row(task_class, completed, met).model_copy(
-        update={"key": region_row_key(region, task_class)}
-    )
 
 
 async def test_a_restarted_weights_controller_continues_versions_and_weights() -> None:
