@@ -276,8 +276,8 @@ class WeightHost(_ControlHost[RoutingWeights]):
             # unchanged: the first snapshot (every DC whole), or a renewal, on fresh tables
             if changed is not None or (fresh and self._renewal_due(edge, now)):
                 weights = whole | (current if changed is None else changed)
-                snapshot = self.controller.snapshot
-                due.append(snapshot(weights, self.models, edge, self._version(edge), now))
+                version = self._version(edge)
+                due.append(self.controller.snapshot(weights, self.models, edge, version, now))
         return await self._publish(due)
 
     def _renewal_due(self, edge: str, now: float) -> bool:
