@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,26 +26,49 @@ class ServiceError(RuntimeError):
     """A local service could not be set up, started or reached."""
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10_000
+_RANDOM = random.SystemRandom()
+"""Not the ``random`` module's state, which forked processes share and draw alike."""
+_HANDED_OUT: set[int] = set()
+"""Ports this process has handed out: free when checked, but maybe not yet bound."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)
 
 
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive ports that are all free now, for a server that
-    takes a base port (``tokenfleet emulate``): the ports after a free one may be taken,
-    by a listener or by the other end of an outgoing connection."""
+    takes a base port (``tokenfleet emulate``). Drawn below the kernel's ephemeral range
+    where it is known: a port from that range, free when checked, can be taken by the
+    local end of any outgoing connection before the server binds it (seen: a gateway of
+    ``tokenfleet up``'s test failed to start, its port taken)."""
     while True:
-        base = free_port()
+        base = _candidate(count)
+        ports = range(base, base + count)
+        if ports[-1] > 65535 or _HANDED_OUT.intersection(ports):
+            continue
         with contextlib.ExitStack() as held:
             try:
-                for port in range(base, base + count):
+                for port in ports:
                     held.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:  # one is taken (or past 65535): try another base
+            except OSError:  # one is taken: try another base
                 continue
+        _HANDED_OUT.update(ports)
         return base
+
+
+def _candidate(count: int) -> int:
+    """A base port to try: at random below the ephemeral range, else one the kernel picks."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+        if ephemeral_low - count > LOWEST_PORT:
+            return _RANDOM.randrange(LOWEST_PORT, ephemeral_low - count + 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 class ServerProcess:
