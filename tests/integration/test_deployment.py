@@ -1,8 +1,8 @@
 """The whole control plane as ``tokenfleet up`` deploys it, one process per part, on a
 real broker and a real Redis server: traffic through the edge closes the loop (events,
 tables, controllers, gateways), survives a broker restart without losing a lifecycle
-event, falls back when a DC goes away, and keeps a silent controller's last controls
-until their TTL, then the safe defaults."""
+event, sends fewer chats to an overloaded DC, falls back when a DC goes away, and keeps a
+silent controller's last controls until their TTL, then the safe defaults."""
 
 from __future__ import annotations
 
@@ -53,6 +53,12 @@ LOOP_BOUND_S = 20.0
 controls made after it: the parts' reconnecting, a slide of the tables, a controller's
 pass and the renewal of unchanged controls (a third of their TTL)."""
 EVERY_S = 0.1
+OVERLOAD_PROMPT_TOKENS, OVERLOAD_IN_FLIGHT = 30_000, 1
+"""The overload: a prompt of 30,000 tokens always in prefill on each of dc-a's instances
+(each about 0.6 s, in chunks of 8,192 tokens a step on the emulated profile), so a chat
+there shares steps of about 0.18 s."""
+OVERLOAD_S = 16.0
+"""How long the overload of the edge's own DC lasts; its second half is judged."""
 ON_DEFAULTS = "tokenfleet_gateway_control_defaults"
 
 
@@ -63,6 +69,8 @@ class Deployed:
     broker: LocalKafka
     deployment: Deployment
     dcs: list[str]
+    instances: dict[str, list[str]]
+    """The URLs of each DC's instances (those not on standby)."""
 
     @property
     def bootstrap(self) -> str:
@@ -88,7 +96,13 @@ def deployed(own_broker: LocalKafka, redis_server: Service, tmp_path: Path) -> I
     try:
         urls = {p.name: p.url or "" for p in parts}
         dcs = [d.name for d in fleet.dcs]
-        yield Deployed(urls["gateway-dc-a"], urls["controller"], own_broker, deployment, dcs)
+        instances = {
+            dc: [str(i.url).rstrip("/") for i in fleet.local_instances(dc) if not i.standby]
+            for dc in dcs
+        }
+        yield Deployed(
+            urls["gateway-dc-a"], urls["controller"], own_broker, deployment, dcs, instances
+        )
     finally:
         _print_logs(deployment, parts)
         deployment.stop()
@@ -115,7 +129,8 @@ def _print_logs(deployment: Deployment, parts: tuple[Part, ...]) -> None:
 
 @dataclass
 class Traffic:
-    """Chats through the edge, one every ``EVERY_S``, each answer recorded."""
+    """Chats through the edge, one every ``EVERY_S``, about every other one streamed,
+    each answer recorded."""
 
     edge: str
     answers: list[tuple[float, int, str, str]] = field(default_factory=list)
@@ -143,7 +158,8 @@ class Traffic:
     async def _one(self, http: httpx.AsyncClient) -> None:
         sent = time.monotonic()
         body = {"model": "emulated", "messages": [{"role": "user", "content": "hi"}]}
-        response = await http.post("/v1/chat/completions", json=body | {"max_tokens": 4})
+        body |= {"max_tokens": 4, "stream": len(self.answers) % 2 == 0}  # whole and streamed
+        response = await http.post("/v1/chat/completions", json=body)
         request_id = response.headers.get(REQUEST_ID_HEADER, "")
         dc = response.headers.get("x-tokenfleet-dc", "")
         self.answers.append((sent, response.status_code, request_id, dc))
@@ -198,6 +214,8 @@ async def test_the_deployed_loop_closes_and_survives_a_broker_restart_a_lost_dc_
         reclosed_s = await until_closed(deployed.bootstrap, deployed.dcs, back, LOOP_BOUND_S)
         print(f"loop closed again {reclosed_s:.1f} s after the broker's restart")
 
+        await _an_overloaded_dc_gets_fewer_chats(deployed, traffic)
+
         await asyncio.to_thread(deployed.deployment.stop_parts, ["emulate-dc-a"])
         home_lost = time.monotonic()
         await asyncio.sleep(6.0)
@@ -217,6 +235,63 @@ async def test_the_deployed_loop_closes_and_survives_a_broker_restart_a_lost_dc_
     await _every_answer_has_its_lifecycle_events(deployed.bootstrap, traffic)
     await _every_journaled_decision_is_made_again(deployed.bootstrap)
     await _placements_were_published_for_the_dc_with_a_standby_server(deployed.bootstrap)
+
+
+async def _an_overloaded_dc_gets_fewer_chats(deployed: Deployed, traffic: Traffic) -> None:
+    """Long prompts sent straight to dc-a's instances (traffic the gateways do not carry)
+    slow the chats there; the edge, pricing each DC's load by its own requests in flight
+    there (more, as they slow), sends a smaller share of its chats to dc-a while every chat
+    is still answered. The weights do not move here: so few chats end in dc-a that the
+    tables cannot judge it (the same held for dc-c, reached through its gateway, when it
+    was overloaded instead: 6 or 7 chats ended there in each 10 s window, 30 are needed).
+    ``test_weights_loop.py`` moves them with instances slow in a way the edge's load
+    figures do not show."""
+    started = time.monotonic()
+    before = _served_by(traffic.since(started - 10.0), "dc-a")
+    assert before > 0.3, f"dc-a, the edge's own DC, served {before:.2f} of its chats unloaded"
+    async with _overloading(deployed.instances["dc-a"]):
+        await asyncio.sleep(OVERLOAD_S)
+    during = [a for a in traffic.since(started + OVERLOAD_S / 2) if a[0] < started + OVERLOAD_S]
+    after = _served_by(during, "dc-a")
+    print(f"chats served by dc-a: {before:.2f} before the overload, {after:.2f} during it")
+    assert all(status == 200 for _, status, _, _ in during), during
+    assert after < before / 2
+
+
+def _served_by(answers: list[tuple[float, int, str, str]], dc: str) -> float:
+    assert answers
+    return sum(served == dc for _, _, _, served in answers) / len(answers)
+
+
+@contextlib.asynccontextmanager
+async def _overloading(instances: list[str]) -> AsyncIterator[None]:
+    """``OVERLOAD_IN_FLIGHT`` long prompts kept in flight on each instance, each prompt
+    new (no cached prefix)."""
+
+    async def keep_one(http: httpx.AsyncClient, url: str) -> None:
+        while True:
+            prompt = f"{uuid.uuid4().hex} " + "x" * (4 * OVERLOAD_PROMPT_TOKENS)
+            body = {"model": "emulated", "prompt": prompt, "max_tokens": 1}
+            try:
+                response = await http.post(f"{url}/v1/completions", json=body)
+                failed = response.status_code != 200
+            except httpx.HTTPError:
+                failed = True
+            if failed:  # not a tight loop beside the traffic's
+                await asyncio.sleep(0.1)
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        tasks = [
+            asyncio.create_task(keep_one(http, url))
+            for url in instances
+            for _ in range(OVERLOAD_IN_FLIGHT)
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _placements_were_published_for_the_dc_with_a_standby_server(bootstrap: str) -> None:
