@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from control.controllers.slomax import QuotaController, attainment, long_documents
+from control.controllers.slomax import QuotaController, attainment, ceiling, long_documents
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.objectives import DEFAULT_OBJECTIVES
@@ -33,6 +33,8 @@ class Step:
     at_s: float
     long_documents: int | None
     """The limit on long documents in flight after this pass (None: none published)."""
+    batch: int | None
+    """The ceiling on batch requests in flight after this pass (None: none)."""
     interactive_compliance: float
     long_document_compliance: float
 
@@ -89,8 +91,15 @@ class QuotaLoop:
             self.quotas = changed
         rows = {row.key: attainment(row)[0] for row in goodput.classes}
         limit = long_documents(self.quotas) if self.quotas else None
+        batch = ceiling(self.quotas, TaskClass.BATCH) if self.quotas else None
         self.steps.append(
-            Step(now, limit, rows[TaskClass.INTERACTIVE.value], rows[TaskClass.LONG_DOCUMENT.value])
+            Step(
+                now,
+                limit,
+                batch,
+                rows[TaskClass.INTERACTIVE.value],
+                rows[TaskClass.LONG_DOCUMENT.value],
+            )
         )
         if changed is None:
             return None

@@ -143,6 +143,14 @@ class ViewMetrics(Collector):
             dcs,
             lambda dc: dc["long_documents"],
         )
+        yield _per_dc(
+            "tokenfleet_controller_batch_limit",
+            "Batch requests in flight the DC's quotas allow (absent: no ceiling). The "
+            "controller sets one while chats miss with no long documents to blame, and lifts it "
+            "once they have room again (minutes later: it doubles at most once a minute).",
+            dcs,
+            lambda dc: dc["batch"],
+        )
         placed = GaugeMetricFamily(
             "tokenfleet_controller_placed_replicas",
             "Replicas of the model FleetMind's long cycle runs in the DC (tf.control.placement).",

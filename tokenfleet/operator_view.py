@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from control.controllers.fleetmind import weights_of
-from control.controllers.slomax import long_documents
+from control.controllers.slomax import ceiling, long_documents
 from schemas import Envelope
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, PlacementRecommendation, RoutingWeights
@@ -167,6 +167,7 @@ class OperatorView:
             "capacity": _capacity(dc.capacity),
             "weight": dc.weight,
             "long_documents": None if dc.quotas is None else long_documents(dc.quotas),
+            "batch": None if dc.quotas is None else ceiling(dc.quotas, TaskClass.BATCH),
             "replicas": _replicas(dc.placement),
             "controls_left_s": _controls_left(now, dc.quotas, self._soonest_weights()),
             "history": list(dc.history),

@@ -3,8 +3,9 @@ on Kafka, the Faust worker's goodput and capacity tables, SLOMax's controller re
 them and publishing quotas, the gateway (its shared state in Redis) applying them.
 
 The instances are scripted so that the loop, not this machine's speed, decides the
-outcome: a chat takes longer the more long documents its instance is running, as a
-long prefill shares the steps of the chats beside it."""
+outcome: a chat takes longer the more long documents or batch jobs its instance is
+running, as a long prefill or a batch of decodes shares the steps of the chats beside it.
+A flood of either makes chats miss until the controller lowers that class's ceiling."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from control.controllers.slomax import QuotaController, QuotaControllerParams, long_documents
+from control.controllers.slomax import QuotaController, QuotaControllerParams, ceiling
+from gateway.inbound import CLASS_HEADER, DEADLINE_HEADER
+from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from streams.collector import Collector
 from streams.kafka import KafkaBus
@@ -49,19 +52,24 @@ pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 
 CHAT_TTFT_S = 2.0
 """The interactive objective a whole (unstreamed) chat must meet: its answer within 2 s."""
-CHAT_S, CHAT_S_PER_DOCUMENT = 0.05, 0.7
-"""A chat's time on an instance: 50 ms, and 0.7 s more for each long document there.
+CHAT_S, CHAT_S_PER_HEAVY = 0.05, 0.7
+"""A chat's time on an instance: 50 ms, and 0.7 s more for each long document or batch job
+there.
 Three documents on an instance make a chat miss its objective; two do not. (At 0.6 s a
 chat missed only beside four, and the controller's first step, from eight documents to
 six, let most chats meet it again while the two instances split the six unevenly: once
 the worst 2 s window of the flood still had 65 % of chats in time.)"""
-DOCUMENT_S = 1.5
-CHAT_EVERY_S, DOCUMENT_EVERY_S = 0.05, 0.1
-"""Twenty chats a second all along; ten documents a second during the flood, which at
-1.5 s each would keep 15 in flight: more than SLOMax's starting limit of four per
-instance, so until the controller brings it to two per instance chats miss."""
-DOCUMENT = "a long document"
-"""What the instances tell documents from chats by (the class header stays at the gateway)."""
+HEAVY_S = 1.5
+CHAT_EVERY_S, HEAVY_EVERY_S = 0.05, 0.1
+"""Twenty chats a second all along; ten documents (or batch jobs) a second during the
+flood, which at 1.5 s each would keep 15 in flight: more than SLOMax's starting limit of
+four documents per instance (and batch has no ceiling until the controller sets one), so
+until the controller brings the class to two per instance chats miss."""
+HEAVY = "a long document, or a batch job"
+"""What the instances tell the flood from chats by (the class header stays at the gateway)."""
+BATCH_DEADLINE_S = 10.0
+"""A batch job's deadline: held past it, the job is answered (503), so the run ends soon
+after the flood does."""
 RUN_S = 50.0
 FLOOD_FROM_S, FLOOD_UNTIL_S = 5.0, 45.0
 
@@ -74,23 +82,23 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 
 def instance() -> Starlette:
-    """Answers chats (slower the more long documents it runs) and long documents."""
-    documents = 0
+    """Answers chats (slower the more heavy requests it runs) and heavy requests."""
+    heavy = 0
 
     async def metrics(_: Request) -> Response:
-        return vllm_metrics(waiting=0, running=documents)
+        return vllm_metrics(waiting=0, running=heavy)
 
     async def answer(request: Request) -> Response:
-        nonlocal documents
+        nonlocal heavy
         body = await request.json()
-        if body["messages"][0]["content"] != DOCUMENT:
-            await asyncio.sleep(CHAT_S + CHAT_S_PER_DOCUMENT * documents)
+        if body["messages"][0]["content"] != HEAVY:
+            await asyncio.sleep(CHAT_S + CHAT_S_PER_HEAVY * heavy)
             return chat_answer()
-        documents += 1
+        heavy += 1
         try:
-            await asyncio.sleep(DOCUMENT_S)
+            await asyncio.sleep(HEAVY_S)
         finally:
-            documents -= 1
+            heavy -= 1
         return chat_answer()
 
     return Starlette(
@@ -105,9 +113,18 @@ class Chat:
     met: bool
 
 
-async def test_a_flood_of_long_documents_lowers_their_ceiling_and_chats_recover(
-    kafka: Service, redis_server: Service
+FLOODS = {
+    TaskClass.LONG_DOCUMENT: {CLASS_HEADER: "long_document"},
+    TaskClass.BATCH: {CLASS_HEADER: "batch", DEADLINE_HEADER: str(BATCH_DEADLINE_S)},
+}
+
+
+@pytest.mark.parametrize("flooding", list(FLOODS), ids=lambda c: c.value)
+async def test_a_flood_lowers_its_class_ceiling_through_the_tables_and_chats_recover(
+    kafka: Service, redis_server: Service, flooding: TaskClass
 ) -> None:
+    """Long documents answer for late chats; batch work, when no long documents ran in
+    the window."""
     async with contextlib.AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(http_server(instance())) for _ in range(2)]
         fleet = fleet_for(urls)
@@ -126,21 +143,22 @@ async def test_a_flood_of_long_documents_lowers_their_ceiling_and_chats_recover(
             QuotaHost(bus, QuotaController(params), period_s=1.0).run(),
         ):
             await until_ready(front)
-            chats = await _traffic(front)
+            chats = await _traffic(front, FLOODS[flooding])
         published = [
             q for q in await read_for(bus, QUOTAS_TOPIC, 3.0) if isinstance(q, AdmissionQuotas)
         ]
-    limits = [limit for q in published if (limit := long_documents(q)) is not None]
+    limits = [limit for q in published if (limit := ceiling(q, flooding)) is not None]
     early = [_share_met(chats, t, t + 2.0) for t in range(int(FLOOD_FROM_S), 20)]
     late = _share_met(chats, FLOOD_UNTIL_S - 10.0, FLOOD_UNTIL_S)
-    print(f"long-document limits {limits}; chats met {early} (2 s windows), then {late:.2f}")
-    assert limits, "the controller published no quotas"
-    # where SLOMax starts (four per ready instance), or the controller's first step down
-    # from there when the flood reached the tables before its first pass did
-    assert limits[0] in (8, 6)
-    assert min(limits) <= 6  # lowered through the tables while chats missed
+    print(f"{flooding.value} limits {limits}; chats met {early} (2 s windows), then {late:.2f}")
+    assert limits, f"the controller published no {flooding.value} ceiling"
+    if flooding is TaskClass.LONG_DOCUMENT:
+        # where SLOMax starts (four per ready instance), or the controller's first step
+        # down from there when the flood reached the tables before its first pass did
+        assert limits[0] in (8, 4)
+    assert min(limits) <= 4  # lowered through the tables to two per instance at most
     assert min(early) < 0.5  # the flood made chats miss
-    assert late > 0.9  # and with fewer documents at once they met their objective again
+    assert late > 0.9  # and with fewer of the class at once they met their objective again
 
 
 @contextlib.asynccontextmanager
@@ -154,9 +172,9 @@ async def _running(*loops: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _traffic(front: Gateway) -> list[Chat]:
-    """Chats all along; long documents flooding in between ``FLOOD_FROM_S`` and
-    ``FLOOD_UNTIL_S``. The chats' outcomes, as their clients saw them."""
+async def _traffic(front: Gateway, flood_headers: dict[str, str]) -> list[Chat]:
+    """Chats all along; heavy requests (with ``flood_headers``) flooding in between
+    ``FLOOD_FROM_S`` and ``FLOOD_UNTIL_S``. The chats' outcomes, as their clients saw them."""
     start = time.monotonic()
     # a fresh connection per request: reusing one the server is closing for idleness
     # fails the request with a ReadError (uvicorn closes idle connections after 5 s)
@@ -168,12 +186,12 @@ async def _traffic(front: Gateway) -> list[Chat]:
         chats = [
             asyncio.create_task(_chat(http, start, at)) for at in _every(CHAT_EVERY_S, 0.0, RUN_S)
         ]
-        documents = [
-            asyncio.create_task(_document(http, start, at))
-            for at in _every(DOCUMENT_EVERY_S, FLOOD_FROM_S, FLOOD_UNTIL_S)
+        flood = [
+            asyncio.create_task(_heavy(http, start, at, flood_headers))
+            for at in _every(HEAVY_EVERY_S, FLOOD_FROM_S, FLOOD_UNTIL_S)
         ]
         outcomes = await asyncio.gather(*chats)
-        await asyncio.gather(*documents)
+        await asyncio.gather(*flood)
     return outcomes
 
 
@@ -193,8 +211,9 @@ async def _chat(http: httpx.AsyncClient, start: float, at_s: float) -> Chat:
     return Chat(at_s, response.status_code == 200 and time.monotonic() - sent <= CHAT_TTFT_S)
 
 
-async def _document(http: httpx.AsyncClient, start: float, at_s: float) -> None:
+async def _heavy(
+    http: httpx.AsyncClient, start: float, at_s: float, headers: dict[str, str]
+) -> None:
     await asyncio.sleep(max(0.0, start + at_s - time.monotonic()))
-    headers = {"x-tokenfleet-class": "long_document"}
-    response = await http.post("/v1/chat/completions", json=chat(DOCUMENT), headers=headers)
+    response = await http.post("/v1/chat/completions", json=chat(HEAVY), headers=headers)
     assert response.status_code in {200, 429, 503}

@@ -57,9 +57,13 @@ def capacity(dc: str, version: int, end: float) -> CapacityTable:
     )
 
 
-def quotas(dc: str, at: float, limit: int) -> AdmissionQuotas:
-    quota = ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=limit)
-    return AdmissionQuotas(scope=dc, version=int(at) + 1, issued_at=at, ttl_s=30, quotas=(quota,))
+def quotas(dc: str, at: float, limit: int, batch: int | None = None) -> AdmissionQuotas:
+    listed = [ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=limit)]
+    if batch is not None:
+        listed.append(ClassQuota(task_class=TaskClass.BATCH, max_concurrency=batch))
+    return AdmissionQuotas(
+        scope=dc, version=int(at) + 1, issued_at=at, ttl_s=30, quotas=tuple(listed)
+    )
 
 
 def weights(at: float, scope: str = "dc-a", **by_dc: float) -> RoutingWeights:
@@ -99,7 +103,7 @@ def test_the_state_holds_the_newest_tables_and_controls_of_each_dc() -> None:
         "kv_used": 0.75,
         "headroom": 0.5,
     }
-    assert (dc_b["weight"], dc_b["long_documents"]) == (0.8, 6)
+    assert (dc_b["weight"], dc_b["long_documents"], dc_b["batch"]) == (0.8, 6, None)
     assert (dc_a["replicas"], dc_b["replicas"]) == (None, {"m": 3})
     assert dc_b["controls_left_s"] == {"quotas": 10.0, "weights": 20.0}
 
@@ -144,13 +148,7 @@ def test_the_gauges_say_what_the_state_says() -> None:
     view.apply(capacity("dc-a", 1, 990.0))
     view.apply(weights(995.0, dc_a=0.64))
     view.apply(placement("dc-a", 995.0, replicas=2))
-    registry = CollectorRegistry()
-    registry.register(ViewMetrics(view))
-    samples = {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(generate_latest(registry).decode())
-        for sample in family.samples
-    }
+    samples = _samples(view)
     dc = (("dc", "dc-a"),)
     interactive = (("dc", "dc-a"), ("task_class", "interactive"))
     assert samples[("tokenfleet_controller_weight", dc)] == 0.64
@@ -161,6 +159,21 @@ def test_the_gauges_say_what_the_state_says() -> None:
     left = (("dc", "dc-a"), ("kind", "weights"))
     assert samples[("tokenfleet_controller_control_ttl_left_seconds", left)] == 25.0
     assert ("tokenfleet_controller_long_documents_limit", dc) not in samples  # no quotas yet
+    view.apply(quotas("dc-a", 995.0, limit=4, batch=12))
+    samples = _samples(view)
+    assert samples[("tokenfleet_controller_long_documents_limit", dc)] == 4
+    assert samples[("tokenfleet_controller_batch_limit", dc)] == 12
+
+
+def _samples(view: OperatorView) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The view's gauges as Prometheus scrapes them, by name and labels."""
+    registry = CollectorRegistry()
+    registry.register(ViewMetrics(view))
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
 
 
 def test_a_class_with_nothing_ended_in_the_window_is_left_out() -> None:

@@ -11,9 +11,11 @@ from control.controllers.slomax import (
     QuotaController,
     QuotaControllerParams,
     attainment,
+    ceiling,
     long_documents,
 )
 from schemas.base import TaskClass
+from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.tables import CapacityRow, CapacityTable, GoodputRow, GoodputTable
 
 LOWER, RAISE = QuotaControllerParams().lower_step, QuotaControllerParams().raise_step
@@ -65,7 +67,7 @@ def test_attainment_counts_failures_as_misses() -> None:
     assert attainment(row(TaskClass.BATCH, 0, 0)) == (1.0, 0)
 
 
-def capacity(ready: int, now: float = 60.0) -> CapacityTable:
+def capacity(ready: int, now: float = 60.0, running: int = 0) -> CapacityTable:
     row = CapacityRow(
         model="m",
         model_version="v1",
@@ -73,7 +75,7 @@ def capacity(ready: int, now: float = 60.0) -> CapacityTable:
         kv_blocks_total=100 * ready,
         kv_blocks_free=50 * ready,
         queued=0,
-        running=0,
+        running=running,
         inflight_tokens=0,
         prefill_tokens_per_s=0.0,
         decode_tokens_per_s=0.0,
@@ -97,17 +99,94 @@ def test_the_first_pass_publishes_where_slomax_starts_sized_by_the_ready_instanc
 
 def test_a_table_without_some_class_rows_is_judged_by_the_rows_it_has() -> None:
     """The schema lets a table leave classes out (the worker writes every class): a
-    controller must not fail on one, as it once did on the live path."""
+    controller must not fail on one, as it once did on the live path. Without long
+    documents in the window, late chats are not theirs to answer for: batch work is."""
     missing = table((100, 50))
     only_chats = missing.model_copy(update={"classes": missing.classes[:1]})
     controller = QuotaController()
-    first = controller.reconcile(only_chats, SIXTEEN, None, now=60.0)
+    first = controller.reconcile(table((100, 96)), SIXTEEN, None, now=60.0)
     assert first is not None
-    lowered = controller.reconcile(only_chats, SIXTEEN, first, now=120.0)
+    lowered = controller.reconcile(only_chats, capacity(16, running=100), first, now=120.0)
     assert lowered is not None
-    assert long_documents(lowered) < long_documents(first)  # chats late: fewer documents
+    assert long_documents(lowered) == long_documents(first)
+    assert batch(lowered) == 100 // LOWER  # from what ran
     no_chats = missing.model_copy(update={"classes": missing.classes[1:]})
     assert controller.reconcile(no_chats, SIXTEEN, first, now=120.0) is None
+
+
+def batch(quotas: AdmissionQuotas | None) -> int | None:
+    assert quotas is not None
+    return ceiling(quotas, TaskClass.BATCH)
+
+
+def published(documents: int, batch: int | None = None) -> AdmissionQuotas:
+    """Quotas published at 0 s with these ceilings."""
+    ceilings = [ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=documents)]
+    if batch is not None:
+        ceilings.append(ClassQuota(task_class=TaskClass.BATCH, max_concurrency=batch))
+    return AdmissionQuotas(scope="dc", version=1, issued_at=0.0, ttl_s=60.0, quotas=tuple(ceilings))
+
+
+def test_batch_work_is_held_back_only_where_no_long_documents_are_to_blame() -> None:
+    controller, late = QuotaController(), table((100, 50))
+    without_documents = late.model_copy(update={"classes": (late.classes[0], late.classes[2])})
+    quotas, limits = controller.reconcile(table((100, 96)), SIXTEEN, None, now=0.0), []
+    for n, window in enumerate([late] * 4 + [without_documents] * 3, start=1):
+        running = capacity(16, running=300)
+        quotas = controller.reconcile(window, running, quotas, now=15.0 * n) or quotas
+        limits.append((long_documents(quotas), batch(quotas)))
+    floor = round(QuotaControllerParams().min_per_instance * 16)
+    assert limits == [
+        (32, None),
+        (16, None),
+        (floor, None),
+        (floor, None),  # at their floor, documents still in the window: batch is spared
+        (floor, 300 // 2),  # the first batch ceiling: from what the fleet runs
+        (floor, 75),
+        (floor, 37),
+    ]
+    assert controller.reconcile(without_documents, SIXTEEN, quotas, now=110.0) is None  # soon
+    assert batch(controller.reconcile(without_documents, SIXTEEN, quotas, now=120.0)) == 18
+    lowered = controller.reconcile(without_documents, SIXTEEN, published(floor), now=60.0)
+    assert batch(lowered) == 32 * 16 // 2  # nothing runs: from the most it could be
+
+
+def test_with_room_to_spare_the_batch_ceiling_rises_then_lifts_before_documents_rise() -> None:
+    controller, room = QuotaController(), table((100, 100), (10, 10, 3))
+    quotas, limits = published(64, batch=100), []
+    assert controller.reconcile(room, SIXTEEN, quotas, now=30.0) is None  # rising waits longer
+    for n in range(1, 5):
+        quotas = controller.reconcile(room, SIXTEEN, quotas, now=60.0 * n) or quotas
+        limits.append((long_documents(quotas), batch(quotas)))
+    # doubled each pass, lifted past 32 per instance, and only then more documents
+    assert limits == [(64, 200), (64, 400), (64, None), (math.ceil(64 * RAISE), None)]
+
+
+def test_with_no_chats_to_judge_by_a_batch_ceiling_rises_and_lifts() -> None:
+    """A ceiling on batch protects chats: with too few of them in the window (a night of
+    batch alone), it has nothing to protect and must not stay."""
+    controller, few_chats = QuotaController(), table((10, 2))
+    raised = controller.reconcile(few_chats, SIXTEEN, published(8, batch=300), now=60.0)
+    assert batch(raised) is None  # 600, past 32 per instance
+    assert long_documents(raised) == 8  # documents rise only on chats with room to spare
+
+
+def test_ceilings_follow_the_ready_instances() -> None:
+    controller, late = QuotaController(), table((100, 50))
+    # 64 documents and a batch ceiling of 400 published for 16 instances; now 2 are ready
+    shrunk = controller.reconcile(table((100, 96)), capacity(2), published(64, 400), now=60.0)
+    assert (long_documents(shrunk), batch(shrunk)) == (16, 64)  # 8 and 32 per instance
+    # a limit of one (the floor on 2 instances), then 16 ready: their floor, chats late
+    grown = controller.reconcile(late, SIXTEEN, published(1), now=60.0)
+    assert long_documents(grown) == 8
+
+
+def test_long_documents_that_were_all_refused_do_not_spare_batch() -> None:
+    """Refused documents slowed no chat: late chats are then batch's to answer for."""
+    controller = QuotaController()
+    refused = table((100, 50), (0, 0, 12))
+    lowered = controller.reconcile(refused, capacity(16, running=300), published(64), now=60.0)
+    assert (long_documents(lowered), batch(lowered)) == (64, 150)
 
 
 def test_chats_missing_their_objective_lower_the_long_document_limit_one_step() -> None:
