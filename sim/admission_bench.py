@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from control.admission.registry import ADMISSIONS, make_admission
+from control.admission.registry import ABLATIONS, ADMISSIONS, make_admission
 from control.controllers.slomax import QuotaControllerParams
 from control.routing import make_router
 from schemas.base import TaskClass
@@ -53,6 +53,9 @@ STACKS = {"llmd_stack": ("llmd_default", "llmd_flow_control")}
 """Rows that change the router too: what a user would deploy instead, whole (router,
 admission)."""
 BENCHED = (*ADMISSIONS, *STACKS)
+"""What the benchmark runs unless told: every policy and the deployed alternative."""
+ABLATED = tuple(ABLATIONS)
+"""SLOMax with one part off each, which ``--policies`` also takes (an ablation)."""
 """Every row of the benchmark: each admission policy in front of the bench's router, and
 the stacks."""
 

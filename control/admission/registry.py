@@ -15,7 +15,7 @@ from control.admission.baselines import (
     VllmPriority,
 )
 from control.admission.request import AdmissionRequest
-from control.admission.slomax import SLOMax
+from control.admission.slomax import SLOMax, SLOMaxParams
 from control.admission.view import AdmissionDecision, AdmissionView
 from control.routing.snapshot import PoolModel
 
@@ -68,13 +68,36 @@ ADMISSIONS: dict[str, Callable[[PoolModel | None], Admission]] = {
 predict with it)."""
 
 
+SLOMAX_MECHANISMS = (
+    "class_pools",
+    "early_rejection",
+    "interactive_reservation",
+    "interference_bound",
+)
+"""SLOMax's switchable mechanisms (``SLOMaxParams``)."""
+
+
+def _slomax_without(mechanism: str) -> Callable[[PoolModel | None], Admission]:
+    name = f"slomax_without_{mechanism}"
+    return lambda _pool: SLOMax(SLOMaxParams(**{mechanism: False}), name=name)
+
+
+ABLATIONS: dict[str, Callable[[PoolModel | None], Admission]] = {
+    **{f"slomax_without_{m}": _slomax_without(m) for m in SLOMAX_MECHANISMS},
+    "slomax_without_controller": lambda _pool: SLOMax(name="slomax_without_controller"),
+}
+"""SLOMax with one part switched off, each under a name of its own, for the benchmark's
+ablation (``tokenfleet bench admission --policies``); gateways are offered the policies
+of ``ADMISSIONS`` alone. Without the controller, the limits stay where SLOMax starts."""
+
+
 def _needs(pool: PoolModel | None, name: str) -> PoolModel:
     if pool is None:
         raise ValueError(f"{name} needs the pool's step model (a PoolModel)")
     return pool
 
 
-CONTROLLED = frozenset({"slomax"})
+CONTROLLED = frozenset({"slomax", *(f"slomax_without_{m}" for m in SLOMAX_MECHANISMS)})
 """The policies whose quotas a controller adjusts from the goodput table (SLOMax's,
 ``control.controllers.slomax``); hosts run the loop beside them."""
 
@@ -83,8 +106,8 @@ def make_admission(name: str, pool: PoolModel | None = None) -> Admission:
     """The admission policy ``name``, or KeyError naming the known ones; ``pool`` describes
     the model pool to those that predict with it."""
     try:
-        build = ADMISSIONS[name]
+        build = (ADMISSIONS | ABLATIONS)[name]
     except KeyError:
-        known = ", ".join(sorted(ADMISSIONS))
+        known = ", ".join(sorted(ADMISSIONS | ABLATIONS))
         raise KeyError(f"unknown admission policy {name!r}; known: {known}") from None
     return build(pool)

@@ -20,7 +20,13 @@ from control.admission.baselines import (
     saturation,
 )
 from control.admission.pools import ClassPools, Waiting
-from control.admission.registry import make_admission
+from control.admission.registry import (
+    ABLATIONS,
+    ADMISSIONS,
+    CONTROLLED,
+    SLOMAX_MECHANISMS,
+    make_admission,
+)
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest, identify
 from control.admission.slomax import SLOMax, SLOMaxParams
 from control.admission.view import (
@@ -459,3 +465,21 @@ def test_mooncake_refuses_what_would_meet_a_decode_batch_too_slow_for_its_tbt_li
     crowded = view(now=15.0, predicted=(5.0, 6.0), inflight={CHAT: 22}, first_tokens=since)
     # 19 prefilling + 1 + itself = 21, 11 each: 0.12 s a token, over the 0.1 s limit
     assert conductor.decide(request(BATCH), crowded).reason == "predicted_tbt"
+
+
+def test_each_ablation_is_slomax_with_one_part_off() -> None:
+    """The benchmark's ablation: a name per mechanism, built with only that one switched
+    off, still driven by the controller; and one without the controller."""
+    for mechanism in SLOMAX_MECHANISMS:
+        name = f"slomax_without_{mechanism}"
+        policy = make_admission(name)
+        assert isinstance(policy, SLOMax)
+        assert policy.name == name
+        off = {m for m in SLOMAX_MECHANISMS if not getattr(policy.params, m)}
+        assert off == {mechanism}
+        assert name in CONTROLLED
+    static = make_admission("slomax_without_controller")
+    assert isinstance(static, SLOMax)
+    assert static.params == SLOMaxParams()
+    assert "slomax_without_controller" not in CONTROLLED
+    assert not set(ABLATIONS) & set(ADMISSIONS)  # not offered to gateways

@@ -234,7 +234,7 @@ def _known(names: Sequence[str], known: Iterable[str], what: str = "policies") -
 
 
 def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
-    from sim.admission_bench import ADMISSION_LADDER, BENCHED
+    from sim.admission_bench import ABLATED, ADMISSION_LADDER, BENCHED
 
     admission = sub.add_parser(
         "admission",
@@ -245,7 +245,7 @@ def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
         "compliance, waste and rejections per policy, pooled and per level and per class.",
     )
     admission.add_argument("--trace", default="mixed", help="default: mixed. " + trace_help())
-    _add_ladder_options(admission, ADMISSION_LADDER, BENCHED)
+    _add_ladder_options(admission, ADMISSION_LADDER, (*BENCHED, *ABLATED))
     admission.add_argument("--router", default="tokenpilot", help="the router behind every policy")
     admission.add_argument("--plot", type=Path, help="write goodput and compliance per level here")
     admission.add_argument(
@@ -266,6 +266,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
     from control.routing import ROUTERS
     from sim.admission_bench import (
+        ABLATED,
         BENCHED,
         bench_admission,
         plot_levels,
@@ -273,7 +274,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
         step_change,
     )
 
-    policies = _known(args.policies or list(BENCHED), BENCHED, "admission policies")
+    policies = _known(args.policies or list(BENCHED), (*BENCHED, *ABLATED), "admission policies")
     _known([args.router], ROUTERS, "routers")
     with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
