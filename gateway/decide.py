@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from control.admission.rate_quota import bucket_draw
 from control.admission.registry import Admission
 from control.controllers.fleetmind import weights_of
 from control.fleet.fleetmind import FleetMind
@@ -40,7 +41,7 @@ from gateway.journal import Journals
 from gateway.metrics import GatewayMetrics
 from gateway.state import SharedState, SharedView
 from schemas.base import TaskClass
-from schemas.control import AdmissionQuotas, ClassQuota, RoutingWeights
+from schemas.control import AdmissionQuotas, RoutingWeights
 from schemas.fleet import TenantConfig
 from schemas.lifecycle import RejectReason
 from schemas.objectives import Objectives
@@ -126,12 +127,14 @@ class Decider:
         """Take the request's tokens from its quota's bucket; ApiError(429) if empty."""
         quotas = self.quotas.current(self.local_dc)
         self.metrics.control_defaults.labels("quotas").set(quotas is None)
-        quota = _quota_for(quotas, inbound) if quotas else None
-        if quota is None or quota.tokens_per_s is None or quota.burst_tokens is None:
+        tokens = inbound.input_tokens + inbound.output_budget
+        draw = None
+        if quotas is not None:
+            tenant = inbound.tenant.name
+            draw = bucket_draw(quotas, self.local_dc, inbound.task_class, tenant, tokens)
+        if draw is None:
             return
-        amount = min(inbound.input_tokens + inbound.output_budget, quota.burst_tokens)
-        bucket = f"{self.local_dc}:{quota.task_class.value}:{quota.tenant or '*'}"
-        wait = await self.state.take(bucket, quota.tokens_per_s, quota.burst_tokens, amount)
+        wait = await self.state.take(draw.bucket, draw.rate_per_s, draw.burst_tokens, draw.tokens)
         if wait > 0:
             raise ApiError(
                 429,
@@ -343,11 +346,3 @@ class Decider:
 
 def _none_ready(pool: Pool) -> ApiError:
     return ApiError(503, f"No instance of `{pool.model}` is ready in {pool.dc}.")
-
-
-def _quota_for(quotas: AdmissionQuotas, inbound: Inbound) -> ClassQuota | None:
-    """The tenant's own quota for the class, else the class-wide one."""
-    fits = [q for q in quotas.quotas if q.task_class == inbound.task_class]
-    return next((q for q in fits if q.tenant == inbound.tenant.name), None) or next(
-        (q for q in fits if q.tenant is None), None
-    )
