@@ -105,6 +105,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
         settings.name,
         settings.event_buffer,
         on_drop=lambda reason, count: metrics.events_dropped.labels(reason).inc(count),
+        on_published=metrics.count_published,
     )
     journals = None
     if settings.journal or settings.journal_file is not None:

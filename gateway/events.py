@@ -27,12 +27,17 @@ class EventSink:
         batch: int = 512,
         retry_s: float = 0.5,
         on_drop: Callable[[str, int], None] = lambda reason, count: None,
+        on_published: Callable[[list[Envelope]], None] = lambda batch: None,
     ) -> None:
+        """``on_drop``: told the reason and count of events given up; ``on_published``:
+        told each batch the bus has taken, so the events a gateway published can be
+        checked against what is on the topics."""
         self.bus = bus
         self.source = source
         self.batch = batch
         self.retry_s = retry_s
         self._on_drop = on_drop
+        self._on_published = on_published
         self._queue: asyncio.Queue[Envelope] = asyncio.Queue(capacity)
 
     @property
@@ -65,11 +70,14 @@ class EventSink:
         except Exception as exc:  # shutting down: count, never raise
             log.warning("dropping %d events at shutdown: %s", len(batch), exc)
             self._on_drop("shutdown", len(batch))
+        else:
+            self._on_published(batch)
 
     async def _publish(self, batch: list[Envelope]) -> None:
         while True:
             try:
                 await self.bus.publish_events(batch)
+                self._on_published(batch)
                 return
             except asyncio.CancelledError:
                 raise

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from schemas import Envelope
 
 _ADDED_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
@@ -65,6 +70,12 @@ class GatewayMetrics:
             ("reason",),
             registry=r,
         )
+        self.events_published = Counter(
+            "tokenfleet_gateway_events_published",
+            "Lifecycle events the bus has taken, by type (the schema name).",
+            ("event",),
+            registry=r,
+        )
         self.events_queued = Gauge(
             "tokenfleet_gateway_events_queued",
             "Lifecycle events waiting for the bus.",
@@ -109,3 +120,9 @@ class GatewayMetrics:
             ("task_class", "met"),
             registry=r,
         )
+
+    def count_published(self, batch: Iterable[Envelope]) -> None:
+        """Count a batch of lifecycle events the bus has taken, by type."""
+        types = collections.Counter(envelope.payload.schema_name for envelope in batch)
+        for event, count in types.items():
+            self.events_published.labels(event).inc(count)

@@ -1,8 +1,9 @@
 """The whole control plane as ``tokenfleet up`` deploys it, one process per part, on a
 real broker and a real Redis server: traffic through the edge closes the loop (events,
 tables, controllers, gateways), survives a broker restart without losing a lifecycle
-event, sends fewer chats to an overloaded DC, falls back when a DC goes away, and keeps a
-silent controller's last controls until their TTL, then the safe defaults."""
+event (by ``event_id``, against what the gateways count as published), sends fewer chats
+to an overloaded DC, falls back when a DC goes away, and keeps a silent controller's last
+controls until their TTL, then the safe defaults."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import re
 import time
 import uuid
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ from schemas.control import ControlSnapshot, PlacementRecommendation
 from schemas.fleet import load_fleet
 from schemas.lifecycle import RequestArrived, RequestCompleted
 from schemas.openai_api import REQUEST_ID_HEADER
-from schemas.topics import JOURNAL_TOPIC
+from schemas.topics import JOURNAL_TOPIC, topic
 from streams.kafka import KafkaBus, create_topics
 from tests.conftest import read_for, run_in_thread
 from tests.gateway_harness import scraped
@@ -60,6 +62,11 @@ there shares steps of about 0.18 s."""
 OVERLOAD_S = 16.0
 """How long the overload of the edge's own DC lasts; its second half is judged."""
 ON_DEFAULTS = "tokenfleet_gateway_control_defaults"
+EVENTS_PUBLISHED = "tokenfleet_gateway_events_published_total"
+LIFECYCLE_TOPICS = ("tf.requests", "tf.completions", "tf.cancellations")
+LIFECYCLE_TYPES = tuple(
+    message.schema_name for name in LIFECYCLE_TOPICS for message in topic(name).messages
+)
 
 
 @dataclass
@@ -71,6 +78,8 @@ class Deployed:
     dcs: list[str]
     instances: dict[str, list[str]]
     """The URLs of each DC's instances (those not on standby)."""
+    gateways: list[str]
+    """Every DC's gateway, the edge's included."""
 
     @property
     def bootstrap(self) -> str:
@@ -100,8 +109,15 @@ def deployed(own_broker: LocalKafka, redis_server: Service, tmp_path: Path) -> I
             dc: [str(i.url).rstrip("/") for i in fleet.local_instances(dc) if not i.standby]
             for dc in dcs
         }
+        gateways = [url for name, url in urls.items() if name.startswith("gateway-")]
         yield Deployed(
-            urls["gateway-dc-a"], urls["controller"], own_broker, deployment, dcs, instances
+            urls["gateway-dc-a"],
+            urls["controller"],
+            own_broker,
+            deployment,
+            dcs,
+            instances,
+            gateways,
         )
     finally:
         _print_logs(deployment, parts)
@@ -233,6 +249,7 @@ async def test_the_deployed_loop_closes_and_survives_a_broker_restart_a_lost_dc_
             await asyncio.sleep(0.5)
         print(f"safe defaults {time.monotonic() - silent:.1f} s after the controller stopped")
     await _every_answer_has_its_lifecycle_events(deployed.bootstrap, traffic)
+    await _every_event_published_is_on_its_topic(deployed)
     await _every_journaled_decision_is_made_again(deployed.bootstrap)
     await _placements_were_published_for_the_dc_with_a_standby_server(deployed.bootstrap)
 
@@ -292,6 +309,31 @@ async def _overloading(instances: list[str]) -> AsyncIterator[None]:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _every_event_published_is_on_its_topic(deployed: Deployed) -> None:
+    """The broker's restart lost none of the lifecycle events the gateways' producers say
+    it took, counted by type and by ``event_id`` (a batch sent again after the restart
+    may be there twice: consumers deduplicate on the id), and the gateways gave none up."""
+    published: Counter[str] = Counter()
+    for url in deployed.gateways:
+        assert await scraped(url, "tokenfleet_gateway_events_dropped_total") == 0, url
+        for name in LIFECYCLE_TYPES:
+            published[name] += int(await scraped(url, EVENTS_PUBLISHED, event=name))
+    ids: dict[str, set[str]] = defaultdict(set)
+    bus = KafkaBus(deployed.bootstrap, source="test")
+    try:
+        for topic in LIFECYCLE_TOPICS:
+            envelopes, undecodable = await bus.read_all(topic)
+            assert undecodable == 0
+            for envelope in envelopes:
+                ids[envelope.payload.schema_name].add(envelope.event_id)
+    finally:
+        await bus.close()
+    on_topics = {name: len(ids[name]) for name in published}
+    print(f"lifecycle events published {dict(published)}; on the topics {on_topics}")
+    assert published["tf.request.completed"] > 0
+    assert all(on_topics[name] >= count for name, count in published.items()), on_topics
 
 
 async def _placements_were_published_for_the_dc_with_a_standby_server(bootstrap: str) -> None:

@@ -52,6 +52,11 @@ async def test_a_requests_events_arrive_in_order_with_the_decisions_reasons(
                 _ = [line async for line in response.aiter_lines()]
             seen = await _events_of(requests, request_id, 3)
             done = await _events_of(completions, request_id, 1)
+            published = {
+                p.schema_name: await scraped(front.url, PUBLISHED, event=p.schema_name)
+                for p in (*seen, *done)
+            }
+            other = await scraped(front.url, PUBLISHED) - sum(published.values())
     finally:
         await bus.close()
     assert [type(p) for p in seen] == [RequestArrived, RequestRouted, FirstToken]
@@ -62,6 +67,12 @@ async def test_a_requests_events_arrive_in_order_with_the_decisions_reasons(
     assert all("queue_s" in c.parts and "prefill_s" in c.parts for c in routed.candidates)
     assert isinstance(done[0], RequestCompleted)
     assert done[0].instance_id == routed.instance_id
+    # counted by type once the bus took them (a readiness probe's request made none)
+    assert published == dict.fromkeys(published, 1.0)
+    assert other == 0
+
+
+PUBLISHED = "tokenfleet_gateway_events_published_total"
 
 
 async def _events_of(events, request_id: str, count: int) -> list:
