@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from control.controllers.fleetmind import weight_for
-from control.controllers.slomax import long_documents
+from control.controllers.slomax import ceiling, long_documents
 from schemas.base import TaskClass
 from schemas.objectives import DEFAULT_OBJECTIVES
 from sim.fleet_bench import (
@@ -36,6 +36,7 @@ from sim.fleet_bench import (
 )
 from sim.fleet_sim import FleetSimulation
 from sim.metrics import met_objective
+from sim.records import RequestRecord
 
 PROFILE = "llama3-70b-4xh100"
 LIVE_EVERY_S = 30
@@ -79,8 +80,9 @@ def run_demo(
 
 
 def _live_view(say: Say) -> Callable[[FleetSimulation], None]:
-    """Every ``LIVE_EVERY_S``: each DC's replicas ready of those placed, running and
-    queued requests, weight and limit on long documents, and the goodput so far."""
+    """Every ``LIVE_EVERY_S``: the goodput so far, fleet-wide and per class; then per DC
+    its replicas ready of those placed, running and queued requests, weight for the
+    hotspot's chats, SLOMax's ceilings (long documents, batch) and its goodput per class."""
 
     def view(simulation: FleetSimulation) -> None:
         at = round(simulation.now)
@@ -90,23 +92,34 @@ def _live_view(say: Say) -> Callable[[FleetSimulation], None]:
         if at > END_S and not any(load.running or load.queued for load in latest):
             return  # the arrivals are over and the DCs idle: only clients' timers are left
         weights = simulation.weights_now(HOTSPOT_REGION)
-        parts = []
+        lines = []
         for site, dc in zip(simulation.layout.sites, simulation.simulations, strict=True):
             load = simulation.tables[-1][site.name]
             quotas = dc.control.quotas if dc.control else None
             limit = long_documents(quotas) if quotas else None
+            batch = ceiling(quotas, TaskClass.BATCH) if quotas else None
             chats = weight_for(weights, site.name, TaskClass.INTERACTIVE) or 1.0
-            parts.append(
-                f"{site.name} {load.ready_instances}/{load.deployed} up {load.running:>3} run "
-                f"{load.queued:>3} queued w {chats:.2f} "
-                f"docs<={limit if limit else '-'}"
+            lines.append(
+                f"  {site.name:<5} {load.ready_instances}/{load.deployed} up "
+                f"{load.running:>4} run {load.queued:>4} queued  w {chats:.2f}  "
+                f"docs<={limit or '-':<3} batch<={batch or '-':<4} "
+                f"goodput {_by_class(dc.records, at)}"
             )
         records = [r for dc in simulation.simulations for r in dc.records]
-        met = sum(r.output_tokens for r in records if met_objective(r, DEFAULT_OBJECTIVES))
-        rate = met / max(at, 1)
-        say(f"t={at:>4}s | " + " | ".join(parts) + f" | goodput so far {rate:,.0f} tok/s")
+        say(f"t={at:>4}s goodput so far {_by_class(records, at)}\n" + "\n".join(lines))
 
     return view
+
+
+def _by_class(records: list[RequestRecord], at: int) -> str:
+    """Tokens per second so far of ``records`` that met their objective: all, and by class."""
+    met = [r for r in records if met_objective(r, DEFAULT_OBJECTIVES)]
+    rates = {
+        c: sum(r.output_tokens for r in met if r.task_class == c.value) / max(at, 1)
+        for c in TaskClass
+    }
+    each = ", ".join(f"{c.value} {rate:,.0f}" for c, rate in rates.items())
+    return f"{sum(rates.values()):,.0f} tok/s ({each})"
 
 
 def report(document: dict[str, Any]) -> list[str]:
