@@ -53,11 +53,10 @@ STACKS = {"llmd_stack": ("llmd_default", "llmd_flow_control")}
 """Rows that change the router too: what a user would deploy instead, whole (router,
 admission)."""
 BENCHED = (*ADMISSIONS, *STACKS)
-"""What the benchmark runs unless told: every policy and the deployed alternative."""
-ABLATED = tuple(ABLATIONS)
-"""SLOMax with one part off each, which ``--policies`` also takes (an ablation)."""
 """Every row of the benchmark: each admission policy in front of the bench's router, and
 the stacks."""
+ABLATED = tuple(ABLATIONS)
+"""SLOMax with one part off each, which ``--policies`` also takes (an ablation)."""
 
 ADMISSION_LADDER = (0.8, 1.0, 1.2, 1.5, 2.0)
 """Past capacity, to where the engines' own queues (``fcfs``) leave about two requests in

@@ -97,7 +97,7 @@ def _needs(pool: PoolModel | None, name: str) -> PoolModel:
     return pool
 
 
-CONTROLLED = frozenset({"slomax", *(f"slomax_without_{m}" for m in SLOMAX_MECHANISMS)})
+CONTROLLED = frozenset({"slomax", *ABLATIONS} - {"slomax_without_controller"})
 """The policies whose quotas a controller adjusts from the goodput table (SLOMax's,
 ``control.controllers.slomax``); hosts run the loop beside them."""
 

@@ -10,9 +10,8 @@ to spare and the limit turns long documents away (refused, or held until too lat
 rises. Second, how much batch work may run at once: while chats miss and no long
 documents are in the window, a batch ceiling appears and falls; with room to spare it
 rises again, and is lifted past ``batch_lifted_per_instance``, before the long-document
-limit rises. Each pass moves one
-bounded step, not at all inside the hysteresis band or on a window with too few outcomes
-to judge, and it publishes only a change.
+limit rises. Each pass moves one bounded step, not at all inside the hysteresis band or on
+a window with too few outcomes to judge, and it publishes only a change.
 """
 
 from __future__ import annotations
@@ -180,7 +179,7 @@ class QuotaController:
         on seed 1, 21,409 against 21,398."""
         p = self.params
         docs = self._bounded(published.long_documents, instances)
-        most = math.floor(p.batch_lifted_per_instance * instances)
+        most = self._most_batch(instances)
         batch = (
             None
             if published.batch is None
@@ -219,11 +218,15 @@ class QuotaController:
     def _lower_batch(self, published: int | None, capacity: CapacityTable, instances: int) -> int:
         """One step down from the batch ceiling; without one, from what runs now (at most
         ``batch_lifted_per_instance`` each)."""
-        p = self.params
-        most = math.floor(p.batch_lifted_per_instance * instances)
+        most = self._most_batch(instances)
         running = sum(row.running for row in capacity.rows)
         start = published if published is not None else min(running, most) or most
-        return max(self._floor(instances), min(start - 1, math.floor(start / p.lower_step)))
+        step = math.floor(start / self.params.lower_step)
+        return max(self._floor(instances), min(start - 1, step))
+
+    def _most_batch(self, instances: int) -> int:
+        """The batch ceiling past which it is lifted on ``instances``."""
+        return math.floor(self.params.batch_lifted_per_instance * instances)
 
     def _quotas(
         self, dc: str, desired: Ceilings, current: AdmissionQuotas | None, now: float

@@ -30,6 +30,7 @@ from schemas.topics import JOURNAL_TOPIC, topic
 from streams.kafka import KafkaBus, create_topics
 from tests.conftest import read_for, run_in_thread
 from tests.gateway_harness import scraped
+from tests.integration.test_closed_loop import _running
 from tests.services import Service
 from tokenfleet.audit import audit_journal, journals_in
 from tokenfleet.deployment import Deployment, Part, plan
@@ -298,17 +299,9 @@ async def _overloading(instances: list[str]) -> AsyncIterator[None]:
                 await asyncio.sleep(0.1)
 
     async with httpx.AsyncClient(timeout=120) as http:
-        tasks = [
-            asyncio.create_task(keep_one(http, url))
-            for url in instances
-            for _ in range(OVERLOAD_IN_FLIGHT)
-        ]
-        try:
+        loops = [keep_one(http, url) for url in instances for _ in range(OVERLOAD_IN_FLIGHT)]
+        async with _running(*loops):
             yield
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _every_event_published_is_on_its_topic(deployed: Deployed) -> None:
