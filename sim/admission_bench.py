@@ -58,10 +58,11 @@ the stacks."""
 ABLATED = tuple(ABLATIONS)
 """SLOMax with one part off each, which ``--policies`` also takes (an ablation)."""
 
-ADMISSION_LADDER = (0.8, 1.0, 1.2, 1.5, 2.0)
-"""Past capacity, to where the engines' own queues (``fcfs``) leave about two requests in
-three meeting their objective (0.69 at 2.0 x on the mixed workload's first 3,000
-requests at 16 instances)."""
+ADMISSION_LADDER = (0.8, 1.0, 1.1, 1.2, 1.5, 2.0)
+"""Past capacity, with a level where the engines' own queues (``fcfs``) leave about two
+requests in three meeting their objective, as the issue asks: on the whole mixed workload
+at 16 instances fcfs meets 70.5 % of arrivals at 1.1 x, between 78.3 % at 1.0 x and
+60.3 % at 1.2 x."""
 ATTAINMENT = 0.9
 Progress = Callable[[str], None]
 

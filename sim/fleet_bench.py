@@ -242,9 +242,16 @@ def bench_fleet(
         "end_s": END_S,
         "levels": {"base": BASE_LEVEL, "hotspot": HOTSPOT_LEVEL, "local": LOCAL_LEVEL},
         "resident_share": RESIDENT_SHARE,
+        "offered_tok_s": offered_tok_s(case.requests, END_S),
         "policies": {name: results[name][0] for name in names},
         "series": {name: results[name][1] for name in names},
     }
+
+
+def offered_tok_s(requests: Sequence[TraceRequest], window_s: float) -> float:
+    """The goodput if every arrival met its objective: the most any DC policy can make of
+    the scenario, and so what bounds its ratio to ``local_only``'s."""
+    return sum(r.output_tokens for r in requests) / window_s
 
 
 def fleet_figures(

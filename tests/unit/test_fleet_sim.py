@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from control.fleet.registry import DC_POLICIES, make_dc_policy
-from sim.fleet_bench import mismatch, paced
+from sim.fleet_bench import mismatch, offered_tok_s, paced, region_figures
 from sim.fleet_sim import FleetLayout, FleetSimulation, PublishedLoad, Site
 from sim.profiles import profile
 from sim.workload import TraceRequest
@@ -75,6 +75,8 @@ def test_fleetmind_spills_a_hotspot_but_never_a_resident_or_restricted_request()
     placed = {c.request.request_id: c.chosen for c in simulation.choices if c.chosen}
     assert all(placed[r.request_id] == "dc-b" for r in bound + restricted if r.request_id in placed)
     assert sum(dc == "dc-d" for dc in placed.values()) > 50  # the unbound overflow
+    made = region_figures(simulation.records, 10.0)["goodput_tok_s"]  # type: ignore[attr-defined]
+    assert 0 < made <= offered_tok_s(bound + restricted + free, 10.0)  # retries count once
 
 
 @pytest.mark.parametrize("policy", sorted(DC_POLICIES))

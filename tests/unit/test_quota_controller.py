@@ -18,7 +18,8 @@ from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.tables import CapacityRow, CapacityTable, GoodputRow, GoodputTable
 
-LOWER, RAISE = QuotaControllerParams().lower_step, QuotaControllerParams().raise_step
+DEFAULTS = QuotaControllerParams()
+LOWER, MILD, RAISE = DEFAULTS.lower_step, DEFAULTS.mild_lower_step, DEFAULTS.raise_step
 
 
 def row(task_class: TaskClass, completed: int, met: int, failures: int = 0) -> GoodputRow:
@@ -192,11 +193,24 @@ def test_long_documents_that_were_all_refused_do_not_spare_batch() -> None:
 def test_chats_missing_their_objective_lower_the_long_document_limit_one_step() -> None:
     controller = QuotaController()
     first = controller.reconcile(table((100, 96)), SIXTEEN, None, now=60.0)
-    assert controller.reconcile(table((100, 90)), SIXTEEN, first, now=70.0) is None  # too soon
-    lowered = controller.reconcile(table((100, 90)), SIXTEEN, first, now=75.0)
+    assert controller.reconcile(table((100, 80)), SIXTEEN, first, now=70.0) is None  # too soon
+    lowered = controller.reconcile(table((100, 80)), SIXTEEN, first, now=75.0)
     assert lowered is not None
     assert lowered.version == 2
     assert long_documents(lowered) == math.floor(START * 16 / LOWER)
+
+
+def test_the_fall_is_steeper_the_further_chats_are_from_their_target() -> None:
+    """Just under the target a ceiling eases down; far under it, it halves."""
+    controller, params = QuotaController(), QuotaControllerParams()
+    assert params.severe_below < 0.92 < params.interactive_target
+    just_under = controller.reconcile(table((100, 92)), SIXTEEN, published(64), now=60.0)
+    far_under = controller.reconcile(table((100, 85)), SIXTEEN, published(64), now=60.0)
+    assert long_documents(just_under) == math.floor(64 / MILD)  # 51
+    assert long_documents(far_under) == 64 // LOWER  # 32
+    batch_only = table((100, 92), (0, 0))
+    eased = controller.reconcile(batch_only, SIXTEEN, published(8, batch=100), now=60.0)
+    assert batch(eased) == math.floor(100 / MILD)
 
 
 def test_chats_with_room_to_spare_let_more_long_documents_in_when_the_limit_turned_some_away() -> (
