@@ -267,11 +267,11 @@ def step_change(
         for r in workload
     ]
     loop = QuotaLoop()
-    router = make_router("tokenpilot", seed, chosen.pool_model())
+    pool = chosen.pool_model()
     simulation = Simulation(
         Cluster.single(chosen, instances),
-        router,
-        admission=make_admission("slomax"),
+        make_router("tokenpilot", seed, pool),
+        admission=make_admission("slomax", pool),
         clients=ClientModel(seed=seed),
         control=loop,
     )

@@ -23,7 +23,10 @@ class InstanceProfile:
 
     def pool_model(self) -> PoolModel:
         """What routers may know of a pool of these instances."""
-        return PoolModel(self.step_time, self.engine.block_size, self.engine.max_num_batched_tokens)
+        engine = self.engine
+        return PoolModel(
+            self.step_time, engine.block_size, engine.max_num_batched_tokens, engine.max_num_seqs
+        )
 
 
 @dataclass(frozen=True)

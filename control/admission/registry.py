@@ -58,7 +58,7 @@ class Admission(Protocol):
 ADMISSIONS: dict[str, Callable[[PoolModel | None], Admission]] = {
     "fcfs": lambda _pool: Fcfs(),
     "vllm_priority": lambda _pool: VllmPriority(),
-    "slomax": lambda _pool: SLOMax(),
+    "slomax": lambda pool: SLOMax(pool=pool),
     "dynamo_router_queue": lambda _pool: DynamoRouterQueue(),
     "llmd_flow_control": lambda _pool: LlmdFlowControl(),
     "litellm_priority": lambda _pool: LitellmPriority(),
@@ -79,12 +79,12 @@ SLOMAX_MECHANISMS = (
 
 def _slomax_without(mechanism: str) -> Callable[[PoolModel | None], Admission]:
     name = f"slomax_without_{mechanism}"
-    return lambda _pool: SLOMax(SLOMaxParams(**{mechanism: False}), name=name)
+    return lambda pool: SLOMax(SLOMaxParams(**{mechanism: False}), name=name, pool=pool)
 
 
 ABLATIONS: dict[str, Callable[[PoolModel | None], Admission]] = {
     **{f"slomax_without_{m}": _slomax_without(m) for m in SLOMAX_MECHANISMS},
-    "slomax_without_controller": lambda _pool: SLOMax(name="slomax_without_controller"),
+    "slomax_without_controller": lambda pool: SLOMax(name="slomax_without_controller", pool=pool),
 }
 """SLOMax with one part switched off, each under a name of its own, for the benchmark's
 ablation (``tokenfleet bench admission --policies``); gateways are offered the policies

@@ -20,7 +20,7 @@ from control.admission.view import AdmissionDecision, AdmissionView, Verdict
 
 if TYPE_CHECKING:
     from control.admission.registry import EngineScheduling
-from control.routing.snapshot import BoolArray
+from control.routing.snapshot import BoolArray, PoolModel
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
 from schemas.objectives import ClassObjective
@@ -35,8 +35,9 @@ class SLOMaxParams:
     misses its class objective, or that would start after its deadline."""
     interactive_reservation: bool = True
     """Start long documents and batch work only while the fleet's KV use leaves
-    ``reserved_kv_share`` free for interactive traffic, and batch work only on instances
-    with nothing waiting."""
+    ``reserved_kv_share`` free for interactive traffic, only on instances whose running
+    and waiting sequences leave the same share of the engine's ``max_num_seqs`` (where
+    the pool's model is known), and batch work only on instances with nothing waiting."""
     interference_bound: bool = True
     """At most ``long_prefill_cap_tokens`` of prompt pending prefill on an instance that
     takes a long prompt, so a long document's prefill never stacks on another's."""
@@ -64,6 +65,8 @@ class SLOMaxParams:
 class SLOMax:
     params: SLOMaxParams = SLOMaxParams()
     name: str = "slomax"
+    pool: PoolModel | None = None
+    """The pool's engine limits (its ``max_num_seqs``); None: sequences are not reserved."""
     wants_prediction: bool = True
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
@@ -121,6 +124,8 @@ class SLOMax:
             reserved = p.reserved_kv_share if interactive is None else interactive.reserved_share
             if task_class is TaskClass.BATCH:  # batch fills what the others leave idle
                 allowed &= fleet.waiting == 0
+            if self.pool is not None:
+                allowed &= fleet.running + fleet.waiting < (1 - reserved) * self.pool.max_num_seqs
             if view.kv_use() >= 1 - reserved or not allowed.any():
                 return "reservation", allowed
         if p.interference_bound and request.input_tokens >= LONG_DOCUMENT_TOKENS:

@@ -54,15 +54,16 @@ from schemas.objectives import ClassObjective
 CHAT, DOC, BATCH = TaskClass.INTERACTIVE, TaskClass.LONG_DOCUMENT, TaskClass.BATCH
 
 
-def fleet(waiting=(0, 0), kv_used=(0, 0), pending=(0, 0), ready=None) -> FleetSnapshot:
+def fleet(
+    waiting=(0, 0), kv_used=(0, 0), pending=(0, 0), ready=None, running=(0, 0)
+) -> FleetSnapshot:
     size = len(waiting)
-    zeros = np.zeros(size, dtype=np.int64)
     return FleetSnapshot(
         tuple(f"i{n}" for n in range(size)),
         np.ones(size, dtype=bool) if ready is None else np.array(ready),
         np.array(waiting, dtype=np.int64),
-        zeros,
-        zeros,
+        np.array(running, dtype=np.int64),
+        np.zeros(size, dtype=np.int64),
         np.array(kv_used, dtype=np.int64),
         np.full(size, 100, dtype=np.int64),
         np.array(pending, dtype=np.float64),
@@ -131,6 +132,18 @@ def test_lower_classes_wait_once_the_fleet_eats_into_the_interactive_reserve() -
     )
     reserved = view(calm, quotas={CHAT: quota})
     assert SLOMax().decide(request(DOC, tokens=20_000), reserved).reason == "reservation"
+
+
+def test_lower_classes_leave_the_interactive_share_of_the_engines_sequences() -> None:
+    """On an instance whose running and waiting sequences reach all but the reserved
+    share (15 %) of its ``max_num_seqs``, only chats start."""
+    slomax = SLOMax(pool=PoolModel(KneeRoofline(0.01, 0.0, 0, 0.0, 0.0), max_num_seqs=100))
+    crowded = fleet(running=(85, 84), waiting=(0, 0))
+    assert allowed(slomax.decide(request(DOC, tokens=20_000), view(crowded))) == [False, True]
+    assert slomax.decide(request(CHAT), view(crowded)).verdict is Verdict.DISPATCH
+    full = fleet(running=(80, 84), waiting=(5, 1))
+    assert slomax.decide(request(DOC, tokens=20_000), view(full)).reason == "reservation"
+    assert SLOMax().decide(request(DOC, tokens=20_000), view(full)).verdict is Verdict.DISPATCH
 
 
 def test_a_long_prompt_never_stacks_on_another_long_prefill() -> None:
