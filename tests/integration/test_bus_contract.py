@@ -118,15 +118,22 @@ async def test_read_all_gives_every_decodable_event_to_the_end_and_counts_the_re
     assert undecodable >= 1
 
 
-async def test_undecodable_records_go_to_the_dead_letter_topic(bus: EventBus) -> None:
+async def test_undecodable_records_go_to_the_dead_letter_topic(
+    bus: EventBus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The consumer keeps going, and the operator's log names the record and why."""
     run = uuid.uuid4().hex
     key = f"{run}-k"  # one key, so the bad record is read before the good one
     garbage = b'{"schema": "tf.request.admitted/1", "payload": {"queue": 3}}'
     await bus.publish("tf.requests", key, garbage)
     await bus.publish_event(_admitted(key, "q"))
-    async with bus.subscribe("tf.requests") as events:
-        received = await _collect(events, _ours(run), 1)
+    with caplog.at_level("WARNING", logger="streams.bus"):
+        async with bus.subscribe("tf.requests") as events:
+            received = await _collect(events, _ours(run), 1)
     assert [e.envelope.payload.queue for e in received] == ["q"]
+    [logged] = [r.getMessage() for r in caplog.records if r.name == "streams.bus"]
+    assert logged.startswith("undecodable record tf.requests[")
+    assert "payload.request_id: Field required" in logged
 
     def our_letter(event: Received) -> bool:
         return isinstance(event.envelope.payload, DeadLetter) and event.envelope.payload.key == key
