@@ -47,6 +47,13 @@ class ModelConfig(Frozen):
         "figure, as Google Cloud's maxRatePerInstance): the edge prices a DC's load as its "
         "requests in flight and sent lately against it (unset: by the DC's queues).",
     )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        description="The sequences each instance runs at once (the engines' "
+        "`--max-num-seqs`): SLOMax keeps the interactive reserve of them free of long "
+        "documents and batch (unset: it reserves KV alone).",
+    )
 
 
 class InstanceConfig(Frozen):

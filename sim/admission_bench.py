@@ -307,7 +307,10 @@ def plot_step_change(result: Mapping[str, Any], path: Path) -> None:
         ("long_document_compliance", "long_document"),
     ):
         attained.plot(times, [p[key] for p in passes], label=label)
-    attained.axhline(QuotaControllerParams().interactive_target, color="grey", linestyle=":")
+    aim = QuotaControllerParams().interactive_target
+    attained.axhline(
+        aim, color="grey", linestyle=":", label=f"chats: the controller's aim ({aim:.0%})"
+    )
     attained.set_ylabel("met their objective (60 s window)")
     attained.set_xlabel("simulated time (s)")
     attained.legend(fontsize=8)

@@ -416,4 +416,7 @@ def _plot_weights(axis: Any, document: Mapping[str, Any], name: str) -> None:
     axis.set_title(f"{name}: weights for A's requests", fontsize=9)
     axis.set_xlabel("seconds")
     axis.set_ylabel("weight", fontsize=8)
-    axis.legend(fontsize=7)
+    if keys:
+        axis.legend(fontsize=7)
+    else:  # the controller never moved a weight off its default
+        axis.text(0.5, 0.5, "every weight stayed at 1", ha="center", transform=axis.transAxes)

@@ -266,7 +266,9 @@ class Collector:
     async def _kv_events(self, instance: InstanceConfig) -> list[KvMessage]:
         url = f"{str(instance.url).rstrip('/')}/kv-events"
         cursor = self._kv_cursors.get(instance.id)
-        params = {"epoch": cursor[0], "after": cursor[1]} if cursor else {"after": 0}
+        params: dict[str, str | int] = (
+            {"epoch": cursor[0], "after": cursor[1]} if cursor else {"after": 0}
+        )
         try:
             async with (
                 asyncio.timeout(self.timeout_s),

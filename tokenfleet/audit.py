@@ -23,7 +23,7 @@ from control.routing import make_router, policy_params
 from schemas import Envelope
 from schemas.audit import JournalRecord
 from schemas.envelope import DecodeError, decode
-from sim.profiles import profile
+from tokenfleet.gateway_wiring import pool_model
 
 
 @dataclass
@@ -104,7 +104,7 @@ def _replay_dc_choices(dc_policy: str, records: list[Record], result: JournalAud
 def _pipeline(start: Record) -> Pipeline[str]:
     """A pool's pipeline as the gateway built it (``tokenfleet.gateway_wiring``)."""
     recipe = start["recipe"]
-    pool = profile(recipe["profile"]).pool_model() if recipe["profile"] else None
+    pool = pool_model(recipe["profile"], recipe.get("max_num_seqs"))
     params = policy_params(recipe["policy"], recipe["params"])
     router = make_router(recipe["policy"], recipe["seed"], pool, params)
     return Pipeline(make_admission(recipe["admission"], pool), router)

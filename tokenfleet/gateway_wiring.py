@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from control.admission.registry import CONTROLLED, Admission, make_admission
-from control.routing import make_router, policy_params
+from control.routing import PoolModel, make_router, policy_params
 from control.routing.registry import Router
 from control.routing.tokenpilot import TokenPilotParams
 from gateway.app import GatewayParts, create_app
@@ -55,22 +55,30 @@ def router_factory(
     def make(model_name: str) -> Router:
         model = fleet.model(model_name)
         assert model is not None
-        pool = profile(model.profile).pool_model() if model.profile else None
-        return make_router(policy, seed, pool, params)
+        return make_router(policy, seed, pool_model(model.profile, model.max_num_seqs), params)
 
     make(fleet.models[0].name)
     return make
 
 
+def pool_model(profile_name: str | None, max_num_seqs: int | None) -> PoolModel | None:
+    """What a model's router and admission may know of its pool: the profile's step model
+    and the fleet file's ``max_num_seqs`` (the profile's own engine limit is the
+    simulator's, not the fleet's); None without a profile."""
+    if profile_name is None:
+        return None
+    return replace(profile(profile_name).pool_model(), max_num_seqs=max_num_seqs)
+
+
 def admission_factory(fleet: FleetConfig, name: str) -> Callable[[str], Admission]:
-    """Admission policies for the fleet's models, built with the model's step model for
-    those that predict with it; KeyError (unknown) or ValueError at once."""
+    """Admission policies for the fleet's models, built with the model's pool (its step
+    model and engine limits) for those that use it; KeyError (unknown) or ValueError at
+    once."""
 
     def make(model_name: str) -> Admission:
         model = fleet.model(model_name)
         assert model is not None
-        pool = profile(model.profile).pool_model() if model.profile else None
-        return make_admission(name, pool)
+        return make_admission(name, pool_model(model.profile, model.max_num_seqs))
 
     make(fleet.models[0].name)
     return make
@@ -105,7 +113,8 @@ def gateway_parts(
         config = fleet.model(model)
         assert config is not None
         routing = {"policy": policy, "params": asdict(params), "seed": seed}
-        return routing | {"admission": settings.admission, "profile": config.profile}
+        pool = {"profile": config.profile, "max_num_seqs": config.max_num_seqs}
+        return routing | {"admission": settings.admission} | pool
 
     return GatewayParts(fleet, settings, state, bus, routers, admissions, recipe)
 

@@ -65,7 +65,7 @@ ADMISSIONS: dict[str, Callable[[PoolModel | None], Admission]] = {
     "mooncake_early_reject": lambda pool: MooncakeEarlyReject(_needs(pool, "mooncake")),
 }
 """Every admission policy, one line each, built from the pool's model (for those that
-predict with it)."""
+predict with it or, as SLOMax, reserve its engines' sequences)."""
 
 
 SLOMAX_MECHANISMS = (
@@ -104,7 +104,7 @@ CONTROLLED = frozenset({"slomax", *ABLATIONS} - {"slomax_without_controller"})
 
 def make_admission(name: str, pool: PoolModel | None = None) -> Admission:
     """The admission policy ``name``, or KeyError naming the known ones; ``pool`` describes
-    the model pool to those that predict with it."""
+    the model pool to those that use it."""
     try:
         build = (ADMISSIONS | ABLATIONS)[name]
     except KeyError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
@@ -65,8 +65,8 @@ class SLOMaxParams:
 class SLOMax:
     params: SLOMaxParams = SLOMaxParams()
     name: str = "slomax"
-    pool: PoolModel | None = None
-    """The pool's engine limits (its ``max_num_seqs``); None: sequences are not reserved."""
+    pool: PoolModel | None = field(default=None, kw_only=True)
+    """The pool's engine limits: with its ``max_num_seqs``, sequences are reserved too."""
     wants_prediction: bool = True
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
@@ -124,8 +124,9 @@ class SLOMax:
             reserved = p.reserved_kv_share if interactive is None else interactive.reserved_share
             if task_class is TaskClass.BATCH:  # batch fills what the others leave idle
                 allowed &= fleet.waiting == 0
-            if self.pool is not None:
-                allowed &= fleet.running + fleet.waiting < (1 - reserved) * self.pool.max_num_seqs
+            most = None if self.pool is None else self.pool.max_num_seqs
+            if most is not None:  # running and waiting: the seats taken and promised
+                allowed &= fleet.requests < (1 - reserved) * most
             if view.kv_use() >= 1 - reserved or not allowed.any():
                 return "reservation", allowed
         if p.interference_bound and request.input_tokens >= LONG_DOCUMENT_TOKENS:

@@ -34,33 +34,34 @@ class QuotaControllerParams:
     interactive_target: Annotated[float, Field(gt=0, le=1)] = 0.94
     """The share of interactive requests the controller aims to keep within their
     objective. It holds chats above the issue's 95 % pooled: aiming at 94 % with the graded
-    fall (``severe_below``) on the mixed workload's six-level ladder (0.8 to 2.0 x capacity
+    fall (``far_below``) on the mixed workload's six-level ladder (0.8 to 2.0 x capacity
     with 1.1 x, 16 instances, seed 0; 2026-12-05) gave chats in time 96.1 % of the time
     and 17,546 tokens/s of pooled goodput, against 17,426 aiming at 95 % (chats 96.4 %);
     aiming at 94 % with a halving on every fall, 17,354 (docs/admission.md, "Tried and not
     kept")."""
     band: Annotated[float, Field(ge=0, le=1)] = 0.02
     """Above the target by less than this, the ceilings stay where they are."""
-    lower_step: Annotated[float, Field(gt=1)] = 2.0
+    far_below: Annotated[float, Field(ge=0, le=1)] = 0.90
+    """Under this share of chats in time (or under the target, if it is lower) a ceiling
+    falls by ``far_lower_step``; between it and the target, by ``lower_step``. Falling
+    steeply on every miss cut the long-document limit from 64 to 16 in the first minute at
+    0.8 x capacity, on early windows where chats dipped just under the target, and the
+    limit took five minutes to rise back: pooled over the six-level ladder (seed 0, 16
+    instances; 2026-12-05), 17,317 tokens/s of goodput against 17,426 with the fall graded
+    at 90 %, and 17,391 graded at 85 %."""
+    far_lower_step: Annotated[float, Field(gt=1)] = 2.0
     """How far a ceiling (long documents', else batch's) falls in one pass (divided by
-    this) while chats miss by far (under ``severe_below``): halved,
-    so that from 4 long documents per instance it reaches one in 30 s. Falling by 1.25
-    took 135 s to go from 64 to 7 on 16 instances, longer than the whole 2.0 x level of
-    ``tokenfleet bench admission`` lasts (about 100 s of arrivals), and chats met their
-    objective 77.5 % of the time in its first minute. Halving, on the mixed workload at 16
-    instances (SLOMax's rows only; 2026-12-05): seed 0 pooled goodput 17,728 against
-    17,873 tokens/s, chats in time 96.8 % against 96.0 %; seed 1 21,398 against 21,659,
-    chats 95.2 % against 94.0 % (85.8 to 88.8 % at 2.0 x)."""
-    severe_below: Annotated[float, Field(ge=0, le=1)] = 0.90
-    """Under this share of chats in time a ceiling halves (``lower_step``); between it and
-    the target it falls by ``mild_lower_step``. Halving on every miss cut the long-document
-    limit from 64 to 16 in the first minute at 0.8 x capacity, on early windows where
-    chats dipped just under the target, and the limit took five minutes to rise back:
-    pooled over the six-level ladder (seed 0, 16 instances; 2026-12-05) 17,317 tokens/s of
-    goodput against 17,426 with the fall graded at 90 %, and 17,391 graded at 85 %."""
-    mild_lower_step: Annotated[float, Field(gt=1)] = 1.25
+    this) while chats miss by far (under ``far_below``): halved, so that from 4 long
+    documents per instance it reaches one in 30 s. Falling by 1.25 took 135 s to go from 64
+    to 7 on 16 instances, longer than the whole 2.0 x level of ``tokenfleet bench
+    admission`` lasts (about 100 s of arrivals), and chats met their objective 77.5 % of
+    the time in its first minute. Halving, on the mixed workload at 16 instances (SLOMax's
+    rows only, five levels, every fall a halving; 2026-12-05): seed 0 pooled goodput 17,728
+    against 17,873 tokens/s, chats in time 96.8 % against 96.0 %; seed 1 21,398 against
+    21,659, chats 95.2 % against 94.0 % (85.8 to 88.8 % at 2.0 x)."""
+    lower_step: Annotated[float, Field(gt=1)] = 1.25
     """How far a ceiling falls in one pass while chats miss by a little (at or above
-    ``severe_below``)."""
+    ``far_below``)."""
     raise_step: Annotated[float, Field(gt=1)] = 1.25
     """How far the long-document limit rises (times this) when it turned long documents
     away and chats have room; it rises at most once a window (``raise_after_s``), so a
@@ -86,12 +87,14 @@ class QuotaControllerParams:
     batch_raise_step: Annotated[float, Field(gt=1)] = 2.0
     """How far a batch ceiling rises (times this) while chats have room, or while there
     are no chats to judge by (too few ended in the window): doubled, so that it lifts in
-    as many rises as the halvings that brought it down (from the floor on 16 instances,
-    six rises, six minutes), and the long-document limit, which rises only once no batch
-    ceiling is left, is not held for long. Not measured: the mixed workload never sets
-    a batch ceiling (long documents are always in its window)."""
+    as many rises as the halvings that bring it down while chats miss by far (from the
+    floor on 16 instances, six rises, six minutes), and the long-document limit, which
+    rises only once no batch ceiling is left, is not held for long. Not measured: the
+    mixed workload never sets a batch ceiling (long documents are always in its
+    window)."""
     interactive_kv_share: Annotated[float, Field(ge=0, le=1)] = 0.15
-    """KV held back for interactive requests (``reserved_share`` of interactive)."""
+    """KV held back for interactive requests (``reserved_share`` of interactive), and with
+    it the same share of each engine's sequences (``SLOMaxParams.interactive_reservation``)."""
     min_outcomes: Annotated[int, Field(ge=1)] = 30
     """Interactive outcomes a window needs before the controller acts on it."""
     ttl_s: Annotated[float, Field(gt=0)] = 60.0
@@ -106,10 +109,10 @@ def attainment(row: GoodputRow) -> tuple[float, int]:
     return (met / ended if ended else 1.0), ended
 
 
-Chats = Literal["far_behind", "behind", "band", "room"] | None
-"""How interactive requests fared over the window: under ``severe_below`` ("far_behind"),
-below their target ("behind"), above it by less than the band ("band") or by more
-("room"), or too few to judge (None)."""
+Chats = Literal["far_below", "below", "band", "room"] | None
+"""How interactive requests fared over the window: under ``far_below`` and their target
+("far_below"), under their target by less ("below"), above it by less than the band
+("band") or by more ("room"), or too few to judge (None)."""
 
 
 @dataclass(frozen=True)
@@ -171,10 +174,10 @@ class QuotaController:
         share, ended = attainment(interactive)
         if ended < p.min_outcomes:
             return None
-        if share < p.severe_below:
-            return "far_behind"
+        if share < min(p.far_below, p.interactive_target):
+            return "far_below"
         if share < p.interactive_target:
-            return "behind"
+            return "below"
         return "room" if share > p.interactive_target + p.band else "band"
 
     def _desired(
@@ -205,8 +208,8 @@ class QuotaController:
             if published.batch is None
             else max(self._floor(instances), min(published.batch, most))
         )
-        if chats in ("far_behind", "behind"):
-            fall = p.lower_step if chats == "far_behind" else p.mild_lower_step
+        if chats in ("far_below", "below"):
+            fall = p.far_lower_step if chats == "far_below" else p.lower_step
             if documents is not None and documents.completed > 0:
                 return Ceilings(self._step(docs, docs / fall, instances), batch)
             return Ceilings(docs, self._lower_batch(batch, fall, capacity, instances))

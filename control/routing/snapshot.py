@@ -103,11 +103,11 @@ class PoolModel:
     step_time: StepTime
     block_size: int = 16
     max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    """Sequences an engine runs at once (vLLM's ``--max-num-seqs``). vLLM's API server
-    takes 256 unless told, and 1,024 on GPUs of 70 GiB or more other than the A100
-    (``EngineArgs.get_batch_defaults``, vllm/engine/arg_utils.py); the simulator's
-    engines run 256."""
+    max_num_seqs: int | None = None
+    """Sequences an engine runs at once (vLLM's ``--max-num-seqs``; None: not known).
+    vLLM's API server takes 256 unless told, and 1,024 on GPUs of 70 GiB or more other than
+    the A100 (``EngineArgs.get_batch_defaults``, vllm/engine/arg_utils.py), so a gateway
+    knows it only from the fleet file; the simulator's engines run 256."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -135,15 +135,20 @@ def test_lower_classes_wait_once_the_fleet_eats_into_the_interactive_reserve() -
 
 
 def test_lower_classes_leave_the_interactive_share_of_the_engines_sequences() -> None:
-    """On an instance whose running and waiting sequences reach all but the reserved
-    share (15 %) of its ``max_num_seqs``, only chats start."""
+    """On an instance whose running and waiting sequences take more than all but the
+    reserved share (15 % by default, else the quota's) of its ``max_num_seqs``, only chats
+    start."""
     slomax = SLOMax(pool=PoolModel(KneeRoofline(0.01, 0.0, 0, 0.0, 0.0), max_num_seqs=100))
-    crowded = fleet(running=(85, 84), waiting=(0, 0))
-    assert allowed(slomax.decide(request(DOC, tokens=20_000), view(crowded))) == [False, True]
+    doc = request(DOC, tokens=20_000)
+    crowded = fleet(running=(90, 80), waiting=(0, 0))
+    assert allowed(slomax.decide(doc, view(crowded))) == [False, True]
+    assert allowed(slomax.decide(request(BATCH), view(crowded))) == [False, True]
     assert slomax.decide(request(CHAT), view(crowded)).verdict is Verdict.DISPATCH
-    full = fleet(running=(80, 84), waiting=(5, 1))
-    assert slomax.decide(request(DOC, tokens=20_000), view(full)).reason == "reservation"
-    assert SLOMax().decide(request(DOC, tokens=20_000), view(full)).verdict is Verdict.DISPATCH
+    full = fleet(running=(80, 80), waiting=(10, 10))
+    assert slomax.decide(doc, view(full)).reason == "reservation"
+    assert SLOMax().decide(doc, view(full)).verdict is Verdict.DISPATCH  # no engine limit known
+    quota = ClassQuota(task_class=CHAT, reserved_share=0.3)
+    assert slomax.decide(doc, view(crowded, quotas={CHAT: quota})).reason == "reservation"
 
 
 def test_a_long_prompt_never_stacks_on_another_long_prefill() -> None:

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from control.admission.slomax import SLOMax
 from control.routing.cache_aware import (
     AibrixParams,
     AibrixPrefixCache,
@@ -29,6 +30,26 @@ def test_the_gateway_s_tokenpilot_assumes_the_token_lag_its_environment_sets(
     router = parts.make_router("emulated")
     assert isinstance(router, TokenPilot)
     assert router.params.token_lag_s == 0.009
+
+
+def test_slomax_reserves_the_sequences_the_fleet_file_says_each_engine_runs() -> None:
+    """The profile's engine limit is the simulator's; the fleet file names the fleet's, and
+    the decision journal's recipe carries it for the auditor."""
+    example = load_fleet(EXAMPLE)
+    parts = gateway_parts(example, GatewaySettings(), InMemoryBus(), LocalState())
+    admission = parts.make_admission("emulated")
+    assert isinstance(admission, SLOMax)
+    assert admission.pool is not None
+    assert admission.pool.max_num_seqs == 256
+    assert parts.recipe is not None
+    assert parts.recipe("emulated")["max_num_seqs"] == 256
+    models = [m.model_copy(update={"max_num_seqs": None}) for m in example.models]
+    unknown = example.model_copy(update={"models": models})
+    parts = gateway_parts(unknown, GatewaySettings(), InMemoryBus(), LocalState())
+    admission = parts.make_admission("emulated")
+    assert isinstance(admission, SLOMax)
+    assert admission.pool is not None
+    assert admission.pool.max_num_seqs is None  # KV alone is reserved
 
 
 def test_a_negative_token_lag_is_refused() -> None:

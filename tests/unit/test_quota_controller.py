@@ -19,7 +19,9 @@ from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.tables import CapacityRow, CapacityTable, GoodputRow, GoodputTable
 
 DEFAULTS = QuotaControllerParams()
-LOWER, MILD, RAISE = DEFAULTS.lower_step, DEFAULTS.mild_lower_step, DEFAULTS.raise_step
+DEFAULTS_TARGET_MET = round(DEFAULTS.interactive_target * 100)
+"""Chats in time, of 100, at the target: inside the band."""
+FAR, NEAR, RAISE = DEFAULTS.far_lower_step, DEFAULTS.lower_step, DEFAULTS.raise_step
 
 
 def row(task_class: TaskClass, completed: int, met: int, failures: int = 0) -> GoodputRow:
@@ -110,7 +112,7 @@ def test_a_table_without_some_class_rows_is_judged_by_the_rows_it_has() -> None:
     lowered = controller.reconcile(only_chats, capacity(16, running=100), first, now=120.0)
     assert lowered is not None
     assert long_documents(lowered) == long_documents(first)
-    assert batch(lowered) == 100 // LOWER  # from what ran
+    assert batch(lowered) == 100 // FAR  # from what ran
     no_chats = missing.model_copy(update={"classes": missing.classes[1:]})
     assert controller.reconcile(no_chats, SIXTEEN, first, now=120.0) is None
 
@@ -197,20 +199,33 @@ def test_chats_missing_their_objective_lower_the_long_document_limit_one_step() 
     lowered = controller.reconcile(table((100, 80)), SIXTEEN, first, now=75.0)
     assert lowered is not None
     assert lowered.version == 2
-    assert long_documents(lowered) == math.floor(START * 16 / LOWER)
+    assert long_documents(lowered) == math.floor(START * 16 / FAR)
 
 
 def test_the_fall_is_steeper_the_further_chats_are_from_their_target() -> None:
     """Just under the target a ceiling eases down; far under it, it halves."""
-    controller, params = QuotaController(), QuotaControllerParams()
-    assert params.severe_below < 0.92 < params.interactive_target
-    just_under = controller.reconcile(table((100, 92)), SIXTEEN, published(64), now=60.0)
-    far_under = controller.reconcile(table((100, 85)), SIXTEEN, published(64), now=60.0)
-    assert long_documents(just_under) == math.floor(64 / MILD)  # 51
-    assert long_documents(far_under) == 64 // LOWER  # 32
+    controller = QuotaController()
+    assert DEFAULTS.far_below == 0.90 < DEFAULTS.interactive_target
+
+    def documents_after(met: int) -> int | None:
+        """The long-document limit after a window of 100 chats, ``met`` in time (None: the
+        controller leaves the 64 it published)."""
+        quotas = controller.reconcile(table((100, met)), SIXTEEN, published(64), now=60.0)
+        return None if quotas is None else long_documents(quotas)
+
+    assert documents_after(DEFAULTS_TARGET_MET) is None  # at the target: in the band
+    assert documents_after(92) == documents_after(90) == math.floor(64 / NEAR)  # 51
+    assert documents_after(89) == 64 // FAR  # 32
     batch_only = table((100, 92), (0, 0))
     eased = controller.reconcile(batch_only, SIXTEEN, published(8, batch=100), now=60.0)
-    assert batch(eased) == math.floor(100 / MILD)
+    assert batch(eased) == math.floor(100 / NEAR)
+
+
+def test_a_target_under_the_far_line_is_still_a_target() -> None:
+    """An operator who aims chats at 85 % does not halve ceilings while 88 % meet it."""
+    controller = QuotaController(QuotaControllerParams(interactive_target=0.85))
+    assert controller.chats(row(TaskClass.INTERACTIVE, 100, 88)) == "room"
+    assert controller.chats(row(TaskClass.INTERACTIVE, 100, 84)) == "far_below"
 
 
 def test_chats_with_room_to_spare_let_more_long_documents_in_when_the_limit_turned_some_away() -> (
@@ -234,8 +249,8 @@ def test_inside_the_band_or_on_too_little_evidence_nothing_is_published() -> Non
 
 
 def test_on_a_small_fleet_each_step_still_moves_the_limit_by_a_request_at_least() -> None:
-    """At the default step (halving) no step rounds back; at 1.25 x one would, unrounded."""
-    controller, two = QuotaController(QuotaControllerParams(lower_step=1.25)), capacity(2)
+    """Halving, no step rounds back; at 1.25 x one would, unrounded."""
+    controller, two = QuotaController(QuotaControllerParams(far_lower_step=1.25)), capacity(2)
     quotas = controller.reconcile(table((100, 96)), two, None, now=0.0)
     limits = [long_documents(quotas)]
     for n in range(1, 12):
