@@ -270,7 +270,12 @@ def fleet_figures(
         for r in records
         if by_id[r.request_id].region == "eu-west" and HOTSPOT_S[0] <= r.arrival_s < HOTSPOT_S[1]
     ]
-    result["hotspot"] = region_figures(hot, HOTSPOT_S[1] - HOTSPOT_S[0])
+    hot_s = HOTSPOT_S[1] - HOTSPOT_S[0]
+    result["hotspot"] = region_figures(hot, hot_s)
+    result["hotspot"]["per_class"] = {
+        task_class: region_figures([r for r in hot if r.task_class == task_class], hot_s)
+        for task_class in sorted({r.task_class for r in hot})
+    }
     ran = [r for r in records if r.dc is not None]
     home = simulation.layout.home
     result["cross_dc_share"] = (

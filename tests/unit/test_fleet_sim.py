@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from control.fleet.registry import DC_POLICIES, make_dc_policy
-from sim.fleet_bench import mismatch, offered_tok_s, paced, region_figures
+from schemas.base import TaskClass
+from sim.fleet_bench import HOTSPOT_S, fleet_figures, mismatch, offered_tok_s, paced, region_figures
 from sim.fleet_sim import FleetLayout, FleetSimulation, PublishedLoad, Site
 from sim.profiles import profile
 from sim.workload import TraceRequest
@@ -93,6 +94,24 @@ def test_a_run_is_a_function_of_its_inputs(policy: str) -> None:
     second = simulate(policy, requests).records  # type: ignore[attr-defined]
     assert first == second
     assert len(first) >= len(requests)
+
+
+def test_the_hotspot_s_figures_are_also_given_per_class() -> None:
+    """A long document's TTFT objective is 30 s, a chat's 2 s: one P95 over both says
+    mostly how many documents ran."""
+    requests = chats(100, 1.0) + [
+        replace(r, request_id=f"doc-{r.request_id}", task_class=TaskClass.LONG_DOCUMENT)
+        for r in chats(10, 0.1)
+    ]
+    simulation = simulate("fleetmind", requests)
+    hotspot = fleet_figures(simulation.records, simulation, requests)["hotspot"]  # type: ignore[attr-defined]
+    in_hotspot = [r for r in requests if HOTSPOT_S[0] <= r.arrival_s < HOTSPOT_S[1]]
+    assert hotspot["arrivals"] == len(in_hotspot) == 40 + 4
+    per_class = hotspot["per_class"]
+    assert {c: f["arrivals"] for c, f in per_class.items()} == {
+        "interactive": 40,
+        "long_document": 4,
+    }
 
 
 def test_paced_arrivals_follow_the_pieces_rates_and_keep_their_order() -> None:

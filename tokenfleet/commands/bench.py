@@ -355,6 +355,7 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
 
 def _bench_fleet(args: argparse.Namespace) -> int:
     import json
+    import math
 
     from tqdm import tqdm
 
@@ -377,15 +378,17 @@ def _bench_fleet(args: argparse.Namespace) -> int:
     if args.plot:
         plot_fleet(document, args.plot)
     print(
-        f"{'policy':26}{'goodput':>9}{'comply':>8}{'hot P95':>9}{'cross-DC':>9}"
+        f"{'policy':26}{'goodput':>9}{'comply':>8}{'hot P95':>9}{'chats':>7}{'cross-DC':>9}"
         f"{'mismatch':>10}{'react':>7}{'violations':>11}"
     )
     for policy, result in document["policies"].items():
         react = result["react_s"]
         violations = result["residency_violations"] + result["permission_violations"]
+        hotspot = result["hotspot"]
+        chats = hotspot["per_class"].get("interactive", {}).get("ttft_p95_s") or math.nan
         print(
             f"{policy:26}{result['goodput_tok_s']:>9.0f}{result['compliance']:>8.1%}"
-            f"{result['hotspot']['ttft_p95_s']:>8.2f}s{result['cross_dc_share']:>9.1%}"
+            f"{hotspot['ttft_p95_s']:>8.2f}s{chats:>6.2f}s{result['cross_dc_share']:>9.1%}"
             f"{result['capacity_mismatch_request_s']:>10.0f}"
             f"{'-' if react is None else f'{react:.0f}s':>7}{violations:>11}"
         )
