@@ -70,6 +70,24 @@ class Outcome(Generic[Payload]):
         return None if self.route is None else self.route.chosen
 
 
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What a routed request counts on its instance in its host's books (the simulator's
+    arrays, a gateway's shared state), defined once so that both hosts count alike: the
+    prompt tokens the router did not expect cached, pending prefill until the first token,
+    and the prompt and output budget, in flight until the request ends."""
+
+    pending_prefill: float
+    inflight_tokens: int
+
+    @classmethod
+    def of(cls, input_tokens: int, output_budget: int, expected_cached: float) -> Charge:
+        """The charge of a request routed where ``expected_cached`` of its prompt tokens
+        were expected cached (at most the prompt)."""
+        pending = input_tokens - min(expected_cached, input_tokens)
+        return cls(pending, input_tokens + output_budget)
+
+
 @dataclass(frozen=True)
 class ClassLoad:
     """One class's load on one host of a pool that several hosts share (gateway replicas

@@ -38,6 +38,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from control.pipeline import Charge
 from control.routing.snapshot import Observation
 from gateway.decide import INDEX_STRIDE, Decider, Plan
 from gateway.events import EventSink
@@ -574,11 +575,10 @@ def _headers(trip: Trip) -> dict[str, str]:
 
 
 def _charges(inbound: Inbound, plan: Plan) -> tuple[float, float]:
-    """What a request counts on its instance: pending prefill and tokens in flight."""
-    return (
-        float(inbound.input_tokens) - plan.cached_tokens,
-        float(inbound.input_tokens + inbound.output_budget),
-    )
+    """What a request counts on its instance (``Charge``): pending prefill and tokens in
+    flight."""
+    charge = Charge.of(inbound.input_tokens, inbound.output_budget, plan.cached_tokens)
+    return charge.pending_prefill, float(charge.inflight_tokens)
 
 
 def _routed_event(inbound: Inbound, plan: Plan) -> RequestRouted:

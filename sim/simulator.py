@@ -25,7 +25,7 @@ from control.admission.baselines import Fcfs
 from control.admission.registry import Admission
 from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.view import Verdict
-from control.pipeline import Outcome, Pipeline
+from control.pipeline import Charge, Outcome, Pipeline
 from control.routing import (
     Decision,
     FleetSnapshot,
@@ -129,7 +129,9 @@ class Simulation:
         self._kv_used = np.zeros(size, dtype=np.int64)
         self._kv_total = np.array([i.engine.config.num_blocks for i in self.instances])
         self._pending_prefill = np.zeros(size, dtype=np.float64)
-        self._awaiting_first_token: dict[str, float] = {}
+        self._charges: dict[str, Charge] = {}
+        """Each dispatched request's charge on its instance until it ends, its pending
+        prefill settled (to zero) at its first token."""
         self._token_steps = np.full((size, 2), -np.inf)
         """Each engine's last two ends of a step that streamed tokens: older, newer."""
         self._heap: list[tuple[float, int, int, int, Event]] = []
@@ -306,10 +308,9 @@ class Simulation:
 
     def _dispatch(self, index: int, request: TraceRequest, decision: Decision) -> None:
         instance = self.instances[index]
-        self._count_pending(index, request, decision)
+        self._charge(index, request, decision)
         delay = instance.engine.step_time.admission_delay_s(request.input_tokens)
         instance.entering += 1
-        self._inflight[index] += _charged_tokens(request)
         sequence = Sequence(request, self.now, priority=PRIORITY[request.task_class])
         if request.request_id in self._open:
             self._placed[request.request_id] = (index, sequence)
@@ -350,8 +351,7 @@ class Simulation:
         if isinstance(plan, DecodeRun):  # the batch changed: its later steps are replanned
             instance.engine.cut(plan)
             self._schedule_end(index, plan.end_s)
-        self._inflight[index] -= _charged_tokens(sequence.request)
-        self._pending_prefill[index] -= self._awaiting_first_token.pop(request_id, 0.0)
+        self._uncharge(index, request_id)
         where = (instance.instance_id, instance.dc)
         self.records.append(RequestRecord.cancelled(sequence.request, self.now, where, sequence))
         self.pipeline.finished(request_id, self.now, cancelled=True)
@@ -364,21 +364,31 @@ class Simulation:
         if retry is not None:
             self._push(retry.arrival_s, _RETRY, -1, retry)
 
-    def _count_pending(self, index: int, request: TraceRequest, decision: Decision) -> None:
-        """The host's shared accounting, as the gateway keeps it: a routed request's prompt,
-        less what the router expected cached, is pending prefill until its first token."""
+    def _charge(self, index: int, request: TraceRequest, decision: Decision) -> None:
+        """Count a routed request on its instance, as the gateway does (``Charge``): with
+        nothing expected cached where the router predicts nothing, the whole prompt."""
         expected_cached = decision.cached_tokens
         cached = 0.0 if expected_cached is None else float(expected_cached[index])
-        pending = request.input_tokens - cached
-        self._pending_prefill[index] += pending
-        self._awaiting_first_token[request.request_id] = pending
+        budget = request.max_tokens or DEFAULT_CHAT_TOKENS  # the gateway's default cap
+        charge = Charge.of(request.input_tokens, budget, cached)
+        self._pending_prefill[index] += charge.pending_prefill
+        self._inflight[index] += charge.inflight_tokens
+        self._charges[request.request_id] = charge
+
+    def _uncharge(self, index: int, request_id: str) -> None:
+        """Take an ended request's charge off its instance."""
+        charge = self._charges.pop(request_id)
+        self._inflight[index] -= charge.inflight_tokens
+        self._pending_prefill[index] -= charge.pending_prefill
 
     def _first_tokens(self, index: int, plan: StepPlan) -> None:
         """Settle the pending prefill of the sequences whose first token the step made."""
         for sequence, _ in plan.scheduled:
             if sequence.first_token_s == self.now:
-                pending = self._awaiting_first_token.pop(sequence.request.request_id, 0.0)
-                self._pending_prefill[index] -= pending
+                request_id = sequence.request.request_id
+                charge = self._charges[request_id]
+                self._pending_prefill[index] -= charge.pending_prefill
+                self._charges[request_id] = replace(charge, pending_prefill=0.0)
                 self.pipeline.first_token(sequence.request.request_id, self.now)
 
     def _enter(self, index: int, sequence: Sequence) -> None:
@@ -463,7 +473,7 @@ class Simulation:
     def _complete(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
         request = sequence.request
-        self._inflight[index] -= _charged_tokens(request)
+        self._uncharge(index, request.request_id)
         step_time = instance.engine.step_time
         network = self.cluster.network_s(request.region, instance.dc, request.input_tokens)
         record = RequestRecord.completed(
@@ -503,9 +513,3 @@ def _admitting(request: TraceRequest) -> AdmissionRequest:
         request.arrival_s,
         None if deadline is None else request.arrival_s + deadline,
     )
-
-
-def _charged_tokens(request: TraceRequest) -> int:
-    """What the host counts in flight for a request, as the gateway counts it: its prompt
-    and the client's cap, or the gateway's default cap where the client set none."""
-    return request.input_tokens + (request.max_tokens or DEFAULT_CHAT_TOKENS)

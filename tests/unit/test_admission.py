@@ -37,7 +37,7 @@ from control.admission.view import (
     Usage,
     Verdict,
 )
-from control.pipeline import ClassLoad, Pipeline
+from control.pipeline import Charge, ClassLoad, Pipeline
 from control.routing import (
     Decision,
     FleetSnapshot,
@@ -149,6 +149,13 @@ def test_lower_classes_leave_the_interactive_share_of_the_engines_sequences() ->
     assert SLOMax().decide(doc, view(full)).verdict is Verdict.DISPATCH  # no engine limit known
     quota = ClassQuota(task_class=CHAT, reserved_share=0.3)
     assert slomax.decide(doc, view(crowded, quotas={CHAT: quota})).reason == "reservation"
+
+
+def test_a_charge_is_the_uncached_prompt_pending_and_prompt_and_budget_in_flight() -> None:
+    """One definition for both hosts; an expected cache larger than the prompt (a match
+    counted in whole index strides) leaves nothing pending, never a negative."""
+    assert Charge.of(1_000, 100, 300.0) == Charge(700.0, 1_100)
+    assert Charge.of(1_000, 100, 4_096.0) == Charge(0.0, 1_100)
 
 
 def test_a_long_prompt_never_stacks_on_another_long_prefill() -> None:
