@@ -15,6 +15,7 @@ import yaml
 from schemas.fleet import load_fleet
 from tokenfleet.cli import build_parser, main
 from tokenfleet.deployment import SERVICE_SETTINGS, Deployment, Part, plan
+from tokenfleet.services.kafka import KAFKA_VERSION
 
 ROOT = Path(__file__).parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -93,6 +94,12 @@ def test_the_compose_file_runs_the_same_parts_with_the_same_settings() -> None:
     assert kafka == "PLAINTEXT://" + settings["TOKENFLEET_KAFKA_BOOTSTRAP"]
     assert "6379" in services["redis"]["command"]
     assert settings["TOKENFLEET_REDIS_URL"] == "redis://127.0.0.1:6379/0"
+
+
+def test_the_compose_file_runs_the_kafka_the_tests_run() -> None:
+    """Apache publishes an image for each Kafka release (kafka.apache.org, "Docker"); the
+    tests' local broker is the same release, from Maven Central's jars."""
+    assert compose()["services"]["kafka"]["image"] == f"apache/kafka:{KAFKA_VERSION}"
 
 
 def test_the_dockerfile_installs_every_package_the_parts_import() -> None:
