@@ -389,7 +389,7 @@ class Simulation:
                 charge = self._charges[request_id]
                 self._pending_prefill[index] -= charge.pending_prefill
                 self._charges[request_id] = replace(charge, pending_prefill=0.0)
-                self.pipeline.first_token(sequence.request.request_id, self.now)
+                self.pipeline.first_token(request_id, self.now)
 
     def _enter(self, index: int, sequence: Sequence) -> None:
         instance = self.instances[index]
