@@ -7,10 +7,12 @@ import json
 import random
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from faust.exceptions import PartitionsMismatch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -29,7 +31,8 @@ from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from sim.events import lifecycle_events
 from sim.records import RequestRecord
 from sim.run import RunConfig, simulate_run
-from streams.faust_app import _apply, _LiveStates
+from streams.faust_app import _apply, _LiveStates, build_app
+from streams.settings import WorkerSettings
 from streams.tables import outcomes
 from streams.tables.builder import TableBuilder
 from streams.tables.outcomes import Outcome, OutcomeKind
@@ -385,3 +388,26 @@ def test_ids_that_no_slice_record_counts_are_ignored_and_gone_slices_leave_no_id
     far_later = _outcomes_update(["z"], ts=1_000_100.0)  # the first slice expires
     live.apply("dc", [far_later], spec, Objectives())
     assert not [key for key in records if key.startswith("dc|1000000.0")]
+
+
+def test_the_worker_s_partition_check_waits_for_its_changelog_s_metadata(tmp_path: Path) -> None:
+    """A changelog listed with no partitions yet (just created) is no mismatch, and is
+    checked again at the next write; a real mismatch still stops the agent."""
+
+    class Metadata:
+        """What the check asks of the worker's consumer: a topic's partition count."""
+
+        def __init__(self) -> None:
+            self.counts = {"tf.telemetry": 3}
+
+        def topic_partitions(self, name: str) -> int | None:
+            return self.counts.get(name)
+
+    app = build_app("localhost:9", WorkerSettings(app_id="check", data_dir=tmp_path))
+    app.consumer = metadata = Metadata()
+    table = app.tables["instance-dc"]
+    metadata.counts[table.changelog_topic_name] = 0
+    table._verify_source_topic_partitions("tf.telemetry")
+    metadata.counts[table.changelog_topic_name] = 2
+    with pytest.raises(PartitionsMismatch):
+        table._verify_source_topic_partitions("tf.telemetry")
