@@ -271,11 +271,13 @@ class Decider:
         self, inbound: Inbound, dc: str
     ) -> tuple[Pool, tuple[int, ...], SharedView, RouteRequest]:
         """The pool, the request's blocks as the shared index keeps them, the shared
-        accounting and index match, and the request as the router sees it."""
+        accounting and index match, and the request as the router sees it. The view is
+        speculative where the charge will check it (``Exchange._reserve``)."""
         pool = self.view.pool(inbound.model.name, dc)
         assert pool is not None  # choose_dcs only returns DCs serving the model
         sampled = inbound.blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
-        shared = await self.state.view(pool.ids, sampled)
+        checked = self.admission.reroutes(inbound, dc)
+        shared = await self.state.view(pool.ids, sampled, speculative=checked)
         request = RouteRequest(
             inbound.request_id,
             inbound.input_tokens,

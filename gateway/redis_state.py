@@ -37,7 +37,9 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -60,32 +62,53 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
 """
 
+_READ = """
+local function foreign(p, r, ids)
+  local n, sums, marks = #ids, {}, {}
+  for i = 1, 2 * n do sums[i] = 0 end
+  local live = redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')
+  table.sort(live)
+  for _, other in ipairs(live) do
+    if other ~= r then
+      marks[#marks + 1] = other .. '=' .. (redis.call('HGET', p .. 'changes', other) or '0')
+      local a = redis.call('HMGET', p .. 'acct:' .. other .. ':pending', unpack(ids))
+      local b = redis.call('HMGET', p .. 'acct:' .. other .. ':inflight', unpack(ids))
+      for i = 1, n do
+        sums[i] = sums[i] + (tonumber(a[i]) or 0)
+        sums[n + i] = sums[n + i] + (tonumber(b[i]) or 0)
+      end
+    end
+  end
+  local routes = tonumber(redis.call('GET', p .. 'routes') or 0)
+  routes = routes - tonumber(redis.call('HGET', p .. 'routed-by', r) or 0)
+  marks[#marks + 1] = 'routes=' .. routes
+  for i = 1, 2 * n do sums[i] = tostring(sums[i]) end
+  return sums, table.concat(marks, ',')
+end
+local function holders(p, blocks)
+  local found = {}
+  for k, block in ipairs(blocks) do
+    found[k] = redis.call('SMEMBERS', p .. 'px:' .. block)
+    if #found[k] == 0 then break end
+  end
+  return found
+end
+"""
+"""Lua shared by the scripts that read a pool: the other live replicas' accounting of
+``ids`` and the mark of what they have written (changes per replica, and requests routed
+by any but ``r``: replicas of earlier versions count only these); and the holders of each
+block up to the first that none holds."""
+
 _VIEW = (
     _NOW
+    + _READ
     + """
-local p, n = ARGV[1], tonumber(ARGV[2])
-local ids, pending, inflight = {}, {}, {}
-for i = 1, n do ids[i] = ARGV[2 + i]; pending[i] = 0; inflight[i] = 0 end
-for _, r in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')) do
-  local a = redis.call('HMGET', p .. 'acct:' .. r .. ':pending', unpack(ids))
-  local b = redis.call('HMGET', p .. 'acct:' .. r .. ':inflight', unpack(ids))
-  for i = 1, n do
-    pending[i] = pending[i] + (tonumber(a[i]) or 0)
-    inflight[i] = inflight[i] + (tonumber(b[i]) or 0)
-  end
-end
-local credit = {}
-for k = 3 + n, #ARGV do
-  local holders = redis.call('SMEMBERS', p .. 'px:' .. ARGV[k])
-  if #holders == 0 then break end
-  for _, holder in ipairs(holders) do credit[holder] = (credit[holder] or 0) + 1 end
-end
-local sums, matched = {}, {}
-for i = 1, n do
-  sums[i] = tostring(pending[i]); sums[n + i] = tostring(inflight[i])
-  matched[i] = credit[ids[i]] or 0
-end
-return {sums, matched, tonumber(redis.call('GET', p .. 'routes') or 0)}
+local p, r, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local ids, blocks = {}, {}
+for i = 1, n do ids[i] = ARGV[3 + i] end
+for k = 4 + n, #ARGV do blocks[#blocks + 1] = ARGV[k] end
+local sums, mark = foreign(p, r, ids)
+return {sums, mark, holders(p, blocks)}
 """
 )
 
@@ -99,6 +122,7 @@ local function account(id, pending, inflight)
   redis.call('HINCRBYFLOAT', share .. ':inflight', id, inflight)
 end
 local function keep_alive()
+  redis.call('HINCRBY', p .. 'changes', r, 1)
   redis.call('PEXPIRE', share .. ':pending', math.ceil(ttl * 1000))
   redis.call('PEXPIRE', share .. ':inflight', math.ceil(ttl * 1000))
   redis.call('ZADD', p .. 'replicas', now + ttl, r)
@@ -123,6 +147,10 @@ redis.call('DEL', share .. ':pending', share .. ':inflight')
 local n = tonumber(ARGV[4])
 for i = 1, n do account(ARGV[4 + i], ARGV[4 + n + i], ARGV[4 + 2 * n + i]) end
 keep_alive()
+for _, gone in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', '-inf', now)) do
+  redis.call('HDEL', p .. 'changes', gone)
+  redis.call('HDEL', p .. 'routed-by', gone)
+end
 redis.call('ZREMRANGEBYSCORE', p .. 'replicas', '-inf', now)
 return 0
 """
@@ -130,28 +158,51 @@ return 0
 
 _ROUTED = (
     _ACCOUNT
+    + _READ
     + """
-local id, capacity, seen = ARGV[4], tonumber(ARGV[5]), ARGV[8]
-if seen ~= '' and tonumber(redis.call('GET', p .. 'routes') or 0) ~= tonumber(seen) then
-  return 0
+local id, capacity, mark, n = ARGV[4], tonumber(ARGV[5]), ARGV[8], tonumber(ARGV[9])
+local ids, expected, seen, blocks = {}, {}, {}, {}
+for i = 1, n do ids[i] = ARGV[9 + i]; expected[i] = tonumber(ARGV[9 + n + i]) end
+local m = tonumber(ARGV[10 + 2 * n])
+for k = 1, m do seen[k] = ARGV[10 + 2 * n + k] end
+for k = 11 + 2 * n + m, #ARGV do blocks[#blocks + 1] = ARGV[k] end
+if mark ~= '' then
+  local sums, current = foreign(p, r, ids)
+  local found = holders(p, seen)
+  local same = current == mark
+  local credit = {}
+  for _, held in ipairs(found) do
+    for _, holder in ipairs(held) do credit[holder] = (credit[holder] or 0) + 1 end
+  end
+  for i = 1, n do same = same and (credit[ids[i]] or 0) == expected[i] end
+  if not same then return {0, sums, current, found} end
 end
 redis.call('INCR', p .. 'routes')
+redis.call('HINCRBY', p .. 'routed-by', r, 1)
 account(id, ARGV[6], ARGV[7])
 keep_alive()
 local lru = p .. 'lru:' .. id
-for k = 9, #ARGV do
+for _, block in ipairs(blocks) do
   local order = redis.call('INCR', p .. 'lru-seq')
-  redis.call('ZADD', lru, order, ARGV[k])
-  redis.call('SADD', p .. 'px:' .. ARGV[k], id)
+  redis.call('ZADD', lru, order, block)
+  redis.call('SADD', p .. 'px:' .. block, id)
 end
+local forgotten = {}
 local excess = redis.call('ZCARD', lru) - capacity
 if excess > 0 then
   local gone = redis.call('ZPOPMIN', lru, excess)
-  for k = 1, #gone, 2 do redis.call('SREM', p .. 'px:' .. gone[k], id) end
+  for k = 1, #gone, 2 do
+    redis.call('SREM', p .. 'px:' .. gone[k], id)
+    forgotten[#forgotten + 1] = gone[k]
+  end
 end
-return 1
+return {1, forgotten}
 """
 )
+"""Charge a request to ``id`` and index its blocks; with a mark (a view's), only if the
+view is still what Redis holds: the other replicas' mark unchanged and the match of the
+view's blocks on ``ids`` as expected. Answers ``{1, blocks forgotten}`` when written, else ``{0,
+the fresh read}``, on which the caller decides again."""
 
 _EVICTED = """
 local p, id = ARGV[1], ARGV[2]
@@ -242,6 +293,83 @@ class _ShareGate:
             yield
 
 
+class _Known:
+    """What this replica knows of one pool's state in Redis between round trips: the other
+    live replicas' accounting and the mark of their writes, as last read, and which of the
+    pool's instances hold which prefix blocks (from its own writes and what reads showed).
+
+    A view built from it, with this replica's own record, is what a read would return if
+    no other replica wrote meanwhile; ``routed`` sends it to be checked, so that the check
+    and the charge are one round trip."""
+
+    def __init__(self) -> None:
+        self.mark: str | None = None
+        self.pending: dict[str, float] = {}
+        self.inflight: dict[str, float] = {}
+        self.holders: dict[str, set[str]] = {}
+        self.routes = 0
+        """Requests this replica routed in the pool: a view from before one is stale."""
+
+    def read(self, ids: Sequence[str], sums: list[bytes], mark: bytes) -> None:
+        values = [float(v) for v in sums]
+        self.pending = dict(zip(ids, values[: len(ids)], strict=True))
+        self.inflight = dict(zip(ids, values[len(ids) :], strict=True))
+        self.mark = mark.decode()
+
+    def covers(self, ids: Sequence[str]) -> bool:
+        return self.mark is not None and all(i in self.pending for i in ids)
+
+    def saw(self, blocks: Sequence[str], found: list[list[bytes]]) -> None:
+        """The holders Redis listed for ``blocks``, up to the first none held."""
+        for block, held in zip(blocks, found, strict=False):
+            self.holders[block] = {h.decode() for h in held}
+
+    def indexed(self, instance_id: str, blocks: Sequence[str], forgotten: list[bytes]) -> None:
+        for block in blocks:
+            self.holders.setdefault(block, set()).add(instance_id)
+        self.unindexed(instance_id, [b.decode() for b in forgotten])
+
+    def unindexed(self, instance_id: str, blocks: Sequence[str]) -> None:
+        for block in blocks:
+            held = self.holders.get(block)
+            if held is not None:
+                held.discard(instance_id)
+                if not held:
+                    del self.holders[block]
+
+    def cleared(self, instance_id: str) -> None:
+        self.unindexed(instance_id, [b for b, held in self.holders.items() if instance_id in held])
+
+    def matched(self, ids: Sequence[str], blocks: Sequence[str]) -> list[int]:
+        """Leading blocks each instance holds, counted greedily as Redis counts them."""
+        credit: dict[str, int] = {}
+        for block in blocks:
+            held = self.holders.get(block)
+            if not held:
+                break
+            for holder in held:
+                credit[holder] = credit.get(holder, 0) + 1
+        return [credit.get(i, 0) for i in ids]
+
+
+@dataclass(frozen=True)
+class _Viewed:
+    """A view handed out, as ``routed`` checks it: its pool, instances, blocks and match,
+    the other replicas' mark and this replica's routes in the pool then."""
+
+    prefix: str
+    ids: tuple[str, ...]
+    blocks: tuple[str, ...]
+    matched: tuple[int, ...]
+    mark: str
+    routes: int
+
+
+VIEWS_KEPT = 1024
+"""Views a replica remembers for ``routed`` to check; a decision charges within
+milliseconds of its view, and an older one is refused as stale."""
+
+
 class RedisState:
     """``SharedState`` on a Redis server; one client, shared by all requests.
 
@@ -279,6 +407,11 @@ class RedisState:
         self.share_ttl_s = share_ttl_s
         self.load_ttl_s = load_ttl_s
         self._own = own or Accounting()
+        self._on_the_way = Accounting()
+        """Changes sent to Redis and not answered yet: a view counts them already."""
+        self._known: dict[str, _Known] = {}
+        self._viewed: OrderedDict[int, _Viewed] = OrderedDict()
+        self._views = 0
         self._gate = _ShareGate()
         self._redis = _client(url, timeout_s, cluster)
         self._view = self._redis.register_script(_VIEW)
@@ -302,13 +435,43 @@ class RedisState:
             prefix = f"{self.prefix}{{{shards.pop()}}}:"
         return prefix + "routes", prefix
 
-    async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
+    async def view(
+        self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
+    ) -> SharedView:
         key, prefix = self._pool(instance_ids)
-        sums, matched, version = await self._view(
-            keys=[key], args=[prefix, len(instance_ids), *instance_ids, *blocks]
+        known = self._known.setdefault(prefix, _Known())
+        names = [str(b) for b in blocks]
+        if not (speculative and known.covers(instance_ids)):
+            sums, mark, found = await self._view(
+                keys=[key], args=[prefix, self.replica, len(instance_ids), *instance_ids, *names]
+            )
+            known.read(instance_ids, sums, mark)
+            known.saw(names, found)
+        return self._view_of(prefix, known, instance_ids, names)
+
+    def _view_of(
+        self, prefix: str, known: _Known, ids: Sequence[str], blocks: list[str]
+    ) -> SharedView:
+        """The other replicas' accounting as known, plus this replica's own (what Redis
+        took and what is on its way there)."""
+        own, sent = self._own, self._on_the_way
+        pending = [
+            known.pending[i] + own.pending.get(i, 0.0) + sent.pending.get(i, 0.0) for i in ids
+        ]
+        inflight = [
+            known.inflight[i] + own.inflight.get(i, 0.0) + sent.inflight.get(i, 0.0) for i in ids
+        ]
+        matched = known.matched(ids, blocks)
+        assert known.mark is not None  # read before any view of the pool
+        self._views += 1
+        self._viewed[self._views] = _Viewed(
+            prefix, tuple(ids), tuple(blocks), tuple(matched), known.mark, known.routes
         )
-        totals = np.array([float(v) for v in sums]).reshape(2, len(instance_ids))
-        return SharedView(totals[0], totals[1], np.array(matched, dtype=np.int64), int(version))
+        if len(self._viewed) > VIEWS_KEPT:
+            self._viewed.popitem(last=False)
+        return SharedView(
+            np.array(pending), np.array(inflight), np.array(matched, dtype=np.int64), self._views
+        )
 
     async def routed(
         self,
@@ -319,9 +482,21 @@ class RedisState:
         inflight_tokens: float,
         seen_version: int | None = None,
     ) -> bool:
-        async with self._gate.write():
-            key, prefix = self._pool([instance_id])
-            written = await self._routed(
+        """With ``seen_version``, refused at once when the view is no longer remembered
+        or this replica routed in the pool since; else checked and charged in one
+        script."""
+        key, prefix = self._pool([instance_id])
+        known = self._known.setdefault(prefix, _Known())
+        names = [str(b) for b in blocks]
+        check: list[Any] = ["", 0, 0]
+        seen = self._viewed.get(seen_version) if seen_version is not None else None
+        if seen_version is not None:
+            if seen is None or seen.prefix != prefix or seen.routes != known.routes:
+                return False
+            check = [seen.mark, len(seen.ids), *seen.ids, *seen.matched]
+            check += [len(seen.blocks), *seen.blocks]
+        async with self._gate.write(), self._sending(instance_id, pending_prefill, inflight_tokens):
+            reply = await self._routed(
                 keys=[key],
                 args=[
                     *self._share(prefix),
@@ -329,28 +504,50 @@ class RedisState:
                     capacity_blocks,
                     pending_prefill,
                     inflight_tokens,
-                    "" if seen_version is None else seen_version,
-                    *blocks,
+                    *check,
+                    *names,
                 ],
             )
-            if written:
-                self._own.add(instance_id, pending_prefill, inflight_tokens)
-        return bool(written)
+            if not reply[0]:
+                assert seen is not None  # only a checked charge is refused
+                sums, mark, found = reply[1:]
+                known.read(seen.ids, sums, mark)
+                known.saw(seen.blocks, found)
+                return False
+            self._own.add(instance_id, pending_prefill, inflight_tokens)
+        known.routes += 1
+        known.indexed(instance_id, names, reply[1])
+        return True
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
-        async with self._gate.write():
+        async with self._gate.write(), self._sending(instance_id, pending_prefill, inflight):
             key, prefix = self._pool([instance_id])
             args = [*self._share(prefix), instance_id, pending_prefill, inflight]
             await self._adjust(keys=[key], args=args)
             self._own.add(instance_id, pending_prefill, inflight)
 
+    @contextlib.asynccontextmanager
+    async def _sending(
+        self, instance_id: str, pending_prefill: float, inflight: float
+    ) -> AsyncIterator[None]:
+        """Counts a change in views while it is on its way to Redis."""
+        self._on_the_way.add(instance_id, pending_prefill, inflight)
+        try:
+            yield
+        finally:
+            self._on_the_way.add(instance_id, -pending_prefill, -inflight)
+
     async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:
         key, prefix = self._pool([instance_id])
         await self._evicted(keys=[key], args=[prefix, instance_id, *blocks])
+        if prefix in self._known:
+            self._known[prefix].unindexed(instance_id, [str(b) for b in blocks])
 
     async def cleared(self, instance_id: str) -> None:
         key, prefix = self._pool([instance_id])
         await self._cleared(keys=[key], args=[prefix, instance_id])
+        if prefix in self._known:
+            self._known[prefix].cleared(instance_id)
 
     async def reconcile(self) -> None:
         """One script per pool this replica has counted in."""
@@ -461,19 +658,22 @@ class FallbackState:
     def degraded(self) -> bool:
         return time.monotonic() < self._down_until
 
-    async def _run(self, method: str, *args: Any) -> Any:
+    async def _run(self, method: str, *args: Any, **options: Any) -> Any:
         if not self.degraded:
             try:
-                return await getattr(self.primary, method)(*args)
+                return await getattr(self.primary, method)(*args, **options)
             except (RedisError, RedisClusterException, OSError) as exc:
                 if self._down_until == 0.0 or not self.degraded:
                     log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
                 self._down_until = time.monotonic() + self.retry_s
                 self.on_fallback()
-        return await getattr(self.fallback, method)(*args)
+        return await getattr(self.fallback, method)(*args, **options)
 
-    async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
-        return cast(SharedView, await self._run("view", instance_ids, blocks))
+    async def view(
+        self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
+    ) -> SharedView:
+        view = await self._run("view", instance_ids, blocks, speculative=speculative)
+        return cast(SharedView, view)
 
     async def routed(
         self,

@@ -38,7 +38,7 @@ class SharedView:
     matched_blocks: IntArray
     """Leading prefix entries (as passed) each instance holds, counted greedily."""
     version: int = 0
-    """How many requests had been routed when this view was read (see ``routed``)."""
+    """Which view this is, for ``routed`` to check that it is still current."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,13 @@ IN_PROGRESS = InProgress()
 
 
 class SharedState(Protocol):
-    async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
-        """Accounting of ``instance_ids`` and their match of ``blocks``, in one read."""
+    async def view(
+        self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
+    ) -> SharedView:
+        """Accounting of ``instance_ids`` and their match of ``blocks``, in one read.
+        ``speculative``: the caller charges what it decides on this view through
+        ``routed`` with its version, which refuses a view that was not current, so the
+        view may come from what this replica knows already, without a read."""
         ...
 
     async def routed(
@@ -72,8 +77,10 @@ class SharedState(Protocol):
         seen_version: int | None = None,
     ) -> bool:
         """A request went to ``instance_id``: index its blocks, count its tokens. With
-        ``seen_version`` (the version of the view the decision was made on), only if no
-        other request was routed since; False, and nothing written, otherwise."""
+        ``seen_version`` (the version of the view the decision was made on, whose blocks
+        were these), only if that view is still current: no request routed since, and (in
+        Redis) no other replica's change to the accounting and the same match of the
+        blocks; False, and nothing written, otherwise."""
         ...
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
@@ -146,7 +153,9 @@ class LocalState:
         self._keys: dict[str, tuple[Outcome | InProgress, float]] = {}  # value, expiry
         self._version = 0
 
-    async def view(self, instance_ids: Sequence[str], blocks: Sequence[int]) -> SharedView:
+    async def view(
+        self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
+    ) -> SharedView:
         matched = self._index.match(blocks, len(self._rows))
         return SharedView(
             np.array([self._accounting.pending.get(i, 0.0) for i in instance_ids]),

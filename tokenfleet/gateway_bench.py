@@ -14,7 +14,9 @@ the gateway's own work.
   instances share the cores, so ``max_rps`` is a floor for the gateway alone. The
   gateway's CPU time over its run (``process_cpu_seconds_total`` from its ``/metrics``)
   per request gives ``gateway_cpu_ms_per_request``: what one request costs it, whoever
-  else shares the cores.
+  else shares the cores. With Redis, ``redis_calls_per_request``: the round trips to it
+  per request served over the rate run (the decision's, the first token's and the end's,
+  and the admission loads the release passes share).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from redis import Redis
 from tqdm import tqdm
 
 from tokenfleet.services.process import (
@@ -91,17 +94,24 @@ def bench_gateway(
         if litellm:
             fronts["litellm"] = stack.enter_context(_litellm(Path(home), litellm, direct))
         latency = asyncio.run(_latency(direct, fronts, requests))
-        rates, cpu_ms = {}, {}
+        rates, cpu_ms, redis_calls = {}, {}, {}
         for name, url in fronts.items():
             cpu_before = _cpu_seconds(url) if name in _MEASURED_CPU else 0.0
+            calls_before = _script_calls(redis) if redis and name == "gateway_redis" else 0
             rates[name] = asyncio.run(_rate([url], concurrency, duration_s))
             if name in _MEASURED_CPU:
                 cpu_ms[name] = (_cpu_seconds(url) - cpu_before) * 1000 / rates[name].requests
+            if redis and name == "gateway_redis":
+                calls = _script_calls(redis) - calls_before
+                redis_calls[name] = calls / rates[name].requests
         if pair:  # both replicas of one Redis, each taking half the clients
-            cpu_before = sum(_cpu_seconds(url) for url in pair)
+            assert redis is not None  # a pair only shares a Redis
+            cpu_before, calls_before = sum(_cpu_seconds(url) for url in pair), _script_calls(redis)
             rates["gateway_redis_pair"] = asyncio.run(_rate(pair, concurrency, duration_s))
             used = sum(_cpu_seconds(url) for url in pair) - cpu_before
             cpu_ms["gateway_redis_pair"] = used * 1000 / rates["gateway_redis_pair"].requests
+            calls = _script_calls(redis) - calls_before
+            redis_calls["gateway_redis_pair"] = calls / rates["gateway_redis_pair"].requests
         direct_rate = asyncio.run(_rate(direct, concurrency, duration_s))
     figures = {
         "requests": requests,
@@ -118,6 +128,7 @@ def bench_gateway(
         figures["gateway_redis_pair"] = {
             "max_rps": rates["gateway_redis_pair"].per_s,
             "cpu_ms_per_request": cpu_ms["gateway_redis_pair"],
+            "redis_calls_per_request": redis_calls["gateway_redis_pair"],
             "rate_over_one_replica": rates["gateway_redis_pair"].per_s
             / rates["gateway_redis"].per_s,
         }
@@ -129,6 +140,8 @@ def bench_gateway(
         own["max_rps"] = rates[name].per_s
         if name in cpu_ms:
             own["cpu_ms_per_request"] = cpu_ms[name]
+        if name in redis_calls:
+            own["redis_calls_per_request"] = redis_calls[name]
         if name == "gateway":
             figures |= added | {"max_rps": own["max_rps"], "gateway_p50_ms": own["p50_ms"]}
             figures["gateway_p99_ms"] = own["p99_ms"]
@@ -299,6 +312,19 @@ async def _rate(targets: list[str], concurrency: int, duration_s: float) -> Rate
         started = time.monotonic()
         await asyncio.gather(*(client(http, i) for i in range(concurrency)))
         return Rate(done, time.monotonic() - started)
+
+
+def _script_calls(redis: str) -> int:
+    """Scripts Redis has run for its clients so far (``INFO commandstats``): the gateway
+    reaches its shared state through scripts only, one call a round trip (the commands a
+    script runs are counted apart, under their own names)."""
+    client = Redis.from_url(redis)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    scripts = (stats.get(f"cmdstat_{name}", {}) for name in ("evalsha", "eval"))
+    return sum(int(stat.get("calls", 0)) for stat in scripts)
 
 
 def _cpu_seconds(front: str) -> float:

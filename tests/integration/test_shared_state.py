@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +137,84 @@ async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
     await state.close()
 
 
+async def test_a_speculative_view_sees_the_replica_s_own_writes_as_a_read_does(
+    state: SharedState,
+) -> None:
+    """Charges, ends, blocks an instance forgot for room and KV events: after each, the
+    view a replica builds from what it knows equals the one it reads."""
+    ids, blocks = ["a", "b"], (1, 2, 3, 4)
+
+    async def same_views() -> None:
+        speculative = await state.view(ids, blocks, speculative=True)
+        read = await state.view(ids, blocks)
+        for field in ("pending_prefill", "inflight_tokens", "matched_blocks"):
+            assert getattr(speculative, field).tolist() == getattr(read, field).tolist()
+
+    await same_views()
+    steps = [
+        state.routed("a", (1, 2, 3), 3, 30.0, 50.0),
+        state.routed("b", (1, 2), 3, 20.0, 40.0),
+        state.routed("a", (9, 1), 3, 10.0, 10.0),  # a forgets 2 and 3 for room
+        state.adjust("a", -30.0, -50.0),
+        state.evicted("b", (2,)),
+        state.routed("a", (2, 3), 3, 0.0, 0.0),
+        state.cleared("a"),
+    ]
+    for step in steps:
+        await step
+        await same_views()
+
+
+@pytest.mark.redis
+async def test_a_decision_is_one_round_trip_to_redis(
+    redis_server: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a replica has read a pool, a speculative view costs no call and its checked
+    charge one; a view checked after another replica wrote is refused, and the refusal
+    carries the fresh read, so the decision made again is charged in one more call."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    one = RedisState(redis_server.address, prefix, replica="one")
+    two = RedisState(redis_server.address, prefix, replica="two")
+    sent: list[object] = []
+    send = one._redis.execute_command
+
+    async def counted(*args: object, **options: object) -> object:
+        sent.append(args[0])
+        return await send(*args, **options)
+
+    monkeypatch.setattr(one._redis, "execute_command", counted)
+
+    async def calls(action: Awaitable[bool]) -> tuple[bool, int]:
+        sent.clear()
+        return await action, len(sent)
+
+    async def decision(state: RedisState, instance: str, blocks: tuple[int, ...]) -> bool:
+        view = await state.view(["a", "b"], blocks, speculative=True)
+        return await state.routed(instance, blocks, 100, 1.0, 2.0, seen_version=view.version)
+
+    try:
+        for state in (one, two):  # each replica reads the pool once, and loads the scripts
+            assert await decision(state, "a", (1,))
+        await one.view(["a", "b"], ())  # and one has read what two wrote
+        assert await calls(decision(one, "a", (1, 2))) == (True, 1)
+        assert await calls(decision(one, "b", (3,))) == (True, 1)
+        await two.adjust("b", 0.0, -2.0)  # the other replica's change to the accounting
+        assert await calls(decision(one, "a", (1, 2))) == (False, 1)
+        assert await calls(decision(one, "a", (1, 2))) == (True, 1)  # decided again
+        view = await one.view(["a", "b"], (4,), speculative=True)
+        await two.routed("b", (4,), 100, 0.0, 0.0)  # and to the index
+        assert not await one.routed("a", (4,), 100, 1.0, 2.0, seen_version=view.version)
+        view = await one.view(["a", "b"], (4,), speculative=True)
+        assert view.matched_blocks.tolist() == [0, 1]  # learnt from the refusal
+        assert view.inflight_tokens.tolist() == [8.0, 0.0]
+        assert await calls(decision(one, "b", (4,))) == (True, 1)
+        stale = one.routed("a", (5,), 100, 1.0, 2.0, seen_version=view.version)
+        assert await calls(stale) == (False, 0)  # older than this replica's last route
+    finally:
+        await one.close()
+        await two.close()
+
+
 async def test_a_replica_never_reads_its_own_admission_load_back(state: SharedState) -> None:
     assert await state.admission_loads('{"m/dc": {}}') == []
     assert await state.admission_loads("{}") == []
@@ -187,21 +265,25 @@ async def test_a_replica_that_stops_rewriting_its_share_stops_counting(
 async def test_reconcile_rewrites_a_share_from_the_replicas_own_record(
     redis_server: Service,
 ) -> None:
-    """An update lost on the way (here: overwritten behind the replica's back) is mended."""
+    """An update lost on the way (here: overwritten behind the replica's back) is mended:
+    the other replicas read the replica's share; the replica itself counts its record."""
     prefix = f"test-{uuid.uuid4().hex}:"
     state = RedisState(redis_server.address, prefix, replica="r")
+    peer = RedisState(redis_server.address, prefix, replica="peer")
     other = Redis.from_url(redis_server.address)
     try:
         await state.routed("a", (), 100, 10.0, 20.0)
         await state.adjust("a", -10.0, 0.0)
         await other.hset(f"{prefix}acct:r:inflight", "a", 999.0)
-        assert (await state.view(["a"], ())).inflight_tokens.tolist() == [999.0]
+        assert (await peer.view(["a"], ())).inflight_tokens.tolist() == [999.0]
+        assert (await state.view(["a"], ())).inflight_tokens.tolist() == [20.0]
         await state.reconcile()
-        view = await state.view(["a"], ())
+        view = await peer.view(["a"], ())
         assert view.pending_prefill.tolist() == [0.0]
         assert view.inflight_tokens.tolist() == [20.0]
     finally:
         await state.close()
+        await peer.close()
         await other.aclose()
 
 
@@ -273,7 +355,7 @@ async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_rec
 async def test_on_a_cluster_each_pool_s_state_lives_on_its_own_node(
     redis_cluster: Service,
 ) -> None:
-    """Pools spread over the nodes, and each keeps its own accounting, index and version;
+    """Pools spread over the nodes, and each keeps its own accounting, index and routes;
     reconcile rewrites each pool's share on its own node."""
     pools = {"a": "m@dc-1", "b": "m@dc-2", "c": "m@dc-3", "d": "m@dc-4"}
     prefix = f"test-{uuid.uuid4().hex}:"
@@ -291,7 +373,8 @@ async def test_on_a_cluster_each_pool_s_state_lives_on_its_own_node(
             view = await state.view([instance], (7, n))
             assert view.pending_prefill.tolist() == [float(n)]
             assert view.matched_blocks.tolist() == [2]
-            assert view.version == 1  # one request routed in each pool
+            # checked against its own pool, where nothing was routed since
+            assert await state.routed(instance, (), 100, 0.0, 0.0, seen_version=view.version)
         node_of = nodes.get_node_from_key
         serving = {node_of(f"{{{pool}}}").name for pool in pools.values()}  # type: ignore[union-attr]
         assert len(serving) > 1

@@ -186,15 +186,18 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     ):
         if name in figures:
             other = figures[name]
+            calls = other.get("redis_calls_per_request")
             print(
                 f"{label}: added p50 {other['added_latency_p50_ms']:.2f} ms, "
                 f"p99 {other['added_latency_p99_ms']:.2f} ms; {other['max_rps']:.0f} requests/s"
+                + (f"; {calls:.2f} Redis round trips per request" if calls is not None else "")
             )
     if "gateway_redis_pair" in figures:
         pair = figures["gateway_redis_pair"]
         print(
             f"two gateways sharing one Redis: {pair['max_rps']:.0f} requests/s, "
-            f"{pair['rate_over_one_replica']:.2f} x one replica's"
+            f"{pair['rate_over_one_replica']:.2f} x one replica's; "
+            f"{pair['redis_calls_per_request']:.2f} Redis round trips per request"
         )
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
