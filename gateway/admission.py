@@ -13,7 +13,9 @@ replicas hear of them.
 Replicas side by side share their pools through the shared state: before each pass a
 replica publishes its load per pool and class (requests in flight, held, how fast its pool
 drains, where its first held request stands) and reads the others'
-(``SharedState.admission_loads``: a Redis round trip per pass, off the request's path).
+(``SharedState.admission_loads``: a Redis round trip per pass, off the request's path). A
+replica that heard of no other at its last share shares once a tick instead, so a
+replica that starts beside it is heard of within a tick, and is counted from then on.
 Class ceilings then count every replica's requests, arrivals queue behind any replica's
 held ones, and a held request waits while another replica holds one of its class from
 before it, so the pools drain in one order. What a replica reads is as old as the other's
@@ -94,6 +96,7 @@ class GatewayAdmission:
         self.replicas = 1
         """The replicas sharing the pools, this one included, as last heard."""
         self._changed = asyncio.Event()
+        self._shared_at = -float("inf")
         self._closing = False
 
     def pipeline(self, model: str, dc: str) -> Pipeline[Held]:
@@ -129,7 +132,7 @@ class GatewayAdmission:
         outcome = pipeline.arrive(request, route, answer, snapshot, time.monotonic())
         self._count(outcome, inbound.model.name, dc)
         if outcome.admission.verdict is not Verdict.REJECT:
-            self._changed.set()  # the other replicas hear of it at once
+            self.wake()  # the other replicas hear of it at once
         if outcome.admission.verdict is Verdict.HOLD:
             if self._closing:
                 self.answer_held(SHUTDOWN)
@@ -158,7 +161,7 @@ class GatewayAdmission:
         neither of (here and below)."""
         if not inbound.by_load:
             self.pipeline(inbound.model.name, dc).first_token(inbound.request_id, time.monotonic())
-            self._changed.set()
+            self.wake()
 
     def left_instance(self, inbound: Inbound, dc: str) -> None:
         if not inbound.by_load:
@@ -182,6 +185,10 @@ class GatewayAdmission:
             observation=observation,
             cancelled=cancelled,
         )
+        self.wake()
+
+    def wake(self) -> None:
+        """A pass is due now, not at the next tick: capacity freed, or a request came."""
         self._changed.set()
 
     async def run(self) -> None:
@@ -191,9 +198,10 @@ class GatewayAdmission:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), self.tick_s)
                 self._changed.clear()
-                await self._shared_loads()
+                if self._sharing_due():
+                    await self._shared_loads()
                 try:
-                    if await self.release_pass():
+                    if await self.release_pass() and self.replicas > 1:
                         await self._shared_loads()
                 except Exception:  # a bug in one pass must not leave every hold waiting
                     log.exception("admission release pass failed")
@@ -202,9 +210,16 @@ class GatewayAdmission:
             with contextlib.suppress(Exception):  # the others stop counting this replica
                 await self._loads("{}")
 
+    def _sharing_due(self) -> bool:
+        """Before every pass while other replicas share the pools; alone as last heard,
+        once a tick, which is how soon it hears of a replica that starts (a round trip
+        per pass, most of a lone replica's calls to Redis, would tell no one)."""
+        return self.replicas > 1 or time.monotonic() - self._shared_at >= self.tick_s
+
     async def _shared_loads(self) -> None:
         """``share_loads``; a failure leaves this replica deciding alone until the next
         pass, and never stops its releases."""
+        self._shared_at = time.monotonic()
         try:
             await self.share_loads()
         except Exception:

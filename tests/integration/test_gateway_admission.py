@@ -317,3 +317,40 @@ async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_coun
     pipeline = host.pipeline(MODEL, "dc-a")
     await host.share_loads()
     assert pipeline.peers[TaskClass.INTERACTIVE] == ClassLoad(3, 1, 2, 0.5, None)
+
+
+@pytest.mark.parametrize("others", [0, 1])
+async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_at_each_pass(
+    others: int,
+) -> None:
+    """Alone as last heard, a replica tells no one of each pass, only of each tick; beside
+    another, it shares before every pass."""
+    shared: list[str] = []
+
+    async def loads(own: str) -> list[str]:
+        shared.append(own)
+        return [json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, 0, 0.0, None]}})] * others
+
+    async def no_snapshot(_model: str, _dc: str) -> FleetSnapshot:
+        raise AssertionError("no pass needs one: nothing is held")
+
+    host = GatewayAdmission(
+        lambda _model: SLOMax(),
+        lambda _model, _dc: make_router("round_robin"),
+        no_snapshot,
+        Objectives(),
+        GatewayMetrics(),
+        loads,
+        tick_s=5.0,
+    )
+    running = asyncio.create_task(host.run())
+    try:
+        for _ in range(20):
+            host.wake()
+            await asyncio.sleep(0.01)
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    passes = len(shared) - 1  # the last: leaving, the others stop counting this one
+    assert passes == (1 if others == 0 else 20)
