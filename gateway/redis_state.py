@@ -43,19 +43,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
+from gateway.resp import LeanRedis
 from gateway.state import IN_PROGRESS, Accounting, InProgress, LocalState, Outcome, SharedView
 
 log = logging.getLogger(__name__)
-
-MAX_CONNECTIONS = 32
-"""Connections one replica opens to Redis at most. A call takes a fraction of a
-millisecond, so a few dozen serve a burst: 500 calls at once took 83 ms on 32 connections
-and 122 ms on 100 (redis-py's default) on this project's 2-core machine, and a burst that
-opens 100 connections at once can time out connecting on a loaded machine."""
 
 _NOW = """
 local clock = redis.call('TIME')
@@ -614,23 +608,14 @@ class RedisState:
         await self._redis.aclose()
 
 
-def _client(url: str, timeout_s: float, cluster: bool) -> Redis | RedisCluster:
+def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | RedisCluster:
     if cluster:
         # No blocking pool here: past its connections per node (100) the cluster client
         # raises, and the replica answers locally until ``retry_s`` has passed.
         return RedisCluster.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
-    # More calls at once than connections wait for one (up to the timeout): the default
-    # pool raises instead, which sent a burst of 500 to the local fallback.
-    pool = BlockingConnectionPool.from_url(
-        url,
-        max_connections=MAX_CONNECTIONS,
-        timeout=timeout_s,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-    )
-    return Redis.from_pool(pool)  # closing the client closes its pool
+    return LeanRedis(url, timeout_s)
 
 
 class FallbackState:

@@ -176,13 +176,13 @@ async def test_a_decision_is_one_round_trip_to_redis(
     one = RedisState(redis_server.address, prefix, replica="one")
     two = RedisState(redis_server.address, prefix, replica="two")
     sent: list[object] = []
-    send = one._redis.execute_command
+    send = one._redis.call
 
     async def counted(*args: object, **options: object) -> object:
         sent.append(args[0])
         return await send(*args, **options)
 
-    monkeypatch.setattr(one._redis, "execute_command", counted)
+    monkeypatch.setattr(one._redis, "call", counted)
 
     async def calls(action: Awaitable[bool]) -> tuple[bool, int]:
         sent.clear()

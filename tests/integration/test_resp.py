@@ -1,0 +1,77 @@
+"""The lean Redis client against a real server: pipelined calls answered in order, a
+call that times out failing alone with those behind it while later calls reconnect, a
+database other than 0, and scripts the server has not seen yet."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import uvloop
+from redis.exceptions import ResponseError, TimeoutError
+
+from gateway.resp import LeanRedis
+from tests.services import Service
+
+pytestmark = pytest.mark.redis
+
+
+async def test_calls_at_once_are_answered_each_with_its_own_reply(redis_server: Service) -> None:
+    client = LeanRedis(redis_server.address, timeout_s=5.0)
+    key = f"test-{uuid.uuid4().hex}"
+    try:
+        replies = await asyncio.gather(*(client.call("INCR", key) for _ in range(500)))
+        assert replies == list(range(1, 501))  # each its own, in the order sent
+        with pytest.raises(ResponseError):
+            await client.call("INCR", key, "too many")
+        assert await client.get(key) == b"500"
+    finally:
+        await client.aclose()
+
+
+async def test_a_call_past_its_time_fails_with_those_behind_it_and_the_next_reconnects(
+    redis_server: Service,
+) -> None:
+    client = LeanRedis(redis_server.address, timeout_s=0.2)
+    key = f"test-{uuid.uuid4().hex}"
+    try:
+        await client.set(key, b"v")
+        blocked = asyncio.create_task(client.call("BLPOP", f"{key}-empty", "1"))
+        behind = asyncio.create_task(client.get(key))
+        for call in (blocked, behind):
+            with pytest.raises(TimeoutError):
+                await call
+        assert await client.get(key) == b"v"
+    finally:
+        await client.aclose()
+
+
+async def test_a_database_and_a_script_new_to_the_server(redis_server: Service) -> None:
+    third = LeanRedis(f"{redis_server.address.rsplit('/', 1)[0]}/3", timeout_s=5.0)
+    first = LeanRedis(redis_server.address, timeout_s=5.0)
+    key = f"test-{uuid.uuid4().hex}"
+    script = third.register_script(f"return redis.call('SET', KEYS[1], ARGV[1]) -- {key}")
+    try:
+        assert await script(keys=[key], args=["in 3"]) == b"OK"  # sent whole, then by SHA1
+        assert await script(keys=[key], args=["in 3"]) == b"OK"
+        assert await third.get(key) == b"in 3"
+        assert await first.get(key) is None
+        assert await first.set(key, b"x", nx=True, px=1000)
+        assert not await first.set(key, b"y", nx=True, px=1000)
+    finally:
+        await third.aclose()
+        await first.aclose()
+
+
+def test_on_uvloop_as_the_gateway_runs(redis_server: Service) -> None:
+    """uvloop's transports are not asyncio's classes; the gateway runs on uvloop."""
+
+    async def calls() -> list[object]:
+        client = LeanRedis(redis_server.address, timeout_s=5.0)
+        try:
+            return await asyncio.gather(client.call("PING"), client.call("ECHO", "x"))
+        finally:
+            await client.aclose()
+
+    assert uvloop.run(calls()) == [b"PONG", b"x"]

@@ -1,0 +1,52 @@
+"""The lean Redis client's reading of replies: whole ones, ones split anywhere, nested
+ones, errors and nils."""
+
+from __future__ import annotations
+
+import pytest
+from redis.exceptions import NoScriptError, ResponseError
+
+from gateway.resp import _encoded, _Incomplete, _parsed
+
+REPLIES = b"+OK\r\n:42\r\n$5\r\nhello\r\n$-1\r\n*3\r\n$1\r\na\r\n*1\r\n:7\r\n*0\r\n-ERR bad\r\n"
+
+
+def test_replies_read_one_after_another() -> None:
+    position, values = 0, []
+    while position < len(REPLIES):
+        value, position = _parsed(REPLIES, position)
+        values.append(value)
+    assert values[:5] == [b"OK", 42, b"hello", None, [b"a", [7], []]]
+    assert isinstance(values[5], ResponseError)
+    assert str(values[5]) == "ERR bad"
+
+
+@pytest.mark.parametrize("cut", range(1, len(REPLIES)))
+def test_a_reply_cut_anywhere_waits_for_the_rest(cut: int) -> None:
+    """Whatever the network splits, a reply is read only once it is whole."""
+    position, whole = 0, 0
+    while True:
+        try:
+            _, position = _parsed(REPLIES[:cut], position)
+        except _Incomplete:
+            break
+        whole += 1
+    ends = [5, 10, 21, 26, 49, 59]  # where each reply ends
+    assert whole == sum(end <= cut for end in ends)
+    assert ends[-1] == len(REPLIES)
+
+
+def test_a_missing_script_is_told_apart_from_other_errors() -> None:
+    error, _ = _parsed(b"-NOSCRIPT No matching script.\r\n", 0)
+    assert isinstance(error, NoScriptError)
+
+
+def test_arguments_go_as_bulk_strings_floats_as_python_writes_them() -> None:
+    assert _encoded(["EVALSHA", b"\x00", 2, -0.5]) == (
+        b"*4\r\n$7\r\nEVALSHA\r\n$1\r\n\x00\r\n$1\r\n2\r\n$4\r\n-0.5\r\n"
+    )
+
+
+def test_what_is_not_resp_is_refused() -> None:
+    with pytest.raises(ValueError, match="kind"):
+        _parsed(b"?what\r\n", 0)
