@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from tokenfleet.commands.errors import CliError
-from tokenfleet.commands.loop import run_fast
+from tokenfleet.commands.loop import run_fast, tune_gc_for_serving
 
 _ENVIRONMENT = (
     "Environment: TOKENFLEET_KAFKA_BOOTSTRAP (unset: an in-process bus, and the gateway "
@@ -83,6 +83,7 @@ def _gateway(args: argparse.Namespace) -> int:
     async def run() -> None:
         async with running_gateway(fleet, settings, Settings(), args.host, args.port):
             print(f"gateway at http://{args.host}:{args.port}/v1", flush=True)
+            tune_gc_for_serving()
             stop = asyncio.Event()
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
             await stop.wait()

@@ -1,8 +1,9 @@
-"""The event loop the long-running servers run on."""
+"""The event loop the long-running servers run on, and their garbage collector."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -17,3 +18,20 @@ def run_fast(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+SERVER_GC_THRESHOLDS = (10_000, 20, 100)
+"""Python's collector for a process serving requests: a young collection every 10,000
+allocations instead of 700, as the table workers run (``streams.faust_app``)."""
+
+
+def tune_gc_for_serving() -> None:
+    """Once a server has started: what it built to start (the fleet, the modules, their
+    tables) is moved out of the collector's sight (``gc.freeze``), and young collections
+    come less often (``SERVER_GC_THRESHOLDS``). On this project's 2-core machine
+    (2026-12-05, two runs each of ``tokenfleet bench gateway --no-litellm``) the gateway's
+    CPU per request went from 0.79 and 0.88 ms to 0.70 and 0.78 ms with SLOMax, from 0.74
+    and 0.75 ms to 0.63 and 0.63 ms admitting everything, and from 1.10 and 1.12 ms to
+    1.05 and 0.99 ms with its state in Redis."""
+    gc.freeze()
+    gc.set_threshold(*SERVER_GC_THRESHOLDS)
