@@ -52,7 +52,7 @@ class LeanRedis:
     async def call(self, *args: Arg) -> Reply:
         """One command; its reply, or the error Redis answered, raised."""
         connection = self._connection
-        if connection is None or connection.closed:
+        if connection is None or connection.broken:
             connection = await self._connect()
         reply = await connection.call(args, self.timeout_s)
         if isinstance(reply, ResponseError):
@@ -79,7 +79,7 @@ class LeanRedis:
 
     async def _connect(self) -> _Connection:
         async with self._connecting:  # calls that find no connection wait for one
-            if self._connection is None or self._connection.closed:
+            if self._connection is None or self._connection.broken:
                 self._connection = await self._open()
             return self._connection
 
@@ -129,15 +129,21 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
+    @property
+    def broken(self) -> bool:
+        """Closed, or closing: the peer hung up and the loop has not said so yet."""
+        return self.closed or self.transport is None or self.transport.is_closing()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.close(RedisConnectionError(f"Redis closed the connection: {exc!r}"))
 
     def call(self, args: Sequence[Arg], timeout_s: float) -> asyncio.Future[Reply]:
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[Reply] = loop.create_future()
-        if self.closed or self.transport is None:
+        if self.broken:
             reply.set_exception(RedisConnectionError("the connection to Redis is closed"))
             return reply
+        assert self.transport is not None  # not broken
         self.transport.write(_encoded(args))
         self.waiting.append((reply, loop.call_later(timeout_s, self._late, timeout_s)))
         return reply

@@ -47,6 +47,18 @@ async def test_a_call_past_its_time_fails_with_those_behind_it_and_the_next_reco
         await client.aclose()
 
 
+async def test_a_connection_the_server_dropped_is_opened_again(redis_server: Service) -> None:
+    client = LeanRedis(redis_server.address, timeout_s=5.0)
+    admin = LeanRedis(redis_server.address, timeout_s=5.0)
+    try:
+        await admin.call("CLIENT", "KILL", "ID", str(await client.call("CLIENT", "ID")))
+        await asyncio.sleep(0.1)  # the loop has read the server's hang-up
+        assert await client.call("PING") == b"PONG"
+    finally:
+        await client.aclose()
+        await admin.aclose()
+
+
 async def test_a_database_and_a_script_new_to_the_server(redis_server: Service) -> None:
     third = LeanRedis(f"{redis_server.address.rsplit('/', 1)[0]}/3", timeout_s=5.0)
     first = LeanRedis(redis_server.address, timeout_s=5.0)
