@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
@@ -294,34 +295,42 @@ class _Known:
 
     A view built from it, with this replica's own record, is what a read would return if
     no other replica wrote meanwhile; ``routed`` sends it to be checked, so that the check
-    and the charge are one round trip."""
+    and the charge are one round trip. What no charge checks (an admission that holds or
+    refuses on it) rests on a read at most ``RedisState.known_for_s`` old."""
 
-    def __init__(self) -> None:
+    def __init__(self, ids: Sequence[str]) -> None:
+        self.ids = tuple(ids)
         self.mark: str | None = None
+        self.read_at = -float("inf")
         self.pending: dict[str, float] = {}
         self.inflight: dict[str, float] = {}
         self.holders: dict[str, set[str]] = {}
-        self.routes = 0
-        """Requests this replica routed in the pool: a view from before one is stale."""
 
-    def read(self, ids: Sequence[str], sums: list[bytes], mark: bytes) -> None:
+    def read(self, sums: list[bytes], mark: bytes) -> None:
         values = [float(v) for v in sums]
-        self.pending = dict(zip(ids, values[: len(ids)], strict=True))
-        self.inflight = dict(zip(ids, values[len(ids) :], strict=True))
+        n = len(self.ids)
+        self.pending = dict(zip(self.ids, values[:n], strict=True))
+        self.inflight = dict(zip(self.ids, values[n:], strict=True))
         self.mark = mark.decode()
+        self.read_at = time.monotonic()
 
-    def covers(self, ids: Sequence[str]) -> bool:
-        return self.mark is not None and all(i in self.pending for i in ids)
+    def fresh(self, known_for_s: float) -> bool:
+        return self.mark is not None and time.monotonic() - self.read_at <= known_for_s
 
     def saw(self, blocks: Sequence[str], found: list[list[bytes]]) -> None:
         """The holders Redis listed for ``blocks``, up to the first none held."""
         for block, held in zip(blocks, found, strict=False):
-            self.holders[block] = {h.decode() for h in held}
+            if held:
+                self.holders[block] = {h.decode() for h in held}
+            else:
+                self.holders.pop(block, None)
+        self._bounded()
 
     def indexed(self, instance_id: str, blocks: Sequence[str], forgotten: list[bytes]) -> None:
         for block in blocks:
             self.holders.setdefault(block, set()).add(instance_id)
         self.unindexed(instance_id, [b.decode() for b in forgotten])
+        self._bounded()
 
     def unindexed(self, instance_id: str, blocks: Sequence[str]) -> None:
         for block in blocks:
@@ -333,6 +342,13 @@ class _Known:
 
     def cleared(self, instance_id: str) -> None:
         self.unindexed(instance_id, [b for b, held in self.holders.items() if instance_id in held])
+
+    def _bounded(self) -> None:
+        """Blocks other replicas' charges pushed out of an instance stay here until a read
+        shows them gone; past ``MIRRORED_BLOCKS`` the mirror starts again from nothing (a
+        block it lacks only costs a refused charge, whose answer lists its holders)."""
+        if len(self.holders) > MIRRORED_BLOCKS:
+            self.holders.clear()
 
     def matched(self, ids: Sequence[str], blocks: Sequence[str]) -> list[int]:
         """Leading blocks each instance holds, counted greedily as Redis counts them."""
@@ -349,9 +365,10 @@ class _Known:
 @dataclass(frozen=True)
 class _Viewed:
     """A view handed out, as ``routed`` checks it: its pool, instances, blocks and match,
-    the other replicas' mark and this replica's routes in the pool then."""
+    the other replicas' mark and this replica's routes under the prefix then."""
 
     prefix: str
+    known: _Known
     ids: tuple[str, ...]
     blocks: tuple[str, ...]
     matched: tuple[int, ...]
@@ -362,6 +379,12 @@ class _Viewed:
 VIEWS_KEPT = 1024
 """Views a replica remembers for ``routed`` to check; a decision charges within
 milliseconds of its view, and an older one is refused as stale."""
+MAX_CONNECTIONS = 32
+"""Connections redis-py opens to one server at most, where the gateway uses it: 500 calls
+at once took 83 ms on 32 connections and 122 ms on 100 (its default) on this project's
+2-core machine, and a burst that opens 100 at once can time out connecting."""
+MIRRORED_BLOCKS = 100_000
+"""Prefix blocks a replica mirrors per pool at most (``_Known``)."""
 
 
 class RedisState:
@@ -382,13 +405,16 @@ class RedisState:
         share_ttl_s: float = 10.0,
         own: Accounting | None = None,
         load_ttl_s: float = 2.0,
+        known_for_s: float = 0.05,
         shard_of: Callable[[str], str] = lambda instance_id: "fleet",
         cluster: bool = False,
     ) -> None:
         """``load_ttl_s``: how long a replica's admission load counts after it last
         published it. Replicas publish theirs every admission tick (50 ms), so two seconds
         ride out a stalled event loop, and a replica that died stops holding the others'
-        pools back within them.
+        pools back within them. ``known_for_s``: how long after reading a pool a replica
+        builds speculative views from what it read (50 ms, an admission tick: how stale
+        the other replicas' admission load may be too).
 
         ``shard_of``: the hash tag an instance's routing keys go under, the same for every
         instance of a pool (a view reads a pool in one script); ``cluster``: ``url`` names
@@ -400,12 +426,17 @@ class RedisState:
         self.replica = replica or uuid.uuid4().hex
         self.share_ttl_s = share_ttl_s
         self.load_ttl_s = load_ttl_s
+        self.known_for_s = known_for_s
         self._own = own or Accounting()
         self._on_the_way = Accounting()
         """Changes sent to Redis and not answered yet: a view counts them already."""
-        self._known: dict[str, _Known] = {}
+        self._known: dict[tuple[str, tuple[str, ...]], _Known] = {}
+        self._routes: dict[str, int] = {}
+        """Charges this replica sent under each prefix: a view from before one is stale."""
         self._viewed: OrderedDict[int, _Viewed] = OrderedDict()
         self._views = 0
+        """Views are numbered downwards from -1, apart from a local state's versions (0
+        and up), so that neither checks the other's as its own."""
         self._gate = _ShareGate()
         self._redis = _client(url, timeout_s, cluster)
         self._view = self._redis.register_script(_VIEW)
@@ -433,22 +464,20 @@ class RedisState:
         self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
     ) -> SharedView:
         key, prefix = self._pool(instance_ids)
-        known = self._known.setdefault(prefix, _Known())
+        known = self._known.setdefault((prefix, tuple(instance_ids)), _Known(instance_ids))
         names = [str(b) for b in blocks]
-        if not (speculative and known.covers(instance_ids)):
+        if not (speculative and known.fresh(self.known_for_s)):
             sums, mark, found = await self._view(
                 keys=[key], args=[prefix, self.replica, len(instance_ids), *instance_ids, *names]
             )
-            known.read(instance_ids, sums, mark)
+            known.read(sums, mark)
             known.saw(names, found)
-        return self._view_of(prefix, known, instance_ids, names)
+        return self._view_of(prefix, known, names)
 
-    def _view_of(
-        self, prefix: str, known: _Known, ids: Sequence[str], blocks: list[str]
-    ) -> SharedView:
+    def _view_of(self, prefix: str, known: _Known, blocks: list[str]) -> SharedView:
         """The other replicas' accounting as known, plus this replica's own (what Redis
         took and what is on its way there)."""
-        own, sent = self._own, self._on_the_way
+        own, sent, ids = self._own, self._on_the_way, known.ids
         pending = [
             known.pending[i] + own.pending.get(i, 0.0) + sent.pending.get(i, 0.0) for i in ids
         ]
@@ -457,9 +486,10 @@ class RedisState:
         ]
         matched = known.matched(ids, blocks)
         assert known.mark is not None  # read before any view of the pool
-        self._views += 1
+        self._views -= 1
+        routes = self._routes.get(prefix, 0)
         self._viewed[self._views] = _Viewed(
-            prefix, tuple(ids), tuple(blocks), tuple(matched), known.mark, known.routes
+            prefix, known, ids, tuple(blocks), tuple(matched), known.mark, routes
         )
         if len(self._viewed) > VIEWS_KEPT:
             self._viewed.popitem(last=False)
@@ -477,18 +507,18 @@ class RedisState:
         seen_version: int | None = None,
     ) -> bool:
         """With ``seen_version``, refused at once when the view is no longer remembered
-        or this replica routed in the pool since; else checked and charged in one
-        script."""
+        or this replica sent a charge under its prefix since; else checked and charged in
+        one script."""
         key, prefix = self._pool([instance_id])
-        known = self._known.setdefault(prefix, _Known())
         names = [str(b) for b in blocks]
         check: list[Any] = ["", 0, 0]
         seen = self._viewed.get(seen_version) if seen_version is not None else None
         if seen_version is not None:
-            if seen is None or seen.prefix != prefix or seen.routes != known.routes:
+            if seen is None or seen.prefix != prefix or seen.routes != self._routes.get(prefix, 0):
                 return False
             check = [seen.mark, len(seen.ids), *seen.ids, *seen.matched]
             check += [len(seen.blocks), *seen.blocks]
+        self._routes[prefix] = self._routes.get(prefix, 0) + 1
         async with self._gate.write(), self._sending(instance_id, pending_prefill, inflight_tokens):
             reply = await self._routed(
                 keys=[key],
@@ -505,13 +535,17 @@ class RedisState:
             if not reply[0]:
                 assert seen is not None  # only a checked charge is refused
                 sums, mark, found = reply[1:]
-                known.read(seen.ids, sums, mark)
-                known.saw(seen.blocks, found)
+                seen.known.read(sums, mark)
+                seen.known.saw(seen.blocks, found)
                 return False
             self._own.add(instance_id, pending_prefill, inflight_tokens)
-        known.routes += 1
-        known.indexed(instance_id, names, reply[1])
+        for known in self._knowing(prefix, instance_id):
+            known.indexed(instance_id, names, reply[1])
         return True
+
+    def _knowing(self, prefix: str, instance_id: str) -> list[_Known]:
+        """What this replica knows of the pools under ``prefix`` that hold the instance."""
+        return [k for (p, ids), k in self._known.items() if p == prefix and instance_id in ids]
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         async with self._gate.write(), self._sending(instance_id, pending_prefill, inflight):
@@ -534,14 +568,14 @@ class RedisState:
     async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:
         key, prefix = self._pool([instance_id])
         await self._evicted(keys=[key], args=[prefix, instance_id, *blocks])
-        if prefix in self._known:
-            self._known[prefix].unindexed(instance_id, [str(b) for b in blocks])
+        for known in self._knowing(prefix, instance_id):
+            known.unindexed(instance_id, [str(b) for b in blocks])
 
     async def cleared(self, instance_id: str) -> None:
         key, prefix = self._pool([instance_id])
         await self._cleared(keys=[key], args=[prefix, instance_id])
-        if prefix in self._known:
-            self._known[prefix].cleared(instance_id)
+        for known in self._knowing(prefix, instance_id):
+            known.cleared(instance_id)
 
     async def reconcile(self) -> None:
         """One script per pool this replica has counted in."""
@@ -608,14 +642,27 @@ class RedisState:
         await self._redis.aclose()
 
 
-def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | RedisCluster:
+def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | Redis | RedisCluster:
+    """The gateway's own client on one server at a ``redis://`` address; redis-py for a
+    cluster and for the addresses it alone speaks (``rediss://``, ``unix://``)."""
     if cluster:
         # No blocking pool here: past its connections per node (100) the cluster client
         # raises, and the replica answers locally until ``retry_s`` has passed.
         return RedisCluster.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
-    return LeanRedis(url, timeout_s)
+    if url.startswith("redis://"):
+        return LeanRedis(url, timeout_s)
+    # More calls at once than connections wait for one (up to the timeout): the default
+    # pool raises instead, which sent a burst of 500 to the local fallback.
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=MAX_CONNECTIONS,
+        timeout=timeout_s,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+    )
+    return Redis.from_pool(pool)  # closing the client closes its pool
 
 
 class FallbackState:

@@ -44,7 +44,7 @@ class LeanRedis:
         self.password = unquote(parts.password) if parts.password else None
         self.timeout_s = timeout_s
         self._connection: _Connection | None = None
-        self._connecting = asyncio.Lock()
+        self._opening: asyncio.Future[_Connection] | None = None
 
     def register_script(self, source: str) -> Script:
         return Script(self, source)
@@ -78,10 +78,17 @@ class LeanRedis:
             self._connection.close(RedisConnectionError("the client was closed"))
 
     async def _connect(self) -> _Connection:
-        async with self._connecting:  # calls that find no connection wait for one
-            if self._connection is None or self._connection.broken:
-                self._connection = await self._open()
-            return self._connection
+        """The calls that find no connection share one attempt to open one, and its
+        failure: a server that does not answer fails them all within ``timeout_s``."""
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open())
+            self._opening.add_done_callback(self._opened)
+        return await asyncio.shield(self._opening)
+
+    def _opened(self, opening: asyncio.Future[_Connection]) -> None:
+        self._opening = None
+        if not opening.cancelled() and opening.exception() is None:
+            self._connection = opening.result()
 
     async def _open(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -177,7 +184,7 @@ class _Connection(asyncio.Protocol):
             if not reply.done():
                 reply.set_exception(error)
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()  # what is still buffered was answered as failed
 
 
 class _Incomplete(Exception):

@@ -59,6 +59,32 @@ async def test_a_connection_the_server_dropped_is_opened_again(redis_server: Ser
         await admin.aclose()
 
 
+async def test_calls_to_a_server_that_never_answers_all_fail_within_their_time() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read(-1)  # reads until the client leaves, answers nothing
+        finally:
+            writer.close()
+            left.set()
+
+    left = asyncio.Event()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = LeanRedis(f"redis://127.0.0.1:{port}", timeout_s=0.2)
+    try:
+        started = asyncio.get_running_loop().time()
+        calls = [client.call("PING") for _ in range(20)]
+        failed = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(f, TimeoutError) for f in failed)
+        assert asyncio.get_running_loop().time() - started < 1.0  # together, not in turn
+    finally:
+        await client.aclose()
+        await asyncio.wait_for(left.wait(), 5.0)
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_database_and_a_script_new_to_the_server(redis_server: Service) -> None:
     third = LeanRedis(f"{redis_server.address.rsplit('/', 1)[0]}/3", timeout_s=5.0)
     first = LeanRedis(redis_server.address, timeout_s=5.0)

@@ -144,11 +144,19 @@ async def test_a_speculative_view_sees_the_replica_s_own_writes_as_a_read_does(
     view a replica builds from what it knows equals the one it reads."""
     ids, blocks = ["a", "b"], (1, 2, 3, 4)
 
+    # on Redis, another replica reads what this one wrote there
+    peer = (
+        RedisState(state.url, state.prefix, cluster=state.cluster)
+        if isinstance(state, RedisState)
+        else None
+    )
+
     async def same_views() -> None:
         speculative = await state.view(ids, blocks, speculative=True)
-        read = await state.view(ids, blocks)
-        for field in ("pending_prefill", "inflight_tokens", "matched_blocks"):
-            assert getattr(speculative, field).tolist() == getattr(read, field).tolist()
+        reads = [await state.view(ids, blocks)] + ([await peer.view(ids, blocks)] if peer else [])
+        for read in reads:
+            for field in ("pending_prefill", "inflight_tokens", "matched_blocks"):
+                assert getattr(speculative, field).tolist() == getattr(read, field).tolist()
 
     await same_views()
     steps = [
@@ -160,9 +168,13 @@ async def test_a_speculative_view_sees_the_replica_s_own_writes_as_a_read_does(
         state.routed("a", (2, 3), 3, 0.0, 0.0),
         state.cleared("a"),
     ]
-    for step in steps:
-        await step
-        await same_views()
+    try:
+        for step in steps:
+            await step
+            await same_views()
+    finally:
+        if peer is not None:
+            await peer.close()
 
 
 @pytest.mark.redis
@@ -210,6 +222,66 @@ async def test_a_decision_is_one_round_trip_to_redis(
         assert await calls(decision(one, "b", (4,))) == (True, 1)
         stale = one.routed("a", (5,), 100, 1.0, 2.0, seen_version=view.version)
         assert await calls(stale) == (False, 0)  # older than this replica's last route
+    finally:
+        await one.close()
+        await two.close()
+
+
+@pytest.mark.redis
+async def test_what_a_speculative_view_rests_on_is_read_again_once_it_is_old(
+    redis_server: Service,
+) -> None:
+    """Admission holds and refuses on views no charge checks: what other replicas wrote
+    shows in them within ``known_for_s``."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    one = RedisState(redis_server.address, prefix, replica="one", known_for_s=0.2)
+    two = RedisState(redis_server.address, prefix, replica="two")
+    try:
+        await two.routed("a", (), 100, 500.0, 500.0)
+        assert (await one.view(["a"], (), speculative=True)).pending_prefill.tolist() == [500.0]
+        await two.adjust("a", -500.0, 0.0)
+        assert (await one.view(["a"], (), speculative=True)).pending_prefill.tolist() == [500.0]
+        await asyncio.sleep(0.25)
+        assert (await one.view(["a"], (), speculative=True)).pending_prefill.tolist() == [0.0]
+    finally:
+        await one.close()
+        await two.close()
+
+
+@pytest.mark.redis
+async def test_of_two_charges_on_views_from_before_both_only_the_first_sent_is_written(
+    redis_server: Service,
+) -> None:
+    state = RedisState(redis_server.address, f"test-{uuid.uuid4().hex}:")
+    try:
+        first = await state.view(["a", "b"], (), speculative=True)
+        second = await state.view(["a", "b"], (), speculative=True)
+        written = await asyncio.gather(
+            state.routed("a", (1,), 100, 1.0, 1.0, seen_version=first.version),
+            state.routed("b", (2,), 100, 1.0, 1.0, seen_version=second.version),
+        )
+        assert written == [True, False]
+    finally:
+        await state.close()
+
+
+@pytest.mark.redis
+async def test_a_view_whose_blocks_another_replica_unindexed_is_refused(
+    redis_server: Service,
+) -> None:
+    """KV events change no replica's mark: the script compares the match itself."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    one = RedisState(redis_server.address, prefix, replica="one")
+    two = RedisState(redis_server.address, prefix, replica="two")
+    try:
+        await one.routed("a", (1, 2), 100, 0.0, 0.0)
+        view = await one.view(["a", "b"], (1, 2), speculative=True)
+        assert view.matched_blocks.tolist() == [2, 0]
+        await two.evicted("a", (2,))
+        assert not await one.routed("b", (1, 2), 100, 0.0, 0.0, seen_version=view.version)
+        view = await one.view(["a", "b"], (1, 2), speculative=True)
+        assert view.matched_blocks.tolist() == [1, 0]
+        assert await one.routed("b", (1, 2), 100, 0.0, 0.0, seen_version=view.version)
     finally:
         await one.close()
         await two.close()
