@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -303,17 +303,7 @@ async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_coun
     async def loads(_own: str) -> list[str]:
         return published
 
-    async def no_snapshot(_model: str, _dc: str) -> FleetSnapshot:
-        raise AssertionError("no pass needs one: nothing is held")
-
-    host = GatewayAdmission(
-        lambda _model: SLOMax(),
-        lambda _model, _dc: make_router("round_robin"),
-        no_snapshot,
-        Objectives(),
-        GatewayMetrics(),
-        loads,
-    )
+    host = _holding_nothing(loads)
     pipeline = host.pipeline(MODEL, "dc-a")
     await host.share_loads()
     assert pipeline.peers[TaskClass.INTERACTIVE] == ClassLoad(3, 1, 2, 0.5, None)
@@ -331,18 +321,7 @@ async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_a
         shared.append(own)
         return [json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, 0, 0.0, None]}})] * others
 
-    async def no_snapshot(_model: str, _dc: str) -> FleetSnapshot:
-        raise AssertionError("no pass needs one: nothing is held")
-
-    host = GatewayAdmission(
-        lambda _model: SLOMax(),
-        lambda _model, _dc: make_router("round_robin"),
-        no_snapshot,
-        Objectives(),
-        GatewayMetrics(),
-        loads,
-        tick_s=5.0,
-    )
+    host = _holding_nothing(loads, tick_s=5.0)
     running = asyncio.create_task(host.run())
     try:
         for _ in range(20):
@@ -354,3 +333,23 @@ async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_a
             await running
     passes = len(shared) - 1  # the last: leaving, the others stop counting this one
     assert passes == (1 if others == 0 else 20)
+
+
+def _holding_nothing(
+    loads: Callable[[str], Awaitable[list[str]]], tick_s: float = 0.05
+) -> GatewayAdmission:
+    """A gateway's admission host with SLOMax, whose passes never need a snapshot (nothing
+    is held), sharing its load through ``loads``."""
+
+    async def no_snapshot(_model: str, _dc: str) -> FleetSnapshot:
+        raise AssertionError("no pass needs one: nothing is held")
+
+    return GatewayAdmission(
+        lambda _model: SLOMax(),
+        lambda _model, _dc: make_router("round_robin"),
+        no_snapshot,
+        Objectives(),
+        GatewayMetrics(),
+        loads,
+        tick_s=tick_s,
+    )

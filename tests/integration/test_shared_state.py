@@ -5,6 +5,7 @@ state."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -184,27 +185,24 @@ async def test_a_decision_is_one_round_trip_to_redis(
     """Once a replica has read a pool, a speculative view costs no call and its checked
     charge one; a view checked after another replica wrote is refused, and the refusal
     carries the fresh read, so the decision made again is charged in one more call."""
-    prefix = f"test-{uuid.uuid4().hex}:"
-    one = RedisState(redis_server.address, prefix, replica="one")
-    two = RedisState(redis_server.address, prefix, replica="two")
-    sent: list[object] = []
-    send = one._redis.call
+    async with _two_replicas(redis_server) as (one, two):
+        sent: list[object] = []
+        send = one._redis.call
 
-    async def counted(*args: object, **options: object) -> object:
-        sent.append(args[0])
-        return await send(*args, **options)
+        async def counted(*args: object, **options: object) -> object:
+            sent.append(args[0])
+            return await send(*args, **options)
 
-    monkeypatch.setattr(one._redis, "call", counted)
+        monkeypatch.setattr(one._redis, "call", counted)
 
-    async def calls(action: Awaitable[bool]) -> tuple[bool, int]:
-        sent.clear()
-        return await action, len(sent)
+        async def calls(action: Awaitable[bool]) -> tuple[bool, int]:
+            sent.clear()
+            return await action, len(sent)
 
-    async def decision(state: RedisState, instance: str, blocks: tuple[int, ...]) -> bool:
-        view = await state.view(["a", "b"], blocks, speculative=True)
-        return await state.routed(instance, blocks, 100, 1.0, 2.0, seen_version=view.version)
+        async def decision(state: RedisState, instance: str, blocks: tuple[int, ...]) -> bool:
+            view = await state.view(["a", "b"], blocks, speculative=True)
+            return await state.routed(instance, blocks, 100, 1.0, 2.0, seen_version=view.version)
 
-    try:
         for state in (one, two):  # each replica reads the pool once, and loads the scripts
             assert await decision(state, "a", (1,))
         await one.view(["a", "b"], ())  # and one has read what two wrote
@@ -222,9 +220,6 @@ async def test_a_decision_is_one_round_trip_to_redis(
         assert await calls(decision(one, "b", (4,))) == (True, 1)
         stale = one.routed("a", (5,), 100, 1.0, 2.0, seen_version=view.version)
         assert await calls(stale) == (False, 0)  # older than this replica's last route
-    finally:
-        await one.close()
-        await two.close()
 
 
 @pytest.mark.redis
@@ -233,19 +228,13 @@ async def test_what_a_speculative_view_rests_on_is_read_again_once_it_is_old(
 ) -> None:
     """Admission holds and refuses on views no charge checks: what other replicas wrote
     shows in them within ``known_for_s``."""
-    prefix = f"test-{uuid.uuid4().hex}:"
-    one = RedisState(redis_server.address, prefix, replica="one", known_for_s=0.2)
-    two = RedisState(redis_server.address, prefix, replica="two")
-    try:
+    async with _two_replicas(redis_server, known_for_s=0.2) as (one, two):
         await two.routed("a", (), 100, 500.0, 500.0)
         assert (await one.view(["a"], (), speculative=True)).pending_prefill.tolist() == [500.0]
         await two.adjust("a", -500.0, 0.0)
         assert (await one.view(["a"], (), speculative=True)).pending_prefill.tolist() == [500.0]
         await asyncio.sleep(0.25)
         assert (await one.view(["a"], (), speculative=True)).pending_prefill.tolist() == [0.0]
-    finally:
-        await one.close()
-        await two.close()
 
 
 @pytest.mark.redis
@@ -270,10 +259,7 @@ async def test_a_view_whose_blocks_another_replica_unindexed_is_refused(
     redis_server: Service,
 ) -> None:
     """KV events change no replica's mark: the script compares the match itself."""
-    prefix = f"test-{uuid.uuid4().hex}:"
-    one = RedisState(redis_server.address, prefix, replica="one")
-    two = RedisState(redis_server.address, prefix, replica="two")
-    try:
+    async with _two_replicas(redis_server) as (one, two):
         await one.routed("a", (1, 2), 100, 0.0, 0.0)
         view = await one.view(["a", "b"], (1, 2), speculative=True)
         assert view.matched_blocks.tolist() == [2, 0]
@@ -282,9 +268,6 @@ async def test_a_view_whose_blocks_another_replica_unindexed_is_refused(
         view = await one.view(["a", "b"], (1, 2), speculative=True)
         assert view.matched_blocks.tolist() == [1, 0]
         assert await one.routed("b", (1, 2), 100, 0.0, 0.0, seen_version=view.version)
-    finally:
-        await one.close()
-        await two.close()
 
 
 async def test_a_replica_never_reads_its_own_admission_load_back(state: SharedState) -> None:
@@ -296,18 +279,12 @@ async def test_a_replica_never_reads_its_own_admission_load_back(state: SharedSt
 async def test_replicas_read_each_other_s_admission_load_until_it_expires(
     redis_server: Service,
 ) -> None:
-    prefix = f"test-{uuid.uuid4().hex}:"
-    one = RedisState(redis_server.address, prefix, replica="one", load_ttl_s=0.5)
-    two = RedisState(redis_server.address, prefix, replica="two", load_ttl_s=0.5)
-    try:
+    async with _two_replicas(redis_server, load_ttl_s=0.5) as (one, two):
         assert await one.admission_loads("1") == []
         assert await two.admission_loads("2") == ["1"]
         assert await one.admission_loads("1 again") == ["2"]
         await asyncio.sleep(0.6)  # two fell silent
         assert await one.admission_loads("1") == []
-    finally:
-        await one.close()
-        await two.close()
 
 
 @pytest.mark.redis
@@ -455,3 +432,18 @@ async def test_on_a_cluster_each_pool_s_state_lives_on_its_own_node(
     finally:
         await state.close()
         await nodes.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _two_replicas(
+    redis: Service, **options: float
+) -> AsyncIterator[tuple[RedisState, RedisState]]:
+    """Replicas ``one`` and ``two`` sharing one prefix on ``redis``; ``options`` go to both."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    one = RedisState(redis.address, prefix, replica="one", **options)
+    two = RedisState(redis.address, prefix, replica="two", **options)
+    try:
+        yield one, two
+    finally:
+        await one.close()
+        await two.close()
