@@ -24,7 +24,7 @@ import pytest
 
 from schemas.control import ControlSnapshot, PlacementRecommendation
 from schemas.fleet import load_fleet
-from schemas.lifecycle import RequestArrived, RequestCompleted
+from schemas.lifecycle import RequestArrived, RequestCompleted, RequestFailed
 from schemas.openai_api import REQUEST_ID_HEADER
 from schemas.topics import JOURNAL_TOPIC, topic
 from streams.kafka import KafkaBus, create_topics
@@ -384,7 +384,7 @@ async def _every_journaled_decision_is_made_again(bootstrap: str) -> None:
 
 
 async def _every_answer_has_its_lifecycle_events(bootstrap: str, traffic: Traffic) -> None:
-    """Each answered request's arrival and completion are on Kafka, the broker's restart
+    """Each answered request's arrival and end are on Kafka, the broker's restart
     notwithstanding (the gateways' producers held them and sent them on)."""
     answered = {request_id for _, status, request_id, _ in traffic.answers if status == 200}
     assert len(answered) == len(traffic.answers), "a request went unanswered"
@@ -395,13 +395,13 @@ async def _every_answer_has_its_lifecycle_events(bootstrap: str, traffic: Traffi
             for e in await read_for(bus, "tf.requests", 8.0)
             if isinstance(e, RequestArrived)
         }
-        completed = {
-            e.request_id
-            for e in await read_for(bus, "tf.completions", 8.0)
-            if isinstance(e, RequestCompleted)
-        }
+        ends = await read_for(bus, "tf.completions", 8.0)
     finally:
         await bus.close()
-    print(f"{len(answered)} answered; {len(arrived)} arrivals, {len(completed)} completions")
+    # A streamed answer cut by the DC's loss after its first token has its headers (200)
+    # and an error event in its stream: its end on Kafka is a failure, not a completion.
+    ended = {e.request_id for e in ends if isinstance(e, RequestCompleted | RequestFailed)}
+    failed = sum(isinstance(e, RequestFailed) for e in ends)
+    print(f"{len(answered)} answered; {len(arrived)} arrivals, {len(ended)} ends ({failed} failed)")
     assert answered - arrived == set()
-    assert answered - completed == set()
+    assert answered - ended == set()
