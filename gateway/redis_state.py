@@ -364,12 +364,12 @@ class _Known:
 
 @dataclass(frozen=True)
 class _Viewed:
-    """A view handed out, as ``routed`` checks it: its pool, instances, blocks and match,
-    the other replicas' mark and this replica's routes under the prefix then."""
+    """A view handed out, as ``routed`` checks it: its pool (what is known of it, its
+    instances among that), blocks and match, the other replicas' mark and this replica's
+    routes under the prefix then."""
 
     prefix: str
     known: _Known
-    ids: tuple[str, ...]
     blocks: tuple[str, ...]
     matched: tuple[int, ...]
     mark: str
@@ -464,7 +464,8 @@ class RedisState:
         self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
     ) -> SharedView:
         key, prefix = self._pool(instance_ids)
-        known = self._known.setdefault((prefix, tuple(instance_ids)), _Known(instance_ids))
+        pool = (prefix, tuple(instance_ids))
+        known = self._known.get(pool) or self._known.setdefault(pool, _Known(instance_ids))
         names = [str(b) for b in blocks]
         if not (speculative and known.fresh(self.known_for_s)):
             sums, mark, found = await self._view(
@@ -489,7 +490,7 @@ class RedisState:
         self._views -= 1
         routes = self._routes.get(prefix, 0)
         self._viewed[self._views] = _Viewed(
-            prefix, known, ids, tuple(blocks), tuple(matched), known.mark, routes
+            prefix, known, tuple(blocks), tuple(matched), known.mark, routes
         )
         if len(self._viewed) > VIEWS_KEPT:
             self._viewed.popitem(last=False)
@@ -516,7 +517,8 @@ class RedisState:
         if seen_version is not None:
             if seen is None or seen.prefix != prefix or seen.routes != self._routes.get(prefix, 0):
                 return False
-            check = [seen.mark, len(seen.ids), *seen.ids, *seen.matched]
+            ids = seen.known.ids
+            check = [seen.mark, len(ids), *ids, *seen.matched]
             check += [len(seen.blocks), *seen.blocks]
         self._routes[prefix] = self._routes.get(prefix, 0) + 1
         async with self._gate.write(), self._sending(instance_id, pending_prefill, inflight_tokens):
