@@ -94,24 +94,18 @@ def bench_gateway(
         if litellm:
             fronts["litellm"] = stack.enter_context(_litellm(Path(home), litellm, direct))
         latency = asyncio.run(_latency(direct, fronts, requests))
-        rates, cpu_ms, redis_calls = {}, {}, {}
-        for name, url in fronts.items():
-            cpu_before = _cpu_seconds(url) if name in _MEASURED_CPU else 0.0
-            calls_before = _script_calls(redis) if redis and name == "gateway_redis" else 0
-            rates[name] = asyncio.run(_rate([url], concurrency, duration_s))
-            if name in _MEASURED_CPU:
-                cpu_ms[name] = (_cpu_seconds(url) - cpu_before) * 1000 / rates[name].requests
-            if redis and name == "gateway_redis":
-                calls = _script_calls(redis) - calls_before
-                redis_calls[name] = calls / rates[name].requests
+        measured = {
+            name: _measured(
+                [url],
+                concurrency,
+                duration_s,
+                cpu=name in _MEASURED_CPU,
+                redis=redis if name == "gateway_redis" else None,
+            )
+            for name, url in fronts.items()
+        }
         if pair:  # both replicas of one Redis, each taking half the clients
-            assert redis is not None  # a pair only shares a Redis
-            cpu_before, calls_before = sum(_cpu_seconds(url) for url in pair), _script_calls(redis)
-            rates["gateway_redis_pair"] = asyncio.run(_rate(pair, concurrency, duration_s))
-            used = sum(_cpu_seconds(url) for url in pair) - cpu_before
-            cpu_ms["gateway_redis_pair"] = used * 1000 / rates["gateway_redis_pair"].requests
-            calls = _script_calls(redis) - calls_before
-            redis_calls["gateway_redis_pair"] = calls / rates["gateway_redis_pair"].requests
+            together = _measured(pair, concurrency, duration_s, cpu=True, redis=redis)
         direct_rate = asyncio.run(_rate(direct, concurrency, duration_s))
     figures = {
         "requests": requests,
@@ -121,27 +115,19 @@ def bench_gateway(
         "direct_p50_ms": latency["direct"][50],
         "direct_p99_ms": latency["direct"][99],
         "direct_rps": direct_rate.per_s,
-        "gateway_cpu_ms_per_request": cpu_ms["gateway"],
+        "gateway_cpu_ms_per_request": measured["gateway"]["cpu_ms_per_request"],
         "cpus": os.cpu_count(),
     }
     if pair:
-        figures["gateway_redis_pair"] = {
-            "max_rps": rates["gateway_redis_pair"].per_s,
-            "cpu_ms_per_request": cpu_ms["gateway_redis_pair"],
-            "redis_calls_per_request": redis_calls["gateway_redis_pair"],
-            "rate_over_one_replica": rates["gateway_redis_pair"].per_s
-            / rates["gateway_redis"].per_s,
+        one_replica = measured["gateway_redis"]["max_rps"]
+        figures["gateway_redis_pair"] = together | {
+            "rate_over_one_replica": together["max_rps"] / one_replica
         }
     for name in fronts:
         added = {
             f"added_latency_p{q}_ms": latency[name][q] - latency["direct"][q] for q in (50, 99)
         }
-        own = {f"p{q}_ms": latency[name][q] for q in (50, 99)} | added
-        own["max_rps"] = rates[name].per_s
-        if name in cpu_ms:
-            own["cpu_ms_per_request"] = cpu_ms[name]
-        if name in redis_calls:
-            own["redis_calls_per_request"] = redis_calls[name]
+        own = {f"p{q}_ms": latency[name][q] for q in (50, 99)} | added | measured[name]
         if name == "gateway":
             figures |= added | {"max_rps": own["max_rps"], "gateway_p50_ms": own["p50_ms"]}
             figures["gateway_p99_ms"] = own["p99_ms"]
@@ -312,6 +298,24 @@ async def _rate(targets: list[str], concurrency: int, duration_s: float) -> Rate
         started = time.monotonic()
         await asyncio.gather(*(client(http, i) for i in range(concurrency)))
         return Rate(done, time.monotonic() - started)
+
+
+def _measured(
+    urls: list[str], concurrency: int, duration_s: float, *, cpu: bool, redis: str | None
+) -> dict[str, float]:
+    """A rate run on ``urls``: requests per second (``max_rps``); with ``cpu``, the CPU
+    time of their processes together per request; with ``redis``, the scripts that Redis
+    ran per request."""
+    cpu_before = sum(_cpu_seconds(url) for url in urls) if cpu else 0.0
+    calls_before = _script_calls(redis) if redis else 0
+    rate = asyncio.run(_rate(urls, concurrency, duration_s))
+    figures = {"max_rps": rate.per_s}
+    if cpu:
+        used = sum(_cpu_seconds(url) for url in urls) - cpu_before
+        figures["cpu_ms_per_request"] = used * 1000 / rate.requests
+    if redis:
+        figures["redis_calls_per_request"] = (_script_calls(redis) - calls_before) / rate.requests
+    return figures
 
 
 def _script_calls(redis: str) -> int:
