@@ -14,18 +14,19 @@ the nodes (on one server the keys carry no tag, as with earlier versions):
 - ``{pool}:px:<block>``: the set of the pool's instances holding a prefix block;
 - ``{pool}:lru:<instance>``: that instance's blocks, scored by a sequence number, so the
   lowest scores are the least recently used;
-- ``{pool}:routes``: requests routed in the pool (a view's version);
+- ``{pool}:routes``: requests routed in the pool; ``{pool}:routed-by``: how many of them
+  each replica routed; ``{pool}:changes``: each replica's writes to its share, counted, so
+  that a view's mark (the others' counts) tells whether another replica wrote since;
 - ``bucket:<name>``: a token bucket's level and last refill (Redis server time, so every
   gateway refills on the same clock);
 - ``idem:<key>``: ``pending`` or a JSON outcome, with the key's time to live;
 - ``{loads}:load:<replica>``: the replica's admission load (JSON) with a short time to
   live, and ``{loads}:loads``, a sorted set of replicas scored by when theirs expires.
 
-A script is given its slot's first key (``KEYS[1]``), which a cluster client routes by, and
-derives the others from the tagged prefix; Redis serves keys a script did not declare when
-they are in the slot of those it did (tested on a cluster of three nodes).
-
-Block hashes travel as decimal strings; Lua never does arithmetic on them.
+The scripts are in ``gateway.redis_scripts``. A script is given its slot's first key
+(``KEYS[1]``), which a cluster client routes by, and derives the others from the tagged
+prefix; Redis serves keys a script did not declare when they are in the slot of those it
+did (tested on a cluster of three nodes).
 """
 
 from __future__ import annotations
@@ -47,212 +48,11 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
+from gateway import redis_scripts as scripts
 from gateway.resp import LeanRedis
 from gateway.state import IN_PROGRESS, Accounting, InProgress, LocalState, Outcome, SharedView
 
 log = logging.getLogger(__name__)
-
-_NOW = """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
-"""
-
-_READ = """
-local function foreign(p, r, ids)
-  local n, sums, marks = #ids, {}, {}
-  for i = 1, 2 * n do sums[i] = 0 end
-  local live = redis.call('ZRANGEBYSCORE', p .. 'replicas', now, '+inf')
-  table.sort(live)
-  for _, other in ipairs(live) do
-    if other ~= r then
-      marks[#marks + 1] = other .. '=' .. (redis.call('HGET', p .. 'changes', other) or '0')
-      local a = redis.call('HMGET', p .. 'acct:' .. other .. ':pending', unpack(ids))
-      local b = redis.call('HMGET', p .. 'acct:' .. other .. ':inflight', unpack(ids))
-      for i = 1, n do
-        sums[i] = sums[i] + (tonumber(a[i]) or 0)
-        sums[n + i] = sums[n + i] + (tonumber(b[i]) or 0)
-      end
-    end
-  end
-  local routes = tonumber(redis.call('GET', p .. 'routes') or 0)
-  routes = routes - tonumber(redis.call('HGET', p .. 'routed-by', r) or 0)
-  marks[#marks + 1] = 'routes=' .. routes
-  for i = 1, 2 * n do sums[i] = tostring(sums[i]) end
-  return sums, table.concat(marks, ',')
-end
-local function holders(p, blocks)
-  local found = {}
-  for k, block in ipairs(blocks) do
-    found[k] = redis.call('SMEMBERS', p .. 'px:' .. block)
-    if #found[k] == 0 then break end
-  end
-  return found
-end
-"""
-"""Lua shared by the scripts that read a pool: the other live replicas' accounting of
-``ids`` and the mark of what they have written (changes per replica, and requests routed
-by any but ``r``: replicas of earlier versions count only these); and the holders of each
-block up to the first that none holds."""
-
-_VIEW = (
-    _NOW
-    + _READ
-    + """
-local p, r, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local ids, blocks = {}, {}
-for i = 1, n do ids[i] = ARGV[3 + i] end
-for k = 4 + n, #ARGV do blocks[#blocks + 1] = ARGV[k] end
-local sums, mark = foreign(p, r, ids)
-return {sums, mark, holders(p, blocks)}
-"""
-)
-
-_ACCOUNT = (
-    _NOW
-    + """
-local p, r, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local share = p .. 'acct:' .. r
-local function account(id, pending, inflight)
-  redis.call('HINCRBYFLOAT', share .. ':pending', id, pending)
-  redis.call('HINCRBYFLOAT', share .. ':inflight', id, inflight)
-end
-local function keep_alive()
-  redis.call('HINCRBY', p .. 'changes', r, 1)
-  redis.call('PEXPIRE', share .. ':pending', math.ceil(ttl * 1000))
-  redis.call('PEXPIRE', share .. ':inflight', math.ceil(ttl * 1000))
-  redis.call('ZADD', p .. 'replicas', now + ttl, r)
-end
-"""
-)
-"""Lua shared by the scripts that write a replica's share: ARGV starts prefix, replica, TTL."""
-
-_ADJUST = (
-    _ACCOUNT
-    + """
-account(ARGV[4], ARGV[5], ARGV[6])
-keep_alive()
-return 0
-"""
-)
-
-_SYNC = (
-    _ACCOUNT
-    + """
-redis.call('DEL', share .. ':pending', share .. ':inflight')
-local n = tonumber(ARGV[4])
-for i = 1, n do account(ARGV[4 + i], ARGV[4 + n + i], ARGV[4 + 2 * n + i]) end
-keep_alive()
-for _, gone in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', '-inf', now)) do
-  redis.call('HDEL', p .. 'changes', gone)
-  redis.call('HDEL', p .. 'routed-by', gone)
-end
-redis.call('ZREMRANGEBYSCORE', p .. 'replicas', '-inf', now)
-return 0
-"""
-)
-
-_ROUTED = (
-    _ACCOUNT
-    + _READ
-    + """
-local id, capacity, mark, n = ARGV[4], tonumber(ARGV[5]), ARGV[8], tonumber(ARGV[9])
-local ids, expected, seen, blocks = {}, {}, {}, {}
-for i = 1, n do ids[i] = ARGV[9 + i]; expected[i] = tonumber(ARGV[9 + n + i]) end
-local m = tonumber(ARGV[10 + 2 * n])
-for k = 1, m do seen[k] = ARGV[10 + 2 * n + k] end
-for k = 11 + 2 * n + m, #ARGV do blocks[#blocks + 1] = ARGV[k] end
-if mark ~= '' then
-  local sums, current = foreign(p, r, ids)
-  local found = holders(p, seen)
-  local same = current == mark
-  local credit = {}
-  for _, held in ipairs(found) do
-    for _, holder in ipairs(held) do credit[holder] = (credit[holder] or 0) + 1 end
-  end
-  for i = 1, n do same = same and (credit[ids[i]] or 0) == expected[i] end
-  if not same then return {0, sums, current, found} end
-end
-redis.call('INCR', p .. 'routes')
-redis.call('HINCRBY', p .. 'routed-by', r, 1)
-account(id, ARGV[6], ARGV[7])
-keep_alive()
-local lru = p .. 'lru:' .. id
-for _, block in ipairs(blocks) do
-  local order = redis.call('INCR', p .. 'lru-seq')
-  redis.call('ZADD', lru, order, block)
-  redis.call('SADD', p .. 'px:' .. block, id)
-end
-local forgotten = {}
-local excess = redis.call('ZCARD', lru) - capacity
-if excess > 0 then
-  local gone = redis.call('ZPOPMIN', lru, excess)
-  for k = 1, #gone, 2 do
-    redis.call('SREM', p .. 'px:' .. gone[k], id)
-    forgotten[#forgotten + 1] = gone[k]
-  end
-end
-return {1, forgotten}
-"""
-)
-"""Charge a request to ``id`` and index its blocks; with a mark (a view's), only if the
-view is still what Redis holds: the other replicas' mark unchanged and the match of the
-view's blocks on ``ids`` as expected. Answers ``{1, blocks forgotten}`` when written, else ``{0,
-the fresh read}``, on which the caller decides again."""
-
-_EVICTED = """
-local p, id = ARGV[1], ARGV[2]
-local lru = p .. 'lru:' .. id
-for k = 3, #ARGV do
-  if redis.call('ZREM', lru, ARGV[k]) == 1 then redis.call('SREM', p .. 'px:' .. ARGV[k], id) end
-end
-return 0
-"""
-
-_CLEARED = """
-local p, id = ARGV[1], ARGV[2]
-local lru = p .. 'lru:' .. id
-for _, block in ipairs(redis.call('ZRANGE', lru, 0, -1)) do
-  redis.call('SREM', p .. 'px:' .. block, id)
-end
-redis.call('DEL', lru)
-return 0
-"""
-
-_TAKE = """
-local key, rate, burst, amount = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
-local state = redis.call('HMGET', key, 'level', 'at')
-local level = tonumber(state[1]) or burst
-local at = tonumber(state[2]) or now
-level = math.min(burst, level + math.max(0, now - at) * rate)
-local wait = 0
-if level >= amount then level = level - amount
-elseif rate > 0 then wait = (amount - level) / rate
-else wait = -1 end
-redis.call('HSET', key, 'level', tostring(level), 'at', tostring(now))
-if rate > 0 then redis.call('EXPIRE', key, math.ceil(burst / rate) + 60) end
-return tostring(wait)
-"""
-
-
-_LOADS = (
-    _NOW
-    + """
-local p, r, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
-redis.call('SET', p .. 'load:' .. r, ARGV[4], 'PX', math.ceil(ttl * 1000))
-redis.call('ZADD', p .. 'loads', now + ttl, r)
-redis.call('ZREMRANGEBYSCORE', p .. 'loads', '-inf', now)
-local others = {}
-for _, other in ipairs(redis.call('ZRANGEBYSCORE', p .. 'loads', now, '+inf')) do
-  if other ~= r then
-    local load = redis.call('GET', p .. 'load:' .. other)
-    if load then others[#others + 1] = load end
-  end
-end
-return others
-"""
-)
 
 
 class _ShareGate:
@@ -439,14 +239,14 @@ class RedisState:
         and up), so that neither checks the other's as its own."""
         self._gate = _ShareGate()
         self._redis = _client(url, timeout_s, cluster)
-        self._view = self._redis.register_script(_VIEW)
-        self._routed = self._redis.register_script(_ROUTED)
-        self._adjust = self._redis.register_script(_ADJUST)
-        self._sync = self._redis.register_script(_SYNC)
-        self._evicted = self._redis.register_script(_EVICTED)
-        self._cleared = self._redis.register_script(_CLEARED)
-        self._take = self._redis.register_script(_TAKE)
-        self._loads = self._redis.register_script(_LOADS)
+        self._view = self._redis.register_script(scripts.VIEW)
+        self._routed = self._redis.register_script(scripts.ROUTED)
+        self._adjust = self._redis.register_script(scripts.ADJUST)
+        self._sync = self._redis.register_script(scripts.SYNC)
+        self._evicted = self._redis.register_script(scripts.EVICTED)
+        self._cleared = self._redis.register_script(scripts.CLEARED)
+        self._take = self._redis.register_script(scripts.TAKE)
+        self._loads = self._redis.register_script(scripts.LOADS)
 
     def _pool(self, instance_ids: Sequence[str]) -> tuple[str, str]:
         """The first key and the key prefix of a script on these instances' pool: on a
