@@ -46,7 +46,7 @@ Journal = Callable[[Record], None]
 
 START = "start"
 """The call of a journal's first record: the recipe the pipeline was built from, and its
-objectives, quotas and peers' load at that moment."""
+objectives, quotas, peers' load and slots at that moment."""
 
 
 def json_number(value: float) -> float | str:
@@ -187,6 +187,14 @@ def _peers_from(record: Record) -> dict[TaskClass, ClassLoad]:
     return {TaskClass(c): ClassLoad(*load) for c, load in record.items()}
 
 
+def _slots_record(slots: Mapping[TaskClass, int] | None) -> Record | None:
+    return None if slots is None else {c.value: n for c, n in slots.items()}
+
+
+def _slots_from(record: Record | None) -> dict[TaskClass, int] | None:
+    return None if record is None else {TaskClass(c): n for c, n in record.items()}
+
+
 def objectives_record(objectives: Mapping[TaskClass, ClassObjective]) -> Record:
     return {c.value: o.model_dump(mode="json") for c, o in objectives.items()}
 
@@ -202,9 +210,10 @@ def _observation_record(observation: Observation | None) -> list[Any] | None:
     return [o.request_id, o.instance, o.ttft_s, o.output_tokens]
 
 
-_RECORDED_FIELDS: dict[str, Callable[[Any], Record]] = {
+_RECORDED_FIELDS: dict[str, Callable[[Any], Record | None]] = {
     "quotas": _quotas_record,
     "peers": _peers_record,
+    "slots": _slots_record,
 }
 """The fields a host sets between calls, recorded when they change."""
 
@@ -229,6 +238,7 @@ class JournaledPipeline(Pipeline[Payload]):
             objectives=objectives_record(self.objectives),
             quotas=_quotas_record(self.quotas),
             peers=_peers_record(self.peers),
+            slots=_slots_record(self.slots),
         )
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -410,6 +420,7 @@ def replay(records: Iterable[Record], build: Callable[[Record], Pipeline[str]]) 
             pipeline.objectives = objectives_from(record["objectives"])
             pipeline.quotas = _quotas_from(record["quotas"])
             pipeline.peers = _peers_from(record["peers"])
+            pipeline.slots = _slots_from(record.get("slots"))
             continue
         replayed = _call(pipeline, record)
         if replayed is _NO_RESULT:
@@ -501,5 +512,7 @@ def _learn(pipeline: Pipeline[str], record: Record) -> None:
         pipeline.quotas = _quotas_from(record["value"])
     elif call == "peers":
         pipeline.peers = _peers_from(record["value"])
+    elif call == "slots":
+        pipeline.slots = _slots_from(record["value"])
     else:
         raise ValueError(f"unknown call {call!r} in a pipeline's journal")

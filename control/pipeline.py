@@ -133,6 +133,10 @@ class Pipeline(Generic[Payload]):
     """The other hosts' load on the same pool, summed (none: this host is alone); the host
     replaces it as it hears from them. Admission counts it in, and a held request waits
     while a peer holds one of its class that stands before it."""
+    slots: Mapping[TaskClass, int] | None = None
+    """This host's slots of each class ceiling, where the pool's hosts hold the slots of
+    one ceiling apart (gateway replicas side by side; a class not named has none); None:
+    the host keeps the ceilings itself. The host replaces it as slots are granted."""
     pools: ClassPools[_Held[Payload]] = field(default_factory=ClassPools)
     inflight: Counter[TaskClass] = field(default_factory=Counter)
     usage: dict[TaskClass, Usage] = field(default_factory=dict)
@@ -186,7 +190,7 @@ class Pipeline(Generic[Payload]):
         budget = self._release_budget(now)
         for task_class in RELEASE_ORDER:
             while budget > 0 and (head := self.pools.head(task_class)) is not None:
-                if self._peer_first(head.request):
+                if self.peer_first(head.request):
                     break
                 budget -= 1
                 snapshot = fleet()
@@ -219,7 +223,7 @@ class Pipeline(Generic[Payload]):
             )
         return loads
 
-    def _peer_first(self, request: AdmissionRequest) -> bool:
+    def peer_first(self, request: AdmissionRequest) -> bool:
         """Whether a peer holds a request of the class that stands before ``request``."""
         peer = self.peers.get(request.task_class)
         return peer is not None and peer.head_key is not None and peer.head_key < order_key(request)
@@ -333,6 +337,7 @@ class Pipeline(Generic[Payload]):
             self._current_usage(now),
             MappingProxyType(self._first_tokens),
             sum(p.decoding for p in self.peers.values()),
+            self._out_of_slots(),
             objectives=self.objectives,
         )
         return self.admission.decide(request, view, held=held)
@@ -342,6 +347,11 @@ class Pipeline(Generic[Payload]):
         if not self.peers:
             return self.inflight
         return self.inflight + Counter({c: p.inflight for c, p in self.peers.items()})
+
+    def _out_of_slots(self) -> frozenset[TaskClass]:
+        if self.slots is None:
+            return frozenset()
+        return frozenset(c for c in TaskClass if self.inflight[c] >= self.slots.get(c, 0))
 
     def _pool_state(self, task_class: TaskClass, now: float) -> PoolState:
         """The class's pool as all its hosts hold it."""

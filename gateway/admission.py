@@ -12,15 +12,23 @@ replicas hear of them.
 
 Replicas side by side share their pools through the shared state: before each pass a
 replica publishes its load per pool and class (requests in flight, held, how fast its pool
-drains, where its first held request stands) and reads the others'
-(``SharedState.admission_loads``: a Redis round trip per pass, off the request's path). A
-replica that heard of no other at its last share shares once a tick instead, so a
-replica that starts beside it is heard of within a tick, and is counted from then on.
-Class ceilings then count every replica's requests, arrivals queue behind any replica's
-held ones, and a held request waits while another replica holds one of its class from
-before it, so the pools drain in one order. What a replica reads is as old as the other's
-last pass and a round trip. A replica that dies stops counting within the shared state's
-time to live, and its held clients lose their connection with it.
+drains, where its first held request stands), reads the others' and claims slots of the
+class ceilings (``SharedState.admission_loads``: a Redis round trip per pass, off the
+request's path). A replica that heard of no other at its last share shares once a tick
+instead, so a replica that starts beside it is heard of within a tick, and is counted from
+then on. Arrivals then queue behind any replica's held ones, and a held request waits
+while another replica holds one of its class from before it, so the pools drain in one
+order; what a replica reads of the others is as old as their last pass and a round trip.
+
+A ceiling is kept by slots, not by reading the others' counts, which may be a pass old:
+each replica starts a class's requests only in the slots it holds, and the slots are
+granted in one atomic step, the live replicas' together never more than the ceiling. A
+replica alone claims the whole ceiling, so that one starting beside it gets slots only
+once the first has heard of it and given back what it does not run. Side by side, a
+replica claims the slots it runs, and one more for each request it holds while its pool's
+head stands first, so that a request of a limited class waits a pass for its slot even
+when the ceiling has room. A replica that dies stops counting, and its slots free, within
+the shared state's time to live; its held clients lose their connection with it.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from control.admission.registry import Admission
@@ -43,6 +51,7 @@ from control.routing import Decision, FleetSnapshot, Router, RouteRequest
 from control.routing.snapshot import BoolArray, Observation
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
+from gateway.state import AdmissionLoads, SlotClaim
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.lifecycle import RejectReason
@@ -74,14 +83,14 @@ class GatewayAdmission:
         snapshot_for: Callable[[str, str], Awaitable[FleetSnapshot]],
         objectives: Objectives,
         metrics: GatewayMetrics,
-        loads: Callable[[str], Awaitable[list[str]]],
+        loads: Callable[[str, Mapping[str, SlotClaim]], Awaitable[AdmissionLoads]],
         journal_for: Callable[[str, str], tuple[Journal, Record]] | None = None,
         tick_s: float = 0.05,
     ) -> None:
         """``snapshot_for(model, dc)``: the pool's snapshot now, for a release pass;
-        ``loads``: publish this replica's admission load, read the others'
-        (``SharedState.admission_loads``); ``journal_for(model, dc)``: a new pool's
-        journal and recipe (None: pipelines keep none)."""
+        ``loads``: publish this replica's admission load, read the others' and claim
+        ceiling slots (``SharedState.admission_loads``); ``journal_for(model, dc)``: a
+        new pool's journal and recipe (None: pipelines keep none)."""
         self._make_admission = make_admission
         self._router_for = router_for
         self._snapshot_for = snapshot_for
@@ -93,6 +102,10 @@ class GatewayAdmission:
         self._pipelines: dict[Key, Pipeline[Held]] = {}
         self._peers: dict[str, dict[TaskClass, ClassLoad]] = {}
         """The other replicas' load, by pool (``_pool_name``)."""
+        self._slots: dict[str, dict[TaskClass, int]] = {}
+        """This replica's slots of each pool's class ceilings, as last granted."""
+        self._ready: dict[Key, int] = {}
+        """Each pool's ready instances in its latest snapshot: what its ceilings scale by."""
         self.replicas = 1
         """The replicas sharing the pools, this one included, as last heard."""
         self._changed = asyncio.Event()
@@ -103,13 +116,22 @@ class GatewayAdmission:
         key = (model, dc)
         if key not in self._pipelines:
             admission, router = self._make_admission(model), self._router_for(model, dc)
-            objectives, peers = self.objectives.classes, self._peers.get(_pool_name(key), {})
+            objectives, name = self.objectives.classes, _pool_name(key)
+            peers, slots = self._peers.get(name, {}), self._slots_of(name)
             if self._journal_for is None:
-                pipeline: Pipeline[Held] = Pipeline(admission, router, objectives, peers=peers)
+                pipeline: Pipeline[Held] = Pipeline(
+                    admission, router, objectives, peers=peers, slots=slots
+                )
             else:
                 journal, recipe = self._journal_for(model, dc)
                 pipeline = JournaledPipeline(
-                    admission, router, objectives, peers=peers, journal=journal, recipe=recipe
+                    admission,
+                    router,
+                    objectives,
+                    peers=peers,
+                    slots=slots,
+                    journal=journal,
+                    recipe=recipe,
                 )
             self._pipelines[key] = pipeline
         return self._pipelines[key]
@@ -127,6 +149,7 @@ class GatewayAdmission:
         its pool; ApiError(429, with ``Retry-After``) for one refused."""
         pipeline = self.pipeline(inbound.model.name, dc)
         pipeline.quotas = _class_quotas(quotas)
+        self._ready[(inbound.model.name, dc)] = int(snapshot.ready.sum())
         answer: Held = asyncio.get_running_loop().create_future()
         request = _admitting(inbound, arrived, self.objectives)
         outcome = pipeline.arrive(request, route, answer, snapshot, time.monotonic())
@@ -208,7 +231,7 @@ class GatewayAdmission:
         finally:
             self.answer_held(SHUTDOWN)
             with contextlib.suppress(Exception):  # the others stop counting this replica
-                await self._loads("{}")
+                await self._loads("{}", {name: SlotClaim(0, 0, 0) for name in self._claims()})
 
     def _sharing_due(self) -> bool:
         """Before every pass while other replicas share the pools; alone as last heard,
@@ -239,6 +262,7 @@ class GatewayAdmission:
             if not len(pipeline.pools):
                 continue
             snapshot = await self._snapshot_for(model, dc)
+            self._ready[(model, dc)] = int(snapshot.ready.sum())
             for outcome in pipeline.release(_always(snapshot), time.monotonic()):
                 self._count(outcome, model, dc)
                 _answer(outcome)
@@ -246,18 +270,49 @@ class GatewayAdmission:
         return answered
 
     async def share_loads(self) -> None:
-        """Publish this replica's load on each pool, and take in the other replicas' (on
-        pools this replica has not served yet too, for its first request there)."""
+        """Publish this replica's load on each pool, take in the other replicas' (on
+        pools this replica has not served yet too, for its first request there), and the
+        ceiling slots granted to it."""
         now, wall = time.monotonic(), time.time()
         own = {
             _pool_name(key): _encoded(pipeline.load(now), wall - now)
             for key, pipeline in self._pipelines.items()
         }
-        raws = await self._loads(json.dumps(own))
-        others = [load for raw in raws if (load := _decoded(raw, now - wall)) is not None]
+        claims = self._claims()
+        shared = await self._loads(json.dumps(own), {n: c for n, (_, c) in claims.items()})
+        others = [load for raw in shared.others if (load := _decoded(raw, now - wall)) is not None]
         self.replicas = 1 + len(others)
         names = {name for other in others for name in other}
+        slots: dict[str, dict[TaskClass, int]] = {}
+        for claim, granted in shared.granted.items():
+            pool, task_class = claims[claim][0]
+            slots.setdefault(pool, {})[task_class] = granted
+        self._slots = slots
         self._take_peers({name: _summed([o[name] for o in others if name in o]) for name in names})
+
+    def _claims(self) -> dict[str, tuple[tuple[str, TaskClass], SlotClaim]]:
+        """The slots this replica claims of each class ceiling, by claim name, with the
+        pool and class each is of: alone, the whole ceiling; beside others, the slots it
+        runs and, where its pool's head stands before theirs, one per request it holds."""
+        claims = {}
+        for key, pipeline in self._pipelines.items():
+            name = _pool_name(key)
+            for task_class in TaskClass:
+                limit = self._limit(pipeline, task_class, self._ready.get(key, 0))
+                if limit is None:
+                    continue
+                running = pipeline.inflight[task_class]
+                wanted = (
+                    limit if self.replicas == 1 else running + _first_held(pipeline, task_class)
+                )
+                claim = SlotClaim(running, wanted, limit)
+                claims[f"{name}/{task_class.value}"] = ((name, task_class), claim)
+        return claims
+
+    def _slots_of(self, pool: str) -> dict[TaskClass, int] | None:
+        """This replica's slots of ``pool``'s ceilings (None: it is alone and keeps them
+        itself; none granted yet: none)."""
+        return None if self.replicas == 1 else self._slots.get(pool, {})
 
     def pool_load(self, model: str, dc: str) -> tuple[dict[TaskClass, int], int]:
         """The pool's requests in flight by class, and held, across the replicas."""
@@ -275,10 +330,23 @@ class GatewayAdmission:
     ) -> int | None:
         """How many requests of ``task_class`` the pool's admission runs at once (None: no
         limit, or an admission policy that sets none)."""
-        admission = self.pipeline(model, dc).admission
+        pipeline = self.pipeline(model, dc)
+        return self._limit(pipeline, task_class, ready, _class_quotas(quotas))
+
+    @staticmethod
+    def _limit(
+        pipeline: Pipeline[Held],
+        task_class: TaskClass,
+        ready: int,
+        quotas: Mapping[TaskClass, ClassQuota] | None = None,
+    ) -> int | None:
+        """The class ceiling of the pipeline's admission with ``ready`` instances, under
+        ``quotas`` (None: the pipeline's latest)."""
+        admission = pipeline.admission
         if not isinstance(admission, SLOMax):
             return None
-        return admission.concurrency_limit(task_class, _class_quotas(quotas), ready)
+        quotas = pipeline.quotas if quotas is None else quotas
+        return admission.concurrency_limit(task_class, quotas, ready)
 
     def _take_peers(self, peers: dict[str, dict[TaskClass, ClassLoad]]) -> None:
         """The other replicas' load from now on, by pool."""
@@ -287,6 +355,7 @@ class GatewayAdmission:
         self._peers = peers
         for key, pipeline in self._pipelines.items():
             pipeline.peers = peers.get(_pool_name(key), {})
+            pipeline.slots = self._slots_of(_pool_name(key))
 
     def answer_held(self, reason: str) -> None:
         """Refuse every held request now (the gateway is stopping)."""
@@ -374,6 +443,15 @@ def _decoded(raw: str, to_own_s: float) -> dict[str, dict[TaskClass, ClassLoad]]
 def _pool_name(key: Key) -> str:
     model, dc = key
     return f"{model}/{dc}"
+
+
+def _first_held(pipeline: Pipeline[Held], task_class: TaskClass) -> int:
+    """The requests of ``task_class`` the pipeline holds, if its first stands before the
+    first the other replicas hold (as last heard); else none."""
+    head = pipeline.pools.head(task_class)
+    if head is None or pipeline.peer_first(head.request):
+        return 0
+    return pipeline.pools.state(task_class, time.monotonic()).depth
 
 
 def _summed(peers: list[dict[TaskClass, ClassLoad]]) -> dict[TaskClass, ClassLoad]:

@@ -194,16 +194,39 @@ LOADS = (
     NOW
     + """
 local p, r, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
-redis.call('SET', p .. 'load:' .. r, ARGV[4], 'PX', math.ceil(ttl * 1000))
+local ttl_ms = math.ceil(ttl * 1000)
+redis.call('SET', p .. 'load:' .. r, ARGV[4], 'PX', ttl_ms)
 redis.call('ZADD', p .. 'loads', now + ttl, r)
 redis.call('ZREMRANGEBYSCORE', p .. 'loads', '-inf', now)
-local others = {}
+local live, others = {}, {}
 for _, other in ipairs(redis.call('ZRANGEBYSCORE', p .. 'loads', now, '+inf')) do
+  live[other] = true
   if other ~= r then
     local load = redis.call('GET', p .. 'load:' .. other)
     if load then others[#others + 1] = load end
   end
 end
-return others
+local granted = {}
+for i = 5, #ARGV, 4 do
+  local slots = p .. 'slots:' .. ARGV[i]
+  local running, wanted, limit = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  local held, holders = 0, redis.call('HGETALL', slots)
+  for k = 1, #holders, 2 do
+    if not live[holders[k]] then
+      redis.call('HDEL', slots, holders[k])
+    elseif holders[k] ~= r then
+      held = held + tonumber(holders[k + 1])
+    end
+  end
+  local grant = math.max(running, math.min(wanted, limit - held))
+  redis.call('HSET', slots, r, grant)
+  redis.call('PEXPIRE', slots, ttl_ms)
+  granted[#granted + 1] = grant
+end
+return {others, granted}
 """
 )
+"""Publish replica ``r``'s admission load, read the other live replicas', and take the
+ceiling slots it claims (``SlotClaim``: name, running, wanted, limit, four arguments
+each): as many as it wants while the live replicas' slots stay within the limit, never
+fewer than it runs. A replica whose load expired holds no slots."""

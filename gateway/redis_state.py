@@ -21,7 +21,9 @@ the nodes (on one server the keys carry no tag, as with earlier versions):
   gateway refills on the same clock);
 - ``idem:<key>``: ``pending`` or a JSON outcome, with the key's time to live;
 - ``{loads}:load:<replica>``: the replica's admission load (JSON) with a short time to
-  live, and ``{loads}:loads``, a sorted set of replicas scored by when theirs expires.
+  live, and ``{loads}:loads``, a sorted set of replicas scored by when theirs expires;
+  ``{loads}:slots:<claim>``: the slots of a class ceiling each live replica holds, a
+  hash of replica -> slots.
 
 The scripts are in ``gateway.redis_scripts``. A script is given its slot's first key
 (``KEYS[1]``), which a cluster client routes by, and derives the others from the tagged
@@ -39,7 +41,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -50,7 +52,16 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from gateway import redis_scripts as scripts
 from gateway.resp import LeanRedis
-from gateway.state import IN_PROGRESS, Accounting, InProgress, LocalState, Outcome, SharedView
+from gateway.state import (
+    IN_PROGRESS,
+    Accounting,
+    AdmissionLoads,
+    InProgress,
+    LocalState,
+    Outcome,
+    SharedView,
+    SlotClaim,
+)
 
 log = logging.getLogger(__name__)
 
@@ -433,12 +444,16 @@ class RedisState:
     async def release(self, key: str) -> None:
         await self._redis.delete(f"{self.prefix}idem:{key}")
 
-    async def admission_loads(self, own: str) -> list[str]:
+    async def admission_loads(
+        self, own: str, slots: Mapping[str, SlotClaim] | None = None
+    ) -> AdmissionLoads:
         prefix = f"{self.prefix}{{loads}}:" if self.cluster else self.prefix
-        others = await self._loads(
-            keys=[prefix + "loads"], args=[prefix, self.replica, self.load_ttl_s, own]
+        claims = slots or {}
+        claimed = [arg for n, c in claims.items() for arg in (n, c.running, c.wanted, c.limit)]
+        others, granted = await self._loads(
+            keys=[prefix + "loads"], args=[prefix, self.replica, self.load_ttl_s, own, *claimed]
         )
-        return [o.decode() for o in others]
+        return AdmissionLoads([o.decode() for o in others], dict(zip(claims, granted, strict=True)))
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -553,8 +568,10 @@ class FallbackState:
     async def release(self, key: str) -> None:
         await self._run("release", key)
 
-    async def admission_loads(self, own: str) -> list[str]:
-        return cast(list[str], await self._run("admission_loads", own))
+    async def admission_loads(
+        self, own: str, slots: Mapping[str, SlotClaim] | None = None
+    ) -> AdmissionLoads:
+        return cast(AdmissionLoads, await self._run("admission_loads", own, slots))
 
     async def close(self) -> None:
         await self.primary.close()

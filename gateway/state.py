@@ -13,13 +13,14 @@ What is shared:
 - **admission token buckets**, one per quota;
 - **idempotency keys**: a client's ``Idempotency-Key`` and the outcome it got;
 - **admission load**: each replica's requests in flight and held per class pool, so that
-  class ceilings and pool order hold across replicas (``gateway.admission``).
+  pool order holds across replicas, and the slots of each class ceiling each replica
+  holds, so that together they never run more than the ceiling (``gateway.admission``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +49,29 @@ class Outcome:
     status: int
     media_type: str
     body: bytes
+
+
+@dataclass(frozen=True)
+class SlotClaim:
+    """What a replica asks of a class ceiling that replicas side by side share: ``wanted``
+    slots, as far as ``limit`` less the slots the other live replicas hold allows, and
+    never fewer than its ``running`` requests (running requests are never preempted). It
+    holds what it is granted until its next claim."""
+
+    running: int
+    wanted: int
+    limit: int
+
+
+@dataclass(frozen=True)
+class AdmissionLoads:
+    """What ``SharedState.admission_loads`` tells a replica."""
+
+    others: list[str]
+    """The other live replicas' published loads."""
+    granted: dict[str, int]
+    """The slots this replica now holds, per claim; none where nothing is shared (a
+    replica alone keeps its ceilings itself)."""
 
 
 class InProgress:
@@ -114,9 +138,12 @@ class SharedState(Protocol):
         """Give a claimed key up (the request failed), so that a retry runs."""
         ...
 
-    async def admission_loads(self, own: str) -> list[str]:
-        """Publish this replica's admission load (JSON, ``gateway.admission``) and read
-        the other live replicas'; none where nothing is shared."""
+    async def admission_loads(
+        self, own: str, slots: Mapping[str, SlotClaim] | None = None
+    ) -> AdmissionLoads:
+        """Publish this replica's admission load (JSON, ``gateway.admission``), read the
+        other live replicas', and take the ceiling slots it claims, by name: all in one
+        step, so that two replicas never both take the same free slot."""
         ...
 
     async def close(self) -> None: ...
@@ -222,8 +249,10 @@ class LocalState:
     async def release(self, key: str) -> None:
         self._keys.pop(key, None)
 
-    async def admission_loads(self, own: str) -> list[str]:
-        return []
+    async def admission_loads(
+        self, own: str, slots: Mapping[str, SlotClaim] | None = None
+    ) -> AdmissionLoads:
+        return AdmissionLoads([], {})
 
     async def close(self) -> None:
         return None

@@ -117,7 +117,9 @@ class SLOMax:
         p, fleet, task_class = self.params, view.fleet, request.task_class
         allowed = fleet.ready.copy()
         limit = self.concurrency_limit(task_class, view.quotas, int(fleet.ready.sum()))
-        if limit is not None and view.inflight.get(task_class, 0) >= limit:
+        if limit is not None and (
+            view.inflight.get(task_class, 0) >= limit or task_class in view.out_of_slots
+        ):
             return "concurrency", allowed
         if p.interactive_reservation and task_class is not TaskClass.INTERACTIVE:
             interactive = view.quotas.get(TaskClass.INTERACTIVE)

@@ -102,6 +102,10 @@ class AdmissionView:
     decoding_elsewhere: int = 0
     """Requests in flight from the pool's other hosts that have their first token (when,
     this host does not know)."""
+    out_of_slots: frozenset[TaskClass] = frozenset()
+    """Classes whose ceiling this host shares with the pool's other hosts, each holding
+    slots of it apart (gateway replicas), and whose slots this host has all in use: it
+    starts no more of them, whatever the ceiling leaves."""
     objectives: Mapping[TaskClass, ClassObjective] = field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES)
     )

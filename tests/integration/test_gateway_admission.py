@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -19,9 +21,11 @@ from starlette.routing import Route
 
 from control.admission.slomax import SLOMax
 from control.pipeline import ClassLoad
-from control.routing import FleetSnapshot, make_router
-from gateway.admission import GatewayAdmission
+from control.routing import FleetSnapshot, RouteRequest, make_router
+from gateway.admission import Admitted, GatewayAdmission, Waiting
+from gateway.inbound import read_inbound
 from gateway.metrics import GatewayMetrics
+from gateway.state import AdmissionLoads, SlotClaim
 from schemas import topic_for
 from schemas.base import TaskClass
 from schemas.lifecycle import RejectReason, RequestRejected
@@ -300,8 +304,8 @@ async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_coun
         json.dumps({f"{MODEL}/dc-a": readable}),
     ]
 
-    async def loads(_own: str) -> list[str]:
-        return published
+    async def loads(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
+        return AdmissionLoads(published, {})
 
     host = _holding_nothing(loads)
     pipeline = host.pipeline(MODEL, "dc-a")
@@ -317,9 +321,10 @@ async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_a
     another, it shares before every pass."""
     shared: list[str] = []
 
-    async def loads(own: str) -> list[str]:
+    async def loads(own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
         shared.append(own)
-        return [json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, 0, 0.0, None]}})] * others
+        load = json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, 0, 0.0, None]}})
+        return AdmissionLoads([load] * others, {})
 
     host = _holding_nothing(loads, tick_s=5.0)
     running = asyncio.create_task(host.run())
@@ -335,8 +340,69 @@ async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_a
     assert passes == (1 if others == 0 else 20)
 
 
+async def test_a_replica_claims_a_ceiling_whole_alone_and_beside_others_what_it_needs() -> None:
+    """One ready instance: a ceiling of four long documents. Alone, a replica claims all
+    four and starts documents as the ceiling lets it; beside another, it starts them only
+    in the slots granted to it, and claims one for each it holds while its pool's head
+    stands before the other's."""
+    fleet = fleet_for(["http://127.0.0.1:9"])
+    ready = FleetSnapshot(
+        ("i0",), *(np.array([v]) for v in (True, 0, 0, 0, 0, 100)), np.array([0.0])
+    )
+    peers: list[str] = []
+    granted = 0
+    claims: list[SlotClaim] = []
+
+    async def loads(_own: str, slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
+        claims.extend(slots.values())
+        return AdmissionLoads(list(peers), dict.fromkeys(slots, granted))
+
+    async def snapshot(_model: str, _dc: str) -> FleetSnapshot:
+        return ready
+
+    host = GatewayAdmission(
+        lambda _model: SLOMax(),
+        lambda _model, _dc: make_router("round_robin"),
+        snapshot,
+        Objectives(),
+        GatewayMetrics(),
+        loads,
+    )
+
+    def document() -> Admitted | Waiting:
+        at = time.monotonic()
+        body = json.dumps(chat(f"document at {at}")).encode()
+        headers = {"x-tokenfleet-class": "long_document"}
+        inbound = read_inbound(fleet, fleet.tenants[0], "/v1/chat/completions", body, headers)
+        route = RouteRequest(inbound.request_id, inbound.input_tokens, None)
+        return host.arrive(inbound, "dc-a", route, ready, at, None)
+
+    assert isinstance(document(), Admitted)
+    await host.share_loads()
+    assert claims.pop() == SlotClaim(running=1, wanted=4, limit=4)
+    peers.append(json.dumps({f"{MODEL}/dc-a": {}}))  # another replica, holding nothing
+    granted = 1
+    await host.share_loads()
+    assert claims.pop() == SlotClaim(running=1, wanted=4, limit=4)  # as yet alone
+    assert isinstance(held := document(), Waiting)  # the ceiling has room, its slots not
+    await host.share_loads()
+    assert claims.pop() == SlotClaim(running=1, wanted=2, limit=4)
+    before = time.time() - 1.0  # the other's head, on the wall clock
+    peers[0] = json.dumps({f"{MODEL}/dc-a": {"long_document": [0, 0, 1, 0.0, before]}})
+    await host.share_loads()  # hears the other holds one from before its own
+    granted = 2
+    await host.share_loads()
+    assert claims.pop() == SlotClaim(running=1, wanted=1, limit=4)
+    assert await host.release_pass() == 0  # the other's comes first
+    peers[0] = json.dumps({f"{MODEL}/dc-a": {}})
+    await host.share_loads()
+    assert await host.release_pass() == 1
+    assert isinstance(await held.decision(), Admitted)
+
+
 def _holding_nothing(
-    loads: Callable[[str], Awaitable[list[str]]], tick_s: float = 0.05
+    loads: Callable[[str, Mapping[str, SlotClaim]], Awaitable[AdmissionLoads]],
+    tick_s: float = 0.05,
 ) -> GatewayAdmission:
     """A gateway's admission host with SLOMax, whose passes never need a snapshot (nothing
     is held), sharing its load through ``loads``."""

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from gateway.redis_state import FallbackState, RedisState
-from gateway.state import IN_PROGRESS, Accounting, LocalState, Outcome, SharedState
+from gateway.state import IN_PROGRESS, Accounting, LocalState, Outcome, SharedState, SlotClaim
 from tests.services import Service
 from tokenfleet.services.process import free_port
 from tokenfleet.services.redis import LocalRedis
@@ -271,8 +271,15 @@ async def test_a_view_whose_blocks_another_replica_unindexed_is_refused(
 
 
 async def test_a_replica_never_reads_its_own_admission_load_back(state: SharedState) -> None:
-    assert await state.admission_loads('{"m/dc": {}}') == []
-    assert await state.admission_loads("{}") == []
+    """Nor does it compete with itself for slots; a state nothing shares grants none (the
+    replica keeps its ceilings itself)."""
+    assert (await state.admission_loads('{"m/dc": {}}')).others == []
+    claims = {"m/dc/long_document": SlotClaim(running=1, wanted=3, limit=4)}
+    loads = await state.admission_loads("{}", claims)
+    assert loads.others == []
+    assert loads.granted == ({} if isinstance(state, LocalState) else {"m/dc/long_document": 3})
+    again = await state.admission_loads("{}", claims)
+    assert again.granted == loads.granted
 
 
 @pytest.mark.redis
@@ -280,11 +287,36 @@ async def test_replicas_read_each_other_s_admission_load_until_it_expires(
     redis_server: Service,
 ) -> None:
     async with _two_replicas(redis_server, load_ttl_s=0.5) as (one, two):
-        assert await one.admission_loads("1") == []
-        assert await two.admission_loads("2") == ["1"]
-        assert await one.admission_loads("1 again") == ["2"]
+        assert (await one.admission_loads("1")).others == []
+        assert (await two.admission_loads("2")).others == ["1"]
+        assert (await one.admission_loads("1 again")).others == ["2"]
         await asyncio.sleep(0.6)  # two fell silent
-        assert await one.admission_loads("1") == []
+        assert (await one.admission_loads("1")).others == []
+
+
+@pytest.mark.redis
+async def test_replicas_hold_the_slots_of_a_ceiling_apart_and_a_silent_one_frees_its_own(
+    redis_server: Service,
+) -> None:
+    """A ceiling of four: a replica gets what it asks for while the live replicas' slots
+    stay within four, keeps at least what it runs, and a replica that fell silent holds
+    none; claims of other ceilings are counted apart."""
+
+    async def granted(state: RedisState, running: int, wanted: int) -> int:
+        claims = {"m/dc/long_document": SlotClaim(running, wanted, 4), "other": SlotClaim(0, 1, 1)}
+        loads = await state.admission_loads("{}", claims)
+        assert loads.granted["other"] == (1 if state is one else 0)
+        return loads.granted["m/dc/long_document"]
+
+    async with _two_replicas(redis_server, load_ttl_s=0.5) as (one, two):
+        assert await granted(one, 0, 4) == 4
+        assert await granted(two, 0, 2) == 0
+        assert await granted(one, 1, 1) == 1  # gives three back
+        assert await granted(two, 0, 4) == 3
+        assert await granted(one, 2, 4) == 2  # runs two: never fewer
+        assert await granted(two, 3, 3) == 3
+        await asyncio.sleep(0.6)  # two fell silent
+        assert await granted(one, 0, 4) == 4
 
 
 @pytest.mark.redis

@@ -334,6 +334,27 @@ def test_arrivals_queue_behind_a_pool_another_host_holds() -> None:
     assert (outcome.admission.verdict, outcome.admission.reason) == (Verdict.HOLD, "behind_pool")
 
 
+def test_a_host_sharing_a_ceiling_starts_its_class_only_in_the_slots_it_holds() -> None:
+    """Four long documents per instance, two instances: the ceiling has room for eight, but
+    a host holding one slot of it starts one; its other classes have no ceiling to share."""
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"), slots={DOC: 1})
+
+    def arrive(rid: str, task_class: TaskClass) -> AdmissionDecision:
+        tokens = LONG_DOCUMENT_TOKENS if task_class is DOC else 1_000
+        route = RouteRequest(rid, tokens, 10)
+        return pipeline.arrive(
+            request(task_class, tokens, rid=rid), route, rid, fleet(), 0.0
+        ).admission
+
+    assert arrive("d1", DOC).verdict is Verdict.DISPATCH
+    assert (arrive("d2", DOC).verdict, arrive("d3", DOC).reason) == (Verdict.HOLD, "concurrency")
+    assert arrive("c1", CHAT).verdict is Verdict.DISPATCH
+    pipeline.slots = {DOC: 2}
+    assert [o.payload for o in pipeline.release(fleet, now=1.0)] == ["d2"]
+    pipeline.slots = None  # alone again: the ceiling is the host's own
+    assert [o.payload for o in pipeline.release(fleet, now=2.0)] == ["d3"]
+
+
 def test_peer_loads_add_up_and_the_earliest_head_leads() -> None:
     one = ClassLoad(inflight=1, decoding=1, held=2, drained_per_s=0.5, head_key=7.0)
     other = ClassLoad(inflight=3, held=1, drained_per_s=0.25, head_key=4.0)

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from control.admission.registry import make_admission
+from control.admission.request import LONG_DOCUMENT_TOKENS
 from control.fleet.fleetmind import FleetMind
 from control.fleet.journal import dc_choice_record, replay_dc_choice
 from control.fleet.view import DataCenterState, DcRequest, FleetState
@@ -17,7 +18,7 @@ from control.journal import (
     replay,
 )
 from control.pipeline import Pipeline
-from control.routing import PoolModel, make_router
+from control.routing import PoolModel, RouteRequest, make_router
 from gateway.journal import Journals
 from schemas.audit import JournalRecord
 from schemas.base import Message, TaskClass
@@ -26,6 +27,7 @@ from sim.cluster import Cluster
 from sim.control_loop import QuotaLoop
 from sim.simulator import Simulation
 from sim.workload import TraceRequest
+from tests.unit.test_admission import fleet, request
 from tests.unit.test_simulator import STEPS, _profile
 
 SEED = 7
@@ -115,6 +117,33 @@ def test_a_changed_snapshot_or_a_lost_first_token_shows_as_differences() -> None
         if record["call"] == "finished":
             record["observation"] = None
     assert replay(unlearned, _pipeline).differences
+
+
+def test_the_slots_a_host_holds_are_journaled_with_the_decisions_they_shaped() -> None:
+    """A host sharing a ceiling starts a second long document once granted a second slot:
+    the replay does too, and a journal that says the slot never came does not."""
+    records: list[Record] = []
+    pipeline: JournaledPipeline[str] = JournaledPipeline(
+        make_admission("slomax"),
+        make_router("round_robin"),
+        slots={TaskClass.LONG_DOCUMENT: 1},
+        journal=records.append,
+    )
+    for rid in ("d1", "d2"):
+        document = request(TaskClass.LONG_DOCUMENT, LONG_DOCUMENT_TOKENS, rid=rid)
+        route = RouteRequest(rid, LONG_DOCUMENT_TOKENS, 10)
+        pipeline.arrive(document, route, rid, fleet(), 0.0)
+    pipeline.slots = {TaskClass.LONG_DOCUMENT: 2}
+    assert [o.payload for o in pipeline.release(fleet, 1.0)] == ["d2"]
+    assert replay(json.loads(json.dumps(records)), _round_robin).differences == []
+    for record in records:
+        if record["call"] == "slots":
+            record["value"] = {"long_document": 1}
+    assert [d.call for d in replay(records, _round_robin).differences] == ["release"]
+
+
+def _round_robin(_start: Record) -> Pipeline[str]:
+    return Pipeline(make_admission("slomax"), make_router("round_robin"))
 
 
 def test_a_journal_must_begin_with_its_recipe() -> None:
