@@ -2,10 +2,10 @@
 
 A decision is reproducible from the log alone when the log holds everything that shaped
 it: the snapshot and request it was made on, and everything the pipeline learned before
-(every first token, end and observation its router learned from, every quota and peer
-load it was given). ``JournaledPipeline`` records each of those calls, in order, as JSON
-records; ``replay`` builds the same pipeline afresh from the journal's first record,
-makes the same calls and reports every decision that comes out different
+(every first token, end and observation its router learned from, every quota, peer
+load and slot grant it was given). ``JournaledPipeline`` records each of those calls, in
+order, as JSON records; ``replay`` builds the same pipeline afresh from the journal's
+first record, makes the same calls and reports every decision that comes out different
 (``tokenfleet audit``). Nothing but the calls is recorded: the router's and admission's
 state is rebuilt by replaying what built it, so a router that learns needs no hook of
 its own.

@@ -20,15 +20,15 @@ then on. Arrivals then queue behind any replica's held ones, and a held request 
 while another replica holds one of its class from before it, so the pools drain in one
 order; what a replica reads of the others is as old as their last pass and a round trip.
 
-A ceiling is kept by slots, not by reading the others' counts, which may be a pass old:
-each replica starts a class's requests only in the slots it holds, and the slots are
-granted in one atomic step, the live replicas' together never more than the ceiling. A
-replica alone claims the whole ceiling, so that one starting beside it gets slots only
-once the first has heard of it and given back what it does not run. Side by side, a
-replica claims the slots it runs, and one more for each request it holds while its pool's
-head stands first, so that a request of a limited class waits a pass for its slot even
-when the ceiling has room. A replica that dies stops counting, and its slots free, within
-the shared state's time to live; its held clients lose their connection with it.
+A ceiling is kept by slots, since the others' counts may be a pass old: each replica
+starts a class's requests only in the slots it holds, and the slots are granted in one
+atomic step, the live replicas' together never more than the ceiling. A replica alone
+claims the whole ceiling, so that one starting beside it gets slots only once the first
+has heard of it and given back what it does not run (``join`` hears of the others before
+the first request). Side by side, a replica claims what it runs and what it needs next
+(``_needed``), so that a request of a limited class may wait a pass for its slot even when
+the ceiling has room. A replica that dies stops counting, and its slots free, within the
+shared state's time to live; its held clients lose their connection with it.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ class GatewayAdmission:
         self.replicas = 1
         """The replicas sharing the pools, this one included, as last heard."""
         self._changed = asyncio.Event()
+        self._sharing = asyncio.Lock()
         self._shared_at = -float("inf")
         self._closing = False
 
@@ -135,6 +136,18 @@ class GatewayAdmission:
                 )
             self._pipelines[key] = pipeline
         return self._pipelines[key]
+
+    async def open_pool(self, model: str, dc: str, snapshot: FleetSnapshot) -> None:
+        """Before a pool's first request here, beside other replicas: claim its ceiling
+        slots now, a round trip once per pool, so that the request need not wait a pass
+        in the pool for one (and count as a request the pool drained, which the pool's
+        expected wait reads)."""
+        key = (model, dc)
+        if key in self._ready or self.replicas == 1:
+            return
+        self.pipeline(model, dc)
+        self._ready[key] = int(snapshot.ready.sum())
+        await self._shared_loads()
 
     def arrive(
         self,
@@ -214,6 +227,12 @@ class GatewayAdmission:
         """A pass is due now, not at the next tick: capacity freed, or a request came."""
         self._changed.set()
 
+    async def join(self) -> None:
+        """Hear of the replicas already sharing the pools, before the first request: a
+        replica that counted itself alone would keep the whole of each ceiling itself
+        until its first pass."""
+        await self._shared_loads()
+
     async def run(self) -> None:
         """Release passes until cancelled; every held request is answered on the way out."""
         try:
@@ -240,14 +259,17 @@ class GatewayAdmission:
         return self.replicas > 1 or time.monotonic() - self._shared_at >= self.tick_s
 
     async def _shared_loads(self) -> None:
-        """``share_loads``; a failure leaves this replica deciding alone until the next
-        pass, and never stops its releases."""
-        self._shared_at = time.monotonic()
-        try:
-            await self.share_loads()
-        except Exception:
-            log.exception("sharing admission load failed")
-            self._take_peers({})
+        """``share_loads``, one at a time (a grant read after a later one would undo it);
+        a failure leaves this replica deciding alone until the next pass, and never stops
+        its releases."""
+        async with self._sharing:
+            self._shared_at = time.monotonic()
+            try:
+                await self.share_loads()
+            except Exception:
+                log.exception("sharing admission load failed")
+                self.replicas = 1
+                self._take_peers({})
 
     def close(self) -> None:
         """The gateway is stopping: answer every held request now, and any held later."""
@@ -279,6 +301,7 @@ class GatewayAdmission:
             for key, pipeline in self._pipelines.items()
         }
         claims = self._claims()
+        self._keep_within(claims)
         shared = await self._loads(json.dumps(own), {n: c for n, (_, c) in claims.items()})
         others = [load for raw in shared.others if (load := _decoded(raw, now - wall)) is not None]
         self.replicas = 1 + len(others)
@@ -291,23 +314,37 @@ class GatewayAdmission:
         self._take_peers({name: _summed([o[name] for o in others if name in o]) for name in names})
 
     def _claims(self) -> dict[str, tuple[tuple[str, TaskClass], SlotClaim]]:
-        """The slots this replica claims of each class ceiling, by claim name, with the
-        pool and class each is of: alone, the whole ceiling; beside others, the slots it
-        runs and, where its pool's head stands before theirs, one per request it holds."""
+        """The slots this replica claims of each class ceiling of the pools it served, by
+        claim name, with the pool and class each is of: alone, the whole ceiling; beside
+        others, the slots it runs and those it needs next (``_needed``)."""
         claims = {}
         for key, pipeline in self._pipelines.items():
+            if key not in self._ready:  # made for a DC's view only: never served here
+                continue
             name = _pool_name(key)
             for task_class in TaskClass:
-                limit = self._limit(pipeline, task_class, self._ready.get(key, 0))
+                limit = self._limit(pipeline, task_class, self._ready[key])
                 if limit is None:
                     continue
                 running = pipeline.inflight[task_class]
-                wanted = (
-                    limit if self.replicas == 1 else running + _first_held(pipeline, task_class)
-                )
+                wanted = limit if self.replicas == 1 else running + _needed(pipeline, task_class)
                 claim = SlotClaim(running, wanted, limit)
                 claims[f"{name}/{task_class.value}"] = ((name, task_class), claim)
         return claims
+
+    def _keep_within(self, claims: dict[str, tuple[tuple[str, TaskClass], SlotClaim]]) -> None:
+        """While its claim is on its way, a replica beside others starts no more of a
+        class than the claim asks for: a request started meanwhile in a slot the claim
+        gives back would be in no replica's grant."""
+        if self.replicas == 1:
+            return
+        slots = {pool: dict(held) for pool, held in self._slots.items()}
+        for (pool, task_class), claim in claims.values():
+            held = slots.setdefault(pool, {})
+            held[task_class] = min(held.get(task_class, 0), claim.wanted)
+        self._slots = slots
+        for key, pipeline in self._pipelines.items():
+            pipeline.slots = self._slots_of(_pool_name(key))
 
     def _slots_of(self, pool: str) -> dict[TaskClass, int] | None:
         """This replica's slots of ``pool``'s ceilings (None: it is alone and keeps them
@@ -350,8 +387,6 @@ class GatewayAdmission:
 
     def _take_peers(self, peers: dict[str, dict[TaskClass, ClassLoad]]) -> None:
         """The other replicas' load from now on, by pool."""
-        if not peers:
-            self.replicas = 1
         self._peers = peers
         for key, pipeline in self._pipelines.items():
             pipeline.peers = peers.get(_pool_name(key), {})
@@ -445,11 +480,17 @@ def _pool_name(key: Key) -> str:
     return f"{model}/{dc}"
 
 
-def _first_held(pipeline: Pipeline[Held], task_class: TaskClass) -> int:
-    """The requests of ``task_class`` the pipeline holds, if its first stands before the
-    first the other replicas hold (as last heard); else none."""
+def _needed(pipeline: Pipeline[Held], task_class: TaskClass) -> int:
+    """The slots of ``task_class`` a replica beside others claims beyond those it runs:
+    one per request it holds, if its first stands before the first the others hold (as
+    last heard), so that slots go where the pool order says the next request is; one for
+    the next arrival where no replica holds any, so that it need not wait a pass; else
+    none."""
     head = pipeline.pools.head(task_class)
-    if head is None or pipeline.peer_first(head.request):
+    if head is None:
+        peer = pipeline.peers.get(task_class)
+        return 1 if peer is None or peer.held == 0 else 0
+    if pipeline.peer_first(head.request):
         return 0
     return pipeline.pools.state(task_class, time.monotonic()).depth
 

@@ -163,6 +163,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         exchange.client = _upstream_client(settings)
+        await decider.admission.join()
         loops = [
             asyncio.create_task(events.run()),
             asyncio.create_task(follow(parts.bus, "tf.telemetry", on_telemetry, "latest")),

@@ -237,6 +237,7 @@ class Decider:
             return await self.least_loaded(inbound.model.name, dc)
         pool, sampled, shared, request = await self._prepare(inbound, dc)
         snapshot = self.view.snapshot(pool, shared)
+        await self.admission.open_pool(inbound.model.name, dc, snapshot)
         quotas = self.quotas.current(dc)
         admitted = self.admission.arrive(inbound, dc, request, snapshot, arrived, quotas)
         if isinstance(admitted, Waiting):

@@ -78,7 +78,7 @@ def admission_factory(fleet: FleetConfig, name: str) -> Callable[[str], Admissio
     def make(model_name: str) -> Admission:
         model = fleet.model(model_name)
         assert model is not None
-        return make_admission(name, pool_model(model.profile, model.max_num_seqs))
+        return make_admission(name, pool_model(model.profile, model.max_num_seqs), ablations=False)
 
     make(fleet.models[0].name)
     return make

@@ -102,12 +102,17 @@ CONTROLLED = frozenset({"slomax", *ABLATIONS} - {"slomax_without_controller"})
 ``control.controllers.slomax``); hosts run the loop beside them."""
 
 
-def make_admission(name: str, pool: PoolModel | None = None) -> Admission:
+def make_admission(
+    name: str, pool: PoolModel | None = None, *, ablations: bool = True
+) -> Admission:
     """The admission policy ``name``, or KeyError naming the known ones; ``pool`` describes
-    the model pool to those that use it."""
+    the model pool to those that use it; ``ablations``: SLOMax with a part switched off
+    counts among them (not on a gateway: without class pools, replicas side by side
+    would refuse what their ceiling slots do not cover)."""
+    offered = ADMISSIONS | ABLATIONS if ablations else ADMISSIONS
     try:
-        build = (ADMISSIONS | ABLATIONS)[name]
+        build = offered[name]
     except KeyError:
-        known = ", ".join(sorted(ADMISSIONS | ABLATIONS))
+        known = ", ".join(sorted(offered))
         raise KeyError(f"unknown admission policy {name!r}; known: {known}") from None
     return build(pool)

@@ -23,8 +23,9 @@ from control.admission.slomax import SLOMax
 from control.pipeline import ClassLoad
 from control.routing import FleetSnapshot, RouteRequest, make_router
 from gateway.admission import Admitted, GatewayAdmission, Waiting
-from gateway.inbound import read_inbound
+from gateway.inbound import Inbound, read_inbound
 from gateway.metrics import GatewayMetrics
+from gateway.redis_state import RedisState
 from gateway.state import AdmissionLoads, SlotClaim
 from schemas import topic_for
 from schemas.base import TaskClass
@@ -340,15 +341,15 @@ async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_a
     assert passes == (1 if others == 0 else 20)
 
 
+READY = FleetSnapshot(("i0",), *(np.array([v]) for v in (True, 0, 0, 0, 0, 100)), np.array([0.0]))
+"""One ready instance: a ceiling of four long documents."""
+
+
 async def test_a_replica_claims_a_ceiling_whole_alone_and_beside_others_what_it_needs() -> None:
-    """One ready instance: a ceiling of four long documents. Alone, a replica claims all
-    four and starts documents as the ceiling lets it; beside another, it starts them only
-    in the slots granted to it, and claims one for each it holds while its pool's head
-    stands before the other's."""
-    fleet = fleet_for(["http://127.0.0.1:9"])
-    ready = FleetSnapshot(
-        ("i0",), *(np.array([v]) for v in (True, 0, 0, 0, 0, 100)), np.array([0.0])
-    )
+    """Alone, a replica claims all four slots and starts documents as the ceiling lets it;
+    beside another, it starts them only in the slots granted to it, and claims one for
+    each it holds while its pool's head stands before the other's, and one for the next
+    arrival while no one holds any."""
     peers: list[str] = []
     granted = 0
     claims: list[SlotClaim] = []
@@ -357,34 +358,16 @@ async def test_a_replica_claims_a_ceiling_whole_alone_and_beside_others_what_it_
         claims.extend(slots.values())
         return AdmissionLoads(list(peers), dict.fromkeys(slots, granted))
 
-    async def snapshot(_model: str, _dc: str) -> FleetSnapshot:
-        return ready
-
-    host = GatewayAdmission(
-        lambda _model: SLOMax(),
-        lambda _model, _dc: make_router("round_robin"),
-        snapshot,
-        Objectives(),
-        GatewayMetrics(),
-        loads,
-    )
-
-    def document() -> Admitted | Waiting:
-        at = time.monotonic()
-        body = json.dumps(chat(f"document at {at}")).encode()
-        headers = {"x-tokenfleet-class": "long_document"}
-        inbound = read_inbound(fleet, fleet.tenants[0], "/v1/chat/completions", body, headers)
-        route = RouteRequest(inbound.request_id, inbound.input_tokens, None)
-        return host.arrive(inbound, "dc-a", route, ready, at, None)
-
-    assert isinstance(document(), Admitted)
+    host = _slomax_host(loads)
+    assert isinstance(_document(host)[1], Admitted)
     await host.share_loads()
     assert claims.pop() == SlotClaim(running=1, wanted=4, limit=4)
     peers.append(json.dumps({f"{MODEL}/dc-a": {}}))  # another replica, holding nothing
     granted = 1
     await host.share_loads()
     assert claims.pop() == SlotClaim(running=1, wanted=4, limit=4)  # as yet alone
-    assert isinstance(held := document(), Waiting)  # the ceiling has room, its slots not
+    _, held = _document(host)
+    assert isinstance(held, Waiting)  # the ceiling has room, its slots not
     await host.share_loads()
     assert claims.pop() == SlotClaim(running=1, wanted=2, limit=4)
     before = time.time() - 1.0  # the other's head, on the wall clock
@@ -398,6 +381,104 @@ async def test_a_replica_claims_a_ceiling_whole_alone_and_beside_others_what_it_
     await host.share_loads()
     assert await host.release_pass() == 1
     assert isinstance(await held.decision(), Admitted)
+    await host.share_loads()
+    assert claims.pop() == SlotClaim(running=2, wanted=3, limit=4)
+
+
+async def test_beside_others_a_pool_s_first_request_finds_a_slot_claimed_for_it() -> None:
+    """Beside another replica, the first request to a pool claims its slot before it is
+    admitted, once: it starts at once rather than waiting a pass in the pool."""
+    claims: list[SlotClaim] = []
+
+    async def loads(_own: str, slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
+        claims.extend(slots.values())
+        return AdmissionLoads([json.dumps({f"{MODEL}/dc-a": {}})], dict.fromkeys(slots, 1))
+
+    host = _slomax_host(loads)
+    await host.join()
+    await host.open_pool(MODEL, "dc-a", READY)
+    assert claims == [SlotClaim(running=0, wanted=1, limit=4)]
+    assert isinstance(_document(host)[1], Admitted)
+    await host.open_pool(MODEL, "dc-a", READY)  # opened already: no claim
+    assert len(claims) == 1
+
+
+@pytest.mark.redis
+async def test_replicas_on_one_redis_never_start_more_than_the_ceiling_between_them(
+    redis_server: Service,
+) -> None:
+    """Two hosts on one Redis, driven pass by pass. The second hears of the first before
+    its first request, so it starts nothing outside its slots. The first, whose running
+    documents fell from four to two, claims three slots (two and one for the next
+    arrival); of three documents that reach it while that claim is on its way, one
+    starts: started, the others would be in no grant, and the second, granted the last
+    slot, would make five."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    states = [RedisState(redis_server.address, prefix, replica=r) for r in ("a", "b")]
+    arrivals: list[Admitted | Waiting] = []
+    arriving = 0
+
+    async def loads_a(own: str, slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
+        arrivals.extend(_document(a)[1] for _ in range(arriving))  # while the claim is away
+        return await states[0].admission_loads(own, slots)
+
+    a, b = _slomax_host(loads_a), _slomax_host(states[1].admission_loads)
+
+    async def settle(host: GatewayAdmission) -> None:
+        await host.share_loads()
+        await host.release_pass()
+
+    try:
+        await a.join()
+        await b.join()
+        await a.share_loads()
+        assert a.replicas == b.replicas == 2
+        first = [_document(a) for _ in range(4)]
+        waiting = [w for _, w in first if isinstance(w, Waiting)]
+        assert len(waiting) == 4  # no slot yet: none claimed
+        await settle(a)
+        assert [type(await w.decision()) for w in waiting] == [Admitted] * 4
+        for inbound, _ in first[:2]:
+            a.finished(inbound, "dc-a")
+        arriving = 3
+        await settle(a)
+        assert [type(w) for w in arrivals] == [Admitted, Waiting, Waiting]
+        assert isinstance(_document(b)[1], Waiting)
+        await settle(b)
+        inflight = [sum(h.pipeline(MODEL, "dc-a").inflight.values()) for h in (a, b)]
+        assert inflight == [3, 1]
+    finally:
+        for state in states:
+            await state.close()
+
+
+def _slomax_host(
+    loads: Callable[[str, Mapping[str, SlotClaim]], Awaitable[AdmissionLoads]],
+) -> GatewayAdmission:
+    """A gateway's admission host with SLOMax, in front of ``READY``."""
+
+    async def snapshot(_model: str, _dc: str) -> FleetSnapshot:
+        return READY
+
+    return GatewayAdmission(
+        lambda _model: SLOMax(),
+        lambda _model, _dc: make_router("round_robin"),
+        snapshot,
+        Objectives(),
+        GatewayMetrics(),
+        loads,
+    )
+
+
+def _document(host: GatewayAdmission) -> tuple[Inbound, Admitted | Waiting]:
+    """A long document arriving at ``host`` now, and where admission put it."""
+    fleet = fleet_for(["http://127.0.0.1:9"])
+    at = time.monotonic()
+    body = json.dumps(chat(f"document at {at}")).encode()
+    headers = {"x-tokenfleet-class": "long_document"}
+    inbound = read_inbound(fleet, fleet.tenants[0], "/v1/chat/completions", body, headers)
+    route = RouteRequest(inbound.request_id, inbound.input_tokens, None)
+    return inbound, host.arrive(inbound, "dc-a", route, READY, at, None)
 
 
 def _holding_nothing(

@@ -420,6 +420,9 @@ def test_admission_policies_by_name() -> None:
         make_admission("mooncake_early_reject")
     with pytest.raises(KeyError, match="known: dynamo_router_queue, fcfs, litellm_priority"):
         make_admission("nope")
+    assert make_admission("slomax_without_class_pools").name == "slomax_without_class_pools"
+    with pytest.raises(KeyError, match="unknown admission policy 'slomax_without_class_pools'"):
+        make_admission("slomax_without_class_pools", ablations=False)  # as a gateway asks
 
 
 def test_dynamo_s_queue_holds_while_every_worker_is_prefill_busy() -> None:
