@@ -24,6 +24,7 @@ from control.admission.pools import ClassPools, Waiting, order_key
 from control.admission.registry import Admission
 from control.admission.request import AdmissionRequest
 from control.admission.view import (
+    SLOT_WAIT,
     USAGE_WINDOW_S,
     AdmissionDecision,
     AdmissionView,
@@ -173,7 +174,8 @@ class Pipeline(Generic[Payload]):
         decision = self._admit(request, route, fleet, now, held=False)
         if decision.verdict is Verdict.HOLD:
             assert decision.hold_until_s is not None
-            self.pools.hold(Waiting(request, _Held(route, payload), decision.hold_until_s))
+            drains = decision.reason != SLOT_WAIT
+            self.pools.hold(Waiting(request, _Held(route, payload), decision.hold_until_s, drains))
             return Outcome(request, payload, decision)
         if decision.verdict is Verdict.REJECT:
             return Outcome(request, payload, decision)

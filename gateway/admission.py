@@ -27,8 +27,10 @@ claims the whole ceiling, so that one starting beside it gets slots only once th
 has heard of it and given back what it does not run (``join`` hears of the others before
 the first request). Side by side, a replica claims what it runs and what it needs next
 (``_needed``), so that a request of a limited class may wait a pass for its slot even when
-the ceiling has room. A replica that dies stops counting, and its slots free, within the
-shared state's time to live; its held clients lose their connection with it.
+the ceiling has room; the first request of a pool claims before it is admitted
+(``open_pool``, on the request's path once per pool). A replica that dies stops counting,
+and its slots free, within the shared state's time to live; its held clients lose their
+connection with it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 from control.admission.registry import Admission
 from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.slomax import SLOMax
-from control.admission.view import Verdict
+from control.admission.view import SLOT_WAIT, Verdict
 from control.journal import Journal, JournaledPipeline, Record
 from control.pipeline import ClassLoad, Outcome, Pipeline
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
@@ -63,14 +65,19 @@ log = logging.getLogger(__name__)
 Held = asyncio.Future["Outcome[Held]"]
 Key = tuple[str, str]
 """A pipeline's model and DC."""
+Claims = dict[str, tuple[tuple[str, TaskClass], SlotClaim]]
+"""This replica's slot claims by name, each with the pool (``_pool_name``) and class it
+is of."""
 
 SHUTDOWN = "shutdown"
 """The reason a held request is answered when the gateway stops."""
 OUT_OF_REACH = frozenset({"predicted_ttft", "predicted_tbt", "deadline", "expired"})
 """Admission's reasons that say the request could no longer meet its objective."""
-OVER_LIMIT = frozenset({"concurrency", "priority_limit", "model_limit"})
+OVER_LIMIT = frozenset({"concurrency", SLOT_WAIT, "priority_limit", "model_limit"})
 """Admission's reasons that say its class (or model) is at its limit; any other reason
 says the fleet has no room (a full pool, the interactive reserve, saturation, ...)."""
+LEAVING_S = 1.0
+"""How long a stopping replica tries to give its slots back (a share on its way first)."""
 REFUSED_RETRY_AFTER_S = 1.0
 """What a refusal tells the client to wait when its policy names no time."""
 
@@ -86,11 +93,15 @@ class GatewayAdmission:
         loads: Callable[[str, Mapping[str, SlotClaim]], Awaitable[AdmissionLoads]],
         journal_for: Callable[[str, str], tuple[Journal, Record]] | None = None,
         tick_s: float = 0.05,
+        *,
+        pool_now: Callable[[str, str], tuple[int, AdmissionQuotas | None]],
     ) -> None:
         """``snapshot_for(model, dc)``: the pool's snapshot now, for a release pass;
         ``loads``: publish this replica's admission load, read the others' and claim
         ceiling slots (``SharedState.admission_loads``); ``journal_for(model, dc)``: a
-        new pool's journal and recipe (None: pipelines keep none)."""
+        new pool's journal and recipe (None: pipelines keep none); ``pool_now(model,
+        dc)``: the pool's ready instances and its DC's quotas now, which its ceilings are
+        claimed by (every replica reads them from the same telemetry and control)."""
         self._make_admission = make_admission
         self._router_for = router_for
         self._snapshot_for = snapshot_for
@@ -98,14 +109,15 @@ class GatewayAdmission:
         self.metrics = metrics
         self.tick_s = tick_s
         self._loads = loads
+        self._pool_now = pool_now
         self._journal_for = journal_for
         self._pipelines: dict[Key, Pipeline[Held]] = {}
         self._peers: dict[str, dict[TaskClass, ClassLoad]] = {}
         """The other replicas' load, by pool (``_pool_name``)."""
         self._slots: dict[str, dict[TaskClass, int]] = {}
         """This replica's slots of each pool's class ceilings, as last granted."""
-        self._ready: dict[Key, int] = {}
-        """Each pool's ready instances in its latest snapshot: what its ceilings scale by."""
+        self._served: set[Key] = set()
+        """The pools this replica served (a pipeline may be made for a DC's view alone)."""
         self.replicas = 1
         """The replicas sharing the pools, this one included, as last heard."""
         self._changed = asyncio.Event()
@@ -137,17 +149,16 @@ class GatewayAdmission:
             self._pipelines[key] = pipeline
         return self._pipelines[key]
 
-    async def open_pool(self, model: str, dc: str, snapshot: FleetSnapshot) -> None:
+    async def open_pool(self, model: str, dc: str) -> None:
         """Before a pool's first request here, beside other replicas: claim its ceiling
-        slots now, a round trip once per pool, so that the request need not wait a pass
-        in the pool for one (and count as a request the pool drained, which the pool's
-        expected wait reads)."""
+        slots now, a round trip once per pool with a ceiling, so that the request need
+        not wait a pass in the pool for one."""
         key = (model, dc)
-        if key in self._ready or self.replicas == 1:
+        if key in self._served or self.replicas == 1 or self._closing:
             return
-        self.pipeline(model, dc)
-        self._ready[key] = int(snapshot.ready.sum())
-        await self._shared_loads()
+        self._served.add(key)
+        if self._pool_claims(key, self.pipeline(model, dc)):
+            await self._shared_loads()
 
     def arrive(
         self,
@@ -162,7 +173,7 @@ class GatewayAdmission:
         its pool; ApiError(429, with ``Retry-After``) for one refused."""
         pipeline = self.pipeline(inbound.model.name, dc)
         pipeline.quotas = _class_quotas(quotas)
-        self._ready[(inbound.model.name, dc)] = int(snapshot.ready.sum())
+        self._served.add((inbound.model.name, dc))
         answer: Held = asyncio.get_running_loop().create_future()
         request = _admitting(inbound, arrived, self.objectives)
         outcome = pipeline.arrive(request, route, answer, snapshot, time.monotonic())
@@ -250,7 +261,8 @@ class GatewayAdmission:
         finally:
             self.answer_held(SHUTDOWN)
             with contextlib.suppress(Exception):  # the others stop counting this replica
-                await self._loads("{}", {name: SlotClaim(0, 0, 0) for name in self._claims()})
+                async with asyncio.timeout(LEAVING_S), self._sharing:
+                    await self._loads("{}", {name: SlotClaim(0, 0, 0) for name in self._claims()})
 
     def _sharing_due(self) -> bool:
         """Before every pass while other replicas share the pools; alone as last heard,
@@ -284,7 +296,6 @@ class GatewayAdmission:
             if not len(pipeline.pools):
                 continue
             snapshot = await self._snapshot_for(model, dc)
-            self._ready[(model, dc)] = int(snapshot.ready.sum())
             for outcome in pipeline.release(_always(snapshot), time.monotonic()):
                 self._count(outcome, model, dc)
                 _answer(outcome)
@@ -313,26 +324,30 @@ class GatewayAdmission:
         self._slots = slots
         self._take_peers({name: _summed([o[name] for o in others if name in o]) for name in names})
 
-    def _claims(self) -> dict[str, tuple[tuple[str, TaskClass], SlotClaim]]:
+    def _claims(self) -> Claims:
         """The slots this replica claims of each class ceiling of the pools it served, by
-        claim name, with the pool and class each is of: alone, the whole ceiling; beside
-        others, the slots it runs and those it needs next (``_needed``)."""
-        claims = {}
-        for key, pipeline in self._pipelines.items():
-            if key not in self._ready:  # made for a DC's view only: never served here
-                continue
-            name = _pool_name(key)
-            for task_class in TaskClass:
-                limit = self._limit(pipeline, task_class, self._ready[key])
-                if limit is None:
-                    continue
-                running = pipeline.inflight[task_class]
-                wanted = limit if self.replicas == 1 else running + _needed(pipeline, task_class)
-                claim = SlotClaim(running, wanted, limit)
-                claims[f"{name}/{task_class.value}"] = ((name, task_class), claim)
+        claim name, with the pool and class each is of."""
+        claims: Claims = {}
+        for key in self._served:
+            claims |= self._pool_claims(key, self._pipelines[key])
         return claims
 
-    def _keep_within(self, claims: dict[str, tuple[tuple[str, TaskClass], SlotClaim]]) -> None:
+    def _pool_claims(self, key: Key, pipeline: Pipeline[Held]) -> Claims:
+        """The pool's claims: alone, the whole of each ceiling; beside others, the slots
+        it runs and those it needs next (``_needed``). Ceilings as they are now."""
+        ready, quotas = self._pool_now(*key)
+        name, claims = _pool_name(key), Claims()
+        for task_class in TaskClass:
+            limit = self._limit(pipeline, task_class, ready, _class_quotas(quotas))
+            if limit is None:
+                continue
+            running = pipeline.inflight[task_class]
+            wanted = limit if self.replicas == 1 else running + _needed(pipeline, task_class)
+            claim = SlotClaim(running, wanted, limit)
+            claims[f"{name}/{task_class.value}"] = ((name, task_class), claim)
+        return claims
+
+    def _keep_within(self, claims: Claims) -> None:
         """While its claim is on its way, a replica beside others starts no more of a
         class than the claim asks for: a request started meanwhile in a slot the claim
         gives back would be in no replica's grant."""

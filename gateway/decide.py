@@ -121,6 +121,7 @@ class Decider:
             metrics,
             state.admission_loads,
             None if journals is None else journals.pool,
+            pool_now=self._pool_now,
         )
 
     async def take_quota(self, inbound: Inbound) -> None:
@@ -237,7 +238,7 @@ class Decider:
             return await self.least_loaded(inbound.model.name, dc)
         pool, sampled, shared, request = await self._prepare(inbound, dc)
         snapshot = self.view.snapshot(pool, shared)
-        await self.admission.open_pool(inbound.model.name, dc, snapshot)
+        await self.admission.open_pool(inbound.model.name, dc)
         quotas = self.quotas.current(dc)
         admitted = self.admission.arrive(inbound, dc, request, snapshot, arrived, quotas)
         if isinstance(admitted, Waiting):
@@ -309,6 +310,12 @@ class Decider:
         order = decision.ranked()
         version = shared.version
         return Plan(dc, pool, decision, order, cached_tokens, sampled, version, True, allowed)
+
+    def _pool_now(self, model: str, dc: str) -> tuple[int, AdmissionQuotas | None]:
+        """The pool's ready instances and its DC's quotas now, for admission's ceilings."""
+        pool = self.view.pool(model, dc)
+        ready = 0 if pool is None else sum(self.view.ready(i.id) for i in pool.instances)
+        return ready, self.quotas.current(dc)
 
     async def _pool_snapshot(self, model: str, dc: str) -> FleetSnapshot:
         pool = self.view.pool(model, dc)

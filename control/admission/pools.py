@@ -35,6 +35,10 @@ class Waiting(Generic[Payload]):
     request: AdmissionRequest
     payload: Payload
     hold_until_s: float
+    drains: bool = True
+    """Whether its release counts in its pool's drain rate: not for a request held only
+    for its host's next slot grant (``SLOT_WAIT``), which tells nothing of how fast the
+    pool drains, and would read as a pool that drains one request in its window."""
 
 
 @dataclass
@@ -80,8 +84,10 @@ class ClassPools(Generic[Payload]):
         if self.head(task_class) is None:
             raise LookupError(f"the {task_class.value} pool is empty")
         _, order = heapq.heappop(self._heaps[task_class])
-        self._released[task_class].append(now_s)
-        return self._take(order)
+        waiting = self._take(order)
+        if waiting.drains:
+            self._released[task_class].append(now_s)
+        return waiting
 
     def expired(self, now_s: float) -> Iterator[Waiting[Payload]]:
         """Take out every request whose hold has run out, wherever it stands in its pool."""

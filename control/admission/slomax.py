@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import Field
 
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest
-from control.admission.view import AdmissionDecision, AdmissionView, Verdict
+from control.admission.view import SLOT_WAIT, AdmissionDecision, AdmissionView, Verdict
 
 if TYPE_CHECKING:
     from control.admission.registry import EngineScheduling
@@ -117,10 +117,10 @@ class SLOMax:
         p, fleet, task_class = self.params, view.fleet, request.task_class
         allowed = fleet.ready.copy()
         limit = self.concurrency_limit(task_class, view.quotas, int(fleet.ready.sum()))
-        if limit is not None and (
-            view.inflight.get(task_class, 0) >= limit or task_class in view.out_of_slots
-        ):
+        if limit is not None and view.inflight.get(task_class, 0) >= limit:
             return "concurrency", allowed
+        if limit is not None and task_class in view.out_of_slots:
+            return SLOT_WAIT, allowed
         if p.interactive_reservation and task_class is not TaskClass.INTERACTIVE:
             interactive = view.quotas.get(TaskClass.INTERACTIVE)
             reserved = p.reserved_kv_share if interactive is None else interactive.reserved_share

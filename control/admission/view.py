@@ -62,6 +62,12 @@ class PoolState:
         return self.depth / self.drained_per_s if self.drained_per_s > 0 else 0.0
 
 
+SLOT_WAIT = "slots"
+"""The reason a request is held while its class's ceiling has room but its host's slots
+of that ceiling do not (``AdmissionView.out_of_slots``): it waits for the host's next
+grant, a pass, not for the pool to drain."""
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     """What one class used in the host's current counting window."""

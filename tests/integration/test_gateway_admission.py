@@ -29,6 +29,7 @@ from gateway.redis_state import RedisState
 from gateway.state import AdmissionLoads, SlotClaim
 from schemas import topic_for
 from schemas.base import TaskClass
+from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.lifecycle import RejectReason, RequestRejected
 from schemas.objectives import Objectives
 from tests.conftest import read_for
@@ -370,7 +371,7 @@ async def test_a_replica_claims_a_ceiling_whole_alone_and_beside_others_what_it_
     assert isinstance(held, Waiting)  # the ceiling has room, its slots not
     await host.share_loads()
     assert claims.pop() == SlotClaim(running=1, wanted=2, limit=4)
-    before = time.time() - 1.0  # the other's head, on the wall clock
+    before = time.time() - 60.0  # the other's head, on the wall clock
     peers[0] = json.dumps({f"{MODEL}/dc-a": {"long_document": [0, 0, 1, 0.0, before]}})
     await host.share_loads()  # hears the other holds one from before its own
     granted = 2
@@ -387,19 +388,22 @@ async def test_a_replica_claims_a_ceiling_whole_alone_and_beside_others_what_it_
 
 async def test_beside_others_a_pool_s_first_request_finds_a_slot_claimed_for_it() -> None:
     """Beside another replica, the first request to a pool claims its slot before it is
-    admitted, once: it starts at once rather than waiting a pass in the pool."""
+    admitted, once, under the ceiling its DC's quota sets: it starts at once rather than
+    waiting a pass in the pool."""
     claims: list[SlotClaim] = []
 
     async def loads(_own: str, slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
         claims.extend(slots.values())
         return AdmissionLoads([json.dumps({f"{MODEL}/dc-a": {}})], dict.fromkeys(slots, 1))
 
-    host = _slomax_host(loads)
+    quota = ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=2)
+    quotas = AdmissionQuotas(scope="dc-a", version=1, issued_at=0.0, ttl_s=60, quotas=(quota,))
+    host = _slomax_host(loads, quotas)
     await host.join()
-    await host.open_pool(MODEL, "dc-a", READY)
-    assert claims == [SlotClaim(running=0, wanted=1, limit=4)]
-    assert isinstance(_document(host)[1], Admitted)
-    await host.open_pool(MODEL, "dc-a", READY)  # opened already: no claim
+    await host.open_pool(MODEL, "dc-a")
+    assert claims == [SlotClaim(running=0, wanted=1, limit=2)]
+    assert isinstance(_document(host, quotas)[1], Admitted)
+    await host.open_pool(MODEL, "dc-a")  # opened already: no claim
     assert len(claims) == 1
 
 
@@ -414,7 +418,9 @@ async def test_replicas_on_one_redis_never_start_more_than_the_ceiling_between_t
     starts: started, the others would be in no grant, and the second, granted the last
     slot, would make five."""
     prefix = f"test-{uuid.uuid4().hex}:"
-    states = [RedisState(redis_server.address, prefix, replica=r) for r in ("a", "b")]
+    states = [  # loads that outlive the test's passes, however slow the machine
+        RedisState(redis_server.address, prefix, replica=r, load_ttl_s=30.0) for r in ("a", "b")
+    ]
     arrivals: list[Admitted | Waiting] = []
     arriving = 0
 
@@ -454,8 +460,9 @@ async def test_replicas_on_one_redis_never_start_more_than_the_ceiling_between_t
 
 def _slomax_host(
     loads: Callable[[str, Mapping[str, SlotClaim]], Awaitable[AdmissionLoads]],
+    quotas: AdmissionQuotas | None = None,
 ) -> GatewayAdmission:
-    """A gateway's admission host with SLOMax, in front of ``READY``."""
+    """A gateway's admission host with SLOMax, in front of ``READY``, under ``quotas``."""
 
     async def snapshot(_model: str, _dc: str) -> FleetSnapshot:
         return READY
@@ -467,10 +474,13 @@ def _slomax_host(
         Objectives(),
         GatewayMetrics(),
         loads,
+        pool_now=lambda _model, _dc: (1, quotas),
     )
 
 
-def _document(host: GatewayAdmission) -> tuple[Inbound, Admitted | Waiting]:
+def _document(
+    host: GatewayAdmission, quotas: AdmissionQuotas | None = None
+) -> tuple[Inbound, Admitted | Waiting]:
     """A long document arriving at ``host`` now, and where admission put it."""
     fleet = fleet_for(["http://127.0.0.1:9"])
     at = time.monotonic()
@@ -478,7 +488,7 @@ def _document(host: GatewayAdmission) -> tuple[Inbound, Admitted | Waiting]:
     headers = {"x-tokenfleet-class": "long_document"}
     inbound = read_inbound(fleet, fleet.tenants[0], "/v1/chat/completions", body, headers)
     route = RouteRequest(inbound.request_id, inbound.input_tokens, None)
-    return inbound, host.arrive(inbound, "dc-a", route, READY, at, None)
+    return inbound, host.arrive(inbound, "dc-a", route, READY, at, quotas)
 
 
 def _holding_nothing(
@@ -499,4 +509,5 @@ def _holding_nothing(
         GatewayMetrics(),
         loads,
         tick_s=tick_s,
+        pool_now=lambda _model, _dc: (1, None),
     )

@@ -347,10 +347,11 @@ def test_a_host_sharing_a_ceiling_starts_its_class_only_in_the_slots_it_holds() 
         ).admission
 
     assert arrive("d1", DOC).verdict is Verdict.DISPATCH
-    assert (arrive("d2", DOC).verdict, arrive("d3", DOC).reason) == (Verdict.HOLD, "concurrency")
+    assert (arrive("d2", DOC).verdict, arrive("d3", DOC).reason) == (Verdict.HOLD, "slots")
     assert arrive("c1", CHAT).verdict is Verdict.DISPATCH
     pipeline.slots = {DOC: 2}
     assert [o.payload for o in pipeline.release(fleet, now=1.0)] == ["d2"]
+    assert pipeline.pools.state(DOC, 1.0).drained_per_s == 0  # it waited for a grant
     pipeline.slots = None  # alone again: the ceiling is the host's own
     assert [o.payload for o in pipeline.release(fleet, now=2.0)] == ["d3"]
 
