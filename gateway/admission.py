@@ -29,8 +29,9 @@ the first request). Side by side, a replica claims what it runs and what it need
 (``_needed``), so that a request of a limited class may wait a pass for its slot even when
 the ceiling has room; the first request of a pool claims before it is admitted
 (``open_pool``, on the request's path once per pool). A replica that dies stops counting,
-and its slots free, within the shared state's time to live; its held clients lose their
-connection with it.
+and its slots free, within the shared state's time to live (one that stops leaves at
+once); its held clients lose their connection with it. A replica whose shares fail keeps
+what it last heard for as long (``heard_for_s``), then decides alone.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from control.routing import Decision, FleetSnapshot, Router, RouteRequest
 from control.routing.snapshot import BoolArray, Observation
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
-from gateway.state import AdmissionLoads, SlotClaim
+from gateway.state import LEAVE, AdmissionLoads, SlotClaim
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.lifecycle import RejectReason
@@ -95,13 +96,16 @@ class GatewayAdmission:
         tick_s: float = 0.05,
         *,
         pool_now: Callable[[str, str], tuple[int, AdmissionQuotas | None]],
+        heard_for_s: float = 2.0,
     ) -> None:
         """``snapshot_for(model, dc)``: the pool's snapshot now, for a release pass;
         ``loads``: publish this replica's admission load, read the others' and claim
         ceiling slots (``SharedState.admission_loads``); ``journal_for(model, dc)``: a
         new pool's journal and recipe (None: pipelines keep none); ``pool_now(model,
         dc)``: the pool's ready instances and its DC's quotas now, which its ceilings are
-        claimed by (every replica reads them from the same telemetry and control)."""
+        claimed by (every replica reads them from the same telemetry and control);
+        ``heard_for_s``: how long what the replica last heard stands while its shares fail
+        (2 s: how long the others count it after its last share, ``RedisState.load_ttl_s``)."""
         self._make_admission = make_admission
         self._router_for = router_for
         self._snapshot_for = snapshot_for
@@ -122,6 +126,10 @@ class GatewayAdmission:
         """The replicas sharing the pools, this one included, as last heard."""
         self._changed = asyncio.Event()
         self._sharing = asyncio.Lock()
+        self.heard_for_s = heard_for_s
+        self._heard_at = -float("inf")
+        """When a share last succeeded."""
+        self._failing = False
         self._shared_at = -float("inf")
         self._closing = False
 
@@ -262,7 +270,7 @@ class GatewayAdmission:
             self.answer_held(SHUTDOWN)
             with contextlib.suppress(Exception):  # the others stop counting this replica
                 async with asyncio.timeout(LEAVING_S), self._sharing:
-                    await self._loads("{}", {name: SlotClaim(0, 0, 0) for name in self._claims()})
+                    await self._loads(LEAVE, {name: SlotClaim(0, 0, 0) for name in self._claims()})
 
     def _sharing_due(self) -> bool:
         """Before every pass while other replicas share the pools; alone as last heard,
@@ -271,17 +279,23 @@ class GatewayAdmission:
         return self.replicas > 1 or time.monotonic() - self._shared_at >= self.tick_s
 
     async def _shared_loads(self) -> None:
-        """``share_loads``, one at a time (a grant read after a later one would undo it);
-        a failure leaves this replica deciding alone until the next pass, and never stops
-        its releases."""
+        """``share_loads``, one at a time (a grant read after a later one would undo it).
+        A failure never stops the releases: the replica keeps the others' loads and its
+        slots as last heard for ``heard_for_s``, as long as the others count it after its
+        last share, then decides alone until a share succeeds again."""
         async with self._sharing:
             self._shared_at = time.monotonic()
             try:
                 await self.share_loads()
-            except Exception:
-                log.exception("sharing admission load failed")
-                self.replicas = 1
-                self._take_peers({})
+            except Exception as exc:
+                if not self._failing:  # said once a run of failures
+                    log.warning("sharing admission load failed (%s); retrying each pass", exc)
+                    self._failing = True
+                if time.monotonic() - self._heard_at > self.heard_for_s:
+                    self.replicas = 1
+                    self._take_peers({})
+            else:
+                self._failing, self._heard_at = False, time.monotonic()
 
     def close(self) -> None:
         """The gateway is stopping: answer every held request now, and any held later."""

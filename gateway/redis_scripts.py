@@ -195,6 +195,16 @@ LOADS = (
     + """
 local p, r, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local ttl_ms = math.ceil(ttl * 1000)
+if ARGV[4] == '' then
+  redis.call('ZREM', p .. 'loads', r)
+  redis.call('DEL', p .. 'load:' .. r)
+  local none = {}
+  for i = 5, #ARGV, 4 do
+    redis.call('HDEL', p .. 'slots:' .. ARGV[i], r)
+    none[#none + 1] = 0
+  end
+  return {{}, none}
+end
 redis.call('SET', p .. 'load:' .. r, ARGV[4], 'PX', ttl_ms)
 redis.call('ZADD', p .. 'loads', now + ttl, r)
 redis.call('ZREMRANGEBYSCORE', p .. 'loads', '-inf', now)
@@ -229,4 +239,5 @@ return {others, granted}
 """Publish replica ``r``'s admission load, read the other live replicas', and take the
 ceiling slots it claims (``SlotClaim``: name, running, wanted, limit, four arguments
 each): as many as it wants while the live replicas' slots stay within the limit, never
-fewer than it runs. A replica whose load expired holds no slots."""
+fewer than it runs. A replica whose load expired holds no slots; one whose load is empty
+leaves: it is no longer counted, and its slots of the named claims go."""

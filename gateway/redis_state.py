@@ -482,6 +482,10 @@ def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | Redis | Re
     return Redis.from_pool(pool)  # closing the client closes its pool
 
 
+class RedisAway(ConnectionError):
+    """Redis failed, or is away since a failure less than ``FallbackState.retry_s`` ago."""
+
+
 class FallbackState:
     """Redis while it answers; this process's own state, with a warning, while it does not.
 
@@ -508,15 +512,23 @@ class FallbackState:
         return time.monotonic() < self._down_until
 
     async def _run(self, method: str, *args: Any, **options: Any) -> Any:
-        if not self.degraded:
-            try:
-                return await getattr(self.primary, method)(*args, **options)
-            except (RedisError, RedisClusterException, OSError) as exc:
-                if self._down_until == 0.0 or not self.degraded:
-                    log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
-                self._down_until = time.monotonic() + self.retry_s
-                self.on_fallback()
-        return await getattr(self.fallback, method)(*args, **options)
+        try:
+            return await self._on_redis(method, *args, **options)
+        except RedisAway:
+            return await getattr(self.fallback, method)(*args, **options)
+
+    async def _on_redis(self, method: str, *args: Any, **options: Any) -> Any:
+        """``method`` on Redis; RedisAway when it fails, and without a try while it is
+        away (it is tried again after ``retry_s``)."""
+        if self.degraded:
+            raise RedisAway(f"Redis at {self.primary.url} is away")
+        try:
+            return await getattr(self.primary, method)(*args, **options)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
+            self._down_until = time.monotonic() + self.retry_s
+            self.on_fallback()
+            raise RedisAway(f"Redis at {self.primary.url} failed: {exc}") from exc
 
     async def view(
         self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
@@ -571,7 +583,9 @@ class FallbackState:
     async def admission_loads(
         self, own: str, slots: Mapping[str, SlotClaim] | None = None
     ) -> AdmissionLoads:
-        return cast(AdmissionLoads, await self._run("admission_loads", own, slots))
+        """Redis's answer only (RedisAway while it is away): this process's own state
+        knows no other replica, and would tell the replica it is alone."""
+        return cast(AdmissionLoads, await self._on_redis("admission_loads", own, slots))
 
     async def close(self) -> None:
         await self.primary.close()

@@ -74,6 +74,11 @@ class AdmissionLoads:
     replica alone keeps its ceilings itself)."""
 
 
+LEAVE = ""
+"""The load a replica publishes as it stops (``SharedState.admission_loads``): the others
+stop counting it at once, and its slots free."""
+
+
 class InProgress:
     """An idempotency key whose first request has not finished."""
 
@@ -141,9 +146,9 @@ class SharedState(Protocol):
     async def admission_loads(
         self, own: str, slots: Mapping[str, SlotClaim] | None = None
     ) -> AdmissionLoads:
-        """Publish this replica's admission load (JSON, ``gateway.admission``), read the
-        other live replicas', and take the ceiling slots it claims, by name: all in one
-        step, so that two replicas never both take the same free slot."""
+        """Publish this replica's admission load (JSON, ``gateway.admission``; ``LEAVE``:
+        it stops), read the other live replicas', and take the ceiling slots it claims, by
+        name: all in one step, so that two replicas never both take the same free slot."""
         ...
 
     async def close(self) -> None: ...

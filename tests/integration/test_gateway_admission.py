@@ -407,6 +407,27 @@ async def test_beside_others_a_pool_s_first_request_finds_a_slot_claimed_for_it(
     assert len(claims) == 1
 
 
+async def test_a_replica_whose_shares_fail_keeps_its_slots_a_while_then_decides_alone() -> None:
+    """A share that fails (Redis slow or away) leaves the replica with what it last heard,
+    for as long as the others count it, then alone on the whole ceiling."""
+    failing = False
+
+    async def loads(_own: str, slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
+        if failing:
+            raise ConnectionError("Redis is away")
+        return AdmissionLoads([json.dumps({f"{MODEL}/dc-a": {}})], dict.fromkeys(slots, 1))
+
+    host = _slomax_host(loads, heard_for_s=0.2)
+    await host.join()
+    await host.open_pool(MODEL, "dc-a")
+    failing = True
+    await host.join()
+    assert (host.replicas, host.pipeline(MODEL, "dc-a").slots) == (2, {TaskClass.LONG_DOCUMENT: 1})
+    await asyncio.sleep(0.25)
+    await host.join()
+    assert (host.replicas, host.pipeline(MODEL, "dc-a").slots) == (1, None)
+
+
 @pytest.mark.redis
 async def test_replicas_on_one_redis_never_start_more_than_the_ceiling_between_them(
     redis_server: Service,
@@ -461,6 +482,7 @@ async def test_replicas_on_one_redis_never_start_more_than_the_ceiling_between_t
 def _slomax_host(
     loads: Callable[[str, Mapping[str, SlotClaim]], Awaitable[AdmissionLoads]],
     quotas: AdmissionQuotas | None = None,
+    heard_for_s: float = 2.0,
 ) -> GatewayAdmission:
     """A gateway's admission host with SLOMax, in front of ``READY``, under ``quotas``."""
 
@@ -475,6 +497,7 @@ def _slomax_host(
         GatewayMetrics(),
         loads,
         pool_now=lambda _model, _dc: (1, quotas),
+        heard_for_s=heard_for_s,
     )
 
 

@@ -15,8 +15,16 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.redis_state import FallbackState, RedisState
-from gateway.state import IN_PROGRESS, Accounting, LocalState, Outcome, SharedState, SlotClaim
+from gateway.redis_state import FallbackState, RedisAway, RedisState
+from gateway.state import (
+    IN_PROGRESS,
+    LEAVE,
+    Accounting,
+    LocalState,
+    Outcome,
+    SharedState,
+    SlotClaim,
+)
 from tests.services import Service
 from tokenfleet.services.process import free_port
 from tokenfleet.services.redis import LocalRedis
@@ -135,6 +143,8 @@ async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
     assert view.pending_prefill.tolist() == [10.0]
     assert state.degraded
     assert len(fallbacks) == 1  # one failure, then local answers until the retry time
+    with pytest.raises(RedisAway):  # no other replica is known locally: none is made up
+        await state.admission_loads("{}")
     await state.close()
 
 
@@ -299,24 +309,28 @@ async def test_replicas_hold_the_slots_of_a_ceiling_apart_and_a_silent_one_frees
     redis_server: Service,
 ) -> None:
     """A ceiling of four: a replica gets what it asks for while the live replicas' slots
-    stay within four, keeps at least what it runs, and a replica that fell silent holds
-    none; claims of other ceilings are counted apart."""
+    stay within four, keeps at least what it runs; a replica that fell silent holds none,
+    nor does one that left; claims of another ceiling are counted apart."""
 
-    async def granted(state: RedisState, running: int, wanted: int) -> int:
+    async def granted(state: RedisState, running: int, wanted: int) -> tuple[int, int]:
         claims = {"m/dc/long_document": SlotClaim(running, wanted, 4), "other": SlotClaim(0, 1, 1)}
         loads = await state.admission_loads("{}", claims)
-        assert loads.granted["other"] == (1 if state is one else 0)
-        return loads.granted["m/dc/long_document"]
+        return loads.granted["m/dc/long_document"], loads.granted["other"]
 
     async with _two_replicas(redis_server, load_ttl_s=0.5) as (one, two):
-        assert await granted(one, 0, 4) == 4
-        assert await granted(two, 0, 2) == 0
-        assert await granted(one, 1, 1) == 1  # gives three back
-        assert await granted(two, 0, 4) == 3
-        assert await granted(one, 2, 4) == 2  # runs two: never fewer
-        assert await granted(two, 3, 3) == 3
+        assert await granted(one, 0, 4) == (4, 1)
+        assert await granted(two, 0, 2) == (0, 0)
+        assert await granted(one, 1, 1) == (1, 1)  # gives three back
+        assert await granted(two, 0, 4) == (3, 0)
+        assert await granted(one, 2, 4) == (2, 1)  # runs two: never fewer
+        assert await granted(two, 3, 3) == (3, 0)
         await asyncio.sleep(0.6)  # two fell silent
-        assert await granted(one, 0, 4) == 4
+        assert await granted(one, 0, 4) == (4, 1)
+        assert await granted(two, 0, 4) == (0, 0)
+        claims = {"m/dc/long_document": SlotClaim(0, 0, 0), "other": SlotClaim(0, 0, 0)}
+        await one.admission_loads(LEAVE, claims)
+        assert (await two.admission_loads("{}")).others == []  # one left: not counted
+        assert await granted(two, 0, 4) == (4, 1)
 
 
 @pytest.mark.redis
