@@ -31,7 +31,7 @@ the ceiling has room; the first request of a pool claims before it is admitted
 (``open_pool``, on the request's path once per pool). A replica that dies stops counting,
 and its slots free, within the shared state's time to live (one that stops leaves at
 once); its held clients lose their connection with it. A replica whose shares fail keeps
-what it last heard for as long (``heard_for_s``), then decides alone.
+what it last heard a little less long (``heard_for_s``), then decides alone.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class GatewayAdmission:
         tick_s: float = 0.05,
         *,
         pool_now: Callable[[str, str], tuple[int, AdmissionQuotas | None]],
-        heard_for_s: float = 2.0,
+        heard_for_s: float = 1.5,
     ) -> None:
         """``snapshot_for(model, dc)``: the pool's snapshot now, for a release pass;
         ``loads``: publish this replica's admission load, read the others' and claim
@@ -104,8 +104,10 @@ class GatewayAdmission:
         new pool's journal and recipe (None: pipelines keep none); ``pool_now(model,
         dc)``: the pool's ready instances and its DC's quotas now, which its ceilings are
         claimed by (every replica reads them from the same telemetry and control);
-        ``heard_for_s``: how long what the replica last heard stands while its shares fail
-        (2 s: how long the others count it after its last share, ``RedisState.load_ttl_s``)."""
+        ``heard_for_s``: how long, from the start of its last share that succeeded, what
+        the replica heard stands while its shares fail: 1.5 s, as long as the others count
+        it (``RedisState.load_ttl_s``, 2 s from that share's script) less one call's
+        timeout (0.5 s), which the failing share that finds it over may take."""
         self._make_admission = make_admission
         self._router_for = router_for
         self._snapshot_for = snapshot_for
@@ -288,14 +290,15 @@ class GatewayAdmission:
             try:
                 await self.share_loads()
             except Exception as exc:
-                if not self._failing:  # said once a run of failures
-                    log.warning("sharing admission load failed (%s); retrying each pass", exc)
+                if not self._failing:  # said once a run of failures; a bug with its trace
+                    away = isinstance(exc, ConnectionError | TimeoutError)
+                    log.warning("sharing admission load failed: %r", exc, exc_info=not away)
                     self._failing = True
                 if time.monotonic() - self._heard_at > self.heard_for_s:
                     self.replicas = 1
                     self._take_peers({})
-            else:
-                self._failing, self._heard_at = False, time.monotonic()
+            else:  # the others count this replica from when its share began, at the latest
+                self._failing, self._heard_at = False, self._shared_at
 
     def close(self) -> None:
         """The gateway is stopping: answer every held request now, and any held later."""

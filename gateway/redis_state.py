@@ -517,17 +517,20 @@ class FallbackState:
         except RedisAway:
             return await getattr(self.fallback, method)(*args, **options)
 
-    async def _on_redis(self, method: str, *args: Any, **options: Any) -> Any:
+    async def _on_redis(self, method: str, *args: Any, local: bool = True, **options: Any) -> Any:
         """``method`` on Redis; RedisAway when it fails, and without a try while it is
-        away (it is tried again after ``retry_s``)."""
+        away (it is tried again after ``retry_s``). ``local``: the caller answers from
+        the local state then (a fallback, warned of once an outage and counted)."""
         if self.degraded:
             raise RedisAway(f"Redis at {self.primary.url} is away")
         try:
             return await getattr(self.primary, method)(*args, **options)
         except (RedisError, RedisClusterException, OSError) as exc:
-            log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
+            if local and (self._down_until == 0.0 or not self.degraded):
+                log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
             self._down_until = time.monotonic() + self.retry_s
-            self.on_fallback()
+            if local:
+                self.on_fallback()
             raise RedisAway(f"Redis at {self.primary.url} failed: {exc}") from exc
 
     async def view(
@@ -585,7 +588,8 @@ class FallbackState:
     ) -> AdmissionLoads:
         """Redis's answer only (RedisAway while it is away): this process's own state
         knows no other replica, and would tell the replica it is alone."""
-        return cast(AdmissionLoads, await self._on_redis("admission_loads", own, slots))
+        loads = await self._on_redis("admission_loads", own, slots, local=False)
+        return cast(AdmissionLoads, loads)
 
     async def close(self) -> None:
         await self.primary.close()

@@ -482,7 +482,7 @@ async def test_replicas_on_one_redis_never_start_more_than_the_ceiling_between_t
 def _slomax_host(
     loads: Callable[[str, Mapping[str, SlotClaim]], Awaitable[AdmissionLoads]],
     quotas: AdmissionQuotas | None = None,
-    heard_for_s: float = 2.0,
+    heard_for_s: float = 1.5,
 ) -> GatewayAdmission:
     """A gateway's admission host with SLOMax, in front of ``READY``, under ``quotas``."""
 

@@ -148,6 +148,20 @@ async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
     await state.close()
 
 
+async def test_without_redis_admission_loads_fail_and_are_not_counted_as_local_answers() -> None:
+    fallbacks = []
+    state = FallbackState(
+        RedisState(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2),
+        LocalState(),
+        on_fallback=lambda: fallbacks.append(1),
+    )
+    with pytest.raises(RedisAway):
+        await state.admission_loads("{}")
+    assert state.degraded
+    assert fallbacks == []
+    await state.close()
+
+
 async def test_a_speculative_view_sees_the_replica_s_own_writes_as_a_read_does(
     state: SharedState,
 ) -> None:
@@ -310,7 +324,8 @@ async def test_replicas_hold_the_slots_of_a_ceiling_apart_and_a_silent_one_frees
 ) -> None:
     """A ceiling of four: a replica gets what it asks for while the live replicas' slots
     stay within four, keeps at least what it runs; a replica that fell silent holds none,
-    nor does one that left; claims of another ceiling are counted apart."""
+    nor does one that left (its load still live); claims of another ceiling are counted
+    apart."""
 
     async def granted(state: RedisState, running: int, wanted: int) -> tuple[int, int]:
         claims = {"m/dc/long_document": SlotClaim(running, wanted, 4), "other": SlotClaim(0, 1, 1)}
@@ -325,6 +340,8 @@ async def test_replicas_hold_the_slots_of_a_ceiling_apart_and_a_silent_one_frees
         assert await granted(one, 2, 4) == (2, 1)  # runs two: never fewer
         assert await granted(two, 3, 3) == (3, 0)
         await asyncio.sleep(0.6)  # two fell silent
+        assert await granted(one, 0, 4) == (4, 1)
+    async with _two_replicas(redis_server, load_ttl_s=30.0) as (one, two):
         assert await granted(one, 0, 4) == (4, 1)
         assert await granted(two, 0, 4) == (0, 0)
         claims = {"m/dc/long_document": SlotClaim(0, 0, 0), "other": SlotClaim(0, 0, 0)}
