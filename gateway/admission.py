@@ -52,6 +52,7 @@ from control.journal import Journal, JournaledPipeline, Record
 from control.pipeline import ClassLoad, Outcome, Pipeline
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
 from control.routing.snapshot import BoolArray, Observation
+from gateway.admission_loads import decoded, encoded, summed
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from gateway.state import LEAVE, AdmissionLoads, SlotClaim
@@ -325,13 +326,13 @@ class GatewayAdmission:
         ceiling slots granted to it."""
         now, wall = time.monotonic(), time.time()
         own = {
-            _pool_name(key): _encoded(pipeline.load(now), wall - now)
+            _pool_name(key): encoded(pipeline.load(now), wall - now)
             for key, pipeline in self._pipelines.items()
         }
         claims = self._claims()
         self._keep_within(claims)
         shared = await self._loads(json.dumps(own), {n: c for n, (_, c) in claims.items()})
-        others = [load for raw in shared.others if (load := _decoded(raw, now - wall)) is not None]
+        others = [load for raw in shared.others if (load := decoded(raw, now - wall)) is not None]
         self.replicas = 1 + len(others)
         names = {name for other in others for name in other}
         slots: dict[str, dict[TaskClass, int]] = {}
@@ -339,7 +340,7 @@ class GatewayAdmission:
             pool, task_class = claims[claim][0]
             slots.setdefault(pool, {})[task_class] = granted
         self._slots = slots
-        self._take_peers({name: _summed([o[name] for o in others if name in o]) for name in names})
+        self._take_peers({name: summed([o[name] for o in others if name in o]) for name in names})
 
     def _claims(self) -> Claims:
         """The slots this replica claims of each class ceiling of the pools it served, by
@@ -469,44 +470,6 @@ class Waiting:
         return _routed(outcome, waited=True)
 
 
-def _encoded(loads: dict[TaskClass, ClassLoad], to_wall_s: float) -> dict[str, list[float | None]]:
-    """A pipeline's load as JSON, its pool order on the wall clock (every replica's
-    monotonic clock starts elsewhere)."""
-    return {
-        c.value: [
-            load.inflight,
-            load.decoding,
-            load.held,
-            load.drained_per_s,
-            None if load.head_key is None else load.head_key + to_wall_s,
-        ]
-        for c, load in loads.items()
-    }
-
-
-def _decoded(raw: str, to_own_s: float) -> dict[str, dict[TaskClass, ClassLoad]] | None:
-    """A peer's load by pool, its pool order on this replica's clock; None (logged) where
-    it is not one this replica reads: a replica of another version, mid-upgrade, must not
-    stop this one's pools."""
-    try:
-        return {
-            pool: {
-                TaskClass(name): ClassLoad(
-                    int(inflight or 0),
-                    int(decoding or 0),
-                    int(held or 0),
-                    float(drained or 0.0),
-                    None if head is None else head + to_own_s,
-                )
-                for name, (inflight, decoding, held, drained, head) in classes.items()
-            }
-            for pool, classes in json.loads(raw).items()
-        }
-    except (ValueError, TypeError, AttributeError) as exc:
-        log.warning("skipping a peer's admission load it cannot read (%s)", exc)
-        return None
-
-
 def _pool_name(key: Key) -> str:
     model, dc = key
     return f"{model}/{dc}"
@@ -525,10 +488,6 @@ def _needed(pipeline: Pipeline[Held], task_class: TaskClass) -> int:
     if pipeline.peer_first(head.request):
         return 0
     return pipeline.pools.state(task_class, time.monotonic()).depth
-
-
-def _summed(peers: list[dict[TaskClass, ClassLoad]]) -> dict[TaskClass, ClassLoad]:
-    return {c: sum((p.get(c, ClassLoad()) for p in peers), ClassLoad()) for c in TaskClass}
 
 
 def _always(snapshot: FleetSnapshot) -> Callable[[], FleetSnapshot]:
