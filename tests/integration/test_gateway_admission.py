@@ -309,7 +309,7 @@ async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_coun
     async def loads(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
         return AdmissionLoads(published, {})
 
-    host = _holding_nothing(loads)
+    host = _slomax_host(loads)
     pipeline = host.pipeline(MODEL, "dc-a")
     await host.share_loads()
     assert pipeline.peers[TaskClass.INTERACTIVE] == ClassLoad(3, 1, 2, 0.5, None)
@@ -328,7 +328,7 @@ async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_a
         load = json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, 0, 0.0, None]}})
         return AdmissionLoads([load] * others, {})
 
-    host = _holding_nothing(loads, tick_s=5.0)
+    host = _slomax_host(loads, tick_s=5.0)
     running = asyncio.create_task(host.run())
     try:
         for _ in range(20):
@@ -483,8 +483,10 @@ def _slomax_host(
     loads: Callable[[str, Mapping[str, SlotClaim]], Awaitable[AdmissionLoads]],
     quotas: AdmissionQuotas | None = None,
     heard_for_s: float = 1.5,
+    tick_s: float = 0.05,
 ) -> GatewayAdmission:
-    """A gateway's admission host with SLOMax, in front of ``READY``, under ``quotas``."""
+    """A gateway's admission host with SLOMax, in front of ``READY``, under ``quotas``,
+    sharing its load through ``loads``."""
 
     async def snapshot(_model: str, _dc: str) -> FleetSnapshot:
         return READY
@@ -496,6 +498,7 @@ def _slomax_host(
         Objectives(),
         GatewayMetrics(),
         loads,
+        tick_s=tick_s,
         pool_now=lambda _model, _dc: (1, quotas),
         heard_for_s=heard_for_s,
     )
@@ -512,25 +515,3 @@ def _document(
     inbound = read_inbound(fleet, fleet.tenants[0], "/v1/chat/completions", body, headers)
     route = RouteRequest(inbound.request_id, inbound.input_tokens, None)
     return inbound, host.arrive(inbound, "dc-a", route, READY, at, quotas)
-
-
-def _holding_nothing(
-    loads: Callable[[str, Mapping[str, SlotClaim]], Awaitable[AdmissionLoads]],
-    tick_s: float = 0.05,
-) -> GatewayAdmission:
-    """A gateway's admission host with SLOMax, whose passes never need a snapshot (nothing
-    is held), sharing its load through ``loads``."""
-
-    async def no_snapshot(_model: str, _dc: str) -> FleetSnapshot:
-        raise AssertionError("no pass needs one: nothing is held")
-
-    return GatewayAdmission(
-        lambda _model: SLOMax(),
-        lambda _model, _dc: make_router("round_robin"),
-        no_snapshot,
-        Objectives(),
-        GatewayMetrics(),
-        loads,
-        tick_s=tick_s,
-        pool_now=lambda _model, _dc: (1, None),
-    )

@@ -130,13 +130,18 @@ async def test_a_released_key_runs_again(state: SharedState) -> None:
     assert await state.claim(key, 60.0) is None
 
 
-async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
-    fallbacks = []
-    state = FallbackState(
+def _without_redis(fallbacks: list[int]) -> FallbackState:
+    """A fallback state in front of a port no Redis listens on, counting its fallbacks."""
+    return FallbackState(
         RedisState(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2),
         LocalState(),
         on_fallback=lambda: fallbacks.append(1),
     )
+
+
+async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
+    fallbacks: list[int] = []
+    state = _without_redis(fallbacks)
     await state.routed("a", (1, 2), 100, 10.0, 20.0)
     view = await state.view(["a"], (1, 2))
     assert view.matched_blocks.tolist() == [2]
@@ -149,12 +154,8 @@ async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
 
 
 async def test_without_redis_admission_loads_fail_and_are_not_counted_as_local_answers() -> None:
-    fallbacks = []
-    state = FallbackState(
-        RedisState(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2),
-        LocalState(),
-        on_fallback=lambda: fallbacks.append(1),
-    )
+    fallbacks: list[int] = []
+    state = _without_redis(fallbacks)
     with pytest.raises(RedisAway):
         await state.admission_loads("{}")
     assert state.degraded
