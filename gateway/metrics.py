@@ -83,7 +83,7 @@ class GatewayMetrics:
         )
         self.state_fallbacks = Counter(
             "tokenfleet_gateway_shared_state_fallbacks",
-            "Shared-state calls answered locally because Redis failed.",
+            "Shared-state calls answered locally because Redis failed or is away.",
             registry=r,
         )
         self.token_lag = Gauge(

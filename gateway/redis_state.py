@@ -515,12 +515,13 @@ class FallbackState:
         try:
             return await self._on_redis(method, *args, **options)
         except RedisAway:
+            self.on_fallback()
             return await getattr(self.fallback, method)(*args, **options)
 
     async def _on_redis(self, method: str, *args: Any, local: bool = True, **options: Any) -> Any:
         """``method`` on Redis; RedisAway when it fails, and without a try while it is
         away (it is tried again after ``retry_s``). ``local``: the caller answers from
-        the local state then (a fallback, warned of once an outage and counted)."""
+        the local state then (warned of once an outage)."""
         if self.degraded:
             raise RedisAway(f"Redis at {self.primary.url} is away")
         try:
@@ -529,8 +530,6 @@ class FallbackState:
             if local and (self._down_until == 0.0 or not self.degraded):
                 log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
             self._down_until = time.monotonic() + self.retry_s
-            if local:
-                self.on_fallback()
             raise RedisAway(f"Redis at {self.primary.url} failed: {exc}") from exc
 
     async def view(

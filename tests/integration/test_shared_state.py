@@ -147,7 +147,8 @@ async def test_without_redis_the_fallback_answers_locally_and_counts() -> None:
     assert view.matched_blocks.tolist() == [2]
     assert view.pending_prefill.tolist() == [10.0]
     assert state.degraded
-    assert len(fallbacks) == 1  # one failure, then local answers until the retry time
+    assert len(fallbacks) == 2  # one failure, then local answers, without a try, until
+    # the retry time: each counted
     with pytest.raises(RedisAway):  # no other replica is known locally: none is made up
         await state.admission_loads("{}")
     await state.close()
