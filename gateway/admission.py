@@ -126,7 +126,10 @@ class GatewayAdmission:
         self._served: set[Key] = set()
         """The pools this replica served (a pipeline may be made for a DC's view alone)."""
         self.replicas = 1
-        """The replicas sharing the pools, this one included, as last heard."""
+        """The replicas sharing the pools, this one included, as last heard: those that
+        serve a pool (a replica that has served none yet has nothing to tell, and hears
+        of the others at its own ticks; until the others hear of its pools, they claim
+        as if alone, the whole of each ceiling, and it waits for its slots)."""
         self._changed = asyncio.Event()
         self._sharing = asyncio.Lock()
         self.heard_for_s = heard_for_s
@@ -333,7 +336,7 @@ class GatewayAdmission:
         self._keep_within(claims)
         shared = await self._loads(json.dumps(own), {n: c for n, (_, c) in claims.items()})
         others = [load for raw in shared.others if (load := decoded(raw, now - wall)) is not None]
-        self.replicas = 1 + len(others)
+        self.replicas = 1 + sum(1 for other in others if other)
         names = {name for other in others for name in other}
         slots: dict[str, dict[TaskClass, int]] = {}
         for claim, granted in shared.granted.items():
