@@ -300,6 +300,7 @@ class GatewayAdmission:
                     self._failing = True
                 if time.monotonic() - self._heard_at > self.heard_for_s:
                     self.replicas = 1
+                    self._give_slots({})
                     self._take_peers({})
             else:  # the others count this replica from when its share began, at the latest
                 self._failing, self._heard_at = False, self._shared_at
@@ -342,7 +343,7 @@ class GatewayAdmission:
         for claim, granted in shared.granted.items():
             pool, task_class = claims[claim][0]
             slots.setdefault(pool, {})[task_class] = granted
-        self._slots = slots
+        self._give_slots(slots)
         self._take_peers({name: summed([o[name] for o in others if name in o]) for name in names})
 
     def _claims(self) -> Claims:
@@ -378,6 +379,11 @@ class GatewayAdmission:
         for (pool, task_class), claim in claims.values():
             held = slots.setdefault(pool, {})
             held[task_class] = min(held.get(task_class, 0), claim.wanted)
+        self._give_slots(slots)
+
+    def _give_slots(self, slots: dict[str, dict[TaskClass, int]]) -> None:
+        """This replica's slots from now on, by pool, in each pipeline (none while it is
+        alone: ``_slots_of``)."""
         self._slots = slots
         for key, pipeline in self._pipelines.items():
             pipeline.slots = self._slots_of(_pool_name(key))
@@ -411,14 +417,13 @@ class GatewayAdmission:
         pipeline: Pipeline[Held],
         task_class: TaskClass,
         ready: int,
-        quotas: Mapping[TaskClass, ClassQuota] | None = None,
+        quotas: Mapping[TaskClass, ClassQuota],
     ) -> int | None:
         """The class ceiling of the pipeline's admission with ``ready`` instances, under
-        ``quotas`` (None: the pipeline's latest)."""
+        ``quotas``."""
         admission = pipeline.admission
         if not isinstance(admission, SLOMax):
             return None
-        quotas = pipeline.quotas if quotas is None else quotas
         return admission.concurrency_limit(task_class, quotas, ready)
 
     def _take_peers(self, peers: dict[str, dict[TaskClass, ClassLoad]]) -> None:
@@ -426,7 +431,6 @@ class GatewayAdmission:
         self._peers = peers
         for key, pipeline in self._pipelines.items():
             pipeline.peers = peers.get(_pool_name(key), {})
-            pipeline.slots = self._slots_of(_pool_name(key))
 
     def answer_held(self, reason: str) -> None:
         """Refuse every held request now (the gateway is stopping)."""
