@@ -128,6 +128,43 @@ class _Sent:
     step, the predicted prefill and the correction it was multiplied by."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Predicted:
+    """What ``predict_ttft`` computed, kept for the ``route`` of the same request that
+    admission calls next (``control/pipeline.py``: admit, then dispatch): on the same
+    snapshot's load at the same time, with nothing else told to the router in between,
+    the two would compute the same terms twice (about a tenth of the gateway's CPU per
+    request). ``route`` counts the request's prompt into the mean first, which sizes the
+    candidates' scraped queues: the terms are the same only where the tokens ahead are."""
+
+    request: RouteRequest
+    now: float
+    load: tuple[np.ndarray, ...]
+    parts: dict[str, np.ndarray]
+
+    def serves(
+        self, request: RouteRequest, fleet: FleetSnapshot, now: float, ahead: FloatArray
+    ) -> bool:
+        return (
+            request is self.request
+            and now == self.now
+            and all(a is b for a, b in zip(_load_of(fleet), self.load, strict=True))
+            and np.array_equal(ahead, self.parts["ahead_tokens"])
+        )
+
+
+def _load_of(fleet: FleetSnapshot) -> tuple[np.ndarray, ...]:
+    """The snapshot's arrays ``_predict`` reads (the read-only arrays themselves: a
+    snapshot narrowed to fewer ready instances shares them)."""
+    return (
+        fleet.waiting,
+        fleet.running,
+        fleet.kv_blocks_used,
+        fleet.pending_prefill_tokens,
+        fleet.last_step_end_s,
+    )
+
+
 @dataclass
 class TokenPilot:
     pool: PoolModel
@@ -142,6 +179,7 @@ class TokenPilot:
         self._sent: AwaitingOutcome[_Sent] = AwaitingOutcome()
         self._mean_prompt_tokens = 0.0
         """Moving average of prompt lengths, to size queues known only by their count."""
+        self._predicted: _Predicted | None = None
         self.token_lag = TokenLag(self.params.token_lag_s)
         # An idle engine's load is scalars, which numpy broadcasts: each array operation
         # costs microseconds at a thousand candidates.
@@ -155,7 +193,12 @@ class TokenPilot:
         ledger, correction = self._state(len(fleet))
         ledger.advance(now)
         self._count_prompt(request.input_tokens)
-        parts = self._predict(request, fleet, ledger, now)
+        ahead = self._ahead(request, fleet, ledger)
+        admitted_on, self._predicted = self._predicted, None
+        if admitted_on is not None and admitted_on.serves(request, fleet, now, ahead):
+            parts = admitted_on.parts
+        else:
+            parts = self._predict(request, fleet, ledger, ahead, now)
         raw = parts["queue_s"] + parts["prefill_s"]
         ratio = correction.ratio
         predicted = raw * ratio
@@ -177,11 +220,13 @@ class TokenPilot:
         nothing recorded (for admission, which decides before the route is taken)."""
         ledger, correction = self._state(len(fleet))
         ledger.advance(now)
-        parts = self._predict(request, fleet, ledger, now)
+        parts = self._predict(request, fleet, ledger, self._ahead(request, fleet, ledger), now)
+        self._predicted = _Predicted(request, now, _load_of(fleet), parts)
         predicted = (parts["queue_s"] + parts["prefill_s"]) * correction.ratio
         return np.where(fleet.ready, predicted + self.pool.step_time.ttft_overhead_s, np.inf)
 
     def observe(self, observation: Observation) -> None:
+        self._predicted = None
         sent = self._sent.pop(observation.request_id)
         if sent is None or self._correction is None:
             return
@@ -196,6 +241,7 @@ class TokenPilot:
         """The host routed this request elsewhere after all (it decided again on a fresher
         view): forget the work counted for it. What the request wrote into this router's
         own prefix index stays; hosts that decide again pass ``known_matches``."""
+        self._predicted = None
         sent = self._sent.pop(request_id)
         if sent is not None and self._ledger is not None:
             self._ledger.withdraw(sent.ledger_entry)
@@ -205,6 +251,7 @@ class TokenPilot:
         keeps far fewer idle prefixes than its size, and forgets them sooner than an LRU
         of that size would. Stored blocks add nothing: the index recorded each request's
         blocks when it routed it, before the engine computed them."""
+        self._predicted = None
         self.index.evicted(instance, [block for block, stored in events if not stored])
 
     def _count_prompt(self, tokens: int) -> None:
@@ -219,8 +266,20 @@ class TokenPilot:
         assert self._correction is not None
         return self._ledger, self._correction
 
+    def _ahead(self, request: RouteRequest, fleet: FleetSnapshot, ledger: WorkLedger) -> FloatArray:
+        """Prompt tokens queued ahead of a new request on each candidate."""
+        counted: FloatArray = np.maximum(ledger.prefill_tokens, fleet.pending_prefill_tokens)
+        scraped = fleet.waiting * (self._mean_prompt_tokens or request.input_tokens)
+        ahead: FloatArray = np.maximum(counted, scraped)
+        return ahead
+
     def _predict(
-        self, request: RouteRequest, fleet: FleetSnapshot, ledger: WorkLedger, now: float
+        self,
+        request: RouteRequest,
+        fleet: FleetSnapshot,
+        ledger: WorkLedger,
+        ahead: FloatArray,
+        now: float,
     ) -> dict[str, np.ndarray]:
         size = self.pool.block_size
         prompt = request.input_tokens
@@ -230,8 +289,6 @@ class TokenPilot:
         # Token counts as floats from here: an operation mixing integer and float arrays
         # takes about twice as long as one on floats alone.
         cached = np.minimum(matched, (prompt - 1) // size) * float(size)
-        ahead = np.maximum(ledger.prefill_tokens, fleet.pending_prefill_tokens)
-        ahead = np.maximum(ahead, fleet.waiting * (self._mean_prompt_tokens or prompt))
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
         context = fleet.kv_blocks_used * float(size)

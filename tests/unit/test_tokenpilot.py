@@ -386,3 +386,51 @@ def test_the_output_estimate_learns_and_a_missing_budget_caps_nothing() -> None:
     outputs.observe("chat", 900)
     assert outputs.expected("chat", None) == 900  # learned, not cut to a guess
     assert outputs.expected("chat", 300) == 300  # a client's cap still caps
+
+
+def _busy_fleet(n: int) -> FleetSnapshot:
+    """Three instances with scraped queues that change every few requests, so that the
+    mean prompt, which sizes them, matters; one step end seen per instance."""
+    rng = np.random.default_rng(n // 3)
+    fleet = idle_fleet(3)
+    waiting = rng.integers(0, 4, 3)
+    return replace(
+        fleet,
+        waiting=waiting,
+        running=rng.integers(0, 40, 3),
+        kv_blocks_used=rng.integers(0, 20_000, 3),
+        last_step_end_s=n * 0.01 - rng.uniform(0, 0.05, 3),
+    )
+
+
+def test_routing_after_admission_s_prediction_decides_as_routing_alone() -> None:
+    """``predict_ttft`` keeps its terms for the ``route`` that follows on the same view:
+    a router asked first must decide every request as one that was not, through scraped
+    queues sized by a moving mean, narrowed snapshots, releases from a pool, first tokens
+    and evictions."""
+    asked, alone = TokenPilot(POOL), TokenPilot(POOL)
+    rng = np.random.default_rng(7)
+    chosen = 0
+    for n in range(400):
+        prompt = int(rng.integers(100, 12_000))
+        blocks = PREFIX[: int(rng.integers(0, len(PREFIX)))]
+        request = RouteRequest(
+            f"r{n}", input_tokens=prompt, output_budget=200, prefix_blocks=blocks
+        )
+        fleet, now = _busy_fleet(n), n * 0.01
+        asked.predict_ttft(request, fleet, now)
+        if n % 6 == 1:  # held by admission, routed when released
+            now += 0.002
+        if n % 5 == 0:  # admission allowed two instances of three
+            fleet = replace(fleet, ready=np.array([True, False, True]))
+        for pilot in (asked, alone):  # what the host heard between prediction and route
+            if n % 7 == 3:
+                pilot.kv_events(0, [(block, False) for block in PREFIX[:64]])
+            if n % 2 == 1:  # the previous request's first token, later than predicted
+                pilot.observe(Observation(f"r{n - 1}", chosen, ttft_s=0.5, output_tokens=150))
+        mine, theirs = asked.route(request, fleet, now), alone.route(request, fleet, now)
+        assert mine.chosen == theirs.chosen
+        assert mine.parts.keys() == theirs.parts.keys()
+        for name, values in mine.parts.items():
+            np.testing.assert_array_equal(values, theirs.parts[name], err_msg=name)
+        chosen = mine.chosen or 0
