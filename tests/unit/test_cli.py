@@ -70,6 +70,17 @@ def test_an_unknown_dc_policy_is_named_with_the_known_ones(
     assert "Traceback" not in err
 
 
+def test_a_litellm_command_that_is_not_there_is_named_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = str(tmp_path / "bin" / "litellm")
+    argv = ["bench", "gateway", "--litellm", missing, "--json", str(tmp_path / "g.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--litellm {missing}: no such executable" in err
+    assert "Traceback" not in err
+
+
 def test_a_server_that_exits_at_once_is_reported_and_forgotten(tmp_path: Path) -> None:
     from tokenfleet.services.process import ServerProcess, ServiceError, read_address
 

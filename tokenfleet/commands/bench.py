@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -156,6 +157,8 @@ def _bench_gateway(args: argparse.Namespace) -> int:
 
     if args.requests < 1 or args.concurrency < 1 or args.duration <= 0:
         raise CliError("--requests and --concurrency must be at least 1, --duration positive")
+    if args.litellm and not args.no_litellm and shutil.which(args.litellm) is None:
+        raise CliError(f"--litellm {args.litellm}: no such executable")
     litellm = None if args.no_litellm else args.litellm or litellm_command()
     if litellm is None and not args.no_litellm:
         print("LiteLLM is not installed (pip install tokenfleet[litellm]): left out")
