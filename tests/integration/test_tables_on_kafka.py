@@ -88,9 +88,14 @@ def worker(
     spec: WindowSpec = SPEC,
     fleet_file: Path | None = None,
     log_level: str = "WARNING",
+    *,
+    late_seek: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A worker process; its log's tail is printed when it ends (shown if the test fails).
-    At INFO the log holds Faust's rebalances and recoveries."""
+    At INFO the log holds Faust's rebalances and recoveries. With ``late_seek`` its seek to
+    the committed offsets at the end of each recovery starts 3 s late, and the events its
+    queues held whenever flow control resumed are counted in that file
+    (``slow_seek_worker``)."""
     environment = os.environ | {
         "TOKENFLEET_WORKER_LOG_LEVEL": log_level,
         "TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address,
@@ -101,6 +106,8 @@ def worker(
         "TOKENFLEET_WORKER_PUBLISH_S": "1",
     }
     argv = [sys.executable, "-m", "tokenfleet.cli", "worker"]
+    if late_seek is not None:
+        argv = [sys.executable, "-m", "tests.integration.slow_seek_worker", str(late_seek)]
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
             argv + (["--fleet", str(fleet_file)] if fleet_file else []),

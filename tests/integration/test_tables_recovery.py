@@ -1,0 +1,84 @@
+"""The table worker through a recovery, on a broker of its own."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from schemas import Envelope
+from schemas.telemetry import InstanceTelemetry
+from tests.conftest import own_broker_for_module
+from tests.integration.test_tables_on_kafka import (
+    _assert_equal,
+    _events,
+    _publish,
+    _published_equal_reference,
+    _tables_appear,
+    worker,
+)
+from tests.services import Service
+
+pytestmark = pytest.mark.kafka
+
+READINGS_WHILE_DOWN = 60_000
+"""Telemetry published while the worker is down: more than an agent's queue holds (4,096),
+so that the recovered worker fetches some while it seeks."""
+
+
+@pytest.fixture(scope="module")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with own_broker_for_module(tmp_path_factory.mktemp("recovery")) as service:
+        yield service
+
+
+async def test_events_fetched_while_a_recovered_worker_seeks_are_not_dropped(
+    kafka: Service, tmp_path: Path
+) -> None:
+    """At the end of a recovery Faust resumes the input partitions, seeks them to their
+    committed offsets and then resumes flow control, which empties every agent's queue.
+    Events fetched during the seek were dropped there, and a partition with no committed
+    offset (the telemetry's here, first written while the worker was down) is not read
+    again. The seek starts 3 s late, and the worker counts what each emptying dropped."""
+    dc = f"dc-{uuid.uuid4().hex[:8]}"
+    events = _events(dc)
+    half = len(events) // 2
+    events += _readings(dc, events[-1].ts, READINGS_WHILE_DOWN)
+    app_id = f"tables-{dc}"
+    with worker(kafka, app_id, log_level="INFO"):
+        await _publish(kafka, events[:half])
+        assert await _tables_appear(kafka, dc)  # its changelogs hold state: stop it
+    await _publish(kafka, events[half:])
+    dropped = tmp_path / "dropped"
+    with worker(kafka, app_id, log_level="INFO", late_seek=dropped):
+        published, expected = await _published_equal_reference(kafka, dc, events)
+    counts = [int(line) for line in dropped.read_text().split()]
+    assert counts, "the worker's flow control never resumed"
+    assert sum(counts) == 0, f"events dropped from the agents' queues: {counts}"
+    _assert_equal(published, expected)
+
+
+def _readings(dc: str, after: float, count: int) -> list[Envelope]:
+    """``count`` readings of the DC's two instances, a millisecond apart after ``after``,
+    each with its own queue length: the tables show the last one of each instance."""
+    return [
+        Envelope.wrap(
+            InstanceTelemetry(
+                instance_id=f"{dc}-i{n % 2}",
+                dc=dc,
+                model="m",
+                model_version="1",
+                ready=True,
+                waiting=n,
+                running=2,
+                inflight_tokens=10,
+                kv_blocks_used=100,
+                kv_blocks_total=1000,
+            ),
+            source="test",
+            ts=after + 0.001 * (n + 1),
+        )
+        for n in range(count)
+    ]
