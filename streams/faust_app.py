@@ -340,7 +340,16 @@ class _Recovery(Recovery):
 
     async def on_recovery_completed(self, generation_id: int = 0) -> None:
         self.app.flow_control.suspend()
-        await super().on_recovery_completed(generation_id)
+        try:
+            await super().on_recovery_completed(generation_id)
+        except BaseException:
+            # A seek that timed out ends recovery for good (Faust takes the timeout for a
+            # stop): flow control left off would stall every agent, silently. A stop or
+            # a new rebalance manages flow control itself.
+            stopping = self.should_stop or self.app.rebalancing
+            if not (stopping or self.signal_recovery_start.is_set()):
+                self.app.flow_control.resume()
+            raise
 
 
 class _TableManager(TableManager):

@@ -93,9 +93,8 @@ def worker(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A worker process; its log's tail is printed when it ends (shown if the test fails).
     At INFO the log holds Faust's rebalances and recoveries. With ``late_seek`` its seek to
-    the committed offsets at the end of each recovery starts 3 s late, and the events its
-    queues held whenever flow control resumed are counted in that file
-    (``slow_seek_worker``)."""
+    the committed offsets at the end of each recovery starts 3 s late, and what its
+    queues hold when it ends is counted in that file (``slow_seek_worker``)."""
     environment = os.environ | {
         "TOKENFLEET_WORKER_LOG_LEVEL": log_level,
         "TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address,

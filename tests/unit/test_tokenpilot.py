@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -403,12 +404,22 @@ def _busy_fleet(n: int) -> FleetSnapshot:
     )
 
 
-def test_routing_after_admission_s_prediction_decides_as_routing_alone() -> None:
+def test_routing_after_admission_s_prediction_decides_as_routing_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``predict_ttft`` keeps its terms for the ``route`` that follows on the same view:
     a router asked first must decide every request as one that was not, through scraped
     queues sized by a moving mean, narrowed snapshots, releases from a pool, first tokens
     and evictions."""
     asked, alone = TokenPilot(POOL), TokenPilot(POOL)
+    passes = {id(asked): 0, id(alone): 0}
+    predict = TokenPilot._predict
+
+    def counted(pilot: TokenPilot, *args: Any) -> dict[str, np.ndarray]:
+        passes[id(pilot)] += 1
+        return predict(pilot, *args)
+
+    monkeypatch.setattr(TokenPilot, "_predict", counted)
     rng = np.random.default_rng(7)
     chosen = 0
     for n in range(400):
@@ -428,9 +439,15 @@ def test_routing_after_admission_s_prediction_decides_as_routing_alone() -> None
                 pilot.kv_events(0, [(block, False) for block in PREFIX[:64]])
             if n % 2 == 1:  # the previous request's first token, later than predicted
                 pilot.observe(Observation(f"r{n - 1}", chosen, ttft_s=0.5, output_tokens=150))
+            if n % 11 == 4:  # the one before, routed elsewhere after all
+                pilot.withdraw(f"r{n - 2}")
         mine, theirs = asked.route(request, fleet, now), alone.route(request, fleet, now)
         assert mine.chosen == theirs.chosen
         assert mine.parts.keys() == theirs.parts.keys()
         for name, values in mine.parts.items():
             np.testing.assert_array_equal(values, theirs.parts[name], err_msg=name)
         chosen = mine.chosen or 0
+    # One pass each for the router routing alone; the asked one's routes reused some of
+    # its predictions and computed the rest again.
+    assert passes[id(alone)] == 400
+    assert 400 + 100 < passes[id(asked)] < 800
