@@ -65,20 +65,25 @@ def _events(dc: str) -> list[Envelope]:
     epoch = time.time() - 300
     events = lifecycle_events(records, model="m", epoch=epoch)
     for n, used in enumerate((100, 700)):
-        telemetry = InstanceTelemetry(
-            instance_id=f"{dc}-i{n}",
-            dc=dc,
-            model="m",
-            model_version="1",
-            ready=True,
-            waiting=n,
-            running=2,
-            inflight_tokens=10,
-            kv_blocks_used=used,
-            kv_blocks_total=1000,
-        )
-        events.append(Envelope.wrap(telemetry, source="test", ts=epoch + 10 + n))
+        events.append(reading(f"{dc}-i{n}", dc, waiting=n, kv_blocks_used=used, ts=epoch + 10 + n))
     return events
+
+
+def reading(instance: str, dc: str, *, waiting: int, kv_blocks_used: int, ts: float) -> Envelope:
+    """One telemetry reading of ``instance``, of 1,000 KV blocks, at ``ts``."""
+    telemetry = InstanceTelemetry(
+        instance_id=instance,
+        dc=dc,
+        model="m",
+        model_version="1",
+        ready=True,
+        waiting=waiting,
+        running=2,
+        inflight_tokens=10,
+        kv_blocks_used=kv_blocks_used,
+        kv_blocks_total=1000,
+    )
+    return Envelope.wrap(telemetry, source="test", ts=ts)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from schemas import Envelope
-from schemas.telemetry import InstanceTelemetry
 from tests.conftest import own_broker_for_module
 from tests.integration.test_tables_on_kafka import (
     _assert_equal,
@@ -17,6 +16,7 @@ from tests.integration.test_tables_on_kafka import (
     _publish,
     _published_equal_reference,
     _tables_appear,
+    reading,
     worker,
 )
 from tests.services import Service
@@ -66,21 +66,6 @@ def _readings(dc: str, after: float, count: int) -> list[Envelope]:
     """``count`` readings of the DC's two instances, a millisecond apart after ``after``,
     each with its own queue length: the tables show the last one of each instance."""
     return [
-        Envelope.wrap(
-            InstanceTelemetry(
-                instance_id=f"{dc}-i{n % 2}",
-                dc=dc,
-                model="m",
-                model_version="1",
-                ready=True,
-                waiting=n,
-                running=2,
-                inflight_tokens=10,
-                kv_blocks_used=100,
-                kv_blocks_total=1000,
-            ),
-            source="test",
-            ts=after + 0.001 * (n + 1),
-        )
+        reading(f"{dc}-i{n % 2}", dc, waiting=n, kv_blocks_used=100, ts=after + 0.001 * (n + 1))
         for n in range(count)
     ]
