@@ -214,14 +214,26 @@ async def defaults_applied(edge: str) -> dict[str, float]:
     return {kind: await scraped(edge, ON_DEFAULTS, kind=kind) for kind in ("quotas", "weights")}
 
 
+async def until_applied(edge: str, since: float, within_s: float) -> float:
+    """Seconds from ``since`` (wall clock) until the edge decides on the controllers'
+    quotas and weights rather than the defaults: the gateways read the controls from the
+    broker after the controller published them, and the gauge moves at a request's
+    decision, so this trails ``until_closed`` by a read and a request."""
+    while (applied := await defaults_applied(edge)) != {"quotas": 0.0, "weights": 0.0}:
+        assert time.time() - since < within_s, f"the edge still on defaults: {applied}"
+        await asyncio.sleep(0.2)
+    return time.time() - since
+
+
 async def test_the_deployed_loop_closes_and_survives_a_broker_restart_a_lost_dc_and_a_silent_controller(  # noqa: E501
     deployed: Deployed,
 ) -> None:
     traffic = Traffic(deployed.edge)
     async with traffic.running():
-        closed_s = await until_closed(deployed.bootstrap, deployed.dcs, time.time(), LOOP_BOUND_S)
-        print(f"loop closed {closed_s:.1f} s after the first request")
-        assert await defaults_applied(deployed.edge) == {"quotas": 0.0, "weights": 0.0}
+        first = time.time()
+        closed_s = await until_closed(deployed.bootstrap, deployed.dcs, first, LOOP_BOUND_S)
+        applied_s = await until_applied(deployed.edge, first, LOOP_BOUND_S)
+        print(f"loop closed {closed_s:.1f} s after the first request, applied {applied_s:.1f} s")
         await _the_operators_view_shows_every_dc(deployed)
 
         await asyncio.to_thread(deployed.broker.stop)  # under load: the gateways buffer
