@@ -29,14 +29,13 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import faust
 import mode.loop
 from faust.types import TP
-from faust.worker import Worker
 
 from schemas import DEADLETTER_TOPIC, DecodeError, Envelope, Topic, decode, encode, topic_for
 from schemas.base import TaskClass
@@ -49,6 +48,7 @@ from streams.faust_parts import (
     RecoveringTableManager,
     SinglePartitionTable,
     SourcePartitionTable,
+    TaskListingWorker,
     WorkerApp,
 )
 from streams.settings import WorkerSettings
@@ -72,6 +72,8 @@ JOIN_WITHIN_S = 0.05
 publish interval."""
 IDS_PER_RECORD = 10_000
 """Counted ids per table record: about 350 KB of 32-character ids, under Kafka's 1 MB."""
+PROGRESS_EVERY_S = 10.0
+"""How often the worker logs, at INFO, what its agents processed since it started."""
 OUTCOMES_PER_UPDATE = 500
 """Outcomes per record on the updates topic: about 250 KB, under Kafka's 1 MB default."""
 
@@ -155,10 +157,22 @@ def build_app(
             return None
 
     quiet = _QuietRequests(joins, spec.size_s + spec.grace_s)
+    processed = app.processed
+    logged: Counter[str] = Counter()
+
+    @app.timer(interval=PROGRESS_EVERY_S)
+    async def log_progress() -> None:
+        if processed != logged:
+            log.info(
+                "processed since start: %s", ", ".join(f"{n} {k}" for k, n in processed.items())
+            )
+            logged.clear()
+            logged.update(processed)
 
     @app.agent(lifecycle)
     async def join(stream: faust.StreamT) -> None:
         async for events in stream.take_events(settings.batch, within=JOIN_WITHIN_S):
+            processed["lifecycle events"] += len(events)
             released: list[Outcome] = []
             for key, (partition, envelopes) in (await _by_request(events, decoded)).items():
                 state = joins.get(key) or outcomes.new_state()
@@ -173,6 +187,7 @@ def build_app(
     @app.agent(fleet_events)
     async def fleet(stream: faust.StreamT) -> None:
         async for event in stream.events():
+            processed["fleet events"] += 1
             envelope = await decoded(event)
             payload = envelope.payload if envelope else None
             if isinstance(payload, InstanceTelemetry):
@@ -203,6 +218,7 @@ def build_app(
     @app.agent(updates)
     async def aggregate(stream: faust.StreamT) -> None:
         async for batch in stream.take(settings.batch, within=0.25):
+            processed["updates"] += len(batch)
             by_dc: dict[str, list[dict[str, Any]]] = defaultdict(list)
             for update in batch:
                 by_dc[update["dc"]].append(update)
@@ -236,10 +252,11 @@ def run_worker(
     comes with uvicorn[standard]; chosen before the app exists), logging at ``loglevel``, and
     without Faust's start-up spinner, which lowers the root logger to DEBUG to spin on
     every record, so each debug call of Faust and aiokafka builds a record (a sixth of
-    the CPU); and with ``GC_THRESHOLDS``. ``options`` go to the worker."""
+    the CPU); and with ``GC_THRESHOLDS``. ``kill -USR1`` logs what each task waits on.
+    ``options`` go to the worker."""
     mode.loop.use("uvloop")
     gc.set_threshold(*GC_THRESHOLDS)
-    worker = Worker(make_app(), loglevel=loglevel, quiet=True, **options)
+    worker = TaskListingWorker(make_app(), loglevel=loglevel, quiet=True, **options)
     worker.spinner = None
     worker.execute_from_commandline()
 

@@ -6,15 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import traceback
+from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from types import TracebackType
+from typing import Any, cast
 
 import faust
 from faust.tables.manager import TableManager
 from faust.tables.recovery import Recovery
+from faust.transport.consumer import Consumer
 from faust.transport.drivers import aiokafka as faust_kafka
 from faust.transport.producer import ProducerBuffer
 from faust.types.tuples import FutureMessage
+from faust.worker import Worker
+from mode.utils.tracebacks import Traceback
+
+log = logging.getLogger(__name__)
 
 
 class DrainingProducer(faust_kafka.Producer):
@@ -91,7 +100,12 @@ class TrackedBuffer(ProducerBuffer):
 
 
 class WorkerApp(faust.App):
-    """Faust's app, producing through ``DrainingProducer``."""
+    """Faust's app, producing through ``DrainingProducer``; ``processed`` counts what its
+    agents took in, by kind."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.processed: Counter[str] = Counter()
 
     def _new_producer(self) -> faust_kafka.Producer:
         return DrainingProducer(self.transport, loop=self.loop, beacon=self.beacon)
@@ -192,3 +206,27 @@ class KeyedTable(faust.Table[str, Any]):
         if self._partition is None:
             raise RuntimeError("write the join table with put or remove, naming the partition")
         return self._partition
+
+
+class TaskListingWorker(Worker):
+    """Faust's worker, which on ``kill -USR1`` logs what its app processed, whether flow
+    is on, and each asyncio task's stack, a line a task: what a worker that stopped making
+    progress waits on. (mode's own answer to the signal prints every frame's source and
+    locals: pages a task, some sixty tasks.)"""
+
+    def _on_sigusr1(self) -> None:
+        consumer = cast(Consumer, self.app.consumer)
+        log.warning(
+            "processed %s; consumer flow %s, flow control %s; partitions: %d assigned, %d paused",
+            dict(getattr(self.app, "processed", {})),
+            "on" if consumer.flow_active else "off",
+            "on" if self.app.flow_control.is_active() else "off",
+            len(consumer.assignment()),
+            len(consumer._paused_partitions),
+        )
+        for task in asyncio.all_tasks(self.loop):
+            stack = cast(TracebackType, Traceback.from_task(task))
+            frames = " > ".join(
+                f"{frame.f_code.co_name}:{line}" for frame, line in traceback.walk_tb(stack)
+            )
+            log.warning("task %s: %s", task.get_name(), frames)

@@ -130,7 +130,7 @@ def worker(
                     process.kill()
                     process.wait()
             log.seek(0)
-            tail = log.read()[-4000 if log_level == "WARNING" else -40_000 :]
+            tail = log.read()[-4000 if log_level == "WARNING" else -80_000 :]
             print(f"worker {app_id} log tail:", tail.decode(errors="replace"))
 
 
@@ -171,7 +171,7 @@ async def _published_equal_reference(
                     published.append(latest.payload)
             if len(published) == 3 and len({t.window_end for t in published}) == 1:
                 expected = _reference(events, published[0].window_end, objectives)
-                if [_comparable(t) for t in published] == [_comparable(t) for t in expected]:
+                if _equal(published, expected):
                     return published, expected
             await asyncio.sleep(1.0)
     finally:
@@ -210,6 +210,10 @@ async def _tables_appear(
     finally:
         await bus.close()
     return False
+
+
+def _equal(published: list[object], expected: list[object]) -> bool:
+    return [_comparable(t) for t in published] == [_comparable(t) for t in expected]
 
 
 def _assert_equal(published: list[object], expected: list[object]) -> None:
@@ -269,8 +273,11 @@ async def test_a_worker_killed_mid_stream_recovers_to_the_same_totals(kafka: Ser
         first.send_signal(signal.SIGKILL)
         first.wait()
     await _publish(kafka, events[half:])
-    with worker(kafka, app_id, log_level="INFO"):
+    with worker(kafka, app_id, log_level="INFO") as second:
         published, expected = await _published_equal_reference(kafka, dc, events)
+        if not _equal(published, expected):  # its log, printed below, shows what it waits on
+            second.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(1.0)
     _assert_equal(published, expected)
 
 
