@@ -1,5 +1,5 @@
 """Faust's parts as the table worker needs them (faust-streaming 0.15): the app, its
-producer and recovery, and tables written from batches. Each class says which of Faust's
+consumer, producer and recovery, and tables written from batches. Each class says which of Faust's
 behaviours it changes, and what that behaviour cost."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import contextlib
 import logging
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any, cast
 
@@ -19,6 +19,7 @@ from faust.tables.recovery import Recovery
 from faust.transport.consumer import Consumer
 from faust.transport.drivers import aiokafka as faust_kafka
 from faust.transport.producer import ProducerBuffer
+from faust.types import TP
 from faust.types.tuples import FutureMessage
 from faust.worker import Worker
 from mode.utils.tracebacks import Traceback
@@ -99,13 +100,45 @@ class TrackedBuffer(ProducerBuffer):
             raise RuntimeError(f"a table write was not delivered: {self._refused!r}")
 
 
+class RewindingConsumer(faust_kafka.Consumer):
+    """Faust's consumer, which at the end of every recovery also rewinds the input
+    partitions that have no committed offset to their first record.
+
+    Faust skips records freely while it recovers (of partitions it has paused, of a
+    generation that ended, of queues it empties), trusting the seek to the committed
+    offsets at the recovery's end to read them again; but aiokafka's seek leaves a
+    partition with no committed offset where it is. Seen: Faust hands aiokafka its own
+    set of active partitions, which it empties while aiokafka is answering when a
+    recovery has read its changelogs; aiokafka then answers for every partition, and Faust
+    keeps the records of active ones only. A restarted worker whose group had never
+    committed dropped every event it had fetched that way and, with nothing more coming,
+    published its recovered state alone (``tests/integration/test_tables_recovery.py``).
+    The worker reads from the earliest offset, so the first record is where a partition
+    with no committed offset starts anyway.
+    """
+
+    async def seek_to_committed(self) -> Mapping[TP, int]:
+        committed = await super().seek_to_committed()
+        never = [tp for tp, at in committed.items() if not at and not self._is_changelog_tp(tp)]
+        if never:
+            await self.seek_wait(await self.earliest_offsets(*never))
+        return committed
+
+
+class _Transport(faust_kafka.Transport):
+    Consumer = RewindingConsumer
+
+
 class WorkerApp(faust.App):
-    """Faust's app, producing through ``DrainingProducer``; ``processed`` counts what its
-    agents took in, by kind."""
+    """Faust's app, consuming through ``RewindingConsumer`` and producing through
+    ``DrainingProducer``; ``processed`` counts what its agents took in, by kind."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.processed: Counter[str] = Counter()
+
+    def _new_transport(self) -> faust_kafka.Transport:
+        return _Transport(self.conf.broker_consumer, self)
 
     def _new_producer(self) -> faust_kafka.Producer:
         return DrainingProducer(self.transport, loop=self.loop, beacon=self.beacon)

@@ -94,12 +94,12 @@ def worker(
     fleet_file: Path | None = None,
     log_level: str = "WARNING",
     *,
-    late_seek: Path | None = None,
+    via: tuple[str, Path] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A worker process; its log's tail is printed when it ends (shown if the test fails).
-    At INFO the log holds Faust's rebalances and recoveries. With ``late_seek`` its seek to
-    the committed offsets at the end of each recovery starts 3 s late, and what its
-    queues hold when it ends is counted in that file (``slow_seek_worker``)."""
+    At INFO the log holds Faust's rebalances and recoveries. ``via`` runs it through a
+    module of ``tests.integration`` that changes the worker, with the file it reports to
+    (``slow_seek_worker``, ``dropping_worker``)."""
     environment = os.environ | {
         "TOKENFLEET_WORKER_LOG_LEVEL": log_level,
         "TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address,
@@ -110,8 +110,8 @@ def worker(
         "TOKENFLEET_WORKER_PUBLISH_S": "1",
     }
     argv = [sys.executable, "-m", "tokenfleet.cli", "worker"]
-    if late_seek is not None:
-        argv = [sys.executable, "-m", "tests.integration.slow_seek_worker", str(late_seek)]
+    if via is not None:
+        argv = [sys.executable, "-m", f"tests.integration.{via[0]}", str(via[1])]
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
             argv + (["--fleet", str(fleet_file)] if fleet_file else []),

@@ -34,6 +34,26 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         yield service
 
 
+async def test_records_dropped_before_a_recovery_ends_are_read_again_without_a_commit(
+    kafka: Service, tmp_path: Path
+) -> None:
+    """Faust skips records while it recovers and counts on the seek to the committed
+    offsets to read them again; a partition without one must go back to its start. A new
+    group (none of its partitions has a committed offset) throws away what it fetched
+    before its first recovery ends, and still publishes every event's count. (It runs
+    first: the other test's 60,000 readings would only slow it.)"""
+    dc = f"dc-{uuid.uuid4().hex[:8]}"
+    events = _events(dc)
+    await _publish(kafka, events)
+    dropped = tmp_path / "dropped"
+    with worker(kafka, f"tables-{dc}", log_level="INFO", via=("dropping_worker", dropped)):
+        published, expected = await _published_equal_reference(kafka, dc, events)
+    counts = [int(line) for line in dropped.read_text().split()]
+    assert counts, "the worker never ended a recovery"
+    assert counts[0] > 0, "it had fetched nothing to throw away: the test shows nothing"
+    _assert_equal(published, expected)
+
+
 async def test_events_fetched_while_a_recovered_worker_seeks_are_not_dropped(
     kafka: Service, tmp_path: Path
 ) -> None:
@@ -54,7 +74,7 @@ async def test_events_fetched_while_a_recovered_worker_seeks_are_not_dropped(
         assert await _tables_appear(kafka, dc)  # its changelogs hold state: stop it
     await _publish(kafka, events[half:])
     queued = tmp_path / "queued"
-    with worker(kafka, app_id, log_level="INFO", late_seek=queued):
+    with worker(kafka, app_id, log_level="INFO", via=("slow_seek_worker", queued)):
         published, expected = await _published_equal_reference(kafka, dc, events)
     counts = [int(line) for line in queued.read_text().split()]
     assert counts, "the restarted worker never ended a recovery"
