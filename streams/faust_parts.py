@@ -149,6 +149,8 @@ class WorkerApp(faust.App):
         self.processed: Counter[str] = Counter()
 
     def _new_transport(self) -> faust_kafka.Transport:
+        if self.conf.consumer_auto_offset_reset != "earliest":  # where RewindingConsumer goes
+            raise ValueError("the table worker reads its partitions from the earliest offset")
         return _Transport(self.conf.broker_consumer, self)
 
     def _new_producer(self) -> faust_kafka.Producer:
