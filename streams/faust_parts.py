@@ -1,6 +1,6 @@
 """Faust's parts as the table worker needs them (faust-streaming 0.15): the app, its
-consumer, producer and recovery, and tables written from batches. Each class says which of Faust's
-behaviours it changes, and what that behaviour cost."""
+consumer, producer and recovery, its worker, and tables written from batches. Each class
+says which of Faust's behaviours it changes, and what that behaviour cost."""
 
 from __future__ import annotations
 
@@ -279,4 +279,4 @@ def _frames(task: asyncio.Task[Any]) -> str:
         stack = cast(TracebackType, Traceback.from_task(task))
         return " > ".join(f"{f.f_code.co_name}:{line}" for f, line in traceback.walk_tb(stack))
     except (AttributeError, RuntimeError) as exc:  # a stack mode cannot walk
-        return f"({exc})"
+        return f"(mode could not walk it: {type(exc).__name__})"  # its message lists dir()
