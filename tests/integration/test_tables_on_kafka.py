@@ -94,12 +94,12 @@ def worker(
     fleet_file: Path | None = None,
     log_level: str = "WARNING",
     *,
-    via: tuple[str, Path] | None = None,
+    seek: tuple[str, Path] | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A worker process; its log's tail is printed when it ends (shown if the test fails).
-    At INFO the log holds Faust's rebalances and recoveries. ``via`` runs it through a
-    module of ``tests.integration`` that changes the worker, with the file it reports to
-    (``slow_seek_worker``, ``dropping_worker``)."""
+    At INFO the log holds Faust's rebalances and recoveries. ``seek`` (``late`` or
+    ``drop``, and a file) runs it through ``tests.integration.seek_worker``, which changes
+    its seek at the end of each recovery and reports to that file."""
     environment = os.environ | {
         "TOKENFLEET_WORKER_LOG_LEVEL": log_level,
         "TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address,
@@ -110,8 +110,8 @@ def worker(
         "TOKENFLEET_WORKER_PUBLISH_S": "1",
     }
     argv = [sys.executable, "-m", "tokenfleet.cli", "worker"]
-    if via is not None:
-        argv = [sys.executable, "-m", f"tests.integration.{via[0]}", str(via[1])]
+    if seek is not None:
+        argv = [sys.executable, "-m", "tests.integration.seek_worker", seek[0], str(seek[1])]
     with tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
             argv + (["--fleet", str(fleet_file)] if fleet_file else []),

@@ -46,7 +46,7 @@ async def test_records_dropped_before_a_recovery_ends_are_read_again_without_a_c
     events = _events(dc)
     await _publish(kafka, events)
     dropped = tmp_path / "dropped"
-    with worker(kafka, f"tables-{dc}", log_level="INFO", via=("dropping_worker", dropped)):
+    with worker(kafka, f"tables-{dc}", log_level="INFO", seek=("drop", dropped)):
         published, expected = await _published_equal_reference(kafka, dc, events)
     assert dropped.exists(), "the worker never ended a recovery"
     counts = [int(line) for line in dropped.read_text().split()]
@@ -74,7 +74,7 @@ async def test_events_fetched_while_a_recovered_worker_seeks_are_not_dropped(
         assert await _tables_appear(kafka, dc)  # its changelogs hold state: stop it
     await _publish(kafka, events[half:])
     queued = tmp_path / "queued"
-    with worker(kafka, app_id, log_level="INFO", via=("slow_seek_worker", queued)):
+    with worker(kafka, app_id, log_level="INFO", seek=("late", queued)):
         published, expected = await _published_equal_reference(kafka, dc, events)
     counts = [int(line) for line in queued.read_text().split()]
     assert counts, "the restarted worker never ended a recovery"
