@@ -45,7 +45,6 @@ from schemas.topics import DAY_MS
 from streams.bus import RawRecord, dead_letter
 from streams.faust_parts import (
     KeyedTable,
-    RecoveringTableManager,
     SinglePartitionTable,
     SourcePartitionTable,
     TaskListingWorker,
@@ -96,7 +95,6 @@ def build_app(
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     app = WorkerApp(
         settings.app_id,
-        TableManager=RecoveringTableManager,
         broker=f"kafka://{bootstrap}",
         store="memory://",
         datadir=str(settings.data_dir / settings.app_id),

@@ -141,11 +141,12 @@ class _Transport(faust_kafka.Transport):
 
 
 class WorkerApp(faust.App):
-    """Faust's app, consuming through ``RewindingConsumer`` and producing through
-    ``DrainingProducer``; ``processed`` counts what its agents took in, by kind."""
+    """Faust's app, consuming through ``RewindingConsumer``, producing through
+    ``DrainingProducer`` and recovering tables through ``RecoveringTableManager``;
+    ``processed`` counts what its agents took in, by kind."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, TableManager=RecoveringTableManager, **kwargs)
         self.processed: Counter[str] = Counter()
 
     def _new_transport(self) -> faust_kafka.Transport:
