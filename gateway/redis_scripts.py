@@ -76,14 +76,21 @@ local function keep_alive()
   redis.call('PEXPIRE', share .. ':inflight', math.ceil(ttl * 1000))
   redis.call('ZADD', p .. 'replicas', now + ttl, r)
 end
+local function account_all()
+  local n = tonumber(ARGV[4])
+  for i = 1, n do account(ARGV[4 + i], ARGV[4 + n + i], ARGV[4 + 2 * n + i]) end
+  return n
+end
 """
 )
-"""Lua shared by the scripts that write a replica's share: ARGV starts prefix, replica, TTL."""
+"""Lua shared by the scripts that write a replica's share: ARGV starts prefix, replica,
+TTL, then a count n and n instance ids, n pending prefills and n in-flight tokens to add
+(``account_all``, which answers n)."""
 
 ADJUST = (
     ACCOUNT
     + """
-account(ARGV[4], ARGV[5], ARGV[6])
+account_all()
 keep_alive()
 return 0
 """
@@ -93,8 +100,7 @@ SYNC = (
     ACCOUNT
     + """
 redis.call('DEL', share .. ':pending', share .. ':inflight')
-local n = tonumber(ARGV[4])
-for i = 1, n do account(ARGV[4 + i], ARGV[4 + n + i], ARGV[4 + 2 * n + i]) end
+account_all()
 keep_alive()
 for _, gone in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', '-inf', now)) do
   redis.call('HDEL', p .. 'changes', gone)
@@ -109,12 +115,15 @@ ROUTED = (
     ACCOUNT
     + READ
     + """
-local id, capacity, mark, n = ARGV[4], tonumber(ARGV[5]), ARGV[8], tonumber(ARGV[9])
+local added = account_all()
+if added > 0 then keep_alive() end
+local o = 4 + 3 * added
+local id, capacity, mark, n = ARGV[o + 1], tonumber(ARGV[o + 2]), ARGV[o + 5], tonumber(ARGV[o + 6])
 local ids, expected, seen, blocks = {}, {}, {}, {}
-for i = 1, n do ids[i] = ARGV[9 + i]; expected[i] = tonumber(ARGV[9 + n + i]) end
-local m = tonumber(ARGV[10 + 2 * n])
-for k = 1, m do seen[k] = ARGV[10 + 2 * n + k] end
-for k = 11 + 2 * n + m, #ARGV do blocks[#blocks + 1] = ARGV[k] end
+for i = 1, n do ids[i] = ARGV[o + 6 + i]; expected[i] = tonumber(ARGV[o + 6 + n + i]) end
+local m = tonumber(ARGV[o + 7 + 2 * n])
+for k = 1, m do seen[k] = ARGV[o + 7 + 2 * n + k] end
+for k = o + 8 + 2 * n + m, #ARGV do blocks[#blocks + 1] = ARGV[k] end
 if mark ~= '' then
   local sums, current = foreign(p, r, ids)
   local found = holders(p, seen)
@@ -128,7 +137,7 @@ if mark ~= '' then
 end
 redis.call('INCR', p .. 'routes')
 redis.call('HINCRBY', p .. 'routed-by', r, 1)
-account(id, ARGV[6], ARGV[7])
+account(id, ARGV[o + 3], ARGV[o + 4])
 keep_alive()
 local lru = p .. 'lru:' .. id
 for _, block in ipairs(blocks) do
@@ -148,7 +157,8 @@ end
 return {1, forgotten}
 """
 )
-"""Charge a request to ``id`` and index its blocks; with a mark (a view's), only if the
+"""Add the replica's held changes (``account_all``: always, the charge refused or not),
+then charge a request to ``id`` and index its blocks; with a mark (a view's), only if the
 view is still what Redis holds: the other replicas' mark unchanged and the match of the
 view's blocks on ``ids`` as expected. Answers ``{1, blocks forgotten}`` when written, else ``{0,
 the fresh read}``, on which the caller decides again."""

@@ -1,4 +1,5 @@
-"""Shared state in Redis: each operation is one round trip, atomic by a Lua script.
+"""Shared state in Redis: each operation is one round trip, atomic by a Lua script, but
+``adjust``, whose change (a first token, an end) rides on the next charge in its pool.
 
 Keys, all under a prefix (default ``tf:``); on a Redis Cluster the routing state of each
 pool goes under a hash tag of its own (``{model@dc}``, from ``shard_of``) and the admission
@@ -196,6 +197,8 @@ at once took 83 ms on 32 connections and 122 ms on 100 (its default) on this pro
 2-core machine, and a burst that opens 100 at once can time out connecting."""
 MIRRORED_BLOCKS = 100_000
 """Prefix blocks a replica mirrors per pool at most (``_Known``)."""
+REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
+"""How a call to Redis fails (the lean client raises ``OSError`` and its timeouts)."""
 
 
 class RedisState:
@@ -217,6 +220,7 @@ class RedisState:
         own: Accounting | None = None,
         load_ttl_s: float = 2.0,
         known_for_s: float = 0.05,
+        hold_s: float = 0.01,
         shard_of: Callable[[str], str] = lambda instance_id: "fleet",
         cluster: bool = False,
     ) -> None:
@@ -225,7 +229,10 @@ class RedisState:
         ride out a stalled event loop, and a replica that died stops holding the others'
         pools back within them. ``known_for_s``: how long after reading a pool a replica
         builds speculative views from what it read (50 ms, an admission tick: how stale
-        the other replicas' admission load may be too).
+        the other replicas' admission load may be too). ``hold_s``: how long a change
+        made by ``adjust`` (a first token, an end) may wait for a charge in its pool to
+        carry it before it is sent alone; the other replicas see it that much later, a
+        fifth of the age of the reads their own speculative views rest on.
 
         ``shard_of``: the hash tag an instance's routing keys go under, the same for every
         instance of a pool (a view reads a pool in one script); ``cluster``: ``url`` names
@@ -238,9 +245,15 @@ class RedisState:
         self.share_ttl_s = share_ttl_s
         self.load_ttl_s = load_ttl_s
         self.known_for_s = known_for_s
+        self.hold_s = hold_s
         self._own = own or Accounting()
         self._on_the_way = Accounting()
-        """Changes sent to Redis and not answered yet: a view counts them already."""
+        """Changes Redis has not taken yet (held, or sent and not answered): a view counts
+        them already."""
+        self._held: dict[str, Accounting] = {}
+        """Per pool prefix, changes ``adjust`` holds for the next charge in the pool."""
+        self._flush_timers: dict[str, asyncio.TimerHandle] = {}
+        self._flushing: set[asyncio.Task[None]] = set()
         self._known: dict[tuple[str, tuple[str, ...]], _Known] = {}
         self._routes: dict[str, int] = {}
         """Charges this replica sent under each prefix: a view from before one is stale."""
@@ -332,11 +345,16 @@ class RedisState:
             check = [seen.mark, len(ids), *ids, *seen.matched]
             check += [len(seen.blocks), *seen.blocks]
         self._routes[prefix] = self._routes.get(prefix, 0) + 1
-        async with self._gate.write(), self._sending(instance_id, pending_prefill, inflight_tokens):
+        async with (
+            self._gate.write(),
+            self._sending(instance_id, pending_prefill, inflight_tokens),
+            self._carrying(prefix) as held,
+        ):
             reply = await self._routed(
                 keys=[key],
                 args=[
                     *self._share(prefix),
+                    *held,
                     instance_id,
                     capacity_blocks,
                     pending_prefill,
@@ -361,11 +379,53 @@ class RedisState:
         return [k for (p, ids), k in self._known.items() if p == prefix and instance_id in ids]
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
-        async with self._gate.write(), self._sending(instance_id, pending_prefill, inflight):
-            key, prefix = self._pool([instance_id])
-            args = [*self._share(prefix), instance_id, pending_prefill, inflight]
-            await self._adjust(keys=[key], args=args)
-            self._own.add(instance_id, pending_prefill, inflight)
+        """Held: this replica's views count the change at once, and the next charge in the
+        instance's pool carries it to Redis, or a call of its own ``hold_s`` after the
+        first change held there. Under load a request's first token and end then cost no
+        call of their own."""
+        _, prefix = self._pool([instance_id])
+        self._on_the_way.add(instance_id, pending_prefill, inflight)
+        held = self._held.get(prefix)
+        if held is None:
+            held = self._held[prefix] = Accounting()
+            loop = asyncio.get_running_loop()
+            self._flush_timers[prefix] = loop.call_later(self.hold_s, self._flush_soon, prefix)
+        held.add(instance_id, pending_prefill, inflight)
+
+    def _flush_soon(self, prefix: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._flush(prefix))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def _flush(self, prefix: str) -> None:
+        """Send what is held for ``prefix`` alone (no charge came to carry it). A failure
+        is logged: the change is in this replica's record, and the next reconcile writes
+        it (the gateway learns of Redis away at its next call)."""
+        async with self._gate.write(), self._carrying(prefix) as held:
+            if not held[0]:  # a charge carried it while this waited for the gate
+                return
+            try:
+                await self._adjust(keys=[prefix + "routes"], args=[*self._share(prefix), *held])
+            except REDIS_ERRORS as exc:
+                log.warning("Redis at %s failed to take held changes (%s)", self.url, exc)
+
+    @contextlib.asynccontextmanager
+    async def _carrying(self, prefix: str) -> AsyncIterator[list[Any]]:
+        """What is held for ``prefix`` as a script's arguments (a count, then the ids, their
+        pending prefill and their in-flight tokens). Afterwards it is in this replica's
+        record, Redis took it or not: where the call failed, the local state standing in
+        would have counted it there too, and the next reconcile writes it to Redis."""
+        timer = self._flush_timers.pop(prefix, None)
+        if timer is not None:
+            timer.cancel()
+        held = self._held.pop(prefix, None) or Accounting()
+        ids = list(held.pending)
+        try:
+            yield [len(ids), *ids, *held.pending.values(), *held.inflight.values()]
+        finally:
+            for i in ids:
+                self._on_the_way.add(i, -held.pending[i], -held.inflight[i])
+                self._own.add(i, held.pending[i], held.inflight[i])
 
     @contextlib.asynccontextmanager
     async def _sending(
@@ -455,7 +515,12 @@ class RedisState:
         )
         return AdmissionLoads([o.decode() for o in others], dict(zip(claims, granted, strict=True)))
 
+    async def flush(self) -> None:
+        """Send every change ``adjust`` holds now, and wait for those already on their way."""
+        await asyncio.gather(*self._flushing, *(self._flush(p) for p in list(self._held)))
+
     async def close(self) -> None:
+        await self.flush()
         await self._redis.aclose()
 
 
@@ -526,7 +591,7 @@ class FallbackState:
             raise RedisAway(f"Redis at {self.primary.url} is away")
         try:
             return await getattr(self.primary, method)(*args, **options)
-        except (RedisError, RedisClusterException, OSError) as exc:
+        except REDIS_ERRORS as exc:
             if local and (self._down_until == 0.0 or not self.degraded):
                 log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
             self._down_until = time.monotonic() + self.retry_s

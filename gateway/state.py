@@ -113,7 +113,9 @@ class SharedState(Protocol):
         ...
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
-        """Add (usually subtract) these amounts, at a first token or an end."""
+        """Add (usually subtract) these amounts, at a first token or an end. This
+        replica's views count them at once; other replicas' (in Redis) may a few
+        milliseconds later, where the change waits for a charge to carry it."""
         ...
 
     async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:

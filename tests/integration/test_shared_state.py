@@ -180,7 +180,10 @@ async def test_a_speculative_view_sees_the_replica_s_own_writes_as_a_read_does(
 
     async def same_views() -> None:
         speculative = await state.view(ids, blocks, speculative=True)
-        reads = [await state.view(ids, blocks)] + ([await peer.view(ids, blocks)] if peer else [])
+        reads = [await state.view(ids, blocks)]
+        if peer is not None:
+            await state.flush()  # the end it holds for a charge to carry
+            reads.append(await peer.view(ids, blocks))
         for read in reads:
             for field in ("pending_prefill", "inflight_tokens", "matched_blocks"):
                 assert getattr(speculative, field).tolist() == getattr(read, field).tolist()
@@ -235,6 +238,7 @@ async def test_a_decision_is_one_round_trip_to_redis(
         assert await calls(decision(one, "a", (1, 2))) == (True, 1)
         assert await calls(decision(one, "b", (3,))) == (True, 1)
         await two.adjust("b", 0.0, -2.0)  # the other replica's change to the accounting
+        await two.flush()
         assert await calls(decision(one, "a", (1, 2))) == (False, 1)
         assert await calls(decision(one, "a", (1, 2))) == (True, 1)  # decided again
         view = await one.view(["a", "b"], (4,), speculative=True)
@@ -246,6 +250,60 @@ async def test_a_decision_is_one_round_trip_to_redis(
         assert await calls(decision(one, "b", (4,))) == (True, 1)
         stale = one.routed("a", (5,), 100, 1.0, 2.0, seen_version=view.version)
         assert await calls(stale) == (False, 0)  # older than this replica's last route
+
+
+@pytest.mark.redis
+async def test_a_first_token_or_an_end_rides_on_the_next_charge_in_its_pool(
+    redis_server: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``adjust`` makes no call of its own while charges come: the replica counts the
+    change at once, the other replicas once the next charge (refused or not) carried it;
+    with no charge, it goes alone ``hold_s`` after it was made."""
+    async with _two_replicas(redis_server, hold_s=1.0) as (one, two):
+        sent: list[object] = []
+        send = one._redis.call
+
+        async def counted(*args: object, **options: object) -> object:
+            sent.append(args[0])
+            return await send(*args, **options)
+
+        monkeypatch.setattr(one._redis, "call", counted)
+
+        async def seen_by(state: RedisState) -> tuple[list[float], list[float]]:
+            view = await state.view(["a", "b"], ())
+            return view.pending_prefill.tolist(), view.inflight_tokens.tolist()
+
+        await one.routed("a", (), 100, 10.0, 20.0)
+        await one.adjust("a", 0.0, 0.0)
+        await one.flush()
+        await one.view(["a", "b"], ())  # one has read the pool, and loaded the scripts
+        sent.clear()
+        await one.adjust("a", -10.0, 0.0)
+        view = await one.view(["a", "b"], (), speculative=True)
+        assert view.pending_prefill.tolist() == [0.0, 0.0]
+        assert sent == []
+        assert await seen_by(two) == ([10.0, 0.0], [20.0, 0.0])
+        await one.routed("b", (), 100, 1.0, 1.0)
+        assert len(sent) == 1
+        assert await seen_by(two) == ([0.0, 1.0], [20.0, 1.0])
+
+        await one.adjust("a", 0.0, -20.0)
+        view = await one.view(["a", "b"], (), speculative=True)
+        await two.routed("b", (), 100, 0.0, 0.0)  # another replica wrote: refused
+        sent.clear()
+        assert not await one.routed("a", (), 100, 1.0, 1.0, seen_version=view.version)
+        assert len(sent) == 1
+        assert await seen_by(two) == ([0.0, 1.0], [0.0, 1.0])
+
+        sent.clear()
+        await one.adjust("b", -1.0, -1.0)
+        assert await seen_by(two) == ([0.0, 1.0], [0.0, 1.0])
+        for _ in range(50):
+            if await seen_by(two) == ([0.0, 0.0], [0.0, 0.0]):
+                break
+            await asyncio.sleep(0.1)
+        assert await seen_by(two) == ([0.0, 0.0], [0.0, 0.0])
+        assert len(sent) == 1
 
 
 @pytest.mark.redis
@@ -388,6 +446,7 @@ async def test_reconcile_rewrites_a_share_from_the_replicas_own_record(
     try:
         await state.routed("a", (), 100, 10.0, 20.0)
         await state.adjust("a", -10.0, 0.0)
+        await state.flush()
         await other.hset(f"{prefix}acct:r:inflight", "a", 999.0)
         assert (await peer.view(["a"], ())).inflight_tokens.tolist() == [999.0]
         assert (await state.view(["a"], ())).inflight_tokens.tolist() == [20.0]
@@ -427,7 +486,7 @@ async def test_more_calls_at_once_than_connections_wait_for_one(redis_server: Se
         redis_server.address, f"test-{uuid.uuid4().hex}:", timeout_s=5.0, replica="r"
     )
     try:
-        await asyncio.gather(*(state.adjust("a", 1.0, 2.0) for _ in range(500)))
+        await asyncio.gather(*(state.routed("a", (), 100, 1.0, 2.0) for _ in range(500)))
         view = await state.view(["a"], ())
         assert view.pending_prefill.tolist() == [500.0]
     finally:
@@ -438,8 +497,9 @@ async def test_more_calls_at_once_than_connections_wait_for_one(redis_server: Se
 async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_reconcile(
     tmp_path: Path,
 ) -> None:
-    """Redis pauses (data kept); the request's first token times out against it and its
-    end is served locally; once Redis is back, the share shows the request gone."""
+    """Redis pauses (data kept); a request's first token is held, and the next charge,
+    which carries it, times out against Redis; that request and both ends are served
+    locally; once Redis is back, the share shows the requests gone."""
     server = LocalRedis(tmp_path)
     url = server.start()
     own = Accounting()
@@ -450,15 +510,17 @@ async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_rec
     try:
         await state.routed("a", (), 100, 10.0, 20.0)
         await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
-        await state.adjust("a", -10.0, 0.0)  # times out: local from here on
+        await state.adjust("a", -10.0, 0.0)  # held for the next charge
+        await state.routed("b", (), 100, 5.0, 5.0)  # times out: local from here on
         assert state.degraded
         await state.adjust("a", 0.0, -20.0)
-        await asyncio.sleep(1.2)
+        await state.adjust("b", -5.0, -5.0)
+        await asyncio.sleep(1.2)  # the paused charge, and what it carried, run meanwhile
         await state.reconcile()
         assert not state.degraded
-        view = await state.view(["a"], ())
-        assert view.pending_prefill.tolist() == [0.0]
-        assert view.inflight_tokens.tolist() == [0.0]
+        view = await state.view(["a", "b"], ())
+        assert view.pending_prefill.tolist() == [0.0, 0.0]
+        assert view.inflight_tokens.tolist() == [0.0, 0.0]
     finally:
         await admin.aclose()
         await state.close()
