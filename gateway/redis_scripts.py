@@ -116,7 +116,6 @@ ROUTED = (
     + READ
     + """
 local added = account_all()
-if added > 0 then keep_alive() end
 local o = 4 + 3 * added
 local id, capacity, mark, n = ARGV[o + 1], tonumber(ARGV[o + 2]), ARGV[o + 5], tonumber(ARGV[o + 6])
 local ids, expected, seen, blocks = {}, {}, {}, {}
@@ -133,7 +132,10 @@ if mark ~= '' then
     for _, holder in ipairs(held) do credit[holder] = (credit[holder] or 0) + 1 end
   end
   for i = 1, n do same = same and (credit[ids[i]] or 0) == expected[i] end
-  if not same then return {0, sums, current, found} end
+  if not same then
+    if added > 0 then keep_alive() end
+    return {0, sums, current, found}
+  end
 end
 redis.call('INCR', p .. 'routes')
 redis.call('HINCRBY', p .. 'routed-by', r, 1)

@@ -70,8 +70,8 @@ log = logging.getLogger(__name__)
 class _ShareGate:
     """Writes to a replica's share run together; a rewrite of the share runs alone.
 
-    A write reaches the record (``own``) only once Redis has answered it; a rewrite in that
-    interval would copy a record without it and erase it from Redis. In a test of 80
+    A write reaches the record (``own``) only once its call to Redis has ended; a rewrite
+    in that interval would copy a record without it and erase it from Redis. In a test of 80
     concurrent writes and 8 rewrites without the gate, the share kept 5 to 9 of them.
     """
 
@@ -205,9 +205,11 @@ class RedisState:
     """``SharedState`` on a Redis server; one client, shared by all requests.
 
     ``replica`` names this process's share of the accounting. ``own`` is this process's
-    record of that share, updated once Redis has taken a change (a ``LocalState`` standing
-    in while Redis is away updates it otherwise); ``reconcile`` rewrites the share from it,
-    never while a change is on its way (``_ShareGate``).
+    record of that share, updated once the call carrying a change has ended (a
+    ``LocalState`` standing in while Redis is away updates it otherwise; a change
+    ``adjust`` held goes there even if its call failed, as the local state would have
+    counted it); ``reconcile`` rewrites the share from it, never while a change is on its
+    way (``_ShareGate``).
     """
 
     def __init__(
@@ -380,8 +382,9 @@ class RedisState:
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
         """Held: this replica's views count the change at once, and the next charge in the
-        instance's pool carries it to Redis, or a call of its own ``hold_s`` after the
-        first change held there. Under load a request's first token and end then cost no
+        instance's pool (on one server, where pools share the key prefix: any charge)
+        carries it to Redis, or a call of its own ``hold_s`` after the first change held
+        there. Under load a request's first token and end then cost no
         call of their own."""
         _, prefix = self._pool([instance_id])
         self._on_the_way.add(instance_id, pending_prefill, inflight)
@@ -520,8 +523,10 @@ class RedisState:
         await asyncio.gather(*self._flushing, *(self._flush(p) for p in list(self._held)))
 
     async def close(self) -> None:
-        await self.flush()
-        await self._redis.aclose()
+        try:
+            await self.flush()
+        finally:
+            await self._redis.aclose()
 
 
 def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | Redis | RedisCluster:

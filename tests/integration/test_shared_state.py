@@ -270,7 +270,7 @@ async def test_a_first_token_or_an_end_rides_on_the_next_charge_in_its_pool(
         monkeypatch.setattr(one._redis, "call", counted)
 
         async def seen_by(state: RedisState) -> tuple[list[float], list[float]]:
-            view = await state.view(["a", "b"], ())
+            view = await state.view(["a", "b"], (), speculative=state is one)
             return view.pending_prefill.tolist(), view.inflight_tokens.tolist()
 
         await one.routed("a", (), 100, 10.0, 20.0)
@@ -283,9 +283,11 @@ async def test_a_first_token_or_an_end_rides_on_the_next_charge_in_its_pool(
         assert view.pending_prefill.tolist() == [0.0, 0.0]
         assert sent == []
         assert await seen_by(two) == ([10.0, 0.0], [20.0, 0.0])
-        await one.routed("b", (), 100, 1.0, 1.0)
+        await one.routed("b", (5, 6), 100, 1.0, 1.0)
         assert len(sent) == 1
         assert await seen_by(two) == ([0.0, 1.0], [20.0, 1.0])
+        assert await seen_by(one) == ([0.0, 1.0], [20.0, 1.0])  # counted once
+        assert (await two.view(["a", "b"], (5, 6))).matched_blocks.tolist() == [0, 2]
 
         await one.adjust("a", 0.0, -20.0)
         view = await one.view(["a", "b"], (), speculative=True)
@@ -507,6 +509,7 @@ async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_rec
         RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=0.1
     )
     admin = Redis.from_url(url)
+    peer = RedisState(url, replica="peer")  # reads the share in Redis
     try:
         await state.routed("a", (), 100, 10.0, 20.0)
         await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
@@ -515,13 +518,15 @@ async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_rec
         assert state.degraded
         await state.adjust("a", 0.0, -20.0)
         await state.adjust("b", -5.0, -5.0)
-        await asyncio.sleep(1.2)  # the paused charge, and what it carried, run meanwhile
+        await asyncio.sleep(1.2)
+        assert (await peer.view(["a"], ())).inflight_tokens.tolist() == [20.0]
         await state.reconcile()
         assert not state.degraded
-        view = await state.view(["a", "b"], ())
-        assert view.pending_prefill.tolist() == [0.0, 0.0]
-        assert view.inflight_tokens.tolist() == [0.0, 0.0]
+        for view in (await state.view(["a", "b"], ()), await peer.view(["a", "b"], ())):
+            assert view.pending_prefill.tolist() == [0.0, 0.0]
+            assert view.inflight_tokens.tolist() == [0.0, 0.0]
     finally:
+        await peer.close()
         await admin.aclose()
         await state.close()
         server.stop()
