@@ -1,4 +1,4 @@
-"""One routed request's trip through an instance: proxy, retry, account, report.
+"""One routed request's way through an instance: decide and charge, proxy, retry, relay.
 
 - An instance that fails before the first token (connection error, 5xx, a stream that
   breaks early) is left out for a cooldown and the request goes once to the next-best
@@ -14,10 +14,8 @@
 - A client that goes away aborts the upstream call (closing the connection cancels the
   request in vLLM) and is reported as a cancellation; a whole answer's client is watched
   from the moment the request is sent, since its headers come only with its end.
-- Shared accounting follows the request: its uncached prompt counts as pending prefill
-  until the first token, its prompt and budget as in flight until it ends. A whole
-  (non-streamed) answer shows no first token: its prefill stops counting when the router
-  predicted the first token would come, or at its end if the router predicts nothing.
+- What the request counts and reports from its charge to its end are its trip's books
+  (``gateway.trip``).
 
 Clean-up after a stream runs as a task of its own: when a client disconnects, the ASGI
 server cancels whatever awaits inside the response.
@@ -29,8 +27,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -39,28 +36,23 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from control.pipeline import Charge
-from control.routing.snapshot import Observation
 from gateway.decide import INDEX_STRIDE, Decider, Plan
 from gateway.events import EventSink
 from gateway.fleet_view import FleetView
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
 from gateway.sse import FIRST_TOKEN, NOTHING, Piece, Seen, output_tokens, read_event, sse_events
-from gateway.state import Outcome, SharedState
+from gateway.state import SharedState
+from gateway.trip import Spawn, Trip, TripBooks, attribution
 from schemas.fleet import InstanceConfig
 from schemas.lifecycle import (
     CancelReason,
     CandidateScore,
-    FirstToken,
     RequestCancelled,
-    RequestCompleted,
     RequestFailed,
-    RequestRetried,
     RequestRouted,
 )
 from schemas.openai_api import REQUEST_ID_HEADER, ApiError
-
-Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
@@ -76,29 +68,6 @@ REPLANS = 2
 
 class UpstreamFailed(Exception):
     """The instance could not serve the request (before any token reached the client)."""
-
-
-@dataclass
-class Trip:
-    """What the gateway tracks of one request on one instance."""
-
-    inbound: Inbound
-    plan: Plan
-    row: int
-    arrived: float
-    idempotency_key: str | None
-    sent_at: float = 0.0
-    first_token_at: float | None = None
-    output_tokens: int = 0
-    error: str | None = None
-    """An error the instance reported within its stream."""
-    pending: float = 0.0
-    inflight: float = 0.0
-    captured: bytearray = field(default_factory=bytearray)
-
-    @property
-    def instance(self) -> InstanceConfig:
-        return self.plan.pool.instances[self.row]
 
 
 class DcFailed(ApiError):
@@ -133,7 +102,7 @@ class Exchange:
         self.decider = decider
         self.metrics = metrics
         self.spawn = spawn
-        self.idempotency_ttl_s = idempotency_ttl_s
+        self.books = TripBooks(state, events, decider.admission, metrics, spawn, idempotency_ttl_s)
         self._deciding = asyncio.Lock()
 
     async def serve(
@@ -154,7 +123,7 @@ class Exchange:
                 RequestCancelled(
                     request_id=inbound.request_id,
                     reason=CancelReason.CLIENT_DISCONNECT,
-                    **_attribution(inbound, dc),
+                    **attribution(inbound, dc),
                 )
             )
             return Response(status_code=499)
@@ -164,7 +133,7 @@ class Exchange:
             trip = Trip(inbound, plan, row, arrived, idempotency_key)
             try:
                 if attempt > 1:  # ``_reserve`` charged the first choice
-                    self._retried(trip, order[0])
+                    self.books.retried(trip, order[0])
                     await self._charge(inbound, plan, row)
                 # counted once charged: a client gone during the charge leaves nothing to undo
                 trip.pending, trip.inflight = _charges(inbound, plan)
@@ -173,12 +142,12 @@ class Exchange:
                 self.view.failed(trip.instance.id)
                 error = str(exc)
             except BaseException:  # a bug, or the client gone: undo it all the same
-                self.spawn(self._abandoned(trip))
+                self.spawn(self.books.abandoned(trip))
                 raise
             try:  # only a failed attempt comes here
-                await self._release(trip)
+                await self.books.release(trip)
             except BaseException:  # the client gone meanwhile: its books still close
-                self.spawn(self._abandoned(trip))
+                self.spawn(self.books.abandoned(trip))
                 raise
         self.decider.admission.finished(inbound, plan.dc, cancelled=True)
         raise DcFailed(error, trip.instance.id, plan.dc)
@@ -190,7 +159,7 @@ class Exchange:
                 request_id=inbound.request_id,
                 instance_id=failure.instance_id,
                 error=failure.error,
-                **_attribution(inbound, failure.dc),
+                **attribution(inbound, failure.dc),
             )
         )
 
@@ -253,7 +222,7 @@ class Exchange:
         trip.sent_at = time.monotonic()
         self.metrics.added_latency.observe(trip.sent_at - trip.arrived)
         # A whole answer's headers come with its end: no first token is seen before.
-        settling = None if inbound.stream else self._settle_at_predicted_first_token(trip)
+        settling = None if inbound.stream else self.books.settle_at_predicted_first_token(trip)
         # A whole answer's client is watched from the start: its headers come with its end.
         gone = None if inbound.stream else asyncio.ensure_future(_disconnected(request))
         try:
@@ -261,7 +230,7 @@ class Exchange:
             posting = self._post(trip.instance, inbound.path, body)
             upstream = await (posting if gone is None else _unless_left(posting, gone))
             if upstream is None:  # closing the connection cancels the request in vLLM
-                await self._cancelled(trip)
+                await self.books.cancelled(trip)
                 return Response(status_code=499)
             if upstream.status >= 400:  # the instance refused the request itself: pass it on
                 try:
@@ -270,7 +239,7 @@ class Exchange:
                     upstream.close()
                     raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
                 upstream.release()
-                await self._fail(trip, f"instance answered {upstream.status}")
+                await self.books.fail(trip, f"instance answered {upstream.status}")
                 return Response(body, upstream.status, media_type="application/json")
             if gone is None:
                 return await self._stream(trip, upstream)
@@ -328,7 +297,7 @@ class Exchange:
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
         if body is None:
             upstream.close()
-            await self._cancelled(trip)
+            await self.books.cancelled(trip)
             return Response(status_code=499)
         upstream.release()
         try:
@@ -339,7 +308,7 @@ class Exchange:
         trip.first_token_at = time.monotonic()  # unseen: a whole response counts TTFT as E2E
         trip.output_tokens = output_tokens(answer) or 0
         trip.captured.extend(body)
-        await self._completed(trip)
+        await self.books.completed(trip)
         return Response(body, media_type="application/json", headers=_headers(trip))
 
     async def _stream(self, trip: Trip, upstream: aiohttp.ClientResponse) -> Response:
@@ -360,7 +329,7 @@ class Exchange:
             self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {last.error}")
         if last.piece in FIRST_TOKEN:
-            self._first_token(trip)
+            self.books.first_token(trip)
         return StreamingResponse(
             self._relay(trip, upstream, head, events),
             media_type="text/event-stream",
@@ -377,15 +346,15 @@ class Exchange:
         ended = "cancelled"
         try:
             for event, seen in head:
-                yield self._counted(trip, event, seen)
+                yield trip.count(event, seen)
             async for event in events:
                 seen = read_event(event)
                 if seen.piece in FIRST_TOKEN:
                     if trip.first_token_at is None:
-                        self._first_token(trip)
+                        self.books.first_token(trip)
                     else:  # not the first: it may trail its step's end
                         self.view.tokens_streamed(trip.instance.id)
-                yield self._counted(trip, event, seen)
+                yield trip.count(event, seen)
             ended = "completed" if trip.error is None else f"{trip.instance.id}: {trip.error}"
         except UPSTREAM_ERRORS as exc:
             ended = f"{trip.instance.id}: {type(exc).__name__}"
@@ -395,166 +364,17 @@ class Exchange:
         finally:
             self.spawn(self._stream_ended(trip, upstream, ended))
 
-    def _counted(self, trip: Trip, event: bytes, seen: Seen) -> bytes:
-        if seen.output_tokens is not None:
-            trip.output_tokens = seen.output_tokens
-        elif seen.piece is Piece.DELTA:
-            trip.output_tokens += 1
-        if seen.error is not None:
-            trip.error = seen.error
-        if trip.idempotency_key is not None:
-            trip.captured.extend(event)
-        return event
-
     async def _stream_ended(self, trip: Trip, upstream: aiohttp.ClientResponse, ended: str) -> None:
         if ended == "completed":
             upstream.release()
         else:
             upstream.close()  # closing the connection is how vLLM learns to abort
         if ended == "completed":
-            await self._completed(trip)
+            await self.books.completed(trip)
         elif ended == "cancelled":
-            await self._cancelled(trip)
+            await self.books.cancelled(trip)
         else:
-            await self._fail(trip, ended)
-
-    def _settle_at_predicted_first_token(self, trip: Trip) -> asyncio.TimerHandle | None:
-        """Stop counting the trip's prefill as pending once the router's predicted TTFT
-        has passed, as a first token would; the caller cancels the timer at the end.
-        (TTFT is predicted from the decision, a few hundred microseconds earlier.)"""
-        predicted = trip.plan.predicted_ttft_s(trip.row)
-        if predicted is None:
-            return None
-        loop = asyncio.get_running_loop()
-        return loop.call_later(max(predicted, 0.0), lambda: self.spawn(self._prefill_done(trip)))
-
-    async def _prefill_done(self, trip: Trip) -> None:
-        # Taken before the await: the end of the trip may release it meanwhile.
-        pending, trip.pending = trip.pending, 0.0
-        if pending:
-            await self.state.adjust(trip.instance.id, -pending, 0.0)
-
-    def _first_token(self, trip: Trip) -> None:
-        """Noted at once; the shared accounting follows in a task of its own, which a
-        client that leaves cannot cancel half-way (this runs inside the response)."""
-        trip.first_token_at = time.monotonic()
-        self.decider.admission.first_token(trip.inbound, trip.plan.dc)
-        self.spawn(self._prefill_done(trip))
-        self.events.emit(
-            FirstToken(
-                request_id=trip.inbound.request_id,
-                instance_id=trip.instance.id,
-                ttft_s=trip.first_token_at - trip.arrived,
-            )
-        )
-
-    async def _completed(self, trip: Trip) -> None:
-        await self._release(trip)
-        now = time.monotonic()
-        first = trip.first_token_at or now
-        ttft, e2e = first - trip.arrived, now - trip.arrived
-        tpot = (now - first) / (trip.output_tokens - 1) if trip.output_tokens > 1 else 0.0
-        inbound = trip.inbound
-        # Only a streamed answer shows its first token, and only the instance the router
-        # chose was predicted for: a retry's TTFT would train the wrong instance.
-        first_choice = trip.row == trip.plan.decision.chosen
-        observation = (
-            Observation(inbound.request_id, trip.row, first - trip.sent_at, trip.output_tokens)
-            if inbound.stream and first_choice
-            else None
-        )
-        self.decider.admission.finished(inbound, trip.plan.dc, trip.output_tokens, observation)
-        objective = self.decider.admission.objectives.of(inbound.task_class, inbound.tenant.name)
-        whole = None if inbound.stream else trip.output_tokens
-        met = objective.met(ttft, tpot, e2e, inbound.deadline_s, whole_output_tokens=whole)
-        self.metrics.output_tokens.labels(inbound.task_class.value, str(met).lower()).inc(
-            trip.output_tokens
-        )
-        self.events.emit(
-            RequestCompleted(
-                request_id=inbound.request_id,
-                dc=trip.plan.dc,
-                instance_id=trip.instance.id,
-                task_class=inbound.task_class,
-                tenant=inbound.tenant.name,
-                input_tokens=inbound.input_tokens,
-                cached_tokens=int(trip.plan.cached_tokens),
-                output_tokens=trip.output_tokens,
-                ttft_s=ttft,
-                tpot_s=tpot,
-                e2e_s=e2e,
-                streamed=inbound.stream,
-            )
-        )
-        if trip.idempotency_key is not None:
-            media = "text/event-stream" if inbound.stream else "application/json"
-            outcome = Outcome(200, media, bytes(trip.captured))
-            await self.state.settle(trip.idempotency_key, outcome, self.idempotency_ttl_s)
-
-    async def _cancelled(self, trip: Trip) -> None:
-        await self._release(trip)
-        self.decider.admission.finished(trip.inbound, trip.plan.dc, cancelled=True)
-        self.metrics.cancellations.inc()
-        self.events.emit(
-            RequestCancelled(
-                request_id=trip.inbound.request_id,
-                instance_id=trip.instance.id,
-                reason=CancelReason.CLIENT_DISCONNECT,
-                output_tokens=trip.output_tokens,
-                **_attribution(trip.inbound, trip.plan.dc),
-            )
-        )
-        await self._forget_key(trip)
-
-    async def _fail(self, trip: Trip, error: str) -> None:
-        """The trip failed without a retry: undo its accounting, report it, free its key."""
-        await self._release(trip)
-        self.decider.admission.finished(trip.inbound, trip.plan.dc)
-        self._failed(trip, error)
-        await self._forget_key(trip)
-
-    async def _abandoned(self, trip: Trip) -> None:
-        """A trip that ended by an unexpected exception: nothing of it stays counted."""
-        await self._release(trip)
-        self.decider.admission.finished(trip.inbound, trip.plan.dc)
-        await self._forget_key(trip)
-
-    async def _forget_key(self, trip: Trip) -> None:
-        """A request that did not complete leaves its idempotency key free for a retry."""
-        if trip.idempotency_key is not None:
-            await self.state.release(trip.idempotency_key)
-
-    def _failed(self, trip: Trip, error: str) -> None:
-        self.events.emit(
-            RequestFailed(
-                request_id=trip.inbound.request_id,
-                instance_id=trip.instance.id,
-                error=error,
-                output_tokens=trip.output_tokens,
-                **_attribution(trip.inbound, trip.plan.dc),
-            )
-        )
-
-    async def _release(self, trip: Trip) -> None:
-        """Undo what is left of the trip's accounting, and tell a router that counts its
-        requests that this one left the instance (the retry of a failed first choice is
-        not counted again: the router did not choose it)."""
-        self.decider.admission.left_instance(trip.inbound, trip.plan.dc)
-        pending, inflight = trip.pending, trip.inflight
-        trip.pending = trip.inflight = 0.0
-        await self.state.adjust(trip.instance.id, -pending, -inflight)
-
-    def _retried(self, trip: Trip, first_row: int) -> None:
-        self.metrics.retries.inc()
-        self.events.emit(
-            RequestRetried(
-                request_id=trip.inbound.request_id,
-                attempt=2,
-                from_instance=trip.plan.pool.instances[first_row].id,
-                to_instance=trip.instance.id,
-                reason="upstream failed before the first token",
-            )
-        )
+            await self.books.fail(trip, ended)
 
 
 def _url(instance: InstanceConfig, path: str) -> str:
@@ -606,11 +426,6 @@ def _routed_event(inbound: Inbound, plan: Plan) -> RequestRouted:
 
 class ClientLeft(Exception):
     """The client went away while its request was held."""
-
-
-def _attribution(inbound: Inbound, dc: str) -> dict[str, Any]:
-    """What an early end's event says of where and whose the request was."""
-    return {"dc": dc, "task_class": inbound.task_class, "tenant": inbound.tenant.name}
 
 
 async def _unless_gone(held: Awaitable[Plan], request: Request) -> Plan:

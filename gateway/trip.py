@@ -1,0 +1,237 @@
+"""A trip's books: what one request on one instance counts, and reports, from the moment
+it is charged to its end (the exchange, ``gateway.exchange``, carries the request itself).
+
+- Shared accounting follows the request: its uncached prompt counts as pending prefill
+  until the first token, its prompt and budget as in flight until it ends. A whole
+  (non-streamed) answer shows no first token: its prefill stops counting when the router
+  predicted the first token would come, or at its end if the router predicts nothing.
+- Every end (completed, cancelled, failed, abandoned by an unexpected exception) undoes
+  what is left of the accounting, tells admission, and emits its lifecycle event; one
+  that did not complete frees its idempotency key for the client's retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from control.routing.snapshot import Observation
+from gateway.admission import GatewayAdmission
+from gateway.decide import Plan
+from gateway.events import EventSink
+from gateway.inbound import Inbound
+from gateway.metrics import GatewayMetrics
+from gateway.sse import Piece, Seen
+from gateway.state import Outcome, SharedState
+from schemas.fleet import InstanceConfig
+from schemas.lifecycle import (
+    CancelReason,
+    FirstToken,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    RequestRetried,
+)
+
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
+@dataclass
+class Trip:
+    """What the gateway tracks of one request on one instance."""
+
+    inbound: Inbound
+    plan: Plan
+    row: int
+    arrived: float
+    idempotency_key: str | None
+    sent_at: float = 0.0
+    first_token_at: float | None = None
+    output_tokens: int = 0
+    error: str | None = None
+    """An error the instance reported within its stream."""
+    pending: float = 0.0
+    inflight: float = 0.0
+    captured: bytearray = field(default_factory=bytearray)
+
+    @property
+    def instance(self) -> InstanceConfig:
+        return self.plan.pool.instances[self.row]
+
+    def count(self, event: bytes, seen: Seen) -> bytes:
+        """Count what ``event`` (read as ``seen``) tells of the answer; the event as it was."""
+        if seen.output_tokens is not None:
+            self.output_tokens = seen.output_tokens
+        elif seen.piece is Piece.DELTA:
+            self.output_tokens += 1
+        if seen.error is not None:
+            self.error = seen.error
+        if self.idempotency_key is not None:
+            self.captured.extend(event)
+        return event
+
+
+class TripBooks:
+    """Closes the books of every trip of one gateway app."""
+
+    def __init__(
+        self,
+        state: SharedState,
+        events: EventSink,
+        admission: GatewayAdmission,
+        metrics: GatewayMetrics,
+        spawn: Spawn,
+        idempotency_ttl_s: float,
+    ) -> None:
+        self.state = state
+        self.events = events
+        self.admission = admission
+        self.metrics = metrics
+        self.spawn = spawn
+        self.idempotency_ttl_s = idempotency_ttl_s
+
+    def settle_at_predicted_first_token(self, trip: Trip) -> asyncio.TimerHandle | None:
+        """Stop counting the trip's prefill as pending once the router's predicted TTFT
+        has passed, as a first token would; the caller cancels the timer at the end.
+        (TTFT is predicted from the decision, a few hundred microseconds earlier.)"""
+        predicted = trip.plan.predicted_ttft_s(trip.row)
+        if predicted is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return loop.call_later(max(predicted, 0.0), lambda: self.spawn(self._prefill_done(trip)))
+
+    async def _prefill_done(self, trip: Trip) -> None:
+        # Taken before the await: the end of the trip may release it meanwhile.
+        pending, trip.pending = trip.pending, 0.0
+        if pending:
+            await self.state.adjust(trip.instance.id, -pending, 0.0)
+
+    def first_token(self, trip: Trip) -> None:
+        """Noted at once; the shared accounting follows in a task of its own, which a
+        client that leaves cannot cancel half-way (this runs inside the response)."""
+        trip.first_token_at = time.monotonic()
+        self.admission.first_token(trip.inbound, trip.plan.dc)
+        self.spawn(self._prefill_done(trip))
+        self.events.emit(
+            FirstToken(
+                request_id=trip.inbound.request_id,
+                instance_id=trip.instance.id,
+                ttft_s=trip.first_token_at - trip.arrived,
+            )
+        )
+
+    async def completed(self, trip: Trip) -> None:
+        await self.release(trip)
+        now = time.monotonic()
+        first = trip.first_token_at or now
+        ttft, e2e = first - trip.arrived, now - trip.arrived
+        tpot = (now - first) / (trip.output_tokens - 1) if trip.output_tokens > 1 else 0.0
+        inbound = trip.inbound
+        # Only a streamed answer shows its first token, and only the instance the router
+        # chose was predicted for: a retry's TTFT would train the wrong instance.
+        first_choice = trip.row == trip.plan.decision.chosen
+        observation = (
+            Observation(inbound.request_id, trip.row, first - trip.sent_at, trip.output_tokens)
+            if inbound.stream and first_choice
+            else None
+        )
+        self.admission.finished(inbound, trip.plan.dc, trip.output_tokens, observation)
+        objective = self.admission.objectives.of(inbound.task_class, inbound.tenant.name)
+        whole = None if inbound.stream else trip.output_tokens
+        met = objective.met(ttft, tpot, e2e, inbound.deadline_s, whole_output_tokens=whole)
+        self.metrics.output_tokens.labels(inbound.task_class.value, str(met).lower()).inc(
+            trip.output_tokens
+        )
+        self.events.emit(
+            RequestCompleted(
+                request_id=inbound.request_id,
+                dc=trip.plan.dc,
+                instance_id=trip.instance.id,
+                task_class=inbound.task_class,
+                tenant=inbound.tenant.name,
+                input_tokens=inbound.input_tokens,
+                cached_tokens=int(trip.plan.cached_tokens),
+                output_tokens=trip.output_tokens,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                e2e_s=e2e,
+                streamed=inbound.stream,
+            )
+        )
+        if trip.idempotency_key is not None:
+            media = "text/event-stream" if inbound.stream else "application/json"
+            outcome = Outcome(200, media, bytes(trip.captured))
+            await self.state.settle(trip.idempotency_key, outcome, self.idempotency_ttl_s)
+
+    async def cancelled(self, trip: Trip) -> None:
+        await self.release(trip)
+        self.admission.finished(trip.inbound, trip.plan.dc, cancelled=True)
+        self.metrics.cancellations.inc()
+        self.events.emit(
+            RequestCancelled(
+                request_id=trip.inbound.request_id,
+                instance_id=trip.instance.id,
+                reason=CancelReason.CLIENT_DISCONNECT,
+                output_tokens=trip.output_tokens,
+                **attribution(trip.inbound, trip.plan.dc),
+            )
+        )
+        await self._forget_key(trip)
+
+    async def fail(self, trip: Trip, error: str) -> None:
+        """The trip failed without a retry: undo its accounting, report it, free its key."""
+        await self.release(trip)
+        self.admission.finished(trip.inbound, trip.plan.dc)
+        self._failed(trip, error)
+        await self._forget_key(trip)
+
+    async def abandoned(self, trip: Trip) -> None:
+        """A trip that ended by an unexpected exception: nothing of it stays counted."""
+        await self.release(trip)
+        self.admission.finished(trip.inbound, trip.plan.dc)
+        await self._forget_key(trip)
+
+    async def _forget_key(self, trip: Trip) -> None:
+        """A request that did not complete leaves its idempotency key free for a retry."""
+        if trip.idempotency_key is not None:
+            await self.state.release(trip.idempotency_key)
+
+    def _failed(self, trip: Trip, error: str) -> None:
+        self.events.emit(
+            RequestFailed(
+                request_id=trip.inbound.request_id,
+                instance_id=trip.instance.id,
+                error=error,
+                output_tokens=trip.output_tokens,
+                **attribution(trip.inbound, trip.plan.dc),
+            )
+        )
+
+    async def release(self, trip: Trip) -> None:
+        """Undo what is left of the trip's accounting, and tell a router that counts its
+        requests that this one left the instance (the retry of a failed first choice is
+        not counted again: the router did not choose it)."""
+        self.admission.left_instance(trip.inbound, trip.plan.dc)
+        pending, inflight = trip.pending, trip.inflight
+        trip.pending = trip.inflight = 0.0
+        await self.state.adjust(trip.instance.id, -pending, -inflight)
+
+    def retried(self, trip: Trip, first_row: int) -> None:
+        self.metrics.retries.inc()
+        self.events.emit(
+            RequestRetried(
+                request_id=trip.inbound.request_id,
+                attempt=2,
+                from_instance=trip.plan.pool.instances[first_row].id,
+                to_instance=trip.instance.id,
+                reason="upstream failed before the first token",
+            )
+        )
+
+
+def attribution(inbound: Inbound, dc: str) -> dict[str, Any]:
+    """What an early end's event says of where and whose the request was."""
+    return {"dc": dc, "task_class": inbound.task_class, "tenant": inbound.tenant.name}
