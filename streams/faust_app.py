@@ -44,6 +44,7 @@ from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from schemas.topics import DAY_MS
 from streams.bus import RawRecord, dead_letter
 from streams.faust_parts import (
+    RUST_JSON,
     KeyedTable,
     SinglePartitionTable,
     SourcePartitionTable,
@@ -116,9 +117,9 @@ def build_app(
     lifecycle = app.topic(*LIFECYCLE_TOPICS, **raw)
     fleet_events = app.topic(*FLEET_TOPICS, **raw)
     updates_topic = updates_topic_of(settings).name
-    updates = app.topic(updates_topic, partitions=1, internal=True, value_serializer="json")
+    updates = app.topic(updates_topic, partitions=1, internal=True, value_serializer=RUST_JSON)
     dead_letters = app.topic(DEADLETTER_TOPIC, **raw)
-    as_json = faust.Schema(key_serializer="json", value_serializer="json")
+    as_json = faust.Schema(key_serializer=RUST_JSON, value_serializer=RUST_JSON)
     joins = KeyedTable(app, name="join", beacon=app.tables.beacon, partitions=6, schema=as_json)
     app.tables.add(joins)
     instance_dc = app.tables.add(

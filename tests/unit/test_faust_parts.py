@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from faust.serializers.codecs import get_codec
 from faust.transport.consumer import ThreadDelegateConsumer
+from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.types import TP
 
-from streams.faust_parts import RewindingConsumer, WorkerApp
+from streams.faust_parts import (
+    FETCH_MAX_WAIT_MS,
+    RUST_JSON,
+    KeyedTable,
+    RewindingConsumer,
+    WorkerApp,
+    _ConsumerThread,
+)
 
 
 def test_a_worker_that_would_start_a_new_partition_at_its_end_is_refused() -> None:
@@ -38,3 +49,35 @@ async def test_aiokafka_is_asked_for_the_partitions_active_when_faust_asks(
     await consumer._getmany(active, 1.0)
     active.clear()  # as Faust's pause does, while aiokafka may still be answering
     assert asked == [{TP("tf.requests", 0), TP("tf.requests", 1)}]
+
+
+def test_the_broker_holds_a_worker_s_fetch_at_most_fetch_max_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Faust creates aiokafka's consumer holding fetches 1,500 ms; the worker's consumer
+    thread sets ``FETCH_MAX_WAIT_MS`` on it, the value aiokafka hands its fetcher when it
+    starts."""
+    created = SimpleNamespace(_fetch_max_wait_ms=1500)  # as Faust's method creates it
+    monkeypatch.setattr(
+        AIOKafkaConsumerThread, "_create_worker_consumer", lambda self, transport: created
+    )
+    monkeypatch.setattr(_ConsumerThread, "__init__", lambda self, *args, **options: None)
+    consumer = SimpleNamespace(loop=None, beacon=None)
+    thread = RewindingConsumer._new_consumer_thread(consumer)  # type: ignore[arg-type]
+    assert isinstance(thread, _ConsumerThread)
+    made = thread._create_worker_consumer(WorkerApp("wait", broker="kafka://x:1").transport)
+    assert made is created
+    assert made._fetch_max_wait_ms == FETCH_MAX_WAIT_MS < 1500
+
+
+def test_tables_write_their_changelogs_as_json_that_reads_back_the_same() -> None:
+    """The join state's shape, infinities included, through the tables' codec; and a
+    record the standard library's JSON wrote (Faust's codec, before) reads the same."""
+    app = WorkerApp("codec", broker="kafka://127.0.0.1:1")
+    table = KeyedTable(app, name="join", partitions=6)
+    assert (table.key_serializer, table.value_serializer) == (RUST_JSON, RUST_JSON)
+    codec = get_codec(RUST_JSON)
+    state = {"seen": ["e1"], "arrived": None, "last_ts": float("-inf"), "held": [], "retries": 0}
+    assert codec.loads(codec.dumps(state)) == state
+    assert codec.loads(json.dumps(state).encode()) == state
+    assert codec.dumps("request-1") == json.dumps("request-1").encode()  # the same keys
