@@ -6,8 +6,9 @@ it is charged to its end (the exchange, ``gateway.exchange``, carries the reques
   (non-streamed) answer shows no first token: its prefill stops counting when the router
   predicted the first token would come, or at its end if the router predicts nothing.
 - Every end (completed, cancelled, failed, abandoned by an unexpected exception) undoes
-  what is left of the accounting, tells admission, and emits its lifecycle event; one
-  that did not complete frees its idempotency key for the client's retry.
+  what is left of the accounting and tells admission; all but an abandoned one emit their
+  lifecycle event; one that did not complete frees its idempotency key for the client's
+  retry.
 """
 
 from __future__ import annotations

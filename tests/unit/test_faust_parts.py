@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from faust.serializers.codecs import get_codec
 from faust.transport.consumer import ThreadDelegateConsumer
-from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 from faust.types import TP
+from faust.utils import json as faust_json
 
 from streams.faust_parts import (
     FETCH_MAX_WAIT_MS,
@@ -51,23 +49,19 @@ async def test_aiokafka_is_asked_for_the_partitions_active_when_faust_asks(
     assert asked == [{TP("tf.requests", 0), TP("tf.requests", 1)}]
 
 
-def test_the_broker_holds_a_worker_s_fetch_at_most_fetch_max_wait(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_the_broker_holds_a_worker_s_fetch_at_most_fetch_max_wait() -> None:
     """Faust creates aiokafka's consumer holding fetches 1,500 ms; the worker's consumer
-    thread sets ``FETCH_MAX_WAIT_MS`` on it, the value aiokafka hands its fetcher when it
-    starts."""
-    created = SimpleNamespace(_fetch_max_wait_ms=1500)  # as Faust's method creates it
-    monkeypatch.setattr(
-        AIOKafkaConsumerThread, "_create_worker_consumer", lambda self, transport: created
-    )
-    monkeypatch.setattr(_ConsumerThread, "__init__", lambda self, *args, **options: None)
-    consumer = SimpleNamespace(loop=None, beacon=None)
-    thread = RewindingConsumer._new_consumer_thread(consumer)  # type: ignore[arg-type]
+    thread creates it holding them ``FETCH_MAX_WAIT_MS``, which aiokafka hands its fetcher
+    when it starts (nothing here connects)."""
+    app = WorkerApp("wait", broker="kafka://127.0.0.1:1")
+    thread = app.consumer._thread
     assert isinstance(thread, _ConsumerThread)
-    made = thread._create_worker_consumer(WorkerApp("wait", broker="kafka://x:1").transport)
-    assert made is created
-    assert made._fetch_max_wait_ms == FETCH_MAX_WAIT_MS < 1500
+    created = thread._create_worker_consumer(app.transport)
+    try:
+        assert created._fetch_max_wait_ms == FETCH_MAX_WAIT_MS < 1500
+    finally:
+        await created.stop()
+        thread.thread_loop.close()
 
 
 def test_tables_write_their_changelogs_as_json_that_reads_back_the_same() -> None:
@@ -75,9 +69,11 @@ def test_tables_write_their_changelogs_as_json_that_reads_back_the_same() -> Non
     record the standard library's JSON wrote (Faust's codec, before) reads the same."""
     app = WorkerApp("codec", broker="kafka://127.0.0.1:1")
     table = KeyedTable(app, name="join", partitions=6)
-    assert (table.key_serializer, table.value_serializer) == (RUST_JSON, RUST_JSON)
+    schema = table.changelog_topic.schema  # what recovery decodes the changelog with
+    assert (schema.key_serializer, schema.value_serializer) == (RUST_JSON, RUST_JSON)
     codec = get_codec(RUST_JSON)
     state = {"seen": ["e1"], "arrived": None, "last_ts": float("-inf"), "held": [], "retries": 0}
     assert codec.loads(codec.dumps(state)) == state
-    assert codec.loads(json.dumps(state).encode()) == state
-    assert codec.dumps("request-1") == json.dumps("request-1").encode()  # the same keys
+    assert codec.loads(faust_json.dumps(state).encode()) == state  # written before
+    assert faust_json.loads(codec.dumps(state)) == state  # read by a worker from before
+    assert codec.dumps("req-1f2e") == faust_json.dumps("req-1f2e").encode()  # the same keys
