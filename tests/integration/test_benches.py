@@ -64,12 +64,12 @@ def test_the_gateway_bench_measures_the_gateway_beside_the_instances(tmp_path: P
     assert figures["bare_proxy"]["cpu_ms_per_request"] > 0
     assert figures["bare_proxy"]["max_rps"] > 0
     assert figures["gateway_redis"]["cpu_ms_per_request"] > 0  # its own redis-server
-    # a request's charge and its end, at least, each a script call
-    assert figures["gateway_redis"]["redis_calls_per_request"] >= 2
+    # a request's charge, at least, is a script call (its ends ride on later charges)
+    assert figures["gateway_redis"]["redis_calls_per_request"] >= 1
     pair = figures["gateway_redis_pair"]  # two replicas on that one Redis
     assert pair["max_rps"] > 0
     assert pair["cpu_ms_per_request"] > 0
-    assert pair["redis_calls_per_request"] >= 2
+    assert pair["redis_calls_per_request"] >= 1
     expected = pair["max_rps"] / figures["gateway_redis"]["max_rps"]
     assert pair["rate_over_one_replica"] == pytest.approx(expected)
     for q in (50, 99):
