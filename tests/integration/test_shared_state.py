@@ -215,14 +215,7 @@ async def test_a_decision_is_one_round_trip_to_redis(
     charge one; a view checked after another replica wrote is refused, and the refusal
     carries the fresh read, so the decision made again is charged in one more call."""
     async with _two_replicas(redis_server) as (one, two):
-        sent: list[object] = []
-        send = one._redis.call
-
-        async def counted(*args: object, **options: object) -> object:
-            sent.append(args[0])
-            return await send(*args, **options)
-
-        monkeypatch.setattr(one._redis, "call", counted)
+        sent = _calls_of(one, monkeypatch)
 
         async def calls(action: Awaitable[bool]) -> tuple[bool, int]:
             sent.clear()
@@ -260,14 +253,7 @@ async def test_a_first_token_or_an_end_rides_on_the_next_charge_in_its_pool(
     change at once, the other replicas once the next charge (refused or not) carried it;
     with no charge, it goes alone ``hold_s`` after it was made."""
     async with _two_replicas(redis_server, hold_s=1.0) as (one, two):
-        sent: list[object] = []
-        send = one._redis.call
-
-        async def counted(*args: object, **options: object) -> object:
-            sent.append(args[0])
-            return await send(*args, **options)
-
-        monkeypatch.setattr(one._redis, "call", counted)
+        sent = _calls_of(one, monkeypatch)
 
         async def seen_by(state: RedisState) -> tuple[list[float], list[float]]:
             view = await state.view(["a", "b"], (), speculative=state is one)
@@ -564,6 +550,19 @@ async def test_on_a_cluster_each_pool_s_state_lives_on_its_own_node(
     finally:
         await state.close()
         await nodes.aclose()
+
+
+def _calls_of(state: RedisState, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The commands ``state`` sends to Redis from now on, as they go."""
+    sent: list[object] = []
+    send = state._redis.call
+
+    async def counted(*args: object, **options: object) -> object:
+        sent.append(args[0])
+        return await send(*args, **options)
+
+    monkeypatch.setattr(state._redis, "call", counted)
+    return sent
 
 
 @contextlib.asynccontextmanager
