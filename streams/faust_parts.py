@@ -9,7 +9,7 @@ import contextlib
 import logging
 import traceback
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, cast
 
@@ -24,6 +24,7 @@ from faust.transport.producer import ProducerBuffer
 from faust.types import TP
 from faust.types.tuples import FutureMessage
 from faust.worker import Worker
+from mode.services import WaitResults
 from mode.utils.tracebacks import Traceback
 
 log = logging.getLogger(__name__)
@@ -158,6 +159,30 @@ class RewindingConsumer(faust_kafka.Consumer):
     def _new_consumer_thread(self) -> faust_kafka.AIOKafkaConsumerThread:
         return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
+    async def wait_first(
+        self,
+        *coros: Any,
+        timeout: Any = None,  # noqa: ASYNC109 (mode's signature)
+    ) -> WaitResults:
+        """Faust's drain loop waits, for every message, on its delivery to the agents or a
+        suspension of the flow (its only call here), and mode wraps both, and the service's
+        stop and crash, in four tasks: 12 % of the worker's main thread in a profile of the
+        streams bench's drain. A delivery that finishes without waiting (the agents'
+        queues have room, as they mostly do) is run here at once, as the first step of its
+        task would have run; one that must wait goes on, from where it stopped, in mode's
+        wait as before (``_resumed``)."""
+        if len(coros) != 2 or timeout is not None or not all(map(asyncio.iscoroutine, coros)):
+            return await super().wait_first(*coros, timeout=timeout)
+        delivery = coros[0]
+        try:
+            waiting = delivery.send(None)
+        except BaseException as ended:
+            coros[1].close()  # the suspension's wait, never started
+            if not isinstance(ended, StopIteration):
+                raise
+            return WaitResults([delivery], [ended.value], False)
+        return await super().wait_first(_resumed(delivery, waiting), coros[1])
+
     async def _getmany(
         self,
         active_partitions: set[TP] | None,
@@ -172,6 +197,31 @@ class RewindingConsumer(faust_kafka.Consumer):
         if never:
             await self.seek_wait(await self.earliest_offsets(*never))
         return committed
+
+
+async def _resumed(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
+    """Go on with ``coro``, which has run up to awaiting ``waiting`` (the future it
+    yielded, or None for a bare yield), as the task running it would: resumed once the
+    future is done; cancelled, it cancels the future and throws the cancellation in."""
+    while True:
+        try:
+            if waiting is None:
+                await asyncio.sleep(0)
+            else:
+                waiting._asyncio_future_blocking = False
+                await asyncio.wait({waiting})
+        except asyncio.CancelledError:
+            if waiting is not None:
+                waiting.cancel()
+            try:
+                waiting = coro.throw(asyncio.CancelledError())
+            except StopIteration as done:
+                return done.value
+            continue
+        try:
+            waiting = coro.send(None)
+        except StopIteration as done:
+            return done.value
 
 
 class _ConsumerThread(faust_kafka.AIOKafkaConsumerThread):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -77,3 +78,48 @@ def test_tables_write_their_changelogs_as_json_that_reads_back_the_same() -> Non
     assert codec.loads(faust_json.dumps(state).encode()) == state  # written before
     assert faust_json.loads(codec.dumps(state)) == state  # read by a worker from before
     assert codec.dumps("req-1f2e") == faust_json.dumps("req-1f2e").encode()  # the same keys
+
+
+async def test_a_delivery_that_need_not_wait_runs_at_once_and_one_that_waits_goes_on() -> None:
+    """The drain loop's wait on a delivery or a suspension of the flow: a delivery that
+    finishes at once makes no task and closes the suspension's wait unstarted; one that
+    waits is resumed once what it waits for is done; one the suspension wins over is
+    cancelled where it waits, as the task running it would be."""
+    app = WorkerApp("eager", broker="kafka://127.0.0.1:1")
+    consumer = app.consumer
+    try:
+        steps: list[str] = []
+        suspended = asyncio.Event()
+
+        async def delivery(gate: asyncio.Future[str] | None) -> str:
+            steps.append("started")
+            try:
+                value = "delivered" if gate is None else await gate
+            except asyncio.CancelledError:
+                steps.append("cancelled")
+                raise
+            steps.append(value)
+            return value
+
+        asyncio.get_running_loop().call_soon(steps.append, "the loop's turn")
+        results = await consumer.wait_first(delivery(None), suspended.wait())
+        assert results.results == ["delivered"]
+        assert steps == ["started", "delivered"]  # before the loop ran anything else
+        await asyncio.sleep(0)
+
+        gate = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(consumer.wait_first(delivery(gate), suspended.wait()))
+        await asyncio.sleep(0.01)
+        assert steps[-1] == "started"
+        gate.set_result("after the wait")
+        assert (await waiting).results == ["after the wait"]
+
+        gate = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(consumer.wait_first(delivery(gate), suspended.wait()))
+        await asyncio.sleep(0.01)
+        suspended.set()
+        await waiting
+        assert steps[-2:] == ["started", "cancelled"]
+        assert gate.cancelled()
+    finally:
+        consumer._thread.thread_loop.close()
