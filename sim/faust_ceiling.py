@@ -1,7 +1,9 @@
 """Faust's own ceiling on a broker: how fast an agent that only counts events consumes.
 
-No table worker can go faster on the same broker and cores, so the streams bench reports
-this rate next to the worker's, measured in the same run, on the same events. Run as
+No table worker on Faust's own consumer loop can go faster on the same broker and cores,
+so the streams bench reports this rate next to the worker's, measured in the same run, on
+the same events. The agent runs Faust as it ships: it still pays per message what the
+worker's consumer no longer does (``streams.faust_parts.RewindingConsumer.wait_first``). Run as
 ``python -m sim.faust_ceiling BOOTSTRAP TOPIC COUNT``; it prints the seconds from the
 first event to the ``COUNT``-th and exits. It runs as the worker does
 (``streams.faust_app.run_worker``).

@@ -170,7 +170,12 @@ class RewindingConsumer(faust_kafka.Consumer):
         streams bench's drain. A delivery that finishes without waiting (the agents'
         queues have room, as they mostly do) is run here at once, as the first step of its
         task would have run; one that must wait goes on, from where it stopped, in mode's
-        wait as before (``_resumed``)."""
+        wait as before (``_resumed``).
+
+        Narrower than mode's: the answer to two coroutines ignores the service's stop and
+        crash (the drain loop ignores the answer), and the first step runs in the drain
+        loop's task and context, not a copy (nothing in Faust's delivery sets a context
+        variable or opens a timeout)."""
         if len(coros) != 2 or timeout is not None or not all(map(asyncio.iscoroutine, coros)):
             return await super().wait_first(*coros, timeout=timeout)
         delivery = coros[0]
@@ -202,7 +207,10 @@ class RewindingConsumer(faust_kafka.Consumer):
 async def _resumed(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
     """Go on with ``coro``, which has run up to awaiting ``waiting`` (the future it
     yielded, or None for a bare yield), as the task running it would: resumed once the
-    future is done; cancelled, it cancels the future and throws the cancellation in."""
+    future is done (a failed future raises in ``coro``, at its await); cancelled, it
+    cancels the future and throws the cancellation in at once. Enough for Faust's delivery,
+    which awaits this loop's futures and bare yields; unlike a task, it does not wait for
+    an awaited task to finish its own cancellation first."""
     while True:
         try:
             if waiting is None:

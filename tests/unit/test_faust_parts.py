@@ -123,3 +123,31 @@ async def test_a_delivery_that_need_not_wait_runs_at_once_and_one_that_waits_goe
         assert gate.cancelled()
     finally:
         consumer._thread.thread_loop.close()
+
+
+async def test_a_delivery_s_errors_reach_the_drain_loop_as_before() -> None:
+    """Raised in its first step, or by a future it waited on; a bare yield is resumed."""
+    app = WorkerApp("errors", broker="kafka://127.0.0.1:1")
+    consumer = app.consumer
+    try:
+        suspended = asyncio.Event()
+
+        async def failing_at_once() -> None:
+            raise ValueError("undecodable")
+
+        with pytest.raises(ValueError, match="undecodable"):
+            await consumer.wait_first(failing_at_once(), suspended.wait())
+
+        gate = asyncio.get_running_loop().create_future()
+
+        async def failing_later() -> None:
+            await asyncio.sleep(0)  # a bare yield first
+            await gate
+
+        waiting = asyncio.ensure_future(consumer.wait_first(failing_later(), suspended.wait()))
+        await asyncio.sleep(0.01)
+        gate.set_exception(RuntimeError("the queue went away"))
+        with pytest.raises(RuntimeError, match="the queue went away"):
+            await waiting
+    finally:
+        consumer._thread.thread_loop.close()
