@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -19,6 +20,18 @@ from streams.faust_parts import (
     WorkerApp,
     _ConsumerThread,
 )
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[WorkerApp]:
+    """A worker's app and its consumer, on no broker: nothing connects. The consumer's
+    thread made an event loop of its own, closed here."""
+    app = WorkerApp("parts", broker="kafka://127.0.0.1:1")
+    consumer = app.consumer
+    try:
+        yield app
+    finally:
+        consumer._thread.thread_loop.close()
 
 
 def test_a_worker_that_would_start_a_new_partition_at_its_end_is_refused() -> None:
@@ -50,11 +63,12 @@ async def test_aiokafka_is_asked_for_the_partitions_active_when_faust_asks(
     assert asked == [{TP("tf.requests", 0), TP("tf.requests", 1)}]
 
 
-async def test_the_broker_holds_a_worker_s_fetch_at_most_fetch_max_wait() -> None:
+async def test_the_broker_holds_a_worker_s_fetch_at_most_fetch_max_wait(
+    app: WorkerApp,
+) -> None:
     """Faust creates aiokafka's consumer holding fetches 1,500 ms; the worker's consumer
     thread creates it holding them ``FETCH_MAX_WAIT_MS``, which aiokafka hands its fetcher
-    when it starts (nothing here connects)."""
-    app = WorkerApp("wait", broker="kafka://127.0.0.1:1")
+    when it starts."""
     thread = app.consumer._thread
     assert isinstance(thread, _ConsumerThread)
     created = thread._create_worker_consumer(app.transport)
@@ -62,7 +76,6 @@ async def test_the_broker_holds_a_worker_s_fetch_at_most_fetch_max_wait() -> Non
         assert created._fetch_max_wait_ms == FETCH_MAX_WAIT_MS < 1500
     finally:
         await created.stop()
-        thread.thread_loop.close()
 
 
 def test_tables_write_their_changelogs_as_json_that_reads_back_the_same() -> None:
@@ -80,74 +93,69 @@ def test_tables_write_their_changelogs_as_json_that_reads_back_the_same() -> Non
     assert codec.dumps("req-1f2e") == faust_json.dumps("req-1f2e").encode()  # the same keys
 
 
-async def test_a_delivery_that_need_not_wait_runs_at_once_and_one_that_waits_goes_on() -> None:
+async def test_a_delivery_that_need_not_wait_runs_at_once_and_one_that_waits_goes_on(
+    app: WorkerApp,
+) -> None:
     """The drain loop's wait on a delivery or a suspension of the flow: a delivery that
-    finishes at once makes no task and closes the suspension's wait unstarted; one that
-    waits is resumed once what it waits for is done; one the suspension wins over is
-    cancelled where it waits, as the task running it would be."""
-    app = WorkerApp("eager", broker="kafka://127.0.0.1:1")
+    finishes at once does so before the event loop runs anything else (with mode's
+    ``wait_first``, a task, it does after); one that waits is resumed once what it waits
+    for is done; one the suspension wins over is cancelled where it waits, as the task
+    running it would be."""
     consumer = app.consumer
-    try:
-        steps: list[str] = []
-        suspended = asyncio.Event()
+    steps: list[str] = []
+    suspended = asyncio.Event()
 
-        async def delivery(gate: asyncio.Future[str] | None) -> str:
-            steps.append("started")
-            try:
-                value = "delivered" if gate is None else await gate
-            except asyncio.CancelledError:
-                steps.append("cancelled")
-                raise
-            steps.append(value)
-            return value
+    async def delivery(gate: asyncio.Future[str] | None) -> str:
+        steps.append("started")
+        try:
+            value = "delivered" if gate is None else await gate
+        except asyncio.CancelledError:
+            steps.append("cancelled")
+            raise
+        steps.append(value)
+        return value
 
-        asyncio.get_running_loop().call_soon(steps.append, "the loop's turn")
-        results = await consumer.wait_first(delivery(None), suspended.wait())
-        assert results.results == ["delivered"]
-        assert steps == ["started", "delivered"]  # before the loop ran anything else
-        await asyncio.sleep(0)
+    asyncio.get_running_loop().call_soon(steps.append, "the loop's turn")
+    results = await consumer.wait_first(delivery(None), suspended.wait())
+    assert results.results == ["delivered"]
+    assert steps == ["started", "delivered"]  # before the loop ran anything else
+    await asyncio.sleep(0)
 
-        gate = asyncio.get_running_loop().create_future()
-        waiting = asyncio.ensure_future(consumer.wait_first(delivery(gate), suspended.wait()))
-        await asyncio.sleep(0.01)
-        assert steps[-1] == "started"
-        gate.set_result("after the wait")
-        assert (await waiting).results == ["after the wait"]
+    gate = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(consumer.wait_first(delivery(gate), suspended.wait()))
+    await asyncio.sleep(0.01)
+    assert steps[-1] == "started"
+    gate.set_result("after the wait")
+    assert (await waiting).results == ["after the wait"]
 
-        gate = asyncio.get_running_loop().create_future()
-        waiting = asyncio.ensure_future(consumer.wait_first(delivery(gate), suspended.wait()))
-        await asyncio.sleep(0.01)
-        suspended.set()
-        await waiting
-        assert steps[-2:] == ["started", "cancelled"]
-        assert gate.cancelled()
-    finally:
-        consumer._thread.thread_loop.close()
+    gate = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(consumer.wait_first(delivery(gate), suspended.wait()))
+    await asyncio.sleep(0.01)
+    suspended.set()
+    await waiting
+    assert steps[-2:] == ["started", "cancelled"]
+    assert gate.cancelled()
 
 
-async def test_a_delivery_s_errors_reach_the_drain_loop_as_before() -> None:
+async def test_a_delivery_s_errors_reach_the_drain_loop_as_before(app: WorkerApp) -> None:
     """Raised in its first step, or by a future it waited on; a bare yield is resumed."""
-    app = WorkerApp("errors", broker="kafka://127.0.0.1:1")
     consumer = app.consumer
-    try:
-        suspended = asyncio.Event()
+    suspended = asyncio.Event()
 
-        async def failing_at_once() -> None:
-            raise ValueError("undecodable")
+    async def failing_at_once() -> None:
+        raise ValueError("undecodable")
 
-        with pytest.raises(ValueError, match="undecodable"):
-            await consumer.wait_first(failing_at_once(), suspended.wait())
+    with pytest.raises(ValueError, match="undecodable"):
+        await consumer.wait_first(failing_at_once(), suspended.wait())
 
-        gate = asyncio.get_running_loop().create_future()
+    gate = asyncio.get_running_loop().create_future()
 
-        async def failing_later() -> None:
-            await asyncio.sleep(0)  # a bare yield first
-            await gate
+    async def failing_later() -> None:
+        await asyncio.sleep(0)  # a bare yield first
+        await gate
 
-        waiting = asyncio.ensure_future(consumer.wait_first(failing_later(), suspended.wait()))
-        await asyncio.sleep(0.01)
-        gate.set_exception(RuntimeError("the queue went away"))
-        with pytest.raises(RuntimeError, match="the queue went away"):
-            await waiting
-    finally:
-        consumer._thread.thread_loop.close()
+    waiting = asyncio.ensure_future(consumer.wait_first(failing_later(), suspended.wait()))
+    await asyncio.sleep(0.01)
+    gate.set_exception(RuntimeError("the queue went away"))
+    with pytest.raises(RuntimeError, match="the queue went away"):
+        await waiting
