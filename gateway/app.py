@@ -36,6 +36,7 @@ from gateway.admission import Refused
 from gateway.decide import Decider
 from gateway.events import EventSink
 from gateway.exchange import DcFailed, Exchange
+from gateway.fallback_state import FallbackState
 from gateway.fleet_view import FleetView
 from gateway.inbound import (
     CHAT_PATH,
@@ -49,7 +50,6 @@ from gateway.inbound import (
 )
 from gateway.journal import Journals
 from gateway.metrics import GatewayMetrics
-from gateway.redis_state import FallbackState
 from gateway.settings import GatewaySettings
 from gateway.state import IN_PROGRESS, Outcome, SharedState
 from schemas.control import AdmissionQuotas, RoutingWeights

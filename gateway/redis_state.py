@@ -44,7 +44,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -58,7 +58,6 @@ from gateway.state import (
     Accounting,
     AdmissionLoads,
     InProgress,
-    LocalState,
     Outcome,
     SharedView,
     SlotClaim,
@@ -550,115 +549,3 @@ def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | Redis | Re
         socket_connect_timeout=timeout_s,
     )
     return Redis.from_pool(pool)  # closing the client closes its pool
-
-
-class RedisAway(ConnectionError):
-    """Redis failed, or is away since a failure less than ``FallbackState.retry_s`` ago."""
-
-
-class FallbackState:
-    """Redis while it answers; this process's own state, with a warning, while it does not.
-
-    After a failure Redis is tried again every ``retry_s``. Counts kept locally during an
-    outage are not merged back: they describe requests that finish within seconds.
-    """
-
-    def __init__(
-        self,
-        primary: RedisState,
-        fallback: LocalState,
-        retry_s: float = 1.0,
-        on_fallback: Callable[[], None] = lambda: None,
-    ) -> None:
-        self.primary = primary
-        self.fallback = fallback
-        self.retry_s = retry_s
-        self.on_fallback = on_fallback
-        """Called on every call answered locally (the gateway counts them)."""
-        self._down_until = 0.0
-
-    @property
-    def degraded(self) -> bool:
-        return time.monotonic() < self._down_until
-
-    async def _run(self, method: str, *args: Any, **options: Any) -> Any:
-        try:
-            return await self._on_redis(method, *args, **options)
-        except RedisAway:
-            self.on_fallback()
-            return await getattr(self.fallback, method)(*args, **options)
-
-    async def _on_redis(self, method: str, *args: Any, local: bool = True, **options: Any) -> Any:
-        """``method`` on Redis; RedisAway when it fails, and without a try while it is
-        away (it is tried again after ``retry_s``). ``local``: the caller answers from
-        the local state then (warned of once an outage)."""
-        if self.degraded:
-            raise RedisAway(f"Redis at {self.primary.url} is away")
-        try:
-            return await getattr(self.primary, method)(*args, **options)
-        except REDIS_ERRORS as exc:
-            if local and (self._down_until == 0.0 or not self.degraded):
-                log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
-            self._down_until = time.monotonic() + self.retry_s
-            raise RedisAway(f"Redis at {self.primary.url} failed: {exc}") from exc
-
-    async def view(
-        self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
-    ) -> SharedView:
-        view = await self._run("view", instance_ids, blocks, speculative=speculative)
-        return cast(SharedView, view)
-
-    async def routed(
-        self,
-        instance_id: str,
-        blocks: Sequence[int],
-        capacity_blocks: int,
-        pending_prefill: float,
-        inflight_tokens: float,
-        seen_version: int | None = None,
-    ) -> bool:
-        changed = await self._run(
-            "routed",
-            instance_id,
-            blocks,
-            capacity_blocks,
-            pending_prefill,
-            inflight_tokens,
-            seen_version,
-        )
-        return cast(bool, changed)
-
-    async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
-        await self._run("adjust", instance_id, pending_prefill, inflight)
-
-    async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:
-        await self._run("evicted", instance_id, blocks)
-
-    async def cleared(self, instance_id: str) -> None:
-        await self._run("cleared", instance_id)
-
-    async def reconcile(self) -> None:
-        await self._run("reconcile")
-
-    async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
-        return cast(float, await self._run("take", bucket, rate_per_s, burst, amount))
-
-    async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
-        return cast(Outcome | InProgress | None, await self._run("claim", key, ttl_s))
-
-    async def settle(self, key: str, outcome: Outcome, ttl_s: float) -> None:
-        await self._run("settle", key, outcome, ttl_s)
-
-    async def release(self, key: str) -> None:
-        await self._run("release", key)
-
-    async def admission_loads(
-        self, own: str, slots: Mapping[str, SlotClaim] | None = None
-    ) -> AdmissionLoads:
-        """Redis's answer only (RedisAway while it is away): this process's own state
-        knows no other replica, and would tell the replica it is alone."""
-        loads = await self._on_redis("admission_loads", own, slots, local=False)
-        return cast(AdmissionLoads, loads)
-
-    async def close(self) -> None:
-        await self.primary.close()

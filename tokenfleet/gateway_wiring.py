@@ -26,7 +26,8 @@ from control.routing import PoolModel, make_router, policy_params
 from control.routing.registry import Router
 from control.routing.tokenpilot import TokenPilotParams
 from gateway.app import GatewayParts, create_app
-from gateway.redis_state import FallbackState, RedisState
+from gateway.fallback_state import FallbackState
+from gateway.redis_state import RedisState
 from gateway.settings import GatewaySettings
 from gateway.state import Accounting, LocalState, SharedState
 from schemas.fleet import FleetConfig

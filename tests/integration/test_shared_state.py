@@ -15,7 +15,8 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.redis_state import FallbackState, RedisAway, RedisState
+from gateway.fallback_state import FallbackState, RedisAway
+from gateway.redis_state import RedisState
 from gateway.state import (
     IN_PROGRESS,
     LEAVE,
