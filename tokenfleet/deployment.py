@@ -50,16 +50,19 @@ def plan(
     period_s: float = 5.0,
     ttl_s: float | None = None,
     long_cycle_s: float | None = None,
+    weights_min_outcomes: int | None = None,
 ) -> tuple[Part, ...]:
     """The parts that run ``fleet`` (read from ``fleet_file``, as every part reads it):
-    ``period_s``, ``ttl_s`` and ``long_cycle_s`` are the controllers' (unset: their
-    defaults)."""
+    ``period_s``, ``ttl_s``, ``long_cycle_s`` and ``weights_min_outcomes`` are the
+    controllers' (unset: their defaults)."""
     fleet_args = ("--fleet", fleet_file)
     controller: tuple[str, ...] = ("controller", *fleet_args, "--period", f"{period_s:g}")
     if ttl_s is not None:
         controller += ("--ttl", f"{ttl_s:g}")
     if long_cycle_s is not None:
         controller += ("--long-cycle", f"{long_cycle_s:g}")
+    if weights_min_outcomes is not None:
+        controller += ("--weights-min-outcomes", str(weights_min_outcomes))
     controller += ("--port", str(controller_port))
     return (
         *_emulators(fleet, fleet_args),

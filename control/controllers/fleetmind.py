@@ -53,6 +53,8 @@ class WeightParams:
     floor: Annotated[float, Field(gt=0, le=1)] = 0.25
     """The least weight: draining a DC is readiness's job, not the weights'."""
     min_outcomes: Annotated[int, Field(ge=1)] = 30
+    """The fewest requests that must have ended in a DC within the tables' window before
+    its weight moves: fewer say too little about the DC to act on."""
     settle_s: Annotated[float, Field(ge=0)] = 10.0
     """Time after a DC's change before it may change again: two slides of the tables'
     window, so that the change shows in what the next one judges."""

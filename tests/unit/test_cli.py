@@ -59,6 +59,14 @@ def test_a_setting_out_of_range_is_named_without_a_traceback(
     assert "Traceback" not in err
 
 
+def test_a_controller_that_could_never_judge_a_dc_is_refused_before_it_needs_a_broker(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    assert main(["controller", "--weights-min-outcomes", "0"]) == 2
+    assert "--weights-min-outcomes must be at least 1" in capsys.readouterr().err
+
+
 def test_an_unknown_dc_policy_is_named_with_the_known_ones(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -9,6 +9,7 @@ import math
 import signal
 import socket
 from collections.abc import Awaitable
+from dataclasses import replace
 from pathlib import Path
 
 from tokenfleet.commands.broker import broker
@@ -96,8 +97,16 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
         "--weights-per-region",
         action="store_true",
         help="with --fleet: judge each DC's gateway's weights on the requests of its own "
-        "region alone (where at least 30 of them ended in the window), not on all; off by "
-        "default, as measured in docs/fleetmind.md",
+        "region alone (where at least --weights-min-outcomes of them ended in the window), "
+        "not on all; off by default, as measured in docs/fleetmind.md",
+    )
+    controller.add_argument(
+        "--weights-min-outcomes",
+        type=int,
+        metavar="N",
+        help="with --fleet: the fewest requests that must have ended in a DC within the "
+        "tables' window before its weight may move; lower it where each DC sees few "
+        "requests a window (default: 30)",
     )
     controller.add_argument(
         "--long-cycle",
@@ -221,6 +230,8 @@ def _controller(args: argparse.Namespace) -> int:
     from tokenfleet.controller_host import PlacementHost, QuotaHost, WeightHost
     from tokenfleet.operator_page import serve_operator_view
 
+    if args.weights_min_outcomes is not None and args.weights_min_outcomes < 1:
+        raise CliError("--weights-min-outcomes must be at least 1")
     bootstrap = broker()
     if not 0 < args.long_cycle < math.inf:
         raise CliError("--long-cycle must be a positive number of seconds")
@@ -243,6 +254,8 @@ def _controller(args: argparse.Namespace) -> int:
         if fleet is not None:
             models, edges = [m.name for m in fleet.models], fleet.edge_regions()
             params = WeightParams(ttl_s=args.ttl, per_region=args.weights_per_region)
+            if args.weights_min_outcomes is not None:
+                params = replace(params, min_outcomes=args.weights_min_outcomes)
             weights = WeightController(params)
             hosts.append(WeightHost(bus, models, edges, weights, period_s=args.period).run())
         if fleet is not None and any(i.standby for i in fleet.instances):
