@@ -44,9 +44,10 @@ LOCAL_FLEET = Path(__file__).parents[2] / "examples" / "fleet-local.toml"
 PERIOD_S, TTL_S, LONG_CYCLE_S, WEIGHTS_MIN_OUTCOMES = 1.0, 8.0, 4.0, 5
 """The controllers' period, their snapshots' TTL (renewed every third of it), the period
 of FleetMind's long cycle (placements for dc-b, which holds a standby server), and the
-fewest chats ended in a DC in a window of the tables for its weight to move (with the
-default, 30, dc-a would not be judged while it is overloaded: the edge sends it only a few
-of its chats then)."""
+fewest chats ended in a DC in a window of the tables for its weight to move. With the
+default, 30, dc-a would not be judged while it is overloaded: the edge sends it about 5 %
+of its 8 chats a second then, some 4 a window of 10 s; FleetMind acts as the window fills
+with the overload, while the chats sent at its start still count."""
 TABLES = {
     "TOKENFLEET_WORKER_WINDOW_S": "10",
     "TOKENFLEET_WORKER_SLIDE_S": "1",
@@ -68,18 +69,23 @@ prefilled in about 0.6 s, in chunks of 8,192 tokens a step on the emulated profi
 chat there waits for a prefill to end and then shares steps of about 0.18 s. With one,
 between one prompt's end and the next one's start, some chats still met their objective:
 in two runs of three, too few missed for FleetMind to act in the overload's 16 s. With
-four, dc-a kept 3 % of the chats, and dc-b and dc-c, serving the rest at their stated
-capacity, refused some."""
+four (two runs), dc-a kept 3 to 4 % of the chats, and dc-b and dc-c, serving the rest at
+their stated capacity, refused 6 and 11 of them (SLOMax's predicted TTFT)."""
 OVERLOAD_S = 20.0
 """How long the overload of the edge's own DC lasts; its second half is judged. dc-a's
-weight fell 9 or 10 s into it (the tables' window of 10 s then holds the overload alone)
-in the two runs that tried two prompts in flight, over 24 s."""
+weight fell 8.6 to 9.6 s into it in three runs (one beside a busy loop), as the tables'
+window of 10 s filled with it."""
 ON_DEFAULTS = "tokenfleet_gateway_control_defaults"
 EVENTS_PUBLISHED = "tokenfleet_gateway_events_published_total"
 LIFECYCLE_TOPICS = ("tf.requests", "tf.completions", "tf.cancellations")
 LIFECYCLE_TYPES = tuple(
     message.schema_name for name in LIFECYCLE_TOPICS for message in topic(name).messages
 )
+
+
+Weighed = tuple[float, float, float | None, int]
+"""Seconds into a phase; a DC's weight, its chats' compliance in its goodput table (None:
+no row), and how many of those chats ended in the table's window."""
 
 
 @dataclass
@@ -293,31 +299,42 @@ async def _an_overloaded_dc_gets_fewer_chats_and_loses_weight(
     before = _served_by(traffic.since(started - 10.0), "dc-a")
     assert before > 0.3, f"dc-a, the edge's own DC, served {before:.2f} of its chats unloaded"
     async with _overloading(deployed.instances["dc-a"]):
-        weights = await _weights_during(deployed.controller, "dc-a", OVERLOAD_S)
+        weights = await _chats_weighed(deployed.controller, "dc-a", OVERLOAD_S)
     during = [a for a in traffic.since(started + OVERLOAD_S / 2) if a[0] < started + OVERLOAD_S]
     after = _served_by(during, "dc-a")
     print(f"chats served by dc-a: {before:.2f} before the overload, {after:.2f} during it")
-    print(f"dc-a's (seconds, weight, chats' compliance) during the overload: {weights}")
+    print(f"dc-a's (seconds, weight, chats' compliance, chats ended) in the overload: {weights}")
     assert all(status == 200 for _, status, _, _ in during), during
     assert after < before / 2
-    assert weights[0][1] == 1.0, weights
-    assert min(weight for _, weight, _ in weights) < 1.0, weights
+    assert min(weight for _, weight, _, _ in weights) < weights[0][1], weights
 
 
-async def _weights_during(controller: str, dc: str, for_s: float) -> list[tuple[float, ...]]:
-    """``dc``'s weight and its chats' compliance in the table, as the controller's view
-    shows them, at each change, with the seconds since the start, over ``for_s``."""
+async def _chats_weighed(controller: str, dc: str, for_s: float) -> list[Weighed]:
+    """``dc``'s weight and the chats its table judges it on (their compliance, how many
+    ended), as the controller's view shows them, at each change over ``for_s`` seconds."""
     started = time.monotonic()
-    seen: list[tuple[float, ...]] = []
+    seen: list[Weighed] = []
     async with httpx.AsyncClient(base_url=controller) as http:
         while (at := time.monotonic() - started) < for_s:
-            shown = next(d for d in (await http.get("/api/state")).json()["dcs"] if d["dc"] == dc)
-            chats = [c["compliance"] for c in shown["classes"] if c["task_class"] == "interactive"]
-            now = (shown["weight"], round(chats[0], 2) if chats else -1.0)
+            now = _weighed((await _shown(http))[dc])
             if not seen or seen[-1][1:] != now:
                 seen.append((round(at, 1), *now))
             await asyncio.sleep(0.5)
     return seen
+
+
+def _weighed(shown: dict[str, Any]) -> tuple[float, float | None, int]:
+    """A DC's weight, its chats' compliance and how many of them ended, from its row."""
+    chats = next((c for c in shown["classes"] if c["task_class"] == "interactive"), None)
+    if chats is None:
+        return shown["weight"], None, 0
+    ended = chats["completed"] + chats["failures"] + chats["cancellations"]
+    return shown["weight"], round(chats["compliance"], 2), ended
+
+
+async def _shown(http: httpx.AsyncClient) -> dict[str, Any]:
+    """Each DC's row in the controller's view (``/api/state``), by name."""
+    return {dc["dc"]: dc for dc in (await http.get("/api/state")).json()["dcs"]}
 
 
 def _served_by(answers: list[tuple[float, int, str, str]], dc: str) -> float:
@@ -397,8 +414,7 @@ async def _the_operators_view_shows_every_dc(deployed: Deployed) -> None:
     started = time.monotonic()
     async with httpx.AsyncClient(base_url=deployed.controller) as http:
         while time.monotonic() - started < LOOP_BOUND_S:
-            state = (await http.get("/api/state")).json()
-            shown = {dc["dc"]: dc for dc in state["dcs"]}
+            shown = await _shown(http)
             if any(row["completed"] for row in shown.get("dc-a", {}).get("classes", [])):
                 break
             await asyncio.sleep(EVERY_S)
@@ -430,9 +446,9 @@ async def _every_journaled_decision_is_made_again(bootstrap: str) -> None:
 async def _every_answer_has_its_lifecycle_events(bootstrap: str, traffic: Traffic) -> None:
     """Each answered request's arrival and end are on Kafka, the broker's restart
     notwithstanding (the gateways' producers held them and sent them on)."""
-    answered = {request_id for _, status, request_id, _ in traffic.answers if status == 200}
     unanswered = [answer for answer in traffic.answers if answer[1] != 200]
     assert not unanswered, f"requests went unanswered: {unanswered}"
+    answered = {request_id for _, _, request_id, _ in traffic.answers}
     bus = KafkaBus(bootstrap, source="test")
     try:
         arrived = {

@@ -59,7 +59,7 @@ def test_a_setting_out_of_range_is_named_without_a_traceback(
     assert "Traceback" not in err
 
 
-def test_a_controller_that_could_never_judge_a_dc_is_refused_before_it_needs_a_broker(
+def test_a_controller_told_to_judge_a_dc_on_no_requests_is_refused_before_it_needs_a_broker(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)

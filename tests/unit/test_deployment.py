@@ -61,9 +61,9 @@ def test_every_part_is_a_command_line_the_cli_accepts() -> None:
         assert args.handler is not None, part.name
     controller = next(part for part in local_plan(ttl_s=12.5) if part.name == "controller")
     assert controller.args[-4:] == ("--ttl", "12.5", "--port", "9090")
+    assert controller.url == "http://127.0.0.1:9090"  # ready once its view answers
     judging = next(p for p in local_plan(weights_min_outcomes=5) if p.name == "controller")
     assert parser.parse_args(list(judging.args)).weights_min_outcomes == 5
-    assert controller.url == "http://127.0.0.1:9090"  # ready once its view answers
 
 
 def test_a_dc_with_standby_gpus_follows_placements_and_is_ready_by_a_serving_instance() -> None:

@@ -104,9 +104,9 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
         "--weights-min-outcomes",
         type=int,
         metavar="N",
-        help="with --fleet: the fewest requests that must have ended in a DC within the "
-        "tables' window before its weight may move; lower it where each DC sees few "
-        "requests a window (default: 30)",
+        help="with --fleet: the fewest requests (of the region, with --weights-per-region) "
+        "that must have ended in a DC within the tables' window before its weight may move; "
+        "lower it where each DC sees few requests a window (default: 30)",
     )
     controller.add_argument(
         "--long-cycle",
