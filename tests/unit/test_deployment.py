@@ -62,8 +62,9 @@ def test_every_part_is_a_command_line_the_cli_accepts() -> None:
     controller = next(part for part in local_plan(ttl_s=12.5) if part.name == "controller")
     assert controller.args[-4:] == ("--ttl", "12.5", "--port", "9090")
     assert controller.url == "http://127.0.0.1:9090"  # ready once its view answers
-    judging = next(p for p in local_plan(weights_min_outcomes=5) if p.name == "controller")
-    assert parser.parse_args(list(judging.args)).weights_min_outcomes == 5
+    tuned = local_plan(long_cycle_s=30, weights_min_outcomes=5)
+    controller_args = parser.parse_args(list(next(p for p in tuned if p.name == "controller").args))
+    assert (controller_args.long_cycle, controller_args.weights_min_outcomes) == (30.0, 5)
 
 
 def test_a_dc_with_standby_gpus_follows_placements_and_is_ready_by_a_serving_instance() -> None:
@@ -120,6 +121,23 @@ def test_up_refuses_a_missing_fleet_file_and_starts_nothing(
     assert "cannot read fleet file" in capsys.readouterr().err
     assert Deployment(home).parts() == []
     assert main(["down", "--home", str(home)]) == 0  # nothing to stop is no error
+
+
+@pytest.mark.parametrize(
+    ("setting", "error"),
+    [
+        (["--weights-min-outcomes", "0"], "--weights-min-outcomes must be at least 1"),
+        (["--long-cycle", "0"], "--long-cycle must be a positive number of seconds"),
+        (["--period", "5", "--ttl", "10"], "--ttl at least three periods"),
+    ],
+)
+def test_up_refuses_controllers_that_cannot_run_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], setting: list[str], error: str
+) -> None:
+    home = tmp_path / "up"
+    assert main(["up", "--home", str(home), *setting]) == 2
+    assert error in capsys.readouterr().err
+    assert Deployment(home).parts() == []
 
 
 def test_the_controller_refuses_a_taken_view_port_before_it_starts(

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.streams import check_controller_args
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME, GATEWAY_PORT
 
 LOCAL_FLEET = Path("examples/fleet-local.toml")
@@ -47,6 +48,18 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--period", type=float, default=5.0, help="the controllers' period (default: 5 s)"
     )
     up.add_argument("--ttl", type=float, default=60.0, help="the controls' TTL (default: 60 s)")
+    up.add_argument(
+        "--long-cycle",
+        type=float,
+        help="FleetMind's long cycle, in seconds (default: the controller's, 60)",
+    )
+    up.add_argument(
+        "--weights-min-outcomes",
+        type=int,
+        metavar="N",
+        help="the fewest requests ended in a DC within the tables' window for FleetMind to "
+        "move its weight (default: the controller's, 30); lower it for light traffic",
+    )
     up.set_defaults(handler=_up)
     down = commands.add_parser(
         "down",
@@ -73,6 +86,7 @@ def _up(args: argparse.Namespace) -> int:
     from streams.kafka import create_topics
     from tokenfleet.deployment import Deployment, plan
 
+    check_controller_args(args)
     deployment = Deployment(args.home)
     if any(pid is not None for pid in deployment.pids().values()):
         raise CliError(f"a deployment runs from {args.home}: tokenfleet down --home {args.home}")
@@ -87,6 +101,8 @@ def _up(args: argparse.Namespace) -> int:
         controller_port=args.controller_port,
         period_s=args.period,
         ttl_s=args.ttl,
+        long_cycle_s=args.long_cycle,
+        weights_min_outcomes=args.weights_min_outcomes,
     )
     env, own = deployment.with_own_services(os.environ)
     print(f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {env['TOKENFLEET_REDIS_URL']}")

@@ -230,16 +230,8 @@ def _controller(args: argparse.Namespace) -> int:
     from tokenfleet.controller_host import PlacementHost, QuotaHost, WeightHost
     from tokenfleet.operator_page import serve_operator_view
 
-    if args.weights_min_outcomes is not None and args.weights_min_outcomes < 1:
-        raise CliError("--weights-min-outcomes must be at least 1")
+    check_controller_args(args)
     bootstrap = broker()
-    if not 0 < args.long_cycle < math.inf:
-        raise CliError("--long-cycle must be a positive number of seconds")
-    if args.period <= 0 or args.ttl < 3 * args.period:
-        raise CliError(
-            "--period must be positive and --ttl at least three periods (snapshots are "
-            "renewed every third of their TTL, on a pass)"
-        )
     try:
         fleet = load_fleet(args.fleet) if args.fleet else None
     except FleetFileError as exc:
@@ -272,6 +264,21 @@ def _controller(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
     return 0
+
+
+def check_controller_args(args: argparse.Namespace) -> None:
+    """CliError unless the controllers' settings in ``args`` can run (``long_cycle`` and
+    ``weights_min_outcomes`` may be None: the controller's defaults); ``tokenfleet up``
+    checks them too, before it starts anything."""
+    if args.weights_min_outcomes is not None and args.weights_min_outcomes < 1:
+        raise CliError("--weights-min-outcomes must be at least 1")
+    if args.long_cycle is not None and not 0 < args.long_cycle < math.inf:
+        raise CliError("--long-cycle must be a positive number of seconds")
+    if not 0 < args.period < math.inf or args.ttl < 3 * args.period:
+        raise CliError(
+            "--period must be positive and --ttl at least three periods (snapshots are "
+            "renewed every third of their TTL, on a pass)"
+        )
 
 
 def _view_socket(host: str, port: int) -> socket.socket | None:
