@@ -2,9 +2,10 @@
 
 The loop is closed when, for every DC, the stream processors' tables are fresh (the
 worker runs and reads the events, and its capacity table holds recent telemetry: the
-collector runs) and the controllers' snapshots are in force (published and within their
-TTL, so the gateways apply them rather than their safe defaults). Read from the compacted
-topics, the latest value per key, as any reader of them would.
+collector runs), made by one table worker, and the controllers' snapshots are in force
+(published and within their TTL, so the gateways apply them rather than their safe
+defaults). Read from the compacted topics, the latest value per key, as any reader of
+them would.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from schemas import Envelope
 from schemas.control import ControlSnapshot
 from schemas.tables import CapacityTable, WindowedTable
 from streams.kafka import KafkaBus
+from tokenfleet.operator_view import PUBLISHERS_WINDOW_S
 
 TABLE_TOPICS = ("tf.tables.goodput", "tf.tables.capacity")
 CONTROL_TOPICS = ("tf.control.quotas", "tf.control.weights")
@@ -36,6 +38,25 @@ async def latest_on(bootstrap: str) -> dict[str, dict[str, Envelope]]:
     finally:
         await bus.close()
     return latest
+
+
+async def publishers_on(bootstrap: str, now: float) -> dict[str, set[str]]:
+    """Per DC, the table workers (the tables' ``source``: the worker's app id) that
+    published its tables in the ``PUBLISHERS_WINDOW_S`` before ``now``, as the
+    operators' view counts them."""
+    since = now - PUBLISHERS_WINDOW_S
+    bus = KafkaBus(bootstrap, source="status")
+    publishers: dict[str, set[str]] = {}
+    try:
+        for topic in TABLE_TOPICS:
+            with contextlib.suppress(LookupError):
+                for envelope in (await bus.read_all(topic))[0]:
+                    table = envelope.payload
+                    if isinstance(table, WindowedTable) and envelope.ts >= since:
+                        publishers.setdefault(table.dc, set()).add(envelope.source)
+    finally:
+        await bus.close()
+    return publishers
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,24 @@ def loop_checks(
             )
             checks.append(Check(topic, scope, left >= 0, detail))
     return checks
+
+
+def publisher_checks(
+    publishers: Mapping[str, Collection[str]], only: Collection[str] | None = None
+) -> list[Check]:
+    """One check per DC: its tables come from one table worker. Two app ids are two
+    consumer groups, each counting every event, whose tables alternate on the same keys."""
+    return [
+        Check(
+            "table workers",
+            dc,
+            len(sources) == 1,
+            ", ".join(sorted(sources))
+            + ("" if len(sources) == 1 else ": run one app id (TOKENFLEET_WORKER_APP_ID)"),
+        )
+        for dc, sources in sorted(publishers.items())
+        if only is None or dc in only
+    ]
 
 
 def process_checks(pids: Mapping[str, int | None]) -> list[Check]:

@@ -55,8 +55,9 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
     kafka: Service, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``tokenfleet status`` reads the compacted topics as any reader would: fresh tables
-    and quotas in force close the loop (exit 0); a stale table opens it (exit 1). Only
-    this test's DC is asked for: the broker is shared with the other tests."""
+    and quotas in force close the loop (exit 0); a stale table opens it (exit 1), and so
+    do tables from two table workers. Only this test's DC is asked for: the broker is
+    shared with the other tests."""
     import time
     import uuid
 
@@ -69,8 +70,8 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
     dc = f"dc-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", kafka.address)
 
-    async def publish(ended: float, version: int) -> None:
-        bus = KafkaBus(kafka.address, source="test")
+    async def publish(ended: float, version: int, worker: str = "test") -> None:
+        bus = KafkaBus(kafka.address, source=worker)
         try:
             for payload in (
                 table((100, 96), now=ended).model_copy(update={"dc": dc, "version": version}),
@@ -79,7 +80,7 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
                     scope=dc, version=version, issued_at=time.time(), ttl_s=60, quotas=()
                 ),
             ):
-                await bus.publish_event(Envelope.wrap(payload, source="test"))
+                await bus.publish_event(Envelope.wrap(payload, source=worker))
         finally:
             await bus.close()
 
@@ -92,6 +93,9 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
     assert f"tf.tables.goodput    {dc}" in out
     assert opened == 1
     assert f"tf.tables.goodput[{dc}] 120" in capsys.readouterr().out
+    await publish(time.time(), 3, worker="tables-2")  # a second worker's: fresh, but two
+    assert await asyncio.to_thread(main, ["status", "--dc", dc]) == 1
+    assert f"table workers[{dc}] tables-2, test: run one app id" in capsys.readouterr().out
 
 
 async def test_a_plain_kafka_client_reads_the_goodput_stream(kafka: Service) -> None:

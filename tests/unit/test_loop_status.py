@@ -5,7 +5,7 @@ from __future__ import annotations
 from schemas import Envelope
 from schemas.control import AdmissionQuotas
 from tests.unit.test_quota_controller import capacity, table
-from tokenfleet.loop_status import loop_checks, verdict
+from tokenfleet.loop_status import loop_checks, publisher_checks, verdict
 
 NOW = 1_000.0
 
@@ -37,3 +37,15 @@ def test_a_stale_table_an_expired_control_or_none_at_all_leave_it_open() -> None
     assert expired == (False, "tf.control.quotas[dc] version 3, expired 10 s ago")
     assert verdict(loop_checks(latest(NOW - 2, None), NOW))[0] is False  # no controller
     assert "tokenfleet worker" in verdict(loop_checks({}, NOW))[1]
+
+
+def test_tables_from_two_table_workers_leave_it_open_naming_both() -> None:
+    closed = loop_checks(latest(NOW - 2, NOW - 10), NOW)
+    one = publisher_checks({"dc": {"tokenfleet-tables"}, "dc-b": {"a", "b"}}, only=["dc"])
+    assert verdict(closed + one) == (True, "tables fresh and controls in force")
+    two = publisher_checks({"dc": {"tokenfleet-tables", "tables-2"}})
+    opened, why = verdict(closed + two)
+    assert not opened
+    assert why == (
+        "table workers[dc] tables-2, tokenfleet-tables: run one app id (TOKENFLEET_WORKER_APP_ID)"
+    )

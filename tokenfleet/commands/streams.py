@@ -126,9 +126,11 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
         help="whether the control loop is closed: tables fresh, controls in force",
         description="Reads the latest tables (tf.tables.goodput, tf.tables.capacity) and "
         "controls (tf.control.quotas, tf.control.weights) from Kafka and says, per DC and "
-        "per scope, how old each table and its telemetry are and how long each control "
-        "has left; exits 0 when the loop is closed (every table fresh, controls in force), "
-        "1 when not, saying why. Needs TOKENFLEET_KAFKA_BOOTSTRAP.",
+        "per scope, how old each table and its telemetry are, which table workers (app "
+        "ids) published each DC's tables in the last minute, and how long each control "
+        "has left; exits 0 when the loop is closed (every table fresh and from one "
+        "worker, controls in force), 1 when not, saying why. Needs "
+        "TOKENFLEET_KAFKA_BOOTSTRAP.",
     )
     status.add_argument(
         "--stale-after",
@@ -156,17 +158,27 @@ def _status(args: argparse.Namespace) -> int:
     import time
 
     from tokenfleet.deployment import Deployment
-    from tokenfleet.loop_status import latest_on, loop_checks, process_checks, verdict
+    from tokenfleet.loop_status import (
+        latest_on,
+        loop_checks,
+        process_checks,
+        publisher_checks,
+        publishers_on,
+        verdict,
+    )
 
     deployment = Deployment(args.home)
     bootstrap = broker(args.home)
     recorded = deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
     parts = deployment.pids() if recorded == bootstrap else {}  # another broker's, else
+    now = time.time()
     try:
         latest = asyncio.run(latest_on(bootstrap))
+        publishers = asyncio.run(publishers_on(bootstrap, now))
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
-    checks = process_checks(parts) + loop_checks(latest, time.time(), args.stale_after, args.dc)
+    checks = process_checks(parts) + loop_checks(latest, now, args.stale_after, args.dc)
+    checks += publisher_checks(publishers, args.dc)
     for check in checks:
         print(f"{'ok ' if check.ok else 'NO '} {check.what:20} {check.key:16} {check.detail}")
     closed, why = verdict(checks)
