@@ -13,7 +13,9 @@
   once the first is gone, and once their tables count a warm-up request the rate is
   measured again on a DC of its own, every worker paused while it is published. The
   join's partitions are shared; one DC's slices are one partition, so one worker
-  aggregates a DC.
+  aggregates a DC. Beside each bulk rate, the workers' CPU time an event (Linux's
+  /proc): where the cores are shared with the broker, it says whether a second worker
+  adds work or only shares them.
 - **Ceiling**: last, with the workers gone, the bulk events are copied to a topic of their
   own and consumed by a Faust agent that only counts them (``sim.faust_ceiling``): no
   worker built on Faust goes faster on this broker and these cores.
@@ -30,6 +32,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,7 +77,9 @@ def bench_streams(
         probe = min(requests, PROBE_REQUESTS)
         probe_s = asyncio.run(_counted(bootstrap, group, f"probe-{tag}", probe, timeout_s=1800))
         bulk = max(probe, min(requests, int(probe / probe_s * WINDOW_S / 2)))
+        cpu_s = _cpu_s(group)
         elapsed = asyncio.run(_counted(bootstrap, group, f"bulk-{tag}", bulk, timeout_s=1800))
+        cpu_us_per_event = (_cpu_s(group) - cpu_s) / (3 * bulk) * 1e6
         events_per_s = 3 * bulk / elapsed
         pace = min(paced_per_s, events_per_s / 3 / 2)
         lags = asyncio.run(_paced(bootstrap, f"paced-{tag}", pace, paced_s))
@@ -86,6 +91,7 @@ def bench_streams(
         "events": 3 * bulk,
         "events_asked": 3 * requests,
         "events_per_s": events_per_s,
+        "worker_cpu_us_per_event": cpu_us_per_event,
         "faust_ceiling_events_per_s": ceiling_per_s,
         "share_of_ceiling": events_per_s / ceiling_per_s,
         "paced_requests_per_s": pace,
@@ -107,8 +113,27 @@ def _more_workers(bootstrap: str, workers: int, bulk: int, tag: str) -> dict[str
         group = [stack.enter_context(_worker(bootstrap, app_id)) for _ in range(workers)]
         asyncio.run(_counted(bootstrap, group, f"warm{workers}-{tag}", 10, timeout_s=300))
         dc = f"bulk{workers}-{tag}"
+        cpu_s = _cpu_s(group)
         elapsed = asyncio.run(_counted(bootstrap, group, dc, bulk, timeout_s=1800))
-    return {"events": 3 * bulk, "events_per_s": 3 * bulk / elapsed}
+        cpu_us_per_event = (_cpu_s(group) - cpu_s) / (3 * bulk) * 1e6
+    return {
+        "events": 3 * bulk,
+        "events_per_s": 3 * bulk / elapsed,
+        "worker_cpu_us_per_event": cpu_us_per_event,
+    }
+
+
+def _cpu_s(workers: list[subprocess.Popen[bytes]]) -> float:
+    """CPU seconds (user and system) the workers have used so far, from Linux's /proc:
+    with the rate, it tells whether more workers cost more CPU an event, or only get
+    less of the cores each."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = 0
+    for worker in workers:
+        stat = Path(f"/proc/{worker.pid}/stat").read_text()
+        utime, stime = stat.rsplit(")", 1)[1].split()[11:13]  # the 14th and 15th fields
+        used += int(utime) + int(stime)
+    return used / ticks
 
 
 def _request(dc: str, n: int, at: float | None = None) -> list[Envelope]:

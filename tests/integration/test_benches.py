@@ -29,11 +29,13 @@ def test_the_streams_bench_times_the_worker_and_faust_alone(kafka: Service) -> N
     ratio = figures["events_per_s"] / figures["faust_ceiling_events_per_s"]
     assert figures["share_of_ceiling"] == pytest.approx(ratio)
     assert figures["lag_samples"] >= 50
+    assert figures["worker_cpu_us_per_event"] > 0  # the worker's own work, read from /proc
     # an infinite lag would mean a paced request never showed in a table
     assert 0 < figures["lag_p50_s"] <= figures["lag_p95_s"] < math.inf
     two = figures["2_workers"]  # the same run again, two workers sharing the partitions
     assert two["events"] == 600
     assert two["over_one_worker"] == pytest.approx(two["events_per_s"] / figures["events_per_s"])
+    assert two["worker_cpu_us_per_event"] > 0
     assert not run_in_thread(_copies_left(kafka.address)), "the ceiling's copy was not deleted"
 
 

@@ -122,7 +122,9 @@ def _bench_streams(args: argparse.Namespace) -> int:
             bootstrap = broker.start()
         figures = bench_streams(bootstrap, args.requests, args.paced_rate, workers=args.workers)
     print(
-        f"{figures['events_per_s']:.0f} events/s; lag p50 {figures['lag_p50_s']:.2f} s, "
+        f"{figures['events_per_s']:.0f} events/s "
+        f"(the worker's CPU: {figures['worker_cpu_us_per_event']:.0f} ms per 1,000 events); "
+        f"lag p50 {figures['lag_p50_s']:.2f} s, "
         f"p95 {figures['lag_p95_s']:.2f} s at {figures['paced_events_per_s']:.0f} events/s; "
         f"Faust's ceiling {figures['faust_ceiling_events_per_s']:.0f} events/s"
     )
@@ -130,7 +132,8 @@ def _bench_streams(args: argparse.Namespace) -> int:
         more = figures[f"{args.workers}_workers"]
         print(
             f"{args.workers} workers: {more['events_per_s']:.0f} events/s, "
-            f"{more['over_one_worker']:.2f} x one worker's"
+            f"{more['over_one_worker']:.2f} x one worker's, at "
+            f"{more['worker_cpu_us_per_event']:.0f} ms of their CPU per 1,000 events"
         )
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
