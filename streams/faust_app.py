@@ -107,6 +107,7 @@ def build_app(
         # Changelog writes and outcomes are many small records: let the producer batch
         # them for 5 ms instead of sending each on its own.
         producer_linger=0.005,
+        table_standby_replicas=settings.standby_replicas,
         broker_session_timeout=settings.session_timeout_s,
         # Kafka's rule: at most a third of the session; Faust's 3 s, where the session
         # allows, so that a worker learns of a rebalance within 3 s.

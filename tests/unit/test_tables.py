@@ -411,3 +411,15 @@ def test_the_worker_s_partition_check_waits_for_its_changelog_s_metadata(tmp_pat
     metadata.counts[table.changelog_topic_name] = 2
     with pytest.raises(PartitionsMismatch):
         table._verify_source_topic_partitions("tf.telemetry")
+
+
+def test_workers_keep_no_standby_copies_of_their_tables_unless_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Faust's default is one copy; the worker's none (a second worker would read every
+    changelog of the first's), and an operator's setting reaches Faust."""
+    default = build_app("localhost:9", WorkerSettings(app_id="none", data_dir=tmp_path))
+    assert default.conf.table_standby_replicas == 0
+    monkeypatch.setenv("TOKENFLEET_WORKER_STANDBY_REPLICAS", "1")
+    asked = build_app("localhost:9", WorkerSettings(app_id="one", data_dir=tmp_path))
+    assert asked.conf.table_standby_replicas == 1
