@@ -7,8 +7,8 @@ import asyncio
 import os
 from pathlib import Path
 
+from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
-from tokenfleet.commands.streams import check_controller_args
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME, GATEWAY_PORT
 
 LOCAL_FLEET = Path("examples/fleet-local.toml")

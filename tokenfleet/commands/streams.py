@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import signal
 import socket
 from collections.abc import Awaitable
@@ -13,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tokenfleet.commands.broker import broker
+from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME
 
@@ -276,21 +276,6 @@ def _controller(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
     return 0
-
-
-def check_controller_args(args: argparse.Namespace) -> None:
-    """CliError unless the controllers' settings in ``args`` can run (``long_cycle`` and
-    ``weights_min_outcomes`` may be None: the controller's defaults); ``tokenfleet up``
-    checks them too, before it starts anything."""
-    if args.weights_min_outcomes is not None and args.weights_min_outcomes < 1:
-        raise CliError("--weights-min-outcomes must be at least 1")
-    if args.long_cycle is not None and not 0 < args.long_cycle < math.inf:
-        raise CliError("--long-cycle must be a positive number of seconds")
-    if not 0 < args.period < math.inf or args.ttl < 3 * args.period:
-        raise CliError(
-            "--period must be positive and --ttl at least three periods (snapshots are "
-            "renewed every third of their TTL, on a pass)"
-        )
 
 
 def _view_socket(host: str, port: int) -> socket.socket | None:
