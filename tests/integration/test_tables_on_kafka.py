@@ -95,11 +95,13 @@ def worker(
     log_level: str = "WARNING",
     *,
     seek: tuple[str, Path] | None = None,
+    log_path: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A worker process; its log's tail is printed when it ends (shown if the test fails).
-    At INFO the log holds Faust's rebalances and recoveries. ``seek`` (``late`` or
-    ``drop``, and a file) runs it through ``tests.integration.seek_worker``, which changes
-    its seek at the end of each recovery and reports to that file."""
+    """A worker process; its log's tail is printed when it ends (shown if the test fails),
+    and the whole log kept at ``log_path`` if given. At INFO the log holds Faust's
+    rebalances and recoveries. ``seek`` (``late`` or ``drop``, and a file) runs it through
+    ``tests.integration.seek_worker``, which changes its seek at the end of each recovery
+    and reports to that file."""
     environment = os.environ | {
         "TOKENFLEET_WORKER_LOG_LEVEL": log_level,
         "TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address,
@@ -112,7 +114,7 @@ def worker(
     argv = [sys.executable, "-m", "tokenfleet.cli", "worker"]
     if seek is not None:
         argv = [sys.executable, "-m", "tests.integration.seek_worker", seek[0], str(seek[1])]
-    with tempfile.TemporaryFile() as log:
+    with open(log_path, "w+b") if log_path else tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
             argv + (["--fleet", str(fleet_file)] if fleet_file else []),
             env=environment,
@@ -228,7 +230,8 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
     kafka: Service, tmp_path: Path
 ) -> None:
     """With the class objectives of a fleet file: a TTFT objective at the run's median, so
-    that goodput differs from what the built-in objectives give."""
+    that goodput differs from what the built-in objectives give. The bad record goes to
+    the dead-letter topic and the worker's log names it."""
     dc = f"dc-{uuid.uuid4().hex[:8]}"
     events = _events(dc)
     median_ttft = statistics.median(
@@ -238,10 +241,11 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
     fleet = fleet_for(["http://127.0.0.1:1"], objectives=objectives)
     (tmp_path / "fleet.json").write_text(fleet.model_dump_json())
     bus = KafkaBus(kafka.address)
+    log = tmp_path / "worker.log"
     try:
         await bus.publish("tf.completions", f"{dc}-bad", b"{not json")
         async with bus.subscribe("tf.deadletter", "latest") as letters:
-            with worker(kafka, f"tables-{dc}", fleet_file=tmp_path / "fleet.json"):
+            with worker(kafka, f"tables-{dc}", fleet_file=tmp_path / "fleet.json", log_path=log):
                 await _publish(kafka, events)
                 published, expected = await _published_equal_reference(
                     kafka, dc, events, fleet.all_objectives()
@@ -253,6 +257,7 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
     finally:
         await bus.close()
     _assert_equal(published, expected)
+    assert "dead-lettered tf.completions[" in log.read_text(), "the worker did not log it"
     with_defaults = _reference(events, published[0].window_end, None)  # type: ignore[attr-defined]
     assert _goodput_tokens(expected) < _goodput_tokens(with_defaults)
 
