@@ -345,17 +345,37 @@ class KeyedTable(JsonTable):
     """A table written from batches: each write names its changelog partition, that of
     the key's own events, where Faust would take the partition of the event it is
     processing, which in a batch is another key's (a worker recovering that partition after
-    a rebalance would then miss the key)."""
+    a rebalance would then miss the key).
+
+    After a rebalance it forgets the keys it wrote to partitions it no longer holds.
+    Faust's in-memory store forgets only those it recovered from the changelog; a key
+    written here would stay, and if the partition came back after another worker had
+    deleted the key and the changelog had compacted the deletion away, the key would
+    outlive it (a join state released twice)."""
 
     _partition: int | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._written_to: dict[str, int] = {}
+        """The partition of each key this worker has written and still holds."""
 
     def put(self, key: str, value: Any, partition: int) -> None:
         with self._writing_to(partition):
             self[key] = value
+        self._written_to[key] = partition
 
     def remove(self, key: str, partition: int) -> Any:
+        self._written_to.pop(key, None)
         with self._writing_to(partition):
             return self.pop(key)
+
+    async def on_recovery_completed(self, active_tps: set[TP], standby_tps: set[TP]) -> None:
+        held = {tp.partition for tp in active_tps}
+        for key in [key for key, partition in self._written_to.items() if partition not in held]:
+            self.data.pop(key, None)  # from this worker's copy only: no changelog write
+            del self._written_to[key]
+        await super().on_recovery_completed(active_tps, standby_tps)
 
     @contextlib.contextmanager
     def _writing_to(self, partition: int) -> Iterator[None]:

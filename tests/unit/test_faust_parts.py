@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import types
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -159,3 +160,22 @@ async def test_a_delivery_s_errors_reach_the_drain_loop_as_before(app: WorkerApp
     gate.set_exception(RuntimeError("the queue went away"))
     with pytest.raises(RuntimeError, match="the queue went away"):
         await waiting
+
+
+async def test_a_rebalance_forgets_the_keys_written_to_partitions_no_longer_held(
+    app: WorkerApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Faust's in-memory store forgets, after a rebalance, only the keys it recovered; the
+    join table also forgets those it wrote to partitions it lost, and keeps the rest."""
+    table = KeyedTable(app, name="join", partitions=6)
+    sent = types.SimpleNamespace(message=types.SimpleNamespace(partition=0))
+    monkeypatch.setattr(table, "send_changelog", lambda *args, **kwargs: sent)  # no broker
+    table.put("kept", {"seen": ["e1"]}, partition=0)
+    table.put("lost", {"seen": ["e2"]}, partition=3)
+    table.put("removed", {"seen": ["e3"]}, partition=3)
+    table.remove("removed", partition=3)
+    changelog = table.changelog_topic_name
+    await table.on_recovery_completed({TP(changelog, 0)}, {TP(changelog, 3)})
+    assert dict(table.data.items()) == {"kept": {"seen": ["e1"]}}
+    await table.on_recovery_completed({TP(changelog, 0)}, set())  # nothing more to forget
+    assert dict(table.data.items()) == {"kept": {"seen": ["e1"]}}
