@@ -38,14 +38,15 @@ class WorkerSettings(BaseSettings):
     (``group.min.session.timeout.ms``, 6 s by default) and Faust's (under its 90 s
     request timeout) limit it."""
     standby_replicas: int = Field(default=0, ge=0)
-    """Copies of each table partition that other workers keep warm from its changelog
-    (Faust's ``table_standby_replicas``, whose default is 1; Kafka Streams'
-    ``num.standby.replicas`` defaults to 0). A copy makes a partition that moves ready at
-    once rather than after its changelog is read again, but each worker then also reads
-    the others' changelogs: two workers with one copy spent 97 and 120 us of CPU an event,
-    without one 78 to 82, and one worker alone 81 and 85 (the streams bench's bulk step,
-    90,000 events, two rounds each, 2-core machine). A table holds a window and its
-    grace, so reading its changelog again is bounded."""
+    """Copies of each table partition that other workers keep from its changelog (Faust's
+    ``table_standby_replicas``, whose default is 1; Kafka Streams' ``num.standby.replicas``
+    defaults to 0). With the in-memory store, which keeps no offsets, a worker that takes a
+    partition over reads its changelog from the start whether it held a copy or not
+    (Faust 0.15's recovery starts at the store's persisted offset), so a copy buys no
+    faster hand-over, while each worker of a group reads the others' changelogs all the
+    time: two workers with one copy spent 97 and 120 us of CPU an event, with none 78 to
+    82, one worker alone 81 and 85 (the streams bench's bulk step, 90,000 events, two
+    rounds each, by a script built on its helpers; 2-core machine)."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "WARNING"
     """The worker's log level. INFO shows Faust's rebalances and table recoveries, which
     are what to read when a restarted worker is slow to publish."""
