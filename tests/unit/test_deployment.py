@@ -128,7 +128,9 @@ def test_up_refuses_a_missing_fleet_file_and_starts_nothing(
     [
         (["--weights-min-outcomes", "0"], "--weights-min-outcomes must be at least 1"),
         (["--long-cycle", "0"], "--long-cycle must be a positive number of seconds"),
-        (["--period", "5", "--ttl", "10"], "--ttl at least three periods"),
+        (["--period", "5", "--ttl", "10"], "--ttl finite and at least three periods"),
+        (["--ttl", "inf"], "--ttl finite"),
+        (["--ttl", "nan"], "--ttl finite"),
     ],
 )
 def test_up_refuses_controllers_that_cannot_run_and_starts_nothing(

@@ -16,8 +16,8 @@ def check_controller_args(args: argparse.Namespace) -> None:
         raise CliError("--weights-min-outcomes must be at least 1")
     if args.long_cycle is not None and not 0 < args.long_cycle < math.inf:
         raise CliError("--long-cycle must be a positive number of seconds")
-    if not 0 < args.period < math.inf or args.ttl < 3 * args.period:
+    if not (0 < args.period < math.inf and 3 * args.period <= args.ttl < math.inf):
         raise CliError(
-            "--period must be positive and --ttl at least three periods (snapshots are "
-            "renewed every third of their TTL, on a pass)"
+            "--period must be positive and --ttl finite and at least three periods "
+            "(snapshots are renewed every third of their TTL, on a pass)"
         )
