@@ -18,7 +18,7 @@ from schemas import Envelope
 from schemas.control import ControlSnapshot
 from schemas.tables import CapacityTable, WindowedTable
 from streams.kafka import KafkaBus
-from tokenfleet.operator_view import PUBLISHERS_WINDOW_S
+from tokenfleet.operator_view import ONE_APP_ID, recent_publishers
 
 TABLE_TOPICS = ("tf.tables.goodput", "tf.tables.capacity")
 CONTROL_TOPICS = ("tf.control.quotas", "tf.control.weights")
@@ -40,23 +40,24 @@ async def latest_on(bootstrap: str) -> dict[str, dict[str, Envelope]]:
     return latest
 
 
-async def publishers_on(bootstrap: str, now: float) -> dict[str, set[str]]:
-    """Per DC, the table workers (the tables' ``source``: the worker's app id) that
-    published its tables in the ``PUBLISHERS_WINDOW_S`` before ``now``, as the
-    operators' view counts them."""
-    since = now - PUBLISHERS_WINDOW_S
+async def publishers_on(bootstrap: str) -> dict[str, dict[str, float]]:
+    """Per DC, each table worker (the tables' ``source``: the worker's app id) that
+    published its tables, and when it last did."""
     bus = KafkaBus(bootstrap, source="status")
-    publishers: dict[str, set[str]] = {}
+    published: dict[str, dict[str, float]] = {}
     try:
         for topic in TABLE_TOPICS:
-            with contextlib.suppress(LookupError):
-                for envelope in (await bus.read_all(topic))[0]:
-                    table = envelope.payload
-                    if isinstance(table, WindowedTable) and envelope.ts >= since:
-                        publishers.setdefault(table.dc, set()).add(envelope.source)
+            try:
+                envelopes, _ = await bus.read_all(topic)
+            except LookupError:
+                continue
+            for envelope in envelopes:
+                if isinstance(table := envelope.payload, WindowedTable):
+                    sources = published.setdefault(table.dc, {})
+                    sources[envelope.source] = max(sources.get(envelope.source, 0.0), envelope.ts)
     finally:
         await bus.close()
-    return publishers
+    return published
 
 
 @dataclass(frozen=True)
@@ -107,21 +108,21 @@ def loop_checks(
 
 
 def publisher_checks(
-    publishers: Mapping[str, Collection[str]], only: Collection[str] | None = None
+    published: Mapping[str, Mapping[str, float]],
+    now: float,
+    only: Collection[str] | None = None,
 ) -> list[Check]:
-    """One check per DC: its tables come from one table worker. Two app ids are two
-    consumer groups, each counting every event, whose tables alternate on the same keys."""
-    return [
-        Check(
-            "table workers",
-            dc,
-            len(sources) == 1,
-            ", ".join(sorted(sources))
-            + ("" if len(sources) == 1 else ": run one app id (TOKENFLEET_WORKER_APP_ID)"),
-        )
-        for dc, sources in sorted(publishers.items())
-        if only is None or dc in only
-    ]
+    """One check per DC: its tables come from one table worker, as the operators' view
+    counts them (``published``: per DC, each worker and when it last published). Two app
+    ids are two consumer groups, each counting every event, whose tables alternate on the
+    same keys."""
+    checks = []
+    for dc, sources in sorted(published.items()):
+        recent = recent_publishers(sources, now)
+        if recent and (only is None or dc in only):
+            advice = "" if len(recent) == 1 else f": {ONE_APP_ID}"
+            checks.append(Check("table workers", dc, len(recent) == 1, ", ".join(recent) + advice))
+    return checks
 
 
 def process_checks(pids: Mapping[str, int | None]) -> list[Check]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,15 @@ HISTORY_S = 900.0
 PUBLISHERS_WINDOW_S = 60.0
 """A table worker counts as publishing a DC's tables while one of its tables is this
 recent: thirty of the default 2 s publish intervals."""
+ONE_APP_ID = "run one app id (TOKENFLEET_WORKER_APP_ID)"
+"""What to do when two table workers publish a DC's tables."""
+
+
+def recent_publishers(last_published: Mapping[str, float], now: float) -> list[str]:
+    """The table workers (app ids, with when each last published a DC's tables) that
+    count as publishing them at ``now``."""
+    horizon = now - PUBLISHERS_WINDOW_S
+    return sorted(source for source, at in last_published.items() if at >= horizon)
 
 
 @dataclass
@@ -73,11 +82,11 @@ class OperatorView:
             if len(now) > 1 and len(before) <= 1:
                 log.warning(
                     "the tables of %s come from %d table workers (%s): each counts every "
-                    "event and their tables alternate; run one app id "
-                    "(TOKENFLEET_WORKER_APP_ID)",
+                    "event and their tables alternate; %s",
                     table.dc,
                     len(now),
                     ", ".join(now),
+                    ONE_APP_ID,
                 )
         self.apply(table)
 
@@ -138,8 +147,7 @@ class OperatorView:
 
     def _publishers(self, dc: _Dc) -> list[str]:
         """The table workers that published the DC's tables lately."""
-        horizon = self.clock() - PUBLISHERS_WINDOW_S
-        return sorted(source for source, at in dc.publishers.items() if at >= horizon)
+        return recent_publishers(dc.publishers, self.clock())
 
     def _record(self, dc: _Dc, table: GoodputTable) -> None:
         dc.history.append(

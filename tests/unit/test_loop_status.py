@@ -41,10 +41,11 @@ def test_a_stale_table_an_expired_control_or_none_at_all_leave_it_open() -> None
 
 def test_tables_from_two_table_workers_leave_it_open_naming_both() -> None:
     closed = loop_checks(latest(NOW - 2, NOW - 10), NOW)
-    one = publisher_checks({"dc": {"tokenfleet-tables"}, "dc-b": {"a", "b"}}, only=["dc"])
-    assert verdict(closed + one) == (True, "tables fresh and controls in force")
-    two = publisher_checks({"dc": {"tokenfleet-tables", "tables-2"}})
-    opened, why = verdict(closed + two)
+    gone = NOW - 61  # a worker that last published over a minute ago is not counted
+    one = {"dc": {"tokenfleet-tables": NOW - 1, "tables-2": gone}, "dc-b": {"a": NOW, "b": NOW}}
+    assert verdict(closed + publisher_checks(one, NOW, only=["dc"]))[0]
+    two = {"dc": {"tokenfleet-tables": NOW - 1, "tables-2": NOW - 59}}
+    opened, why = verdict(closed + publisher_checks(two, NOW))
     assert not opened
     assert why == (
         "table workers[dc] tables-2, tokenfleet-tables: run one app id (TOKENFLEET_WORKER_APP_ID)"

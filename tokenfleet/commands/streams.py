@@ -171,14 +171,14 @@ def _status(args: argparse.Namespace) -> int:
     bootstrap = broker(args.home)
     recorded = deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
     parts = deployment.pids() if recorded == bootstrap else {}  # another broker's, else
-    now = time.time()
     try:
         latest = asyncio.run(latest_on(bootstrap))
-        publishers = asyncio.run(publishers_on(bootstrap, now))
+        published = asyncio.run(publishers_on(bootstrap))
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
+    now = time.time()
     checks = process_checks(parts) + loop_checks(latest, now, args.stale_after, args.dc)
-    checks += publisher_checks(publishers, args.dc)
+    checks += publisher_checks(published, now, args.dc)
     for check in checks:
         print(f"{'ok ' if check.ok else 'NO '} {check.what:20} {check.key:16} {check.detail}")
     closed, why = verdict(checks)
