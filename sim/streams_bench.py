@@ -79,7 +79,7 @@ def bench_streams(
         bulk = max(probe, min(requests, int(probe / probe_s * WINDOW_S / 2)))
         cpu_s = _cpu_s(group)
         elapsed = asyncio.run(_counted(bootstrap, group, f"bulk-{tag}", bulk, timeout_s=1800))
-        cpu_us_per_event = (_cpu_s(group) - cpu_s) / (3 * bulk) * 1e6
+        cpu_us_per_event = _cpu_us_per_event(group, cpu_s, 3 * bulk)
         events_per_s = 3 * bulk / elapsed
         pace = min(paced_per_s, events_per_s / 3 / 2)
         lags = asyncio.run(_paced(bootstrap, f"paced-{tag}", pace, paced_s))
@@ -115,7 +115,7 @@ def _more_workers(bootstrap: str, workers: int, bulk: int, tag: str) -> dict[str
         dc = f"bulk{workers}-{tag}"
         cpu_s = _cpu_s(group)
         elapsed = asyncio.run(_counted(bootstrap, group, dc, bulk, timeout_s=1800))
-        cpu_us_per_event = (_cpu_s(group) - cpu_s) / (3 * bulk) * 1e6
+        cpu_us_per_event = _cpu_us_per_event(group, cpu_s, 3 * bulk)
     return {
         "events": 3 * bulk,
         "events_per_s": 3 * bulk / elapsed,
@@ -123,13 +123,26 @@ def _more_workers(bootstrap: str, workers: int, bulk: int, tag: str) -> dict[str
     }
 
 
-def _cpu_s(workers: list[subprocess.Popen[bytes]]) -> float:
-    """CPU seconds (user and system) the workers have used so far, from Linux's /proc:
-    with the rate, it tells whether more workers cost more CPU an event, or only get
-    less of the cores each."""
+def _cpu_us_per_event(
+    workers: list[subprocess.Popen[bytes]], before_s: float | None, events: int
+) -> float | None:
+    """The workers' CPU time per event since they had used ``before_s`` (None off Linux)."""
+    after_s = _cpu_s(workers)
+    return None if before_s is None or after_s is None else (after_s - before_s) / events * 1e6
+
+
+def _cpu_s(workers: list[subprocess.Popen[bytes]]) -> float | None:
+    """CPU seconds (user and system) the workers have used so far, from Linux's /proc
+    (None without it): with the rate, it tells whether more workers cost more CPU an
+    event, or only get less of the cores each. RuntimeError if a worker has exited: the
+    others would have taken its partitions, and the figures would be theirs."""
+    if not Path("/proc/self/stat").exists():
+        return None
     ticks = os.sysconf("SC_CLK_TCK")
     used = 0
     for worker in workers:
+        if worker.poll() is not None:
+            raise RuntimeError(f"a table worker exited (code {worker.returncode}) in the run")
         stat = Path(f"/proc/{worker.pid}/stat").read_text()
         utime, stime = stat.rsplit(")", 1)[1].split()[11:13]  # the 14th and 15th fields
         used += int(utime) + int(stime)

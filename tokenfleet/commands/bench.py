@@ -123,7 +123,7 @@ def _bench_streams(args: argparse.Namespace) -> int:
         figures = bench_streams(bootstrap, args.requests, args.paced_rate, workers=args.workers)
     print(
         f"{figures['events_per_s']:.0f} events/s "
-        f"(the worker's CPU: {figures['worker_cpu_us_per_event']:.0f} ms per 1,000 events); "
+        f"(the worker's CPU: {_per_1000(figures['worker_cpu_us_per_event'])}); "
         f"lag p50 {figures['lag_p50_s']:.2f} s, "
         f"p95 {figures['lag_p95_s']:.2f} s at {figures['paced_events_per_s']:.0f} events/s; "
         f"Faust's ceiling {figures['faust_ceiling_events_per_s']:.0f} events/s"
@@ -132,11 +132,16 @@ def _bench_streams(args: argparse.Namespace) -> int:
         more = figures[f"{args.workers}_workers"]
         print(
             f"{args.workers} workers: {more['events_per_s']:.0f} events/s, "
-            f"{more['over_one_worker']:.2f} x one worker's, at "
-            f"{more['worker_cpu_us_per_event']:.0f} ms of their CPU per 1,000 events"
+            f"{more['over_one_worker']:.2f} x one worker's "
+            f"(their CPU: {_per_1000(more['worker_cpu_us_per_event'])})"
         )
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
     return 0
+
+
+def _per_1000(us_per_event: float | None) -> str:
+    """CPU time per event, as milliseconds per 1,000 events (None: not measured here)."""
+    return "not measured" if us_per_event is None else f"{us_per_event:.0f} ms per 1,000 events"
 
 
 def _redis_url(stack: contextlib.ExitStack) -> str:
