@@ -60,17 +60,17 @@ LOOP_BOUND_S = 20.0
 controls made after it: the parts' reconnecting, a slide of the tables, a controller's
 pass and the renewal of unchanged controls (a third of their TTL)."""
 EVERY_S = 0.125
-"""A chat every 0.125 s. At 0.1 s, dc-b and dc-c served all but a few of them while dc-a
-was overloaded, near their stated capacity (5 requests/s an instance), and SLOMax refused
-one (its predicted TTFT) in one run of two."""
+"""A chat every 0.125 s. At 0.1 s, before the pause below, one chat was refused (SLOMax's
+predicted TTFT) in one run of two; dc-b and dc-c then serve nearly all of them while dc-a
+is overloaded, against a stated capacity of 5 requests/s an instance."""
 OVERLOAD_PROMPT_TOKENS, OVERLOAD_IN_FLIGHT = 30_000, 2
 """The overload: two prompts of 30,000 tokens in flight on each of dc-a's instances (each
 prefilled in about 0.6 s, in chunks of 8,192 tokens a step on the emulated profile), so a
 chat there waits for a prefill to end and then shares steps of about 0.18 s. With one,
 between one prompt's end and the next one's start, some chats still met their objective:
 in two runs of three, too few missed for FleetMind to act in the overload's 16 s. With
-four (two runs), dc-a kept 3 to 4 % of the chats, and dc-b and dc-c, serving the rest at
-their stated capacity, refused 6 and 11 of them (SLOMax's predicted TTFT)."""
+four (two runs, before the pause below), dc-a kept 3 to 4 % of the chats, and 6 and 11
+were refused (SLOMax's predicted TTFT)."""
 SETTLE_S = 5.0
 """From the overload's end to dc-a's loss: the chats still waiting there behind the long
 prompts finish first. One in flight at the loss, already past its first-token objective,
@@ -79,7 +79,7 @@ every 150 ms, in three runs of three beside a busy loop, without this pause; wit
 three runs beside a busy loop passed."""
 OVERLOAD_S = 20.0
 """How long the overload of the edge's own DC lasts; its second half is judged. dc-a's
-weight fell 8.6 to 9.6 s into it in three runs (one beside a busy loop), as the tables'
+weight fell 8.1 to 9.6 s into it in six runs (four beside a busy loop), as the tables'
 window of 10 s filled with it."""
 ON_DEFAULTS = "tokenfleet_gateway_control_defaults"
 EVENTS_PUBLISHED = "tokenfleet_gateway_events_published_total"
