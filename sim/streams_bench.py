@@ -77,9 +77,7 @@ def bench_streams(
         probe = min(requests, PROBE_REQUESTS)
         probe_s = asyncio.run(_counted(bootstrap, group, f"probe-{tag}", probe, timeout_s=1800))
         bulk = max(probe, min(requests, int(probe / probe_s * WINDOW_S / 2)))
-        cpu_s = _cpu_s(group)
-        elapsed = asyncio.run(_counted(bootstrap, group, f"bulk-{tag}", bulk, timeout_s=1800))
-        cpu_us_per_event = _cpu_us_per_event(group, cpu_s, 3 * bulk)
+        elapsed, cpu_us_per_event = _bulk_run(bootstrap, group, f"bulk-{tag}", bulk)
         events_per_s = 3 * bulk / elapsed
         pace = min(paced_per_s, events_per_s / 3 / 2)
         lags = asyncio.run(_paced(bootstrap, f"paced-{tag}", pace, paced_s))
@@ -112,10 +110,7 @@ def _more_workers(bootstrap: str, workers: int, bulk: int, tag: str) -> dict[str
     with contextlib.ExitStack() as stack:
         group = [stack.enter_context(_worker(bootstrap, app_id)) for _ in range(workers)]
         asyncio.run(_counted(bootstrap, group, f"warm{workers}-{tag}", 10, timeout_s=300))
-        dc = f"bulk{workers}-{tag}"
-        cpu_s = _cpu_s(group)
-        elapsed = asyncio.run(_counted(bootstrap, group, dc, bulk, timeout_s=1800))
-        cpu_us_per_event = _cpu_us_per_event(group, cpu_s, 3 * bulk)
+        elapsed, cpu_us_per_event = _bulk_run(bootstrap, group, f"bulk{workers}-{tag}", bulk)
     return {
         "events": 3 * bulk,
         "events_per_s": 3 * bulk / elapsed,
@@ -123,12 +118,17 @@ def _more_workers(bootstrap: str, workers: int, bulk: int, tag: str) -> dict[str
     }
 
 
-def _cpu_us_per_event(
-    workers: list[subprocess.Popen[bytes]], before_s: float | None, events: int
-) -> float | None:
-    """The workers' CPU time per event since they had used ``before_s`` (None off Linux)."""
+def _bulk_run(
+    bootstrap: str, workers: list[subprocess.Popen[bytes]], dc: str, requests: int
+) -> tuple[float, float | None]:
+    """Seconds ``workers`` take to count ``requests`` requests published in ``dc``, and
+    their CPU time per event meanwhile, in microseconds (None off Linux)."""
+    before_s = _cpu_s(workers)
+    elapsed = asyncio.run(_counted(bootstrap, workers, dc, requests, timeout_s=1800))
     after_s = _cpu_s(workers)
-    return None if before_s is None or after_s is None else (after_s - before_s) / events * 1e6
+    if before_s is None or after_s is None:
+        return elapsed, None
+    return elapsed, (after_s - before_s) / (3 * requests) * 1e6
 
 
 def _cpu_s(workers: list[subprocess.Popen[bytes]]) -> float | None:
