@@ -1,10 +1,11 @@
 """Fitting step-time coefficients to real vLLM measurements, by simulation.
 
-Ground truth: ``shared/calibration/derived/ground_truth_inference_perf_stages.csv``, real
-vLLM runs on H100-SXM from the inference-sim training repository (inference-perf's
+Ground truth: ``sim/data/calibration/inference_perf_stages.csv``, the figures of real vLLM
+runs on H100-SXM from the inference-sim training repository (inference-perf's
 shared-prefix workload at constant rates; ``max_num_batched_tokens`` 2048,
-``max_num_seqs`` 128). Per-token time is ``(E2E - TTFT) / (output - 1)`` from the means, not
-the reported TPOT, which multi-token chunks bias.
+``max_num_seqs`` 128; source and columns in that folder's README). Per-token time is
+``(E2E - TTFT) / (output - 1)`` from the means, not the reported TPOT, which multi-token
+chunks bias.
 
 Which terms are fitted: the measured prompts are short (about 600 tokens), so the context
 terms ``d`` (decode attention) and ``e`` (prefill attention) and the knee ``n0`` cannot be
@@ -69,23 +70,24 @@ class Stage:
         return f"{self.experiment.split('-', 2)[2]}/{self.stage}"
 
 
+STAGES_FILE = "inference_perf_stages.csv"
+
+
 def calibration_dir() -> Path:
-    """``$TOKENFLEET_CALIBRATION``, else ``shared/calibration`` beside the repository: the
-    measurements come from a repository without a licence (inference-sim/training), so
-    this one cannot carry them."""
+    """``$TOKENFLEET_CALIBRATION``, else the measured figures this repository carries."""
     configured = os.environ.get("TOKENFLEET_CALIBRATION")
     if configured:
         return Path(configured)
-    return Path(__file__).resolve().parents[2] / "shared" / "calibration"
+    return Path(__file__).resolve().parent / "data" / "calibration"
 
 
 def load_stages(path: str | None = None) -> list[Stage]:
     """The measured stages without failures (overloaded runs are not a latency sample)."""
-    path = path or str(calibration_dir() / "derived" / "ground_truth_inference_perf_stages.csv")
+    path = path or str(calibration_dir() / STAGES_FILE)
     stages = []
     with open(path) as rows:
         for row in csv.DictReader(rows):
-            if row["stage"] == "summary" or int(row["n_failures"]) > 0:
+            if int(row["n_failures"]) > 0:
                 continue
             stages.append(_stage(row))
     return stages

@@ -6,6 +6,11 @@ part's command line by parsing it with the CLI's own parser."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,8 @@ ROOT = Path(__file__).parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 SERVICES = {"kafka", "redis", "topics"}
 """The compose file's services that are not parts: the two services and topic creation."""
+PACKAGES = ("schemas", "streams", "control", "gateway", "sim", "tokenfleet")
+"""The repository's Python packages, each of which the image copies and installs."""
 
 
 def local_plan(**changes: Any) -> tuple[Part, ...]:
@@ -107,10 +114,52 @@ def test_the_compose_file_runs_the_kafka_the_tests_run() -> None:
 
 def test_the_dockerfile_installs_every_package_the_parts_import() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for package in ("schemas", "streams", "control", "gateway", "sim", "tokenfleet"):
+    for package in PACKAGES:
         assert f"COPY {package} {package}" in dockerfile
     assert 'ENTRYPOINT ["tokenfleet"]' in dockerfile
     assert "COPY examples examples" in dockerfile  # the fleet file the commands name
+
+
+def test_an_installed_copy_carries_the_data_its_jobs_read(tmp_path: Path) -> None:
+    """The image installs the project with ``pip install .``, not from the source tree: the
+    wheel must carry every trace and measurement file, and the loaders must find them in
+    the installed copy (before, the wheel held none, so an installed ``tokenfleet demo``
+    could not find its trace)."""
+    source = tmp_path / "source"  # what the Dockerfile copies, without a build's left-overs
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__py*"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("tokenfleet-*.whl")
+    installed = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(installed)
+    data = ROOT / "sim" / "data"
+    for path in data.rglob("*"):
+        if path.is_file():
+            assert (installed / path.relative_to(ROOT)).is_file(), path
+    check = (
+        "from sim import calibration, traces; "
+        "print(traces.traces_dir(), calibration.calibration_dir(), "
+        "len(traces.load_mooncake(limit=5)), len(calibration.load_stages()))"
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
+    shown = subprocess.run(
+        [sys.executable, "-c", check],
+        cwd=tmp_path,
+        env=clean | {"PYTHONPATH": str(installed)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert shown[:2] == [str(installed / "sim/data" / name) for name in ("traces", "calibration")]
+    assert shown[2] == "5"
+    assert int(shown[3]) > 0
 
 
 def test_up_refuses_a_missing_fleet_file_and_starts_nothing(
