@@ -330,19 +330,26 @@ def create_app(parts: GatewayParts) -> FastAPI:
     ) -> Response:
         """Serve in the first DC; one that refuses the request or fails it before its
         first token passes it to the next (FleetMind's fallback). The last DC's answer
-        stands."""
+        stands, save that its refusal of a request an earlier DC failed is the fleet's
+        doing, not the client's: 503, not 429."""
+        failed: DcFailed | None = None
         for dc in dcs[:-1]:
             decider.sending(inbound.model.name, dc)
             try:
                 return await exchange.serve(inbound, dc, request, arrived, scoped)
             except (Refused, DcFailed) as exc:
                 metrics.dc_fallbacks.labels(dc, type(exc).__name__).inc()
+                failed = exc if isinstance(exc, DcFailed) else failed
         decider.sending(inbound.model.name, dcs[-1])
         try:
             return await exchange.serve(inbound, dcs[-1], request, arrived, scoped)
         except DcFailed as failure:
             exchange.failed(inbound, failure)
             raise
+        except Refused as refused:
+            if failed is None:
+                raise
+            raise _refused_after(failed, refused) from refused
 
     @app.post(CHAT_PATH, openapi_extra=_body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
@@ -447,6 +454,17 @@ def _upstream_client(settings: GatewaySettings) -> aiohttp.ClientSession:
 
 
 _REJECTIONS = {429: RejectReason.QUOTA, 503: RejectReason.NO_CAPACITY}
+
+
+def _refused_after(failure: DcFailed, refusal: Refused) -> Refused:
+    """The refusal of a request that ``failure``'s DC had taken and then failed before its
+    first token: the time it spent there may be why the next DC refused it (it can no
+    longer meet its objective), so the client learns both, as a server-side 503."""
+    message = (
+        f"Its DC {failure.dc} failed before the first token ({failure.error}), and the next "
+        f"allowed DC refused it: {refusal.message}"
+    )
+    return Refused(503, message, refusal.reason, retry_after_s=refusal.retry_after_s)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

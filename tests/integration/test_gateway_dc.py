@@ -51,16 +51,18 @@ class Gate:
 
 
 def instance(
-    served: list[str], dc: str, gate: Gate | None = None, failing: bool = False
+    served: list[str], dc: str, gate: Gate | None = None, failing: float | None = None
 ) -> Starlette:
-    """An instance that answers at once, or once its gate opens, or fails every request."""
+    """An instance that answers at once, or once its gate opens, or fails every request
+    ``failing`` seconds after it came."""
 
     async def metrics(_: Request) -> Response:
         return vllm_metrics(waiting=0, running=0)
 
     async def answer(_: Request) -> Response:
         served.append(dc)
-        if failing:
+        if failing is not None:
+            await asyncio.sleep(failing)
             return Response("engine dead", status_code=500)
         if gate is not None:
             gate.reached.set()
@@ -77,15 +79,17 @@ async def two_dcs(
     served: list[str],
     rps_per_instance: float | None = None,
     gate: Gate | None = None,
-    home_fails: bool = False,
+    home_fails: float | None = None,
+    chat_ttft_s: float | None = None,
 ) -> AsyncIterator[Gateway]:
     """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east);
-    ``gate``: dc-a's instance answers only once it opens; ``home_fails``: dc-a's fails."""
+    ``gate``: dc-a's instance answers only once it opens; ``home_fails``: dc-a's fails
+    that many seconds after each request came; ``chat_ttft_s``: the chats' objective."""
     async with contextlib.AsyncExitStack() as stack:
         urls = {
             dc: await stack.enter_async_context(
                 http_server(
-                    instance(served, dc, *((gate, home_fails) if dc == "dc-a" else (None, False)))
+                    instance(served, dc, *((gate, home_fails) if dc == "dc-a" else (None, None)))
                 )
             )
             for dc in ("dc-a", "dc-b")
@@ -97,6 +101,7 @@ async def two_dcs(
                     {"name": "dc-b", "region": "us-east"},
                 ],
                 "network": [{"regions": ["eu-west", "us-east"], "rtt_ms": 80}],
+                "objectives": {"interactive": {"ttft_s": chat_ttft_s}} if chat_ttft_s else {},
                 "models": [
                     {"name": MODEL, "profile": PROFILE, "rps_per_instance": rps_per_instance}
                 ],
@@ -136,7 +141,7 @@ async def test_work_in_flight_at_home_sends_the_next_request_abroad() -> None:
 
 async def test_a_dc_that_fails_a_request_before_its_first_token_passes_it_to_the_next() -> None:
     served: list[str] = []
-    async with two_dcs(served, home_fails=True) as front, front.client() as http:
+    async with two_dcs(served, home_fails=0.0) as front, front.client() as http:
         moved = await ask(http)
         fallbacks = await scraped(front.url, "tokenfleet_gateway_dc_fallbacks_total", dc="dc-a")
         events = await read_for(front.app.state.parts.bus, topic_for(RequestFailed).name, 0.5)
@@ -148,7 +153,7 @@ async def test_a_dc_that_fails_a_request_before_its_first_token_passes_it_to_the
 
 async def test_the_last_dc_s_failure_is_the_answer() -> None:
     served: list[str] = []
-    async with two_dcs(served, home_fails=True) as front, front.client() as http:
+    async with two_dcs(served, home_fails=0.0) as front, front.client() as http:
         kept = await ask(http, **{"x-tokenfleet-residency": "eu-west"})  # nowhere else to go
         events = await read_for(front.app.state.parts.bus, topic_for(RequestFailed).name, 0.5)
     assert kept.status_code == 502
@@ -156,6 +161,23 @@ async def test_the_last_dc_s_failure_is_the_answer() -> None:
     [failed] = [e for e in events if isinstance(e, RequestFailed)]  # reported once
     assert failed.instance_id == "i-dc-a"
     assert failed.request_id == kept.headers["x-tokenfleet-request-id"]  # errors carry it too
+
+
+async def test_a_request_too_late_after_its_dc_failed_is_refused_as_the_fleet_s_doing() -> None:
+    """dc-a fails the chat after 0.4 s, past its 0.2 s first-token objective, so dc-b
+    refuses it (SLOMax's predicted TTFT); the client sees a 503 naming both, not the 429
+    "retry later" that a refusal at the door gets."""
+    served: list[str] = []
+    async with two_dcs(served, home_fails=0.4, chat_ttft_s=0.2) as front, front.client() as http:
+        late = await ask(http)
+        events = await read_for(front.app.state.parts.bus, topic_for(RequestRejected).name, 0.5)
+    assert late.status_code == 503
+    message = late.json()["error"]["message"]
+    assert "Its DC dc-a failed before the first token" in message
+    assert "(predicted_ttft)" in message
+    assert served == ["dc-a"]
+    [rejected] = [e for e in events if isinstance(e, RequestRejected)]
+    assert rejected.reason is RejectReason.DEADLINE
 
 
 async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherwise() -> None:
