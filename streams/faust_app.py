@@ -89,7 +89,7 @@ def build_app(
     bootstrap: str,
     settings: WorkerSettings,
     objectives: Objectives | None = None,
-) -> faust.App:
+) -> WorkerApp:
     """The worker's app; ``objectives`` (None: the defaults) decide which completions
     count as goodput."""
     objectives = objectives or Objectives()
@@ -134,8 +134,6 @@ def build_app(
         )
     )
 
-    dead_lettered: dict[str, int] = {}
-
     async def decoded(event: faust.EventT) -> Envelope | None:
         try:
             return decode(event.value)
@@ -145,13 +143,13 @@ def build_app(
             record = RawRecord(message.topic, message.partition, message.offset, key, message.value)
             letter = encode(dead_letter(record, str(exc), settings.app_id))
             await dead_letters.send(key=message.topic.encode(), value=letter)
-            dead_lettered[message.topic] = dead_lettered.get(message.topic, 0) + 1
+            app.dead_lettered[message.topic] += 1
             log.warning(
                 "dead-lettered %s[%d]@%d (%d from that topic so far): %s",
                 message.topic,
                 message.partition,
                 message.offset,
-                dead_lettered[message.topic],
+                app.dead_lettered[message.topic],
                 exc,
             )
             return None
@@ -239,8 +237,9 @@ def build_app(
         for dc in live.dcs():
             for table in live.of(dc).tables(dc, spec, now):
                 envelope = Envelope.wrap(table, source=settings.app_id)
-                topic = app.topic(topic_for(type(table)).name, **raw)
-                await topic.send(key=dc.encode(), value=encode(envelope))
+                topic = topic_for(type(table)).name
+                await app.topic(topic, **raw).send(key=dc.encode(), value=encode(envelope))
+                app.published[topic] += 1
 
     return app
 

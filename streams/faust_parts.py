@@ -26,6 +26,9 @@ from faust.types.tuples import FutureMessage
 from faust.worker import Worker
 from mode.services import WaitResults
 from mode.utils.tracebacks import Traceback
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
@@ -249,11 +252,15 @@ class _Transport(faust_kafka.Transport):
 class WorkerApp(faust.App):
     """Faust's app, consuming through ``RewindingConsumer``, producing through
     ``DrainingProducer`` and recovering tables through ``RecoveringTableManager``;
-    ``processed`` counts what its agents took in, by kind."""
+    ``processed`` counts what its agents took in, by kind, ``dead_lettered`` the records
+    it could not decode, by topic, and ``published`` its table snapshots, by topic
+    (``WorkerMetrics`` shows them to Prometheus)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, TableManager=RecoveringTableManager, **kwargs)
         self.processed: Counter[str] = Counter()
+        self.dead_lettered: Counter[str] = Counter()
+        self.published: Counter[str] = Counter()
 
     def _new_transport(self) -> faust_kafka.Transport:
         if self.conf.consumer_auto_offset_reset != "earliest":  # where RewindingConsumer goes
@@ -262,6 +269,45 @@ class WorkerApp(faust.App):
 
     def _new_producer(self) -> faust_kafka.Producer:
         return DrainingProducer(self.transport, loop=self.loop, beacon=self.beacon)
+
+
+class WorkerMetrics(Collector):
+    """The worker's tallies as Prometheus counters, read when scraped: the event path
+    counts once, in the app's own ``Counter``s, and nothing more."""
+
+    def __init__(self, app: WorkerApp) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Metric]:
+        app = self.app
+        yield _counter(
+            "events", "Events the worker's agents took in, by kind.", "kind", app.processed
+        )
+        yield _counter(
+            "dead_letters",
+            "Undecodable records sent to tf.deadletter, by the topic they came from.",
+            "topic",
+            app.dead_lettered,
+        )
+        yield _counter(
+            "tables_published", "Table snapshots published, by topic.", "topic", app.published
+        )
+
+
+def _counter(name: str, documentation: str, label: str, tally: Mapping[str, int]) -> Metric:
+    family = CounterMetricFamily(f"tokenfleet_worker_{name}", documentation, labels=[label])
+    for value, count in dict(tally).items():  # a copy: the worker's loop runs beside us
+        family.add_metric([value], count)
+    return family
+
+
+def serve_metrics(app: WorkerApp, host: str, port: int) -> None:
+    """``/metrics`` on ``host:port``, from a thread of its own: the worker's counters and
+    its process's CPU and memory."""
+    registry = CollectorRegistry()
+    registry.register(WorkerMetrics(app))
+    ProcessCollector(registry=registry)
+    start_http_server(port, host, registry=registry)
 
 
 class FlowHeldRecovery(Recovery):

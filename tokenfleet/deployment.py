@@ -27,6 +27,8 @@ GATEWAY_PORT = 8080
 """The edge gateway's port; the other DCs' gateways take the ports after it."""
 CONTROLLER_PORT = 9090
 """Where the controller serves the operators' view (``tokenfleet/operator_page.py``)."""
+WORKER_PORT = 9091
+"""Where the table worker serves its Prometheus metrics."""
 SERVICE_SETTINGS = ("TOKENFLEET_KAFKA_BOOTSTRAP", "TOKENFLEET_REDIS_URL")
 """What every part is told of the services it shares, through its environment."""
 
@@ -47,6 +49,7 @@ def plan(
     *,
     gateway_port: int = GATEWAY_PORT,
     controller_port: int = CONTROLLER_PORT,
+    worker_port: int = WORKER_PORT,
     period_s: float = 5.0,
     ttl_s: float | None = None,
     long_cycle_s: float | None = None,
@@ -67,7 +70,7 @@ def plan(
     return (
         *_emulators(fleet, fleet_args),
         Part("collector", ("collect", *fleet_args)),
-        Part("worker", ("worker", *fleet_args)),
+        Part("worker", ("worker", *fleet_args, "--metrics-port", str(worker_port))),
         Part("controller", controller, f"http://127.0.0.1:{controller_port}"),
         *(
             Part(

@@ -23,7 +23,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 
-from schemas import Envelope
+from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.lifecycle import RequestCompleted
 from schemas.objectives import ClassObjective, Objectives
@@ -37,8 +37,9 @@ from streams.settings import WorkerSettings
 from streams.tables.builder import TableBuilder
 from streams.tables.windows import WindowSpec
 from tests.conftest import own_broker_for_module
-from tests.gateway_harness import fleet_for
+from tests.gateway_harness import fleet_for, scraped
 from tests.services import Service
+from tokenfleet.services.process import free_port
 
 pytestmark = pytest.mark.kafka
 
@@ -51,6 +52,10 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 
 SPEC = WindowSpec(size_s=600.0, slide_s=60.0, grace_s=600.0)
+WORKER = "tokenfleet_worker_"
+"""Where the worker's Prometheus metrics' names begin."""
+BAD = "tf.completions"
+"""The topic a test sends an undecodable record to."""
 _RECORDS = None
 
 
@@ -96,12 +101,13 @@ def worker(
     *,
     seek: tuple[str, Path] | None = None,
     log_path: Path | None = None,
+    metrics_port: int | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A worker process; its log's tail is printed when it ends (shown if the test fails),
     and the whole log kept at ``log_path`` if given. At INFO the log holds Faust's
     rebalances and recoveries. ``seek`` (``late`` or ``drop``, and a file) runs it through
     ``tests.integration.seek_worker``, which changes its seek at the end of each recovery
-    and reports to that file."""
+    and reports to that file. ``metrics_port``: it serves Prometheus's ``/metrics`` there."""
     environment = os.environ | {
         "TOKENFLEET_WORKER_LOG_LEVEL": log_level,
         "TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address,
@@ -114,6 +120,8 @@ def worker(
     argv = [sys.executable, "-m", "tokenfleet.cli", "worker"]
     if seek is not None:
         argv = [sys.executable, "-m", "tests.integration.seek_worker", seek[0], str(seek[1])]
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
     with open(log_path, "w+b") if log_path else tempfile.TemporaryFile() as log:
         process = subprocess.Popen(
             argv + (["--fleet", str(fleet_file)] if fleet_file else []),
@@ -231,7 +239,7 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
 ) -> None:
     """With the class objectives of a fleet file: a TTFT objective at the run's median, so
     that goodput differs from what the built-in objectives give. The bad record goes to
-    the dead-letter topic and the worker's log names it."""
+    the dead-letter topic, the worker's log names it and its metrics count it."""
     dc = f"dc-{uuid.uuid4().hex[:8]}"
     events = _events(dc)
     median_ttft = statistics.median(
@@ -239,13 +247,18 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
     )
     objectives = {TaskClass.INTERACTIVE: ClassObjective(ttft_s=median_ttft)}
     fleet = fleet_for(["http://127.0.0.1:1"], objectives=objectives)
-    (tmp_path / "fleet.json").write_text(fleet.model_dump_json())
+    fleet_file = tmp_path / "fleet.json"
+    fleet_file.write_text(fleet.model_dump_json())
     bus = KafkaBus(kafka.address)
     log = tmp_path / "worker.log"
+    port = free_port()
+    table = topic_for(GoodputTable).name
     try:
-        await bus.publish("tf.completions", f"{dc}-bad", b"{not json")
+        await bus.publish(BAD, f"{dc}-bad", b"{not json")
         async with bus.subscribe("tf.deadletter", "latest") as letters:
-            with worker(kafka, f"tables-{dc}", fleet_file=tmp_path / "fleet.json", log_path=log):
+            with worker(
+                kafka, f"tables-{dc}", fleet_file=fleet_file, log_path=log, metrics_port=port
+            ):
                 await _publish(kafka, events)
                 published, expected = await _published_equal_reference(
                     kafka, dc, events, fleet.all_objectives()
@@ -254,10 +267,17 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
                     async for letter in letters:
                         if letter.envelope.payload.key == f"{dc}-bad":
                             break
+                url = f"http://127.0.0.1:{port}"
+                letters_counted = await scraped(url, f"{WORKER}dead_letters_total", topic=BAD)
+                taken_in = await scraped(url, f"{WORKER}events_total", kind="lifecycle events")
+                goodput = await scraped(url, f"{WORKER}tables_published_total", topic=table)
     finally:
         await bus.close()
     _assert_equal(published, expected)
-    assert "dead-lettered tf.completions[" in log.read_text(), "the worker did not log it"
+    assert f"dead-lettered {BAD}[" in log.read_text(), "the worker did not log it"
+    assert letters_counted == 1
+    assert taken_in >= sum(not isinstance(e.payload, InstanceTelemetry) for e in events)
+    assert goodput > 0
     with_defaults = _reference(events, published[0].window_end, None)  # type: ignore[attr-defined]
     assert _goodput_tokens(expected) < _goodput_tokens(with_defaults)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
-from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME, GATEWAY_PORT
+from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME, GATEWAY_PORT, WORKER_PORT
 
 LOCAL_FLEET = Path("examples/fleet-local.toml")
 
@@ -43,6 +43,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=int,
         default=CONTROLLER_PORT,
         help="the operators' view, served by the controller (default: %(default)s)",
+    )
+    up.add_argument(
+        "--worker-port",
+        type=int,
+        default=WORKER_PORT,
+        help="the table worker's Prometheus /metrics (default: %(default)s)",
     )
     up.add_argument(
         "--period", type=float, default=5.0, help="the controllers' period (default: 5 s)"
@@ -99,6 +105,7 @@ def _up(args: argparse.Namespace) -> int:
         str(args.fleet),
         gateway_port=args.gateway_port,
         controller_port=args.controller_port,
+        worker_port=args.worker_port,
         period_s=args.period,
         ttl_s=args.ttl,
         long_cycle_s=args.long_cycle,

@@ -32,6 +32,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=Path,
         help="the fleet file, for its class objectives (default: the built-in objectives)",
     )
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus /metrics on this port: events taken in, dead letters by "
+        "source topic, tables published, CPU and memory (default: not served)",
+    )
+    worker.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
     worker.set_defaults(handler=_worker)
 
     collect = commands.add_parser(
@@ -190,6 +197,7 @@ def _worker(args: argparse.Namespace) -> int:
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
     from streams.faust_app import build_app, run_worker, updates_topic_of
+    from streams.faust_parts import WorkerApp, serve_metrics
     from streams.kafka import create_topics
     from streams.settings import WorkerSettings
 
@@ -200,7 +208,14 @@ def _worker(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     settings = WorkerSettings()
     asyncio.run(create_topics(bootstrap, (*TOPICS, updates_topic_of(settings))))
-    run_worker(lambda: build_app(bootstrap, settings, objectives), settings.log_level)
+
+    def served() -> WorkerApp:
+        app = build_app(bootstrap, settings, objectives)
+        if args.metrics_port is not None:
+            serve_metrics(app, args.metrics_host, args.metrics_port)
+        return app
+
+    run_worker(served, settings.log_level)
     return 0
 
 
