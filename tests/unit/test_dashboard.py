@@ -1,13 +1,17 @@
 """The Grafana dashboards ask only for metrics, and labels, that TokenFleet exports: the
-gateways' and the controller's."""
+gateways', the controller's and the table worker's."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 from gateway.metrics import GatewayMetrics
+from streams.faust_parts import WorkerApp, WorkerMetrics
 from tests.unit.test_operator_view import Clock, capacity, goodput, placement, quotas, weights
 from tokenfleet.operator_page import ViewMetrics
 from tokenfleet.operator_view import OperatorView
@@ -85,3 +89,26 @@ def test_the_controllers_dashboard_asks_for_what_the_controller_exports() -> Non
     assert unknown_in(expressions, "tokenfleet_controller_", exported) == []
     asked = {n for e in expressions for n in re.findall(r"tokenfleet_controller_[a-z_]+", e)}
     assert asked == set(exported)  # every gauge has its panel
+
+
+def worker_metrics() -> Exported:
+    """What the table worker exports once it has taken in, dead-lettered and published."""
+    tallies = SimpleNamespace(
+        processed=Counter({"lifecycle events": 3}),
+        dead_lettered=Counter({"tf.completions": 1}),
+        published=Counter({"tf.tables.goodput": 2}),
+    )
+    return {
+        sample.name: set(sample.labels)
+        for family in WorkerMetrics(cast(WorkerApp, tallies)).collect()
+        for sample in family.samples
+    }
+
+
+def test_the_worker_s_dashboard_asks_for_what_the_worker_exports() -> None:
+    expressions = queries("tokenfleet-worker.json")
+    exported = worker_metrics()
+    assert len(expressions) == 3
+    assert unknown_in(expressions, "tokenfleet_worker_", exported) == []
+    asked = {n for e in expressions for n in re.findall(r"tokenfleet_worker_[a-z_]+", e)}
+    assert asked == set(exported)  # every counter has its panel
