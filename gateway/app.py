@@ -330,8 +330,8 @@ def create_app(parts: GatewayParts) -> FastAPI:
     ) -> Response:
         """Serve in the first DC; one that refuses the request or fails it before its
         first token passes it to the next (FleetMind's fallback). The last DC's answer
-        stands, save that its refusal of a request an earlier DC failed is the fleet's
-        doing, not the client's: 503, not 429."""
+        stands, save that its refusal of a request out of reach after an earlier DC
+        failed it is the fleet's doing, not the client's: 503, not 429."""
         failed: DcFailed | None = None
         for dc in dcs[:-1]:
             decider.sending(inbound.model.name, dc)
@@ -339,7 +339,8 @@ def create_app(parts: GatewayParts) -> FastAPI:
                 return await exchange.serve(inbound, dc, request, arrived, scoped)
             except (Refused, DcFailed) as exc:
                 metrics.dc_fallbacks.labels(dc, type(exc).__name__).inc()
-                failed = exc if isinstance(exc, DcFailed) else failed
+                if isinstance(exc, DcFailed):
+                    failed = exc
         decider.sending(inbound.model.name, dcs[-1])
         try:
             return await exchange.serve(inbound, dcs[-1], request, arrived, scoped)
@@ -347,9 +348,9 @@ def create_app(parts: GatewayParts) -> FastAPI:
             exchange.failed(inbound, failure)
             raise
         except Refused as refused:
-            if failed is None:
+            if failed is None or refused.reason is not RejectReason.DEADLINE:
                 raise
-            raise _refused_after(failed, refused) from refused
+            raise _late_after(failed, refused, dcs[-1]) from refused
 
     @app.post(CHAT_PATH, openapi_extra=_body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
@@ -456,13 +457,15 @@ def _upstream_client(settings: GatewaySettings) -> aiohttp.ClientSession:
 _REJECTIONS = {429: RejectReason.QUOTA, 503: RejectReason.NO_CAPACITY}
 
 
-def _refused_after(failure: DcFailed, refusal: Refused) -> Refused:
-    """The refusal of a request that ``failure``'s DC had taken and then failed before its
-    first token: the time it spent there may be why the next DC refused it (it can no
-    longer meet its objective), so the client learns both, as a server-side 503."""
+def _late_after(failure: DcFailed, refusal: Refused, dc: str) -> Refused:
+    """``dc``'s refusal, as out of reach of its objective, of a request that ``failure``'s
+    DC had taken and then failed before its first token: the time it spent there made it
+    late, so the client learns of both, as a server-side 503 (with the refusal's
+    ``Retry-After``). Any other refusal (a limit reached, a pool full) stays as it was:
+    waiting did not cause it."""
     message = (
-        f"Its DC {failure.dc} failed before the first token ({failure.error}), and the next "
-        f"allowed DC refused it: {refusal.message}"
+        f"DC {failure.dc} failed it before the first token ({failure.error}), and DC {dc} "
+        f"then refused it: {refusal.message}"
     )
     return Refused(503, message, refusal.reason, retry_after_s=refusal.retry_after_s)
 

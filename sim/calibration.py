@@ -82,14 +82,17 @@ def calibration_dir() -> Path:
 
 
 def load_stages(path: str | None = None) -> list[Stage]:
-    """The measured stages without failures (overloaded runs are not a latency sample)."""
+    """The measured stages without failures (overloaded runs are not a latency sample);
+    ValueError naming the row for one that is not a stage's figures."""
     path = path or str(calibration_dir() / STAGES_FILE)
     stages = []
     with open(path) as rows:
-        for row in csv.DictReader(rows):
-            if int(row["n_failures"]) > 0:
-                continue
-            stages.append(_stage(row))
+        for line, row in enumerate(csv.DictReader(rows), start=2):
+            try:
+                if int(row["n_failures"]) == 0:
+                    stages.append(_stage(row))
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"{path}, line {line}: not a measured stage ({exc!r})") from None
     return stages
 
 

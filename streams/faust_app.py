@@ -162,7 +162,8 @@ def build_app(
     async def log_progress() -> None:
         if processed != logged:
             log.info(
-                "processed since start: %s", ", ".join(f"{n} {k}" for k, n in processed.items())
+                "processed since start: %s",
+                ", ".join(f"{n} {kind} events" for kind, n in processed.items()),
             )
             logged.clear()
             logged.update(processed)
@@ -170,7 +171,7 @@ def build_app(
     @app.agent(lifecycle)
     async def join(stream: faust.StreamT) -> None:
         async for events in stream.take_events(settings.batch, within=JOIN_WITHIN_S):
-            processed["lifecycle events"] += len(events)
+            processed["lifecycle"] += len(events)
             released: list[Outcome] = []
             for key, (partition, envelopes) in (await _by_request(events, decoded)).items():
                 state = joins.get(key) or outcomes.new_state()
@@ -185,7 +186,7 @@ def build_app(
     @app.agent(fleet_events)
     async def fleet(stream: faust.StreamT) -> None:
         async for event in stream.events():
-            processed["fleet events"] += 1
+            processed["fleet"] += 1
             envelope = await decoded(event)
             payload = envelope.payload if envelope else None
             if isinstance(payload, InstanceTelemetry):

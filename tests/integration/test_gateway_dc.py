@@ -166,14 +166,19 @@ async def test_the_last_dc_s_failure_is_the_answer() -> None:
 async def test_a_request_too_late_after_its_dc_failed_is_refused_as_the_fleet_s_doing() -> None:
     """dc-a fails the chat after 0.4 s, past its 0.2 s first-token objective, so dc-b
     refuses it (SLOMax's predicted TTFT); the client sees a 503 naming both, not the 429
-    "retry later" that a refusal at the door gets."""
+    "retry later" that a refusal at the door gets. Failed at once, it runs in dc-b."""
     served: list[str] = []
+    async with two_dcs(served, home_fails=0.0, chat_ttft_s=0.2) as front, front.client() as http:
+        assert (await ask(http)).status_code == 200
+    assert served == ["dc-a", "dc-b"]
+    served.clear()
     async with two_dcs(served, home_fails=0.4, chat_ttft_s=0.2) as front, front.client() as http:
         late = await ask(http)
         events = await read_for(front.app.state.parts.bus, topic_for(RequestRejected).name, 0.5)
     assert late.status_code == 503
     message = late.json()["error"]["message"]
-    assert "Its DC dc-a failed before the first token" in message
+    assert "DC dc-a failed it before the first token" in message
+    assert "DC dc-b then refused it" in message
     assert "(predicted_ttft)" in message
     assert served == ["dc-a"]
     [rejected] = [e for e in events if isinstance(e, RequestRejected)]

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +18,15 @@ from sim.hardware import H100
 from sim.profiles import CALIBRATED, LLAMA_70B, TRAINING_STAGES
 
 
-def test_the_carried_measurements_are_the_recorded_ones() -> None:
+def test_the_carried_measurements_are_the_recorded_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """The figures under ``sim/data/calibration`` match their checksum, and the loader reads
     them from there unless told otherwise."""
     root = Path(__file__).parents[2] / "sim" / "data" / "calibration"
     digest, name = (root / "SHA256SUMS").read_text().split()
     assert name == STAGES_FILE
     assert hashlib.sha256((root / name).read_bytes()).hexdigest() == digest
-    assert calibration_dir().resolve() == root.resolve() or "TOKENFLEET_CALIBRATION" in os.environ
+    monkeypatch.delenv("TOKENFLEET_CALIBRATION", raising=False)
+    assert calibration_dir().resolve() == root.resolve()
 
 
 def test_nelder_mead_finds_the_minimum_of_a_bowl() -> None:
@@ -46,7 +46,7 @@ def test_physics_terms_of_a_70b_model_on_four_h100() -> None:
     )
 
 
-def test_stages_with_failures_and_summaries_are_left_out() -> None:
+def test_stages_with_failures_are_left_out() -> None:
     stages = load_stages()
     assert stages
     assert not any("reasoning" in s.experiment for s in stages)  # overloaded, with failures
@@ -68,3 +68,12 @@ def test_a_stage_workload_shares_each_group_s_system_prompt() -> None:
     assert first.prefix_blocks == same_group.prefix_blocks
     assert first.prefix_blocks != requests[1].prefix_blocks
     assert len(first.prefix_blocks) == stage.system_prompt_tokens // 16
+
+
+def test_a_row_that_is_not_a_stage_s_figures_is_named(tmp_path: Path) -> None:
+    carried = Path(__file__).parents[2] / "sim" / "data" / "calibration" / STAGES_FILE
+    header, first = carried.read_text().splitlines()[:2]
+    summary = first.replace(",stage_0,5,600,", ",summary,,,")  # a whole-run row, no rate
+    (tmp_path / STAGES_FILE).write_text("\n".join([header, first, summary]) + "\n")
+    with pytest.raises(ValueError, match=r"line 3: not a measured stage"):
+        load_stages(str(tmp_path / STAGES_FILE))

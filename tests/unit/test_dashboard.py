@@ -94,7 +94,7 @@ def test_the_controllers_dashboard_asks_for_what_the_controller_exports() -> Non
 def worker_metrics() -> Exported:
     """What the table worker exports once it has taken in, dead-lettered and published."""
     tallies = SimpleNamespace(
-        processed=Counter({"lifecycle events": 3}),
+        processed=Counter({"lifecycle": 3}),
         dead_lettered=Counter({"tf.completions": 1}),
         published=Counter({"tf.tables.goodput": 2}),
     )

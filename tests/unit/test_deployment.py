@@ -131,10 +131,11 @@ def test_an_installed_copy_carries_the_data_its_jobs_read(tmp_path: Path) -> Non
         shutil.copy(ROOT / name, source / name)
     for package in PACKAGES:
         shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__py*"))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
-        check=True,
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    built = subprocess.run(
+        [*build, "-w", str(tmp_path), str(source)], capture_output=True, text=True
     )
+    assert built.returncode == 0, built.stderr
     (wheel,) = tmp_path.glob("tokenfleet-*.whl")
     installed = tmp_path / "site"
     with zipfile.ZipFile(wheel) as archive:
@@ -145,21 +146,24 @@ def test_an_installed_copy_carries_the_data_its_jobs_read(tmp_path: Path) -> Non
             assert (installed / path.relative_to(ROOT)).is_file(), path
     check = (
         "from sim import calibration, traces; "
-        "print(traces.traces_dir(), calibration.calibration_dir(), "
-        "len(traces.load_mooncake(limit=5)), len(calibration.load_stages()))"
+        "print(traces.traces_dir(), calibration.calibration_dir(), sep='\\n'); "
+        "print(len(traces.load_mooncake(limit=5)), len(calibration.load_stages()))"
     )
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFLEET_")}
-    shown = subprocess.run(
+    ran = subprocess.run(
         [sys.executable, "-c", check],
         cwd=tmp_path,
         env=clean | {"PYTHONPATH": str(installed)},
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout.split()
-    assert shown[:2] == [str(installed / "sim/data" / name) for name in ("traces", "calibration")]
-    assert shown[2] == "5"
-    assert int(shown[3]) > 0
+    )
+    assert ran.returncode == 0, ran.stderr
+    traces_dir, calibration_dir, counts = ran.stdout.splitlines()
+    assert Path(traces_dir).resolve() == (installed / "sim" / "data" / "traces").resolve()
+    assert Path(calibration_dir).resolve() == (installed / "sim" / "data" / "calibration").resolve()
+    mooncake, stages = map(int, counts.split())
+    assert mooncake == 5
+    assert stages > 0
 
 
 def test_up_refuses_a_missing_fleet_file_and_starts_nothing(

@@ -38,7 +38,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="serve Prometheus /metrics on this port: events taken in, dead letters by "
         "source topic, tables published, CPU and memory (default: not served)",
     )
-    worker.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics listens on")
+    worker.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address /metrics listens on (default: %(default)s)",
+    )
     worker.set_defaults(handler=_worker)
 
     collect = commands.add_parser(
@@ -212,7 +216,11 @@ def _worker(args: argparse.Namespace) -> int:
     def served() -> WorkerApp:
         app = build_app(bootstrap, settings, objectives)
         if args.metrics_port is not None:
-            serve_metrics(app, args.metrics_host, args.metrics_port)
+            try:
+                serve_metrics(app, args.metrics_host, args.metrics_port)
+            except (OSError, OverflowError) as exc:
+                where = f"{args.metrics_host}:{args.metrics_port}"
+                raise CliError(f"cannot serve /metrics on {where}: {exc}") from None
         return app
 
     run_worker(served, settings.log_level)
