@@ -124,7 +124,8 @@ def _up(args: argparse.Namespace) -> int:
     edge = next(part.url for part in parts if part.name.startswith("gateway-"))
     print(
         f"The edge gateway: {edge}/v1 (an API key of the fleet file's tenants); the "
-        f"operators' page: http://127.0.0.1:{args.controller_port}/.\n"
+        f"operators' page: http://127.0.0.1:{args.controller_port}/; the table worker's "
+        f"metrics: http://127.0.0.1:{args.worker_port}/metrics.\n"
         f"Logs: {args.home}/<part>/server.log. Next: tokenfleet status --home {args.home}; "
         f"tokenfleet down --home {args.home}."
     )
