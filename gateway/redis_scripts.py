@@ -44,9 +44,9 @@ local function holders(p, blocks)
 end
 """
 """Lua shared by the scripts that read a pool: the other live replicas' accounting of
-``ids`` and the mark of what they have written (changes per replica, and requests routed
-by any but ``r``: replicas of earlier versions count only these); and the holders of each
-block up to the first that none holds."""
+``ids`` and the mark of what they have written (charges and rewrites per replica, and
+requests routed by any but ``r``: replicas of earlier versions count only these); and the
+holders of each block up to the first that none holds."""
 
 VIEW = (
     NOW
@@ -71,10 +71,13 @@ local function account(id, pending, inflight)
   redis.call('HINCRBYFLOAT', share .. ':inflight', id, inflight)
 end
 local function keep_alive()
-  redis.call('HINCRBY', p .. 'changes', r, 1)
   redis.call('PEXPIRE', share .. ':pending', math.ceil(ttl * 1000))
   redis.call('PEXPIRE', share .. ':inflight', math.ceil(ttl * 1000))
   redis.call('ZADD', p .. 'replicas', now + ttl, r)
+end
+local function charged()
+  redis.call('HINCRBY', p .. 'changes', r, 1)
+  keep_alive()
 end
 local function account_all()
   local n = tonumber(ARGV[4])
@@ -85,7 +88,8 @@ end
 )
 """Lua shared by the scripts that write a replica's share: ARGV starts prefix, replica,
 TTL, then a count n and n instance ids, n pending prefills and n in-flight tokens to add
-(``account_all``, which answers n)."""
+(``account_all``, which answers n). ``charged`` counts a write that other replicas' views
+must not miss (a charge, a rewrite) in the mark; releases alone are not counted."""
 
 ADJUST = (
     ACCOUNT
@@ -101,7 +105,7 @@ SYNC = (
     + """
 redis.call('DEL', share .. ':pending', share .. ':inflight')
 account_all()
-keep_alive()
+charged()
 for _, gone in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', '-inf', now)) do
   redis.call('HDEL', p .. 'changes', gone)
   redis.call('HDEL', p .. 'routed-by', gone)
@@ -140,7 +144,7 @@ end
 redis.call('INCR', p .. 'routes')
 redis.call('HINCRBY', p .. 'routed-by', r, 1)
 account(id, ARGV[o + 3], ARGV[o + 4])
-keep_alive()
+charged()
 local lru = p .. 'lru:' .. id
 for _, block in ipairs(blocks) do
   local order = redis.call('INCR', p .. 'lru-seq')

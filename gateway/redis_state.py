@@ -16,8 +16,10 @@ the nodes (on one server the keys carry no tag, as with earlier versions):
 - ``{pool}:lru:<instance>``: that instance's blocks, scored by a sequence number, so the
   lowest scores are the least recently used;
 - ``{pool}:routes``: requests routed in the pool; ``{pool}:routed-by``: how many of them
-  each replica routed; ``{pool}:changes``: each replica's writes to its share, counted, so
-  that a view's mark (the others' counts) tells whether another replica wrote since;
+  each replica routed; ``{pool}:changes``: each replica's charges and rewrites of its
+  share, counted, so that a view's mark (the others' counts) tells whether another replica
+  charged since (its releases are not counted: they can only make a view's instances look
+  busier than they are);
 - ``bucket:<name>``: a token bucket's level and last refill (Redis server time, so every
   gateway refills on the same clock);
 - ``idem:<key>``: ``pending`` or a JSON outcome, with the key's time to live;

@@ -108,14 +108,17 @@ class SharedState(Protocol):
         """A request went to ``instance_id``: index its blocks, count its tokens. With
         ``seen_version`` (the version of the view the decision was made on, whose blocks
         were these), only if that view is still current: no request routed since, and (in
-        Redis) no other replica's change to the accounting and the same match of the
-        blocks; False, and nothing written, otherwise."""
+        Redis) no other replica's charge or rewrite of its share and the same match of the
+        blocks; False, and nothing written, otherwise. Another replica's release (a first
+        token, an end) refuses nothing: it can only make the view's instances look busier
+        than they are, as a release that ``adjust`` holds does."""
         ...
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
-        """Add (usually subtract) these amounts, at a first token or an end. This
+        """Subtract these amounts (given negative), at a first token or an end. This
         replica's views count them at once; other replicas' (in Redis) may a few
-        milliseconds later, where the change waits for a charge to carry it."""
+        milliseconds later, where the change waits for a charge to carry it, and their
+        speculative views at their next read."""
         ...
 
     async def evicted(self, instance_id: str, blocks: Sequence[int]) -> None:

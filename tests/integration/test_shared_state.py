@@ -213,7 +213,7 @@ async def test_a_decision_is_one_round_trip_to_redis(
     redis_server: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once a replica has read a pool, a speculative view costs no call and its checked
-    charge one; a view checked after another replica wrote is refused, and the refusal
+    charge one; a view checked after another replica charged is refused, and the refusal
     carries the fresh read, so the decision made again is charged in one more call."""
     async with _two_replicas(redis_server) as (one, two):
         sent = _calls_of(one, monkeypatch)
@@ -231,8 +231,7 @@ async def test_a_decision_is_one_round_trip_to_redis(
         await one.view(["a", "b"], ())  # and one has read what two wrote
         assert await calls(decision(one, "a", (1, 2))) == (True, 1)
         assert await calls(decision(one, "b", (3,))) == (True, 1)
-        await two.adjust("b", 0.0, -2.0)  # the other replica's change to the accounting
-        await two.flush()
+        await two.routed("b", (), 100, 0.0, 2.0)  # the other replica's charge
         assert await calls(decision(one, "a", (1, 2))) == (False, 1)
         assert await calls(decision(one, "a", (1, 2))) == (True, 1)  # decided again
         view = await one.view(["a", "b"], (4,), speculative=True)
@@ -240,10 +239,30 @@ async def test_a_decision_is_one_round_trip_to_redis(
         assert not await one.routed("a", (4,), 100, 1.0, 2.0, seen_version=view.version)
         view = await one.view(["a", "b"], (4,), speculative=True)
         assert view.matched_blocks.tolist() == [0, 1]  # learnt from the refusal
-        assert view.inflight_tokens.tolist() == [8.0, 0.0]
+        assert view.inflight_tokens.tolist() == [8.0, 4.0]
         assert await calls(decision(one, "b", (4,))) == (True, 1)
         stale = one.routed("a", (5,), 100, 1.0, 2.0, seen_version=view.version)
         assert await calls(stale) == (False, 0)  # older than this replica's last route
+
+
+@pytest.mark.redis
+async def test_another_replica_s_release_refuses_no_charge_and_shows_at_the_next_read(
+    redis_server: Service,
+) -> None:
+    """A release can only make a view's instance look busier than it is (as one that waits
+    for a charge to carry it does), so it does not make a charge on that view wait for a
+    fresh read; the next read shows it. A charge by the other replica still refuses."""
+    async with _two_replicas(redis_server) as (one, two):
+        await two.routed("b", (), 100, 10.0, 20.0)
+        view = await one.view(["a", "b"], (), speculative=True)
+        assert view.inflight_tokens.tolist() == [0.0, 20.0]
+        await two.adjust("b", -10.0, -20.0)
+        await two.flush()
+        assert await one.routed("a", (), 100, 1.0, 1.0, seen_version=view.version)
+        view = await one.view(["a", "b"], ())
+        assert view.inflight_tokens.tolist() == [1.0, 0.0]
+        await two.routed("b", (), 100, 0.0, 5.0)
+        assert not await one.routed("a", (), 100, 1.0, 1.0, seen_version=view.version)
 
 
 @pytest.mark.redis
@@ -278,7 +297,7 @@ async def test_a_first_token_or_an_end_rides_on_the_next_charge_in_its_pool(
 
         await one.adjust("a", 0.0, -20.0)
         view = await one.view(["a", "b"], (), speculative=True)
-        await two.routed("b", (), 100, 0.0, 0.0)  # another replica wrote: refused
+        await two.routed("b", (), 100, 0.0, 0.0)  # another replica charged: refused
         sent.clear()
         assert not await one.routed("a", (), 100, 1.0, 1.0, seen_version=view.version)
         assert len(sent) == 1
