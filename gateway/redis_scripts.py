@@ -44,9 +44,9 @@ local function holders(p, blocks)
 end
 """
 """Lua shared by the scripts that read a pool: the other live replicas' accounting of
-``ids`` and the mark of what they have written (charges and rewrites per replica, and
-requests routed by any but ``r``: replicas of earlier versions count only these); and the
-holders of each block up to the first that none holds."""
+``ids`` and the mark of what they have written (rewrites of their shares per replica, and
+requests routed by any but ``r``); and the holders of each block up to the first that
+none holds."""
 
 VIEW = (
     NOW
@@ -75,7 +75,7 @@ local function keep_alive()
   redis.call('PEXPIRE', share .. ':inflight', math.ceil(ttl * 1000))
   redis.call('ZADD', p .. 'replicas', now + ttl, r)
 end
-local function charged()
+local function rewrote()
   redis.call('HINCRBY', p .. 'changes', r, 1)
   keep_alive()
 end
@@ -88,8 +88,9 @@ end
 )
 """Lua shared by the scripts that write a replica's share: ARGV starts prefix, replica,
 TTL, then a count n and n instance ids, n pending prefills and n in-flight tokens to add
-(``account_all``, which answers n). ``charged`` counts a write that other replicas' views
-must not miss (a charge, a rewrite) in the mark; releases alone are not counted."""
+(``account_all``, which answers n). ``rewrote`` counts a rewrite of the share, which
+other replicas' views must not miss, in the pool's ``changes``; a charge moves their mark
+through the pool's ``routes``, and a release alone moves it not at all."""
 
 ADJUST = (
     ACCOUNT
@@ -105,7 +106,7 @@ SYNC = (
     + """
 redis.call('DEL', share .. ':pending', share .. ':inflight')
 account_all()
-charged()
+rewrote()
 for _, gone in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', '-inf', now)) do
   redis.call('HDEL', p .. 'changes', gone)
   redis.call('HDEL', p .. 'routed-by', gone)
@@ -144,7 +145,7 @@ end
 redis.call('INCR', p .. 'routes')
 redis.call('HINCRBY', p .. 'routed-by', r, 1)
 account(id, ARGV[o + 3], ARGV[o + 4])
-charged()
+keep_alive()
 local lru = p .. 'lru:' .. id
 for _, block in ipairs(blocks) do
   local order = redis.call('INCR', p .. 'lru-seq')

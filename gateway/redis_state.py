@@ -16,10 +16,10 @@ the nodes (on one server the keys carry no tag, as with earlier versions):
 - ``{pool}:lru:<instance>``: that instance's blocks, scored by a sequence number, so the
   lowest scores are the least recently used;
 - ``{pool}:routes``: requests routed in the pool; ``{pool}:routed-by``: how many of them
-  each replica routed; ``{pool}:changes``: each replica's charges and rewrites of its
-  share, counted, so that a view's mark (the others' counts) tells whether another replica
-  charged since (its releases are not counted: they can only make a view's instances look
-  busier than they are);
+  each replica routed; ``{pool}:changes``: each replica's rewrites of its share, counted.
+  A view's mark (the requests the others routed, and their rewrites) tells whether another
+  replica charged or rewrote its share since; its releases move no mark: they can only
+  make a view's instances look busier than they are;
 - ``bucket:<name>``: a token bucket's level and last refill (Redis server time, so every
   gateway refills on the same clock);
 - ``idem:<key>``: ``pending`` or a JSON outcome, with the key's time to live;
@@ -234,8 +234,9 @@ class RedisState:
         builds speculative views from what it read (50 ms, an admission tick: how stale
         the other replicas' admission load may be too). ``hold_s``: how long a change
         made by ``adjust`` (a first token, an end) may wait for a charge in its pool to
-        carry it before it is sent alone; the other replicas see it that much later, a
-        fifth of the age of the reads their own speculative views rest on.
+        carry it before it is sent alone; the other replicas' reads see it that much
+        later, and their decisions, which rest on their last read, up to ``known_for_s``
+        after that (a release refuses no charge: ``SharedState.routed``).
 
         ``shard_of``: the hash tag an instance's routing keys go under, the same for every
         instance of a pool (a view reads a pool in one script); ``cluster``: ``url`` names
@@ -386,7 +387,9 @@ class RedisState:
         instance's pool (on one server, where pools share the key prefix: any charge)
         carries it to Redis, or a call of its own ``hold_s`` after the first change held
         there. Under load a request's first token and end then cost no
-        call of their own."""
+        call of their own. Only releases come here (``SharedState.adjust``): the other
+        replicas' checks do not look for them."""
+        assert max(pending_prefill, inflight) <= 0, "a charge goes through routed"
         _, prefix = self._pool([instance_id])
         self._on_the_way.add(instance_id, pending_prefill, inflight)
         held = self._held.get(prefix)

@@ -92,8 +92,9 @@ class SharedState(Protocol):
     ) -> SharedView:
         """Accounting of ``instance_ids`` and their match of ``blocks``, in one read.
         ``speculative``: the caller charges what it decides on this view through
-        ``routed`` with its version, which refuses a view that was not current, so the
-        view may come from what this replica knows already, without a read."""
+        ``routed`` with its version, which refuses a view that was not current (one that
+        misses only other replicas' releases counts as current), so the view may come from
+        what this replica knows already, without a read."""
         ...
 
     async def routed(
@@ -115,7 +116,8 @@ class SharedState(Protocol):
         ...
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
-        """Subtract these amounts (given negative), at a first token or an end. This
+        """Subtract these amounts (never positive: a charge goes through ``routed``), at
+        a first token or an end. This
         replica's views count them at once; other replicas' (in Redis) may a few
         milliseconds later, where the change waits for a charge to carry it, and their
         speculative views at their next read."""

@@ -457,7 +457,7 @@ async def test_an_empty_prompt_is_refused(front: Gateway, path: str, body: dict)
 async def test_embeddings_go_to_the_instance_with_fewer_tokens_in_flight(
     front: Gateway, client: openai.AsyncOpenAI
 ) -> None:
-    await front.app.state.parts.state.adjust("i0", 0.0, 50_000.0)  # i0 busy with others
+    await front.app.state.parts.state.routed("i0", (), 1_000, 0.0, 50_000.0)  # busy with others
     for _ in range(3):
         raw = await client.embeddings.with_raw_response.create(model=MODEL, input="y " * 10)
         assert raw.headers["x-tokenfleet-instance"] == "i1"

@@ -266,6 +266,38 @@ async def test_another_replica_s_release_refuses_no_charge_and_shows_at_the_next
 
 
 @pytest.mark.redis
+async def test_a_refused_charge_carrying_releases_refuses_no_other_replica_s_charge(
+    redis_server: Service,
+) -> None:
+    """A refused charge still writes the releases it carries; they move no mark, so the
+    other replica's charge on a view from before them goes through (it was refused in
+    turn, each refusal inviting the next)."""
+    async with _two_replicas(redis_server, hold_s=1.0) as (one, two):
+        await one.routed("a", (), 100, 10.0, 10.0)
+        stale = await one.view(["a", "b"], (), speculative=True)
+        await two.routed("b", (), 100, 0.0, 1.0)  # one's view is out of date
+        current = await two.view(["a", "b"], (), speculative=True)
+        await one.adjust("a", -10.0, -10.0)  # held for one's next charge
+        assert not await one.routed("a", (), 100, 1.0, 1.0, seen_version=stale.version)
+        assert await two.routed("b", (), 100, 0.0, 1.0, seen_version=current.version)
+        view = await two.view(["a", "b"], ())
+        assert view.inflight_tokens.tolist() == [0.0, 2.0]  # the release was written
+
+
+@pytest.mark.redis
+async def test_another_replica_s_rewrite_of_its_share_refuses_a_charge(
+    redis_server: Service,
+) -> None:
+    """A rewrite (``reconcile``) may raise the other replica's share (a change made while
+    Redis was away comes back), so a view from before it is out of date."""
+    async with _two_replicas(redis_server) as (one, two):
+        await two.routed("b", (), 100, 0.0, 5.0)
+        view = await one.view(["a", "b"], (), speculative=True)
+        await two.reconcile()
+        assert not await one.routed("a", (), 100, 1.0, 1.0, seen_version=view.version)
+
+
+@pytest.mark.redis
 async def test_a_first_token_or_an_end_rides_on_the_next_charge_in_its_pool(
     redis_server: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
