@@ -71,6 +71,7 @@ class Stage:
 
 
 STAGES_FILE = "inference_perf_stages.csv"
+"""The measured stages' table, in ``calibration_dir()`` (``sim/data/calibration/README.md``)."""
 
 
 def calibration_dir() -> Path:
