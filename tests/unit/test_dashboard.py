@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
+
+import pytest
+from prometheus_client.registry import Collector
 
 from gateway.metrics import GatewayMetrics
 from streams.faust_parts import WorkerApp, WorkerMetrics
@@ -47,11 +51,7 @@ def controller_metrics() -> Exported:
         placement("dc-a", 990.0, replicas=2),
     ):
         view.apply(message)
-    return {
-        sample.name: set(sample.labels)
-        for family in ViewMetrics(view).collect()
-        for sample in family.samples
-    }
+    return exported_by(ViewMetrics(view))
 
 
 def queries(dashboard: str) -> list[str]:
@@ -82,15 +82,6 @@ def test_the_gateways_dashboard_asks_for_what_the_gateway_exports() -> None:
     assert unknown_in(expressions, "tokenfleet_gateway_", gateway_metrics()) == []
 
 
-def test_the_controllers_dashboard_asks_for_what_the_controller_exports() -> None:
-    expressions = queries("tokenfleet-controller.json")
-    exported = controller_metrics()
-    assert len(expressions) == 8
-    assert unknown_in(expressions, "tokenfleet_controller_", exported) == []
-    asked = {n for e in expressions for n in re.findall(r"tokenfleet_controller_[a-z_]+", e)}
-    assert asked == set(exported)  # every gauge has its panel
-
-
 def worker_metrics() -> Exported:
     """What the table worker exports once it has taken in, dead-lettered and published."""
     tallies = SimpleNamespace(
@@ -98,17 +89,33 @@ def worker_metrics() -> Exported:
         dead_lettered=Counter({"tf.completions": 1}),
         published=Counter({"tf.tables.goodput": 2}),
     )
+    return exported_by(WorkerMetrics(cast(WorkerApp, tallies)))
+
+
+def exported_by(collector: Collector) -> Exported:
+    """Each sample a custom collector yields, with its labels."""
     return {
         sample.name: set(sample.labels)
-        for family in WorkerMetrics(cast(WorkerApp, tallies)).collect()
+        for family in collector.collect()
         for sample in family.samples
     }
 
 
-def test_the_worker_s_dashboard_asks_for_what_the_worker_exports() -> None:
-    expressions = queries("tokenfleet-worker.json")
-    exported = worker_metrics()
-    assert len(expressions) == 3
-    assert unknown_in(expressions, "tokenfleet_worker_", exported) == []
-    asked = {n for e in expressions for n in re.findall(r"tokenfleet_worker_[a-z_]+", e)}
-    assert asked == set(exported)  # every counter has its panel
+@pytest.mark.parametrize(
+    ("dashboard", "prefix", "panels", "exporting"),
+    [
+        ("tokenfleet-controller.json", "tokenfleet_controller_", 8, controller_metrics),
+        ("tokenfleet-worker.json", "tokenfleet_worker_", 3, worker_metrics),
+    ],
+)
+def test_a_part_s_dashboard_has_a_panel_for_each_of_its_metrics_and_no_other(
+    dashboard: str, prefix: str, panels: int, exporting: Callable[[], Exported]
+) -> None:
+    """The controller's gauges and the worker's counters: every query asks for what the
+    part exports, and every metric it exports has its panel."""
+    expressions = queries(dashboard)
+    exported = exporting()
+    assert len(expressions) == panels
+    assert unknown_in(expressions, prefix, exported) == []
+    asked = {n for e in expressions for n in re.findall(prefix + r"[a-z_]+", e)}
+    assert asked == set(exported)
