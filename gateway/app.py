@@ -91,109 +91,246 @@ class GatewayParts:
     parameters, seed, profile), for the decision journal; None: no journal can be kept."""
 
 
-def create_app(parts: GatewayParts) -> FastAPI:
-    settings, fleet = parts.settings, parts.fleet
-    metrics = GatewayMetrics()
-    if isinstance(parts.state, FallbackState):
-        parts.state.on_fallback = metrics.state_fallbacks.inc
-    view = FleetView(fleet, settings.failure_cooldown_s)
-    local_dc = settings.dc or fleet.dcs[0].name
-    regions = {dc.name: dc.region for dc in fleet.dcs}
-    if local_dc not in regions:
-        raise ValueError(f"the gateway's dc {local_dc!r} is not in the fleet file")
-    events = EventSink(
-        parts.bus,
-        settings.name,
-        settings.event_buffer,
-        on_drop=lambda reason, count: metrics.events_dropped.labels(reason).inc(count),
-        on_published=metrics.count_published,
-    )
-    journals = None
-    if settings.journal or settings.journal_file is not None:
-        if parts.recipe is None:
-            raise ValueError("a gateway keeps a journal only where its parts give their recipe")
-        journals = Journals(
+class Gateway:
+    """One gateway's request path and background work, built from its parts: what
+    ``create_app`` serves."""
+
+    def __init__(self, parts: GatewayParts) -> None:
+        settings, fleet = parts.settings, parts.fleet
+        self.parts, self.settings, self.fleet = parts, settings, fleet
+        self.metrics = metrics = GatewayMetrics()
+        if isinstance(parts.state, FallbackState):
+            parts.state.on_fallback = metrics.state_fallbacks.inc
+        self.view = FleetView(fleet, settings.failure_cooldown_s)
+        self.local_dc = settings.dc or fleet.dcs[0].name
+        self.regions = {dc.name: dc.region for dc in fleet.dcs}
+        if self.local_dc not in self.regions:
+            raise ValueError(f"the gateway's dc {self.local_dc!r} is not in the fleet file")
+        self.events = EventSink(
+            parts.bus,
             settings.name,
-            parts.recipe,
-            settings.dc_policy,
-            events.emit if settings.journal else None,
-            settings.journal_file,
-            on_lost=metrics.events_dropped.labels("journal_write").inc,
+            settings.event_buffer,
+            on_drop=lambda reason, count: metrics.events_dropped.labels(reason).inc(count),
+            on_published=metrics.count_published,
         )
-    decider = Decider(
-        view,
-        parts.state,
-        parts.make_router,
-        local_dc,
-        metrics,
-        parts.make_admission,
-        fleet.all_objectives(),
-        make_dc_policy(settings.dc_policy),
-        journals,
-    )
-    background: set[asyncio.Task[None]] = set()
+        self.journals = self._journals()
+        self.decider = Decider(
+            self.view,
+            parts.state,
+            parts.make_router,
+            self.local_dc,
+            metrics,
+            parts.make_admission,
+            fleet.all_objectives(),
+            make_dc_policy(settings.dc_policy),
+            self.journals,
+        )
+        self._background: set[asyncio.Task[None]] = set()
+        self.exchange = Exchange(
+            parts.state,
+            self.events,
+            self.view,
+            self.decider,
+            metrics,
+            self.spawn,
+            settings.idempotency_ttl_s,
+        )
 
-    def spawn(work: Coroutine[Any, Any, None]) -> None:
+    def _journals(self) -> Journals | None:
+        settings = self.settings
+        if not (settings.journal or settings.journal_file is not None):
+            return None
+        if self.parts.recipe is None:
+            raise ValueError("a gateway keeps a journal only where its parts give their recipe")
+        return Journals(
+            settings.name,
+            self.parts.recipe,
+            settings.dc_policy,
+            self.events.emit if settings.journal else None,
+            settings.journal_file,
+            on_lost=self.metrics.events_dropped.labels("journal_write").inc,
+        )
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background; the lifespan's end waits for it."""
         task = asyncio.ensure_future(work)
-        background.add(task)
-        task.add_done_callback(background.discard)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    exchange = Exchange(
-        parts.state, events, view, decider, metrics, spawn, settings.idempotency_ttl_s
-    )
-
-    def on_telemetry(message: object) -> None:
+    def on_telemetry(self, message: object) -> None:
         if isinstance(message, InstanceTelemetry):
-            view.observe(message)
+            self.view.observe(message)
 
-    def on_kv_event(message: object) -> None:
+    def on_kv_event(self, message: object) -> None:
         """Evictions correct the shared prefix index. Stored blocks add nothing: this
         gateway indexed what it sent when it sent it, and every replica applies the same
         events, which is harmless (removing twice removes once)."""
         if isinstance(message, KvBlocksRemoved):
-            spawn(parts.state.evicted(message.instance_id, message.block_hashes))
+            self.spawn(self.parts.state.evicted(message.instance_id, message.block_hashes))
         elif isinstance(message, KvAllCleared):
-            spawn(parts.state.cleared(message.instance_id))
+            self.spawn(self.parts.state.cleared(message.instance_id))
 
-    def on_control(message: object) -> None:
+    def on_control(self, message: object) -> None:
         if isinstance(message, AdmissionQuotas):
-            decider.quotas.offer(message)
+            self.decider.quotas.offer(message)
         elif isinstance(message, RoutingWeights):
-            decider.weights.offer(message)
+            self.decider.weights.offer(message)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        exchange.client = _upstream_client(settings)
-        await decider.admission.join()
-        loops = [
-            asyncio.create_task(events.run()),
-            asyncio.create_task(follow(parts.bus, "tf.telemetry", on_telemetry, "latest")),
-            asyncio.create_task(follow(parts.bus, "tf.kv-events", on_kv_event, "latest")),
-            asyncio.create_task(follow(parts.bus, "tf.control.quotas", on_control, "earliest")),
-            asyncio.create_task(follow(parts.bus, "tf.control.weights", on_control, "earliest")),
-            asyncio.create_task(_every(settings.share_sync_s, parts.state.reconcile)),
-            asyncio.create_task(decider.admission.run()),
-        ]
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        self.exchange.client = _upstream_client(self.settings)
+        await self.decider.admission.join()
+        loops = [asyncio.create_task(work) for work in self._loops()]
         try:
             yield
         finally:
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
-            await asyncio.gather(*background, return_exceptions=True)
-            await events.flush(timeout_s=2.0)
-            if journals is not None:
-                journals.close()
-            await exchange.client.close()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            await self.events.flush(timeout_s=2.0)
+            if self.journals is not None:
+                self.journals.close()
+            await self.exchange.client.close()
 
+    def _loops(self) -> list[Coroutine[Any, Any, None]]:
+        """What runs while the gateway serves: event publishing, the feeds it follows,
+        the shared state's reconcile and admission's releases."""
+        bus = self.parts.bus
+        return [
+            self.events.run(),
+            follow(bus, "tf.telemetry", self.on_telemetry, "latest"),
+            follow(bus, "tf.kv-events", self.on_kv_event, "latest"),
+            follow(bus, "tf.control.quotas", self.on_control, "earliest"),
+            follow(bus, "tf.control.weights", self.on_control, "earliest"),
+            _every(self.settings.share_sync_s, self.parts.state.reconcile),
+            self.decider.admission.run(),
+        ]
+
+    def prometheus(self) -> Response:
+        self.metrics.events_queued.set(self.events.queued)
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def proxied(self, request: Request, path: str) -> Response:
+        """A request to a proxied endpoint, counted by model and status."""
+        arrived = time.monotonic()
+        metrics = self.metrics
+        metrics.in_progress.inc()
+        model = "-"
+        try:
+            tenant = authenticate(self.fleet, request.headers.get("authorization"))
+            body = await read_body(request, self.settings.max_body_bytes)
+            inbound = read_inbound(self.fleet, tenant, path, body, request.headers)
+            model = inbound.model.name
+            try:
+                response = await self._serve(inbound, request, arrived)
+            except ApiError as exc:
+                exc.request_id = inbound.request_id
+                raise
+            metrics.requests.labels(model, str(response.status_code)).inc()
+            return response
+        except ApiError as exc:
+            metrics.requests.labels(model, str(exc.status)).inc()
+            raise
+        finally:
+            metrics.in_progress.dec()
+
+    async def passed_through(self, request: Request) -> Response:
+        """A request the instance answers as sent, e.g. ``/tokenize``: no admission,
+        accounting or events; the least loaded instance of the model in the DC
+        ``Decider.choose_dcs`` puts first."""
+        fleet = self.fleet
+        tenant = authenticate(fleet, request.headers.get("authorization"))
+        body = await read_body(request, self.settings.max_body_bytes)
+        name = parse_request(UtilityRequest, body).model
+        if name is None and len(fleet.models) == 1:
+            name = fleet.models[0].name
+        if name is None or fleet.model(name) is None:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model")
+        plan = await self.decider.least_loaded(name, tenant=tenant)
+        return await self.exchange.forward(plan, request.url.path, body)
+
+    async def _serve(self, inbound: Inbound, request: Request, arrived: float) -> Response:
+        """Idempotency, the quota, the DCs in turn; a refusal is published as rejected."""
+        state = self.parts.state
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        scoped = f"{inbound.tenant.name}:{key}" if key else None
+        if scoped is not None:
+            held = await state.claim(scoped, self.settings.idempotency_ttl_s)
+            if isinstance(held, Outcome):
+                return Response(
+                    held.body,
+                    held.status,
+                    media_type=held.media_type,
+                    headers={"idempotent-replayed": "true"},
+                )
+            if held is IN_PROGRESS:
+                raise ApiError(409, "A request with this Idempotency-Key is still running.")
+        try:
+            self.events.emit(_arrived_event(inbound, self.regions[self.local_dc]))
+            await self.decider.take_quota(inbound)
+            dcs = self.decider.choose_dcs(
+                inbound.model.name,
+                inbound.tenant,
+                inbound.residency,
+                inbound.input_tokens,
+                inbound.task_class,
+                inbound.request_id,
+            )
+            return await self._in_turn(dcs, inbound, request, arrived, scoped)
+        except ApiError as exc:
+            if scoped is not None:
+                await state.release(scoped)
+            if exc.status in _REJECTIONS:
+                self.events.emit(_rejected_event(inbound, exc))
+            raise
+
+    async def _in_turn(
+        self,
+        dcs: tuple[str, ...],
+        inbound: Inbound,
+        request: Request,
+        arrived: float,
+        scoped: str | None,
+    ) -> Response:
+        """Serve in the first DC; one that refuses the request or fails it before its
+        first token passes it to the next (FleetMind's fallback). The last DC's answer
+        stands, save that its refusal of a request out of reach after an earlier DC
+        failed it is the fleet's doing, not the client's: 503, not 429."""
+        failed: DcFailed | None = None
+        model = inbound.model.name
+        for dc in dcs[:-1]:
+            self.decider.sending(model, dc)
+            try:
+                return await self.exchange.serve(inbound, dc, request, arrived, scoped)
+            except (Refused, DcFailed) as exc:
+                self.metrics.dc_fallbacks.labels(dc, type(exc).__name__).inc()
+                if isinstance(exc, DcFailed):
+                    failed = exc
+        self.decider.sending(model, dcs[-1])
+        try:
+            return await self.exchange.serve(inbound, dcs[-1], request, arrived, scoped)
+        except DcFailed as failure:
+            self.exchange.failed(inbound, failure)
+            raise
+        except Refused as refused:
+            if failed is None or refused.reason is not RejectReason.DEADLINE:
+                raise
+            raise _late_after(failed, refused, dcs[-1]) from refused
+
+
+def create_app(parts: GatewayParts) -> FastAPI:
+    """The gateway's HTTP app over a ``Gateway`` built from ``parts``."""
+    gateway = Gateway(parts)
     app = GatewayApp(
-        title="TokenFleet gateway", version="1", lifespan=lifespan, redirect_slashes=False
+        title="TokenFleet gateway", version="1", lifespan=gateway.lifespan, redirect_slashes=False
     )
     app.state.parts = parts
-    app.state.view = view
-    app.state.decider = decider
-    app.state.metrics = metrics
-    app.state.events = events
+    app.state.view = gateway.view
+    app.state.decider = gateway.decider
+    app.state.metrics = gateway.metrics
+    app.state.events = gateway.events
+    fleet = parts.fleet
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -215,27 +352,17 @@ def create_app(parts: GatewayParts) -> FastAPI:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         """Some instance of the fleet can take requests (503 when none can)."""
-        ok = view.any_ready()
+        ok = gateway.view.any_ready()
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        metrics.events_queued.set(events.queued)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def model_card(model: ModelConfig) -> dict[str, Any]:
-        return {
-            "id": model.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "tokenfleet",
-            "max_model_len": model.context_tokens,
-        }
+        return gateway.prometheus()
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authenticate(fleet, request.headers.get("authorization"))
-        return {"object": "list", "data": [model_card(m) for m in fleet.models]}
+        return {"object": "list", "data": [_model_card(m) for m in fleet.models]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> dict[str, Any]:
@@ -243,149 +370,52 @@ def create_app(parts: GatewayParts) -> FastAPI:
         found = fleet.model(model_id)
         if found is None:
             raise ApiError(404, f"The model `{model_id}` does not exist.", param="model")
-        return model_card(found)
-
-    async def proxied(request: Request, path: str) -> Response:
-        arrived = time.monotonic()
-        metrics.in_progress.inc()
-        model = "-"
-        try:
-            tenant = authenticate(fleet, request.headers.get("authorization"))
-            body = await read_body(request, settings.max_body_bytes)
-            inbound = read_inbound(fleet, tenant, path, body, request.headers)
-            model = inbound.model.name
-            try:
-                response = await _serve(inbound, request, arrived)
-            except ApiError as exc:
-                exc.request_id = inbound.request_id
-                raise
-            metrics.requests.labels(model, str(response.status_code)).inc()
-            return response
-        except ApiError as exc:
-            metrics.requests.labels(model, str(exc.status)).inc()
-            raise
-        finally:
-            metrics.in_progress.dec()
-
-    async def passed_through(request: Request) -> Response:
-        """A request the instance answers as sent, e.g. ``/tokenize``: no admission,
-        accounting or events; the least loaded instance of the model in the DC
-        ``Decider.choose_dcs`` puts first."""
-        tenant = authenticate(fleet, request.headers.get("authorization"))
-        body = await read_body(request, settings.max_body_bytes)
-        name = parse_request(UtilityRequest, body).model
-        if name is None and len(fleet.models) == 1:
-            name = fleet.models[0].name
-        if name is None or fleet.model(name) is None:
-            raise ApiError(404, f"The model `{name}` does not exist.", param="model")
-        plan = await decider.least_loaded(name, tenant=tenant)
-        return await exchange.forward(plan, request.url.path, body)
-
-    async def _serve(inbound: Inbound, request: Request, arrived: float) -> Response:
-        key = request.headers.get(IDEMPOTENCY_HEADER)
-        scoped = f"{inbound.tenant.name}:{key}" if key else None
-        if scoped is not None:
-            held = await parts.state.claim(scoped, settings.idempotency_ttl_s)
-            if isinstance(held, Outcome):
-                return Response(
-                    held.body,
-                    held.status,
-                    media_type=held.media_type,
-                    headers={"idempotent-replayed": "true"},
-                )
-            if held is IN_PROGRESS:
-                raise ApiError(409, "A request with this Idempotency-Key is still running.")
-        try:
-            events.emit(_arrived_event(inbound, regions[local_dc]))
-            await decider.take_quota(inbound)
-            dcs = decider.choose_dcs(
-                inbound.model.name,
-                inbound.tenant,
-                inbound.residency,
-                inbound.input_tokens,
-                inbound.task_class,
-                inbound.request_id,
-            )
-            return await _in_turn(dcs, inbound, request, arrived, scoped)
-        except ApiError as exc:
-            if scoped is not None:
-                await parts.state.release(scoped)
-            if exc.status in _REJECTIONS:
-                events.emit(
-                    RequestRejected(
-                        request_id=inbound.request_id,
-                        reason=exc.reason if isinstance(exc, Refused) else _REJECTIONS[exc.status],
-                        detail=exc.message,
-                        retry_after_s=exc.retry_after_s,
-                    )
-                )
-            raise
-
-    async def _in_turn(
-        dcs: tuple[str, ...],
-        inbound: Inbound,
-        request: Request,
-        arrived: float,
-        scoped: str | None,
-    ) -> Response:
-        """Serve in the first DC; one that refuses the request or fails it before its
-        first token passes it to the next (FleetMind's fallback). The last DC's answer
-        stands, save that its refusal of a request out of reach after an earlier DC
-        failed it is the fleet's doing, not the client's: 503, not 429."""
-        failed: DcFailed | None = None
-        for dc in dcs[:-1]:
-            decider.sending(inbound.model.name, dc)
-            try:
-                return await exchange.serve(inbound, dc, request, arrived, scoped)
-            except (Refused, DcFailed) as exc:
-                metrics.dc_fallbacks.labels(dc, type(exc).__name__).inc()
-                if isinstance(exc, DcFailed):
-                    failed = exc
-        decider.sending(inbound.model.name, dcs[-1])
-        try:
-            return await exchange.serve(inbound, dcs[-1], request, arrived, scoped)
-        except DcFailed as failure:
-            exchange.failed(inbound, failure)
-            raise
-        except Refused as refused:
-            if failed is None or refused.reason is not RejectReason.DEADLINE:
-                raise
-            raise _late_after(failed, refused, dcs[-1]) from refused
+        return _model_card(found)
 
     @app.post(CHAT_PATH, openapi_extra=_body_schema(ChatRequest))
     async def chat(request: Request) -> Response:
         """Chat completion, streamed (SSE) or whole, by the chosen instance."""
-        return await proxied(request, CHAT_PATH)
+        return await gateway.proxied(request, CHAT_PATH)
 
     @app.post(COMPLETIONS_PATH, openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         """Text completion of one prompt or several, streamed (SSE) or whole."""
-        return await proxied(request, COMPLETIONS_PATH)
+        return await gateway.proxied(request, COMPLETIONS_PATH)
 
     @app.post(RESPONSES_PATH, openapi_extra=_body_schema(ResponsesRequest))
     async def responses(request: Request) -> Response:
         """A Responses API answer, streamed (SSE) or whole, by the chosen instance."""
-        return await proxied(request, RESPONSES_PATH)
+        return await gateway.proxied(request, RESPONSES_PATH)
 
     @app.post(EMBEDDINGS_PATH, openapi_extra=_body_schema(EmbeddingRequest))
     async def embeddings(request: Request) -> Response:
         """Embeddings, by the least loaded instance of the model."""
-        return await proxied(request, EMBEDDINGS_PATH)
+        return await gateway.proxied(request, EMBEDDINGS_PATH)
 
     @app.post("/tokenize", openapi_extra=_body_schema(UtilityRequest))
     async def tokenize(request: Request) -> Response:
         """The model's tokens for a prompt or messages, by one of its instances."""
-        return await passed_through(request)
+        return await gateway.passed_through(request)
 
     @app.post("/detokenize", openapi_extra=_body_schema(UtilityRequest))
     async def detokenize(request: Request) -> Response:
         """The text of the model's tokens, by one of its instances."""
-        return await passed_through(request)
+        return await gateway.passed_through(request)
 
     app.fast_lane = dict(
         zip(PROXIED_PATHS, (chat, completions, responses, embeddings), strict=True)
     )
     return app
+
+
+def _model_card(model: ModelConfig) -> dict[str, Any]:
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "tokenfleet",
+        "max_model_len": model.context_tokens,
+    }
 
 
 class GatewayApp(FastAPI):
@@ -496,6 +526,15 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 DRAINED_AT_MOST = 256 * 1024 * 1024
 """Bytes of an oversized body read before the 413 regardless (the connection then closes)."""
+
+
+def _rejected_event(inbound: Inbound, refusal: ApiError) -> RequestRejected:
+    return RequestRejected(
+        request_id=inbound.request_id,
+        reason=refusal.reason if isinstance(refusal, Refused) else _REJECTIONS[refusal.status],
+        detail=refusal.message,
+        retry_after_s=refusal.retry_after_s,
+    )
 
 
 def _arrived_event(inbound: Inbound, region: str) -> RequestArrived:
