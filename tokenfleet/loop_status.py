@@ -10,13 +10,13 @@ them would.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from schemas import Envelope
 from schemas.control import ControlSnapshot
 from schemas.tables import CapacityTable, WindowedTable
+from schemas.topics import topic_for
 from streams.kafka import KafkaBus
 from tokenfleet.operator_view import ONE_APP_ID, recent_publishers
 
@@ -26,38 +26,43 @@ STALE_AFTER_S = 30.0
 """Tables older than this move no controller (``tokenfleet/controller_host.py``)."""
 
 
-async def latest_on(bootstrap: str) -> dict[str, dict[str, Envelope]]:
-    """The latest value of each key of the tables' and controls' topics on the broker
-    (a topic never published is left out)."""
+@dataclass(frozen=True)
+class OnTheBroker:
+    """What ``tokenfleet status`` reads: the latest value of each key of the tables' and
+    controls' topics (a topic never published is left out), and per DC, each table
+    worker (the tables' ``source``: the worker's app id) that published its tables, and
+    when it last did."""
+
+    latest: dict[str, dict[str, Envelope]]
+    published: dict[str, dict[str, float]]
+
+
+async def read_broker(bootstrap: str) -> OnTheBroker:
+    """One read of each topic, on one connection, that writes nothing: a record that
+    does not decode is skipped (a reader of the loop's state leaves dead-lettering to the
+    loop's own consumers, or each status would dead-letter it again)."""
     bus = KafkaBus(bootstrap, source="status")
-    latest = {}
+    found = OnTheBroker({}, {})
     try:
         for topic in (*TABLE_TOPICS, *CONTROL_TOPICS):
-            with contextlib.suppress(LookupError):
-                latest[topic] = await bus.read_latest(topic)
-    finally:
-        await bus.close()
-    return latest
-
-
-async def publishers_on(bootstrap: str) -> dict[str, dict[str, float]]:
-    """Per DC, each table worker (the tables' ``source``: the worker's app id) that
-    published its tables, and when it last did."""
-    bus = KafkaBus(bootstrap, source="status")
-    published: dict[str, dict[str, float]] = {}
-    try:
-        for topic in TABLE_TOPICS:
             try:
                 envelopes, _ = await bus.read_all(topic)
             except LookupError:
                 continue
+            found.latest[topic] = {_key(envelope): envelope for envelope in envelopes}
             for envelope in envelopes:
                 if isinstance(table := envelope.payload, WindowedTable):
-                    sources = published.setdefault(table.dc, {})
+                    sources = found.published.setdefault(table.dc, {})
                     sources[envelope.source] = max(sources.get(envelope.source, 0.0), envelope.ts)
     finally:
         await bus.close()
-    return published
+    return found
+
+
+def _key(envelope: Envelope) -> str:
+    """The key its topic gives the envelope's payload: its records in log order, the last
+    one of a key is its latest value."""
+    return topic_for(type(envelope.payload)).key_of(envelope.payload)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from tests.integration.test_closed_loop import _running
 from tests.services import Service
 from tokenfleet.audit import audit_journal, journals_in
 from tokenfleet.deployment import Deployment, Part, plan
-from tokenfleet.loop_status import latest_on, loop_checks, verdict
+from tokenfleet.loop_status import loop_checks, read_broker, verdict
 from tokenfleet.services.kafka import LocalKafka
 from tokenfleet.services.process import free_ports
 
@@ -223,7 +223,7 @@ async def until_closed(bootstrap: str, dcs: list[str], since: float, within_s: f
     every = {(f"tf.control.{kind}", dc) for kind in ("quotas", "weights") for dc in dcs}
     while (now := time.time()) - since < within_s:
         with contextlib.suppress(Exception):  # the broker may be coming back
-            latest = await latest_on(bootstrap)
+            latest = (await read_broker(bootstrap)).latest
             checks = loop_checks(latest, now, stale_after_s=now - since, only=dcs)
             closed, why = verdict(checks)
             renewed = {

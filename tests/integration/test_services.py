@@ -56,13 +56,16 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
 ) -> None:
     """``tokenfleet status`` reads the compacted topics as any reader would: fresh tables
     and quotas in force close the loop (exit 0); a stale table opens it (exit 1), and so
-    do tables from two table workers. Only this test's DC is asked for: the broker is
-    shared with the other tests."""
+    do tables from two table workers. A record that does not decode is passed over, and
+    status writes nothing: no dead letter of it. Only this test's DC is asked for: the
+    broker is shared with the other tests."""
     import time
     import uuid
 
     from schemas import Envelope
     from schemas.control import AdmissionQuotas
+    from schemas.deadletter import DeadLetter
+    from schemas.topics import DEADLETTER_TOPIC
     from streams.kafka import KafkaBus
     from tests.unit.test_quota_controller import capacity, table
     from tokenfleet.cli import main
@@ -84,6 +87,19 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
         finally:
             await bus.close()
 
+    async def dead_letters_of_this_dc() -> int:
+        bus = KafkaBus(kafka.address, source="test")
+        try:
+            letters, _ = await bus.read_all(DEADLETTER_TOPIC)
+        except LookupError:  # none yet on this broker
+            return 0
+        finally:
+            await bus.close()
+        return sum(isinstance(e.payload, DeadLetter) and e.payload.key == dc for e in letters)
+
+    broken = KafkaBus(kafka.address, source="test")
+    await broken.publish("tf.tables.goodput", dc, b"{not a table")
+    await broken.close()
     await publish(time.time(), 1)
     closed = await asyncio.to_thread(main, ["status", "--dc", dc])
     out = capsys.readouterr().out
@@ -91,6 +107,7 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
     opened = await asyncio.to_thread(main, ["status", "--dc", dc])
     assert closed == 0, out
     assert f"tf.tables.goodput    {dc}" in out
+    assert await dead_letters_of_this_dc() == 0
     assert opened == 1
     assert f"tf.tables.goodput[{dc}] 120" in capsys.readouterr().out
     await publish(time.time(), 3, worker="tables-2")  # a second worker's: fresh, but two

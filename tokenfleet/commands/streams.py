@@ -170,11 +170,10 @@ def _status(args: argparse.Namespace) -> int:
 
     from tokenfleet.deployment import Deployment
     from tokenfleet.loop_status import (
-        latest_on,
         loop_checks,
         process_checks,
         publisher_checks,
-        publishers_on,
+        read_broker,
         verdict,
     )
 
@@ -183,13 +182,12 @@ def _status(args: argparse.Namespace) -> int:
     recorded = deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
     parts = deployment.pids() if recorded == bootstrap else {}  # another broker's, else
     try:
-        latest = asyncio.run(latest_on(bootstrap))
-        published = asyncio.run(publishers_on(bootstrap))
+        found = asyncio.run(read_broker(bootstrap))
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
     now = time.time()
-    checks = process_checks(parts) + loop_checks(latest, now, args.stale_after, args.dc)
-    checks += publisher_checks(published, now, args.dc)
+    checks = process_checks(parts) + loop_checks(found.latest, now, args.stale_after, args.dc)
+    checks += publisher_checks(found.published, now, args.dc)
     for check in checks:
         print(f"{'ok ' if check.ok else 'NO '} {check.what:20} {check.key:16} {check.detail}")
     closed, why = verdict(checks)
