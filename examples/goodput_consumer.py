@@ -4,7 +4,8 @@ Every message on ``tf.tables.goodput`` is a JSON envelope (``tokenfleet schemas 
 writes its JSON Schema, ``tf.table.goodput.json``) keyed by DC, holding the DC's goodput
 table over a sliding window: per class and per tenant, the output tokens of requests that
 met their objective (``goodput_tokens``, and per second: ``goodput_tokens_per_s``),
-compliance and latency quantiles. This prints a line per class as tables arrive:
+compliance and latency quantiles. This prints a line per class as tables arrive, and
+passes over a record that is not such an envelope, saying so on stderr:
 
     python examples/goodput_consumer.py --bootstrap 127.0.0.1:9092
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 
 from aiokafka import AIOKafkaConsumer
 
@@ -28,10 +30,15 @@ async def follow(bootstrap: str, dc: str | None, limit: int | None) -> None:
     try:
         seen = 0
         async for message in consumer:
-            envelope = json.loads(message.value)
-            if not envelope["schema"].startswith("tf.table.goodput/"):
+            try:
+                envelope = json.loads(message.value)
+                schema, table = envelope["schema"], envelope["payload"]
+            except (ValueError, TypeError, KeyError) as exc:
+                where = f"{message.topic}[{message.partition}]@{message.offset}"
+                print(f"skipped {where}: not an envelope ({exc!r})", file=sys.stderr)
                 continue
-            table = envelope["payload"]
+            if not schema.startswith("tf.table.goodput/"):
+                continue
             if dc is not None and table["dc"] != dc:
                 continue
             for row in table["classes"]:

@@ -117,7 +117,7 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
 
 async def test_a_plain_kafka_client_reads_the_goodput_stream(kafka: Service) -> None:
     """``examples/goodput_consumer.py``, which knows nothing of the project but aiokafka
-    and JSON, reads a table the project published."""
+    and JSON, reads a table the project published, past a record that is no envelope."""
     import subprocess
     import sys
     import time
@@ -131,6 +131,7 @@ async def test_a_plain_kafka_client_reads_the_goodput_stream(kafka: Service) -> 
     dc = f"dc-{uuid.uuid4().hex[:8]}"
     bus = KafkaBus(kafka.address, source="test")
     try:
+        await bus.publish("tf.tables.goodput", dc, b"{not an envelope")
         published = table((100, 96), now=time.time()).model_copy(update={"dc": dc})
         await bus.publish_event(Envelope.wrap(published, source="test"))
     finally:
@@ -141,6 +142,7 @@ async def test_a_plain_kafka_client_reads_the_goodput_stream(kafka: Service) -> 
         subprocess.run, [*argv, "--tables", "1"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
+    assert "skipped tf.tables.goodput[0]@" in done.stderr
     interactive = next(line for line in done.stdout.splitlines() if " interactive:" in line)
     assert interactive.startswith(f"{dc} interactive: ")
     assert "96.0% in time (100 completed" in interactive
