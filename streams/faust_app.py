@@ -134,25 +134,7 @@ def build_app(
         )
     )
 
-    async def decoded(event: faust.EventT) -> Envelope | None:
-        try:
-            return decode(event.value)
-        except DecodeError as exc:
-            message = event.message
-            key = message.key.decode(errors="replace") if message.key else None
-            record = RawRecord(message.topic, message.partition, message.offset, key, message.value)
-            letter = encode(dead_letter(record, str(exc), settings.app_id))
-            await dead_letters.send(key=message.topic.encode(), value=letter)
-            app.dead_lettered[message.topic] += 1
-            log.warning(
-                "dead-lettered %s[%d]@%d (%d from that topic so far): %s",
-                message.topic,
-                message.partition,
-                message.offset,
-                app.dead_lettered[message.topic],
-                exc,
-            )
-            return None
+    decoded = _decoder(app, dead_letters, settings.app_id)
 
     quiet = _QuietRequests(joins, spec.size_s + spec.grace_s)
     processed = app.processed
@@ -188,29 +170,9 @@ def build_app(
         async for event in stream.events():
             processed["fleet"] += 1
             envelope = await decoded(event)
-            payload = envelope.payload if envelope else None
-            if isinstance(payload, InstanceTelemetry):
-                instance_dc[payload.instance_id] = payload.dc
-                reading = payload.model_dump(mode="json")
-                update = {
-                    "kind": "telemetry",
-                    "dc": payload.dc,
-                    "ts": envelope.ts,
-                    "reading": reading,
-                }
-                await updates.send(key=payload.dc.encode(), value=update)
-            elif isinstance(payload, KvBlocksRemoved):
-                dc = instance_dc.get(payload.instance_id)
-                if dc is not None:
-                    update = {
-                        "kind": "evictions",
-                        "dc": dc,
-                        "event_id": envelope.event_id,
-                        "instance": payload.instance_id,
-                        "blocks": len(payload.block_hashes),
-                        "ts": envelope.ts,
-                    }
-                    await updates.send(key=dc.encode(), value=update)
+            update = None if envelope is None else _fleet_update(envelope, instance_dc)
+            if update is not None:
+                await updates.send(key=update["dc"].encode(), value=update)
 
     live = _LiveStates(dc_slices)
 
@@ -243,6 +205,58 @@ def build_app(
                 app.published[topic] += 1
 
     return app
+
+
+def _decoder(
+    app: WorkerApp, dead_letters: faust.TopicT, source: str
+) -> Callable[[faust.EventT], Awaitable[Envelope | None]]:
+    """An event's envelope; one that does not decode is sent to the dead-letter topic
+    (as ``source``'s), counted and logged, and answers None."""
+
+    async def decoded(event: faust.EventT) -> Envelope | None:
+        try:
+            return decode(event.value)
+        except DecodeError as exc:
+            message = event.message
+            key = message.key.decode(errors="replace") if message.key else None
+            record = RawRecord(message.topic, message.partition, message.offset, key, message.value)
+            letter = encode(dead_letter(record, str(exc), source))
+            await dead_letters.send(key=message.topic.encode(), value=letter)
+            app.dead_lettered[message.topic] += 1
+            log.warning(
+                "dead-lettered %s[%d]@%d (%d from that topic so far): %s",
+                message.topic,
+                message.partition,
+                message.offset,
+                app.dead_lettered[message.topic],
+                exc,
+            )
+            return None
+
+    return decoded
+
+
+def _fleet_update(envelope: Envelope, instance_dc: faust.types.TableT) -> dict[str, Any] | None:
+    """What a fleet event tells its DC's state: a telemetry reading (whose DC the
+    instance's later evictions are sent to), or evictions of an instance whose DC is
+    known; None for anything else."""
+    payload = envelope.payload
+    if isinstance(payload, InstanceTelemetry):
+        instance_dc[payload.instance_id] = payload.dc
+        reading = payload.model_dump(mode="json")
+        return {"kind": "telemetry", "dc": payload.dc, "ts": envelope.ts, "reading": reading}
+    if isinstance(payload, KvBlocksRemoved):
+        dc = instance_dc.get(payload.instance_id)
+        if dc is not None:
+            return {
+                "kind": "evictions",
+                "dc": dc,
+                "event_id": envelope.event_id,
+                "instance": payload.instance_id,
+                "blocks": len(payload.block_hashes),
+                "ts": envelope.ts,
+            }
+    return None
 
 
 def run_worker(
