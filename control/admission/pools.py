@@ -20,12 +20,27 @@ DRAIN_WINDOW_S = 30.0
 pool that drains slowly, short enough to follow a load change within a minute."""
 
 
+UNDATED_BATCH_AFTER_S = 1e7
+"""How far behind its arrival a batch request without a deadline stands in its pool:
+about four months, past any deadline a batch job is given, so that it waits behind every
+one with a deadline (and its kind by arrival) rather than ahead of deadlines still to
+come. A number rather than a pair, so that replicas compare their pools' heads as they
+share them (``PoolLoad.head_key``)."""
+
+
+STALE_ENTRIES_KEPT = 1024
+"""Entries of requests no longer held that a heap may keep beyond twice the held ones
+before it is rebuilt without them (``ClassPools._prune``): a rebuild costs one pass."""
+
+
 def order_key(request: AdmissionRequest) -> float:
-    """Where a request stands in its class's pool, lowest first: its arrival, or for batch
-    work with a deadline, the deadline."""
-    if request.task_class is TaskClass.BATCH and request.deadline_s is not None:
-        return request.deadline_s
-    return request.arrival_s
+    """Where a request stands in its class's pool, lowest first: its arrival; for batch
+    work, its deadline, and without one, behind every batch request with one."""
+    if request.task_class is not TaskClass.BATCH:
+        return request.arrival_s
+    if request.deadline_s is None:
+        return request.arrival_s + UNDATED_BATCH_AFTER_S
+    return request.deadline_s
 
 
 @dataclass
@@ -116,4 +131,15 @@ class ClassPools(Generic[Payload]):
         waiting = self._live.pop(order)
         del self._orders[waiting.request.request_id]
         self._depth[waiting.request.task_class] -= 1
+        self._prune()
         return waiting
+
+    def _prune(self) -> None:
+        """Drop the entries of requests no longer held once they are most of a heap: a
+        request released or withdrawn leaves its entry in the other heap until it comes
+        up there, which for a hold's end may be a batch deadline a day away (50 batch
+        requests a second held and released would otherwise keep millions)."""
+        for heap in (self._ends, *self._heaps.values()):
+            if len(heap) > 2 * len(self._live) + STALE_ENTRIES_KEPT:
+                heap[:] = [entry for entry in heap if entry[1] in self._live]
+                heapq.heapify(heap)

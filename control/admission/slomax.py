@@ -39,8 +39,9 @@ class SLOMaxParams:
     and waiting sequences leave the same share of the engine's ``max_num_seqs`` (where
     the pool's model is known), and batch work only on instances with nothing waiting."""
     interference_bound: bool = True
-    """At most ``long_prefill_cap_tokens`` of prompt pending prefill on an instance that
-    takes a long prompt, so a long document's prefill never stacks on another's."""
+    """A long prompt (``LONG_DOCUMENT_TOKENS`` or more) goes only to an instance with less
+    than ``long_prefill_cap_tokens`` of prompt pending prefill, so a long document's
+    prefill never stacks on another's."""
     long_documents_per_instance: Annotated[float, Field(gt=0)] = 4.0
     """Long documents in flight at once, per ready instance, until a quota names a number
     (its ``max_concurrency``, which the controller sets from goodput): their prefills, and

@@ -36,7 +36,8 @@ class AdmissionDecision:
     verdict: Verdict
     reason: str
     """Why, as a short name: ``admitted``, ``reservation``, ``prefill_cap``, ``concurrency``,
-    ``pool_full``, ``predicted_ttft``, ``deadline``, ``expired``, ``behind_pool``."""
+    ``pool_full``, ``predicted_ttft``, ``deadline``, ``expired``, ``behind_pool``,
+    ``no_instance``, ``slots`` (``SLOT_WAIT``)."""
     allowed: BoolArray | None = None
     """For a dispatch: the instances the router may use (None: every ready one)."""
     hold_until_s: float | None = None

@@ -88,7 +88,7 @@ class QuotaControllerParams:
     """How far a batch ceiling rises (times this) while chats have room, or while there
     are no chats to judge by (too few ended in the window): doubled, so that it lifts in
     as many rises as the halvings that bring it down while chats miss by far (from the
-    floor on 16 instances, six rises, six minutes), and the long-document limit, which
+    floor on 16 instances, seven rises, seven minutes), and the long-document limit, which
     rises only once no batch ceiling is left, is not held for long. Not measured: the
     mixed workload never sets a batch ceiling (long documents are always in its
     window)."""

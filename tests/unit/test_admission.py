@@ -19,7 +19,7 @@ from control.admission.baselines import (
     VllmPriority,
     saturation,
 )
-from control.admission.pools import ClassPools, Waiting
+from control.admission.pools import STALE_ENTRIES_KEPT, ClassPools, Waiting
 from control.admission.registry import (
     ABLATIONS,
     ADMISSIONS,
@@ -267,6 +267,31 @@ def test_pools_order_each_class_as_it_needs_and_let_expired_holds_go() -> None:
     assert [w.payload for w in pools.expired(50.0)] == ["late"]  # b2 left: no second answer
     with pytest.raises(LookupError):
         pools.release(DOC, now_s=7.0)
+
+
+def test_batch_without_a_deadline_waits_behind_batch_with_one() -> None:
+    """By arrival among themselves, but after every dated request, even one whose
+    deadline is far behind the undated one's arrival."""
+    pools: ClassPools[str] = ClassPools()
+    pools.hold(Waiting(request(BATCH, arrival=0.0, rid="u1"), "u1", float("inf")))
+    pools.hold(Waiting(request(BATCH, arrival=10.0, deadline=86_400.0, rid="d"), "d", 1e5))
+    pools.hold(Waiting(request(BATCH, arrival=5.0, rid="u2"), "u2", float("inf")))
+    assert [pools.release(BATCH, now_s=20.0).payload for _ in range(3)] == ["d", "u1", "u2"]
+
+
+def test_released_requests_do_not_pile_up_in_the_pools_heaps() -> None:
+    """Held with a day's deadline and released at once, again and again: the entries
+    they leave behind are dropped, not kept until their deadlines come."""
+    pools: ClassPools[int] = ClassPools()
+    for n in range(20_000):
+        pools.hold(
+            Waiting(request(BATCH, arrival=n, deadline=n + 86_400.0, rid=f"r{n}"), n, n + 86_400.0)
+        )
+        pools.release(BATCH, now_s=n)
+    assert len(pools) == 0
+    assert len(pools._ends) <= STALE_ENTRIES_KEPT
+    pools.hold(Waiting(request(BATCH, arrival=1.0, deadline=2.0, rid="last"), -1, 2.0))
+    assert [w.payload for w in pools.expired(3.0)] == [-1]
 
 
 def test_the_pipeline_holds_batch_while_the_fleet_queues_and_releases_it_after() -> None:
