@@ -523,7 +523,9 @@ def _routed(outcome: Outcome[Held], *, waited: bool) -> Admitted:
 
 
 class Refused(ApiError):
-    """A refusal of the gateway's policies; ``reason`` is what the lifecycle event reports."""
+    """A refusal of the gateway's policies; ``reason`` is what the lifecycle event reports,
+    ``dc`` the DC whose admission refused (None: refused before any DC took it), and
+    ``stopping`` whether the gateway's stop answered it (no other DC is tried)."""
 
     def __init__(
         self,
@@ -531,9 +533,14 @@ class Refused(ApiError):
         message: str,
         reason: RejectReason,
         retry_after_s: float | None = None,
+        dc: str | None = None,
+        *,
+        stopping: bool = False,
     ) -> None:
         super().__init__(status, message, retry_after_s=retry_after_s)
         self.reason = reason
+        self.dc = dc
+        self.stopping = stopping
 
 
 def rejected_for(admission_reason: str) -> RejectReason:
@@ -554,7 +561,7 @@ def _refusal(outcome: Outcome[Held], *, waited: bool) -> ApiError:
     why = rejected_for(reason)
     if reason == SHUTDOWN:
         message = "The gateway is stopping; send the request again."
-        return Refused(503, message, why, retry_after_s=REFUSED_RETRY_AFTER_S)
+        return Refused(503, message, why, REFUSED_RETRY_AFTER_S, stopping=True)
     if waited:
         message = (
             f"This {task_class} request waited for capacity and can no longer meet its "

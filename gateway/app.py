@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
@@ -212,11 +212,13 @@ class Gateway:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def proxied(self, request: Request, path: str) -> Response:
-        """A request to a proxied endpoint, counted by model and status."""
+        """A request to a proxied endpoint, counted by model and status, and in progress
+        until its answer ends (a stream's, when ``Exchange`` relayed its last event)."""
         arrived = time.monotonic()
         metrics = self.metrics
         metrics.in_progress.inc()
         model = "-"
+        streaming = False
         try:
             tenant = authenticate(self.fleet, request.headers.get("authorization"))
             body = await read_body(request, self.settings.max_body_bytes)
@@ -228,12 +230,14 @@ class Gateway:
                 exc.request_id = inbound.request_id
                 raise
             metrics.requests.labels(model, str(response.status_code)).inc()
+            streaming = isinstance(response, StreamingResponse)
             return response
         except ApiError as exc:
             metrics.requests.labels(model, str(exc.status)).inc()
             raise
         finally:
-            metrics.in_progress.dec()
+            if not streaming:
+                metrics.in_progress.dec()
 
     async def passed_through(self, request: Request) -> Response:
         """A request the instance answers as sent, e.g. ``/tokenize``: no admission,
@@ -296,27 +300,42 @@ class Gateway:
         """Serve in the first DC; one that refuses the request or fails it before its
         first token passes it to the next (FleetMind's fallback). The last DC's answer
         stands, save that its refusal of a request out of reach after an earlier DC
-        failed it is the fleet's doing, not the client's: 503, not 429."""
+        failed it is the fleet's doing, not the client's: 503, not 429. A refusal because
+        this gateway is stopping is answered at once, from whichever DC: sending the
+        request on would keep the stop waiting for it."""
         failed: DcFailed | None = None
-        model = inbound.model.name
         for dc in dcs[:-1]:
-            self.decider.sending(model, dc)
             try:
-                return await self.exchange.serve(inbound, dc, request, arrived, scoped)
-            except (Refused, DcFailed) as exc:
-                self.metrics.dc_fallbacks.labels(dc, type(exc).__name__).inc()
-                if isinstance(exc, DcFailed):
-                    failed = exc
-        self.decider.sending(model, dcs[-1])
+                return await self._in_dc(dc, inbound, request, arrived, scoped)
+            except Refused as refused:
+                if refused.stopping:
+                    raise
+                self.metrics.dc_fallbacks.labels(dc, "Refused").inc()
+            except DcFailed as failure:
+                self.metrics.dc_fallbacks.labels(dc, "DcFailed").inc()
+                failed = failure
         try:
-            return await self.exchange.serve(inbound, dcs[-1], request, arrived, scoped)
+            return await self._in_dc(dcs[-1], inbound, request, arrived, scoped)
         except DcFailed as failure:
             self.exchange.failed(inbound, failure)
             raise
         except Refused as refused:
-            if failed is None or refused.reason is not RejectReason.DEADLINE:
+            if failed is None or refused.stopping or refused.reason is not RejectReason.DEADLINE:
                 raise
             raise _late_after(failed, refused, dcs[-1]) from refused
+
+    async def _in_dc(
+        self, dc: str, inbound: Inbound, request: Request, arrived: float, scoped: str | None
+    ) -> Response:
+        """Serve in ``dc``; a refusal of its admission names it (the tables count the
+        request there), one of the gateway's stop does not."""
+        self.decider.sending(inbound.model.name, dc)
+        try:
+            return await self.exchange.serve(inbound, dc, request, arrived, scoped)
+        except Refused as refused:
+            if not refused.stopping:
+                refused.dc = dc
+            raise
 
 
 def create_app(parts: GatewayParts) -> FastAPI:
@@ -326,6 +345,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
         title="TokenFleet gateway", version="1", lifespan=gateway.lifespan, redirect_slashes=False
     )
     app.state.parts = parts
+    app.state.gateway = gateway
     app.state.view = gateway.view
     app.state.decider = gateway.decider
     app.state.metrics = gateway.metrics
@@ -497,7 +517,7 @@ def _late_after(failure: DcFailed, refusal: Refused, dc: str) -> Refused:
         f"DC {failure.dc} failed it before the first token ({failure.error}), and DC {dc} "
         f"then refused it: {refusal.message}"
     )
-    return Refused(503, message, refusal.reason, retry_after_s=refusal.retry_after_s)
+    return Refused(503, message, refusal.reason, refusal.retry_after_s, dc)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -534,6 +554,7 @@ def _rejected_event(inbound: Inbound, refusal: ApiError) -> RequestRejected:
         reason=refusal.reason if isinstance(refusal, Refused) else _REJECTIONS[refusal.status],
         detail=refusal.message,
         retry_after_s=refusal.retry_after_s,
+        dc=refusal.dc if isinstance(refusal, Refused) else None,
     )
 
 

@@ -31,7 +31,13 @@ from control.fleet.load import DcLoad, Rate, class_room, dc_state
 from control.fleet.registry import DcPolicy
 from control.fleet.view import DcRequest, FleetState
 from control.routing.registry import Router
-from control.routing.snapshot import BoolArray, Decision, FleetSnapshot, RouteRequest
+from control.routing.snapshot import (
+    BoolArray,
+    Decision,
+    FleetSnapshot,
+    FloatArray,
+    RouteRequest,
+)
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.tokens import BLOCK_TOKENS
 from gateway.admission import GatewayAdmission, Refused, Waiting
@@ -63,8 +69,9 @@ class Plan:
     decision: Decision
     order: list[int]
     """Rows of ``pool``, best first."""
-    cached_tokens: float
-    """The prefix the chosen instance is expected to hold, in tokens."""
+    cached_tokens: FloatArray
+    """The prefix each row's instance is expected to hold, in tokens (a retry's instance
+    may hold less of it than the first choice: it is charged its own)."""
     index_blocks: tuple[int, ...]
     """The request's blocks as the shared prefix index keeps them."""
     version: int = 0
@@ -78,6 +85,9 @@ class Plan:
         """The router's TTFT prediction for ``row``, if it makes one."""
         predicted = self.decision.predicted_ttft_s
         return None if predicted is None else float(predicted[row])
+
+    def cached_tokens_at(self, row: int) -> float:
+        return float(self.cached_tokens[row])
 
 
 class Decider:
@@ -302,11 +312,12 @@ class Decider:
     ) -> Plan:
         if decision.chosen is None:
             raise _none_ready(pool)
-        cached = decision.cached_tokens
-        matched = float(shared.matched_blocks[decision.chosen] * INDEX_STRIDE * BLOCK_TOKENS)
-        cached_tokens = float(cached[decision.chosen]) if cached is not None else matched
+        predicted = decision.cached_tokens  # None: the shared index's match stands in
+        matched = shared.matched_blocks * float(INDEX_STRIDE * BLOCK_TOKENS)
+        cached_tokens: FloatArray = np.minimum(
+            matched if predicted is None else predicted, float(inbound.input_tokens)
+        )
         self.metrics.decisions.labels(decision.policy, pool.ids[decision.chosen]).inc()
-        cached_tokens = min(cached_tokens, inbound.input_tokens)
         order = decision.ranked()
         version = shared.version
         return Plan(dc, pool, decision, order, cached_tokens, sampled, version, True, allowed)
@@ -342,7 +353,8 @@ class Decider:
         scores[ready] = load[ready]
         decision = Decision(LEAST_LOADED, order[0], scores)
         self.metrics.decisions.labels(LEAST_LOADED, pool.ids[order[0]]).inc()
-        return Plan(pool.dc, pool, decision, order, 0.0, (), shared.version, admitted=False)
+        nothing = np.zeros(len(pool.instances))
+        return Plan(pool.dc, pool, decision, order, nothing, (), shared.version, admitted=False)
 
     def router(self, model: str, dc: str) -> Router:
         key = (model, dc)

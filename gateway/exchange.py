@@ -12,8 +12,10 @@
   comes first; events before it (a role chunk, the Responses API's lifecycle events)
   wait for it, so that a failure before it can still be retried.
 - A client that goes away aborts the upstream call (closing the connection cancels the
-  request in vLLM) and is reported as a cancellation; a whole answer's client is watched
-  from the moment the request is sent, since its headers come only with its end.
+  request in vLLM) and is reported as a cancellation. It is watched from the moment the
+  request is sent: a whole answer's headers come only with its end, and a stream's with
+  its first token, so neither would otherwise learn of it during a queue wait or a
+  long prefill.
 - What the request counts and reports from its charge to its end are its trip's books
   (``gateway.trip``).
 
@@ -136,7 +138,7 @@ class Exchange:
                     self.books.retried(trip, order[0])
                     await self._charge(inbound, plan, row)
                 # counted once charged: a client gone during the charge leaves nothing to undo
-                trip.pending, trip.inflight = _charges(inbound, plan)
+                trip.pending, trip.inflight = _charges(inbound, plan, row)
                 return await self._attempt(trip, request)
             except UpstreamFailed as exc:
                 self.view.failed(trip.instance.id)
@@ -210,7 +212,7 @@ class Exchange:
     ) -> bool:
         """Index the request's blocks on ``plan``'s instance ``row`` and count its tokens
         there (see ``SharedState.routed`` for ``seen_version``)."""
-        pending, inflight = _charges(inbound, plan)
+        pending, inflight = _charges(inbound, plan, row)
         instance = plan.pool.instances[row].id
         capacity = self.view.kv_capacity(instance) // INDEX_STRIDE
         return await self.state.routed(
@@ -223,12 +225,11 @@ class Exchange:
         self.metrics.added_latency.observe(trip.sent_at - trip.arrived)
         # A whole answer's headers come with its end: no first token is seen before.
         settling = None if inbound.stream else self.books.settle_at_predicted_first_token(trip)
-        # A whole answer's client is watched from the start: its headers come with its end.
-        gone = None if inbound.stream else asyncio.ensure_future(_disconnected(request))
+        # Watched from the start: the answer's headers come with its end or first token.
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             body = self.decider.admission.upstream_body(inbound, trip.plan.dc)
-            posting = self._post(trip.instance, inbound.path, body)
-            upstream = await (posting if gone is None else _unless_left(posting, gone))
+            upstream = await _unless_left(self._post(trip.instance, inbound.path, body), gone)
             if upstream is None:  # closing the connection cancels the request in vLLM
                 await self.books.cancelled(trip)
                 return Response(status_code=499)
@@ -240,15 +241,16 @@ class Exchange:
                     raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
                 upstream.release()
                 await self.books.fail(trip, f"instance answered {upstream.status}")
-                return Response(body, upstream.status, media_type="application/json")
-            if gone is None:
-                return await self._stream(trip, upstream)
+                return Response(
+                    body, upstream.status, media_type="application/json", headers=_headers(trip)
+                )
+            if inbound.stream:
+                return await self._stream(trip, upstream, gone)
             return await self._whole(trip, upstream, gone)
         finally:
             if settling is not None:
                 settling.cancel()
-            if gone is not None:
-                gone.cancel()
+            gone.cancel()  # past the first token, the streaming response watches
 
     async def forward(self, plan: Plan, path: str, body: bytes) -> Response:
         """Pass a request to ``plan``'s instance as sent, and its answer back as given,
@@ -311,18 +313,23 @@ class Exchange:
         await self.books.completed(trip)
         return Response(body, media_type="application/json", headers=_headers(trip))
 
-    async def _stream(self, trip: Trip, upstream: aiohttp.ClientResponse) -> Response:
+    async def _stream(
+        self, trip: Trip, upstream: aiohttp.ClientResponse, gone: asyncio.Future[None]
+    ) -> Response:
+        """Relay the stream from its first token on; the events before it are held (a
+        failure before it may still go to another instance), unless the client leaves
+        first (``gone``)."""
         events = sse_events(upstream.content.iter_any())
-        head: list[tuple[bytes, Seen]] = []
         try:
-            async for event in events:
-                head.append((event, seen := read_event(event)))
-                if seen.piece is not Piece.OTHER:
-                    break
+            head = await _unless_left(_head(events), gone)
         except UPSTREAM_ERRORS as exc:
             upstream.close()
             self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
+        if head is None:
+            upstream.close()
+            await self.books.cancelled(trip)
+            return Response(status_code=499)
         last = head[-1][1] if head else NOTHING
         if last.piece is Piece.END and (last.status or 0) >= 500:
             upstream.close()  # the engine failed before any token: another may serve it
@@ -362,6 +369,7 @@ class Exchange:
             yield _error_event(f"The model instance failed mid-stream ({type(exc).__name__}).")
             yield _DONE_EVENT
         finally:
+            self.metrics.in_progress.dec()  # counted in by ``Gateway.proxied``
             self.spawn(self._stream_ended(trip, upstream, ended))
 
     async def _stream_ended(self, trip: Trip, upstream: aiohttp.ClientResponse, ended: str) -> None:
@@ -375,6 +383,16 @@ class Exchange:
             await self.books.cancelled(trip)
         else:
             await self.books.fail(trip, ended)
+
+
+async def _head(events: AsyncIterator[bytes]) -> list[tuple[bytes, Seen]]:
+    """A stream's events up to its first token (or its end), each as read."""
+    head: list[tuple[bytes, Seen]] = []
+    async for event in events:
+        head.append((event, seen := read_event(event)))
+        if seen.piece is not Piece.OTHER:
+            break
+    return head
 
 
 def _url(instance: InstanceConfig, path: str) -> str:
@@ -394,10 +412,10 @@ def _headers(trip: Trip) -> dict[str, str]:
     }
 
 
-def _charges(inbound: Inbound, plan: Plan) -> tuple[float, float]:
-    """What a request counts on its instance (``Charge``): pending prefill and tokens in
-    flight."""
-    charge = Charge.of(inbound.input_tokens, inbound.output_budget, plan.cached_tokens)
+def _charges(inbound: Inbound, plan: Plan, row: int) -> tuple[float, float]:
+    """What a request counts on ``plan``'s instance ``row`` (``Charge``): pending prefill
+    and tokens in flight."""
+    charge = Charge.of(inbound.input_tokens, inbound.output_budget, plan.cached_tokens_at(row))
     return charge.pending_prefill, float(charge.inflight_tokens)
 
 

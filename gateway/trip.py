@@ -154,7 +154,7 @@ class TripBooks:
                 task_class=inbound.task_class,
                 tenant=inbound.tenant.name,
                 input_tokens=inbound.input_tokens,
-                cached_tokens=int(trip.plan.cached_tokens),
+                cached_tokens=int(trip.plan.cached_tokens_at(trip.row)),
                 output_tokens=trip.output_tokens,
                 ttft_s=ttft,
                 tpot_s=tpot,

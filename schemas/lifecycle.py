@@ -78,6 +78,12 @@ class RequestRejected(Message):
     reason: RejectReason
     detail: str = ""
     retry_after_s: NonNegFloat | None = None
+    dc: Identifier | None = Field(
+        default=None,
+        description="The DC whose admission refused the request (the goodput tables count "
+        "it there as a failure); none where it was refused before any DC took it: the "
+        "tenant's quota at the door, or no DC may run it.",
+    )
 
 
 class CandidateScore(Frozen):

@@ -97,7 +97,10 @@ class GoodputRow(Frozen):
     tpot_p50_s: NonNegFloat
     tpot_p95_s: NonNegFloat
     tpot_p99_s: NonNegFloat
-    failures: NonNegInt
+    failures: NonNegInt = Field(
+        description="Requests that failed, or that the DC's admission refused: either way "
+        "the client got no answer from it."
+    )
     cancellations: NonNegInt
     timeouts: NonNegInt
     retries: NonNegInt

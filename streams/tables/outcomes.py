@@ -8,8 +8,10 @@ start, another gateway or a retry may publish the end). The join therefore:
   again what the request released before: a worker killed between writing the join state
   to its changelog and sending the outcomes it released would otherwise, replaying the
   event, find it seen and never send them. The tables count each outcome once, by its id;
-- holds an end (completed, failed, cancelled) until the request's arrival and its DC are
-  known, then releases it; nothing is dropped for arriving early;
+- holds an end (completed, failed, cancelled, or refused by a DC's admission, which
+  counts as failed there) until the request's arrival and its DC are known, then
+  releases it; nothing is dropped for arriving early. A refusal before any DC took the
+  request (its quota at the door, or no DC may run it) belongs to no DC's table;
 - marks a second completion of one request as a repeated execution;
 - when a request is forgotten with ends still held (its start came later than a window
   and its grace, or never), counts them as late events (``unmatched``), not as nothing.
@@ -31,6 +33,7 @@ from schemas.lifecycle import (
     RequestCancelled,
     RequestCompleted,
     RequestFailed,
+    RequestRejected,
     RequestRetried,
     RequestRouted,
 )
@@ -110,6 +113,7 @@ _LIFECYCLE = (
     RequestCompleted,
     RequestFailed,
     RequestCancelled,
+    RequestRejected,
 )
 
 
@@ -144,6 +148,10 @@ def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:
         if isinstance(payload, RequestCompleted):
             state["dc"] = state["dc"] or payload.dc
         end = {"ts": envelope.ts, "event_id": envelope.event_id}
+        state["held"].append(end | payload.model_dump(mode="json"))
+    elif isinstance(payload, RequestRejected) and payload.dc is not None:
+        state["dc"] = payload.dc  # where it ended, past any DC that failed it before
+        end = {"ts": envelope.ts, "event_id": envelope.event_id, "refused": True}
         state["held"].append(end | payload.model_dump(mode="json"))
     return _release(state)
 
@@ -219,6 +227,8 @@ def _outcome(end: dict[str, Any], dc: str, arrived: dict[str, Any], **counted: A
 
 
 def _kind(end: dict[str, Any]) -> OutcomeKind:
+    if end.get("refused"):  # as the simulator counts a refusal (``sim.control_loop``)
+        return OutcomeKind.FAILED
     if "ttft_s" in end:
         return OutcomeKind.COMPLETED
     if "error" in end:

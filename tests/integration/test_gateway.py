@@ -357,6 +357,57 @@ async def test_a_client_that_leaves_before_a_whole_answer_cancels_it_upstream(
     assert (event.dc, event.task_class, event.tenant) == ("dc-a", TaskClass.INTERACTIVE, "tenant-a")
 
 
+async def test_a_client_that_leaves_before_a_stream_s_first_token_cancels_it_upstream() -> None:
+    """A stream's headers go out with its first token (a failure before it may still
+    go to another instance): until then its client is watched as a whole answer's is, so
+    a queue wait or a long prefill is aborted upstream when it leaves."""
+    closed = asyncio.Event()
+
+    async def no_token_yet(_: Request) -> StreamingResponse:
+        async def waiting() -> AsyncIterator[bytes]:
+            try:
+                await asyncio.sleep(60)
+                yield b"data: [DONE]\n\n"
+            finally:
+                closed.set()  # the gateway closed the connection
+
+        return StreamingResponse(waiting(), media_type="text/event-stream")
+
+    async with (
+        http_server(fake_instance("/v1/chat/completions", no_token_yet)) as url,
+        gateway(fleet_for([url])) as front,
+        front.client() as http,
+    ):
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/chat/completions", json=chat("hi", stream=True), timeout=0.5)
+        await asyncio.wait_for(closed.wait(), 5)
+        for _ in range(100):
+            if await metric(front, "tokenfleet_gateway_cancellations_total") == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert await metric(front, "tokenfleet_gateway_cancellations_total") == 1
+
+
+async def test_a_stream_is_in_progress_until_its_last_event(front: Gateway) -> None:
+    in_progress = "tokenfleet_gateway_requests_in_progress"
+    body = chat("count me " * 20, max_tokens=200, stream=True)
+    async with (
+        front.client() as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        lines = response.aiter_lines()
+        async for line in lines:
+            if "tok" in line:
+                break
+        during = await metric(front, in_progress)
+        [line async for line in lines]
+    for _ in range(100):
+        if await metric(front, in_progress) == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert (during, await metric(front, in_progress)) == (1, 0)
+
+
 async def test_a_completion_says_whether_it_was_streamed(front: Gateway) -> None:
     """A whole answer's first token is unseen: its event says so, and the tables judge it
     on its end."""

@@ -161,6 +161,7 @@ async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_with_4
     events = await read_for(bus, topic_for(RequestRejected).name, 0.5)
     [rejected] = [m for m in events if isinstance(m, RequestRejected)]
     assert rejected.reason is RejectReason.DEADLINE  # not a quota: it could not be in time
+    assert rejected.dc == "dc-a"  # the DC whose admission refused it
 
 
 async def test_a_client_that_leaves_while_held_leaves_its_pool(front: Gateway) -> None:

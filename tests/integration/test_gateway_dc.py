@@ -9,6 +9,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.admission import Refused
 from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.control import DcWeight, RoutingWeights
@@ -183,6 +185,34 @@ async def test_a_request_too_late_after_its_dc_failed_is_refused_as_the_fleet_s_
     assert served == ["dc-a"]
     [rejected] = [e for e in events if isinstance(e, RequestRejected)]
     assert rejected.reason is RejectReason.DEADLINE
+    assert rejected.dc == "dc-b"  # dc-b's tables count it as a failure there
+
+
+async def test_a_request_the_stopping_gateway_answers_is_sent_to_no_other_dc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Held in dc-a when the gateway stops, it gets the stop's 503 at once: sent on to
+    dc-b, it would keep the stop waiting for its answer."""
+    served: list[str] = []
+    async with two_dcs(served) as front, front.client() as http:
+        exchange = front.app.state.gateway.exchange
+        serve, asked = exchange.serve, []
+
+        async def stopping_in_dc_a(inbound: Any, dc: str, *rest: Any) -> Any:
+            asked.append(dc)
+            if dc == "dc-a":  # as ``GatewayAdmission.close`` answers a held request
+                stop = "The gateway is stopping; send the request again."
+                raise Refused(503, stop, RejectReason.NO_CAPACITY, 1.0, stopping=True)
+            return await serve(inbound, dc, *rest)
+
+        monkeypatch.setattr(exchange, "serve", stopping_in_dc_a)
+        answer = await ask(http)
+        events = await read_for(front.app.state.parts.bus, topic_for(RequestRejected).name, 0.5)
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"] == "1"
+    assert (asked, served) == (["dc-a"], [])
+    [rejected] = [e for e in events if isinstance(e, RequestRejected)]
+    assert rejected.dc is None  # the stop's doing, not dc-a's: in no DC's table
 
 
 async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherwise() -> None:
@@ -201,6 +231,7 @@ async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherw
     events = await read_for(front.app.state.parts.bus, topic_for(RequestRejected).name, 0.5)
     [rejected] = [m for m in events if isinstance(m, RequestRejected)]
     assert rejected.reason is RejectReason.RESIDENCY
+    assert rejected.dc is None  # refused before any DC took it: in no DC's table
 
 
 async def test_the_controller_s_weights_hold_until_their_ttl_then_safe_defaults() -> None:

@@ -427,6 +427,8 @@ async def test_an_instance_s_own_refusal_passes_on_and_frees_the_key() -> None:
         ]
     assert [a.status_code for a in answers] == [400, 400]  # not 409 the second time
     assert answers[1].json()["error"]["message"] == "too long for my tokenizer"
+    assert answers[1].headers["x-tokenfleet-instance"] == "i0"  # as any answer says
+    assert answers[1].headers["x-tokenfleet-request-id"]
 
 
 async def test_a_refused_tokenize_call_leaves_the_instances_in_service(front: Gateway) -> None:

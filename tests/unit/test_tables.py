@@ -20,9 +20,11 @@ from schemas import Envelope
 from schemas.base import TaskClass
 from schemas.lifecycle import (
     CancelReason,
+    RejectReason,
     RequestArrived,
     RequestCancelled,
     RequestCompleted,
+    RequestRejected,
     RequestRouted,
 )
 from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective, Objectives
@@ -153,6 +155,37 @@ def test_ends_repeats_and_late_events_are_counted_not_lost() -> None:
     later = goodput(builder.tables(start + 110)).classes[0]
     # r4, quiet for longer than a window and its grace, is forgotten: its held end is late too
     assert (later.completed, later.late_events) == (1, 2)
+
+
+def test_a_dc_s_refusal_counts_there_as_a_failure_and_one_at_the_door_nowhere() -> None:
+    """As the simulator counts it (``sim.control_loop``): a request a DC's admission
+    refused is a miss of that DC, the one it ended in even where an earlier DC had taken
+    it; one refused before any DC took it is in no DC's table."""
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    start = EPOCH
+
+    def refused(n: int, dc: str | None) -> Envelope:
+        why = RequestRejected(
+            request_id=f"r{n}", reason=RejectReason.DEADLINE, retry_after_s=1.0, dc=dc
+        )
+        return Envelope.wrap(why, source="test", ts=start + 1)
+
+    builder.feed(refused(1, "dc-a"))  # before its start: held until the start comes
+    for n in (1, 2, 3):
+        builder.feed(_request(n, start)[0])  # arrived, never routed
+    builder.feed(_request(2, start)[1])  # r2 routed to dc-a, then refused by dc-b
+    builder.feed(refused(2, "dc-b"))
+    builder.feed(refused(3, None))
+    tables = {t.dc: t for t in builder.tables(start + 59) if isinstance(t, GoodputTable)}
+    assert set(tables) == {"dc-a", "dc-b"}
+    for dc in ("dc-a", "dc-b"):
+        chats = tables[dc].classes[0]
+        assert (chats.key, chats.failures, chats.completed, chats.timeouts) == (
+            "interactive",
+            1,
+            0,
+            0,
+        )
 
 
 def test_each_source_region_s_requests_have_rows_of_their_own_by_class() -> None:
