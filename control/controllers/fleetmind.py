@@ -54,7 +54,14 @@ class WeightParams:
     """The least weight: draining a DC is readiness's job, not the weights'."""
     min_outcomes: Annotated[int, Field(ge=1)] = 30
     """The fewest requests that must have ended in a DC within the tables' window before
-    its weight moves: fewer say too little about the DC to act on."""
+    its weight moves down, or up by what they show: fewer say too little about the DC to
+    act on (but see ``regain_after_s``)."""
+    regain_after_s: Annotated[float, Field(gt=0)] = 60.0
+    """A weight below 1 whose DC had too few requests end to judge regains ``raise_by``
+    once this long (the tables' window) has passed since its last change: a low weight
+    itself keeps traffic away, and a DC at 0.25 whose stated capacity is 2 requests a
+    second takes about 0.45 a second, 27 a window, so it would never be judged again. As
+    SLOMax's controller lifts its batch ceiling with no chats to judge by."""
     settle_s: Annotated[float, Field(ge=0)] = 10.0
     """Time after a DC's change before it may change again: two slides of the tables'
     window, so that the change shows in what the next one judges."""
@@ -128,7 +135,10 @@ class WeightController:
             share, count = attainment(row)
             met += share * count
             ended += count
-        if ended < p.min_outcomes or since_change_s < p.settle_s:
+        if ended < p.min_outcomes:
+            regains = weight < 1.0 and since_change_s >= p.regain_after_s
+            return min(1.0, round(weight + p.raise_by, 4)) if regains else weight
+        if since_change_s < p.settle_s:
             return weight
         share = met / ended
         if share < p.target - p.band:

@@ -46,7 +46,8 @@ def test_inside_the_band_on_few_outcomes_or_before_settling_nothing_changes() ->
     held: dict[WeightKey, float] = {B: 0.5}
     in_band = table("b", 100, round(100 * (P.target - P.band / 2)))
     assert controller.reconcile({"b": in_band}, held, {}, 60.0) is None
-    assert controller.reconcile({"b": table("b", P.min_outcomes - 1, 0)}, held, {}, 60.0) is None
+    few = {"b": table("b", P.min_outcomes - 1, 0)}
+    assert controller.reconcile(few, held, {B: 60.0 - P.regain_after_s / 2}, 60.0) is None
     missing = {"b": table("b", 100, 50)}
     assert controller.reconcile(missing, held, {B: 60.0 - P.settle_s / 2}, 60.0) is None
     assert controller.reconcile(missing, held, {B: 60.0 - P.settle_s}, 60.0) == {
@@ -64,6 +65,28 @@ def test_a_missing_dc_stops_at_the_floor_and_climbs_back_to_whole_one_step_a_pas
             seen.append(weights[B])
         assert seen[0] != seen[1]
         assert seen[-1] == end
+
+
+def test_a_weight_too_few_requests_judge_climbs_back_once_a_window_has_passed() -> None:
+    """A low weight keeps traffic away, so a DC may never again see enough requests end to
+    be judged: with too few to judge, a window after its last change, it regains a step
+    at a time; a DC counted on whole stays so."""
+    controller = WeightController()
+    few = {"b": table("b", P.min_outcomes - 1, 0), "c": table("c", 0, 0)}
+    weights: dict[WeightKey, float] = {B: P.floor, C: 1.0}
+    changed: dict[WeightKey, float] = {B: 0.0}
+    assert controller.reconcile(few, weights, changed, P.regain_after_s - 1) is None
+    seen = []
+    now = 0.0
+    while weights[B] < 1.0 and len(seen) < 20:
+        now += P.regain_after_s
+        raised = controller.reconcile(few, weights, changed, now)
+        assert raised is not None
+        assert raised[C] == 1.0
+        assert controller.reconcile(few, raised, {B: now}, now + 1) is None  # not again at once
+        weights, changed = raised, {B: now}
+        seen.append(weights[B])
+    assert seen == [round(P.floor + P.raise_by * n, 4) for n in range(1, 8)] + [1.0]
 
 
 def test_the_published_snapshot_holds_each_weight_for_every_model() -> None:
