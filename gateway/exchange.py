@@ -143,13 +143,13 @@ class Exchange:
             except UpstreamFailed as exc:
                 self.view.failed(trip.instance.id)
                 error = str(exc)
-            except BaseException:  # a bug, or the client gone: undo it all the same
-                self.spawn(self.books.abandoned(trip))
+            except BaseException as exc:  # a bug, or the server stopping: undo it all the same
+                self.spawn(self.books.abandoned(trip, exc))
                 raise
             try:  # only a failed attempt comes here
                 await self.books.release(trip)
-            except BaseException:  # the client gone meanwhile: its books still close
-                self.spawn(self.books.abandoned(trip))
+            except BaseException as exc:  # stopped meanwhile: its books still close
+                self.spawn(self.books.abandoned(trip, exc))
                 raise
         self.decider.admission.finished(inbound, plan.dc, cancelled=True)
         raise DcFailed(error, trip.instance.id, plan.dc)

@@ -5,10 +5,10 @@ it is charged to its end (the exchange, ``gateway.exchange``, carries the reques
   until the first token, its prompt and budget as in flight until it ends. A whole
   (non-streamed) answer shows no first token: its prefill stops counting when the router
   predicted the first token would come, or at its end if the router predicts nothing.
-- Every end (completed, cancelled, failed, abandoned by an unexpected exception) undoes
-  what is left of the accounting and tells admission; all but an abandoned one emit their
-  lifecycle event; one that did not complete frees its idempotency key for the client's
-  retry.
+- Every end (completed, cancelled, failed, abandoned by an unexpected exception or the
+  server's stop) undoes what is left of the accounting, tells admission and emits one
+  lifecycle event (an abandoned trip's is a failure, unless its end was already
+  reported); one that did not complete frees its idempotency key for the client's retry.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class Trip:
     pending: float = 0.0
     inflight: float = 0.0
     captured: bytearray = field(default_factory=bytearray)
+    reported: bool = False
+    """Whether its end's lifecycle event was emitted."""
 
     @property
     def instance(self) -> InstanceConfig:
@@ -146,6 +148,7 @@ class TripBooks:
         self.metrics.output_tokens.labels(inbound.task_class.value, str(met).lower()).inc(
             trip.output_tokens
         )
+        trip.reported = True
         self.events.emit(
             RequestCompleted(
                 request_id=inbound.request_id,
@@ -171,6 +174,7 @@ class TripBooks:
         await self.release(trip)
         self.admission.finished(trip.inbound, trip.plan.dc, cancelled=True)
         self.metrics.cancellations.inc()
+        trip.reported = True
         self.events.emit(
             RequestCancelled(
                 request_id=trip.inbound.request_id,
@@ -189,8 +193,12 @@ class TripBooks:
         self._failed(trip, error)
         await self._forget_key(trip)
 
-    async def abandoned(self, trip: Trip) -> None:
-        """A trip that ended by an unexpected exception: nothing of it stays counted."""
+    async def abandoned(self, trip: Trip, why: BaseException) -> None:
+        """A trip that ended by an unexpected exception (``why``; a cancellation where the
+        server stops): nothing of it stays counted, and unless its end was reported, it
+        is reported failed, so that the tables count what its client did not get."""
+        if not trip.reported:
+            self._failed(trip, f"the gateway gave it up ({type(why).__name__})")
         await self.release(trip)
         self.admission.finished(trip.inbound, trip.plan.dc)
         await self._forget_key(trip)
@@ -201,6 +209,7 @@ class TripBooks:
             await self.state.release(trip.idempotency_key)
 
     def _failed(self, trip: Trip, error: str) -> None:
+        trip.reported = True
         self.events.emit(
             RequestFailed(
                 request_id=trip.inbound.request_id,

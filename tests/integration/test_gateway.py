@@ -22,7 +22,7 @@ from gateway.decide import INDEX_STRIDE
 from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
-from schemas.lifecycle import RequestCancelled, RequestCompleted
+from schemas.lifecycle import RequestCancelled, RequestCompleted, RequestFailed
 from schemas.telemetry import KvBlocksRemoved
 from sim.emulator.server import EmulatedInstance
 from tests.conftest import read_for
@@ -386,6 +386,34 @@ async def test_a_client_that_leaves_before_a_stream_s_first_token_cancels_it_ups
                 break
             await asyncio.sleep(0.02)
         assert await metric(front, "tokenfleet_gateway_cancellations_total") == 1
+
+
+async def test_a_request_the_gateway_gives_up_is_reported_failed_and_counts_nothing(
+    front: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected exception on the way to the instance (a bug; a cancellation where
+    the server stops) ends the request with a failure event, so the tables count what
+    its client did not get, and leaves nothing counted on the instance."""
+    exchange = front.app.state.gateway.exchange
+
+    async def broken(*_: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(exchange, "_post", broken)
+    async with front.client() as http:
+        answer = await http.post("/v1/chat/completions", json=chat("give up " * 10))
+    assert answer.status_code == 500
+    failed = await read_for(front.app.state.parts.bus, topic_for(RequestFailed).name, 0.3)
+    [event] = [e for e in failed if isinstance(e, RequestFailed)]
+    assert event.error == "the gateway gave it up (RuntimeError)"
+    state = front.app.state.parts.state
+    for _ in range(100):
+        view = await state.view(["i0", "i1"], [])
+        if not view.inflight_tokens.any():
+            break
+        await asyncio.sleep(0.02)
+    assert not view.inflight_tokens.any()
+    assert not view.pending_prefill.any()
 
 
 async def test_a_stream_is_in_progress_until_its_last_event(front: Gateway) -> None:
