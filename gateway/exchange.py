@@ -19,8 +19,9 @@
 - What the request counts and reports from its charge to its end are its trip's books
   (``gateway.trip``).
 
-Clean-up after a stream runs as a task of its own: when a client disconnects, the ASGI
-server cancels whatever awaits inside the response.
+Clean-up after a stream runs as a task of its own, started when the response ends
+(``_Relayed``), however it ends: when a client disconnects, the ASGI server cancels
+whatever awaits inside the response.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from control.pipeline import Charge
 from gateway.decide import INDEX_STRIDE, Decider, Plan
@@ -337,9 +339,9 @@ class Exchange:
             raise UpstreamFailed(f"{trip.instance.id}: {last.error}")
         if last.piece in FIRST_TOKEN:
             self.books.first_token(trip)
-        return StreamingResponse(
+        return _Relayed(
             self._relay(trip, upstream, head, events),
-            media_type="text/event-stream",
+            on_end=lambda: self._relay_ended(trip, upstream),
             headers=_headers(trip),
         )
 
@@ -350,7 +352,7 @@ class Exchange:
         head: list[tuple[bytes, Seen]],
         events: AsyncIterator[bytes],
     ) -> AsyncIterator[bytes]:
-        ended = "cancelled"
+        """The stream's events, as they come; ``trip.stream_end`` says how it ended."""
         try:
             for event, seen in head:
                 yield trip.count(event, seen)
@@ -362,15 +364,17 @@ class Exchange:
                     else:  # not the first: it may trail its step's end
                         self.view.tokens_streamed(trip.instance.id)
                 yield trip.count(event, seen)
-            ended = "completed" if trip.error is None else f"{trip.instance.id}: {trip.error}"
+            error = trip.error
+            trip.stream_end = "completed" if error is None else f"{trip.instance.id}: {error}"
         except UPSTREAM_ERRORS as exc:
-            ended = f"{trip.instance.id}: {type(exc).__name__}"
+            trip.stream_end = f"{trip.instance.id}: {type(exc).__name__}"
             self.metrics.upstream_errors.labels(trip.instance.id, "after_first_token").inc()
             yield _error_event(f"The model instance failed mid-stream ({type(exc).__name__}).")
             yield _DONE_EVENT
-        finally:
-            self.metrics.in_progress.dec()  # counted in by ``Gateway.proxied``
-            self.spawn(self._stream_ended(trip, upstream, ended))
+
+    def _relay_ended(self, trip: Trip, upstream: aiohttp.ClientResponse) -> None:
+        self.metrics.in_progress.dec()  # counted in by ``Gateway.proxied``
+        self.spawn(self._stream_ended(trip, upstream, trip.stream_end))
 
     async def _stream_ended(self, trip: Trip, upstream: aiohttp.ClientResponse, ended: str) -> None:
         if ended == "completed":
@@ -393,6 +397,25 @@ async def _head(events: AsyncIterator[bytes]) -> list[tuple[bytes, Seen]]:
         if seen.piece is not Piece.OTHER:
             break
     return head
+
+
+class _Relayed(StreamingResponse):
+    """A relayed stream that calls ``on_end`` once it has ended, however it ended: after
+    its last event, when its client left, or when the server failed the response before
+    the first (an ASGI 2.4 server raises from ``send`` once the client left; the body is
+    then never iterated, and a ``finally`` inside it would not run)."""
+
+    def __init__(
+        self, events: AsyncIterator[bytes], on_end: Callable[[], None], headers: dict[str, str]
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_end()
 
 
 def _url(instance: InstanceConfig, path: str) -> str:

@@ -59,6 +59,9 @@ class Trip:
     captured: bytearray = field(default_factory=bytearray)
     reported: bool = False
     """Whether its end's lifecycle event was emitted."""
+    stream_end: str = "cancelled"
+    """How its relayed stream ended: ``completed``, ``cancelled`` (the client left first),
+    or the instance's error."""
 
     @property
     def instance(self) -> InstanceConfig:

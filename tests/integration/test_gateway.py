@@ -46,6 +46,16 @@ async def metric(front: Gateway, name: str, **labels: str) -> float:
     return await scraped(front.url, name, **labels)
 
 
+async def settled(front: Gateway, name: str, expected: float) -> float:
+    """The metric once it reads ``expected`` (counted in a task of its own, it may come a
+    moment after the answer), or as it reads after 2 s."""
+    for _ in range(100):
+        if (value := await metric(front, name)) == expected:
+            return value
+        await asyncio.sleep(0.02)
+    return await metric(front, name)
+
+
 async def test_a_streamed_chat_completion_passes_through(client: openai.AsyncOpenAI) -> None:
     stream = await client.chat.completions.create(
         model=MODEL,
@@ -332,11 +342,7 @@ async def _cancelled_upstream(front: Gateway, instances: list[EmulatedInstance])
             break
         await asyncio.sleep(0.02)
     assert not any(e.running or e.waiting for e in engines)
-    for _ in range(100):
-        if await metric(front, "tokenfleet_gateway_cancellations_total") == 1:
-            break
-        await asyncio.sleep(0.02)
-    assert await metric(front, "tokenfleet_gateway_cancellations_total") == 1
+    assert await settled(front, "tokenfleet_gateway_cancellations_total", 1) == 1
 
 
 async def test_a_client_that_leaves_before_a_whole_answer_cancels_it_upstream(
@@ -381,11 +387,7 @@ async def test_a_client_that_leaves_before_a_stream_s_first_token_cancels_it_ups
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/chat/completions", json=chat("hi", stream=True), timeout=0.5)
         await asyncio.wait_for(closed.wait(), 5)
-        for _ in range(100):
-            if await metric(front, "tokenfleet_gateway_cancellations_total") == 1:
-                break
-            await asyncio.sleep(0.02)
-        assert await metric(front, "tokenfleet_gateway_cancellations_total") == 1
+        assert await settled(front, "tokenfleet_gateway_cancellations_total", 1) == 1
 
 
 async def test_a_request_the_gateway_gives_up_is_reported_failed_and_counts_nothing(
@@ -429,11 +431,7 @@ async def test_a_stream_is_in_progress_until_its_last_event(front: Gateway) -> N
                 break
         during = await metric(front, in_progress)
         [line async for line in lines]
-    for _ in range(100):
-        if await metric(front, in_progress) == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert (during, await metric(front, in_progress)) == (1, 0)
+    assert (during, await settled(front, in_progress, 0)) == (1, 0)
 
 
 async def test_a_completion_says_whether_it_was_streamed(front: Gateway) -> None:
