@@ -276,7 +276,8 @@ def run_worker(
 
 
 class _QuietRequests:
-    """Forgets the join state of requests no event has touched for ``after_s`` seconds.
+    """Forgets the join state of requests no event has touched for ``after_s`` seconds,
+    or, while they may still run, ``outcomes.quiet_limit_s``.
 
     A key's deletion goes to its own changelog partition, which each state records;
     a batch with events of partition P sweeps P's quiet states, at most every
@@ -298,12 +299,12 @@ class _QuietRequests:
         if now < self._next_sweep.get(partition, 0.0):
             return []
         self._next_sweep[partition] = now + self.after_s / 2
-        horizon = now - self.after_s
         given_up = []
         for key in [
             key
             for key, state in self.table.items()
-            if state.get("partition") == partition and state.get("touched", now) < horizon
+            if state.get("partition") == partition
+            and state.get("touched", now) < now - outcomes.quiet_limit_s(state, self.after_s)
         ]:
             given_up += outcomes.unmatched(self.table.remove(key, partition), now)
         return given_up

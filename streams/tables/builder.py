@@ -207,10 +207,16 @@ class TableBuilder:
 
     def tables(self, now: float) -> list[WindowedTable]:
         """Every DC's tables for the window up to ``now``. Old slices go, and so do
-        requests quiet for longer than a window and its grace (ends they still hold count
-        as late events at ``now``)."""
-        horizon = now - self.spec.size_s - self.spec.grace_s
-        for key in [k for k, s in self.requests.items() if s["last_ts"] < horizon]:
+        requests quiet for longer than a window and its grace, or, while they may still
+        run, ``outcomes.quiet_limit_s`` (ends they still hold count as late events at
+        ``now``)."""
+        settled = self.spec.size_s + self.spec.grace_s
+        quiet = [
+            key
+            for key, state in self.requests.items()
+            if state["last_ts"] < now - outcomes.quiet_limit_s(state, settled)
+        ]
+        for key in quiet:
             for outcome in outcomes.unmatched(self.requests.pop(key), now):
                 self.add_outcome(outcome)
         published = []

@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 RequestState = dict[str, Any]
 SEEN_LIMIT = 64
 """Event ids remembered per request; a request has far fewer events."""
+OPEN_REQUEST_S = 3600.0
+"""How long the join keeps a request that arrived and has not ended without hearing of it
+(its deadline and a window's grace, where that is later): an hour, longer than an answer
+runs (32,000 tokens at 50 ms a token take 27 minutes). Its first token and queueing
+events do not touch its state, so a shorter horizon would forget a long answer while it
+runs, and count its completion as a late event only."""
 
 
 class OutcomeKind(StrEnum):
@@ -186,6 +192,17 @@ def _release(state: RequestState) -> list[Outcome]:
     released = state["released"] + [outcome.to_dict() for outcome in outcomes]
     state["released"] = released[-SEEN_LIMIT:]
     return outcomes
+
+
+def quiet_limit_s(state: RequestState, settled_s: float) -> float:
+    """How long ``state`` may go without an event before it is forgotten: ``settled_s`` (a
+    window and its grace) once its end came, or while its start has not; while it may
+    still run (it arrived, and no end came), ``OPEN_REQUEST_S`` or its deadline and
+    ``settled_s``, whichever is later (batch work may wait in its pool until then)."""
+    arrived = state["arrived"]
+    if arrived is None or state["held"] or state["released"]:
+        return settled_s
+    return max(OPEN_REQUEST_S, (arrived["deadline_s"] or 0.0) + settled_s)
 
 
 def unmatched(state: RequestState, at: float) -> list[Outcome]:

@@ -35,8 +35,11 @@ class WindowSpec:
         return [n * self.slide_s for n in range(last - count + 1, last + 1)]
 
     def is_late(self, ts: float, watermark: float) -> bool:
-        """Whether an event at ``ts`` comes after every window holding it has closed."""
-        return ts < watermark - self.size_s - self.grace_s
+        """Whether an event at ``ts`` comes after every window holding it has closed: its
+        slice is before the first of the window up to ``watermark``, so no table published
+        from then on would hold it. (Measured from the window's end and its grace, an event
+        55 to 70 s old went into a slice no later window held, counted nowhere.)"""
+        return self.slice_of(ts) < self.slices(watermark)[0]
 
     def expired(self, slice_start: float, watermark: float) -> bool:
         """Whether a slice can no longer be part of a published window or take events."""

@@ -37,7 +37,7 @@ from streams.faust_app import _apply, _LiveStates, build_app
 from streams.settings import WorkerSettings
 from streams.tables import outcomes
 from streams.tables.builder import TableBuilder
-from streams.tables.outcomes import Outcome, OutcomeKind
+from streams.tables.outcomes import OPEN_REQUEST_S, Outcome, OutcomeKind
 from streams.tables.sketch import QuantileSketch
 from streams.tables.windows import WindowSpec
 
@@ -186,6 +186,37 @@ def test_a_dc_s_refusal_counts_there_as_a_failure_and_one_at_the_door_nowhere() 
             0,
             0,
         )
+
+
+def test_an_answer_that_runs_longer_than_a_window_still_counts_when_it_ends() -> None:
+    """Its first token does not touch its join state, so a request that arrived and has
+    not ended is kept while it may still run (``OPEN_REQUEST_S``), not a window and its
+    grace; one that never ends is given up after that."""
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    start = EPOCH
+    for event in _request(1, start) + _request(2, start):
+        builder.feed(event)
+    builder.tables(start + 100)  # both quiet for longer than a window and its grace
+    builder.feed(_completed(1, start + 121))
+    chats = goodput(builder.tables(start + 125)).classes[0]
+    assert (chats.completed, chats.late_events) == (1, 0)
+    assert "r2" in builder.requests
+    builder.tables(start + OPEN_REQUEST_S + 1)
+    assert "r2" not in builder.requests
+
+
+def test_an_end_too_old_for_the_window_counts_late_rather_than_nowhere() -> None:
+    """63 s behind the latest event: not in the window up to it (which starts 50 s back,
+    at a slide's edge), so a late event; measured from the window and its grace (65 s)
+    it was neither late nor in any table."""
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    start = EPOCH
+    for event in _request(1, start) + _request(2, start):
+        builder.feed(event)
+    builder.feed(_completed(2, start + 64))
+    builder.feed(_completed(1, start + 1))
+    chats = goodput(builder.tables(start + 64)).classes[0]
+    assert (chats.completed, chats.late_events) == (1, 1)
 
 
 def test_each_source_region_s_requests_have_rows_of_their_own_by_class() -> None:
