@@ -101,7 +101,12 @@ class _ControlHost(ABC, Generic[SnapshotT]):
             await self.caught_up()
             while True:
                 await asyncio.sleep(self.period_s)
-                await self.reconcile()
+                try:
+                    await self.reconcile()
+                except Exception as exc:  # the bus away past its retries: the next pass
+                    log.warning(
+                        "%s: a pass failed (%s); the next one tries again", self.source, exc
+                    )
         finally:
             for reader in readers:
                 reader.cancel()
@@ -214,8 +219,7 @@ class QuotaHost(_ControlHost[AdmissionQuotas]):
             else changed.model_copy(update={"version": published.version})
         )
         desired = self.controller.reconcile(goodput, capacity, current, now)
-        if desired is not None:
-            self._changed[dc] = desired
+        if desired is not None:  # held as the last change once published (``apply``)
             return desired
         if published is not None and now - published.issued_at >= self.renew_s:
             return published.model_copy(update={"version": published.version + 1, "issued_at": now})

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Sequence
+
+import pytest
 
 from control.controllers.fleetmind import WeightController, WeightParams, weights_of
 from control.controllers.slomax import QuotaController, long_documents
+from schemas import Envelope
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, PlacementRecommendation
 from schemas.fleet import FleetConfig
@@ -83,6 +87,51 @@ async def test_the_controller_renews_unchanged_quotas_and_times_its_moves_from_t
     assert raised.version == 3
     assert long_documents(raised) == 10
     assert [q.version for q in await published(bus)] == [1, 2, 3]
+
+
+class BrokerAway(InMemoryBus):
+    """A bus whose next ``away`` publishes fail, as Kafka's do past their retries."""
+
+    away = 0
+
+    async def publish_events(self, envelopes: Sequence[Envelope]) -> None:
+        if self.away:
+            self.away -= 1
+            raise ConnectionError("the broker is away")
+        await super().publish_events(envelopes)
+
+
+async def test_a_change_whose_publish_failed_goes_out_at_the_next_pass() -> None:
+    bus, clock = BrokerAway(), Clock()
+    host = QuotaHost(bus, QuotaController(), renew_s=25.0, clock=clock)
+    feed(host, chats_met=96, documents_refused=0, now=clock.now)
+    await host.reconcile()
+    clock.now = 80.0  # chats far below their target: the limit halves
+    feed(host, chats_met=50, documents_refused=0, now=clock.now)
+    bus.away = 1
+    with pytest.raises(ConnectionError):
+        await host.reconcile()
+    clock.now = 81.0
+    [lowered] = await host.reconcile()
+    assert (lowered.version, long_documents(lowered)) == (2, 4)
+
+
+async def test_a_failed_pass_does_not_stop_the_controller() -> None:
+    bus, clock = BrokerAway(), Clock()
+    host = QuotaHost(bus, QuotaController(), period_s=0.01, clock=clock)
+    feed(host, chats_met=96, documents_refused=0, now=clock.now)
+    bus.away = 3
+    running = asyncio.create_task(host.run())
+    try:
+        for _ in range(200):
+            if await published(bus):
+                break
+            await asyncio.sleep(0.01)
+        assert [q.version for q in await published(bus)] == [1]
+        assert not running.done()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
 
 
 async def test_a_restarted_controller_continues_from_the_published_quotas() -> None:
