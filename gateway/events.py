@@ -3,7 +3,10 @@
 ``emit`` never waits: it puts the event in a queue, or, when the queue is full, counts it
 as dropped. One sender task publishes what is queued in batches, in order. While the bus
 is away (Kafka down) the sender keeps retrying its batch, the queue fills, and later
-events are dropped and counted; serving goes on.
+events are dropped and counted; serving goes on. An event too large for any bus (a prompt
+of about 800,000 tokens lists over a megabyte of prefix blocks) is dropped and counted at
+once: retried, it would hold every event behind it. At shutdown the batch in hand is
+published before the queue, or counted as dropped with it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import logging
 from collections.abc import Callable
 
 from schemas import Envelope, Message
-from streams.bus import EventBus
+from streams.bus import EventBus, Unpublishable
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,8 @@ class EventSink:
         self._on_drop = on_drop
         self._on_published = on_published
         self._queue: asyncio.Queue[Envelope] = asyncio.Queue(capacity)
+        self._in_hand: list[Envelope] = []
+        """The batch being published (it left the queue): ``flush`` sends it first."""
 
     @property
     def queued(self) -> int:
@@ -53,14 +58,17 @@ class EventSink:
     async def run(self) -> None:
         """Publish until cancelled; a failed batch is retried until it goes through."""
         while True:
-            batch = [await self._queue.get()]
-            while len(batch) < self.batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            await self._publish(batch)
+            self._in_hand = [await self._queue.get()]
+            while len(self._in_hand) < self.batch and not self._queue.empty():
+                self._in_hand.append(self._queue.get_nowait())
+            await self._publish()
+            self._in_hand = []
 
     async def flush(self, timeout_s: float) -> None:
-        """Publish what is queued, for at most ``timeout_s``; what is left is dropped."""
-        batch = []
+        """Publish the batch in hand (the sender was stopped) and what is queued, for at
+        most ``timeout_s``; what is left is dropped. The batch may have reached the bus
+        in part: consumers take events once, by their id."""
+        batch, self._in_hand = self._in_hand, []
         while not self._queue.empty():
             batch.append(self._queue.get_nowait())
         if not batch:
@@ -73,14 +81,21 @@ class EventSink:
         else:
             self._on_published(batch)
 
-    async def _publish(self, batch: list[Envelope]) -> None:
-        while True:
+    async def _publish(self) -> None:
+        """Publish the batch in hand, retrying until it goes through, less any event the
+        bus will never take."""
+        while self._in_hand:
+            batch = self._in_hand
             try:
                 await self.bus.publish_events(batch)
                 self._on_published(batch)
                 return
             except asyncio.CancelledError:
                 raise
+            except Unpublishable as exc:
+                log.warning("dropping an event no bus takes: %s", exc)
+                self._on_drop("too_large", 1)
+                self._in_hand = [e for e in batch if e is not exc.envelope]
             except Exception as exc:  # any bus failure: keep serving, retry
                 log.warning("event bus failed (%s); retrying %d events", exc, len(batch))
                 await asyncio.sleep(self.retry_s)

@@ -20,9 +20,45 @@ from schemas.deadletter import DeadLetter
 
 log = logging.getLogger(__name__)
 
+MAX_RECORD_BYTES = 1_000_000
+"""The largest event a bus takes, encoded: under the Kafka producer's default limit on a
+request (``max.request.size``, 1,048,576 bytes) with the record's key and framing. Both
+buses refuse a larger one alike (``Unpublishable``)."""
+
 StartFrom = Literal["earliest", "latest"] | Mapping[int, int]
 """Where a subscription starts: the oldest record, the next new one, or given offsets per
 partition (partitions not named start from the oldest record)."""
+
+
+class Unpublishable(ValueError):
+    """An event larger than any bus takes (``MAX_RECORD_BYTES``): retrying cannot help."""
+
+    def __init__(self, envelope: Envelope, size: int) -> None:
+        super().__init__(
+            f"event {envelope.event_id} ({type(envelope.payload).schema_ref()}) is {size:,} "
+            f"bytes encoded, over the {MAX_RECORD_BYTES:,} a bus takes"
+        )
+        self.envelope = envelope
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """An event as a bus publishes it: its topic, key and encoded value."""
+
+    topic: str
+    key: str
+    value: bytes
+    envelope: Envelope
+
+    @classmethod
+    def of(cls, envelope: Envelope, to: str | None = None) -> Outgoing:
+        """On the payload's topic (or ``to``), keyed by the topic's key field;
+        Unpublishable where it is too large."""
+        topic = topic_for(type(envelope.payload))
+        value = encode(envelope)
+        if len(value) > MAX_RECORD_BYTES:
+            raise Unpublishable(envelope, len(value))
+        return cls(to or topic.name, topic.key_of(envelope.payload), value, envelope)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +117,19 @@ class EventBus(ABC):
 
     async def publish_event(self, envelope: Envelope) -> None:
         """Publish on the payload's topic, keyed by the topic's key field."""
-        topic = topic_for(type(envelope.payload))
-        await self.publish(topic.name, topic.key_of(envelope.payload), encode(envelope))
+        await self.publish_events([envelope])
 
-    async def publish_events(self, envelopes: Sequence[Envelope]) -> None:
-        """Publish several events, in order; returns once the bus holds them all."""
-        for envelope in envelopes:
-            await self.publish_event(envelope)
+    async def publish_events(self, envelopes: Sequence[Envelope], to: str | None = None) -> None:
+        """Publish several events, in order; returns once the bus holds them all. One too
+        large for the bus fails the batch (``Unpublishable``) before any of it is
+        published. ``to`` sends them all to that topic instead of each to its own (a
+        bench's copy)."""
+        await self._publish_all([Outgoing.of(envelope, to) for envelope in envelopes])
+
+    async def _publish_all(self, records: Sequence[Outgoing]) -> None:
+        """Publish encoded events in order: one at a time, unless the bus does better."""
+        for record in records:
+            await self.publish(record.topic, record.key, record.value)
 
     def subscribe(self, topic: str, start: StartFrom = "earliest") -> Subscription:
         """Decoded events of ``topic``, in order per partition, waiting for new ones.

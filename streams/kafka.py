@@ -12,8 +12,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
-from schemas import TOPICS, Envelope, Topic, encode, topic_for
-from streams.bus import EventBus, RawRecord, RecordStream, StartFrom
+from schemas import TOPICS, Topic
+from streams.bus import EventBus, Outgoing, RawRecord, RecordStream, StartFrom
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +50,14 @@ class KafkaBus(EventBus):
         producer = await self._started_producer()
         await producer.send_and_wait(topic, value, key=key.encode())
 
-    async def publish_events(self, envelopes: Sequence[Envelope], to: str | None = None) -> None:
+    async def _publish_all(self, records: Sequence[Outgoing]) -> None:
         """Hands every event to the producer first, then waits for all acknowledgements,
         so a batch costs about one round trip. Order per key holds: the idempotent
-        producer keeps each partition's records in the order they were handed over.
-        ``to`` sends them all to that topic instead of each to its own (a bench's copy)."""
+        producer keeps each partition's records in the order they were handed over."""
         producer = await self._started_producer()
         sent = []
-        for envelope in envelopes:
-            topic = topic_for(type(envelope.payload))
-            key = topic.key_of(envelope.payload).encode()
-            sent.append(await producer.send(to or topic.name, encode(envelope), key=key))
+        for record in records:
+            sent.append(await producer.send(record.topic, record.value, key=record.key.encode()))
         await asyncio.gather(*sent)
 
     async def close(self) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import bisect
 import zlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from schemas import TOPICS, Envelope, encode, topic_for
-from streams.bus import EventBus, RawRecord, RecordStream, StartFrom
+from schemas import TOPICS, Envelope
+from streams.bus import EventBus, Outgoing, RawRecord, RecordStream, StartFrom
 
 _DEFAULT_PARTITIONS = {t.name: t.partitions for t in TOPICS}
 _COMPACTED = frozenset(t.name for t in TOPICS if t.compacted)
@@ -81,11 +81,11 @@ class InMemoryBus(EventBus):
     async def publish(self, topic: str, key: str, value: bytes | None) -> None:
         await self._append(topic, key, value, None)
 
-    async def publish_event(self, envelope: Envelope) -> None:
-        """Keep the envelope beside its bytes: subscribers in this process get it without
+    async def _publish_all(self, records: Sequence[Outgoing]) -> None:
+        """Keep each envelope beside its bytes: subscribers in this process get it without
         decoding what was just encoded (the bytes stay, for raw readers)."""
-        topic = topic_for(type(envelope.payload))
-        await self._append(topic.name, topic.key_of(envelope.payload), encode(envelope), envelope)
+        for record in records:
+            await self._append(record.topic, record.key, record.value, record.envelope)
 
     async def _append(
         self, topic: str, key: str, value: bytes | None, envelope: Envelope | None

@@ -1,0 +1,60 @@
+"""The gateway's event sink: a bounded buffer between the request path and the bus."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+
+from gateway.events import EventSink
+from schemas import Envelope
+from schemas.lifecycle import RequestAdmitted
+from streams.memory import InMemoryBus
+from tests.conftest import read_for
+from tests.integration.test_bus_contract import huge_arrival
+
+
+def admitted(n: int) -> RequestAdmitted:
+    return RequestAdmitted(request_id=f"r{n}", queue="interactive")
+
+
+async def test_an_event_no_bus_takes_is_dropped_and_counted_and_the_rest_go_through() -> None:
+    bus, dropped = InMemoryBus(), Counter[str]()
+    sink = EventSink(bus, "test", on_drop=lambda reason, n: dropped.update({reason: n}))
+    sink.emit(admitted(1))
+    sink.emit(huge_arrival("r-huge").payload)
+    sink.emit(admitted(2))
+    sending = asyncio.create_task(sink.run())
+    try:
+        events = await read_for(bus, "tf.requests", 0.2)
+    finally:
+        sending.cancel()
+    assert [e.request_id for e in events] == ["r1", "r2"]
+    assert dropped == {"too_large": 1}
+
+
+class Stalled(InMemoryBus):
+    """A bus that takes nothing until ``back`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.back = asyncio.Event()
+
+    async def publish_events(self, envelopes: Sequence[Envelope], to: str | None = None) -> None:
+        await self.back.wait()
+        await super().publish_events(envelopes, to)
+
+
+async def test_the_batch_in_hand_at_shutdown_is_published_before_the_queue() -> None:
+    bus = Stalled()
+    sink = EventSink(bus, "test", batch=2, retry_s=0.01)
+    for n in range(3):
+        sink.emit(admitted(n))
+    sending = asyncio.create_task(sink.run())
+    await asyncio.sleep(0.05)  # r0 and r1 in hand, r2 queued
+    sending.cancel()
+    await asyncio.gather(sending, return_exceptions=True)
+    bus.back.set()
+    await sink.flush(timeout_s=1.0)
+    events = await read_for(bus, "tf.requests", 0.2)
+    assert [e.request_id for e in events] == ["r0", "r1", "r2"]
