@@ -58,8 +58,12 @@ def load_trace(name_or_path: str, *, limit: int | None = None, seed: int = 0) ->
     if source is not None:
         return label(source.load(limit=limit, seed=seed), batch=source.batch, seed=seed)
     path = Path(name_or_path)
-    if path.suffix == ".jsonl" and path.exists():
+    if path.suffix == ".jsonl" and not path.is_file():
+        raise ValueError(f"trace file {name_or_path} not found")
+    if path.suffix == ".jsonl":
         requests = label(load_mooncake(path, limit=limit, seed=seed, bucket_s=0.0), seed=seed)
+        if not requests:
+            raise ValueError(f"trace file {name_or_path} holds no requests")
         return with_given(requests, given_labels(path, LABEL_COLUMNS, limit))
     raise ValueError(
         f"unknown trace {name_or_path!r}: give one of {', '.join(TRACES)} or a .jsonl path"

@@ -7,7 +7,7 @@ import csv
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -46,25 +46,53 @@ def load_mooncake(
     path = path or traces_dir() / "mooncake_fast25" / "conversation_trace.jsonl"
     rng = random.Random(seed)
     requests = []
+    for index, row in _mooncake_rows(path, limit):
+        _check_mooncake_row(row, path, index + 1)
+        arrival = row["timestamp"] / 1000.0
+        if bucket_s:
+            arrival += rng.uniform(0.0, bucket_s)
+        requests.append(
+            TraceRequest(
+                request_id=f"mooncake-{index}",
+                arrival_s=arrival,
+                input_tokens=row["input_length"],
+                output_tokens=row["output_length"],
+                prefix_blocks=engine_blocks(row["hash_ids"], row["input_length"]),
+            )
+        )
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests
+
+
+def _mooncake_rows(path: Path, limit: int | None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each row of a file in Mooncake's format, numbered from 0; ValueError naming the file
+    and line of one that is not a JSON object."""
     with path.open() as lines:
         for index, line in enumerate(lines):
             if limit is not None and index >= limit:
                 break
-            row = json.loads(line)
-            arrival = row["timestamp"] / 1000.0
-            if bucket_s:
-                arrival += rng.uniform(0.0, bucket_s)
-            requests.append(
-                TraceRequest(
-                    request_id=f"mooncake-{index}",
-                    arrival_s=arrival,
-                    input_tokens=row["input_length"],
-                    output_tokens=row["output_length"],
-                    prefix_blocks=engine_blocks(row["hash_ids"], row["input_length"]),
-                )
-            )
-    requests.sort(key=lambda r: r.arrival_s)
-    return requests
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path} line {index + 1}: not JSON ({exc})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {index + 1}: not a JSON object")
+            yield index, row
+
+
+_MOONCAKE_FIELDS = {"timestamp": "a number", "input_length": "a count", "output_length": "a count"}
+
+
+def _check_mooncake_row(row: dict[str, Any], path: Path, line: int) -> None:
+    """ValueError naming the file, line and field of a row ``load_mooncake`` cannot read."""
+    for field, kind in _MOONCAKE_FIELDS.items():
+        value = row.get(field)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or (kind == "a count" and (not isinstance(value, int) or value < 0)):
+            raise ValueError(f"{path} line {line}: {field} must be {kind}, not {value!r}")
+    hash_ids = row.get("hash_ids")
+    if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
+        raise ValueError(f"{path} line {line}: hash_ids must be a list of integers")
 
 
 def given_labels(
@@ -72,14 +100,10 @@ def given_labels(
 ) -> dict[str, dict[str, Any]]:
     """What each row of a file in Mooncake's format gives of ``columns``, by the request id
     ``load_mooncake`` gives its row."""
-    given: dict[str, dict[str, Any]] = {}
-    with path.open() as lines:
-        for index, line in enumerate(lines):
-            if limit is not None and index >= limit:
-                break
-            row = json.loads(line)
-            given[f"mooncake-{index}"] = {c: row[c] for c in columns if c in row}
-    return given
+    return {
+        f"mooncake-{index}": {c: row[c] for c in columns if c in row}
+        for index, row in _mooncake_rows(path, limit)
+    }
 
 
 def load_azure(

@@ -73,19 +73,35 @@ def test_a_ladder_runs_each_level_with_more_load(tmp_path: Path) -> None:
     assert high["summary"]["e2e_p95_s"] > low["summary"]["e2e_p95_s"]
 
 
+BROKEN_TRACE = '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{bad\n'
+WRONG_TYPE = '{"timestamp": 0, "input_length": "x", "output_length": 5, "hash_ids": [1]}\n'
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--trace", "nope"], "unknown trace 'nope'"),
-        (["--trace", "mooncake", "--instances", "0"], "at least 1"),
-        (["--trace", "mooncake", "--rate-scale", "-1"], "must be positive"),
+        (["--trace", "{tmp}/missing.jsonl"], "trace file {tmp}/missing.jsonl not found"),
+        (["--trace", "{tmp}/broken.jsonl"], "{tmp}/broken.jsonl line 2: not JSON"),
+        (["--trace", "{tmp}/typed.jsonl"], "line 1: input_length must be a count, not 'x'"),
+        (["--trace", "mooncake", "--instances", "0"], "must be at least 1, not 0"),
+        (["--trace", "mooncake", "--rate-scale", "-1"], "must be a finite number above 0"),
+        (["--trace", "mooncake", "--rate-scale", "nan"], "must be a finite number above 0"),
+        (["--trace", "mooncake", "--ladder", "nan"], "levels must be finite numbers above 0"),
+        (["--trace", "mooncake", "--json", "{tmp}"], "is a folder: give a file to write"),
     ],
 )
-def test_bad_sim_arguments_exit_2_with_a_message(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+def test_bad_sim_arguments_exit_2_with_a_message_before_any_work(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["sim", *argv]) == 2
-    assert message in capsys.readouterr().err
+    (tmp_path / "broken.jsonl").write_text(BROKEN_TRACE)
+    (tmp_path / "typed.jsonl").write_text(WRONG_TYPE)
+    try:
+        code = main(["sim", *(a.format(tmp=tmp_path) for a in argv)])
+    except SystemExit as exc:  # refused while the command line is read
+        code = exc.code
+    assert code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
 def test_a_burst_measures_capacity_and_a_trace_its_offered_rate() -> None:

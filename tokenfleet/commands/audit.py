@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from schemas import Envelope
 from schemas.topics import JOURNAL_TOPIC, TOPICS
+from tokenfleet.commands.arguments import output_file
 from tokenfleet.commands.deploy import LOCAL_FLEET
 from tokenfleet.commands.errors import CliError
 
@@ -36,7 +37,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     recount.add_argument(
         "--dc", action="append", help="only this DC (repeat for several; default: every DC)"
     )
-    recount.add_argument("--json", type=Path, help="write the tables and differences here")
+    recount.add_argument("--json", type=output_file, help="write the tables and differences here")
     recount.set_defaults(handler=_recount)
     _register_whatif(commands)
     _register_audit(commands)
@@ -65,7 +66,7 @@ def _register_audit(commands: argparse._SubParsersAction[argparse.ArgumentParser
         help="a journal file, or a topic (needs TOKENFLEET_KAFKA_BOOTSTRAP); repeat for "
         f"several (default: {JOURNAL_TOPIC})",
     )
-    audit.add_argument("--json", type=Path, help="write each journal's result here")
+    audit.add_argument("--json", type=output_file, help="write each journal's result here")
     audit.set_defaults(handler=_audit)
 
 
@@ -183,7 +184,7 @@ def _register_whatif(commands: argparse._SubParsersAction[argparse.ArgumentParse
         "policy and under the gateways' (TOKENFLEET_GATEWAY_DC_POLICY, default fleetmind), "
         "each DC behind SLOMax and the fleet's routing policy",
     )
-    whatif.add_argument("--json", type=Path, help="write the figures here")
+    whatif.add_argument("--json", type=output_file, help="write the figures here")
     whatif.set_defaults(handler=_whatif)
 
 

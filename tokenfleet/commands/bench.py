@@ -8,6 +8,7 @@ import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from tokenfleet.commands.arguments import output_file, positive_float, positive_int
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.sim import add_token_lags, fraction, levels, tokenpilot_params, trace_help
 
@@ -25,7 +26,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         description="Times the simulator on the whole Mooncake conversation trace "
         "(12,031 requests) and how run time grows with instances (16, 64, 256) and requests.",
     )
-    sim.add_argument("--json", type=Path, required=True, help="write the figures here")
+    sim.add_argument("--json", type=output_file, required=True, help="write the figures here")
     sim.set_defaults(handler=_bench_sim)
     _add_bench_routing(sub)
     _add_bench_admission(sub)
@@ -44,7 +45,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         default=["tokenpilot"],
         help="comma-separated, the first the reference (default tokenpilot)",
     )
-    decision.add_argument("--json", type=Path, required=True, help="write the figures here")
+    decision.add_argument("--json", type=output_file, required=True, help="write the figures here")
     decision.set_defaults(handler=_bench_decision)
     gateway = sub.add_parser(
         "gateway",
@@ -55,9 +56,15 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "request; the same for the gateway admitting everything (fcfs: what SLOMax costs) "
         "and for a bare pass-through proxy on the same stack, the floor.",
     )
-    gateway.add_argument("--requests", type=int, default=1000, help="latency samples each way")
-    gateway.add_argument("--concurrency", type=int, default=32, help="clients in the rate run")
-    gateway.add_argument("--duration", type=float, default=10.0, help="seconds of the rate run")
+    gateway.add_argument(
+        "--requests", type=positive_int, default=1000, help="latency samples each way"
+    )
+    gateway.add_argument(
+        "--concurrency", type=positive_int, default=32, help="clients in the rate run"
+    )
+    gateway.add_argument(
+        "--duration", type=positive_float, default=10.0, help="seconds of the rate run"
+    )
     gateway.add_argument(
         "--litellm",
         metavar="COMMAND",
@@ -77,7 +84,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         help="also measure the gateway keeping its decision journal (in a file, "
         "TOKENFLEET_GATEWAY_JOURNAL_FILE): what tokenfleet audit costs",
     )
-    gateway.add_argument("--json", type=Path, required=True, help="write the figures here")
+    gateway.add_argument("--json", type=output_file, required=True, help="write the figures here")
     gateway.set_defaults(handler=_bench_gateway)
     streams = sub.add_parser(
         "streams",
@@ -88,18 +95,20 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "an event's publication to its effect in a published table (P50, P95); then, for "
         "scale, the rate of a Faust agent that only counts the same events.",
     )
-    streams.add_argument("--requests", type=int, default=20_000, help="requests (3 events each)")
     streams.add_argument(
-        "--paced-rate", type=float, default=500.0, help="requests/s in the lag run"
+        "--requests", type=positive_int, default=20_000, help="requests (3 events each)"
+    )
+    streams.add_argument(
+        "--paced-rate", type=positive_float, default=500.0, help="requests/s in the lag run"
     )
     streams.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         default=1,
         help="then measure the bulk rate again with this many workers sharing the "
         "partitions (default: 1, not again)",
     )
-    streams.add_argument("--json", type=Path, required=True, help="write the figures here")
+    streams.add_argument("--json", type=output_file, required=True, help="write the figures here")
     streams.set_defaults(handler=_bench_streams)
 
 
@@ -111,8 +120,6 @@ def _bench_streams(args: argparse.Namespace) -> int:
     from tokenfleet.services.kafka import LocalKafka
     from tokenfleet.settings import Settings
 
-    if args.requests < 1 or args.paced_rate <= 0 or args.workers < 1:
-        raise CliError("--requests and --workers must be at least 1, --paced-rate positive")
     with contextlib.ExitStack() as stack:
         bootstrap = Settings().kafka_bootstrap
         if bootstrap is None:
@@ -163,8 +170,6 @@ def _bench_gateway(args: argparse.Namespace) -> int:
 
     from tokenfleet.gateway_bench import bench_gateway, litellm_command
 
-    if args.requests < 1 or args.concurrency < 1 or args.duration <= 0:
-        raise CliError("--requests and --concurrency must be at least 1, --duration positive")
     if args.litellm and not args.no_litellm and shutil.which(args.litellm) is None:
         raise CliError(f"--litellm {args.litellm}: no such executable")
     litellm = None if args.no_litellm else args.litellm or litellm_command()
@@ -260,8 +265,14 @@ def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
     )
     admission.add_argument("--trace", default="mixed", help="default: mixed. " + trace_help())
     _add_ladder_options(admission, ADMISSION_LADDER, (*BENCHED, *ABLATED))
-    admission.add_argument("--router", default="tokenpilot", help="the router behind every policy")
-    admission.add_argument("--plot", type=Path, help="write goodput and compliance per level here")
+    admission.add_argument(
+        "--router",
+        default="tokenpilot",
+        help="the router behind every policy (default: tokenpilot)",
+    )
+    admission.add_argument(
+        "--plot", type=output_file, help="write goodput and compliance per level here"
+    )
     admission.add_argument(
         "--step-change",
         type=Path,
@@ -353,17 +364,24 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
         default="mixed",
         help="a labelled workload whose region is the entry (default: mixed). " + trace_help(),
     )
-    fleet.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
-    fleet.add_argument("--seed", type=int, default=0)
+    fleet.add_argument(
+        "--profile",
+        default="llama3-70b-4xh100",
+        choices=sorted(PROFILES),
+        help="the instances' calibrated model and GPUs (default: llama3-70b-4xh100)",
+    )
+    fleet.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
     fleet.add_argument(
         "--policies",
         type=lambda t: t.split(","),
         default=None,
         help=f"comma-separated subset of: {', '.join(STACKS)}",
     )
-    fleet.add_argument("--jobs", type=int, default=1, help="runs at once (default 1)")
-    fleet.add_argument("--json", type=Path, required=True, help="write the figures here")
-    fleet.add_argument("--plot", type=Path, help="write A's traffic by DC over time here (PNG)")
+    fleet.add_argument("--jobs", type=positive_int, default=1, help="runs at once (default 1)")
+    fleet.add_argument("--json", type=output_file, required=True, help="write the figures here")
+    fleet.add_argument(
+        "--plot", type=output_file, help="write A's traffic by DC over time here (PNG)"
+    )
     fleet.set_defaults(handler=_bench_fleet)
 
 
@@ -436,7 +454,7 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
         "by this fraction, up or down at random per term (e.g. 0.15), while the simulated "
         "engines step with the true one (default 0: the engines' own model)",
     )
-    routing.add_argument("--plot", type=Path, help="write TTFT CDFs per policy here (PNG)")
+    routing.add_argument("--plot", type=output_file, help="write TTFT CDFs per policy here (PNG)")
     routing.set_defaults(handler=_bench_routing)
 
 
@@ -446,8 +464,15 @@ def _add_ladder_options(
     """The options every ladder benchmark takes: cluster, ladder, sample, policies, jobs."""
     from sim.profiles import PROFILES
 
-    parser.add_argument("--instances", type=int, default=16)
-    parser.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
+    parser.add_argument(
+        "--instances", type=positive_int, default=16, help="simulated instances (default: 16)"
+    )
+    parser.add_argument(
+        "--profile",
+        default="llama3-70b-4xh100",
+        choices=sorted(PROFILES),
+        help="the instances' calibrated model and GPUs (default: llama3-70b-4xh100)",
+    )
     parser.add_argument(
         "--ladder",
         type=levels,
@@ -455,8 +480,8 @@ def _add_ladder_options(
         metavar="L1,L2,...",
         help="default: " + ",".join(f"{level:g}" for level in ladder),
     )
-    parser.add_argument("--requests", type=int, help="only the first N requests")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=positive_int, help="only the first N requests")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
     parser.add_argument(
         "--policies",
         type=lambda t: t.split(","),
@@ -465,11 +490,11 @@ def _add_ladder_options(
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=positive_int,
         default=1,
         help="runs at once, each in its own process (default 1); figures do not depend on it",
     )
-    parser.add_argument("--json", type=Path, required=True, help="write the figures here")
+    parser.add_argument("--json", type=output_file, required=True, help="write the figures here")
 
 
 def _bench_routing(args: argparse.Namespace) -> int:

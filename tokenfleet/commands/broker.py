@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 
+from schemas import TOPICS, Topic
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import DEFAULT_HOME, Deployment
 from tokenfleet.services.kafka import running_bootstrap
@@ -21,3 +24,16 @@ def broker(home: Path = DEFAULT_HOME) -> str:
             "'tokenfleet up' or 'tokenfleet kafka start'"
         )
     return address
+
+
+def topics_on(bootstrap: str, topics: Sequence[Topic] = TOPICS) -> list[str]:
+    """Create the ``topics`` the broker lacks (the names it created); CliError where the
+    broker cannot be reached or ``bootstrap`` is no broker address."""
+    from streams.kafka import create_topics
+
+    try:
+        return asyncio.run(create_topics(bootstrap, topics))
+    except Exception as exc:
+        raise CliError(
+            f"cannot create the topics on the Kafka broker at {bootstrap}: {exc!r}"
+        ) from None

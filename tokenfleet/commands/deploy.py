@@ -7,6 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
+from tokenfleet.commands.arguments import port
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME, GATEWAY_PORT, WORKER_PORT
@@ -34,19 +35,19 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _home_argument(up)
     up.add_argument(
         "--gateway-port",
-        type=int,
+        type=port,
         default=GATEWAY_PORT,
         help="the edge gateway's port (default: %(default)s)",
     )
     up.add_argument(
         "--controller-port",
-        type=int,
+        type=port,
         default=CONTROLLER_PORT,
         help="the operators' view, served by the controller (default: %(default)s)",
     )
     up.add_argument(
         "--worker-port",
-        type=int,
+        type=port,
         default=WORKER_PORT,
         help="the table worker's Prometheus /metrics (default: %(default)s)",
     )

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenfleet.commands.arguments import http_url, output_file, port, positive_float, positive_int
 from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.loop import run_fast
@@ -37,18 +38,25 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         "or localhost, on their URLs' ports, each with its model's profile), each behind "
         "the round trip between --region and its DC's region. Stop with Ctrl-C.",
     )
-    emulate.add_argument("--instances", type=int, default=1, help="how many (default: 1)")
+    emulate.add_argument("--instances", type=positive_int, default=1, help="how many (default: 1)")
     emulate.add_argument(
         "--base-port",
-        type=int,
+        type=port,
         default=8100,
         help="the first port; the others follow (default: 8100)",
     )
-    emulate.add_argument("--profile", default="llama3-70b-4xh100", choices=sorted(PROFILES))
-    emulate.add_argument("--model", default="emulated", help="the model name clients use")
+    emulate.add_argument(
+        "--profile",
+        default="llama3-70b-4xh100",
+        choices=sorted(PROFILES),
+        help="the calibrated model and GPUs it times its steps by (default: llama3-70b-4xh100)",
+    )
+    emulate.add_argument(
+        "--model", default="emulated", help="the model name clients use (default: emulated)"
+    )
     emulate.add_argument(
         "--speedup",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="run this many times faster than the modelled GPU (default: 1)",
     )
@@ -108,8 +116,6 @@ def _emulate(args: argparse.Namespace) -> int:
     from sim.emulator.server import serve
     from sim.profiles import profile
 
-    if args.instances < 1 or args.speedup <= 0:
-        raise CliError("--instances must be at least 1 and --speedup positive")
     if args.fleet is not None:
         return _emulate_fleet(args)
     if args.placement:
@@ -151,6 +157,9 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
     region = args.region or fleet.dcs[0].region
+    regions = {dc.region for dc in fleet.dcs} | {r for link in fleet.network for r in link.regions}
+    if region not in regions:
+        raise CliError(f"--region {region}: the fleet file names no such region")
     if args.dc is not None and args.dc not in {dc.name for dc in fleet.dcs}:
         raise CliError(f"--dc {args.dc}: the fleet file has no such DC")
     if not 0 <= args.warmup < math.inf:
@@ -213,14 +222,18 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         "try once more after Retry-After.",
     )
     replay.add_argument("--trace", required=True, help="a named workload or a .jsonl path")
-    replay.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8100")
-    replay.add_argument("--model", default="emulated")
-    replay.add_argument("--requests", type=int, default=100, help="first N (default: 100)")
+    replay.add_argument(
+        "--target", type=http_url, required=True, help="base URL, e.g. http://127.0.0.1:8100"
+    )
+    replay.add_argument(
+        "--model", default="emulated", help="the model the requests name (default: emulated)"
+    )
+    replay.add_argument("--requests", type=positive_int, default=100, help="first N (default: 100)")
     replay.add_argument(
         "--speedup",
-        type=float,
+        type=positive_float,
         default=1.0,
-        help="the target's speed-up; arrivals are compressed to match",
+        help="the target's speed-up; arrivals are compressed to match (default: 1)",
     )
     replay.add_argument(
         "--api-key",
@@ -234,7 +247,7 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         help="clients that give up and retry, as in tokenfleet bench admission (exit 0 "
         "unless a request failed other than by a refusal or a client giving up)",
     )
-    replay.add_argument("--json", type=Path, help="write one record per request here")
+    replay.add_argument("--json", type=output_file, help="write one record per request here")
     replay.set_defaults(handler=_replay)
 
 

@@ -7,6 +7,7 @@ import asyncio
 import signal
 from pathlib import Path
 
+from tokenfleet.commands.arguments import port
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.loop import run_fast, tune_gc_for_serving
 
@@ -28,8 +29,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "first. " + _ENVIRONMENT,
     )
     gateway.add_argument("--fleet", type=Path, help="the fleet file (.toml or .json)")
-    gateway.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    gateway.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    gateway.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
+    gateway.add_argument("--port", type=port, default=8080, help="port (default: 8080)")
     gateway.add_argument(
         "--policy",
         help="routing policy (default: the fleet file's [routing] policy, else tokenpilot)",

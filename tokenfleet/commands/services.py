@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,7 +10,8 @@ from functools import partial
 from pathlib import Path
 from types import ModuleType
 
-from tokenfleet.commands.broker import broker
+from tokenfleet.commands.broker import broker, topics_on
+from tokenfleet.commands.errors import CliError
 from tokenfleet.services import kafka as local_kafka
 from tokenfleet.services import redis as local_redis
 
@@ -26,13 +26,17 @@ def _add_schemas(commands: argparse._SubParsersAction) -> None:
     schemas = commands.add_parser("schemas", help="message schemas")
     sub = schemas.add_subparsers(required=True, metavar="ACTION")
     export = sub.add_parser("export", help="write one JSON Schema file per message to DIR")
-    export.add_argument("directory", type=Path, metavar="DIR")
+    export.add_argument(
+        "directory", type=Path, metavar="DIR", help="the folder to write them in (made if missing)"
+    )
     export.set_defaults(handler=_schemas_export)
 
 
 def _schemas_export(args: argparse.Namespace) -> int:
     from schemas.export import export_json_schemas
 
+    if args.directory.exists() and not args.directory.is_dir():
+        raise CliError(f"{args.directory} is a file: give a folder to write the schemas in")
     written = export_json_schemas(args.directory)
     print(f"wrote {len(written)} JSON Schema files to {args.directory}")
     return 0
@@ -53,10 +57,8 @@ def _add_topics(commands: argparse._SubParsersAction) -> None:
 
 
 def _topics_create(args: argparse.Namespace) -> int:
-    from streams.kafka import create_topics
-
     bootstrap = args.bootstrap or broker()
-    created = asyncio.run(create_topics(bootstrap))
+    created = topics_on(bootstrap)
     print(
         f"{bootstrap}: created {len(created)} topics"
         + (f": {', '.join(created)}" if created else "")

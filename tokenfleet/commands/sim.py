@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from control.step_time import Blackbox
+from tokenfleet.commands.arguments import output_file, positive_float, positive_int
 from tokenfleet.commands.errors import CliError
 
 if TYPE_CHECKING:
@@ -35,11 +37,11 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     demo.add_argument(
-        "--instances-per-dc", type=int, default=4, help="instances in each DC (default: 4)"
+        "--instances-per-dc", type=positive_int, default=4, help="instances in each DC (default: 4)"
     )
     demo.add_argument(
         "--out",
-        type=Path,
+        type=output_file,
         default=Path("out/demo"),
         help="where the figures and the plot go (default: out/demo)",
     )
@@ -49,8 +51,6 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from tokenfleet.demo import main as demo_main
 
-    if args.instances_per_dc < 1:
-        raise CliError("--instances-per-dc must be at least 1")
     return demo_main(args.seed, args.instances_per_dc, args.out)
 
 
@@ -69,8 +69,14 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
         required=True,
         help=trace_help(),
     )
-    sim.add_argument("--instances", type=int, default=16, help="instances (default: 16)")
-    sim.add_argument("--policy", default="round_robin", choices=sorted(ROUTERS))
+    sim.add_argument("--instances", type=positive_int, default=16, help="instances (default: 16)")
+    sim.add_argument(
+        "--policy",
+        default="round_robin",
+        choices=sorted(ROUTERS),
+        help="the router (default: round_robin; the gateway's default is the fleet file's "
+        "routing profile)",
+    )
     sim.add_argument(
         "--admission",
         default="fcfs",
@@ -84,10 +90,13 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
         choices=sorted(PROFILES),
         help="model and hardware of every instance (default: %(default)s)",
     )
-    sim.add_argument("--requests", type=int, help="only the first N requests of the trace")
+    sim.add_argument("--requests", type=positive_int, help="only the first N requests of the trace")
     load = sim.add_mutually_exclusive_group()
     load.add_argument(
-        "--rate-scale", type=float, default=1.0, help="arrivals this many times as dense"
+        "--rate-scale",
+        type=positive_float,
+        default=1.0,
+        help="arrivals this many times as dense (default: 1)",
     )
     load.add_argument(
         "--ladder",
@@ -95,7 +104,7 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
         metavar="L1,L2,...",
         help="one run at each share of measured capacity, e.g. 0.5,0.8,1,1.2",
     )
-    sim.add_argument("--seed", type=int, default=0, help="seed of every random choice")
+    sim.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: 0)")
     add_token_lags(sim)
     sim.add_argument(
         "--blackbox",
@@ -105,8 +114,8 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
         "tokens + b2*decode tokens; queueing a0 + a1*input; a2 per output token), "
         "replacing the profile's step times",
     )
-    sim.add_argument("--json", type=Path, help="write the result here")
-    sim.add_argument("--records", type=Path, help="write one CSV row per request here")
+    sim.add_argument("--json", type=output_file, help="write the result here")
+    sim.add_argument("--records", type=output_file, help="write one CSV row per request here")
     sim.set_defaults(handler=_sim)
 
 
@@ -115,10 +124,6 @@ def _sim(args: argparse.Namespace) -> int:
 
     from sim.run import RunConfig, simulate_ladder, simulate_run, write_records
 
-    if args.instances < 1 or (args.requests is not None and args.requests < 1):
-        raise CliError("--instances and --requests must be at least 1")
-    if args.rate_scale <= 0:
-        raise CliError("--rate-scale must be positive")
     config = RunConfig(
         trace=args.trace,
         instances=args.instances,
@@ -217,8 +222,8 @@ def levels(text: str) -> list[float]:
         levels = [float(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
-    if not levels or any(level <= 0 for level in levels):
-        raise argparse.ArgumentTypeError("levels must be positive")
+    if not levels or not all(0 < level < math.inf for level in levels):
+        raise argparse.ArgumentTypeError("levels must be finite numbers above 0")
     return levels
 
 
@@ -259,9 +264,9 @@ def _add_workload(commands: argparse._SubParsersAction) -> None:
         required=True,
         help=trace_help(),
     )
-    export.add_argument("--out", type=Path, required=True, help="the CSV file to write")
-    export.add_argument("--requests", type=int, help="only the first N requests")
-    export.add_argument("--seed", type=int, default=0)
+    export.add_argument("--out", type=output_file, required=True, help="the CSV file to write")
+    export.add_argument("--requests", type=positive_int, help="only the first N requests")
+    export.add_argument("--seed", type=int, default=0, help="seed of the labels (default: 0)")
     export.set_defaults(handler=_workload_export)
 
 
@@ -294,11 +299,13 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
         "measured stages (see sim/calibration.py), starting from the profile's coefficients, "
         "then prints the validation table over every stage, fitted and held out.",
     )
-    calibrate.add_argument("--profile", required=True, choices=sorted(CALIBRATED))
+    calibrate.add_argument(
+        "--profile", required=True, choices=sorted(CALIBRATED), help="the profile to fit"
+    )
     calibrate.add_argument(
         "--iterations", type=int, default=80, help="Nelder-Mead steps (default: 80; 0: validate)"
     )
-    calibrate.add_argument("--json", type=Path, help="write coefficients and rows here")
+    calibrate.add_argument("--json", type=output_file, help="write coefficients and rows here")
     calibrate.set_defaults(handler=_calibrate)
 
 
@@ -348,7 +355,7 @@ def _add_validate(commands: argparse._SubParsersAction) -> None:
         "llama3-70b-4xh100, none of them used in its fit (see sim/validation.py and "
         "docs/validation.md). Needs no data beside the repository.",
     )
-    validate.add_argument("--json", type=Path, help="write the rows here")
+    validate.add_argument("--json", type=output_file, help="write the rows here")
     validate.set_defaults(handler=_validate)
 
 

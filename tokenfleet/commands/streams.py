@@ -11,7 +11,8 @@ from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
 
-from tokenfleet.commands.broker import broker
+from tokenfleet.commands.arguments import port, positive_float
+from tokenfleet.commands.broker import broker, topics_on
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME
@@ -34,7 +35,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     worker.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         help="serve Prometheus /metrics on this port: events taken in, dead letters by "
         "source topic, tables published, CPU and memory (default: not served)",
     )
@@ -55,10 +56,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     collect.add_argument("--fleet", type=Path, required=True, help="the fleet file")
     collect.add_argument(
-        "--interval", type=float, default=0.2, help="seconds between rounds (default: 0.2)"
+        "--interval", type=positive_float, default=0.2, help="seconds between rounds (default: 0.2)"
     )
     collect.add_argument(
-        "--timeout", type=float, default=1.0, help="seconds one scrape may take (default: 1)"
+        "--timeout",
+        type=positive_float,
+        default=1.0,
+        help="seconds one scrape may take (default: 1)",
     )
     collect.set_defaults(handler=_collect)
     _register_controller(commands)
@@ -97,13 +101,15 @@ def _register_controller(commands: argparse._SubParsersAction) -> None:
     )
     controller.add_argument(
         "--port",
-        type=int,
+        type=port,
         default=CONTROLLER_PORT,
         help="serve the operators' view on 127.0.0.1:PORT: the page at /, server-sent "
         "events at /events, JSON at /api/state, Prometheus metrics at /metrics "
         "(default: %(default)s; 0: none)",
     )
-    controller.add_argument("--host", default="127.0.0.1", help="address the view listens on")
+    controller.add_argument(
+        "--host", default="127.0.0.1", help="address the view listens on (default: 127.0.0.1)"
+    )
     controller.add_argument(
         "--weights-per-region",
         action="store_true",
@@ -200,7 +206,6 @@ def _worker(args: argparse.Namespace) -> int:
     from schemas.fleet import FleetFileError, load_fleet
     from streams.faust_app import build_app, run_worker, updates_topic_of
     from streams.faust_parts import WorkerApp, serve_metrics
-    from streams.kafka import create_topics
     from streams.settings import WorkerSettings
 
     bootstrap = broker()
@@ -209,7 +214,7 @@ def _worker(args: argparse.Namespace) -> int:
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
     settings = WorkerSettings()
-    asyncio.run(create_topics(bootstrap, (*TOPICS, updates_topic_of(settings))))
+    topics_on(bootstrap, (*TOPICS, updates_topic_of(settings)))
 
     def served() -> WorkerApp:
         app = build_app(bootstrap, settings, objectives)
@@ -233,8 +238,6 @@ def _collect(args: argparse.Namespace) -> int:
     from streams.kafka import KafkaBus
 
     bootstrap = broker()
-    if args.interval <= 0 or args.timeout <= 0:
-        raise CliError("--interval and --timeout must be positive")
     try:
         fleet = load_fleet(args.fleet)
     except FleetFileError as exc:
@@ -257,9 +260,8 @@ def _controller(args: argparse.Namespace) -> int:
     from control.controllers.fleetmind import WeightController, WeightParams
     from control.controllers.placement import PlacementController, PlacementParams
     from control.controllers.slomax import QuotaController, QuotaControllerParams
-    from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
-    from streams.kafka import KafkaBus, create_topics
+    from streams.kafka import KafkaBus
     from tokenfleet.controller_host import PlacementHost, QuotaHost, WeightHost
     from tokenfleet.operator_page import serve_operator_view
 
@@ -269,10 +271,15 @@ def _controller(args: argparse.Namespace) -> int:
         fleet = load_fleet(args.fleet) if args.fleet else None
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
-    listening = _view_socket(args.host, args.port)
+    listening = _view_socket(args.host, args.port)  # a taken port fails before Kafka is asked
+    try:
+        topics_on(bootstrap)
+    except CliError:
+        if listening is not None:
+            listening.close()
+        raise
 
     async def run() -> None:
-        await create_topics(bootstrap, TOPICS)
         bus = KafkaBus(bootstrap, source="controller")
         quotas = QuotaController(QuotaControllerParams(ttl_s=args.ttl))
         hosts = [QuotaHost(bus, quotas, period_s=args.period).run()]

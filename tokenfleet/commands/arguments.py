@@ -1,0 +1,67 @@
+"""Argument types the commands share: each refuses a bad value while the command line is
+read (usage and message, exit 2), before any work starts."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from urllib.parse import urlsplit
+
+
+def positive_int(text: str) -> int:
+    """A count: a whole number, 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A rate, a factor or a duration: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port: 0 to 65535 (0: any free one, where the command allows it)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {value}")
+    return value
+
+
+def output_file(text: str) -> Path:
+    """A file to write, checked before a run that may take minutes: not a folder; its
+    folder is made if missing."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder: give a file to write")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the folder of {text}: {exc}") from None
+    return path
+
+
+def http_url(text: str) -> str:
+    """A base URL to send requests to: http or https, with a host and a valid port."""
+    parts = urlsplit(text)
+    try:
+        parts.port  # noqa: B018 - raises on a port out of range
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"not an http(s) URL with a host: {text!r}")
+    return text
