@@ -5,16 +5,38 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
+
+T = TypeVar("T")
+
+DEFAULT_PROFILE = "llama3-70b-4xh100"
+
+
+def add_profile(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--profile``: one of the calibrated profiles, ``what`` it sets."""
+    from sim.profiles import PROFILES
+
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        choices=sorted(PROFILES),
+        help=f"{what} (default: {DEFAULT_PROFILE})",
+    )
+
+
+def _parsed(text: str, parse: Callable[[str], T], what: str) -> T:
+    try:
+        return parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
 
 
 def positive_int(text: str) -> int:
     """A count: a whole number, 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    value = _parsed(text, int, "a whole number")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
@@ -22,10 +44,7 @@ def positive_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A rate, a factor or a duration: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = _parsed(text, float, "a number")
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
     return value
@@ -33,10 +52,7 @@ def positive_float(text: str) -> float:
 
 def port(text: str) -> int:
     """A TCP port: 0 to 65535 (0: any free one, where the command allows it)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    value = _parsed(text, int, "a port number")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {value}")
     return value

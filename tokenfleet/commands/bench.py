@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from tokenfleet.commands.arguments import output_file, positive_float, positive_int
+from tokenfleet.commands.arguments import add_profile, output_file, positive_float, positive_int
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.sim import add_token_lags, fraction, levels, tokenpilot_params, trace_help
 
@@ -346,7 +346,6 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
 def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
     from sim.fleet_bench import STACKS
-    from sim.profiles import PROFILES
 
     fleet = sub.add_parser(
         "fleet",
@@ -364,12 +363,7 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
         default="mixed",
         help="a labelled workload whose region is the entry (default: mixed). " + trace_help(),
     )
-    fleet.add_argument(
-        "--profile",
-        default="llama3-70b-4xh100",
-        choices=sorted(PROFILES),
-        help="the instances' calibrated model and GPUs (default: llama3-70b-4xh100)",
-    )
+    add_profile(fleet, "the instances' calibrated model and GPUs")
     fleet.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
     fleet.add_argument(
         "--policies",
@@ -462,17 +456,11 @@ def _add_ladder_options(
     parser: argparse.ArgumentParser, ladder: Sequence[float], policies: Iterable[str]
 ) -> None:
     """The options every ladder benchmark takes: cluster, ladder, sample, policies, jobs."""
-    from sim.profiles import PROFILES
 
     parser.add_argument(
         "--instances", type=positive_int, default=16, help="simulated instances (default: 16)"
     )
-    parser.add_argument(
-        "--profile",
-        default="llama3-70b-4xh100",
-        choices=sorted(PROFILES),
-        help="the instances' calibrated model and GPUs (default: llama3-70b-4xh100)",
-    )
+    add_profile(parser, "the instances' calibrated model and GPUs")
     parser.add_argument(
         "--ladder",
         type=levels,

@@ -10,7 +10,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenfleet.commands.arguments import http_url, output_file, port, positive_float, positive_int
+from tokenfleet.commands.arguments import (
+    add_profile,
+    http_url,
+    output_file,
+    port,
+    positive_float,
+    positive_int,
+)
 from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.loop import run_fast
@@ -26,7 +33,6 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def _add_emulate(commands: argparse._SubParsersAction) -> None:
     from sim.emulator.standby import WARMUP_S
-    from sim.profiles import PROFILES
 
     emulate = commands.add_parser(
         "emulate",
@@ -45,12 +51,7 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         default=8100,
         help="the first port; the others follow (default: 8100)",
     )
-    emulate.add_argument(
-        "--profile",
-        default="llama3-70b-4xh100",
-        choices=sorted(PROFILES),
-        help="the calibrated model and GPUs it times its steps by (default: llama3-70b-4xh100)",
-    )
+    add_profile(emulate, "the calibrated model and GPUs it times its steps by")
     emulate.add_argument(
         "--model", default="emulated", help="the model name clients use (default: emulated)"
     )
