@@ -87,6 +87,8 @@ class Plan:
         return None if predicted is None else float(predicted[row])
 
     def cached_tokens_at(self, row: int) -> float:
+        """The prefix ``row``'s instance is expected to hold, in tokens: what it is charged
+        and reports for a request sent there."""
         return float(self.cached_tokens[row])
 
 

@@ -62,40 +62,43 @@ class EventSink:
             while len(self._in_hand) < self.batch and not self._queue.empty():
                 self._in_hand.append(self._queue.get_nowait())
             await self._publish()
-            self._in_hand = []
 
     async def flush(self, timeout_s: float) -> None:
         """Publish the batch in hand (the sender was stopped) and what is queued, for at
         most ``timeout_s``; what is left is dropped. The batch may have reached the bus
         in part: consumers take events once, by their id."""
-        batch, self._in_hand = self._in_hand, []
         while not self._queue.empty():
-            batch.append(self._queue.get_nowait())
-        if not batch:
-            return
+            self._in_hand.append(self._queue.get_nowait())
         try:
-            await asyncio.wait_for(self.bus.publish_events(batch), timeout_s)
+            await asyncio.wait_for(self._publish_in_hand(), timeout_s)
         except Exception as exc:  # shutting down: count, never raise
-            log.warning("dropping %d events at shutdown: %s", len(batch), exc)
-            self._on_drop("shutdown", len(batch))
-        else:
-            self._on_published(batch)
+            log.warning("dropping %d events at shutdown: %s", len(self._in_hand), exc)
+            self._on_drop("shutdown", len(self._in_hand))
+            self._in_hand = []
 
     async def _publish(self) -> None:
-        """Publish the batch in hand, retrying until it goes through, less any event the
-        bus will never take."""
+        """Publish the batch in hand, retrying until it goes through."""
+        while True:
+            try:
+                await self._publish_in_hand()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any bus failure: keep serving, retry
+                log.warning("event bus failed (%s); retrying %d events", exc, len(self._in_hand))
+                await asyncio.sleep(self.retry_s)
+
+    async def _publish_in_hand(self) -> None:
+        """Publish the batch in hand, less any event no bus takes (dropped and counted at
+        once); a failure of the bus is raised, the batch kept in hand."""
         while self._in_hand:
             batch = self._in_hand
             try:
                 await self.bus.publish_events(batch)
-                self._on_published(batch)
-                return
-            except asyncio.CancelledError:
-                raise
             except Unpublishable as exc:
                 log.warning("dropping an event no bus takes: %s", exc)
                 self._on_drop("too_large", 1)
                 self._in_hand = [e for e in batch if e is not exc.envelope]
-            except Exception as exc:  # any bus failure: keep serving, retry
-                log.warning("event bus failed (%s); retrying %d events", exc, len(batch))
-                await asyncio.sleep(self.retry_s)
+                continue
+            self._on_published(batch)
+            self._in_hand = []

@@ -103,9 +103,9 @@ class _ControlHost(ABC, Generic[SnapshotT]):
                 await asyncio.sleep(self.period_s)
                 try:
                     await self.reconcile()
-                except Exception as exc:  # the bus away past its retries: the next pass
+                except Exception:  # the bus away past its retries, or a bug: the next pass
                     log.warning(
-                        "%s: a pass failed (%s); the next one tries again", self.source, exc
+                        "%s: a pass failed; the next tries again", self.source, exc_info=True
                     )
         finally:
             for reader in readers:

@@ -159,6 +159,8 @@ def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:
         state["dc"] = payload.dc  # where it ended, past any DC that failed it before
         end = {"ts": envelope.ts, "event_id": envelope.event_id, "refused": True}
         state["held"].append(end | payload.model_dump(mode="json"))
+    elif isinstance(payload, RequestRejected):  # ended before any DC: in no DC's table
+        state["closed"] = True
     return _release(state)
 
 
@@ -196,11 +198,12 @@ def _release(state: RequestState) -> list[Outcome]:
 
 def quiet_limit_s(state: RequestState, settled_s: float) -> float:
     """How long ``state`` may go without an event before it is forgotten: ``settled_s`` (a
-    window and its grace) once its end came, or while its start has not; while it may
-    still run (it arrived, and no end came), ``OPEN_REQUEST_S`` or its deadline and
-    ``settled_s``, whichever is later (batch work may wait in its pool until then)."""
+    window and its grace) once its end came (a refusal before any DC included), or while
+    its start has not; while it may still run (it arrived, and no end came),
+    ``OPEN_REQUEST_S`` or its deadline and ``settled_s``, whichever is later (batch work
+    may wait in its pool until then)."""
     arrived = state["arrived"]
-    if arrived is None or state["held"] or state["released"]:
+    if arrived is None or state["held"] or state["released"] or state.get("closed"):
         return settled_s
     return max(OPEN_REQUEST_S, (arrived["deadline_s"] or 0.0) + settled_s)
 

@@ -13,7 +13,8 @@ class WindowSpec:
     size_s: float = 60.0
     slide_s: float = 5.0
     grace_s: float = 10.0
-    """How long after its window has passed an event still counts; later ones are late."""
+    """How long past the window behind the latest event a slice (and the ids counted in it)
+    is kept; lateness itself is the window's (``is_late``)."""
 
     def __post_init__(self) -> None:
         ratio = self.size_s / self.slide_s
@@ -39,7 +40,9 @@ class WindowSpec:
         slice is before the first of the window up to ``watermark``, so no table published
         from then on would hold it. (Measured from the window's end and its grace, an event
         55 to 70 s old went into a slice no later window held, counted nowhere.)"""
-        return self.slice_of(ts) < self.slices(watermark)[0]
+        count = round(self.size_s / self.slide_s)
+        first = (math.floor(watermark / self.slide_s) - count + 1) * self.slide_s  # slices()'
+        return self.slice_of(ts) < first
 
     def expired(self, slice_start: float, watermark: float) -> bool:
         """Whether a slice can no longer be part of a published window or take events."""

@@ -367,9 +367,11 @@ async def test_a_client_that_leaves_before_a_stream_s_first_token_cancels_it_ups
     """A stream's headers go out with its first token (a failure before it may still
     go to another instance): until then its client is watched as a whole answer's is, so
     a queue wait or a long prefill is aborted upstream when it leaves."""
-    closed = asyncio.Event()
+    reached, closed = asyncio.Event(), asyncio.Event()
 
     async def no_token_yet(_: Request) -> StreamingResponse:
+        reached.set()
+
         async def waiting() -> AsyncIterator[bytes]:
             try:
                 await asyncio.sleep(60)
@@ -384,8 +386,12 @@ async def test_a_client_that_leaves_before_a_stream_s_first_token_cancels_it_ups
         gateway(fleet_for([url])) as front,
         front.client() as http,
     ):
-        with pytest.raises(httpx.ReadTimeout):
-            await http.post("/v1/chat/completions", json=chat("hi", stream=True), timeout=0.5)
+        asking = asyncio.create_task(
+            http.post("/v1/chat/completions", json=chat("hi", stream=True))
+        )
+        await asyncio.wait_for(reached.wait(), 10)  # the instance has it: the client leaves
+        asking.cancel()
+        await asyncio.gather(asking, return_exceptions=True)
         await asyncio.wait_for(closed.wait(), 5)
         assert await settled(front, "tokenfleet_gateway_cancellations_total", 1) == 1
 

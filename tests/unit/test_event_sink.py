@@ -6,6 +6,8 @@ import asyncio
 from collections import Counter
 from collections.abc import Sequence
 
+import pytest
+
 from gateway.events import EventSink
 from schemas import Envelope
 from schemas.lifecycle import RequestAdmitted
@@ -18,17 +20,22 @@ def admitted(n: int) -> RequestAdmitted:
     return RequestAdmitted(request_id=f"r{n}", queue="interactive")
 
 
-async def test_an_event_no_bus_takes_is_dropped_and_counted_and_the_rest_go_through() -> None:
+@pytest.mark.parametrize("sent_by", ["the sender", "the flush at shutdown"])
+async def test_an_event_no_bus_takes_is_dropped_and_counted_and_the_rest_go_through(
+    sent_by: str,
+) -> None:
     bus, dropped = InMemoryBus(), Counter[str]()
     sink = EventSink(bus, "test", on_drop=lambda reason, n: dropped.update({reason: n}))
     sink.emit(admitted(1))
     sink.emit(huge_arrival("r-huge").payload)
     sink.emit(admitted(2))
-    sending = asyncio.create_task(sink.run())
-    try:
-        events = await read_for(bus, "tf.requests", 0.2)
-    finally:
+    if sent_by == "the sender":
+        sending = asyncio.create_task(sink.run())
+        await asyncio.sleep(0.05)
         sending.cancel()
+    else:
+        await sink.flush(timeout_s=1.0)
+    events = await read_for(bus, "tf.requests", 0.2)
     assert [e.request_id for e in events] == ["r1", "r2"]
     assert dropped == {"too_large": 1}
 

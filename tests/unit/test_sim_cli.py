@@ -87,7 +87,7 @@ WRONG_TYPE = '{"timestamp": 0, "input_length": "x", "output_length": 5, "hash_id
         (["--trace", "mooncake", "--instances", "0"], "must be at least 1, not 0"),
         (["--trace", "mooncake", "--rate-scale", "-1"], "must be a finite number above 0"),
         (["--trace", "mooncake", "--rate-scale", "nan"], "must be a finite number above 0"),
-        (["--trace", "mooncake", "--ladder", "nan"], "levels must be finite numbers above 0"),
+        (["--trace", "mooncake", "--ladder", "1,nan"], "must be a finite number above 0, not nan"),
         (["--trace", "mooncake", "--json", "{tmp}"], "is a folder: give a file to write"),
     ],
 )

@@ -178,6 +178,8 @@ def test_a_dc_s_refusal_counts_there_as_a_failure_and_one_at_the_door_nowhere() 
     builder.feed(refused(3, None))
     tables = {t.dc: t for t in builder.tables(start + 59) if isinstance(t, GoodputTable)}
     assert set(tables) == {"dc-a", "dc-b"}
+    builder.tables(start + 100)  # past a window and its grace: r3 ended, and is let go
+    assert "r3" not in builder.requests
     for dc in ("dc-a", "dc-b"):
         chats = tables[dc].classes[0]
         assert (chats.key, chats.failures, chats.completed, chats.timeouts) == (

@@ -71,6 +71,18 @@ def output_file(text: str) -> Path:
     return path
 
 
+def output_dir(text: str) -> Path:
+    """A folder to write files in: not a file; made if missing."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file: give a folder to write in")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {text}: {exc}") from None
+    return path
+
+
 def http_url(text: str) -> str:
     """A base URL to send requests to: http or https, with a host and a valid port."""
     parts = urlsplit(text)

@@ -26,7 +26,7 @@ def broker(home: Path = DEFAULT_HOME) -> str:
     return address
 
 
-def topics_on(bootstrap: str, topics: Sequence[Topic] = TOPICS) -> list[str]:
+def create_topics_on(bootstrap: str, topics: Sequence[Topic] = TOPICS) -> list[str]:
     """Create the ``topics`` the broker lacks (the names it created); CliError where the
     broker cannot be reached or ``bootstrap`` is no broker address."""
     from streams.kafka import create_topics

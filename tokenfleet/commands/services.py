@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 from types import ModuleType
 
-from tokenfleet.commands.broker import broker, topics_on
+from tokenfleet.commands.broker import broker, create_topics_on
 from tokenfleet.commands.errors import CliError
 from tokenfleet.services import kafka as local_kafka
 from tokenfleet.services import redis as local_redis
@@ -58,7 +58,7 @@ def _add_topics(commands: argparse._SubParsersAction) -> None:
 
 def _topics_create(args: argparse.Namespace) -> int:
     bootstrap = args.bootstrap or broker()
-    created = topics_on(bootstrap)
+    created = create_topics_on(bootstrap)
     print(
         f"{bootstrap}: created {len(created)} topics"
         + (f": {', '.join(created)}" if created else "")

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from control.step_time import Blackbox
-from tokenfleet.commands.arguments import output_file, positive_float, positive_int
+from tokenfleet.commands.arguments import (
+    add_profile,
+    output_dir,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from tokenfleet.commands.errors import CliError
 
 if TYPE_CHECKING:
@@ -41,7 +46,7 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_argument(
         "--out",
-        type=output_file,
+        type=output_dir,
         default=Path("out/demo"),
         help="where the figures and the plot go (default: out/demo)",
     )
@@ -57,7 +62,6 @@ def _demo(args: argparse.Namespace) -> int:
 def _add_sim(commands: argparse._SubParsersAction) -> None:
     from control.admission.registry import ADMISSIONS
     from control.routing import ROUTERS
-    from sim.profiles import PROFILES
 
     sim = commands.add_parser(
         "sim",
@@ -84,12 +88,7 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
         help="admission in front of the router: fcfs admits everything (the engines' own "
         "queues decide); slomax holds, reserves and rejects by class (default: %(default)s)",
     )
-    sim.add_argument(
-        "--profile",
-        default="llama3-70b-4xh100",
-        choices=sorted(PROFILES),
-        help="model and hardware of every instance (default: %(default)s)",
-    )
+    add_profile(sim, "model and hardware of every instance")
     sim.add_argument("--requests", type=positive_int, help="only the first N requests of the trace")
     load = sim.add_mutually_exclusive_group()
     load.add_argument(
@@ -218,13 +217,8 @@ def _seconds(text: str) -> float:
 
 
 def levels(text: str) -> list[float]:
-    try:
-        levels = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
-    if not levels or not all(0 < level < math.inf for level in levels):
-        raise argparse.ArgumentTypeError("levels must be finite numbers above 0")
-    return levels
+    """Load levels, as multiples of capacity: finite numbers above 0, comma-separated."""
+    return [positive_float(part) for part in text.split(",")]
 
 
 def _print_summary(result: dict) -> None:

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tokenfleet.commands.arguments import port, positive_float
-from tokenfleet.commands.broker import broker, topics_on
+from tokenfleet.commands.broker import broker, create_topics_on
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME
@@ -214,7 +214,7 @@ def _worker(args: argparse.Namespace) -> int:
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
     settings = WorkerSettings()
-    topics_on(bootstrap, (*TOPICS, updates_topic_of(settings)))
+    create_topics_on(bootstrap, (*TOPICS, updates_topic_of(settings)))
 
     def served() -> WorkerApp:
         app = build_app(bootstrap, settings, objectives)
@@ -273,7 +273,7 @@ def _controller(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     listening = _view_socket(args.host, args.port)  # a taken port fails before Kafka is asked
     try:
-        topics_on(bootstrap)
+        create_topics_on(bootstrap)
     except CliError:
         if listening is not None:
             listening.close()
