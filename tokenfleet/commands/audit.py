@@ -157,6 +157,9 @@ def _read_topics(topics: list[str]) -> tuple[list[Envelope], int]:
 
 
 def _register_whatif(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from control.admission.registry import ADMISSIONS
+    from control.routing import ROUTERS
+
     whatif = commands.add_parser(
         "whatif",
         help="re-simulate the recorded arrivals under another policy stack",
@@ -170,9 +173,16 @@ def _register_whatif(commands: argparse._SubParsersAction[argparse.ArgumentParse
     whatif.add_argument(
         "--fleet", type=Path, default=LOCAL_FLEET, help="the fleet file (default: %(default)s)"
     )
-    whatif.add_argument("--policy", help="the routing policy to try (default: the fleet's)")
     whatif.add_argument(
-        "--admission", default="slomax", help="the admission policy to try (default: slomax)"
+        "--policy",
+        choices=sorted(ROUTERS),
+        help="the routing policy to try (default: the fleet's)",
+    )
+    whatif.add_argument(
+        "--admission",
+        default="slomax",
+        choices=sorted(ADMISSIONS),
+        help="the admission policy to try (default: slomax)",
     )
     whatif.add_argument(
         "--dc", action="append", help="only this DC (repeat for several; default: every DC)"
@@ -264,6 +274,9 @@ def _whatif(args: argparse.Namespace) -> int:
         fleet = load_fleet(args.fleet)
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
+    unknown = sorted(set(args.dc or ()) - {dc.name for dc in fleet.dcs})
+    if unknown:
+        raise CliError(f"--dc {', '.join(unknown)}: the fleet file has no such DC")
     running = Stack(fleet.routing.policy, "slomax")
     asked = Stack(args.policy or running.policy, args.admission)
     dc_policies = _dc_policies(args.dc_policy)

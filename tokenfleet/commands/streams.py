@@ -151,7 +151,7 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
     )
     status.add_argument(
         "--stale-after",
-        type=float,
+        type=positive_float,
         default=30.0,
         help="seconds after which a table is stale (default: 30, as the controllers judge)",
     )
