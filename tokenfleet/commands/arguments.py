@@ -71,11 +71,17 @@ def output_file(text: str) -> Path:
     return path
 
 
-def output_dir(text: str) -> Path:
-    """A folder to write files in: not a file; made if missing."""
+def folder(text: str) -> Path:
+    """A folder, which may not exist yet: not a file."""
     path = Path(text)
     if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file: give a folder to write in")
+        raise argparse.ArgumentTypeError(f"{text} is a file: give a folder")
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A folder to write files in: not a file; made if missing."""
+    path = folder(text)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -10,8 +10,8 @@ from functools import partial
 from pathlib import Path
 from types import ModuleType
 
+from tokenfleet.commands.arguments import folder, output_dir
 from tokenfleet.commands.broker import broker, create_topics_on
-from tokenfleet.commands.errors import CliError
 from tokenfleet.services import kafka as local_kafka
 from tokenfleet.services import redis as local_redis
 
@@ -27,7 +27,10 @@ def _add_schemas(commands: argparse._SubParsersAction) -> None:
     sub = schemas.add_subparsers(required=True, metavar="ACTION")
     export = sub.add_parser("export", help="write one JSON Schema file per message to DIR")
     export.add_argument(
-        "directory", type=Path, metavar="DIR", help="the folder to write them in (made if missing)"
+        "directory",
+        type=output_dir,
+        metavar="DIR",
+        help="the folder to write them in (made if missing)",
     )
     export.set_defaults(handler=_schemas_export)
 
@@ -35,8 +38,6 @@ def _add_schemas(commands: argparse._SubParsersAction) -> None:
 def _schemas_export(args: argparse.Namespace) -> int:
     from schemas.export import export_json_schemas
 
-    if args.directory.exists() and not args.directory.is_dir():
-        raise CliError(f"{args.directory} is a file: give a folder to write the schemas in")
     written = export_json_schemas(args.directory)
     print(f"wrote {len(written)} JSON Schema files to {args.directory}")
     return 0
@@ -129,7 +130,7 @@ def _add_local_services(commands: argparse._SubParsersAction) -> None:
             action = sub.add_parser(name, help=text)
             action.add_argument(
                 "--home",
-                type=Path,
+                type=folder,
                 default=service.module.DEFAULT_HOME,
                 help="state folder (default: %(default)s)",
             )
