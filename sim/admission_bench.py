@@ -43,7 +43,7 @@ from sim.cluster import Cluster
 from sim.control_loop import QuotaLoop
 from sim.ladder import instance_capacity_rps, offered_rate_rps
 from sim.metrics import latency_stats, met_objective
-from sim.profiles import profile
+from sim.profiles import DEFAULT_PROFILE, profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.run import RunConfig, run_all
@@ -71,7 +71,7 @@ def bench_admission(
     trace: str = "mixed",
     *,
     instances: int = 16,
-    profile_name: str = "llama3-70b-4xh100",
+    profile_name: str = DEFAULT_PROFILE,
     ladder: Sequence[float] = ADMISSION_LADDER,
     requests: int | None = None,
     seed: int = 0,
@@ -243,7 +243,7 @@ def step_change(
     trace: str = "mixed",
     *,
     instances: int = 16,
-    profile_name: str = "llama3-70b-4xh100",
+    profile_name: str = DEFAULT_PROFILE,
     levels: tuple[float, float] = (0.8, 1.5),
     requests: int | None = None,
     seed: int = 0,

@@ -14,17 +14,15 @@ from collections.abc import Callable, Sequence
 
 from control.routing import make_router
 from sim.cluster import Cluster
-from sim.profiles import profile
+from sim.profiles import DEFAULT_PROFILE, profile
 from sim.registry import load_trace
 from sim.run import scaled
 from sim.simulator import Simulation
 from sim.workload import TraceRequest
 
-PROFILE = "llama3-70b-4xh100"
-
 
 def timed_run(requests: Sequence[TraceRequest], instances: int, policy: str) -> dict[str, float]:
-    chosen = profile(PROFILE)
+    chosen = profile(DEFAULT_PROFILE)
     router = make_router(policy, pool=chosen.pool_model())
     simulation = Simulation(Cluster.single(chosen, instances), router)
     started = time.perf_counter()
@@ -47,7 +45,7 @@ def bench_sim(
     result: dict[str, object] = {
         "machine": f"{platform.machine()}, {platform.python_implementation()} "
         f"{platform.python_version()}",
-        "profile": PROFILE,
+        "profile": DEFAULT_PROFILE,
         "policy": policy,
     }
 

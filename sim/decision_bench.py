@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from control.routing import FleetSnapshot, RouteRequest, make_router
-from sim.profiles import profile
+from sim.profiles import DEFAULT_PROFILE, profile
 
 PROMPT_TOKENS = 16_384
 SIZES = (16, 256, 1024, 4096)
@@ -47,7 +47,7 @@ def time_decisions(
     """One row per policy: P50 and P99 in microseconds, and each as a ratio to the first
     policy's."""
     rng = np.random.default_rng(seed)
-    pool = profile("llama3-70b-4xh100").pool_model()
+    pool = profile(DEFAULT_PROFILE).pool_model()
     routers = [make_router(policy, seed=seed, pool=pool) for policy in policies]
     blocks = PROMPT_TOKENS // 16
     shared = tuple(range(blocks // 2))

@@ -35,7 +35,7 @@ from sim.clients import ClientModel
 from sim.fleet_sim import FleetLayout, FleetSimulation, Observer, PublishedLoad, Site
 from sim.ladder import instance_capacity_rps
 from sim.metrics import met_objective
-from sim.profiles import profile
+from sim.profiles import DEFAULT_PROFILE, profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.workload import TraceRequest
@@ -125,7 +125,7 @@ def scenario(
     trace: str = "mixed",
     *,
     seed: int = 0,
-    profile_name: str = "llama3-70b-4xh100",
+    profile_name: str = DEFAULT_PROFILE,
     instances_per_dc: int = INSTANCES_PER_DC,
 ) -> Scenario:
     """The scenario's arrivals from ``trace``'s labelled requests."""
@@ -209,7 +209,7 @@ def bench_fleet(
     trace: str = "mixed",
     *,
     seed: int = 0,
-    profile_name: str = "llama3-70b-4xh100",
+    profile_name: str = DEFAULT_PROFILE,
     policies: Sequence[str] | None = None,
     jobs: int = 1,
     progress: Progress | None = None,

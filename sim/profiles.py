@@ -127,6 +127,9 @@ CALIBRATED: dict[str, Calibrated] = {
     )
 }
 
+DEFAULT_PROFILE = "llama3-70b-4xh100"
+"""The profile an instance is modelled by where none is named: the fleets' 70B on four H100s."""
+
 PROFILES: dict[str, InstanceProfile] = {name: c.profile for name, c in CALIBRATED.items()}
 
 

@@ -22,7 +22,7 @@ from control.routing.tokenpilot import TokenPilotParams
 from sim.cluster import InstanceProfile
 from sim.ladder import DEFAULT_LADDER, rate_scales
 from sim.metrics import latency_stats, record_figures
-from sim.profiles import profile
+from sim.profiles import DEFAULT_PROFILE, profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.run import RunConfig, run_all
@@ -37,7 +37,7 @@ def bench_routing(
     trace: str,
     *,
     instances: int = 16,
-    profile_name: str = "llama3-70b-4xh100",
+    profile_name: str = DEFAULT_PROFILE,
     ladder: Sequence[float] = DEFAULT_LADDER,
     requests: int | None = None,
     seed: int = 0,

@@ -22,7 +22,7 @@ from sim.cluster import Cluster, InstanceProfile
 from sim.control_loop import QuotaLoop
 from sim.ladder import rate_scales
 from sim.metrics import summarize
-from sim.profiles import profile
+from sim.profiles import DEFAULT_PROFILE, profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.simulator import HOST_TOKEN_LAG_S, Simulation
@@ -34,7 +34,7 @@ class RunConfig:
     trace: str
     instances: int = 16
     policy: str = "round_robin"
-    profile: str = "llama3-70b-4xh100"
+    profile: str = DEFAULT_PROFILE
     requests: int | None = None
     rate_scale: float = 1.0
     seed: int = 0

@@ -36,9 +36,9 @@ from sim.fleet_bench import (
 )
 from sim.fleet_sim import FleetSimulation
 from sim.metrics import met_objective
+from sim.profiles import DEFAULT_PROFILE
 from sim.records import RequestRecord
 
-PROFILE = "llama3-70b-4xh100"
 LIVE_EVERY_S = 30
 Say = Callable[[str], None]
 
@@ -58,9 +58,9 @@ def run_demo(
         f"{HOTSPOT_S[0]:.0f} to {HOTSPOT_S[1]:.0f} s; {instances_per_dc} instances a DC."
     )
     with ProcessPoolExecutor(max_workers=1) as pool:
-        baseline = pool.submit(run_stack, BASELINE, case, PROFILE, seed)
+        baseline = pool.submit(run_stack, BASELINE, case, DEFAULT_PROFILE, seed)
         say(f"TokenFleet, live (the baseline runs beside it): every {LIVE_EVERY_S} s simulated")
-        ours = run_stack(TOKENFLEET, case, PROFILE, seed, observe=_live_view(say))
+        ours = run_stack(TOKENFLEET, case, DEFAULT_PROFILE, seed, observe=_live_view(say))
         theirs = baseline.result()
     document: dict[str, Any] = {
         "seed": seed,

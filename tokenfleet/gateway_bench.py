@@ -39,6 +39,7 @@ import numpy as np
 from redis import Redis
 from tqdm import tqdm
 
+from sim.profiles import DEFAULT_PROFILE
 from tokenfleet.services.process import (
     answers_http,
     free_port,
@@ -225,7 +226,7 @@ def _fleet_file(urls: list[str]) -> str:
     )
     return (
         'version = 1\n\n[[dcs]]\nname = "dc"\nregion = "here"\n\n'
-        f'[[models]]\nname = "{MODEL}"\nprofile = "llama3-70b-4xh100"\n\n'
+        f'[[models]]\nname = "{MODEL}"\nprofile = "{DEFAULT_PROFILE}"\n\n'
         f'{instances}[[tenants]]\nname = "bench"\napi_keys = ["{KEY}"]\n'
     )
 

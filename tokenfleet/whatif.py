@@ -30,13 +30,12 @@ from schemas.lifecycle import RequestArrived, RequestCompleted, RequestRouted
 from sim.fleet_bench import region_figures
 from sim.fleet_sim import FleetLayout, FleetSimulation, Site
 from sim.metrics import latency_stats
-from sim.profiles import profile
+from sim.profiles import DEFAULT_PROFILE, profile
 from sim.records import RequestRecord
 from sim.run import RunConfig, simulate_run
 from sim.workload import TraceRequest
 
 WHATIF_TOPICS = ("tf.requests", "tf.completions")
-DEFAULT_PROFILE = "llama3-70b-4xh100"
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,8 @@ from sim.emulator.driver import EngineDriver
 from sim.emulator.kv_feed import KvEventFeed
 from sim.emulator.metrics import EngineMetrics
 from sim.engine import Engine
-from sim.profiles import profile
+from sim.profiles import DEFAULT_PROFILE, profile
 
-DEFAULT_PROFILE = "llama3-70b-4xh100"
 DRAIN_S = 30
 """How long a stopping instance lets the requests it runs finish before cutting them."""
 

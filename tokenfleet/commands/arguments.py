@@ -12,12 +12,10 @@ from urllib.parse import urlsplit
 
 T = TypeVar("T")
 
-DEFAULT_PROFILE = "llama3-70b-4xh100"
-
 
 def add_profile(parser: argparse.ArgumentParser, what: str) -> None:
     """``--profile``: one of the calibrated profiles, ``what`` it sets."""
-    from sim.profiles import PROFILES
+    from sim.profiles import DEFAULT_PROFILE, PROFILES
 
     parser.add_argument(
         "--profile",
