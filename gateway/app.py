@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
@@ -35,7 +35,7 @@ from control.routing.registry import Router
 from gateway.admission import Refused
 from gateway.decide import Decider
 from gateway.events import EventSink
-from gateway.exchange import DcFailed, Exchange
+from gateway.exchange import DcFailed, Exchange, RelayedStream
 from gateway.fallback_state import FallbackState
 from gateway.fleet_view import FleetView
 from gateway.inbound import (
@@ -213,7 +213,7 @@ class Gateway:
 
     async def proxied(self, request: Request, path: str) -> Response:
         """A request to a proxied endpoint, counted by model and status, and in progress
-        until its answer ends (a stream's, when ``Exchange`` relayed its last event)."""
+        until its answer ends (a stream's, when its response has ended)."""
         arrived = time.monotonic()
         metrics = self.metrics
         metrics.in_progress.inc()
@@ -230,7 +230,8 @@ class Gateway:
                 exc.request_id = inbound.request_id
                 raise
             metrics.requests.labels(model, str(response.status_code)).inc()
-            streaming = isinstance(response, StreamingResponse)
+            if streaming := isinstance(response, RelayedStream):
+                response.on_end.append(metrics.in_progress.dec)
             return response
         except ApiError as exc:
             metrics.requests.labels(model, str(exc.status)).inc()
@@ -344,12 +345,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
     app = GatewayApp(
         title="TokenFleet gateway", version="1", lifespan=gateway.lifespan, redirect_slashes=False
     )
-    app.state.parts = parts
     app.state.gateway = gateway
-    app.state.view = gateway.view
-    app.state.decider = gateway.decider
-    app.state.metrics = gateway.metrics
-    app.state.events = gateway.events
     fleet = parts.fleet
 
     @app.exception_handler(ApiError)

@@ -20,7 +20,7 @@
   (``gateway.trip``).
 
 Clean-up after a stream runs as a task of its own, started when the response ends
-(``_Relayed``), however it ends: when a client disconnects, the ASGI server cancels
+(``RelayedStream``), however it ends: when a client disconnects, the ASGI server cancels
 whatever awaits inside the response.
 """
 
@@ -232,9 +232,8 @@ class Exchange:
         try:
             body = self.decider.admission.upstream_body(inbound, trip.plan.dc)
             upstream = await _unless_left(self._post(trip.instance, inbound.path, body), gone)
-            if upstream is None:  # closing the connection cancels the request in vLLM
-                await self.books.cancelled(trip)
-                return Response(status_code=499)
+            if upstream is None:
+                return await self._left(trip)
             if upstream.status >= 400:  # the instance refused the request itself: pass it on
                 try:
                     body = await upstream.read()
@@ -300,9 +299,7 @@ class Exchange:
             self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
         if body is None:
-            upstream.close()
-            await self.books.cancelled(trip)
-            return Response(status_code=499)
+            return await self._left(trip, upstream)
         upstream.release()
         try:
             answer = json.loads(body)
@@ -314,6 +311,14 @@ class Exchange:
         trip.captured.extend(body)
         await self.books.completed(trip)
         return Response(body, media_type="application/json", headers=_headers(trip))
+
+    async def _left(self, trip: Trip, upstream: aiohttp.ClientResponse | None = None) -> Response:
+        """The client went away before its answer began: close the upstream call (closing
+        the connection cancels the request in vLLM) and close the trip as cancelled."""
+        if upstream is not None:
+            upstream.close()
+        await self.books.cancelled(trip)
+        return Response(status_code=499)
 
     async def _stream(
         self, trip: Trip, upstream: aiohttp.ClientResponse, gone: asyncio.Future[None]
@@ -329,9 +334,7 @@ class Exchange:
             self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
         if head is None:
-            upstream.close()
-            await self.books.cancelled(trip)
-            return Response(status_code=499)
+            return await self._left(trip, upstream)
         last = head[-1][1] if head else NOTHING
         if last.piece is Piece.END and (last.status or 0) >= 500:
             upstream.close()  # the engine failed before any token: another may serve it
@@ -339,9 +342,9 @@ class Exchange:
             raise UpstreamFailed(f"{trip.instance.id}: {last.error}")
         if last.piece in FIRST_TOKEN:
             self.books.first_token(trip)
-        return _Relayed(
+        return RelayedStream(
             self._relay(trip, upstream, head, events),
-            on_end=lambda: self._relay_ended(trip, upstream),
+            on_end=lambda: self.spawn(self._stream_ended(trip, upstream, trip.stream_end)),
             headers=_headers(trip),
         )
 
@@ -372,10 +375,6 @@ class Exchange:
             yield _error_event(f"The model instance failed mid-stream ({type(exc).__name__}).")
             yield _DONE_EVENT
 
-    def _relay_ended(self, trip: Trip, upstream: aiohttp.ClientResponse) -> None:
-        self.metrics.in_progress.dec()  # counted in by ``Gateway.proxied``
-        self.spawn(self._stream_ended(trip, upstream, trip.stream_end))
-
     async def _stream_ended(self, trip: Trip, upstream: aiohttp.ClientResponse, ended: str) -> None:
         if ended == "completed":
             upstream.release()
@@ -399,23 +398,24 @@ async def _head(events: AsyncIterator[bytes]) -> list[tuple[bytes, Seen]]:
     return head
 
 
-class _Relayed(StreamingResponse):
-    """A relayed stream that calls ``on_end`` once it has ended, however it ended: after
-    its last event, when its client left, or when the server failed the response before
-    the first (an ASGI 2.4 server raises from ``send`` once the client left; the body is
-    then never iterated, and a ``finally`` inside it would not run)."""
+class RelayedStream(StreamingResponse):
+    """A relayed stream that calls each of ``on_end`` once it has ended, however it ended:
+    after its last event, when its client left, or when the server failed the response
+    before the first (an ASGI 2.4 server raises from ``send`` once the client left; the
+    body is then never iterated, and a ``finally`` inside it would not run)."""
 
     def __init__(
         self, events: AsyncIterator[bytes], on_end: Callable[[], None], headers: dict[str, str]
     ) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
-        self.on_end = on_end
+        self.on_end = [on_end]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.on_end()
+            for ended in self.on_end:
+                ended()
 
 
 def _url(instance: InstanceConfig, path: str) -> str:

@@ -211,7 +211,7 @@ async def _serving(
             yield
         finally:
             # first, so that no held request keeps the server waiting for its connection
-            app.state.decider.admission.close()
+            app.state.gateway.decider.admission.close()
             server.should_exit = True
             for task in tasks[1:]:
                 task.cancel()

@@ -158,11 +158,11 @@ async def test_a_quota_answers_429_with_retry_after(front: Gateway) -> None:
             ),
         ),
     )
-    bus = front.app.state.parts.bus
+    bus = front.app.state.gateway.parts.bus
     await bus.publish_event(Envelope.wrap(quotas, source="test"))
     async with front.client() as http:
         for _ in range(100):
-            if front.app.state.decider.quotas.current("dc-a"):
+            if front.app.state.gateway.decider.quotas.current("dc-a"):
                 break
             await asyncio.sleep(0.02)
         first = await http.post("/v1/chat/completions", json=chat("a" * 400, max_tokens=50))
@@ -177,7 +177,7 @@ async def test_kv_events_correct_the_shared_prefix_index(front: Gateway) -> None
     prompt = "the same long system prompt " * 40
     messages = chat(prompt)["messages"]
     blocks = block_hashes(chat_text(messages))
-    state, bus = front.app.state.parts.state, front.app.state.parts.bus
+    state, bus = front.app.state.gateway.parts.state, front.app.state.gateway.parts.bus
     async with front.client() as http:
         assert (await http.post("/v1/chat/completions", json=chat(prompt))).status_code == 200
 
@@ -201,7 +201,7 @@ async def test_a_whole_answer_stops_counting_its_prefill_at_the_predicted_first_
     """A non-streamed answer shows no first token; its prefill must not count as pending
     on its instance for the whole of its decode."""
     async with emulated(1, speedup=5.0) as [instance], gateway(fleet_for([instance.url])) as front:
-        state = front.app.state.parts.state
+        state = front.app.state.gateway.parts.state
         async with front.client() as http:
             answer = asyncio.create_task(
                 http.post("/v1/chat/completions", json=chat("word " * 1000, max_tokens=400))
@@ -221,11 +221,11 @@ async def test_a_whole_answer_stops_counting_its_prefill_at_the_predicted_first_
 async def test_routers_see_when_each_instance_last_streamed_a_token(front: Gateway) -> None:
     """A streamed token marks the end of one of its instance's steps, which TokenPilot
     reads as where the next one began; a whole answer shows none."""
-    view = front.app.state.view
+    view = front.app.state.gateway.view
     pool = view.pool(MODEL, view.dcs_serving(MODEL)[0])
 
     async def step_ends() -> dict[str, float]:
-        shared = await front.app.state.parts.state.view(pool.ids, [])
+        shared = await front.app.state.gateway.parts.state.view(pool.ids, [])
         return dict(zip(pool.ids, view.snapshot(pool, shared).last_step_end_s, strict=True))
 
     async with front.client() as http:
@@ -245,7 +245,7 @@ async def test_an_instance_that_stops_answering_is_left_out() -> None:
     async with emulated(1) as [alive]:
         dead = f"http://127.0.0.1:{free_port()}"
         async with gateway(fleet_for([dead, alive.url]), policy="round_robin") as front:
-            view = front.app.state.view
+            view = front.app.state.gateway.view
             for _ in range(100):  # the collector's first round marks it not ready
                 if not view.ready("i0"):
                     break
@@ -355,7 +355,7 @@ async def test_a_client_that_leaves_before_a_whole_answer_cancels_it_upstream(
         with pytest.raises(httpx.ReadTimeout):
             await http.post("/v1/chat/completions", json=body, timeout=0.5)
     await _cancelled_upstream(front, instances)
-    bus = front.app.state.parts.bus
+    bus = front.app.state.gateway.parts.bus
     events = await read_for(bus, topic_for(RequestCompleted).name, 0.3)
     assert not [e for e in events if isinstance(e, RequestCompleted)]
     cancelled = await read_for(bus, topic_for(RequestCancelled).name, 0.3)
@@ -411,10 +411,10 @@ async def test_a_request_the_gateway_gives_up_is_reported_failed_and_counts_noth
     async with front.client() as http:
         answer = await http.post("/v1/chat/completions", json=chat("give up " * 10))
     assert answer.status_code == 500
-    failed = await read_for(front.app.state.parts.bus, topic_for(RequestFailed).name, 0.3)
+    failed = await read_for(front.app.state.gateway.parts.bus, topic_for(RequestFailed).name, 0.3)
     [event] = [e for e in failed if isinstance(e, RequestFailed)]
     assert event.error == "the gateway gave it up (RuntimeError)"
-    state = front.app.state.parts.state
+    state = front.app.state.gateway.parts.state
     for _ in range(100):
         view = await state.view(["i0", "i1"], [])
         if not view.inflight_tokens.any():
@@ -447,7 +447,9 @@ async def test_a_completion_says_whether_it_was_streamed(front: Gateway) -> None
         for stream in (False, True):
             body = chat(f"streamed {stream} " * 10, max_tokens=3, stream=stream)
             assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
-    events = await read_for(front.app.state.parts.bus, topic_for(RequestCompleted).name, 0.3)
+    events = await read_for(
+        front.app.state.gateway.parts.bus, topic_for(RequestCompleted).name, 0.3
+    )
     assert [e.streamed for e in events if isinstance(e, RequestCompleted)] == [False, True]
 
 
@@ -461,7 +463,7 @@ async def test_the_embedded_gateway_keeps_goodput_tables_of_its_requests(
         for n in range(5):
             body = chat(f"count me {n} " * 20, max_tokens=3, stream=n % 2 == 0)
             assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
-        bus = front.app.state.parts.bus
+        bus = front.app.state.gateway.parts.bus
         completed, tokens = 0, 0
         for _ in range(100):
             latest = (await bus.read_latest("tf.tables.goodput")).get("dc-a")
@@ -495,7 +497,7 @@ async def test_a_router_that_counts_its_own_requests_hears_of_their_end(
         for n in range(4):
             body = chat(f"count {n} " * 30, max_tokens=3, stream=n % 2 == 0)
             assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
-        router = front.app.state.decider.router(MODEL, "dc-a")
+        router = front.app.state.gateway.decider.router(MODEL, "dc-a")
         for _ in range(100):
             if router.inflight.counts(2).tolist() == [0, 0]:
                 break
@@ -522,7 +524,7 @@ async def test_a_router_s_count_comes_back_after_refusals_and_broken_streams() -
             for _ in range(3):
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     [line async for line in response.aiter_lines()]
-            router = front.app.state.decider.router(MODEL, "dc-a")
+            router = front.app.state.gateway.decider.router(MODEL, "dc-a")
             for _ in range(100):
                 if router.inflight.counts(2).tolist() == [0, 0]:
                     break

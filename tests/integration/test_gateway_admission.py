@@ -157,7 +157,7 @@ async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once_with_4
     assert "(deadline)" in answer.json()["error"]["message"]
     assert int(answer.headers["retry-after"]) >= 1
     assert await depth(front, "batch") == 0
-    bus = front.app.state.parts.bus
+    bus = front.app.state.gateway.parts.bus
     events = await read_for(bus, topic_for(RequestRejected).name, 0.5)
     [rejected] = [m for m in events if isinstance(m, RequestRejected)]
     assert rejected.reason is RejectReason.DEADLINE  # not a quota: it could not be in time

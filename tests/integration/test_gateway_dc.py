@@ -146,7 +146,9 @@ async def test_a_dc_that_fails_a_request_before_its_first_token_passes_it_to_the
     async with two_dcs(served, home_fails=0.0) as front, front.client() as http:
         moved = await ask(http)
         fallbacks = await scraped(front.url, "tokenfleet_gateway_dc_fallbacks_total", dc="dc-a")
-        events = await read_for(front.app.state.parts.bus, topic_for(RequestFailed).name, 0.5)
+        events = await read_for(
+            front.app.state.gateway.parts.bus, topic_for(RequestFailed).name, 0.5
+        )
     assert moved.status_code == 200
     assert served == ["dc-a", "dc-b"]
     assert fallbacks == 1
@@ -157,7 +159,9 @@ async def test_the_last_dc_s_failure_is_the_answer() -> None:
     served: list[str] = []
     async with two_dcs(served, home_fails=0.0) as front, front.client() as http:
         kept = await ask(http, **{"x-tokenfleet-residency": "eu-west"})  # nowhere else to go
-        events = await read_for(front.app.state.parts.bus, topic_for(RequestFailed).name, 0.5)
+        events = await read_for(
+            front.app.state.gateway.parts.bus, topic_for(RequestFailed).name, 0.5
+        )
     assert kept.status_code == 502
     assert served == ["dc-a"]
     [failed] = [e for e in events if isinstance(e, RequestFailed)]  # reported once
@@ -176,7 +180,9 @@ async def test_a_request_too_late_after_its_dc_failed_is_refused_as_the_fleet_s_
     served.clear()
     async with two_dcs(served, home_fails=0.4, chat_ttft_s=0.2) as front, front.client() as http:
         late = await ask(http)
-        events = await read_for(front.app.state.parts.bus, topic_for(RequestRejected).name, 0.5)
+        events = await read_for(
+            front.app.state.gateway.parts.bus, topic_for(RequestRejected).name, 0.5
+        )
     assert late.status_code == 503
     message = late.json()["error"]["message"]
     assert "DC dc-a failed it before the first token" in message
@@ -207,7 +213,9 @@ async def test_a_request_the_stopping_gateway_answers_is_sent_to_no_other_dc(
 
         monkeypatch.setattr(exchange, "serve", stopping_in_dc_a)
         answer = await ask(http)
-        events = await read_for(front.app.state.parts.bus, topic_for(RequestRejected).name, 0.5)
+        events = await read_for(
+            front.app.state.gateway.parts.bus, topic_for(RequestRejected).name, 0.5
+        )
     assert answer.status_code == 503
     assert answer.headers["retry-after"] == "1"
     assert (asked, served) == (["dc-a"], [])
@@ -228,7 +236,7 @@ async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherw
     message = refused.json()["error"]["message"]
     assert "dc-a (residency)" in message
     assert "dc-b (permission)" in message
-    events = await read_for(front.app.state.parts.bus, topic_for(RequestRejected).name, 0.5)
+    events = await read_for(front.app.state.gateway.parts.bus, topic_for(RequestRejected).name, 0.5)
     [rejected] = [m for m in events if isinstance(m, RequestRejected)]
     assert rejected.reason is RejectReason.RESIDENCY
     assert rejected.dc is None  # refused before any DC took it: in no DC's table
@@ -272,9 +280,9 @@ async def _drain_dc_a(front: Gateway, ttl_s: float, task_class: TaskClass | None
             for dc, w in (("dc-a", 0.0), ("dc-b", 1.0))
         ),
     )
-    await front.app.state.parts.bus.publish_event(Envelope.wrap(weights, source="test"))
+    await front.app.state.gateway.parts.bus.publish_event(Envelope.wrap(weights, source="test"))
     for _ in range(100):
-        if front.app.state.decider.weights.current("dc-a"):
+        if front.app.state.gateway.decider.weights.current("dc-a"):
             return
         await asyncio.sleep(0.02)
     pytest.fail("the gateway never took the weights")

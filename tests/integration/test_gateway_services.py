@@ -116,7 +116,7 @@ async def test_when_controllers_fall_silent_quotas_expire_to_the_default(
 ) -> None:
     fleet = fleet_for([i.url for i in instances])
     async with gateway(fleet) as front, front.client() as http:
-        decider = front.app.state.decider
+        decider = front.app.state.gateway.decider
         decider.quotas.offer(_closed_quota(version=1, ttl_s=0.5))
         first = await http.post("/v1/chat/completions", json=chat("q " * 30))
         refused = await http.post("/v1/chat/completions", json=chat("q " * 30))

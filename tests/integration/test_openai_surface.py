@@ -50,7 +50,7 @@ WEATHER = [{"role": "user", "content": "What is the weather in Lyon? " * 10}]
 async def latest_event(front: Gateway, request_id: str, kind: type[T]) -> T | None:
     """The request's latest lifecycle event, once it is a ``kind`` (None after 5 s)."""
     topic = "tf.completions" if kind in (RequestCompleted, RequestFailed) else "tf.requests"
-    bus = front.app.state.parts.bus
+    bus = front.app.state.gateway.parts.bus
     for _ in range(250):
         envelope = (await bus.read_latest(topic)).get(request_id)
         if envelope is not None and isinstance(envelope.payload, kind):
@@ -459,7 +459,9 @@ async def test_an_empty_prompt_is_refused(front: Gateway, path: str, body: dict)
 async def test_embeddings_go_to_the_instance_with_fewer_tokens_in_flight(
     front: Gateway, client: openai.AsyncOpenAI
 ) -> None:
-    await front.app.state.parts.state.routed("i0", (), 1_000, 0.0, 50_000.0)  # busy with others
+    await front.app.state.gateway.parts.state.routed(
+        "i0", (), 1_000, 0.0, 50_000.0
+    )  # busy with others
     for _ in range(3):
         raw = await client.embeddings.with_raw_response.create(model=MODEL, input="y " * 10)
         assert raw.headers["x-tokenfleet-instance"] == "i1"

@@ -1,4 +1,4 @@
-"""A relayed stream's clean-up runs however the response ends (``gateway.exchange._Relayed``):
+"""A relayed stream's clean-up runs however the response ends (``gateway.exchange.RelayedStream``):
 its books close only there."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from starlette.requests import ClientDisconnect
 
-from gateway.exchange import _Relayed
+from gateway.exchange import RelayedStream
 
 
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
@@ -32,7 +32,7 @@ async def test_a_stream_whose_client_left_before_its_first_event_still_ends_once
     async def send(_: dict[str, Any]) -> None:
         raise OSError("the client left")
 
-    response = _Relayed(events(), on_end=lambda: ended.append(True), headers={})
+    response = RelayedStream(events(), on_end=lambda: ended.append(True), headers={})
     scope = {"type": "http", "asgi": {"spec_version": spec_version}}
     with contextlib.suppress(OSError, ClientDisconnect):
         await response(scope, receive, send)
