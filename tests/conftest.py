@@ -14,6 +14,9 @@ from typing import Any, NoReturn, TypeVar
 
 import pytest
 
+from schemas import Envelope
+from schemas.base import TaskClass
+from schemas.lifecycle import RequestArrived
 from streams.bus import EventBus
 from streams.kafka import create_topics
 from tests.services import Service, kafka_service, redis_cluster_service, redis_service
@@ -129,3 +132,18 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for service in _USED:
         terminalreporter.write_line(f"real service used: {service.describe()}")
+
+
+def huge_arrival(request_id: str) -> Envelope:
+    """An arrival whose prompt lists over a megabyte of prefix blocks."""
+    arrived = RequestArrived(
+        request_id=request_id,
+        tenant="t",
+        task_class=TaskClass.INTERACTIVE,
+        model="m",
+        input_tokens=1_000_000,
+        output_budget=1,
+        prefix_blocks=tuple(range(2**62, 2**62 + 60_000)),
+        source_region="eu-west",
+    )
+    return Envelope.wrap(arrived, source="test")

@@ -14,13 +14,13 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from schemas import DEADLETTER_TOPIC, Envelope
-from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.deadletter import DeadLetter
-from schemas.lifecycle import RequestAdmitted, RequestArrived
+from schemas.lifecycle import RequestAdmitted
 from streams import EventBus, InMemoryBus, Received, Subscription
 from streams.bus import Unpublishable
 from streams.kafka import KafkaBus, UnknownTopicError
+from tests.conftest import huge_arrival
 from tests.services import Service
 
 Predicate = Callable[[Received], bool]
@@ -155,21 +155,6 @@ async def test_publish_event_routes_by_the_catalog(bus: EventBus) -> None:
     await bus.publish_event(published)
     latest = await bus.read_latest("tf.control.quotas")
     assert latest[f"{run}-x"] == published
-
-
-def huge_arrival(request_id: str) -> Envelope:
-    """An arrival whose prompt lists over a megabyte of prefix blocks."""
-    arrived = RequestArrived(
-        request_id=request_id,
-        tenant="t",
-        task_class=TaskClass.INTERACTIVE,
-        model="m",
-        input_tokens=1_000_000,
-        output_budget=1,
-        prefix_blocks=tuple(range(2**62, 2**62 + 60_000)),
-        source_region="eu-west",
-    )
-    return Envelope.wrap(arrived, source="test")
 
 
 async def test_an_event_too_large_for_the_bus_fails_its_batch_before_any_is_published(

@@ -12,8 +12,7 @@ from gateway.events import EventSink
 from schemas import Envelope
 from schemas.lifecycle import RequestAdmitted
 from streams.memory import InMemoryBus
-from tests.conftest import read_for
-from tests.integration.test_bus_contract import huge_arrival
+from tests.conftest import huge_arrival, read_for
 
 
 def admitted(n: int) -> RequestAdmitted:

@@ -456,7 +456,6 @@ def _add_ladder_options(
     parser: argparse.ArgumentParser, ladder: Sequence[float], policies: Iterable[str]
 ) -> None:
     """The options every ladder benchmark takes: cluster, ladder, sample, policies, jobs."""
-
     parser.add_argument(
         "--instances", type=positive_int, default=16, help="simulated instances (default: 16)"
     )
