@@ -24,6 +24,7 @@ from control.admission.pools import ClassPools, Waiting, order_key
 from control.admission.registry import Admission
 from control.admission.request import AdmissionRequest
 from control.admission.view import (
+    PREFILL_WAIT,
     SLOT_WAIT,
     USAGE_WINDOW_S,
     AdmissionDecision,
@@ -184,12 +185,14 @@ class Pipeline(Generic[Payload]):
     def release(self, fleet: Callable[[], FleetSnapshot], now: float) -> list[Outcome[Payload]]:
         """What the pools let go now: held requests whose time ran out (rejected, reason
         ``expired``), then each pool's heads while admission lets them start (``fleet``
-        gives the snapshot after the dispatches so far)."""
+        gives the snapshot after the dispatches so far). A long prompt at a head that waits
+        for prefill room of its own keeps its place, and the pass goes on past it."""
         outcomes = [
             Outcome(w.request, w.payload.payload, AdmissionDecision(Verdict.REJECT, "expired"))
             for w in self.pools.expired(now)
         ]
         budget = self._release_budget(now)
+        aside: list[Waiting[_Held[Payload]]] = []
         for task_class in RELEASE_ORDER:
             while budget > 0 and (head := self.pools.head(task_class)) is not None:
                 if self.peer_first(head.request):
@@ -198,6 +201,9 @@ class Pipeline(Generic[Payload]):
                 snapshot = fleet()
                 held = head.payload
                 decision = self._admit(head.request, held.route, snapshot, now, held=True)
+                if decision.verdict is Verdict.HOLD and _steps_past(decision, task_class):
+                    aside.append(self.pools.set_aside(task_class))
+                    continue
                 if decision.verdict is Verdict.HOLD:
                     break
                 self.pools.release(task_class, now)
@@ -207,6 +213,8 @@ class Pipeline(Generic[Payload]):
                 outcomes.append(
                     self._dispatch(head.request, held.route, held.payload, decision, snapshot, now)
                 )
+        for waiting in aside:
+            self.pools.hold(waiting)
         return outcomes
 
     def load(self, now: float) -> dict[TaskClass, ClassLoad]:
@@ -380,6 +388,14 @@ class Pipeline(Generic[Payload]):
             self._classes[request.request_id] = request.task_class
             self._count(request.task_class, Usage(requests=1), now)
         return Outcome(request, payload, decision, routed)
+
+
+def _steps_past(hold: AdmissionDecision, task_class: TaskClass) -> bool:
+    """Whether a release pass goes on past a pool head that ``hold`` keeps waiting: where
+    it waits for prefill room of its own, a long prompt in a pool of short ones (a chat
+    whose client sent a long document as interactive). In the long-document pool every
+    request waits for the same room, so the ones behind it would too."""
+    return hold.reason == PREFILL_WAIT and task_class is not TaskClass.LONG_DOCUMENT
 
 
 def _within(fleet: FleetSnapshot, allowed: BoolArray | None) -> FleetSnapshot:

@@ -96,13 +96,18 @@ class ClassPools(Generic[Payload]):
 
     def release(self, task_class: TaskClass, now_s: float) -> Waiting[Payload]:
         """Take the head of ``task_class``'s pool out, to dispatch it or answer it."""
-        if self.head(task_class) is None:
-            raise LookupError(f"the {task_class.value} pool is empty")
-        _, order = heapq.heappop(self._heaps[task_class])
-        waiting = self._take(order)
+        waiting = self.set_aside(task_class)
         if waiting.drains:
             self._released[task_class].append(now_s)
         return waiting
+
+    def set_aside(self, task_class: TaskClass) -> Waiting[Payload]:
+        """Take the head of ``task_class``'s pool out without counting it as drained: to
+        hold it again (``hold``) once the requests behind it have had their turn."""
+        if self.head(task_class) is None:
+            raise LookupError(f"the {task_class.value} pool is empty")
+        _, order = heapq.heappop(self._heaps[task_class])
+        return self._take(order)
 
     def expired(self, now_s: float) -> Iterator[Waiting[Payload]]:
         """Take out every request whose hold has run out, wherever it stands in its pool."""

@@ -16,7 +16,13 @@ import numpy as np
 from pydantic import Field
 
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest
-from control.admission.view import SLOT_WAIT, AdmissionDecision, AdmissionView, Verdict
+from control.admission.view import (
+    PREFILL_WAIT,
+    SLOT_WAIT,
+    AdmissionDecision,
+    AdmissionView,
+    Verdict,
+)
 
 if TYPE_CHECKING:
     from control.admission.registry import EngineScheduling
@@ -135,7 +141,7 @@ class SLOMax:
         if p.interference_bound and request.input_tokens >= LONG_DOCUMENT_TOKENS:
             allowed &= fleet.pending_prefill_tokens < p.long_prefill_cap_tokens
             if not allowed.any():
-                return "prefill_cap", allowed
+                return PREFILL_WAIT, allowed
         return (None if allowed.any() else "no_instance"), allowed
 
     def _reject(self, reason: str, held: bool, figures: dict[str, float]) -> AdmissionDecision:

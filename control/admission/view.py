@@ -63,6 +63,12 @@ class PoolState:
         return self.depth / self.drained_per_s if self.drained_per_s > 0 else 0.0
 
 
+PREFILL_WAIT = "prefill_cap"
+"""The reason a long prompt is held while no instance has room for its prefill (SLOMax's
+interference bound): a wait of its own, which the short prompts behind it in their pool
+do not share (``Pipeline.release`` steps past it)."""
+
+
 SLOT_WAIT = "slots"
 """The reason a request is held while its class's ceiling has room but its host's slots
 of that ceiling do not (``AdmissionView.out_of_slots``): it waits for the host's next

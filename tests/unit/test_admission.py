@@ -320,6 +320,37 @@ def test_the_pipeline_answers_a_hold_that_ran_out() -> None:
     assert len(pipeline.pools) == 0
 
 
+def test_a_long_prompt_waiting_for_prefill_room_does_not_hold_the_chats_behind_it() -> None:
+    """A chat whose client sent a long document as interactive waits for an instance with
+    prefill room; the chats behind it in their FIFO pool go first, and it keeps its place.
+    In the long-document pool, where every request waits for that room, a pass stops at
+    its head (behind it, here, a short prompt its client called a long document)."""
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    full = fleet(pending=(LONG_DOCUMENT_TOKENS, LONG_DOCUMENT_TOKENS))
+    for rid, tokens, arrival in (("long", LONG_DOCUMENT_TOKENS, 0.0), ("short", 500, 0.1)):
+        held = pipeline.arrive(
+            request(tokens=tokens, arrival=arrival, rid=rid),
+            RouteRequest(rid, tokens, 100),
+            rid,
+            full,
+            now=arrival,
+        )
+        assert held.admission.verdict is Verdict.HOLD
+    assert [o.payload for o in pipeline.release(lambda: full, now=0.2)] == ["short"]
+    assert pipeline.pools.head(CHAT) is not None
+    assert pipeline.pools.head(CHAT).payload.payload == "long"
+    assert pipeline.pools.state(CHAT, 0.2).drained_per_s == 1 / 30  # the short chat alone
+    room = fleet(pending=(0, LONG_DOCUMENT_TOKENS))
+    assert [(o.payload, o.instance) for o in pipeline.release(lambda: room, now=0.3)] == [
+        ("long", 0)
+    ]
+    documents: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    for rid, tokens in (("d1", LONG_DOCUMENT_TOKENS), ("d2", 500)):
+        route = RouteRequest(rid, tokens, 100)
+        documents.arrive(request(DOC, tokens, rid=rid), route, rid, full, now=0.0)
+    assert documents.release(lambda: full, now=0.2) == []
+
+
 def test_a_pipeline_counts_its_peers_in_flight_against_the_class_ceiling() -> None:
     pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
     pipeline.quotas = {
