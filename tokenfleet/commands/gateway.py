@@ -22,8 +22,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     gateway = commands.add_parser(
         "gateway",
         help="the OpenAI-compatible gateway in front of a fleet",
-        description="Serves /v1/chat/completions, /v1/completions and /v1/models for the "
-        "fleet file's models: admits each request by class (SLOMax by default: now, held "
+        description="Serves the OpenAI API (/v1/chat/completions, /v1/completions, "
+        "/v1/responses, /v1/embeddings, /v1/models) and vLLM's /tokenize and /detokenize "
+        "for the fleet file's models: admits each request by class (SLOMax by default: now, held "
         "in its class pool, or refused with 429 / 503) and routes it to an instance "
         "(TokenPilot by default). SIGTERM or Ctrl-C stops it, answering held requests "
         "first. " + _ENVIRONMENT,
