@@ -33,6 +33,7 @@ from control.admission.view import (
     Usage,
     Verdict,
 )
+from control.fleet.load import Rate
 from control.routing import (
     Decision,
     FleetSnapshot,
@@ -104,6 +105,9 @@ class ClassLoad:
     head_key: float | None = None
     """Where the host's first held request stands in the pool's order (``order_key``, on
     the reader's clock); None when it holds none."""
+    arrived_per_s: float = 0.0
+    """Requests of the class that came to the host's pipeline lately (``RATE_WINDOW_S``),
+    admitted or not: the rate the host sends into the pool's DC."""
 
     def __add__(self, other: ClassLoad) -> ClassLoad:
         heads = [k for k in (self.head_key, other.head_key) if k is not None]
@@ -113,6 +117,7 @@ class ClassLoad:
             self.held + other.held,
             self.drained_per_s + other.drained_per_s,
             min(heads) if heads else None,
+            self.arrived_per_s + other.arrived_per_s,
         )
 
 
@@ -148,6 +153,7 @@ class Pipeline(Generic[Payload]):
     """Requests in flight that have their first token, and when it came (in that order)."""
     _classes: dict[str, TaskClass] = field(default_factory=dict)
     _released_at: float = 0.0
+    _arrivals: dict[TaskClass, Rate] = field(default_factory=dict)
     _follows: FollowsRequests | None = field(init=False)
     _learner: Learner | None = field(init=False)
     _forgets: Withdrawing | None = field(init=False)
@@ -172,6 +178,7 @@ class Pipeline(Generic[Payload]):
         now: float,
     ) -> Outcome[Payload]:
         """Decide a new request: dispatched (routed), held in its pool, or rejected."""
+        self._arrivals.setdefault(request.task_class, Rate()).add(now)
         decision = self._admit(request, route, fleet, now, held=False)
         if decision.verdict is Verdict.HOLD:
             assert decision.hold_until_s is not None
@@ -224,12 +231,14 @@ class Pipeline(Generic[Payload]):
         for task_class in TaskClass:
             pool = self.pools.state(task_class, now)
             head = self.pools.head(task_class)
+            arrivals = self._arrivals.get(task_class)
             loads[task_class] = ClassLoad(
                 self.inflight[task_class],
                 decoding[task_class],
                 pool.depth,
                 pool.drained_per_s,
                 None if head is None else order_key(head.request),
+                0.0 if arrivals is None else arrivals.per_s(now),
             )
         return loads
 

@@ -393,16 +393,16 @@ class GatewayAdmission:
         itself; none granted yet: none)."""
         return None if self.replicas == 1 else self._slots.get(pool, {})
 
-    def pool_load(self, model: str, dc: str) -> tuple[dict[TaskClass, int], int]:
-        """The pool's requests in flight by class, and held, across the replicas."""
+    def pool_load(self, model: str, dc: str) -> tuple[dict[TaskClass, int], int, float]:
+        """The pool's requests in flight by class, held, and sent into it per second,
+        across the replicas (the others' as they last shared them)."""
         pipeline = self._pipelines.get((model, dc))
         peers = self._peers.get(_pool_name((model, dc)), {})
-        inflight = {
-            c: (pipeline.inflight[c] if pipeline else 0) + peers.get(c, ClassLoad()).inflight
-            for c in TaskClass
-        }
+        own = pipeline.load(time.monotonic()) if pipeline else {}
+        loads = {c: own.get(c, ClassLoad()) + peers.get(c, ClassLoad()) for c in TaskClass}
+        inflight = {c: load.inflight for c, load in loads.items()}
         held = (len(pipeline.pools) if pipeline else 0) + sum(p.held for p in peers.values())
-        return inflight, held
+        return inflight, held, sum(load.arrived_per_s for load in loads.values())
 
     def concurrency_limit(
         self, model: str, dc: str, task_class: TaskClass, ready: int, quotas: AdmissionQuotas | None

@@ -1,9 +1,11 @@
 """What replicas side by side tell each other of their class pools (``gateway.admission``):
 each one's load per pool and class as the JSON it publishes, and the sum of the others'.
 
-A load is ``{pool: {class: [in flight, decoding, held, drained per s, head]}}``, where a
-pool is ``model/dc`` and ``head`` is where the replica's first held request stands in
-the pool's order, on the wall clock: every replica's monotonic clock starts elsewhere.
+A load is ``{pool: {class: [in flight, decoding, held, drained per s, head, arrived per
+s]}}``, where a pool is ``model/dc``, ``head`` is where the replica's first held request
+stands in the pool's order, on the wall clock (every replica's monotonic clock starts
+elsewhere), and the last is the rate the replica sends the class into the pool; a
+replica of an earlier version publishes no such rate, which reads as none.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def encoded(loads: dict[TaskClass, ClassLoad], to_wall_s: float) -> dict[str, li
             load.held,
             load.drained_per_s,
             None if load.head_key is None else load.head_key + to_wall_s,
+            load.arrived_per_s,
         ]
         for c, load in loads.items()
     }
@@ -39,20 +42,29 @@ def decoded(raw: str, to_own_s: float) -> dict[str, dict[TaskClass, ClassLoad]] 
     try:
         return {
             pool: {
-                TaskClass(name): ClassLoad(
-                    int(inflight or 0),
-                    int(decoding or 0),
-                    int(held or 0),
-                    float(drained or 0.0),
-                    None if head is None else head + to_own_s,
-                )
-                for name, (inflight, decoding, held, drained, head) in classes.items()
+                TaskClass(name): _class_load(fields, to_own_s) for name, fields in classes.items()
             }
             for pool, classes in json.loads(raw).items()
         }
     except (ValueError, TypeError, AttributeError) as exc:
         log.warning("skipping a peer's admission load it cannot read (%s)", exc)
         return None
+
+
+def _class_load(fields: list[float | None], to_own_s: float) -> ClassLoad:
+    """One class's load from its published fields: five from a replica of an earlier
+    version (no rate sent), six from this one's; ValueError for any other count."""
+    if len(fields) not in (5, 6):
+        raise ValueError(f"a class load of {len(fields)} fields")
+    inflight, decoding, held, drained, head, *arrived = fields
+    return ClassLoad(
+        int(inflight or 0),
+        int(decoding or 0),
+        int(held or 0),
+        float(drained or 0.0),
+        None if head is None else head + to_own_s,
+        float(arrived[0] or 0.0) if arrived else 0.0,
+    )
 
 
 def summed(peers: list[dict[TaskClass, ClassLoad]]) -> dict[TaskClass, ClassLoad]:

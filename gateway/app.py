@@ -47,6 +47,7 @@ from gateway.inbound import (
     Inbound,
     authenticate,
     read_inbound,
+    residency_of,
 )
 from gateway.journal import Journals
 from gateway.metrics import GatewayMetrics
@@ -243,7 +244,7 @@ class Gateway:
     async def passed_through(self, request: Request) -> Response:
         """A request the instance answers as sent, e.g. ``/tokenize``: no admission,
         accounting or events; the least loaded instance of the model in the DC
-        ``Decider.choose_dcs`` puts first."""
+        ``Decider.choose_dcs`` puts first among those its tenant and residency allow."""
         fleet = self.fleet
         tenant = authenticate(fleet, request.headers.get("authorization"))
         body = await read_body(request, self.settings.max_body_bytes)
@@ -252,7 +253,8 @@ class Gateway:
             name = fleet.models[0].name
         if name is None or fleet.model(name) is None:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model")
-        plan = await self.decider.least_loaded(name, tenant=tenant)
+        residency = residency_of(request.headers)
+        plan = await self.decider.least_loaded(name, tenant=tenant, residency=residency)
         return await self.exchange.forward(plan, request.url.path, body)
 
     async def _serve(self, inbound: Inbound, request: Request, arrived: float) -> Response:
@@ -330,7 +332,6 @@ class Gateway:
     ) -> Response:
         """Serve in ``dc``; a refusal of its admission names it (the tables count the
         request there), one of the gateway's stop does not."""
-        self.decider.sending(inbound.model.name, dc)
         try:
             return await self.exchange.serve(inbound, dc, request, arrived, scoped)
         except Refused as refused:

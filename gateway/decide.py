@@ -27,7 +27,7 @@ from control.admission.registry import Admission
 from control.controllers.fleetmind import weights_of
 from control.fleet.fleetmind import FleetMind
 from control.fleet.journal import dc_choice_record
-from control.fleet.load import DcLoad, Rate, class_room, dc_state
+from control.fleet.load import DcLoad, class_room, dc_state
 from control.fleet.registry import DcPolicy
 from control.fleet.view import DcRequest, FleetState
 from control.routing.registry import Router
@@ -115,8 +115,6 @@ class Decider:
         self.dc_policy = dc_policy or FleetMind()
         self._journals = journals
         self._round_trips = view.fleet.round_trips_s()
-        self._sent: dict[tuple[str, str], Rate] = {}
-        """The requests this replica sent to each (model, DC) lately."""
         self._draws = random.Random()
         """For the DC policies that split traffic at random (Envoy's priority levels)."""
         self.metrics = metrics
@@ -192,34 +190,28 @@ class Decider:
             )
         return decision.order
 
-    def sending(self, model: str, dc: str) -> None:
-        """Count a request sent to ``dc``: the rate the edge prices utilisation by."""
-        self._sent.setdefault((model, dc), Rate()).add(time.monotonic())
-
     def _dc_view(self, model: str, task_class: TaskClass) -> FleetState:
         """The DCs serving ``model`` as this edge sees them: instances, versions, queues
         and KV from telemetry; requests in flight and held from the admission pools of
-        every replica; the rate this replica sent there times the replicas; the operator's
-        capacity figure; the controller's weights."""
+        every replica; the rate every replica sends there (the others' as last shared);
+        the operator's capacity figure; the controller's weights."""
         weights = self.weights.current(self.local_dc)
         self.metrics.control_defaults.labels("weights").set(weights is None)
         weight = weights_of(weights, model, task_class)
         config = self.view.fleet.model(model)
         per_instance = None if config is None else config.rps_per_instance
-        now = time.monotonic()
         states = []
         for dc in self.view.dcs_serving(model):
             pool = self.view.pool(model, dc)
             assert pool is not None
             ready = [i for i in pool.instances if self.view.ready(i.id)]
             telemetry = self.view.load(pool)
-            inflight, held = self.admission.pool_load(model, dc)
-            sent = self._sent.get((model, dc))
+            inflight, held, sent_per_s = self.admission.pool_load(model, dc)
             load = DcLoad(
                 running=telemetry.requests,
                 queued=round(telemetry.waiting * len(ready)) + held,
                 kv_use=telemetry.kv_use,
-                sent_per_s=(sent.per_s(now) if sent else 0.0) * self.admission.replicas,
+                sent_per_s=sent_per_s,
                 inflight=sum(inflight.values()),
                 capacity_rps=per_instance * len(ready) if per_instance and ready else None,
             )
@@ -336,13 +328,18 @@ class Decider:
         return self.view.snapshot(pool, await self.state.view(pool.ids, []))
 
     async def least_loaded(
-        self, model: str, dc: str | None = None, tenant: TenantConfig | None = None
+        self,
+        model: str,
+        dc: str | None = None,
+        tenant: TenantConfig | None = None,
+        residency: tuple[str, ...] = (),
     ) -> Plan:
-        """The ready instance of ``model`` in ``dc`` (None: ``choose_dcs``' first) with the fewest
-        tokens in flight through the gateways, ties taken in turn (an idle pool shares its
-        embeddings out evenly): for requests with no prefix to reuse and nothing to
-        generate (embeddings, ``/tokenize``)."""
-        pool = self.view.pool(model, dc or self.choose_dcs(model, tenant)[0])
+        """The ready instance of ``model`` in ``dc`` (None: ``choose_dcs``' first for the
+        ``tenant`` and ``residency``) with the fewest tokens in flight through the
+        gateways, ties taken in turn (an idle pool shares its embeddings out evenly): for
+        requests with no prefix to reuse and nothing to generate (embeddings,
+        ``/tokenize``)."""
+        pool = self.view.pool(model, dc or self.choose_dcs(model, tenant, residency)[0])
         assert pool is not None  # only DCs serving the model are asked for
         shared = await self.state.view(pool.ids, [])
         ready = [row for row, i in enumerate(pool.instances) if self.view.ready(i.id)]

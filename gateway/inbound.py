@@ -136,7 +136,7 @@ def read_inbound(
         stream=not isinstance(request, EmbeddingRequest) and request.stream,
         task_class=_task_class(headers.get(CLASS_HEADER), tenant, size.input_tokens, deadline),
         deadline_s=deadline,
-        residency=tuple(r.strip() for r in headers.get(RESIDENCY_HEADER, "").split(",") if r),
+        residency=residency_of(headers),
         input_tokens=size.input_tokens,
         output_budget=size.choice_budget * size.choices,
         client_cap=None if size.client_cap is None else size.client_cap * size.choices,
@@ -187,6 +187,23 @@ def _task_class(
     if task_class not in tenant.classes:
         raise ApiError(403, f"Tenant {tenant.name!r} may not send {task_class.value} requests.")
     return task_class
+
+
+def residency_of(headers: Mapping[str, str]) -> tuple[str, ...]:
+    """The regions a request's data must stay in, as its residency header names them
+    (none: anywhere); ApiError(400) for a header that names none, rather than read it as
+    no restriction."""
+    value = headers.get(RESIDENCY_HEADER)
+    if value is None:
+        return ()
+    regions = tuple(region for part in value.split(",") if (region := part.strip()))
+    if not regions:
+        raise ApiError(
+            400,
+            f"{RESIDENCY_HEADER} must name at least one region (comma-separated).",
+            param=RESIDENCY_HEADER,
+        )
+    return regions
 
 
 def _deadline(value: str | None) -> float | None:

@@ -72,7 +72,11 @@ def instance(
         return chat_answer()
 
     return Starlette(
-        routes=[Route("/metrics", metrics), Route("/v1/chat/completions", answer, methods=["POST"])]
+        routes=[
+            Route("/metrics", metrics),
+            Route("/v1/chat/completions", answer, methods=["POST"]),
+            Route("/tokenize", answer, methods=["POST"]),
+        ]
     )
 
 
@@ -240,6 +244,28 @@ async def test_a_request_runs_at_home_unless_its_residency_or_tenant_says_otherw
     [rejected] = [m for m in events if isinstance(m, RequestRejected)]
     assert rejected.reason is RejectReason.RESIDENCY
     assert rejected.dc is None  # refused before any DC took it: in no DC's table
+
+
+async def test_a_tokenize_call_keeps_to_its_residency_and_its_tenant_s_dcs() -> None:
+    """A call passed through to an instance carries the prompt's text too: it goes only
+    where the request's residency and its tenant allow, and a residency header that names
+    no region is refused rather than read as none."""
+    served: list[str] = []
+    text = {"model": MODEL, "prompt": "hello"}
+    async with two_dcs(served) as front, front.client() as http:
+        us = await http.post("/tokenize", json=text, headers={"x-tokenfleet-residency": "us-east"})
+        async with front.client(EU_ONLY_KEY) as eu_only:
+            refused = await eu_only.post(
+                "/tokenize", json=text, headers={"x-tokenfleet-residency": "us-east"}
+            )
+        blank = await http.post("/tokenize", json=text, headers={"x-tokenfleet-residency": ", ,"})
+        blank_chat = await ask(http, **{"x-tokenfleet-residency": ","})
+    assert us.status_code == 200
+    assert served == ["dc-b"]
+    assert refused.status_code == 503
+    assert "dc-a (residency)" in refused.json()["error"]["message"]
+    assert (blank.status_code, blank_chat.status_code) == (400, 400)
+    assert blank_chat.json()["error"]["param"] == "x-tokenfleet-residency"
 
 
 async def test_the_controller_s_weights_hold_until_their_ttl_then_safe_defaults() -> None:

@@ -364,7 +364,7 @@ def test_a_pipeline_counts_its_peers_in_flight_against_the_class_ceiling() -> No
     [released] = pipeline.release(fleet, now=1.0)
     assert released.payload == "d"
     assert released.instance is not None
-    assert pipeline.load(1.0)[DOC] == ClassLoad(inflight=1, drained_per_s=1 / 30)
+    assert pipeline.load(1.0)[DOC] == ClassLoad(inflight=1, drained_per_s=1 / 30, arrived_per_s=0.1)
 
 
 def test_a_held_request_waits_while_a_peer_holds_one_of_its_class_from_before() -> None:
@@ -373,7 +373,7 @@ def test_a_held_request_waits_while_a_peer_holds_one_of_its_class_from_before() 
     pipeline.arrive(
         request(BATCH, deadline=600.0, rid="b"), RouteRequest("b", 1_000, 100), "b", busy, 0.0
     )
-    assert pipeline.load(0.0)[BATCH] == ClassLoad(held=1, head_key=600.0)
+    assert pipeline.load(0.0)[BATCH] == ClassLoad(held=1, head_key=600.0, arrived_per_s=0.1)
     pipeline.peers = {BATCH: ClassLoad(held=1, head_key=300.0)}  # a nearer deadline, elsewhere
     calm = fleet()
     assert pipeline.release(lambda: calm, now=1.0) == []
