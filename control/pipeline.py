@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Generic, TypeVar, cast
 
+import numpy as np
+
 from control.admission.pools import ClassPools, Waiting, order_key
 from control.admission.registry import Admission
 from control.admission.request import AdmissionRequest
@@ -46,10 +48,11 @@ from control.routing import (
     Withdrawing,
 )
 from control.routing.registry import implements
-from control.routing.snapshot import BoolArray, KvEvent, Observation
+from control.routing.snapshot import BoolArray, FloatArray, IntArray, KvEvent, Observation
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
 from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
+from schemas.openai_api import DEFAULT_CHAT_TOKENS
 
 Payload = TypeVar("Payload")
 
@@ -192,20 +195,23 @@ class Pipeline(Generic[Payload]):
     def release(self, fleet: Callable[[], FleetSnapshot], now: float) -> list[Outcome[Payload]]:
         """What the pools let go now: held requests whose time ran out (rejected, reason
         ``expired``), then each pool's heads while admission lets them start (``fleet``
-        gives the snapshot after the dispatches so far). A long prompt at a head that waits
-        for prefill room of its own keeps its place, and the pass goes on past it."""
+        gives the snapshot as the host's books stand, to which the pass adds the charges of
+        its own dispatches: the host books them only once it has the outcomes). A long
+        prompt at a head that waits for prefill room of its own keeps its place, and the
+        pass goes on past it."""
         outcomes = [
             Outcome(w.request, w.payload.payload, AdmissionDecision(Verdict.REJECT, "expired"))
             for w in self.pools.expired(now)
         ]
         budget = self._release_budget(now)
         aside: list[Waiting[_Held[Payload]]] = []
+        charges = _PassCharges()
         for task_class in RELEASE_ORDER:
             while budget > 0 and (head := self.pools.head(task_class)) is not None:
                 if self.peer_first(head.request):
                     break
                 budget -= 1
-                snapshot = fleet()
+                snapshot = charges.on(fleet())
                 held = head.payload
                 decision = self._admit(head.request, held.route, snapshot, now, held=True)
                 if decision.verdict is Verdict.HOLD and _steps_past(decision, task_class):
@@ -217,9 +223,11 @@ class Pipeline(Generic[Payload]):
                 if decision.verdict is Verdict.REJECT:
                     outcomes.append(Outcome(head.request, held.payload, decision))
                     continue
-                outcomes.append(
-                    self._dispatch(head.request, held.route, held.payload, decision, snapshot, now)
+                dispatched = self._dispatch(
+                    head.request, held.route, held.payload, decision, snapshot, now
                 )
+                outcomes.append(dispatched)
+                charges.add(dispatched, len(snapshot))
         for waiting in aside:
             self.pools.hold(waiting)
         return outcomes
@@ -405,6 +413,39 @@ def _steps_past(hold: AdmissionDecision, task_class: TaskClass) -> bool:
     whose client sent a long document as interactive). In the long-document pool every
     request waits for the same room, so the ones behind it would too."""
     return hold.reason == PREFILL_WAIT and task_class is not TaskClass.LONG_DOCUMENT
+
+
+@dataclass
+class _PassCharges:
+    """The charges (``Charge``) of a release pass's dispatches so far, per instance, as
+    the host will book them once it has the pass's outcomes: nothing cached where the
+    router expected nothing, and the API's default budget where the client set none."""
+
+    pending_prefill: FloatArray | None = None
+    inflight_tokens: IntArray | None = None
+
+    def add(self, outcome: Outcome[Payload], instances: int) -> None:
+        index, request, route = outcome.instance, outcome.request, outcome.route
+        if index is None or route is None:
+            return
+        if self.pending_prefill is None or self.inflight_tokens is None:
+            self.pending_prefill = np.zeros(instances)
+            self.inflight_tokens = np.zeros(instances, dtype=np.int64)
+        cached = 0.0 if route.cached_tokens is None else float(route.cached_tokens[index])
+        budget = request.output_budget or DEFAULT_CHAT_TOKENS
+        charge = Charge.of(request.input_tokens, budget, cached)
+        self.pending_prefill[index] += charge.pending_prefill
+        self.inflight_tokens[index] += charge.inflight_tokens
+
+    def on(self, fleet: FleetSnapshot) -> FleetSnapshot:
+        """``fleet`` with these charges on its instances."""
+        if self.pending_prefill is None or self.inflight_tokens is None:
+            return fleet
+        return replace(
+            fleet,
+            pending_prefill_tokens=fleet.pending_prefill_tokens + self.pending_prefill,
+            inflight_tokens=fleet.inflight_tokens + self.inflight_tokens,
+        )
 
 
 def _within(fleet: FleetSnapshot, allowed: BoolArray | None) -> FleetSnapshot:

@@ -66,6 +66,9 @@ class Sequence:
     """Leading prompt blocks already registered in the prefix cache."""
     cached_tokens: int = -1
     """Prompt tokens served from the prefix cache at first admission; -1 until then."""
+    cached_at_start: int = 0
+    """Prompt tokens served from the prefix cache when it last started (it starts again
+    after a preemption): of ``computed``, the tokens this start did not compute."""
     scheduled_s: float | None = None
     """When the engine first computed anything for it: the end of its queue wait."""
     first_token_s: float | None = None
@@ -304,7 +307,7 @@ class Engine:
         except OutOfBlocks:
             return False
         sequence.blocks = blocks
-        sequence.computed = cached_tokens
+        sequence.computed = sequence.cached_at_start = cached_tokens
         sequence.registered = cached_tokens // pool.block_size
         if sequence.cached_tokens < 0:
             sequence.cached_tokens = cached_tokens
@@ -343,8 +346,8 @@ class Engine:
     def _preempt(self, sequence: Sequence) -> None:
         self.running.remove(sequence)
         self._release(sequence)
-        sequence.recomputed_tokens += sequence.computed
-        sequence.computed = 0
+        sequence.recomputed_tokens += sequence.computed - sequence.cached_at_start
+        sequence.computed = sequence.cached_at_start = 0
         sequence.registered = 0
         sequence.preemptions += 1
         self.counters.preemptions += 1

@@ -46,6 +46,11 @@ def instance_capacity_rps(
     burst = [replace(r, arrival_s=0.0) for r in requests[::step][:sample]]
     simulation = Simulation(Cluster.single(profile, 1), make_router("round_robin"))
     done = [r for r in simulation.run(burst) if r.outcome == "completed"]
+    if not done:
+        raise ValueError(
+            f"none of the {len(burst)} requests sampled to measure an instance's capacity "
+            "completed on one instance: are they all too long for it?"
+        )
     admitted = np.array([r.queue_wait_s or 0.0 for r in done])
     finished = np.array([r.e2e_s or 0.0 for r in done])
     backlog_s = admitted.max()
@@ -56,8 +61,15 @@ def instance_capacity_rps(
 
 
 def offered_rate_rps(requests: Sequence[TraceRequest]) -> float:
-    span = requests[-1].arrival_s - requests[0].arrival_s
-    return len(requests) / span if span > 0 else float("inf")
+    """The trace's own arrival rate; ValueError where its arrivals span no time (one
+    request, or all at once), which a ladder cannot scale to a rate."""
+    span = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
+    if span <= 0:
+        raise ValueError(
+            f"the trace's {len(requests)} arrivals span no time: a ladder scales their "
+            "rate, so it needs requests that arrive over time"
+        )
+    return len(requests) / span
 
 
 def rate_scales(

@@ -56,7 +56,8 @@ def record_figures(records: Sequence[RequestRecord]) -> dict[str, float]:
     figures: dict[str, float] = {
         "requests": len(records),
         "completed": len(done),
-        "rejected": len(records) - len(done),
+        "rejected": sum(r.outcome == "rejected" for r in records),
+        "cancelled": sum(r.outcome == "cancelled" for r in records),
     }
     figures |= latency_stats("ttft", [r.ttft_s for r in done if r.ttft_s is not None])
     multi = [r for r in done if r.output_tokens > 1]

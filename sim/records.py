@@ -136,6 +136,5 @@ class RequestRecord:
 
 def _lost_work(sequence: Sequence) -> int:
     """What an unfinished sequence cost the engine: every token computed, less the prefix
-    it found cached."""
-    computed = max(sequence.computed - max(sequence.cached_tokens, 0), 0)
-    return sequence.recomputed_tokens + computed
+    it found cached at each start."""
+    return sequence.recomputed_tokens + sequence.computed - sequence.cached_at_start

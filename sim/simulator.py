@@ -476,24 +476,26 @@ class Simulation:
         self._uncharge(index, request.request_id)
         step_time = instance.engine.step_time
         network = self.cluster.network_s(request.region, instance.dc, request.input_tokens)
+        ttft_overhead = step_time.ttft_overhead_s + network
         record = RequestRecord.completed(
             sequence,
             instance.instance_id,
             instance.dc,
-            ttft_overhead_s=step_time.ttft_overhead_s + network,
+            ttft_overhead_s=ttft_overhead,
             token_overhead_s=step_time.token_overhead_s,
         )
         self.records.append(record)
         self._open.pop(request.request_id, None)
         self._placed.pop(request.request_id, None)
-        assert record.ttft_s is not None  # learned at completion, not at first token
+        assert sequence.first_token_s is not None  # learned at completion, not at first token
+        # from when it was sent to the instance, as a gateway sees it: a request held in
+        # its pool waited there before the router's prediction was made
+        sent_ttft = sequence.first_token_s - sequence.enqueued_s + ttft_overhead
         self.pipeline.finished(
             request.request_id,
             self.now,
             completed_tokens=request.output_tokens,
-            observation=Observation(
-                request.request_id, index, record.ttft_s, request.output_tokens
-            ),
+            observation=Observation(request.request_id, index, sent_ttft, request.output_tokens),
         )
 
     def _push(self, time: float, kind: int, index: int, payload: Event) -> None:

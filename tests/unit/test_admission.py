@@ -351,6 +351,20 @@ def test_a_long_prompt_waiting_for_prefill_room_does_not_hold_the_chats_behind_i
     assert documents.release(lambda: full, now=0.2) == []
 
 
+def test_a_release_pass_counts_its_own_dispatches_before_the_next_check() -> None:
+    """Two long documents wait for prefill room, and one instance has it: the first one
+    released takes it, and the second sees it taken, in the same pass, before the host
+    has booked the first."""
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    full = fleet(pending=(LONG_DOCUMENT_TOKENS, LONG_DOCUMENT_TOKENS))
+    for n in (1, 2):
+        route = RouteRequest(f"d{n}", 20_000, 100)
+        pipeline.arrive(request(DOC, 20_000, arrival=n, rid=f"d{n}"), route, f"d{n}", full, n)
+    room = fleet(pending=(0, LONG_DOCUMENT_TOKENS))
+    assert [(o.payload, o.instance) for o in pipeline.release(lambda: room, now=3.0)] == [("d1", 0)]
+    assert pipeline.pools.head(DOC) is not None
+
+
 def test_a_pipeline_counts_its_peers_in_flight_against_the_class_ceiling() -> None:
     pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
     pipeline.quotas = {

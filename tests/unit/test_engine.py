@@ -209,3 +209,17 @@ def test_every_workload_drains_with_each_token_generated_once(
         assert sequence.finished_s is not None
         assert sequence.first_token_s <= sequence.finished_s
     assert engine.pool.used_blocks == 0
+
+
+def test_a_preempted_sequence_has_lost_what_it_computed_not_the_prefix_it_found_cached() -> None:
+    engine = Engine(EngineConfig(num_blocks=32, block_size=4), ONE_SECOND_STEPS)
+    engine.add(Sequence(_request("a", 16, 1, prefix=(1, 2, 3, 4)), 0.0))
+    _run(engine)
+    sequence = Sequence(_request("b", 18, 4, prefix=(1, 2, 3, 9)), 0.0)
+    engine.add(sequence)
+    plan = engine.plan_step(0.0)
+    assert plan is not None
+    engine.finish_step(plan, 1.0)
+    assert (sequence.cached_tokens, sequence.computed) == (12, 18)
+    engine._preempt(sequence)  # as when blocks run out: the newest running sequence goes
+    assert sequence.recomputed_tokens == 6  # its uncached prompt, to prefill again

@@ -120,6 +120,15 @@ def test_a_burst_measures_capacity_and_a_trace_its_offered_rate() -> None:
     assert instance_capacity_rps(llama, longer, sample=600) < capacity  # fewer per second
 
 
+def test_a_trace_a_ladder_cannot_scale_is_refused_saying_why() -> None:
+    at_once = [TraceRequest(f"r{n}", 0.0, 500, 50, ()) for n in range(3)]
+    with pytest.raises(ValueError, match="3 arrivals span no time"):
+        offered_rate_rps(at_once)
+    too_long = [TraceRequest(f"r{n}", n, 10**6, 50, ()) for n in range(3)]
+    with pytest.raises(ValueError, match="none of the 3 requests sampled"):
+        instance_capacity_rps(profile("llama3-70b-4xh100"), too_long)
+
+
 def test_a_straggler_s_long_decode_barely_moves_the_measured_capacity() -> None:
     """The burst's drain is not capacity unused: one request decoding 8,000 tokens alone
     after 600 short ones makes the burst last 32 times longer, and a capacity read from
