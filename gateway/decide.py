@@ -191,7 +191,8 @@ class Decider:
         return decision.order
 
     def _dc_view(self, model: str, task_class: TaskClass) -> FleetState:
-        """The DCs serving ``model`` as this edge sees them: instances, versions, queues
+        """The DCs serving ``model`` as this edge sees them: instances (a standby one only
+        while it serves, as the simulator counts those placed), versions, queues
         and KV from telemetry; requests in flight and held from the admission pools of
         every replica; the rate every replica sends there (the others' as last shared);
         the operator's capacity figure; the controller's weights."""
@@ -222,7 +223,7 @@ class Decider:
                 dc_state(
                     dc,
                     self._regions[dc],
-                    instances=len(pool.instances),
+                    instances=sum(not i.standby or i in ready for i in pool.instances),
                     versions=frozenset(i.version for i in pool.instances),
                     ready_versions=frozenset(i.version for i in ready),
                     ready_instances=len(ready),

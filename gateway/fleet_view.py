@@ -142,9 +142,16 @@ class LastKnown(Generic[SnapshotT]):
     def __init__(self) -> None:
         self._by_scope: dict[str, SnapshotT] = {}
 
-    def offer(self, snapshot: SnapshotT) -> bool:
-        """Keep ``snapshot`` if it is newer than the one held; True if it was kept."""
-        if not snapshot.supersedes(self._by_scope.get(snapshot.scope)):
+    def offer(self, snapshot: SnapshotT, now: float | None = None) -> bool:
+        """Keep ``snapshot`` if it is live and newer than the one held, or the one held has
+        expired (a controller started again on a new topic counts from version 1 again);
+        True if it was kept. An expired snapshot is never kept: a replay of an old one
+        must not displace a live one."""
+        now = time.time() if now is None else now
+        held = self._by_scope.get(snapshot.scope)
+        if snapshot.expired(now):
+            return False
+        if held is not None and not held.expired(now) and not snapshot.supersedes(held):
             return False
         self._by_scope[snapshot.scope] = snapshot
         return True

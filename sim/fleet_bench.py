@@ -85,7 +85,11 @@ END_S = 360.0
 BASE_LEVEL, HOTSPOT_LEVEL, LOCAL_LEVEL = 0.6, 2.0, 0.3
 RESIDENT_SHARE = 0.3
 REACTED_SHARE = 0.1
-"""A second of A's traffic in which this share or more ran outside B counts as reacting."""
+"""The policy has reacted once the share of A's traffic sent outside B, over
+``REACT_WINDOW_S``, is this much above its share in the minute before the hotspot."""
+REACT_WINDOW_S = 5.0
+"""The span the share outside B is read over: one short cycle of the weights controller,
+so that a handful of requests in one second cannot read as a reaction."""
 Progress = Callable[[str], None]
 
 
@@ -260,6 +264,11 @@ def fleet_figures(
     """A run's figures: the admission bench's (rates over the scenario's span), and per
     entry region, for the hotspot, across DCs, against the hard filters."""
     by_id = {c.request.request_id: c.request for c in simulation.choices}
+    # each request's first arrival: a record that did not complete holds when it ended,
+    # and a client's second attempt arrives again
+    arrived: dict[str, float] = {}
+    for choice in simulation.choices:
+        arrived.setdefault(choice.request.request_id, choice.request.arrival_s)
     result = figures(records, END_S)
     result["per_region"] = {
         region: region_figures([r for r in records if by_id[r.request_id].region == region], END_S)
@@ -268,7 +277,8 @@ def fleet_figures(
     hot = [
         r
         for r in records
-        if by_id[r.request_id].region == "eu-west" and HOTSPOT_S[0] <= r.arrival_s < HOTSPOT_S[1]
+        if by_id[r.request_id].region == "eu-west"
+        and HOTSPOT_S[0] <= arrived[r.request_id] < HOTSPOT_S[1]
     ]
     hot_s = HOTSPOT_S[1] - HOTSPOT_S[0]
     result["hotspot"] = region_figures(hot, hot_s)
@@ -328,16 +338,29 @@ def mismatch(tables: Sequence[Mapping[str, PublishedLoad]], period_s: float) -> 
 
 
 def react_s(simulation: FleetSimulation) -> float | None:
-    """Seconds from the hotspot's start to the first second in which ``REACTED_SHARE``
-    of A's requests ran outside its home DC (None: never)."""
+    """Seconds from the hotspot's start to the first whole second by which the share of
+    A's requests sent outside its home DC over the ``REACT_WINDOW_S`` before it (within
+    the hotspot) is ``REACTED_SHARE`` above their share in the minute before the hotspot
+    (None: never). A request counts where the edge sent it last (after any fallback), at
+    its first choice's time."""
     home = simulation.layout.home["eu-west"]
-    seconds: dict[int, list[bool]] = {}
+    first_at: dict[str, float] = {}
+    away: dict[str, bool] = {}
     for choice in simulation.choices:
-        if choice.request.region == "eu-west" and choice.at_s >= HOTSPOT_S[0] and choice.chosen:
-            seconds.setdefault(int(choice.at_s), []).append(choice.chosen != home)
-    for second in sorted(seconds):
-        if np.mean(seconds[second]) >= REACTED_SHARE:
-            return second - HOTSPOT_S[0]
+        request_id = choice.request.request_id
+        if choice.request.region == "eu-west" and choice.chosen is not None:
+            first_at.setdefault(request_id, choice.at_s)
+            away[request_id] = choice.chosen != home
+    times = np.array([first_at[r] for r in away])
+    outside = np.array([away[r] for r in away], dtype=float)
+    start = HOTSPOT_S[0]
+    before = outside[(times >= start - 60.0) & (times < start)]
+    line = (before.mean() if before.size else 0.0) + REACTED_SHARE
+    for second in range(int(start) + 1, int(HOTSPOT_S[1]) + 1):
+        since = max(start, second - REACT_WINDOW_S)
+        window = outside[(times >= since) & (times < second)]
+        if window.size and window.mean() >= line:
+            return second - start
     return None
 
 

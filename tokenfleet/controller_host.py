@@ -276,7 +276,11 @@ class WeightHost(_ControlHost[RoutingWeights]):
         due = []
         for edge, region in self.edges.items():
             current = self._weights[edge]
-            changed = self.controller.reconcile(fresh, current, self._changed_at[edge], now, region)
+            changed = (
+                self.controller.reconcile(fresh, current, self._changed_at[edge], now, region)
+                if fresh  # tables all stale: nothing moves, the weights run out at their TTL
+                else None
+            )
             # unchanged: the first snapshot (every DC whole), or a renewal, on fresh tables
             if changed is not None or (fresh and self._renewal_due(edge, now)):
                 weights = whole | (current if changed is None else changed)

@@ -25,6 +25,7 @@ by default (measured below).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated
@@ -97,11 +98,18 @@ class WeightController:
         """Each weight, for the edge of source ``region`` (None: judged on every region's
         requests), as its DC's goodput table calls for (one not in ``current`` stands at
         1); None when they are the ``current`` ones. ``changed_at``: when each weight last
-        changed."""
+        changed. A weight no table in ``goodput`` judges (its DC's tables went stale, or
+        its class ended no request there) is one too few requests judge: it regains."""
+        since = {key: now - at for key, at in changed_at.items()}
         desired = {
-            key: self._desired(rows, current.get(key, 1.0), now - changed_at.get(key, -1e18))
+            key: self._desired(rows, current.get(key, 1.0), since.get(key, math.inf))
             for dc, table in sorted(goodput.items())
             for key, rows in self.groups(dc, table, region).items()
+        }
+        desired |= {
+            key: self._desired((), weight, since.get(key, math.inf))
+            for key, weight in current.items()
+            if key not in desired
         }
         if all(current.get(key, 1.0) == weight for key, weight in desired.items()):
             return None

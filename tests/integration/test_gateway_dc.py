@@ -87,10 +87,12 @@ async def two_dcs(
     gate: Gate | None = None,
     home_fails: float | None = None,
     chat_ttft_s: float | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Gateway]:
-    """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east);
-    ``gate``: dc-a's instance answers only once it opens; ``home_fails``: dc-a's fails
-    that many seconds after each request came; ``chat_ttft_s``: the chats' objective."""
+    """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east),
+    and a standby instance in dc-a that no placement started; ``gate``: dc-a's instance
+    answers only once it opens; ``home_fails``: dc-a's fails that many seconds after each
+    request came; ``chat_ttft_s``: the chats' objective; ``settings``: the gateway's."""
     async with contextlib.AsyncExitStack() as stack:
         urls = {
             dc: await stack.enter_async_context(
@@ -112,8 +114,17 @@ async def two_dcs(
                     {"name": MODEL, "profile": PROFILE, "rps_per_instance": rps_per_instance}
                 ],
                 "instances": [
-                    {"id": f"i-{dc}", "dc": dc, "url": url, "model": MODEL}
-                    for dc, url in urls.items()
+                    *(
+                        {"id": f"i-{dc}", "dc": dc, "url": url, "model": MODEL}
+                        for dc, url in urls.items()
+                    ),
+                    {
+                        "id": "spare-a",
+                        "dc": "dc-a",
+                        "url": "http://127.0.0.1:9",
+                        "model": MODEL,
+                        "standby": True,
+                    },
                 ],
                 "tenants": [
                     {"name": "anyone", "api_keys": [KEY]},
@@ -121,7 +132,7 @@ async def two_dcs(
                 ],
             }
         )
-        front = await stack.enter_async_context(gateway(fleet, dc="dc-a"))
+        front = await stack.enter_async_context(gateway(fleet, dc="dc-a", **settings))
         await until_ready(front)
         yield front
 
@@ -266,6 +277,21 @@ async def test_a_tokenize_call_keeps_to_its_residency_and_its_tenant_s_dcs() -> 
     assert "dc-a (residency)" in refused.json()["error"]["message"]
     assert (blank.status_code, blank_chat.status_code) == (400, 400)
     assert blank_chat.json()["error"]["param"] == "x-tokenfleet-residency"
+
+
+@pytest.mark.parametrize("dc_policy", ["gcp_waterfall", "envoy_priority_failover"])
+async def test_a_standby_instance_no_placement_started_is_not_a_host_the_dc_lacks(
+    dc_policy: str,
+) -> None:
+    """dc-a runs its one instance and keeps one on standby: it is whole, so the baselines
+    that judge a DC by its healthy share keep its requests home (counted as a host, the
+    standby would have made dc-a half healthy: GCP's waterfall would fail it over, and
+    Envoy's levels spill part of its traffic)."""
+    served: list[str] = []
+    async with two_dcs(served, dc_policy=dc_policy) as front, front.client() as http:
+        for _ in range(8):
+            assert (await ask(http)).status_code == 200
+    assert served == ["dc-a"] * 8
 
 
 async def test_the_controller_s_weights_hold_until_their_ttl_then_safe_defaults() -> None:

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.fleet_view import FleetView
+from gateway.fleet_view import FleetView, LastKnown
 from schemas.base import TaskClass
+from schemas.control import AdmissionQuotas
 from schemas.fleet import FleetFileError, load_fleet
 from schemas.telemetry import KvAllCleared, KvBlocksRemoved, KvBlocksStored
 from streams.collector import NOMINAL_KV_BLOCKS, kv_messages, parse_metrics, telemetry_of
@@ -59,6 +60,27 @@ def test_a_fleet_file_naming_an_unknown_dc_is_refused(tmp_path: Path) -> None:
     kept_out.write_text(EXAMPLE.read_text().replace('dcs = ["dc-a"]', 'dcs = ["dc-y"]'))
     with pytest.raises(FleetFileError, match=r"tenant 'reports' names unknown dcs \['dc-y'\]"):
         load_fleet(kept_out)
+
+
+def test_last_known_takes_newer_live_snapshots_and_any_live_one_once_its_own_expired() -> None:
+    """A replayed old snapshot never displaces a live one; a controller that starts again
+    on a new topic, from version 1, is heard once the last snapshot it sent has expired."""
+
+    def quotas(version: int, issued_at: float) -> AdmissionQuotas:
+        return AdmissionQuotas(
+            scope="dc", version=version, issued_at=issued_at, ttl_s=60, quotas=()
+        )
+
+    known: LastKnown[AdmissionQuotas] = LastKnown()
+    assert known.offer(quotas(50, 1_000.0), now=1_010.0)
+    assert not known.offer(quotas(1, 1_020.0), now=1_020.0)  # older, while 50 lives
+    assert not known.offer(quotas(49, 900.0), now=1_020.0)  # expired already
+    assert known.current("dc", now=1_100.0) is None  # 50 has expired
+    assert known.offer(quotas(1, 1_100.0), now=1_100.0)  # the restarted controller
+    assert not known.offer(quotas(49, 1_000.0), now=1_101.0)  # a replay: expired
+    current = known.current("dc", now=1_101.0)
+    assert current is not None
+    assert current.version == 1
 
 
 def test_vllm_metrics_become_telemetry() -> None:

@@ -9,8 +9,16 @@ import pytest
 
 from control.fleet.registry import DC_POLICIES, make_dc_policy
 from schemas.base import TaskClass
-from sim.fleet_bench import HOTSPOT_S, fleet_figures, mismatch, offered_tok_s, paced, region_figures
-from sim.fleet_sim import FleetLayout, FleetSimulation, PublishedLoad, Site
+from sim.fleet_bench import (
+    HOTSPOT_S,
+    fleet_figures,
+    mismatch,
+    offered_tok_s,
+    paced,
+    react_s,
+    region_figures,
+)
+from sim.fleet_sim import EdgeChoice, FleetLayout, FleetSimulation, PublishedLoad, Site
 from sim.profiles import profile
 from sim.workload import TraceRequest
 
@@ -135,6 +143,26 @@ def test_mismatch_counts_queues_only_while_another_ready_dc_has_none() -> None:
         {"b": load(0), "c": load(0)},
     ]
     assert mismatch(tables, 2.0) == 16.0
+
+
+def test_reacting_is_sending_more_abroad_than_before_the_hotspot_not_already_sending() -> None:
+    """An edge that already sent half of A's requests abroad has not reacted until it
+    sends more: here from ten seconds into the hotspot, which the five seconds behind
+    show at twelve. A request counts where it went last."""
+    simulation = FleetSimulation(LAYOUT, PROFILE, make_dc_policy("fleetmind"))
+    home, start = LAYOUT.home["eu-west"], HOTSPOT_S[0]
+
+    def sent(n: int, at_s: float, *dcs: str) -> list[EdgeChoice]:
+        request = TraceRequest(f"r{n}", at_s, 100, 10, (), region="eu-west")
+        return [EdgeChoice(at_s, request, dc, fallback=k > 0) for k, dc in enumerate(dcs)]
+
+    choices = []
+    for n in range(200):  # two a second, every other one abroad, then three in four
+        at_s = start - 60.0 + n * 0.5
+        abroad = n % 2 if at_s < start + 10.0 else n % 4 != 0
+        choices += sent(n, at_s, home, "dc-d") if abroad else sent(n, at_s, home)
+    simulation.choices = choices
+    assert react_s(simulation) == 12.0
 
 
 def test_the_long_cycle_places_replicas_on_idle_gpus_that_serve_after_their_warm_up() -> None:

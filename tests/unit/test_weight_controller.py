@@ -89,6 +89,18 @@ def test_a_weight_too_few_requests_judge_climbs_back_once_a_window_has_passed() 
     assert seen == [round(P.floor + P.raise_by * n, 4) for n in range(1, 8)] + [1.0]
 
 
+def test_a_weight_whose_dc_no_fresh_table_judges_climbs_back_as_one_too_few_judge() -> None:
+    """A DC whose tables went stale at a low weight drops out of the tables the host
+    passes on; its weight regains a step a window after its last change, rather than be
+    renewed where it stood for as long as another DC's tables are fresh."""
+    controller = WeightController()
+    weights: dict[WeightKey, float] = {B: P.floor, C: 1.0}
+    only_c = {"c": table("c", 100, 99)}
+    assert controller.reconcile(only_c, weights, {B: 0.0}, P.regain_after_s - 1) is None
+    raised = controller.reconcile(only_c, weights, {B: 0.0}, P.regain_after_s)
+    assert raised == {B: round(P.floor + P.raise_by, 4), C: 1.0}
+
+
 def test_the_published_snapshot_holds_each_weight_for_every_model() -> None:
     weights: dict[WeightKey, float] = {("b", CHATS): 0.5, ("b", DOCUMENTS): 1.0, C: 0.8}
     snapshot = WeightController().snapshot(weights, ["m1", "m2"], "dc-a", 3, 9.0)
