@@ -11,7 +11,9 @@ start, another gateway or a retry may publish the end). The join therefore:
 - holds an end (completed, failed, cancelled, or refused by a DC's admission, which
   counts as failed there) until the request's arrival and its DC are known, then
   releases it; nothing is dropped for arriving early. A refusal before any DC took the
-  request (its quota at the door, or no DC may run it) belongs to no DC's table;
+  request (its quota at the door, or no DC may run it) belongs to no DC's table. A
+  cancellation names its DC where no route did: its client left while the DC's pool
+  held it, a miss of that DC (a failure's DC may be one the request then left);
 - marks a second completion of one request as a repeated execution;
 - when a request is forgotten with ends still held (its start came later than a window
   and its grace, or never), counts them as late events (``unmatched``), not as nothing.
@@ -151,8 +153,8 @@ def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:
     elif isinstance(payload, RequestRetried):
         state["retries"] += 1
     elif isinstance(payload, RequestCompleted | RequestFailed | RequestCancelled):
-        if isinstance(payload, RequestCompleted):
-            state["dc"] = state["dc"] or payload.dc
+        if isinstance(payload, RequestCompleted | RequestCancelled):  # a client that left
+            state["dc"] = state["dc"] or payload.dc  # while held: the DC that held it
         end = {"ts": envelope.ts, "event_id": envelope.event_id}
         state["held"].append(end | payload.model_dump(mode="json"))
     elif isinstance(payload, RequestRejected) and payload.dc is not None:

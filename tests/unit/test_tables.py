@@ -190,6 +190,23 @@ def test_a_dc_s_refusal_counts_there_as_a_failure_and_one_at_the_door_nowhere() 
         )
 
 
+def test_a_client_that_left_while_a_dc_held_its_request_is_a_miss_of_that_dc() -> None:
+    """As the simulator counts it: a request held in dc-a's pool, never routed, whose
+    client left, is a cancellation in dc-a's table (not a late event once forgotten)."""
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    builder.feed(_request(1, EPOCH)[0])  # arrived, held, never routed
+    left = RequestCancelled(
+        request_id="r1",
+        reason=CancelReason.CLIENT_DISCONNECT,
+        dc="dc-a",
+        task_class=TaskClass.INTERACTIVE,
+        tenant="t",
+    )
+    builder.feed(Envelope.wrap(left, source="test", ts=EPOCH + 5))
+    chats = goodput(builder.tables(EPOCH + 59)).classes[0]
+    assert (chats.cancellations, chats.completed, chats.late_events) == (1, 0, 0)
+
+
 def test_an_answer_that_runs_longer_than_a_window_still_counts_when_it_ends() -> None:
     """Its first token does not touch its join state, so a request that arrived and has
     not ended is kept while it may still run (``OPEN_REQUEST_S``), not a window and its
