@@ -203,8 +203,23 @@ class Pipeline(Generic[Payload]):
             Outcome(w.request, w.payload.payload, AdmissionDecision(Verdict.REJECT, "expired"))
             for w in self.pools.expired(now)
         ]
-        budget = self._release_budget(now)
         aside: list[Waiting[_Held[Payload]]] = []
+        try:
+            return outcomes + self._release_heads(fleet, now, aside)
+        finally:  # held again, even where the pass failed: else no later one would see them
+            for waiting in aside:
+                self.pools.hold(waiting)
+
+    def _release_heads(
+        self,
+        fleet: Callable[[], FleetSnapshot],
+        now: float,
+        aside: list[Waiting[_Held[Payload]]],
+    ) -> list[Outcome[Payload]]:
+        """The pools' heads this pass lets go, in ``RELEASE_ORDER``; the heads it steps
+        past go to ``aside``, for the caller to hold again."""
+        outcomes: list[Outcome[Payload]] = []
+        budget = self._release_budget(now)
         charges = _PassCharges()
         for task_class in RELEASE_ORDER:
             while budget > 0 and (head := self.pools.head(task_class)) is not None:
@@ -228,8 +243,6 @@ class Pipeline(Generic[Payload]):
                 )
                 outcomes.append(dispatched)
                 charges.add(dispatched, len(snapshot))
-        for waiting in aside:
-            self.pools.hold(waiting)
         return outcomes
 
     def load(self, now: float) -> dict[TaskClass, ClassLoad]:
@@ -239,16 +252,21 @@ class Pipeline(Generic[Payload]):
         for task_class in TaskClass:
             pool = self.pools.state(task_class, now)
             head = self.pools.head(task_class)
-            arrivals = self._arrivals.get(task_class)
             loads[task_class] = ClassLoad(
                 self.inflight[task_class],
                 decoding[task_class],
                 pool.depth,
                 pool.drained_per_s,
                 None if head is None else order_key(head.request),
-                0.0 if arrivals is None else arrivals.per_s(now),
+                self.arrived_per_s(now, task_class),
             )
         return loads
+
+    def arrived_per_s(self, now: float, task_class: TaskClass | None = None) -> float:
+        """Requests of ``task_class`` (None: of every class) that came to this host's
+        pipeline per second lately (``RATE_WINDOW_S``)."""
+        classes = TaskClass if task_class is None else (task_class,)
+        return sum(self._arrivals[c].per_s(now) for c in classes if c in self._arrivals)
 
     def peer_first(self, request: AdmissionRequest) -> bool:
         """Whether a peer holds a request of the class that stands before ``request``."""
@@ -418,8 +436,11 @@ def _steps_past(hold: AdmissionDecision, task_class: TaskClass) -> bool:
 @dataclass
 class _PassCharges:
     """The charges (``Charge``) of a release pass's dispatches so far, per instance, as
-    the host will book them once it has the pass's outcomes: nothing cached where the
-    router expected nothing, and the API's default budget where the client set none."""
+    the simulator books them once it has the pass's outcomes: nothing cached where the
+    router expected nothing, and a chat's default budget where the client set none. A
+    gateway books a little otherwise (the shared index's match where the router expects
+    nothing, the API's own default budget) and later (when each released request's task
+    runs): near enough for the checks of one pass."""
 
     pending_prefill: FloatArray | None = None
     inflight_tokens: IntArray | None = None
@@ -438,8 +459,11 @@ class _PassCharges:
         self.inflight_tokens[index] += charge.inflight_tokens
 
     def on(self, fleet: FleetSnapshot) -> FleetSnapshot:
-        """``fleet`` with these charges on its instances."""
+        """``fleet`` with these charges on its instances (none where its instances are not
+        the ones they were counted on)."""
         if self.pending_prefill is None or self.inflight_tokens is None:
+            return fleet
+        if len(fleet) != len(self.pending_prefill):
             return fleet
         return replace(
             fleet,

@@ -398,11 +398,13 @@ class GatewayAdmission:
         across the replicas (the others' as they last shared them)."""
         pipeline = self._pipelines.get((model, dc))
         peers = self._peers.get(_pool_name((model, dc)), {})
-        own = pipeline.load(time.monotonic()) if pipeline else {}
-        loads = {c: own.get(c, ClassLoad()) + peers.get(c, ClassLoad()) for c in TaskClass}
-        inflight = {c: load.inflight for c, load in loads.items()}
+        inflight = {
+            c: (pipeline.inflight[c] if pipeline else 0) + peers.get(c, ClassLoad()).inflight
+            for c in TaskClass
+        }
         held = (len(pipeline.pools) if pipeline else 0) + sum(p.held for p in peers.values())
-        return inflight, held, sum(load.arrived_per_s for load in loads.values())
+        sent = pipeline.arrived_per_s(time.monotonic()) if pipeline else 0.0
+        return inflight, held, sent + sum(p.arrived_per_s for p in peers.values())
 
     def concurrency_limit(
         self, model: str, dc: str, task_class: TaskClass, ready: int, quotas: AdmissionQuotas | None

@@ -4,8 +4,10 @@ each one's load per pool and class as the JSON it publishes, and the sum of the 
 A load is ``{pool: {class: [in flight, decoding, held, drained per s, head, arrived per
 s]}}``, where a pool is ``model/dc``, ``head`` is where the replica's first held request
 stands in the pool's order, on the wall clock (every replica's monotonic clock starts
-elsewhere), and the last is the rate the replica sends the class into the pool; a
-replica of an earlier version publishes no such rate, which reads as none.
+elsewhere), and the last is the rate the replica sends the class into the pool. A
+replica of an earlier version publishes no such rate, which reads as none; one from
+before the rate (2026-12-06) cannot read this version's loads, and skips them (logged)
+until it is upgraded too. Fields past the six are a later version's, read past.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ def decoded(raw: str, to_own_s: float) -> dict[str, dict[TaskClass, ClassLoad]] 
 
 
 def _class_load(fields: list[float | None], to_own_s: float) -> ClassLoad:
-    """One class's load from its published fields: five from a replica of an earlier
-    version (no rate sent), six from this one's; ValueError for any other count."""
-    if len(fields) not in (5, 6):
+    """One class's load from its published fields: five from a replica of a version
+    before the rate (2026-12-06), six from this one's; any past those are a later
+    version's, and ignored. ValueError for fewer than five."""
+    if len(fields) < 5:
         raise ValueError(f"a class load of {len(fields)} fields")
     inflight, decoding, held, drained, head, *arrived = fields
     return ClassLoad(

@@ -339,10 +339,10 @@ def mismatch(tables: Sequence[Mapping[str, PublishedLoad]], period_s: float) -> 
 
 def react_s(simulation: FleetSimulation) -> float | None:
     """Seconds from the hotspot's start to the first whole second by which the share of
-    A's requests sent outside its home DC over the ``REACT_WINDOW_S`` before it (within
-    the hotspot) is ``REACTED_SHARE`` above their share in the minute before the hotspot
-    (None: never). A request counts where the edge sent it last (after any fallback), at
-    its first choice's time."""
+    A's requests sent outside its home DC over the ``REACT_WINDOW_S`` before it (all
+    within the hotspot, so at least that long) is ``REACTED_SHARE`` above their share in
+    the minute before the hotspot (None: never). A request counts where the edge sent it
+    last (after any fallback), at its first choice's time."""
     home = simulation.layout.home["eu-west"]
     first_at: dict[str, float] = {}
     away: dict[str, bool] = {}
@@ -356,9 +356,8 @@ def react_s(simulation: FleetSimulation) -> float | None:
     start = HOTSPOT_S[0]
     before = outside[(times >= start - 60.0) & (times < start)]
     line = (before.mean() if before.size else 0.0) + REACTED_SHARE
-    for second in range(int(start) + 1, int(HOTSPOT_S[1]) + 1):
-        since = max(start, second - REACT_WINDOW_S)
-        window = outside[(times >= since) & (times < second)]
+    for second in range(int(start + REACT_WINDOW_S), int(HOTSPOT_S[1]) + 1):
+        window = outside[(times >= second - REACT_WINDOW_S) & (times < second)]
         if window.size and window.mean() >= line:
             return second - start
     return None

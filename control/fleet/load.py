@@ -35,9 +35,11 @@ class DcLoad:
     kv_use: float = 0.0
     completed_per_s: float = 0.0
     sent_per_s: float = 0.0
-    """Requests the edge sent to the DC per second, lately (its own count)."""
+    """Requests the edge sent to the DC per second, lately (its own count, and on a
+    gateway what the replicas beside it last shared of theirs)."""
     inflight: int = 0
-    """Requests the edge sent to the DC that have not finished (its own count)."""
+    """Requests the edge sent to the DC that have not finished (counted as
+    ``sent_per_s`` is)."""
     capacity_rps: float | None = None
     """Requests per second the DC serves at capacity (None: not known)."""
 
@@ -70,12 +72,16 @@ class Rate:
     _times: deque[float] = field(default_factory=deque)
 
     def add(self, now: float) -> None:
+        self._forget_before(now)  # a rate no one reads keeps only its window
         self._times.append(now)
 
     def per_s(self, now: float) -> float:
+        self._forget_before(now)
+        return len(self._times) / self.window_s
+
+    def _forget_before(self, now: float) -> None:
         while self._times and self._times[0] <= now - self.window_s:
             self._times.popleft()
-        return len(self._times) / self.window_s
 
 
 def class_room(inflight: int, limit: int | None) -> float | None:

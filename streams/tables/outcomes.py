@@ -12,8 +12,9 @@ start, another gateway or a retry may publish the end). The join therefore:
   counts as failed there) until the request's arrival and its DC are known, then
   releases it; nothing is dropped for arriving early. A refusal before any DC took the
   request (its quota at the door, or no DC may run it) belongs to no DC's table. A
-  cancellation names its DC where no route did: its client left while the DC's pool
-  held it, a miss of that DC (a failure's DC may be one the request then left);
+  cancellation on no instance names the DC whose pool held the request when its client
+  left, a miss of that DC even where an earlier DC had taken it (a failure's DC may be
+  one the request then left);
 - marks a second completion of one request as a repeated execution;
 - when a request is forgotten with ends still held (its start came later than a window
   and its grace, or never), counts them as late events (``unmatched``), not as nothing.
@@ -153,8 +154,10 @@ def apply(state: RequestState, envelope: Envelope) -> list[Outcome]:
     elif isinstance(payload, RequestRetried):
         state["retries"] += 1
     elif isinstance(payload, RequestCompleted | RequestFailed | RequestCancelled):
-        if isinstance(payload, RequestCompleted | RequestCancelled):  # a client that left
-            state["dc"] = state["dc"] or payload.dc  # while held: the DC that held it
+        if isinstance(payload, RequestCompleted):
+            state["dc"] = state["dc"] or payload.dc
+        elif isinstance(payload, RequestCancelled) and payload.instance_id is None and payload.dc:
+            state["dc"] = payload.dc  # left while that DC's pool held it, past any DC before
         end = {"ts": envelope.ts, "event_id": envelope.event_id}
         state["held"].append(end | payload.model_dump(mode="json"))
     elif isinstance(payload, RequestRejected) and payload.dc is not None:
@@ -213,8 +216,8 @@ def quiet_limit_s(state: RequestState, settled_s: float) -> float:
 def unmatched(state: RequestState, at: float) -> list[Outcome]:
     """The ends a forgotten request still holds, as late events counted at ``at``, the
     time it is forgotten: the windows of their own times may be long gone. An end counts
-    if it and its request name a DC and a class between them (a completion names both); a
-    cancellation or failure of a request never seen routed belongs to no DC's table, and
+    if it and its request name a DC and a class between them (a completion names both); an
+    end that names no DC, of a request never seen routed, belongs to no DC's table, and
     is logged as left out instead."""
     arrived = state["arrived"] or {}
     counted = []

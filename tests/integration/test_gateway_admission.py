@@ -297,16 +297,20 @@ async def test_replicas_side_by_side_keep_one_class_ceiling_and_one_pool_order(
 
 
 async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_counted() -> None:
-    """A replica of another version (mid-upgrade) publishes a load with a class or a field
-    this one does not know: it is left out, and the others still count."""
+    """A replica of another version (mid-upgrade) publishes a load with a class this one
+    does not know, or too few fields: it is left out, and the others still count. An
+    earlier version's load without the rate reads as sending none; a later one's fields
+    past those this one knows are read past."""
     earlier = {"interactive": [3, 1, 2, 0.5, None]}  # an earlier version sends no rate
     current = {"interactive": [1, 0, 1, 0.25, None, 4.0]}
+    later = {"interactive": [1, 0, 0, 0.0, None, 2.0, "what a later version adds"]}
     published = [
         json.dumps({f"{MODEL}/dc-a": {"video": [1, 0, 0, 0.0, None, 0.0]}}),
-        json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, 0, 0.0, None, 7, 8]}}),
+        json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, 0, 0.0]}}),
         "not json",
         json.dumps({f"{MODEL}/dc-a": earlier}),
         json.dumps({f"{MODEL}/dc-a": current}),
+        json.dumps({f"{MODEL}/dc-a": later}),
     ]
 
     async def loads(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
@@ -315,9 +319,9 @@ async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_coun
     host = _slomax_host(loads)
     pipeline = host.pipeline(MODEL, "dc-a")
     await host.share_loads()
-    assert pipeline.peers[TaskClass.INTERACTIVE] == ClassLoad(4, 1, 3, 0.75, None, 4.0)
+    assert pipeline.peers[TaskClass.INTERACTIVE] == ClassLoad(5, 1, 3, 0.75, None, 6.0)
     _, _, sent_per_s = host.pool_load(MODEL, "dc-a")
-    assert sent_per_s == 4.0  # what the others send in, beside this replica's none
+    assert sent_per_s == 6.0  # what the others send in, beside this replica's none
 
 
 @pytest.mark.parametrize("others", [0, 1])

@@ -117,12 +117,14 @@ async def test_when_controllers_fall_silent_quotas_expire_to_the_default(
     fleet = fleet_for([i.url for i in instances])
     async with gateway(fleet) as front, front.client() as http:
         decider = front.app.state.gateway.decider
-        decider.quotas.offer(_closed_quota(version=1, ttl_s=0.5))
+        closed = _closed_quota(version=1, ttl_s=0.5)
+        decider.quotas.offer(closed)
         first = await http.post("/v1/chat/completions", json=chat("q " * 30))
         refused = await http.post("/v1/chat/completions", json=chat("q " * 30))
         assert first.status_code == 200  # the bucket's single token
         assert refused.status_code == 429
-        assert not decider.quotas.offer(_closed_quota(version=1, ttl_s=60))  # not newer
+        # while the first lives, one of no newer version is not taken
+        assert not decider.quotas.offer(_closed_quota(version=1, ttl_s=60), now=closed.issued_at)
         await asyncio.sleep(0.6)
         admitted = await http.post("/v1/chat/completions", json=chat("q " * 30))
         assert admitted.status_code == 200

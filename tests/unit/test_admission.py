@@ -351,6 +351,25 @@ def test_a_long_prompt_waiting_for_prefill_room_does_not_hold_the_chats_behind_i
     assert documents.release(lambda: full, now=0.2) == []
 
 
+def test_a_head_stepped_past_is_held_again_even_where_the_pass_fails() -> None:
+    class Failing:
+        name = "failing"
+
+        def route(self, *_: object) -> Decision:
+            raise RuntimeError("a bug in the router")
+
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), Failing())  # type: ignore[arg-type]
+    full = fleet(pending=(LONG_DOCUMENT_TOKENS, LONG_DOCUMENT_TOKENS))
+    for rid, tokens, arrival in (("long", LONG_DOCUMENT_TOKENS, 0.0), ("short", 500, 0.1)):
+        route = RouteRequest(rid, tokens, 100)
+        pipeline.arrive(request(tokens=tokens, arrival=arrival, rid=rid), route, rid, full, arrival)
+    with pytest.raises(RuntimeError):
+        pipeline.release(lambda: full, now=0.2)
+    head = pipeline.pools.head(CHAT)
+    assert head is not None
+    assert head.payload.payload == "long"
+
+
 def test_a_release_pass_counts_its_own_dispatches_before_the_next_check() -> None:
     """Two long documents wait for prefill room, and one instance has it: the first one
     released takes it, and the second sees it taken, in the same pass, before the host

@@ -191,20 +191,26 @@ def test_a_dc_s_refusal_counts_there_as_a_failure_and_one_at_the_door_nowhere() 
 
 
 def test_a_client_that_left_while_a_dc_held_its_request_is_a_miss_of_that_dc() -> None:
-    """As the simulator counts it: a request held in dc-a's pool, never routed, whose
-    client left, is a cancellation in dc-a's table (not a late event once forgotten)."""
+    """As the simulator counts it: a request held in dc-b's pool whose client left is a
+    cancellation in dc-b's table (not a late event once forgotten), also where dc-a had
+    taken it before (routed there, it failed before its first token and fell back)."""
     builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
     builder.feed(_request(1, EPOCH)[0])  # arrived, held, never routed
-    left = RequestCancelled(
-        request_id="r1",
-        reason=CancelReason.CLIENT_DISCONNECT,
-        dc="dc-a",
-        task_class=TaskClass.INTERACTIVE,
-        tenant="t",
-    )
-    builder.feed(Envelope.wrap(left, source="test", ts=EPOCH + 5))
-    chats = goodput(builder.tables(EPOCH + 59)).classes[0]
-    assert (chats.cancellations, chats.completed, chats.late_events) == (1, 0, 0)
+    builder.feed(_request(2, EPOCH)[0])
+    builder.feed(_request(2, EPOCH)[1])  # routed to dc-a, then held in dc-b
+    for n in (1, 2):
+        left = RequestCancelled(
+            request_id=f"r{n}",
+            reason=CancelReason.CLIENT_DISCONNECT,
+            dc="dc-b",
+            task_class=TaskClass.INTERACTIVE,
+            tenant="t",
+        )
+        builder.feed(Envelope.wrap(left, source="test", ts=EPOCH + 5))
+    tables = [t for t in builder.tables(EPOCH + 59) if isinstance(t, GoodputTable)]
+    assert [t.dc for t in tables] == ["dc-b"]
+    chats = tables[0].classes[0]
+    assert (chats.cancellations, chats.completed, chats.late_events) == (2, 0, 0)
 
 
 def test_an_answer_that_runs_longer_than_a_window_still_counts_when_it_ends() -> None:
