@@ -53,6 +53,7 @@ class FleetMind:
             key=lambda dc: (
                 costs[dc.name]["full"],
                 costs[dc.name]["cost"],
+                costs[dc.name]["rtt_s"],  # where every cost is endless (weights of 0)
                 dc.name != request.source_dc,
             ),
         )

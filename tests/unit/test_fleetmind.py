@@ -106,6 +106,10 @@ def test_the_controller_s_weight_scales_the_capacity_counted_on() -> None:
     assert FleetMind().choose(asked(), full).order == (C, B)  # 0.6 of 0.6 counted on: full
     drained = fleet(dc(B, "eu", weight=0.0), dc(C, "us", utilisation=2.0))
     assert FleetMind().choose(asked(), drained).order == (C, B)  # weight 0: full, last
+    nothing_counted_on = fleet(
+        dc(C, "us", weight=0.0), dc(D, "asia", weight=0.0), dc(B, "eu", weight=0.0)
+    )
+    assert FleetMind().choose(asked(), nothing_counted_on).order == (B, C, D)  # nearest first
 
 
 def test_a_warm_prefix_biases_the_choice_where_warmth_is_priced() -> None:
