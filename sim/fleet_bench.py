@@ -85,8 +85,8 @@ END_S = 360.0
 BASE_LEVEL, HOTSPOT_LEVEL, LOCAL_LEVEL = 0.6, 2.0, 0.3
 RESIDENT_SHARE = 0.3
 REACTED_SHARE = 0.1
-"""The policy has reacted once the share of A's traffic sent outside B, over
-``REACT_WINDOW_S``, is this much above its share in the minute before the hotspot."""
+"""The policy has reacted once A's requests sent outside B, over ``REACT_WINDOW_S``, are
+more than before the hotspot (per second) by this share of A's traffic then."""
 REACT_WINDOW_S = 5.0
 """The span the share outside B is read over: one short cycle of the weights controller,
 so that a handful of requests in one second cannot read as a reaction."""
@@ -338,11 +338,14 @@ def mismatch(tables: Sequence[Mapping[str, PublishedLoad]], period_s: float) -> 
 
 
 def react_s(simulation: FleetSimulation) -> float | None:
-    """Seconds from the hotspot's start to the first whole second by which the share of
-    A's requests sent outside its home DC over the ``REACT_WINDOW_S`` before it (all
-    within the hotspot, so at least that long) is ``REACTED_SHARE`` above their share in
-    the minute before the hotspot (None: never). A request counts where the edge sent it
-    last (after any fallback), at its first choice's time."""
+    """Seconds from the hotspot's start to the first whole second by which, over the
+    ``REACT_WINDOW_S`` before it (all within the hotspot, so at least that long), the
+    rate of A's requests sent outside its home DC exceeds its rate in the minute before
+    the hotspot by ``REACTED_SHARE`` of A's whole rate in the window (None: never): the
+    hotspot's overflow goes elsewhere. An edge that already spread A's traffic by load
+    reacts as soon as it sends the extra away; one that sent all of it home, as soon as
+    it spills. A request counts where the edge sent it last (after any fallback), at its
+    first choice's time."""
     home = simulation.layout.home["eu-west"]
     first_at: dict[str, float] = {}
     away: dict[str, bool] = {}
@@ -354,11 +357,11 @@ def react_s(simulation: FleetSimulation) -> float | None:
     times = np.array([first_at[r] for r in away])
     outside = np.array([away[r] for r in away], dtype=float)
     start = HOTSPOT_S[0]
-    before = outside[(times >= start - 60.0) & (times < start)]
-    line = (before.mean() if before.size else 0.0) + REACTED_SHARE
+    outside_before = outside[(times >= start - 60.0) & (times < start)].sum() / 60.0
     for second in range(int(start + REACT_WINDOW_S), int(HOTSPOT_S[1]) + 1):
         window = outside[(times >= second - REACT_WINDOW_S) & (times < second)]
-        if window.size and window.mean() >= line:
+        extra = window.sum() / REACT_WINDOW_S - outside_before
+        if window.size and extra >= REACTED_SHARE * window.size / REACT_WINDOW_S:
             return second - start
     return None
 

@@ -3,6 +3,7 @@ counts, in front of one simulated pool per DC; and the fleet bench's pieces."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -145,10 +146,11 @@ def test_mismatch_counts_queues_only_while_another_ready_dc_has_none() -> None:
     assert mismatch(tables, 2.0) == 16.0
 
 
-def test_reacting_is_sending_more_abroad_than_before_the_hotspot_not_already_sending() -> None:
-    """An edge that already sent half of A's requests abroad has not reacted until it
-    sends more: here from ten seconds into the hotspot, which the five seconds behind
-    show at twelve. A request counts where it went last."""
+def test_reacting_is_sending_the_hotspot_s_overflow_away_not_already_sending_some() -> None:
+    """An edge that spreads A's traffic evenly before and during the hotspot reacts as
+    soon as the extra traffic goes abroad (the first whole window, 5 s); one that keeps
+    A home reacts once it spills, here by falling back from B from 10 s in; one that
+    never spills never reacts. A request counts where it went last."""
     simulation = FleetSimulation(LAYOUT, PROFILE, make_dc_policy("fleetmind"))
     home, start = LAYOUT.home["eu-west"], HOTSPOT_S[0]
 
@@ -156,13 +158,17 @@ def test_reacting_is_sending_more_abroad_than_before_the_hotspot_not_already_sen
         request = TraceRequest(f"r{n}", at_s, 100, 10, (), region="eu-west")
         return [EdgeChoice(at_s, request, dc, fallback=k > 0) for k, dc in enumerate(dcs)]
 
-    choices = []
-    for n in range(200):  # two a second, every other one abroad, then three in four
-        at_s = start - 60.0 + n * 0.5
-        abroad = n % 2 if at_s < start + 10.0 else n % 4 != 0
-        choices += sent(n, at_s, home, "dc-d") if abroad else sent(n, at_s, home)
-    simulation.choices = choices
-    assert react_s(simulation) == 12.0
+    def run(spills: Callable[[int, float], bool]) -> float | None:
+        choices, n, at_s = [], 0, start - 60.0
+        while at_s < start + 60.0:
+            choices += sent(n, at_s, home, "dc-d") if spills(n, at_s) else sent(n, at_s, home)
+            n, at_s = n + 1, at_s + (0.5 if at_s < start else 0.125)  # 2, then 8 a second
+        simulation.choices = choices
+        return react_s(simulation)
+
+    assert run(lambda n, _: n % 2 == 1) == 5.0
+    assert run(lambda n, at_s: at_s >= start + 10.0 and n % 2 == 1) == 11.0
+    assert run(lambda n, _: False) is None
 
 
 def test_the_long_cycle_places_replicas_on_idle_gpus_that_serve_after_their_warm_up() -> None:
