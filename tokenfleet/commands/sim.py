@@ -37,7 +37,7 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         "TokenFleet (FleetMind, SLOMax and TokenPilot, with their controllers) and under "
         "a baseline stack (llm-d's default routing, first come first served, each request "
         "in its home DC), on the same arrivals. Shows TokenFleet's DCs live, then a "
-        "report; writes the figures (demo.json) and a plot (demo.png) to --out. About a "
+        "report; writes the figures (demo.json) and a plot (demo.png) to --out. Under a "
         "minute on two cores.",
     )
     demo.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
