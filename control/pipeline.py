@@ -93,6 +93,16 @@ class Charge:
         pending = input_tokens - min(expected_cached, input_tokens)
         return cls(pending, input_tokens + output_budget)
 
+    @classmethod
+    def routed(
+        cls, input_tokens: int, client_cap: int | None, route: Decision, index: int
+    ) -> Charge:
+        """The charge of a request ``route`` sent to instance ``index``, as the simulator
+        books it: nothing expected cached where the router predicts nothing (the whole
+        prompt), and a chat's default budget where the client set no cap."""
+        cached = 0.0 if route.cached_tokens is None else float(route.cached_tokens[index])
+        return cls.of(input_tokens, client_cap or DEFAULT_CHAT_TOKENS, cached)
+
 
 @dataclass(frozen=True)
 class ClassLoad:
@@ -435,12 +445,11 @@ def _steps_past(hold: AdmissionDecision, task_class: TaskClass) -> bool:
 
 @dataclass
 class _PassCharges:
-    """The charges (``Charge``) of a release pass's dispatches so far, per instance, as
-    the simulator books them once it has the pass's outcomes: nothing cached where the
-    router expected nothing, and a chat's default budget where the client set none. A
-    gateway books a little otherwise (the shared index's match where the router expects
-    nothing, the API's own default budget) and later (when each released request's task
-    runs): near enough for the checks of one pass."""
+    """The charges of a release pass's dispatches so far, per instance, as the simulator
+    books them once it has the pass's outcomes (``Charge.routed``). A gateway books a
+    little otherwise (the shared index's match where the router expects nothing, the
+    API's own default budget) and later (when each released request's task runs): near
+    enough for the checks of one pass."""
 
     pending_prefill: FloatArray | None = None
     inflight_tokens: IntArray | None = None
@@ -452,23 +461,20 @@ class _PassCharges:
         if self.pending_prefill is None or self.inflight_tokens is None:
             self.pending_prefill = np.zeros(instances)
             self.inflight_tokens = np.zeros(instances, dtype=np.int64)
-        cached = 0.0 if route.cached_tokens is None else float(route.cached_tokens[index])
-        budget = request.output_budget or DEFAULT_CHAT_TOKENS
-        charge = Charge.of(request.input_tokens, budget, cached)
+        charge = Charge.routed(request.input_tokens, request.output_budget, route, index)
         self.pending_prefill[index] += charge.pending_prefill
         self.inflight_tokens[index] += charge.inflight_tokens
 
     def on(self, fleet: FleetSnapshot) -> FleetSnapshot:
         """``fleet`` with these charges on its instances (none where its instances are not
         the ones they were counted on)."""
-        if self.pending_prefill is None or self.inflight_tokens is None:
-            return fleet
-        if len(fleet) != len(self.pending_prefill):
+        pending, inflight = self.pending_prefill, self.inflight_tokens
+        if pending is None or inflight is None or len(fleet) != len(pending):
             return fleet
         return replace(
             fleet,
-            pending_prefill_tokens=fleet.pending_prefill_tokens + self.pending_prefill,
-            inflight_tokens=fleet.inflight_tokens + self.inflight_tokens,
+            pending_prefill_tokens=fleet.pending_prefill_tokens + pending,
+            inflight_tokens=fleet.inflight_tokens + inflight,
         )
 
 

@@ -36,7 +36,6 @@ from control.routing import (
     RouteRequest,
     implements,
 )
-from schemas.openai_api import DEFAULT_CHAT_TOKENS
 from sim.clients import ClientModel
 from sim.cluster import Cluster
 from sim.control_loop import QuotaLoop
@@ -365,12 +364,8 @@ class Simulation:
             self._push(retry.arrival_s, _RETRY, -1, retry)
 
     def _charge(self, index: int, request: TraceRequest, decision: Decision) -> None:
-        """Count a routed request on its instance, as the gateway does (``Charge``): with
-        nothing expected cached where the router predicts nothing, the whole prompt."""
-        expected_cached = decision.cached_tokens
-        cached = 0.0 if expected_cached is None else float(expected_cached[index])
-        budget = request.max_tokens or DEFAULT_CHAT_TOKENS  # the gateway's default cap
-        charge = Charge.of(request.input_tokens, budget, cached)
+        """Count a routed request on its instance, as the gateway does (``Charge``)."""
+        charge = Charge.routed(request.input_tokens, request.max_tokens, decision, index)
         self._pending_prefill[index] += charge.pending_prefill
         self._inflight[index] += charge.inflight_tokens
         self._charges[request.request_id] = charge
