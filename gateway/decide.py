@@ -223,7 +223,8 @@ class Decider:
                 dc_state(
                     dc,
                     self._regions[dc],
-                    instances=sum(not i.standby or i in ready for i in pool.instances),
+                    instances=sum(not i.standby for i in pool.instances)
+                    + sum(i.standby for i in ready),
                     versions=frozenset(i.version for i in pool.instances),
                     ready_versions=frozenset(i.version for i in ready),
                     ready_instances=len(ready),
