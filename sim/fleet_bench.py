@@ -264,11 +264,6 @@ def fleet_figures(
     """A run's figures: the admission bench's (rates over the scenario's span), and per
     entry region, for the hotspot, across DCs, against the hard filters."""
     by_id = {c.request.request_id: c.request for c in simulation.choices}
-    # each request's first arrival: a record that did not complete holds when it ended,
-    # and a client's second attempt arrives again
-    arrived: dict[str, float] = {}
-    for choice in simulation.choices:
-        arrived.setdefault(choice.request.request_id, choice.request.arrival_s)
     result = figures(records, END_S)
     result["per_region"] = {
         region: region_figures([r for r in records if by_id[r.request_id].region == region], END_S)
@@ -277,8 +272,9 @@ def fleet_figures(
     hot = [
         r
         for r in records
+        # by its request's arrival: a record that did not complete holds when it ended
         if by_id[r.request_id].region == "eu-west"
-        and HOTSPOT_S[0] <= arrived[r.request_id] < HOTSPOT_S[1]
+        and HOTSPOT_S[0] <= by_id[r.request_id].arrival_s < HOTSPOT_S[1]
     ]
     hot_s = HOTSPOT_S[1] - HOTSPOT_S[0]
     result["hotspot"] = region_figures(hot, hot_s)
@@ -345,17 +341,15 @@ def react_s(simulation: FleetSimulation) -> float | None:
     hotspot's overflow goes elsewhere. An edge that already spread A's traffic by load
     reacts as soon as it sends the extra away; one that sent all of it home, as soon as
     it spills. A request counts where the edge sent it last (after any fallback), at its
-    first choice's time."""
+    arrival."""
     home = simulation.layout.home["eu-west"]
-    first_at: dict[str, float] = {}
-    away: dict[str, bool] = {}
-    for choice in simulation.choices:
-        request_id = choice.request.request_id
-        if choice.request.region == "eu-west" and choice.chosen is not None:
-            first_at.setdefault(request_id, choice.at_s)
-            away[request_id] = choice.chosen != home
-    times = np.array([first_at[r] for r in away])
-    outside = np.array([away[r] for r in away], dtype=float)
+    last = {
+        c.request.request_id: c
+        for c in simulation.choices
+        if c.request.region == "eu-west" and c.chosen is not None
+    }
+    times = np.array([c.request.arrival_s for c in last.values()])
+    outside = np.array([c.chosen != home for c in last.values()], dtype=float)
     start = HOTSPOT_S[0]
     outside_before = outside[(times >= start - 60.0) & (times < start)].sum() / 60.0
     for second in range(int(start + REACT_WINDOW_S), int(HOTSPOT_S[1]) + 1):
