@@ -13,7 +13,6 @@ process. At the end: a report, a plot and the figures as JSON, and the command a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -38,6 +37,7 @@ from sim.fleet_sim import FleetSimulation
 from sim.metrics import met_objective
 from sim.profiles import DEFAULT_PROFILE
 from sim.records import RequestRecord
+from tokenfleet.commands.output import write_json
 
 LIVE_EVERY_S = 30
 Say = Callable[[str], None]
@@ -74,7 +74,7 @@ def run_demo(
     }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "demo.json").write_text(json.dumps(document, indent=2) + "\n")
+        write_json(out / "demo.json", document)
         plot_fleet(document, out / "demo.png")
     return document
 

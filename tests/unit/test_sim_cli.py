@@ -392,3 +392,19 @@ def test_capacity_at_90_percent_is_read_where_compliance_falls_through() -> None
     assert capacity_at(ladder(0.99, 0.95, 0.91)) == 30.0  # never falls through: the top
     assert capacity_at(ladder(0.85, 0.80)) is None  # misses it from the start
     assert capacity_at(ladder(0.95, 0.85, 0.93)) == pytest.approx(10 + 10 * 0.05 / 0.10)
+
+
+def test_figures_that_do_not_exist_are_written_as_null_in_strict_json(tmp_path: Path) -> None:
+    from tokenfleet.commands.output import write_json
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    out = tmp_path / "figures.json"
+    nan, inf = float("nan"), float("inf")
+    write_json(out, {"p95_s": nan, "rates": [1.5, inf, (2.0, -inf)], "per_class": {"n": 3}})
+    assert json.loads(out.read_text(), parse_constant=refuse) == {
+        "p95_s": None,
+        "rates": [1.5, None, [2.0, None]],
+        "per_class": {"n": 3},
+    }

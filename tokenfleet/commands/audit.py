@@ -14,6 +14,7 @@ from schemas.topics import JOURNAL_TOPIC, TOPICS
 from tokenfleet.commands.arguments import output_file
 from tokenfleet.commands.deploy import LOCAL_FLEET
 from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.output import write_json
 
 if TYPE_CHECKING:
     from tokenfleet.recount import Recount
@@ -97,7 +98,7 @@ def _audit(args: argparse.Namespace) -> int:
         print("no journal found (are the gateways started with TOKENFLEET_GATEWAY_JOURNAL=true?)")
     if args.json:
         document = [asdict(a) | {"reproduced": a.reproduced} for a in audits]
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(args.json, document)
     return 0 if audits and all(a.reproduced for a in audits) and not malformed else 1
 
 
@@ -225,7 +226,7 @@ def _recount(args: argparse.Namespace) -> int:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
     _report(result)
     if args.json:
-        args.json.write_text(json.dumps(_as_json(result), indent=2) + "\n")
+        write_json(args.json, _as_json(result))
     return 0 if result.tables and not result.differences else 1
 
 
@@ -313,7 +314,7 @@ def _whatif(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as exc:
         raise CliError(f"cannot simulate: {exc}") from None
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        write_json(args.json, figures)
     return 0 if figures else 1
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tokenfleet.commands.arguments import add_profile, output_file, positive_float, positive_int
 from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.output import write_json
 from tokenfleet.commands.sim import add_token_lags, fraction, levels, tokenpilot_params, trace_help
 
 
@@ -113,7 +114,6 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
 
 
 def _bench_streams(args: argparse.Namespace) -> int:
-    import json
     import tempfile
 
     from sim.streams_bench import bench_streams
@@ -142,7 +142,7 @@ def _bench_streams(args: argparse.Namespace) -> int:
             f"{more['over_one_worker']:.2f} x one worker's "
             f"(their CPU: {_per_1000(more['worker_cpu_us_per_event'])})"
         )
-    args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    write_json(args.json, figures)
     return 0
 
 
@@ -166,8 +166,6 @@ def _redis_url(stack: contextlib.ExitStack) -> str:
 
 
 def _bench_gateway(args: argparse.Namespace) -> int:
-    import json
-
     from tokenfleet.gateway_bench import bench_gateway, litellm_command
 
     if args.litellm and not args.no_litellm and shutil.which(args.litellm) is None:
@@ -215,13 +213,11 @@ def _bench_gateway(args: argparse.Namespace) -> int:
             f"{pair['rate_over_one_replica']:.2f} x one replica's; "
             f"{pair['redis_calls_per_request']:.2f} Redis round trips per request"
         )
-    args.json.write_text(json.dumps(figures, indent=2) + "\n")
+    write_json(args.json, figures)
     return 0
 
 
 def _bench_decision(args: argparse.Namespace) -> int:
-    import json
-
     from tqdm import tqdm
 
     from control.routing import ROUTERS
@@ -240,7 +236,7 @@ def _bench_decision(args: argparse.Namespace) -> int:
             f" x {policies[0]})"
         )
     document = {"policies": policies, "results": figures}
-    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(args.json, document)
     return 0
 
 
@@ -285,8 +281,6 @@ def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_admission(args: argparse.Namespace) -> int:
-    import json
-
     from tqdm import tqdm
 
     from control.routing import ROUTERS
@@ -326,7 +320,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         plot_step_change(document["step_change"], args.step_change)
-    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(args.json, document)
     if args.plot:
         plot_levels(document, args.plot)
     print(
@@ -380,7 +374,6 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_fleet(args: argparse.Namespace) -> int:
-    import json
     import math
 
     from tqdm import tqdm
@@ -400,7 +393,7 @@ def _bench_fleet(args: argparse.Namespace) -> int:
             )
         except (ValueError, KeyError) as exc:
             raise CliError(str(exc)) from None
-    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(args.json, document)
     if args.plot:
         plot_fleet(document, args.plot)
     print(
@@ -485,8 +478,6 @@ def _add_ladder_options(
 
 
 def _bench_routing(args: argparse.Namespace) -> int:
-    import json
-
     from tqdm import tqdm
 
     from control.routing import ROUTERS
@@ -511,7 +502,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
             )
         except (ValueError, KeyError) as exc:
             raise CliError(str(exc)) from None
-    args.json.write_text(json.dumps(document, indent=2) + "\n")
+    write_json(args.json, document)
     if args.plot:
         plot_ttft_cdfs(
             records, f"{args.trace}, {args.instances} instances, pooled ladder", args.plot
@@ -535,8 +526,6 @@ def _bench_routing(args: argparse.Namespace) -> int:
 
 
 def _bench_sim(args: argparse.Namespace) -> int:
-    import json
-
     from sim.bench import bench_sim
 
     def report(label: str, figures: dict[str, float]) -> None:
@@ -548,5 +537,5 @@ def _bench_sim(args: argparse.Namespace) -> int:
         )
 
     result = bench_sim(report=report)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0

@@ -21,6 +21,7 @@ from tokenfleet.commands.arguments import (
 from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.loop import run_fast
+from tokenfleet.commands.output import write_json
 
 if TYPE_CHECKING:
     from schemas.fleet import FleetConfig, InstanceConfig
@@ -253,7 +254,6 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    import json
     import sys
     from collections import Counter
     from dataclasses import asdict
@@ -297,6 +297,6 @@ def _replay(args: argparse.Namespace) -> int:
         statuses = ", ".join(f"{count} with HTTP {status}" for status, count in failed.items())
         print(f"failed: {statuses}", file=sys.stderr)
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
+        write_json(args.json, [asdict(r) for r in records])
     expected = ("completed", "rejected", "cancelled") if args.clients else ("completed",)
     return 0 if all(r.outcome in expected for r in records) else 1

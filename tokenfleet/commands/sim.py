@@ -17,6 +17,7 @@ from tokenfleet.commands.arguments import (
     positive_int,
 )
 from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.output import write_json
 
 if TYPE_CHECKING:
     from control.routing.tokenpilot import TokenPilotParams
@@ -119,8 +120,6 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    import json
-
     from sim.run import RunConfig, simulate_ladder, simulate_run, write_records
 
     config = RunConfig(
@@ -147,7 +146,7 @@ def _sim(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     if args.records:
         write_records(records, args.records)
     for run in runs:
@@ -304,7 +303,6 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    import json
     from dataclasses import asdict, replace
 
     from tqdm import tqdm
@@ -336,7 +334,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             "step_time": asdict(profile.step_time),
             "rows": [row.as_dict() for row in rows],
         }
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(args.json, document)
     return 0
 
 
@@ -354,8 +352,6 @@ def _add_validate(commands: argparse._SubParsersAction) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    import json
-
     from sim import validation
     from sim.profiles import PROFILES
 
@@ -363,7 +359,7 @@ def _validate(args: argparse.Namespace) -> int:
     print(validation.markdown_table(rows))
     if args.json:
         document = {"profile": validation.PROFILE, "rows": [row.as_dict() for row in rows]}
-        args.json.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(args.json, document)
     return 0
 
 
