@@ -25,6 +25,13 @@ from tokenfleet.services.kafka import LocalKafka
 T = TypeVar("T")
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+# The product's settings from the shell that runs the tests (an operator's Kafka and Redis
+# among them) reach neither the code under test nor the processes it starts: the tests'
+# own services are named apart (``tests/services.py``).
+for _setting in [name for name in os.environ if name.startswith("TOKENFLEET_")]:
+    if not _setting.startswith("TOKENFLEET_TEST_"):
+        del os.environ[_setting]
 _USED: list[Service] = []
 
 

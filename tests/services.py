@@ -1,6 +1,10 @@
 """Where the tests' Kafka and Redis come from, in this order:
 
-1. an address from the environment (``TOKENFLEET_KAFKA_BOOTSTRAP``, ``TOKENFLEET_REDIS_URL``);
+1. an address from the environment (``TOKENFLEET_TEST_KAFKA_BOOTSTRAP``,
+   ``TOKENFLEET_TEST_REDIS_URL``: not the ``TOKENFLEET_KAFKA_BOOTSTRAP`` and
+   ``TOKENFLEET_REDIS_URL`` an operator's shell exports for the product, which the tests
+   would fill with their topics, events and keys; ``tests/conftest.py`` takes every
+   ``TOKENFLEET_`` setting but these out of the tests' environment);
 2. testcontainers, when a Docker engine answers;
 3. the project's own local broker / server (``tokenfleet.services``).
 
@@ -19,7 +23,9 @@ from urllib.parse import urlsplit
 
 from tokenfleet.services.kafka import KAFKA_VERSION, LocalKafka
 from tokenfleet.services.redis import LocalRedis, LocalRedisCluster
-from tokenfleet.settings import Settings
+
+KAFKA_VARIABLE = "TOKENFLEET_TEST_KAFKA_BOOTSTRAP"
+REDIS_VARIABLE = "TOKENFLEET_TEST_REDIS_URL"
 
 
 @dataclass(frozen=True)
@@ -58,8 +64,8 @@ def _pings(sock: socket.socket) -> bool:
 
 @contextlib.contextmanager
 def kafka_service(home: Path) -> Iterator[Service]:
-    if address := Settings().kafka_bootstrap:
-        yield Service("kafka", address, "TOKENFLEET_KAFKA_BOOTSTRAP")
+    if address := os.environ.get(KAFKA_VARIABLE):
+        yield Service("kafka", address, KAFKA_VARIABLE)
     elif docker_answers():
         from testcontainers.community.kafka import KafkaContainer
 
@@ -75,8 +81,8 @@ def kafka_service(home: Path) -> Iterator[Service]:
 
 @contextlib.contextmanager
 def redis_service(home: Path) -> Iterator[Service]:
-    if url := Settings().redis_url:
-        yield Service("redis", url, "TOKENFLEET_REDIS_URL")
+    if url := os.environ.get(REDIS_VARIABLE):
+        yield Service("redis", url, REDIS_VARIABLE)
     elif docker_answers():
         from testcontainers.community.redis import RedisContainer
 
