@@ -19,7 +19,7 @@ from typing import Any, TypedDict
 
 from schemas.fleet import FleetConfig
 from tokenfleet.services.kafka import LocalKafka, running_bootstrap
-from tokenfleet.services.process import CACHE, ServerProcess, answers_http, read_pid
+from tokenfleet.services.process import CACHE, ServerProcess, ServiceError, answers_http, read_pid
 from tokenfleet.services.redis import LocalRedis, running_url
 
 DEFAULT_HOME = CACHE / "run" / "up"
@@ -177,18 +177,24 @@ class Deployment:
     def with_own_services(self, env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
         """``env`` with a local Kafka broker and Redis server, started in ``home``, for
         the services it names none of; and which were started (for ``start``)."""
-        env, started = dict(env), []
+        env, started = dict(env), list[str]()
         if "TOKENFLEET_KAFKA_BOOTSTRAP" not in env:
-            home = self.home / "kafka"
+            home = self._own("kafka", env, started)
             bootstrap = running_bootstrap(home) or LocalKafka(home).start(detach=True)
             env["TOKENFLEET_KAFKA_BOOTSTRAP"] = bootstrap
-            started.append("kafka")
         if "TOKENFLEET_REDIS_URL" not in env:
-            home = self.home / "redis"
+            home = self._own("redis", env, started)
             env["TOKENFLEET_REDIS_URL"] = running_url(home) or LocalRedis(home).start(detach=True)
-            started.append("redis")
         self._write({"parts": [], "settings": _service_settings(env), "own_services": started})
         return env, started
+
+    def _own(self, service: str, env: Mapping[str, str], started: list[str]) -> Path:
+        """Record ``service`` as the deployment's own before it starts, so that ``stop``
+        finds it if what follows fails (Redis missing after Kafka started, or Ctrl-C);
+        its folder."""
+        started.append(service)
+        self._write({"parts": [], "settings": _service_settings(env), "own_services": started})
+        return self.home / service
 
     def stop(self) -> None:
         """Stop every part, then the services started for them; forget the deployment."""
@@ -213,6 +219,9 @@ class Deployment:
 
     def _launch(self, part: Part, env: Mapping[str, str], timeout_s: float) -> None:
         url = part.url
+        if url is not None and answers_http(url + "/health"):
+            # The new part would fail to bind while the old server answered its health.
+            raise ServiceError(f"{part.name}: {url} already answers; another server holds the port")
         server = ServerProcess(self.home / part.name, url or part.name)
         self._started[part.name] = server
         server.launch(

@@ -99,6 +99,27 @@ def test_a_server_that_exits_at_once_is_reported_and_forgotten(tmp_path: Path) -
     assert not (tmp_path / "pid").exists()
 
 
+def test_a_recorded_pid_that_now_names_another_process_is_not_taken_for_the_server(
+    tmp_path: Path,
+) -> None:
+    """After a reboot, or once the system reuses the id, the pid file names a process the
+    server never was: ``down`` must not stop it."""
+    from tokenfleet.services.process import ServerProcess, read_pid
+
+    server = ServerProcess(tmp_path, "sleeper")
+    server.launch(["sleep", "30"], ready=lambda: True, timeout_s=10)
+    try:
+        pid, started = (tmp_path / "pid").read_text().split()
+        assert read_pid(tmp_path) == int(pid)
+        (tmp_path / "pid").write_text(f"{pid} {int(started) - 100}")  # another start: reused
+        assert read_pid(tmp_path) is None
+        (tmp_path / "pid").write_text(pid)  # as written before start times were recorded
+        assert read_pid(tmp_path) == int(pid)
+    finally:
+        server.terminate()
+    assert read_pid(tmp_path) is None
+
+
 def test_kafka_cluster_ids_never_look_like_an_option(monkeypatch: pytest.MonkeyPatch) -> None:
     """The storage tool parses ``-t -abc`` as a missing value; one CI run drew such an id."""
     # 0xf8 encodes to "-" as the first base64 character; the second draw does not.

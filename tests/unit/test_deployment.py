@@ -10,7 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
+from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ from schemas.fleet import load_fleet
 from tokenfleet.cli import build_parser, main
 from tokenfleet.deployment import SERVICE_SETTINGS, Deployment, Part, plan
 from tokenfleet.services.kafka import KAFKA_VERSION
+from tokenfleet.services.process import ServiceError
+from tokenfleet.services.redis import LocalRedis
 
 ROOT = Path(__file__).parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -193,6 +198,68 @@ def test_up_refuses_controllers_that_cannot_run_and_starts_nothing(
     assert main(["up", "--home", str(home), *setting]) == 2
     assert error in capsys.readouterr().err
     assert Deployment(home).parts() == []
+
+
+def test_up_stops_the_broker_it_started_when_redis_then_fails_to_start(
+    tmp_path: Path,
+    taken_port: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Kafka is recorded as the deployment's own before it starts, so a failure after it
+    (here a real redis-server that cannot bind its port) stops it rather than leaving a
+    broker that ``down`` cannot find. The broker is a stand-in: what is checked is the
+    order of the records, not Kafka."""
+    calls = []
+
+    class Broker:
+        def __init__(self, home: Path) -> None:
+            self.home = home
+
+        def start(self, *, detach: bool) -> str:
+            assert Deployment(home).record()["own_services"] == ["kafka"]
+            calls.append("started")
+            return "127.0.0.1:1"
+
+        def stop(self) -> None:
+            calls.append("stopped")
+
+    monkeypatch.setattr("tokenfleet.deployment.LocalKafka", Broker)
+    monkeypatch.setattr("tokenfleet.deployment.running_bootstrap", lambda home: None)
+    monkeypatch.setattr("tokenfleet.deployment.LocalRedis", partial(LocalRedis, port=taken_port))
+    home = tmp_path / "up"
+    assert (
+        main(["up", "--home", str(home), "--fleet", str(ROOT / "examples/fleet-local.toml")]) == 2
+    )
+    assert "the deployment did not start" in capsys.readouterr().err
+    assert calls == ["started", "stopped"]
+    assert not Deployment(home).record_path.exists()
+
+
+def test_a_part_whose_port_already_answers_is_refused_before_it_starts(tmp_path: Path) -> None:
+    """Another server on the port would answer the new part's health check while the new
+    part failed to bind: ``up`` would report started a part that had exited."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    deployment = Deployment(tmp_path / "up")
+    try:
+        with pytest.raises(ServiceError, match="already answers"):
+            deployment.start([Part("gateway-dc-a", ("gateway",), url)], {})
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not (tmp_path / "up" / "gateway-dc-a" / "pid").exists()
+    assert not deployment.record_path.exists()
+
+
+class _Healthy(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
 
 
 def test_the_controller_refuses_a_taken_view_port_before_it_starts(

@@ -112,9 +112,11 @@ def _up(args: argparse.Namespace) -> int:
         long_cycle_s=args.long_cycle,
         weights_min_outcomes=args.weights_min_outcomes,
     )
-    env, own = deployment.with_own_services(os.environ)
-    print(f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {env['TOKENFLEET_REDIS_URL']}")
     try:
+        env, own = deployment.with_own_services(os.environ)
+        print(
+            f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {env['TOKENFLEET_REDIS_URL']}"
+        )
         asyncio.run(create_topics(env["TOKENFLEET_KAFKA_BOOTSTRAP"], TOPICS))
         deployment.start(parts, env, own, say=lambda p: print(f"  started {p.name}", flush=True))
     except BaseException as exc:

@@ -124,7 +124,8 @@ class ServerProcess:
                 start_new_session=detach,
                 env=env,
             )
-        (self.home / "pid").write_text(str(self._process.pid))
+        pid = self._process.pid
+        (self.home / "pid").write_text(f"{pid} {_started_at(pid) or ''}".strip())
         (self.home / "address").write_text(self.address)
 
     def terminate(self, timeout_s: float = 30.0) -> None:
@@ -177,9 +178,16 @@ def answers_http(url: str, timeout_s: float = 1.0) -> bool:
 
 
 def read_pid(home: Path) -> int | None:
+    """The process id in ``home/pid`` while that process runs. The file also holds when
+    the process started (where ``/proc`` tells): after a reboot, or once the process has
+    ended and the system reused its id, the id names another process, which must not be
+    taken for it (``down`` would stop it)."""
     try:
-        pid = int((home / "pid").read_text())
+        pid_text, _, started = (home / "pid").read_text().partition(" ")
+        pid = int(pid_text)
     except (FileNotFoundError, ValueError):
+        return None
+    if started and _started_at(pid) not in (None, started.strip()):
         return None
     return pid if _alive(pid) else None
 
@@ -229,8 +237,21 @@ def _alive(pid: int) -> bool:
 
 
 def _zombie(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] == "Z"
+
+
+def _started_at(pid: int) -> str | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat``'s 22nd field)."""
+    fields = _stat(pid)
+    return None if fields is None else fields[19]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command's name (the state first), None
+    where there is no such process or no ``/proc``."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] == "Z"
+        return None
+    return stat.rpartition(")")[2].split()
