@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from pathlib import Path
@@ -128,3 +129,30 @@ def test_kafka_cluster_ids_never_look_like_an_option(monkeypatch: pytest.MonkeyP
     cluster_id = kafka._cluster_id()
     assert not cluster_id.startswith("-")
     assert len(cluster_id) == 22
+
+
+def test_kafka_jars_that_differ_from_the_pinned_checksums_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for name in ("kept.jar", "tampered.jar", "extra.jar"):
+        (lib / name).write_bytes(name.encode())
+    pins = tmp_path / "pins.sha256"
+    kept = hashlib.sha256(b"kept.jar").hexdigest()
+    pins.write_text(f"{kept}  kept.jar\n{'0' * 64}  tampered.jar\n{'1' * 64}  gone.jar\n")
+    monkeypatch.setattr(kafka, "JARS_SHA256", pins)
+    tampered = hashlib.sha256(b"tampered.jar").hexdigest()
+    assert kafka._unpinned(lib) == [
+        "gone.jar missing",
+        "extra.jar not pinned",
+        f"tampered.jar has SHA-256 {tampered}, not {'0' * 64}",
+    ]
+
+
+def test_the_fetched_kafka_jars_are_the_pinned_ones() -> None:
+    """``./dev test`` fetched them (Maven Central, strict checksums) before the tests."""
+    lib = kafka.jars_dir()
+    if not (lib.parent / "complete").exists():
+        pytest.skip("Kafka's jars are not fetched here (tokenfleet kafka fetch)")
+    assert kafka._unpinned(lib) == []

@@ -14,10 +14,12 @@ copied once by ``maven-dependency-plugin:copy-dependencies`` into ``CACHE/kafka-
 from __future__ import annotations
 
 import base64
+import hashlib
 import shutil
 import socket
 import struct
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -61,8 +63,15 @@ def jars_dir() -> Path:
     return CACHE / f"kafka-{KAFKA_VERSION}" / "lib"
 
 
+JARS_SHA256 = Path(__file__).with_name(f"kafka-{KAFKA_VERSION}.sha256")
+"""The SHA-256 of every jar the broker runs (``sha256sum`` format), taken when this
+version was adopted: a fetch that brings other bytes, or other jars, is refused."""
+
+
 def fetch_jars() -> Path:
-    """Download the broker's jars unless they are already cached; return their folder."""
+    """Download the broker's jars unless they are already cached; return their folder.
+    Maven checks each download against the repository's checksum (``--strict-checksums``);
+    the jars must then match ``JARS_SHA256``, or none is kept."""
     lib = jars_dir()
     marker = lib.parent / "complete"
     if marker.exists():
@@ -78,17 +87,35 @@ def fetch_jars() -> Path:
         mvn,
         "-B",
         "-q",
+        "--strict-checksums",
         "-f",
         str(pom),
         "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
         f"-DoutputDirectory={lib}",
         "-DincludeScope=runtime",
     ]
+    print(f"Fetching Kafka {KAFKA_VERSION}'s jars from Maven Central (once)...", file=sys.stderr)
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise ServiceError(f"mvn failed to fetch Kafka {KAFKA_VERSION}:\n{result.stdout[-3000:]}")
+    if problems := _unpinned(lib):
+        shutil.rmtree(lib, ignore_errors=True)
+        raise ServiceError(f"Kafka's jars differ from {JARS_SHA256.name}: {'; '.join(problems)}")
     marker.touch()
     return lib
+
+
+def _unpinned(lib: Path) -> list[str]:
+    """How the jars in ``lib`` differ from ``JARS_SHA256`` (nothing where they match)."""
+    pinned = dict(line.split()[::-1] for line in JARS_SHA256.read_text().splitlines() if line)
+    fetched = {jar.name: hashlib.sha256(jar.read_bytes()).hexdigest() for jar in lib.glob("*.jar")}
+    problems = [f"{name} missing" for name in sorted(pinned.keys() - fetched.keys())]
+    problems += [f"{name} not pinned" for name in sorted(fetched.keys() - pinned.keys())]
+    return problems + [
+        f"{name} has SHA-256 {digest}, not {pinned[name]}"
+        for name, digest in sorted(fetched.items())
+        if name in pinned and digest != pinned[name]
+    ]
 
 
 class LocalKafka:
