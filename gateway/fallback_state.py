@@ -29,7 +29,8 @@ class FallbackState:
     """Redis while it answers; this process's own state, with a warning, while it does not.
 
     After a failure Redis is tried again every ``retry_s``. Counts kept locally during an
-    outage are not merged back: they describe requests that finish within seconds.
+    outage are not merged back: they describe requests that finish within seconds. An
+    idempotency key's end is (``_keyed``).
     """
 
     def __init__(
@@ -45,6 +46,12 @@ class FallbackState:
         self.on_fallback = on_fallback
         """Called on every call answered locally (the gateway counts them)."""
         self._down_until = 0.0
+        self._claimed: dict[str, float] = {}
+        """Idempotency keys this replica holds, and when their claim expires."""
+        self._owed: dict[str, tuple[str, tuple[Any, ...], float]] = {}
+        """Idempotency keys whose settle or release Redis did not take: the call, its
+        arguments, and until when it is owed (a claim that expired in Redis may have
+        been claimed again by another request, which a late release would free)."""
 
     @property
     def degraded(self) -> bool:
@@ -108,18 +115,50 @@ class FallbackState:
 
     async def reconcile(self) -> None:
         await self._run("reconcile")
+        if not self.degraded:
+            await self._pay_owed()
 
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
         return cast(float, await self._run("take", bucket, rate_per_s, burst, amount))
 
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
-        return cast(Outcome | InProgress | None, await self._run("claim", key, ttl_s))
+        held = cast(Outcome | InProgress | None, await self._run("claim", key, ttl_s))
+        if held is None:
+            self._claimed[key] = time.monotonic() + ttl_s
+        return held
 
     async def settle(self, key: str, outcome: Outcome, ttl_s: float) -> None:
-        await self._run("settle", key, outcome, ttl_s)
+        await self._keyed("settle", key, outcome, ttl_s)
 
     async def release(self, key: str) -> None:
-        await self._run("release", key)
+        await self._keyed("release", key)
+
+    async def _keyed(self, method: str, key: str, *args: Any) -> None:
+        """An idempotency key's settle or release goes to Redis even while Redis is
+        taken as away: the key may be held there (claimed before the outage, or by a
+        claim Redis applied but whose answer was lost), and left ``pending`` it would
+        answer the client's retries with 409 on every replica for the key's whole TTL.
+        Where Redis fails, it is done locally, and owed: sent again after each
+        reconcile until Redis takes it."""
+        claimed_until = self._claimed.pop(key, 0.0)
+        self._owed.pop(key, None)
+        try:
+            await getattr(self.primary, method)(key, *args)
+        except REDIS_ERRORS:
+            until = time.monotonic() + args[-1] if method == "settle" else claimed_until
+            self._owed[key] = (method, args, until)
+            self._down_until = time.monotonic() + self.retry_s
+            self.on_fallback()
+            await getattr(self.fallback, method)(key, *args)
+
+    async def _pay_owed(self) -> None:
+        for key, (method, args, expires) in list(self._owed.items()):
+            if time.monotonic() < expires:
+                try:
+                    await getattr(self.primary, method)(key, *args)
+                except REDIS_ERRORS:
+                    return  # the next reconcile tries again
+            del self._owed[key]
 
     async def admission_loads(
         self, own: str, slots: Mapping[str, SlotClaim] | None = None

@@ -51,6 +51,8 @@ from typing import Any
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
 from gateway import redis_scripts as scripts
@@ -458,24 +460,33 @@ class RedisState:
             known.cleared(instance_id)
 
     async def reconcile(self) -> None:
-        """One script per pool this replica has counted in."""
+        """One script per pool this replica has counted in. On a cluster a pool whose
+        node fails does not keep the others' shares from their rewrite (without it they
+        expire, and the other replicas stop counting this one's work there); the first
+        failure is raised once every pool was tried."""
         async with self._gate.rewrite():
             pending, inflight = self._own.pending, self._own.inflight
             by_pool: dict[str, list[str]] = {}
             for i in sorted(pending.keys() | inflight.keys()):
                 by_pool.setdefault(self.shard_of(i) if self.cluster else "", []).append(i)
+            failures = []
             for ids in by_pool.values():
                 key, prefix = self._pool(ids)
-                await self._sync(
-                    keys=[key],
-                    args=[
-                        *self._share(prefix),
-                        len(ids),
-                        *ids,
-                        *(pending.get(i, 0.0) for i in ids),
-                        *(inflight.get(i, 0.0) for i in ids),
-                    ],
-                )
+                try:
+                    await self._sync(
+                        keys=[key],
+                        args=[
+                            *self._share(prefix),
+                            len(ids),
+                            *ids,
+                            *(pending.get(i, 0.0) for i in ids),
+                            *(inflight.get(i, 0.0) for i in ids),
+                        ],
+                    )
+                except REDIS_ERRORS as exc:
+                    failures.append(exc)
+            if failures:
+                raise failures[0]
 
     def _share(self, prefix: str) -> list[Any]:
         return [prefix, self.replica, self.share_ttl_s]
@@ -540,7 +551,7 @@ def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | Redis | Re
         # No blocking pool here: past its connections per node (100) the cluster client
         # raises, and the replica answers locally until ``retry_s`` has passed.
         return RedisCluster.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=_ONCE
         )
     if url.startswith("redis://"):
         return LeanRedis(url, timeout_s)
@@ -552,5 +563,15 @@ def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | Redis | Re
         timeout=timeout_s,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
+        retry=_ONCE,
     )
     return Redis.from_pool(pool)  # closing the client closes its pool
+
+
+_ONCE = Retry(NoBackoff(), 0)
+"""redis-py sends a call again after a timeout or a lost connection (3 times by default,
+10 on a cluster, with backoff): a script that ran but whose answer came late would run
+twice (a rate bucket taken twice, a charge counted twice), and a call could take seconds
+before ``FallbackState`` heard of the failure, with every decision waiting behind it. As
+the gateway's own client (``gateway/resp.py``), each call is sent once; a failure falls
+back. A cluster's redirections (MOVED, ASK) are followed apart from this."""

@@ -194,11 +194,20 @@ class _Incomplete(Exception):
 def _encoded(args: Sequence[Arg]) -> bytes:
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
-        data = (
-            arg if isinstance(arg, bytes) else (arg if isinstance(arg, str) else repr(arg)).encode()
-        )
+        data = arg if isinstance(arg, bytes) else _text(arg).encode()
         parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
     return b"".join(parts)
+
+
+def _text(arg: Arg) -> str:
+    """A string or a number as Redis reads it. ``str``, not ``repr``: numpy's float
+    (a ``float``) reads ``np.float64(1.5)`` by ``repr``; anything else is refused rather
+    than sent as its ``repr``."""
+    if isinstance(arg, str):
+        return arg
+    if isinstance(arg, int | float) and not isinstance(arg, bool):
+        return str(arg)
+    raise TypeError(f"cannot send {type(arg).__name__} to Redis: {arg!r}")
 
 
 def _parsed(buffer: bytes, position: int) -> tuple[Reply, int]:

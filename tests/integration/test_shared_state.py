@@ -9,14 +9,16 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
 
 from gateway.fallback_state import FallbackState, RedisAway
-from gateway.redis_state import RedisState
+from gateway.redis_state import REDIS_ERRORS, RedisState, _client
 from gateway.state import (
     IN_PROGRESS,
     Accounting,
@@ -370,6 +372,103 @@ async def test_on_a_cluster_each_pool_s_state_lives_on_its_own_node(
         assert len(serving) > 1
         with pytest.raises(ValueError, match="hash tags"):
             await state.view(["a", "b"], ())
+    finally:
+        await state.close()
+        await nodes.aclose()
+
+
+_BUSY = """
+redis.call('INCR', KEYS[1])
+local began = redis.call('TIME')
+repeat
+    local now = redis.call('TIME')
+until (now[1] - began[1]) * 1000000 + (now[2] - began[2]) > 500000
+return 1
+"""
+"""A script that counts its runs, then keeps its node busy for half a second."""
+
+
+@pytest.mark.redis
+async def test_a_call_that_times_out_on_a_cluster_is_not_sent_again(
+    redis_cluster: Service,
+) -> None:
+    """A script that ran but answered after the timeout must not run a second time
+    (redis-py's cluster client sent it up to ten times more): the replica falls back."""
+    client = _client(redis_cluster.address, 0.2, cluster=True)
+    counter = f"test-{uuid.uuid4().hex}:runs"
+    try:
+        with pytest.raises(RedisError):
+            await client.eval(_BUSY, 1, counter)
+        await asyncio.sleep(0.7)  # the run the client gave up on ends
+        assert int(await client.get(counter)) == 1
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.redis
+async def test_a_key_settled_while_redis_was_away_reaches_redis_after_it(tmp_path: Path) -> None:
+    """A key claimed on Redis whose request ended while Redis was away: left ``pending``
+    there, every replica would answer its retries with 409 for the key's whole TTL."""
+    server = LocalRedis(tmp_path)
+    url = server.start()
+    own = Accounting()
+    state = FallbackState(
+        RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=0.1
+    )
+    admin = Redis.from_url(url)
+    peer = RedisState(url, replica="peer")
+    answer = Outcome(200, "application/json", b"{}")
+    try:
+        assert await state.claim("done", 600.0) is None
+        assert await state.claim("failed", 600.0) is None
+        await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        await state.settle("done", answer, 600.0)  # times out: kept locally, owed
+        await state.release("failed")
+        assert state.degraded
+        assert await state.claim("done", 600.0) == answer  # from the local state
+        await asyncio.sleep(1.2)
+        assert await peer.claim("done", 600.0) is IN_PROGRESS  # not there yet
+        await state.reconcile()
+        assert await peer.claim("done", 600.0) == answer
+        assert await peer.claim("failed", 600.0) is None  # free to run again
+    finally:
+        await peer.close()
+        await admin.aclose()
+        await state.close()
+        server.stop()
+
+
+@pytest.mark.redis
+async def test_a_pool_whose_node_fails_leaves_the_others_rewritten(redis_cluster: Service) -> None:
+    """On a cluster, reconcile rewrites every pool it can reach and then says that one
+    failed: a failing first pool kept the others' shares from their rewrite. The node
+    that fails is not the one the client found the cluster through."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    nodes = RedisCluster.from_url(redis_cluster.address)
+    await nodes.initialize()
+    node_of = nodes.get_node_from_key
+    found_through = urlsplit(redis_cluster.address).port
+    names = [f"m@dc-{n}" for n in range(1, 20)]
+    failing = next(p for p in names if node_of(f"{{{p}}}").port != found_through)  # type: ignore[union-attr]
+    reached = [p for p in names if node_of(f"{{{p}}}") != node_of(f"{{{failing}}}")][:3]
+    pools = dict(zip("abcd", [failing, *reached], strict=True))  # "a", the failing, first
+    state = RedisState(
+        redis_cluster.address, prefix, shard_of=pools.__getitem__, cluster=True, timeout_s=0.2
+    )
+    share = f"{prefix}{{{{{{pool}}}}}}:acct:{state.replica}:pending".format
+    try:
+        for n, instance in enumerate(pools, start=1):
+            await state.routed(instance, (), 100, float(n), 0.0)
+            await nodes.hset(share(pool=pools[instance]), instance, 999.0)  # lost updates
+        pause = ("CLIENT", "PAUSE", 1000, "ALL")
+        await nodes.execute_command(*pause, target_nodes=node_of(f"{{{failing}}}"))
+        with pytest.raises(REDIS_ERRORS):
+            await state.reconcile()
+        rewritten = [float(await nodes.hget(share(pool=pools[i]), i)) for i in "bcd"]
+        # The call right after the failure may fail too: redis-py asks the nodes for the
+        # slots again first, the paused one among them.
+        assert rewritten[1:] == [3.0, 4.0]
+        await asyncio.sleep(1.0)  # the pause ends
     finally:
         await state.close()
         await nodes.aclose()

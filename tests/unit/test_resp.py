@@ -3,6 +3,7 @@ ones, errors and nils."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -45,6 +46,13 @@ def test_arguments_go_as_bulk_strings_floats_as_python_writes_them() -> None:
     assert _encoded(["EVALSHA", b"\x00", 2, -0.5]) == (
         b"*4\r\n$7\r\nEVALSHA\r\n$1\r\n\x00\r\n$1\r\n2\r\n$4\r\n-0.5\r\n"
     )
+
+
+def test_numpy_floats_go_as_numbers_and_other_objects_are_refused() -> None:
+    assert _encoded([np.float64(1.5)]) == b"*1\r\n$3\r\n1.5\r\n"  # repr: np.float64(1.5)
+    for unsendable in (True, np.int64(3), None):
+        with pytest.raises(TypeError, match="cannot send"):
+            _encoded([unsendable])  # type: ignore[list-item]
 
 
 def test_what_is_not_resp_is_refused() -> None:
