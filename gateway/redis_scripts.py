@@ -23,8 +23,8 @@ local function foreign(p, r, ids)
       local a = redis.call('HMGET', p .. 'acct:' .. other .. ':pending', unpack(ids))
       local b = redis.call('HMGET', p .. 'acct:' .. other .. ':inflight', unpack(ids))
       for i = 1, n do
-        sums[i] = sums[i] + (tonumber(a[i]) or 0)
-        sums[n + i] = sums[n + i] + (tonumber(b[i]) or 0)
+        sums[i] = sums[i] + math.max(tonumber(a[i]) or 0, 0)
+        sums[n + i] = sums[n + i] + math.max(tonumber(b[i]) or 0, 0)
       end
     end
   end
@@ -46,7 +46,9 @@ end
 """Lua shared by the scripts that read a pool: the other live replicas' accounting of
 ``ids`` and the mark of what they have written (rewrites of their shares per replica, and
 requests routed by any but ``r``); and the holders of each block up to the first that
-none holds."""
+none holds. A replica's share below 0 counts 0: its releases of requests it charged while
+Redis was away (or whose charge's answer was lost) land there without their charge until
+its next rewrite, and a negative load would draw the others' requests to the instance."""
 
 VIEW = (
     NOW

@@ -247,6 +247,25 @@ async def test_a_replica_that_stops_rewriting_its_share_stops_counting(
 
 
 @pytest.mark.redis
+async def test_a_share_below_zero_counts_as_nothing(redis_server: Service) -> None:
+    """Releases of requests charged while Redis was away reach a share that never had
+    their charges, until the replica's next rewrite: no instance looks less than idle."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    state = RedisState(redis_server.address, prefix, replica="r")
+    peer = RedisState(redis_server.address, prefix, replica="peer")
+    try:
+        await peer.routed("a", (), 100, 5.0, 20.0)
+        await peer.adjust("a", -10.0, -50.0)  # ends of requests Redis never saw charged
+        await peer.flush()
+        await state.routed("a", (), 100, 1.0, 2.0)
+        view = await state.view(["a"], ())
+        assert (view.pending_prefill.tolist(), view.inflight_tokens.tolist()) == ([1.0], [2.0])
+    finally:
+        await state.close()
+        await peer.close()
+
+
+@pytest.mark.redis
 async def test_reconcile_rewrites_a_share_from_the_replicas_own_record(
     redis_server: Service,
 ) -> None:
