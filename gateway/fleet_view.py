@@ -148,10 +148,7 @@ class LastKnown(Generic[SnapshotT]):
         True if it was kept. An expired snapshot is never kept: a replay of an old one
         must not displace a live one."""
         now = time.time() if now is None else now
-        held = self._by_scope.get(snapshot.scope)
-        if snapshot.expired(now):
-            return False
-        if held is not None and not held.expired(now) and not snapshot.supersedes(held):
+        if not snapshot.replaces(self._by_scope.get(snapshot.scope), now):
             return False
         self._by_scope[snapshot.scope] = snapshot
         return True

@@ -28,6 +28,15 @@ class ControlSnapshot(VersionedSnapshot):
     def expired(self, now: float) -> bool:
         return now > self.issued_at + self.ttl_s
 
+    def replaces(self, held: ControlSnapshot | None, now: float) -> bool:
+        """Whether a reader holding ``held`` for this scope takes this snapshot: a live
+        one, newer than ``held`` or where ``held`` has expired (a controller started
+        again on a new topic counts its versions from 1 again). Never an expired one: a
+        replay of old snapshots must not displace a live one."""
+        if self.expired(now):
+            return False
+        return held is None or held.expired(now) or self.supersedes(held)
+
 
 class ClassQuota(Frozen):
     task_class: TaskClass

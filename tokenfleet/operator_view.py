@@ -106,8 +106,8 @@ class OperatorView:
                 dc.quotas = message
         elif isinstance(message, PlacementRecommendation):
             dc = self._dc(message.scope)
-            if message.supersedes(dc.placement):
-                dc.placement = message
+            if dc.placement is None or message.issued_at >= dc.placement.issued_at:
+                dc.placement = message  # the newest issued, as quotas and weights
         elif isinstance(message, RoutingWeights):
             held = self._weights.get(message.scope)
             if held is None or message.issued_at >= held.issued_at:

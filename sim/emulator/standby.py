@@ -60,12 +60,12 @@ class StandbyReplicas:
 
     def apply(self, message: object) -> None:
         """Take in a placement read from the bus: a newer, unexpired one for one of our
-        DCs starts the replicas it adds and stops those it takes back."""
-        if not isinstance(message, PlacementRecommendation):
+        DCs (or any unexpired one where the one in force has expired: a controller
+        started again on a new topic) starts the replicas it adds and stops those it
+        takes back."""
+        if not isinstance(message, PlacementRecommendation) or message.scope not in self.dcs:
             return
-        if message.scope not in self.dcs or not message.supersedes(self._placed.get(message.scope)):
-            return
-        if message.expired(self.clock()):
+        if not message.replaces(self._placed.get(message.scope), self.clock()):
             return
         self._placed[message.scope] = message
         wanted = set().union(

@@ -96,6 +96,25 @@ async def test_only_a_newer_unexpired_placement_for_its_own_dc_moves_it() -> Non
         assert servers.listening == set()
 
 
+async def test_a_controller_started_again_is_followed_once_the_placement_in_force_expired() -> None:
+    """Its versions start again from 1: below the one in force, which stays applied past
+    its TTL, it would be ignored until the emulator restarted."""
+    servers = Servers()
+    clock = Clock()
+    standby = StandbyReplicas(INSTANCES, LOCAL, servers.serve, 0.0, clock)
+    async with standby.running():
+        standby.apply(placement(2, version=40))
+        await asyncio.sleep(0.01)
+        standby.apply(placement(1, version=1))  # while version 40 is live: a replay
+        await asyncio.sleep(0.01)
+        assert servers.listening == {"b-1"}
+        clock.now += 700  # version 40 expired; it stays applied
+        restarted = placement(1, version=1).model_copy(update={"issued_at": clock.now})
+        standby.apply(restarted)
+        await asyncio.sleep(0.01)
+        assert servers.listening == set()
+
+
 async def test_a_replica_that_failed_to_start_starts_again_at_the_next_placement() -> None:
     servers, failing = Servers(), {"b-1"}
 
