@@ -1,7 +1,9 @@
 """The telemetry collector: scrape every instance's ``/metrics``, publish ``tf.telemetry``;
 read the KV events of instances that serve them over HTTP, publish ``tf.kv-events``.
 
-Understands vLLM's names (v1, and the older ``gpu_cache_usage_perc``) and SGLang's.
+Understands vLLM's names (v1, and the older ``gpu_cache_usage_perc``) and SGLang's (its
+server needs ``--enable-metrics``); an exposition without the engine's request gauges is
+an instance published not ready, with a warning, rather than one read as idle.
 Scrapes run concurrently, each under a timeout, so one slow instance delays no other. An
 instance that does not answer (or answers garbage) is published not ready; the next good
 scrape publishes it ready again.
@@ -23,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
+from statistics import fmean
 
 import aiohttp
 from pydantic import BaseModel
@@ -57,16 +60,34 @@ _VLLM = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage_before_0_10",
     "vllm:prefix_cache_hits": "prefix_hits",
     "vllm:prefix_cache_queries": "prefix_queries",
     "vllm:num_preemptions": "preemptions",
+    "vllm:cache_config_info": "cache_config",
 }
 _SGLANG = {
     "sglang:num_running_reqs": "running",
     "sglang:num_queue_reqs": "waiting",
     "sglang:token_usage": "kv_usage",
+    "sglang:max_total_num_tokens": "total_tokens",
+    "sglang:cache_hit_rate": "hit_rate",
 }
+_SHARES = frozenset({"kv_usage", "kv_usage_before_0_10", "hit_rate"})
+"""Fractions, one per engine (vLLM's data-parallel engines, SGLang's DP ranks): averaged,
+where counts are added up."""
+
+
+class NoEngineMetrics(ValueError):
+    """An exposition without the engine's request gauges: read as idle, the instance would
+    draw every request."""
+
+
+def _kept(labels: dict[str, str]) -> bool:
+    """Whether a series counts toward the instance's figures: SGLang repeats a figure per
+    priority (beside the total, whose ``priority`` is empty) and, with metrics for all
+    schedulers, per tensor-parallel rank (each the same batch)."""
+    return not labels.get("priority") and labels.get("tp_rank", "0") == "0"
 
 
 _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)")
@@ -88,39 +109,55 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
 
 
 def parse_metrics(text: str, engine: str) -> Scraped:
-    """Read a Prometheus exposition; raises ValueError if it is not one. Values of several
-    series of one family (e.g. one per model) are added up."""
+    """Read a Prometheus exposition; raises ValueError if it is not one, and
+    ``NoEngineMetrics`` if it lacks the engine's request gauges (vLLM started with
+    ``--disable-log-stats``, or a server of the other engine than the fleet file says).
+    Counts of several series of one family (one per model, or per data-parallel engine)
+    are added up, fractions averaged; vLLM's older ``gpu_cache_usage_perc`` is read only
+    where ``kv_cache_usage_perc`` is missing (0.9.2 to 0.10 publish both)."""
     names = _VLLM if engine == "vllm" else _SGLANG
-    values: dict[str, float] = {}
-    total_tokens = hit_rate = None
-    blocks: int | None = None
-    block_size = 16
+    series: dict[str, list[float]] = {}
+    blocks, block_size = 0, 16
     for name, labels, value in samples(text):
         # Counters are exposed as ``name_total`` (with ``name_created`` beside them).
         field = names.get(name.removesuffix("_total"))
-        if field is not None:
-            values[field] = values.get(field, 0.0) + value
-        elif name == "vllm:cache_config_info":
-            blocks = int(labels.get("num_gpu_blocks", 0)) or None
-            block_size = int(labels.get("block_size", 16))
-        elif name == "sglang:max_total_num_tokens":
-            total_tokens = value
-        elif name == "sglang:cache_hit_rate":
-            hit_rate = value
-    if total_tokens:
+        if field == "cache_config":
+            # One series per data-parallel engine, each with the engines' sum already.
+            blocks = max(blocks, _whole(labels.get("num_gpu_blocks")))
+            block_size = _whole(labels.get("block_size")) or block_size
+        elif field is not None and _kept(labels):
+            series.setdefault(field, []).append(value)
+    if "running" not in series and "waiting" not in series:
+        raise NoEngineMetrics(
+            f"no {engine} request gauges ({', '.join(list(names)[:2])}): an SGLang server "
+            "needs --enable-metrics, a vLLM one its stats logging (no --disable-log-stats); "
+            "the fleet file's `engine` must name the server's"
+        )
+    figures: dict[str, float] = {f: fmean(v) if f in _SHARES else sum(v) for f, v in series.items()}
+    if total_tokens := figures.get("total_tokens"):
         blocks = max(int(total_tokens) // block_size, 1)
-    if hit_rate is not None:  # a rate, not counters: report it over a nominal 1,000 queries
-        values["prefix_queries"], values["prefix_hits"] = 1000.0, 1000.0 * hit_rate
+    if (hit_rate := figures.get("hit_rate")) is not None:  # a rate: over a nominal 1,000 queries
+        figures["prefix_queries"], figures["prefix_hits"] = 1000.0, 1000.0 * hit_rate
+    kv_usage = figures.get("kv_usage", figures.get("kv_usage_before_0_10", 0.0))
     return Scraped(
-        running=int(values.get("running", 0)),
-        waiting=int(values.get("waiting", 0)),
-        kv_usage=min(max(values.get("kv_usage", 0.0), 0.0), 1.0),
-        kv_blocks_total=blocks,
+        running=int(figures.get("running", 0)),
+        waiting=int(figures.get("waiting", 0)),
+        kv_usage=min(max(kv_usage, 0.0), 1.0),
+        kv_blocks_total=blocks or None,
         block_size=block_size,
-        prefix_hits=values.get("prefix_hits", 0.0),
-        prefix_queries=values.get("prefix_queries", 0.0),
-        preemptions=values.get("preemptions", 0.0),
+        prefix_hits=figures.get("prefix_hits", 0.0),
+        prefix_queries=figures.get("prefix_queries", 0.0),
+        preemptions=figures.get("preemptions", 0.0),
     )
+
+
+def _whole(label: str | None) -> int:
+    """A count in a label; 0 where it is missing or not a number (vLLM 0.8 wrote
+    ``num_gpu_blocks="None"`` before its cache was sized)."""
+    try:
+        return int(label or 0)
+    except ValueError:
+        return 0
 
 
 def telemetry_of(instance: InstanceConfig, scraped: Scraped | None) -> InstanceTelemetry:
@@ -213,6 +250,8 @@ class Collector:
         self._without_feed: set[str] = set()
         self._unpublished: set[str] = set()
         """Instances whose KV events were read but could not be published."""
+        self._without_gauges: set[str] = set()
+        """Instances warned of as answering without their engine's request gauges."""
 
     async def scrape_once(self) -> list[InstanceTelemetry]:
         scraped = await asyncio.gather(*(self._scrape(i) for i in self.instances))
@@ -258,10 +297,17 @@ class Collector:
             async with asyncio.timeout(self.timeout_s), self.client.get(url) as response:
                 response.raise_for_status()
                 text = await response.text()
-            return parse_metrics(text, instance.engine)
+            scraped = parse_metrics(text, instance.engine)
+        except NoEngineMetrics as exc:  # a setting to change: said once, not every scrape
+            if instance.id not in self._without_gauges:
+                self._without_gauges.add(instance.id)
+                log.warning("%s is published not ready: %s", instance.id, exc)
+            return None
         except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
             log.info("scraping %s failed: %s", instance.id, exc)
             return None
+        self._without_gauges.discard(instance.id)
+        return scraped
 
     async def _kv_events(self, instance: InstanceConfig) -> list[KvMessage]:
         url = f"{str(instance.url).rstrip('/')}/kv-events"

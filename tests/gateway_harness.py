@@ -122,11 +122,11 @@ def chat(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
 
 
 def fake_instance(path: str, answer: Callable[[Request], Awaitable[Response]]) -> Starlette:
-    """An instance that answers ``POST path`` with ``answer`` and looks ready (a valid,
-    empty ``/metrics``): for answers the emulator does not give."""
+    """An instance that answers ``POST path`` with ``answer`` and looks ready and idle (a
+    vLLM ``/metrics``): for answers the emulator does not give."""
 
     async def metrics(_: Request) -> Response:
-        return PlainTextResponse("")
+        return vllm_metrics(waiting=0, running=0, kv_usage=0.0)
 
     return Starlette(routes=[Route(path, answer, methods=["POST"]), Route("/metrics", metrics)])
 

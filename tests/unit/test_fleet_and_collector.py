@@ -11,7 +11,13 @@ from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.fleet import FleetFileError, load_fleet
 from schemas.telemetry import KvAllCleared, KvBlocksRemoved, KvBlocksStored
-from streams.collector import NOMINAL_KV_BLOCKS, kv_messages, parse_metrics, telemetry_of
+from streams.collector import (
+    NOMINAL_KV_BLOCKS,
+    NoEngineMetrics,
+    kv_messages,
+    parse_metrics,
+    telemetry_of,
+)
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "fleet.toml"
 
@@ -118,6 +124,48 @@ def test_a_standby_instance_is_ready_only_once_its_telemetry_says_so() -> None:
     assert view.ready("spare")
     view.observe(telemetry_of(spare, None))  # taken back: its port closed
     assert not view.ready("spare")
+
+
+def test_data_parallel_engines_add_their_requests_and_average_their_kv_use() -> None:
+    """vLLM with ``--data-parallel-size 2`` (a series per engine; 0.9.2 to 0.10 also
+    publish the old KV name beside the new) and SGLang with two DP ranks, priority
+    scheduling and metrics from every tensor-parallel rank."""
+    vllm = """\
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.4
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.2
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.4
+vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.2
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="4000"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="4000"} 1.0
+"""
+    scraped = parse_metrics(vllm, "vllm")
+    assert (scraped.running, scraped.waiting, scraped.kv_blocks_total) == (4, 2, 4000)
+    assert scraped.kv_usage == pytest.approx(0.3)
+    ranks = [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]  # (dp_rank, tp_rank)
+    sglang = "".join(
+        f'sglang:num_running_reqs{{dp_rank="{dp}",tp_rank="{tp}",priority=""}} 2.0\n'
+        f'sglang:num_running_reqs{{dp_rank="{dp}",tp_rank="{tp}",priority="1"}} 2.0\n'
+        f'sglang:num_queue_reqs{{dp_rank="{dp}",tp_rank="{tp}",priority=""}} 1.0\n'
+        f'sglang:token_usage{{dp_rank="{dp}",tp_rank="{tp}"}} {0.2 + 0.4 * int(dp)}\n'
+        f'sglang:max_total_num_tokens{{dp_rank="{dp}",tp_rank="{tp}"}} 16000\n'
+        for dp, tp in ranks
+    )
+    scraped = parse_metrics(sglang, "sglang")
+    assert (scraped.running, scraped.waiting, scraped.kv_blocks_total) == (4, 2, 2000)
+    assert scraped.kv_usage == pytest.approx(0.4)
+
+
+def test_an_exposition_without_the_engine_s_gauges_is_not_read_as_idle() -> None:
+    with pytest.raises(NoEngineMetrics, match="--disable-log-stats"):
+        parse_metrics("python_gc_objects_collected_total 1.0\n", "vllm")  # stats off
+    with pytest.raises(NoEngineMetrics, match="engine"):
+        parse_metrics(VLLM, "sglang")  # the fleet file names the wrong engine
+    unsized = VLLM.replace('num_gpu_blocks="2000"', 'num_gpu_blocks="None"')  # vLLM 0.8
+    assert parse_metrics(unsized, "vllm").kv_blocks_total is None
 
 
 def test_garbage_is_not_an_exposition() -> None:
