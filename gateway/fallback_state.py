@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from gateway.redis_state import REDIS_ERRORS, RedisState
 from gateway.state import (
+    SWEEP_AT,
     AdmissionLoads,
     InProgress,
     LocalState,
@@ -19,6 +20,7 @@ from gateway.state import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RedisAway(ConnectionError):
@@ -124,7 +126,10 @@ class FallbackState:
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
         held = cast(Outcome | InProgress | None, await self._run("claim", key, ttl_s))
         if held is None:
-            self._claimed[key] = time.monotonic() + ttl_s
+            now = time.monotonic()
+            self._claimed = _unexpired(self._claimed, now, lambda until: until)
+            self._claimed[key] = now + ttl_s
+            self._owed.pop(key, None)  # an end owed for an earlier claim must not free this one
         return held
 
     async def settle(self, key: str, outcome: Outcome, ttl_s: float) -> None:
@@ -134,31 +139,37 @@ class FallbackState:
         await self._keyed("release", key)
 
     async def _keyed(self, method: str, key: str, *args: Any) -> None:
-        """An idempotency key's settle or release goes to Redis even while Redis is
-        taken as away: the key may be held there (claimed before the outage, or by a
-        claim Redis applied but whose answer was lost), and left ``pending`` it would
-        answer the client's retries with 409 on every replica for the key's whole TTL.
-        Where Redis fails, it is done locally, and owed: sent again after each
-        reconcile until Redis takes it."""
-        claimed_until = self._claimed.pop(key, 0.0)
+        """An idempotency key's settle or release must reach Redis: the key may be held
+        there (claimed before an outage, or by a claim Redis applied but whose answer was
+        lost), and left ``pending`` it would answer the client's retries with 409 on
+        every replica for the key's whole TTL. Where Redis is away or fails, it is done
+        locally and owed: sent after each reconcile until Redis takes it (never while
+        the response waits: a settle ends a whole answer)."""
+        now = time.monotonic()
+        claimed_until = self._claimed.pop(key, now)
         self._owed.pop(key, None)
-        try:
-            await getattr(self.primary, method)(key, *args)
-        except REDIS_ERRORS:
-            until = time.monotonic() + args[-1] if method == "settle" else claimed_until
-            self._owed[key] = (method, args, until)
-            self._down_until = time.monotonic() + self.retry_s
-            self.on_fallback()
-            await getattr(self.fallback, method)(key, *args)
+        if not self.degraded:
+            try:
+                await getattr(self.primary, method)(key, *args)
+                return
+            except REDIS_ERRORS:
+                self._down_until = time.monotonic() + self.retry_s
+        until = now + args[-1] if method == "settle" else claimed_until
+        self._owed = _unexpired(self._owed, now, lambda owed: owed[2])
+        self._owed[key] = (method, args, until)
+        self.on_fallback()
+        await getattr(self.fallback, method)(key, *args)
 
     async def _pay_owed(self) -> None:
-        for key, (method, args, expires) in list(self._owed.items()):
-            if time.monotonic() < expires:
+        for key, owed in list(self._owed.items()):
+            method, args, until = owed
+            if time.monotonic() < until:
                 try:
                     await getattr(self.primary, method)(key, *args)
                 except REDIS_ERRORS:
                     return  # the next reconcile tries again
-            del self._owed[key]
+            if self._owed.get(key) is owed:  # not claimed or ended again meanwhile
+                del self._owed[key]
 
     async def admission_loads(
         self, own: str, slots: Mapping[str, SlotClaim] | None = None
@@ -169,4 +180,16 @@ class FallbackState:
         return cast(AdmissionLoads, loads)
 
     async def close(self) -> None:
-        await self.primary.close()
+        try:
+            if self._owed and not self.degraded:
+                await self._pay_owed()
+        finally:
+            await self.primary.close()
+
+
+def _unexpired(entries: dict[str, T], now: float, until: Callable[[T], float]) -> dict[str, T]:
+    """``entries`` without those past their time, once there are many (as ``LocalState``
+    sweeps its keys): entries of requests that never ended, or an outage's owed ends."""
+    if len(entries) <= SWEEP_AT:
+        return entries
+    return {key: entry for key, entry in entries.items() if until(entry) > now}

@@ -460,33 +460,35 @@ class RedisState:
             known.cleared(instance_id)
 
     async def reconcile(self) -> None:
-        """One script per pool this replica has counted in. On a cluster a pool whose
-        node fails does not keep the others' shares from their rewrite (without it they
-        expire, and the other replicas stop counting this one's work there); the first
-        failure is raised once every pool was tried."""
+        """One script per pool this replica has counted in, the pools at once. On a
+        cluster a pool whose node fails does not keep the others' shares from their
+        rewrite (without it they expire, and the other replicas stop counting this one's
+        work there), nor holds the replica's charges, which wait for the rewrite, for a
+        timeout per pool; the first failure is raised once every pool was tried."""
         async with self._gate.rewrite():
             pending, inflight = self._own.pending, self._own.inflight
             by_pool: dict[str, list[str]] = {}
             for i in sorted(pending.keys() | inflight.keys()):
                 by_pool.setdefault(self.shard_of(i) if self.cluster else "", []).append(i)
-            failures = []
-            for ids in by_pool.values():
-                key, prefix = self._pool(ids)
-                try:
-                    await self._sync(
-                        keys=[key],
-                        args=[
-                            *self._share(prefix),
-                            len(ids),
-                            *ids,
-                            *(pending.get(i, 0.0) for i in ids),
-                            *(inflight.get(i, 0.0) for i in ids),
-                        ],
-                    )
-                except REDIS_ERRORS as exc:
-                    failures.append(exc)
-            if failures:
+            rewrites = (self._rewrite(ids, pending, inflight) for ids in by_pool.values())
+            done = await asyncio.gather(*rewrites, return_exceptions=True)
+            if failures := [outcome for outcome in done if isinstance(outcome, BaseException)]:
                 raise failures[0]
+
+    async def _rewrite(
+        self, ids: list[str], pending: Mapping[str, float], inflight: Mapping[str, float]
+    ) -> None:
+        key, prefix = self._pool(ids)
+        await self._sync(
+            keys=[key],
+            args=[
+                *self._share(prefix),
+                len(ids),
+                *ids,
+                *(pending.get(i, 0.0) for i in ids),
+                *(inflight.get(i, 0.0) for i in ids),
+            ],
+        )
 
     def _share(self, prefix: str) -> list[Any]:
         return [prefix, self.replica, self.share_ttl_s]

@@ -173,7 +173,7 @@ class Accounting:
         self.inflight[instance_id] = self.inflight.get(instance_id, 0.0) + inflight
 
 
-_SWEEP_AT = 10_000
+SWEEP_AT = 10_000
 """Past this many idempotency keys, expired ones are dropped."""
 
 
@@ -247,7 +247,7 @@ class LocalState:
 
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
         now = time.monotonic()
-        if len(self._keys) > _SWEEP_AT:
+        if len(self._keys) > SWEEP_AT:
             self._keys = {k: v for k, v in self._keys.items() if v[1] > now}
         held = self._keys.get(key)
         if held is not None and held[1] > now:

@@ -28,9 +28,11 @@ IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 # The product's settings from the shell that runs the tests (an operator's Kafka and Redis
 # among them) reach neither the code under test nor the processes it starts: the tests'
-# own services are named apart (``tests/services.py``).
+# own services are named apart (``tests/services.py``). Where downloads and data live
+# stays (the Kafka jars ``./dev test`` fetched, the traces).
+_KEPT = ("TOKENFLEET_TEST_", "TOKENFLEET_CACHE", "TOKENFLEET_TRACES", "TOKENFLEET_CALIBRATION")
 for _setting in [name for name in os.environ if name.startswith("TOKENFLEET_")]:
-    if not _setting.startswith("TOKENFLEET_TEST_"):
+    if not _setting.startswith(_KEPT):
         del os.environ[_setting]
 _USED: list[Service] = []
 

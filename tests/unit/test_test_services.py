@@ -11,8 +11,9 @@ from tests.services import kafka_service, redis_service
 
 
 def test_no_product_setting_of_the_shell_reaches_the_tests() -> None:
+    kept = ("TOKENFLEET_TEST_", "TOKENFLEET_CACHE", "TOKENFLEET_TRACES", "TOKENFLEET_CALIBRATION")
     assert [name for name in os.environ if name.startswith("TOKENFLEET_")] == [
-        name for name in os.environ if name.startswith("TOKENFLEET_TEST_")
+        name for name in os.environ if name.startswith(kept)
     ]
 
 
