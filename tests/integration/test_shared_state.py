@@ -491,3 +491,33 @@ async def test_a_pool_whose_node_fails_leaves_the_others_rewritten(redis_cluster
     finally:
         await state.close()
         await nodes.aclose()
+
+
+@pytest.mark.redis
+async def test_an_end_owed_for_an_earlier_claim_does_not_free_a_newer_one(tmp_path: Path) -> None:
+    """The first request's release is owed; its client's retry claims the key again (here
+    locally) and runs: paying the old release would free the key for a third run."""
+    server = LocalRedis(tmp_path)
+    url = server.start()
+    own = Accounting()
+    state = FallbackState(
+        RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=0.1
+    )
+    admin = Redis.from_url(url)
+    peer = RedisState(url, replica="peer")
+    answer = Outcome(200, "application/json", b"{}")
+    try:
+        assert await state.claim("key", 600.0) is None
+        await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        await state.release("key")  # times out: owed
+        assert await state.claim("key", 600.0) is None  # the retry, while Redis is away
+        await asyncio.sleep(1.2)
+        await state.reconcile()
+        assert await peer.claim("key", 600.0) is IN_PROGRESS  # the retry still runs
+        await state.settle("key", answer, 600.0)
+        assert await peer.claim("key", 600.0) == answer
+    finally:
+        await peer.close()
+        await admin.aclose()
+        await state.close()
+        server.stop()
