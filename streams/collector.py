@@ -54,6 +54,8 @@ class Scraped:
     prefix_hits: float = 0.0
     prefix_queries: float = 0.0
     preemptions: float = 0.0
+    asleep: bool = False
+    """vLLM's engines are all put to sleep (``/sleep``: weights offloaded or dropped)."""
 
 
 _VLLM = {
@@ -65,6 +67,7 @@ _VLLM = {
     "vllm:prefix_cache_queries": "prefix_queries",
     "vllm:num_preemptions": "preemptions",
     "vllm:cache_config_info": "cache_config",
+    "vllm:engine_sleep_state": "sleep_state",
 }
 _SGLANG = {
     "sglang:num_running_reqs": "running",
@@ -118,10 +121,14 @@ def parse_metrics(text: str, engine: str) -> Scraped:
     names = _VLLM if engine == "vllm" else _SGLANG
     series: dict[str, list[float]] = {}
     blocks, block_size = 0, 16
+    awake: list[float] = []
     for name, labels, value in samples(text):
         # Counters are exposed as ``name_total`` (with ``name_created`` beside them).
         field = names.get(name.removesuffix("_total"))
-        if field == "cache_config":
+        if field == "sleep_state":
+            if labels.get("sleep_state") == "awake":  # 1 awake, 0 asleep; one per engine
+                awake.append(value)
+        elif field == "cache_config":
             # One series per data-parallel engine, each with the engines' sum already.
             blocks = max(blocks, _whole(labels.get("num_gpu_blocks")))
             block_size = _whole(labels.get("block_size")) or block_size
@@ -148,6 +155,7 @@ def parse_metrics(text: str, engine: str) -> Scraped:
         prefix_hits=figures.get("prefix_hits", 0.0),
         prefix_queries=figures.get("prefix_queries", 0.0),
         preemptions=figures.get("preemptions", 0.0),
+        asleep=bool(awake) and not any(awake),
     )
 
 
@@ -182,7 +190,7 @@ def telemetry_of(instance: InstanceConfig, scraped: Scraped | None) -> InstanceT
         dc=instance.dc,
         model=instance.model,
         model_version=instance.version,
-        ready=True,
+        ready=not scraped.asleep,
         waiting=scraped.waiting,
         running=scraped.running,
         inflight_tokens=0,

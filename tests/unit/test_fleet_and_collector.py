@@ -168,6 +168,23 @@ def test_an_exposition_without_the_engine_s_gauges_is_not_read_as_idle() -> None
     assert parse_metrics(unsized, "vllm").kv_blocks_total is None
 
 
+def test_a_vllm_server_whose_engines_sleep_is_not_ready() -> None:
+    """vLLM's ``/sleep`` offloads or drops the weights: the server answers, and would
+    read as idle, but runs nothing until ``/wake_up``."""
+    fleet = load_fleet(EXAMPLE)
+
+    def state(*awake: int) -> str:
+        return VLLM + "".join(
+            f'vllm:engine_sleep_state{{engine="{n}",sleep_state="awake"}} {a}\n'
+            f'vllm:engine_sleep_state{{engine="{n}",sleep_state="weights_offloaded"}} {1 - a}\n'
+            for n, a in enumerate(awake)
+        )
+
+    assert not telemetry_of(fleet.instances[0], parse_metrics(state(0, 0), "vllm")).ready
+    assert telemetry_of(fleet.instances[0], parse_metrics(state(0, 1), "vllm")).ready
+    assert telemetry_of(fleet.instances[0], parse_metrics(state(1), "vllm")).ready
+
+
 def test_garbage_is_not_an_exposition() -> None:
     with pytest.raises(ValueError, match="not a Prometheus sample"):
         parse_metrics("<html>not found</html>", "vllm")
