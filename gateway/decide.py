@@ -120,6 +120,10 @@ class Decider:
         self.metrics = metrics
         self.quotas: LastKnown[AdmissionQuotas] = LastKnown()
         self.weights: LastKnown[RoutingWeights] = LastKnown()
+        # Read at each scrape: set per request, the gauge stood still while no request came.
+        defaults = metrics.control_defaults
+        defaults.labels("quotas").set_function(lambda: self.quotas.current(local_dc) is None)
+        defaults.labels("weights").set_function(lambda: self.weights.current(local_dc) is None)
         self._make_router = make_router
         self._routers: dict[tuple[str, str], Router] = {}
         self._turn = 0
@@ -137,7 +141,6 @@ class Decider:
     async def take_quota(self, inbound: Inbound) -> None:
         """Take the request's tokens from its quota's bucket; ApiError(429) if empty."""
         quotas = self.quotas.current(self.local_dc)
-        self.metrics.control_defaults.labels("quotas").set(quotas is None)
         tokens = inbound.input_tokens + inbound.output_budget
         draw = None
         if quotas is not None:
@@ -197,7 +200,6 @@ class Decider:
         every replica; the rate every replica sends there (the others' as last shared);
         the operator's capacity figure; the controller's weights."""
         weights = self.weights.current(self.local_dc)
-        self.metrics.control_defaults.labels("weights").set(weights is None)
         weight = weights_of(weights, model, task_class)
         config = self.view.fleet.model(model)
         per_instance = None if config is None else config.rps_per_instance

@@ -9,7 +9,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from schemas import Envelope
 
-_ADDED_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+_ADDED_BUCKETS = (
+    *(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+    *(0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+"""The gateway's own work takes a millisecond or so; a request admission holds, or that an
+instance or DC failed first, waits seconds (a batch request up to its deadline)."""
 
 
 class GatewayMetrics:
@@ -25,8 +30,8 @@ class GatewayMetrics:
         )
         self.decisions = Counter(
             "tokenfleet_gateway_decisions",
-            "Routing decisions, by policy and chosen instance.",
-            ("policy", "instance"),
+            "Routing decisions, by policy and chosen instance (its id in the fleet file).",
+            ("policy", "instance_id"),
             registry=r,
         )
         self.in_progress = Gauge(
@@ -36,8 +41,9 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter(
             "tokenfleet_gateway_upstream_errors",
-            "Failed upstream calls, by instance and whether tokens had streamed.",
-            ("instance", "stage"),
+            "Failed upstream calls, by instance (its id in the fleet file) and whether tokens "
+            "had streamed.",
+            ("instance_id", "stage"),
             registry=r,
         )
         self.retries = Counter(
@@ -60,7 +66,9 @@ class GatewayMetrics:
         )
         self.added_latency = Histogram(
             "tokenfleet_gateway_added_latency_seconds",
-            "Time from a request's arrival to its upstream call: the gateway's own work.",
+            "Time from a request's arrival to its upstream call: the gateway's own work, "
+            "and for a request admission held, or that an instance or DC failed first, "
+            "that wait too.",
             registry=r,
             buckets=_ADDED_BUCKETS,
         )

@@ -28,6 +28,8 @@ from schemas.tables import CapacityTable, GoodputTable, KvTable
 from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved, KvBlocksStored
 
 DAY_MS = 24 * 3600 * 1000
+COMPACTED_SEGMENT_MS = 10 * 60 * 1000
+"""A compacted topic closes a segment every 10 minutes, which the cleaner then compacts."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,14 @@ class Topic:
     def broker_config(self) -> dict[str, str]:
         """Topic-level settings for the broker, as ``kafka-topics --config`` takes them."""
         if self.compacted:
-            return {"cleanup.policy": "compact", "min.compaction.lag.ms": "0"}
+            # A segment is compacted only once closed: at Kafka's default (7 days), every
+            # table published for a week stays for readers to go through (``status``, a
+            # restarted gateway), about 300,000 per DC at one every 2 s.
+            return {
+                "cleanup.policy": "compact",
+                "min.compaction.lag.ms": "0",
+                "segment.ms": str(COMPACTED_SEGMENT_MS),
+            }
         return {"cleanup.policy": "delete", "retention.ms": str(self.retention_ms)}
 
 

@@ -258,8 +258,8 @@ class Collector:
         self._without_feed: set[str] = set()
         self._unpublished: set[str] = set()
         """Instances whose KV events were read but could not be published."""
-        self._without_gauges: set[str] = set()
-        """Instances warned of as answering without their engine's request gauges."""
+        self._unread: dict[str, str] = {}
+        """Instances whose last scrape failed, and why (warned of once, not every scrape)."""
 
     async def scrape_once(self) -> list[InstanceTelemetry]:
         scraped = await asyncio.gather(*(self._scrape(i) for i in self.instances))
@@ -306,15 +306,14 @@ class Collector:
                 response.raise_for_status()
                 text = await response.text()
             scraped = parse_metrics(text, instance.engine)
-        except NoEngineMetrics as exc:  # a setting to change: said once, not every scrape
-            if instance.id not in self._without_gauges:
-                self._without_gauges.add(instance.id)
-                log.warning("%s is published not ready: %s", instance.id, exc)
-            return None
         except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
-            log.info("scraping %s failed: %s", instance.id, exc)
+            why = str(exc) if isinstance(exc, NoEngineMetrics) else type(exc).__name__
+            if self._unread.get(instance.id) != why:
+                log.warning("%s is published not ready: scraping %s: %s", instance.id, url, exc)
+            self._unread[instance.id] = why
             return None
-        self._without_gauges.discard(instance.id)
+        if self._unread.pop(instance.id, None) is not None:
+            log.warning("%s answers again: published ready", instance.id)
         return scraped
 
     async def _kv_events(self, instance: InstanceConfig) -> list[KvMessage]:

@@ -198,6 +198,7 @@ def _per_class(dcs: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]:
         for row in dc["classes"]:
             labels = (dc["dc"], row["task_class"])
             goodput.add_metric(labels, row["goodput_tokens_per_s"])
-            compliance.add_metric(labels, row["compliance"])
+            if row["compliance"] is not None:  # a class whose requests all failed or left
+                compliance.add_metric(labels, row["compliance"])
     yield goodput
     yield compliance

@@ -209,7 +209,7 @@ def _class_row(row: GoodputRow) -> dict[str, Any]:
         "completed": row.completed,
         "goodput_tokens_per_s": row.goodput_tokens_per_s,
         "output_tokens_per_s": row.output_tokens_per_s,
-        "compliance": row.compliance,
+        "compliance": row.compliance if row.completed else None,  # nothing completed: none
         "ttft_p95_s": row.ttft_p95_s,
         "failures": row.failures + row.timeouts,
         "cancellations": row.cancellations,

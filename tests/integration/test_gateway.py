@@ -92,7 +92,7 @@ async def test_the_answer_names_the_instance_and_metrics_count_it(front: Gateway
     assert response.status_code == 200
     instance = response.headers["x-tokenfleet-instance"]
     assert instance in {"i0", "i1"}
-    assert await metric(front, "tokenfleet_gateway_decisions_total", instance=instance) == 1
+    assert await metric(front, "tokenfleet_gateway_decisions_total", instance_id=instance) == 1
     assert await metric(front, "tokenfleet_gateway_requests_total", status="200") == 1
     assert await metric(front, "tokenfleet_gateway_added_latency_seconds_count") == 1
     assert await metric(front, "tokenfleet_gateway_token_lag_seconds", model=MODEL) == 0.004

@@ -156,3 +156,20 @@ def test_the_fetched_kafka_jars_are_the_pinned_ones() -> None:
     if not (lib.parent / "complete").exists():
         pytest.skip("Kafka's jars are not fetched here (tokenfleet kafka fetch)")
     assert kafka._unpinned(lib) == []
+
+
+def test_status_gives_up_on_a_broker_that_never_answers(
+    taken_port: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A listener that accepts and never answers: aiokafka would wait its own timeouts."""
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", f"127.0.0.1:{taken_port}")
+    assert main(["status", "--timeout", "1", "--home", "/nonexistent"]) == 2
+    assert "did not give the topics within 1 s" in capsys.readouterr().err
+
+
+def test_status_reads_its_dcs_from_a_fleet_file(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # never reached
+    assert main(["status", "--fleet", str(tmp_path / "none.toml")]) == 2
+    assert "cannot read fleet file" in capsys.readouterr().err

@@ -46,7 +46,7 @@ def controller_metrics() -> Exported:
     for message in (
         goodput("dc-a", 1, 990.0, met=90, tokens_per_s=100.0),
         capacity("dc-a", 1, 990.0),
-        quotas("dc-a", 990.0, limit=4),
+        quotas("dc-a", 990.0, limit=4, batch=8),
         weights(990.0, dc_a=1.0),
         placement("dc-a", 990.0, replicas=2),
     ):
@@ -104,7 +104,7 @@ def exported_by(collector: Collector) -> Exported:
 @pytest.mark.parametrize(
     ("dashboard", "prefix", "panels", "exporting"),
     [
-        ("tokenfleet-controller.json", "tokenfleet_controller_", 8, controller_metrics),
+        ("tokenfleet-controller.json", "tokenfleet_controller_", 9, controller_metrics),
         ("tokenfleet-worker.json", "tokenfleet_worker_", 3, worker_metrics),
     ],
 )

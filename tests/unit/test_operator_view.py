@@ -187,6 +187,25 @@ def test_a_class_with_nothing_ended_in_the_window_is_left_out() -> None:
     assert [row["task_class"] for row in dc["classes"]] == ["interactive"]
 
 
+def test_a_class_that_completed_nothing_has_no_compliance_rather_than_none_in_time() -> None:
+    """Its requests all failed or left: 0 % in time would read as every one late."""
+    view = OperatorView(Clock())
+    table = goodput("dc-a", 1, 990.0, met=90, tokens_per_s=10.0)
+    cancelled = table.classes[0].model_copy(
+        update={"key": "batch", "completed": 0, "compliance": 0.0, "cancellations": 4}
+    )
+    view.apply(table.model_copy(update={"classes": (*table.classes, cancelled)}))
+    [dc] = view.state()["dcs"]
+    assert [row["compliance"] for row in dc["classes"]] == [0.9, None]
+    samples = {
+        (s.labels["task_class"], s.value)
+        for family in ViewMetrics(view).collect()
+        if family.name == "tokenfleet_controller_compliance"
+        for s in family.samples
+    }
+    assert samples == {("interactive", 0.9)}
+
+
 def test_tables_from_two_table_workers_are_named_counted_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

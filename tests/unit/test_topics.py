@@ -27,6 +27,8 @@ def test_compacted_topics_carry_versioned_snapshots_and_keep_them(t) -> None:
     assert t.partitions >= 1
     config = t.broker_config()
     assert config["cleanup.policy"] == ("compact" if t.compacted else "delete")
+    if t.compacted:  # compacted within minutes, not after Kafka's default week
+        assert int(config["segment.ms"]) <= 60 * 60 * 1000
 
 
 def test_the_design_topics_exist() -> None:

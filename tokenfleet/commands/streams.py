@@ -146,8 +146,8 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
         "per scope, how old each table and its telemetry are, which table workers (app "
         "ids) published each DC's tables in the last minute, and how long each control "
         "has left; exits 0 when the loop is closed (every table fresh and from one "
-        "worker, controls in force), 1 when not, saying why. Needs "
-        "TOKENFLEET_KAFKA_BOOTSTRAP.",
+        "worker, controls in force), 1 when not, saying why, 2 when the broker cannot be "
+        "read. Needs TOKENFLEET_KAFKA_BOOTSTRAP.",
     )
     status.add_argument(
         "--stale-after",
@@ -158,7 +158,20 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
     status.add_argument(
         "--dc",
         action="append",
-        help="only this DC's tables and controls (repeat for several; default: every DC)",
+        help="only this DC's tables and controls (repeat for several; default: every DC "
+        "the topics hold, a retired one's last tables included)",
+    )
+    status.add_argument(
+        "--fleet",
+        type=Path,
+        help="only the DCs of this fleet file (the topics keep a retired DC's last tables "
+        "and controls, which would read as stale for good)",
+    )
+    status.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=60.0,
+        help="seconds to read the topics in before giving up with exit 2 (default: 60)",
     )
     status.add_argument(
         "--home",
@@ -174,6 +187,7 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
 def _status(args: argparse.Namespace) -> int:
     import time
 
+    from schemas.fleet import FleetFileError, load_fleet
     from tokenfleet.deployment import Deployment
     from tokenfleet.loop_status import (
         loop_checks,
@@ -187,13 +201,21 @@ def _status(args: argparse.Namespace) -> int:
     bootstrap = broker(args.home)
     recorded = deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
     parts = deployment.pids() if recorded == bootstrap else {}  # another broker's, else
+    dcs = args.dc
+    if args.fleet is not None:
+        try:
+            dcs = [*(dcs or ()), *(dc.name for dc in load_fleet(args.fleet).dcs)]
+        except FleetFileError as exc:
+            raise CliError(str(exc)) from None
     try:
-        found = asyncio.run(read_broker(bootstrap))
+        found = asyncio.run(asyncio.wait_for(read_broker(bootstrap), args.timeout))
+    except TimeoutError:
+        raise CliError(f"{bootstrap} did not give the topics within {args.timeout:g} s") from None
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
     now = time.time()
-    checks = process_checks(parts) + loop_checks(found.latest, now, args.stale_after, args.dc)
-    checks += publisher_checks(found.published, now, args.dc)
+    checks = process_checks(parts) + loop_checks(found.latest, now, args.stale_after, dcs)
+    checks += publisher_checks(found.published, now, dcs)
     for check in checks:
         print(f"{'ok ' if check.ok else 'NO '} {check.what:20} {check.key:16} {check.detail}")
     closed, why = verdict(checks)
