@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -108,6 +109,8 @@ class Exchange:
         self.spawn = spawn
         self.books = TripBooks(state, events, decider.admission, metrics, spawn, idempotency_ttl_s)
         self._deciding = asyncio.Lock()
+        self._headers = {i.id: _JSON | i.auth_headers(os.environ) for i in view.fleet.instances}
+        """Per instance, the headers of a call to it (its key, where it has one)."""
 
     async def serve(
         self,
@@ -263,7 +266,8 @@ class Exchange:
         for row in plan.order[:2]:
             instance = plan.pool.instances[row]
             try:
-                async with self.client.post(_url(instance, path), data=body, headers=_JSON) as up:
+                headers = self._headers[instance.id]
+                async with self.client.post(_url(instance, path), data=body, headers=headers) as up:
                     answer = await up.read()
                     return Response(answer, up.status, media_type=up.content_type)
             except UPSTREAM_ERRORS as exc:
@@ -278,7 +282,9 @@ class Exchange:
         """The instance's response, its status below 500; UpstreamFailed otherwise."""
         assert self.client is not None, "the app's lifespan has not started"
         try:
-            upstream = await self.client.post(_url(instance, path), data=body, headers=_JSON)
+            upstream = await self.client.post(
+                _url(instance, path), data=body, headers=self._headers[instance.id]
+            )
         except UPSTREAM_ERRORS as exc:
             self.metrics.upstream_errors.labels(instance.id, "connect").inc()
             raise UpstreamFailed(f"{instance.id}: {type(exc).__name__}") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,12 +64,31 @@ class InstanceConfig(Frozen):
     model: Identifier
     version: Identifier = "1"
     engine: Literal["vllm", "sglang"] = "vllm"
+    api_key_env: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="The environment variable holding the key the server was started with "
+        "(vLLM's and SGLang's `--api-key`): gateways send it as `Authorization: Bearer`, "
+        "the collector with its scrapes (unset: no key). A variable, not the key: fleet "
+        "files are shared and committed.",
+    )
     standby: bool = Field(
         default=False,
         description="A GPU kept for one more replica: down until FleetMind's long cycle "
         "places a replica on it (``tf.control.placement``), and down again when it takes "
         "the replica back. Gateways count it not ready until its telemetry says otherwise.",
     )
+
+    def auth_headers(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """The header a call to the server carries: its key from ``environ`` where
+        ``api_key_env`` names one; ValueError where that variable is unset, so that a
+        process refuses to start rather than have every call refused."""
+        if self.api_key_env is None:
+            return {}
+        key = environ.get(self.api_key_env)
+        if not key:
+            raise ValueError(f"instance {self.id}: {self.api_key_env} (its api_key_env) is unset")
+        return {"authorization": f"Bearer {key}"}
 
 
 class TenantConfig(Frozen):

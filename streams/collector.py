@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -248,6 +249,7 @@ class Collector:
         kv_interval_s: float = 1.0,
     ) -> None:
         self.instances = tuple(instances)
+        self._headers = {i.id: i.auth_headers(os.environ) for i in self.instances}
         self.bus = bus
         self.client = client
         self.interval_s = interval_s
@@ -302,7 +304,10 @@ class Collector:
     async def _scrape(self, instance: InstanceConfig) -> Scraped | None:
         url = f"{str(instance.url).rstrip('/')}/metrics"
         try:
-            async with asyncio.timeout(self.timeout_s), self.client.get(url) as response:
+            async with (
+                asyncio.timeout(self.timeout_s),
+                self.client.get(url, headers=self._headers[instance.id]) as response,
+            ):
                 response.raise_for_status()
                 text = await response.text()
             scraped = parse_metrics(text, instance.engine)
@@ -325,7 +330,7 @@ class Collector:
         try:
             async with (
                 asyncio.timeout(self.timeout_s),
-                self.client.get(url, params=params) as response,
+                self.client.get(url, params=params, headers=self._headers[instance.id]) as response,
             ):
                 if response.status == 404:
                     log.info("%s serves no KV events over HTTP", instance.id)

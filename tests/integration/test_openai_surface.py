@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import openai
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from control.tokens import count_tokens
 from schemas.lifecycle import FirstToken, RequestCompleted, RequestFailed
@@ -25,12 +26,14 @@ from tests.gateway_harness import (
     MODEL,
     Gateway,
     chat,
+    chat_answer,
     emulated,
     fake_instance,
     fleet_for,
     gateway,
     http_server,
     scraped,
+    vllm_metrics,
 )
 
 TOOLS = [
@@ -483,3 +486,53 @@ async def test_a_client_that_waits_to_upload_an_oversized_body_hears_413_first(
     status = await asyncio.wait_for(reader.readline(), 5)
     writer.close()
     assert status.startswith(b"HTTP/1.1 413")
+
+
+async def test_a_server_started_with_an_api_key_gets_its_key_not_the_client_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's ``--api-key``: the gateway sends the server's own key, from the variable
+    the fleet file names, on completions, pass-through calls and the scrapes."""
+    monkeypatch.setenv("UPSTREAM_KEY_A", "sk-upstream")
+    seen: list[tuple[str, str | None]] = []
+
+    def keyed(answer: Callable[[Request], Awaitable[Response]]) -> Callable[..., Any]:
+        async def check(request: Request) -> Response:
+            seen.append((request.url.path, request.headers.get("authorization")))
+            if request.headers.get("authorization") != "Bearer sk-upstream":
+                return JSONResponse({"error": {"message": "Unauthorized"}}, status_code=401)
+            return await answer(request)
+
+        return check
+
+    async def metrics(_: Request) -> Response:
+        return vllm_metrics(waiting=0, running=0)
+
+    async def completion(_: Request) -> Response:
+        return chat_answer()
+
+    async def tokenized(_: Request) -> Response:
+        return JSONResponse({"count": 1, "max_model_len": 8192, "tokens": [1]})
+
+    instance = Starlette(
+        routes=[
+            Route("/metrics", keyed(metrics)),
+            Route("/v1/chat/completions", keyed(completion), methods=["POST"]),
+            Route("/tokenize", keyed(tokenized), methods=["POST"]),
+        ]
+    )
+    async with http_server(instance) as url:
+        fleet = fleet_for([url])
+        keyed_fleet = fleet.model_copy(
+            update={
+                "instances": (
+                    fleet.instances[0].model_copy(update={"api_key_env": "UPSTREAM_KEY_A"}),
+                )
+            }
+        )
+        async with gateway(keyed_fleet) as front, front.client() as http:
+            answer = await http.post("/v1/chat/completions", json=chat("hello " * 10))
+            counted = await http.post("/tokenize", json={"model": MODEL, "prompt": "hello"})
+    assert (answer.status_code, counted.status_code) == (200, 200)
+    assert {path for path, _ in seen} == {"/metrics", "/v1/chat/completions", "/tokenize"}
+    assert {key for _, key in seen} == {"Bearer sk-upstream"}  # never the tenant's KEY

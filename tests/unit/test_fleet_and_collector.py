@@ -211,3 +211,12 @@ def test_kv_events_become_one_message_per_run_in_order() -> None:
     assert isinstance(cleared, KvAllCleared)
     assert cleared.reason == "instance restarted"
     assert stored.block_hashes == (4,)
+
+
+def test_an_instance_s_key_comes_from_the_variable_its_fleet_file_names() -> None:
+    instance = load_fleet(EXAMPLE).instances[0]
+    assert instance.auth_headers({"ANY": "x"}) == {}  # no api_key_env: no key
+    keyed = instance.model_copy(update={"api_key_env": "VLLM_KEY_A0"})
+    assert keyed.auth_headers({"VLLM_KEY_A0": "sk-1"}) == {"authorization": "Bearer sk-1"}
+    with pytest.raises(ValueError, match=r"a-0: VLLM_KEY_A0 \(its api_key_env\) is unset"):
+        keyed.auth_headers({})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 from collections.abc import Awaitable
@@ -262,7 +263,9 @@ def _collect(args: argparse.Namespace) -> int:
     bootstrap = broker()
     try:
         fleet = load_fleet(args.fleet)
-    except FleetFileError as exc:
+        for instance in fleet.instances:
+            instance.auth_headers(os.environ)  # refused now, not on every scrape
+    except (FleetFileError, ValueError) as exc:
         raise CliError(str(exc)) from None
 
     async def run() -> None:
