@@ -75,6 +75,8 @@ _SGLANG = {
     "sglang:num_queue_reqs": "waiting",
     "sglang:token_usage": "kv_usage",
     "sglang:max_total_num_tokens": "total_tokens",
+    "sglang:prompt_tokens": "prefix_queries",
+    "sglang:cached_tokens": "prefix_hits",
     "sglang:cache_hit_rate": "hit_rate",
 }
 _SHARES = frozenset({"kv_usage", "kv_usage_before_0_10", "hit_rate"})
@@ -144,7 +146,10 @@ def parse_metrics(text: str, engine: str) -> Scraped:
     figures: dict[str, float] = {f: fmean(v) if f in _SHARES else sum(v) for f, v in series.items()}
     if total_tokens := figures.get("total_tokens"):
         blocks = max(int(total_tokens) // block_size, 1)
-    if (hit_rate := figures.get("hit_rate")) is not None:  # a rate: over a nominal 1,000 queries
+    hit_rate = figures.get("hit_rate")
+    if hit_rate is not None and "prefix_queries" not in figures:
+        # An SGLang without the tokenizer's counters: its last prefill batch's rate, over a
+        # nominal 1,000 queries (a counter that never grows: the tables read no rate).
         figures["prefix_queries"], figures["prefix_hits"] = 1000.0, 1000.0 * hit_rate
     kv_usage = figures.get("kv_usage", figures.get("kv_usage_before_0_10", 0.0))
     return Scraped(

@@ -107,6 +107,19 @@ def test_sglang_metrics_become_telemetry() -> None:
     assert telemetry.prefix_cache_hits == 300
 
 
+def test_sglang_s_token_counters_are_its_prefix_cache_counters() -> None:
+    """Counters, which the capacity tables read over their window (its per-batch hit rate
+    is read only where they are missing)."""
+    counters = SGLANG + (
+        'sglang:prompt_tokens_total{model_name="m",is_streaming="true"} 600.0\n'
+        'sglang:prompt_tokens_total{model_name="m",is_streaming="false"} 400.0\n'
+        'sglang:cached_tokens_total{model_name="m",cache_source="device"} 250.0\n'
+        'sglang:cached_tokens_total{model_name="m",cache_source="host"} 50.0\n'
+    )
+    scraped = parse_metrics(counters, "sglang")
+    assert (scraped.prefix_hits, scraped.prefix_queries) == (300.0, 1000.0)
+
+
 def test_an_instance_that_did_not_answer_is_not_ready() -> None:
     fleet = load_fleet(EXAMPLE)
     assert not telemetry_of(fleet.instances[1], None).ready
