@@ -497,7 +497,10 @@ def _upstream_client(settings: GatewaySettings) -> aiohttp.ClientSession:
         sock_connect=settings.upstream_connect_timeout_s,
         sock_read=settings.upstream_read_timeout_s,
     )
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    # Idle connections closed before the servers close them: vLLM's and SGLang's uvicorn
+    # drop one after 5 s, and a request sent on a connection being closed fails, which
+    # would count against a healthy instance.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
     return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import time
@@ -38,7 +39,7 @@ import aiohttp
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from control.pipeline import Charge
 from gateway.decide import INDEX_STRIDE, Decider, Plan
@@ -62,6 +63,8 @@ from schemas.openai_api import REQUEST_ID_HEADER, ApiError
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
 _JSON = {"content-type": "application/json"}
 
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -404,11 +407,18 @@ async def _head(events: AsyncIterator[bytes]) -> list[tuple[bytes, Seen]]:
     return head
 
 
+WRITE_STALL_S = 60.0
+"""A stream whose client takes nothing for this long (its connection open, its reading
+stopped) is given up as a client that left: waiting on it held the instance's sequence,
+its charges and its admission slot for as long as the connection stayed open."""
+
+
 class RelayedStream(StreamingResponse):
     """A relayed stream that calls each of ``on_end`` once it has ended, however it ended:
-    after its last event, when its client left, or when the server failed the response
-    before the first (an ASGI 2.4 server raises from ``send`` once the client left; the
-    body is then never iterated, and a ``finally`` inside it would not run)."""
+    after its last event, when its client left or stopped reading (``WRITE_STALL_S``), or
+    when the server failed the response before the first (an ASGI 2.4 server raises from
+    ``send`` once the client left; the body is then never iterated, and a ``finally``
+    inside it would not run)."""
 
     def __init__(
         self, events: AsyncIterator[bytes], on_end: Callable[[], None], headers: dict[str, str]
@@ -417,8 +427,14 @@ class RelayedStream(StreamingResponse):
         self.on_end = [on_end]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_unless_stalled(message: Message) -> None:
+            async with asyncio.timeout(WRITE_STALL_S):
+                await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_unless_stalled)
+        except* TimeoutError:  # raised in starlette's task group
+            log.info("a client took nothing of its stream for %.0f s: given up", WRITE_STALL_S)
         finally:
             for ended in self.on_end:
                 ended()

@@ -167,7 +167,9 @@ async def running_gateway(
         with socket.create_server((host, port)) as listening:
             controlled = settings.admission in CONTROLLED
             address = f"{host}:{port}"
-            async with _serving(app, listening, fleet, bus, services, address, controlled):
+            async with _serving(
+                app, listening, fleet, bus, services, address, controlled, settings.drain_s
+            ):
                 yield app
     finally:
         await state.close()
@@ -183,11 +185,16 @@ async def _serving(
     services: Settings,
     address: str,
     controlled: bool,
+    drain_s: int,
 ) -> AsyncIterator[None]:
     """uvicorn on the bound socket, and in embedded mode the collector, the tables, for an
     admission policy a controller steers (``controlled``) its controller, and for a fleet
-    of several DCs FleetMind's weights controller."""
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    of several DCs FleetMind's weights controller. At the end, requests in progress get
+    ``drain_s`` to finish; then uvicorn cancels them, and each closes its books."""
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, timeout_graceful_shutdown=drain_s
+    )
+    server = uvicorn.Server(config)
     tasks = [asyncio.create_task(server.serve([listening]))]
     async with aiohttp.ClientSession() as scraper:
         if services.kafka_bootstrap is None:  # embedded: the collector and tables run here

@@ -5,10 +5,12 @@ the model routes, and bad input answered in OpenAI's format."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -536,3 +538,79 @@ async def test_a_server_started_with_an_api_key_gets_its_key_not_the_client_s(
     assert (answer.status_code, counted.status_code) == (200, 200)
     assert {path for path, _ in seen} == {"/metrics", "/v1/chat/completions", "/tokenize"}
     assert {key for _, key in seen} == {"Bearer sk-upstream"}  # never the tenant's KEY
+
+
+async def test_a_client_that_stops_reading_its_stream_is_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its connection stays open, so no disconnect is seen: without a limit the gateway
+    waited on it for good, holding the instance's sequence and the request's slot."""
+    monkeypatch.setattr("gateway.exchange.WRITE_STALL_S", 0.5)
+    ended = asyncio.Event()
+
+    async def stream(_: Request) -> StreamingResponse:
+        base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": MODEL}
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                while True:  # a long answer, in large pieces
+                    delta = {"index": 0, "delta": {"content": "x" * 65536}, "finish_reason": None}
+                    yield f"data: {json.dumps({**base, 'choices': [delta]})}\n\n".encode()
+                    await asyncio.sleep(0)
+            finally:
+                ended.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async with (
+        http_server(fake_instance("/v1/chat/completions", stream)) as upstream,
+        gateway(fleet_for([upstream])) as front,
+    ):
+        host, port = front.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps(chat("a long answer please", stream=True)).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
+            + f"authorization: Bearer {KEY}\r\ncontent-type: application/json\r\n".encode()
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        await reader.read(1024)  # the answer began; then nothing more is read
+        await asyncio.wait_for(ended.wait(), timeout=30)  # the upstream call was closed
+        assert await scraped(front.url, "tokenfleet_gateway_requests_in_progress") == 0
+        writer.close()
+
+
+async def test_a_stopping_gateway_cuts_a_stream_that_outlasts_its_drain() -> None:
+    ended = asyncio.Event()
+
+    async def stream(_: Request) -> StreamingResponse:
+        base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": MODEL}
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                while True:  # an answer that never ends
+                    delta = {"index": 0, "delta": {"content": "tok "}, "finish_reason": None}
+                    yield f"data: {json.dumps({**base, 'choices': [delta]})}\n\n".encode()
+                    await asyncio.sleep(0.05)
+            finally:
+                ended.set()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async with http_server(fake_instance("/v1/chat/completions", stream)) as upstream:
+
+        async def read_until_cut(front: Gateway) -> None:
+            async with front.client() as http:
+                request = chat("go on", stream=True)
+                async with http.stream("POST", "/v1/chat/completions", json=request) as answer:
+                    with contextlib.suppress(httpx.HTTPError):
+                        async for _ in answer.aiter_bytes():
+                            pass
+
+        async with gateway(fleet_for([upstream]), drain_s=1) as front:
+            reading = asyncio.create_task(read_until_cut(front))
+            await asyncio.sleep(0.5)  # streaming now; then the gateway stops
+        await asyncio.wait_for(ended.wait(), timeout=20)  # the upstream call was closed
+        await asyncio.wait_for(reading, timeout=20)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenfleet.commands.arguments import port
 from tokenfleet.commands.errors import CliError
-from tokenfleet.commands.loop import run_fast, tune_gc_for_serving
+from tokenfleet.commands.loop import allow_open_files, run_fast, tune_gc_for_serving
 
 _ENVIRONMENT = (
     "Environment: TOKENFLEET_KAFKA_BOOTSTRAP (unset: an in-process bus, and the gateway "
@@ -85,6 +85,7 @@ def _gateway(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
 
     async def run() -> None:
+        allow_open_files()
         async with running_gateway(fleet, settings, Settings(), args.host, args.port):
             print(f"gateway at http://{args.host}:{args.port}/v1", flush=True)
             tune_gc_for_serving()

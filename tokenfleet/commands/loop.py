@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import resource
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -36,3 +38,15 @@ def tune_gc_for_serving() -> None:
     gc.collect()  # what is already garbage is not kept for good
     gc.freeze()
     gc.set_threshold(*SERVER_GC_THRESHOLDS)
+
+
+def allow_open_files() -> None:
+    """Raise this process's limit of open files to the most it may have: a gateway holds
+    a client's and an instance's connection per request in flight, and the usual soft
+    limit (1,024) ran out past about 500 of them, failing upstream connections that were
+    then counted against healthy instances."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    most = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's own ceiling
+    if soft != resource.RLIM_INFINITY and soft < most:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (most, hard))
