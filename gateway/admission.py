@@ -203,14 +203,15 @@ class GatewayAdmission:
     def upstream_body(self, inbound: Inbound, dc: str) -> bytes:
         """The body to send the instance: as the client sent it, but where the engines
         schedule by priority (vLLM's ``--scheduling-policy priority``), with the class's
-        ``priority`` unless the client set one."""
+        ``priority`` in place of any the client set: a tenant kept to batch must not send
+        ``-100`` and run ahead of every chat, preempting them when KV runs out."""
         if inbound.by_load:  # never admitted: no pipeline of its own
             return inbound.body
         admission = self.pipeline(inbound.model.name, dc).admission
         if admission.engine_scheduling != "priority":
             return inbound.body
         body = json.loads(inbound.body)
-        body.setdefault("priority", PRIORITY[inbound.task_class])
+        body["priority"] = PRIORITY[inbound.task_class]
         return json.dumps(body).encode()
 
     def reroutes(self, inbound: Inbound, dc: str) -> bool:

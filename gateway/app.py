@@ -46,6 +46,7 @@ from gateway.inbound import (
     RESPONSES_PATH,
     Inbound,
     authenticate,
+    idempotency_key_of,
     read_inbound,
     residency_of,
 )
@@ -70,8 +71,6 @@ from streams.bus import EventBus
 from streams.feeds import follow
 
 log = logging.getLogger(__name__)
-
-IDEMPOTENCY_HEADER = "idempotency-key"
 
 
 @dataclass
@@ -260,8 +259,9 @@ class Gateway:
     async def _serve(self, inbound: Inbound, request: Request, arrived: float) -> Response:
         """Idempotency, the quota, the DCs in turn; a refusal is published as rejected."""
         state = self.parts.state
-        key = request.headers.get(IDEMPOTENCY_HEADER)
-        scoped = f"{inbound.tenant.name}:{key}" if key else None
+        key = idempotency_key_of(request.headers)
+        # The tenant's name length first: "a:b" + "k" and "a" + "b:k" are two scopes.
+        scoped = f"{len(inbound.tenant.name)}:{inbound.tenant.name}:{key}" if key else None
         if scoped is not None:
             held = await state.claim(scoped, self.settings.idempotency_ttl_s)
             if isinstance(held, Outcome):
@@ -285,10 +285,10 @@ class Gateway:
                 inbound.request_id,
             )
             return await self._in_turn(dcs, inbound, request, arrived, scoped)
-        except ApiError as exc:
+        except BaseException as exc:  # whatever ends it before an answer frees its key
             if scoped is not None:
                 await state.release(scoped)
-            if exc.status in _REJECTIONS:
+            if isinstance(exc, ApiError) and exc.status in _REJECTIONS:
                 self.events.emit(_rejected_event(inbound, exc))
             raise
 

@@ -29,6 +29,7 @@ CLASS_HEADER = "x-tokenfleet-class"
 DEADLINE_HEADER = "x-tokenfleet-deadline-s"
 """Seconds from now by which the request must finish (batch)."""
 RESIDENCY_HEADER = "x-tokenfleet-residency"
+IDEMPOTENCY_HEADER = "idempotency-key"
 """Comma-separated regions allowed to execute the request; absent: any."""
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -203,7 +204,33 @@ def residency_of(headers: Mapping[str, str]) -> tuple[str, ...]:
             f"{RESIDENCY_HEADER} must name at least one region (comma-separated).",
             param=RESIDENCY_HEADER,
         )
+    if len(regions) > MAX_REGIONS or max(map(len, regions)) > MAX_NAME:
+        raise ApiError(
+            400,
+            f"{RESIDENCY_HEADER} names at most {MAX_REGIONS} regions of at most {MAX_NAME} "
+            "characters each.",
+            param=RESIDENCY_HEADER,
+        )
     return regions
+
+
+MAX_REGIONS = 64
+MAX_NAME = 256
+"""Bounds on what a client names in a header: a region (as the events carry one) and an
+``Idempotency-Key``; past them, 400 (before, a longer region failed the request's event
+with a server error, and left its idempotency key held)."""
+
+
+def idempotency_key_of(headers: Mapping[str, str]) -> str | None:
+    """The request's ``Idempotency-Key``; ApiError(400) past ``MAX_NAME`` characters."""
+    key = headers.get(IDEMPOTENCY_HEADER)
+    if key is not None and not 0 < len(key) <= MAX_NAME:
+        raise ApiError(
+            400,
+            f"{IDEMPOTENCY_HEADER} must have 1 to {MAX_NAME} characters.",
+            param=IDEMPOTENCY_HEADER,
+        )
+    return key
 
 
 def _deadline(value: str | None) -> float | None:

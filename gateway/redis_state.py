@@ -47,6 +47,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -243,7 +244,8 @@ class RedisState:
         ``shard_of``: the hash tag an instance's routing keys go under, the same for every
         instance of a pool (a view reads a pool in one script); ``cluster``: ``url`` names
         a node of a Redis Cluster."""
-        self.url = url
+        self.url = _without_password(url)
+        """The address, for messages and logs: without the password a URL may carry."""
         self.prefix = prefix
         self.shard_of = shard_of
         self.cluster = cluster
@@ -544,6 +546,15 @@ class RedisState:
             await self.flush()
         finally:
             await self._redis.aclose()
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + netloc))
 
 
 def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | Redis | RedisCluster:

@@ -190,6 +190,9 @@ class LocalState:
         self._accounting = accounting or Accounting()
         self._buckets: dict[str, tuple[float, float]] = {}  # level, at
         self._keys: dict[str, tuple[Outcome | InProgress, float]] = {}  # value, expiry
+        self._sweep_at = SWEEP_AT
+        """The keys' count at which expired ones are dropped next: twice what the last
+        sweep left, so that many live keys cost no sweep per claim."""
         self._version = 0
 
     async def view(
@@ -247,8 +250,9 @@ class LocalState:
 
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
         now = time.monotonic()
-        if len(self._keys) > SWEEP_AT:
+        if len(self._keys) > self._sweep_at:
             self._keys = {k: v for k, v in self._keys.items() if v[1] > now}
+            self._sweep_at = max(SWEEP_AT, 2 * len(self._keys))
         held = self._keys.get(key)
         if held is not None and held[1] > now:
             return held[0]

@@ -10,7 +10,7 @@ import json
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, HttpUrl, ValidationError, field_validator, model_validator
 
@@ -91,9 +91,14 @@ class InstanceConfig(Frozen):
         return {"authorization": f"Bearer {key}"}
 
 
+ApiKey = Annotated[str, Field(min_length=1, pattern=r"^\S+$")]
+"""A key clients send as ``Authorization: Bearer KEY``: no blank (an empty key matched a
+header of ``Bearer`` and a space)."""
+
+
 class TenantConfig(Frozen):
     name: Identifier
-    api_keys: tuple[str, ...] = Field(min_length=1)
+    api_keys: tuple[ApiKey, ...] = Field(min_length=1)
     classes: tuple[TaskClass, ...] = Field(
         default=tuple(TaskClass), description="Task classes the tenant may ask for."
     )

@@ -319,6 +319,25 @@ async def test_an_idempotency_key_returns_the_first_outcome(
     )
 
 
+async def test_headers_past_their_bounds_are_refused_and_hold_no_key(front: Gateway) -> None:
+    """A region longer than an event carries failed the request's arrival event with a
+    server error, and left its idempotency key held (409 to every retry for 10 minutes)."""
+    key = {"idempotency-key": "order-43"}
+    long_region = {"x-tokenfleet-residency": "r" * 300, **key}
+    async with front.client() as http:
+        refused = [
+            await http.post("/v1/chat/completions", json=chat("hi"), headers=headers)
+            for headers in (long_region, {"idempotency-key": "k" * 300})
+        ]
+        retried = await http.post("/v1/chat/completions", json=chat("hi"), headers=key)
+    assert [r.status_code for r in refused] == [400, 400]
+    assert [r.json()["error"]["param"] for r in refused] == [
+        "x-tokenfleet-residency",
+        "idempotency-key",
+    ]
+    assert retried.status_code == 200
+
+
 async def test_a_client_that_leaves_cancels_the_upstream_request(
     front: Gateway, instances: list[EmulatedInstance]
 ) -> None:

@@ -219,11 +219,11 @@ async def test_under_vllm_priority_the_gateway_sends_each_request_its_class_s_pr
         for headers, body in (
             ({}, chat("hi")),
             (BATCH, chat("hi")),
-            ({}, chat("hi", priority=-5)),  # the client's own stays
+            (BATCH, chat("hi", priority=-100)),  # a batch tenant's own would overtake chats
         ):
             answer_ = await http.post("/v1/chat/completions", json=body, headers=headers)
             assert answer_.status_code == 200
-    assert sent == [0, 2, -5]
+    assert sent == [0, 2, 2]
 
 
 async def test_the_emulator_takes_vllm_s_priority_and_refuses_one_that_is_not_a_number() -> None:

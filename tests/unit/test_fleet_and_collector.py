@@ -68,6 +68,14 @@ def test_a_fleet_file_naming_an_unknown_dc_is_refused(tmp_path: Path) -> None:
         load_fleet(kept_out)
 
 
+def test_an_empty_api_key_is_refused(tmp_path: Path) -> None:
+    """It would match a header of ``Bearer`` and a space: anyone would be that tenant."""
+    blank = tmp_path / "fleet.toml"
+    blank.write_text(EXAMPLE.read_text().replace('api_keys = ["sk-demo"]', 'api_keys = [""]'))
+    with pytest.raises(FleetFileError, match="api_keys"):
+        load_fleet(blank)
+
+
 def test_last_known_takes_newer_live_snapshots_and_any_live_one_once_its_own_expired() -> None:
     """A replayed old snapshot never displaces a live one; a controller that starts again
     on a new topic, from version 1, is heard once the last snapshot it sent has expired."""

@@ -58,3 +58,13 @@ def test_numpy_floats_go_as_numbers_and_other_objects_are_refused() -> None:
 def test_what_is_not_resp_is_refused() -> None:
     with pytest.raises(ValueError, match="kind"):
         _parsed(b"?what\r\n", 0)
+
+
+def test_a_redis_address_is_told_without_its_password() -> None:
+    """The state's address goes into warnings and RedisAway's messages."""
+    from gateway.redis_state import RedisState
+
+    state = RedisState("redis://:s3cret@127.0.0.1:1/0", "t:")
+    assert state.url == "redis://:***@127.0.0.1:1/0"
+    assert RedisState("redis://u:s3cret@h:1/0", "t:").url == "redis://u:***@h:1/0"
+    assert RedisState("redis://127.0.0.1:1/0", "t:").url == "redis://127.0.0.1:1/0"
