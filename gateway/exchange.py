@@ -179,11 +179,17 @@ class Exchange:
         instances they were charged to depended on which charge reached the shared state
         first (one gateway given 8 prefix groups on 4 instances put 3 groups on one of
         them in 5 runs of 98; ``docs/gateway.md``). ``_reserve`` still settles conflicts
-        with other replicas. A request held in its pool waits outside the lock."""
-        async with self._deciding:
+        with other replicas. A request held in its pool waits outside the lock, and one
+        waiting for the lock is given up if its client leaves (a server does not cancel a
+        request whose client left, and a queue of them was decided for nobody)."""
+        if not await _lock_unless_gone(self._deciding, request):
+            raise ClientLeft
+        try:
             decided = await self.decider.decide(inbound, dc, arrived)
             if isinstance(decided, Plan):
                 return await self._reserved(inbound, decided, locked=True)
+        finally:
+            self._deciding.release()
         plan = await _unless_gone(decided, request)
         return await self._reserved(inbound, plan, locked=False)
 
@@ -502,6 +508,29 @@ async def _unless_gone(held: Awaitable[Plan], request: Request) -> Plan:
     if plan is None:
         raise ClientLeft
     return plan
+
+
+async def _lock_unless_gone(lock: asyncio.Lock, request: Request) -> bool:
+    """Take ``lock``; False (and not taken) if the client goes away first. Watched only
+    while the lock is busy: taking a free one does not wait."""
+    if not lock.locked():
+        await lock.acquire()
+        return True
+    gone = asyncio.ensure_future(_disconnected(request))
+    taking = asyncio.ensure_future(lock.acquire())
+    try:
+        await asyncio.wait({taking, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not gone.done() or gone.cancelled():  # the lock came first
+        return await taking
+    taking.cancel()
+    try:
+        await taking  # taken just before it was cancelled: given back
+    except asyncio.CancelledError:
+        return False
+    lock.release()
+    return False
 
 
 async def _unless_left(work: Awaitable[T], gone: asyncio.Future[None]) -> T | None:

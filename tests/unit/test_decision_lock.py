@@ -1,0 +1,46 @@
+"""A request waiting for the gateway's decision lock is given up when its client leaves."""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+from starlette.types import Message
+
+from gateway.exchange import _lock_unless_gone
+
+
+def leaving() -> tuple[Request, asyncio.Event]:
+    """A request whose client leaves once the event is set."""
+    left = asyncio.Event()
+
+    async def receive() -> Message:
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    return Request({"type": "http", "method": "POST", "headers": []}, receive), left
+
+
+async def test_a_client_that_leaves_while_waiting_never_takes_the_lock() -> None:
+    lock = asyncio.Lock()
+    await lock.acquire()  # another request's decision
+    request, left = leaving()
+    waiting = asyncio.create_task(_lock_unless_gone(lock, request))
+    await asyncio.sleep(0.01)
+    left.set()
+    assert await waiting is False
+    lock.release()
+    assert not lock.locked()  # the one that left holds nothing
+
+
+async def test_a_waiting_client_that_stays_takes_the_lock_once_free() -> None:
+    lock = asyncio.Lock()
+    await lock.acquire()
+    request, _ = leaving()
+    waiting = asyncio.create_task(_lock_unless_gone(lock, request))
+    await asyncio.sleep(0.01)
+    lock.release()
+    assert await waiting is True
+    assert lock.locked()
+    free = asyncio.Lock()
+    assert await _lock_unless_gone(free, request) is True  # a free lock: taken at once
