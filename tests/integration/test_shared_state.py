@@ -6,8 +6,10 @@ Replicas sharing one Redis are in ``test_redis_replicas.py``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -332,17 +334,10 @@ async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_rec
     """Redis pauses (data kept); a request's first token is held, and the next charge,
     which carries it, times out against Redis; that request and both ends are served
     locally; once Redis is back, the share shows the requests gone."""
-    server = LocalRedis(tmp_path)
-    url = server.start()
-    own = Accounting()
-    state = FallbackState(
-        RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=0.1
-    )
-    admin = Redis.from_url(url)
-    peer = RedisState(url, replica="peer")  # reads the share in Redis
-    try:
+    async with outage(tmp_path) as away:
+        state, peer = away.state, away.peer  # the peer reads the share in Redis
         await state.routed("a", (), 100, 10.0, 20.0)
-        await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        await away.pause()
         await state.adjust("a", -10.0, 0.0)  # held for the next charge
         await state.routed("b", (), 100, 5.0, 5.0)  # times out: local from here on
         assert state.degraded
@@ -355,11 +350,6 @@ async def test_changes_made_while_redis_was_away_reach_the_share_at_the_next_rec
         for view in (await state.view(["a", "b"], ()), await peer.view(["a", "b"], ())):
             assert view.pending_prefill.tolist() == [0.0, 0.0]
             assert view.inflight_tokens.tolist() == [0.0, 0.0]
-    finally:
-        await peer.close()
-        await admin.aclose()
-        await state.close()
-        server.stop()
 
 
 @pytest.mark.redis
@@ -428,19 +418,12 @@ async def test_a_call_that_times_out_on_a_cluster_is_not_sent_again(
 async def test_a_key_settled_while_redis_was_away_reaches_redis_after_it(tmp_path: Path) -> None:
     """A key claimed on Redis whose request ended while Redis was away: left ``pending``
     there, every replica would answer its retries with 409 for the key's whole TTL."""
-    server = LocalRedis(tmp_path)
-    url = server.start()
-    own = Accounting()
-    state = FallbackState(
-        RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=0.1
-    )
-    admin = Redis.from_url(url)
-    peer = RedisState(url, replica="peer")
     answer = Outcome(200, "application/json", b"{}")
-    try:
+    async with outage(tmp_path) as away:
+        state, peer = away.state, away.peer
         assert await state.claim("done", 600.0) is None
         assert await state.claim("failed", 600.0) is None
-        await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        await away.pause()
         await state.settle("done", answer, 600.0)  # times out: kept locally, owed
         await state.release("failed")
         assert state.degraded
@@ -450,11 +433,6 @@ async def test_a_key_settled_while_redis_was_away_reaches_redis_after_it(tmp_pat
         await state.reconcile()
         assert await peer.claim("done", 600.0) == answer
         assert await peer.claim("failed", 600.0) is None  # free to run again
-    finally:
-        await peer.close()
-        await admin.aclose()
-        await state.close()
-        server.stop()
 
 
 @pytest.mark.redis
@@ -497,18 +475,11 @@ async def test_a_pool_whose_node_fails_leaves_the_others_rewritten(redis_cluster
 async def test_an_end_owed_for_an_earlier_claim_does_not_free_a_newer_one(tmp_path: Path) -> None:
     """The first request's release is owed; its client's retry claims the key again (here
     locally) and runs: paying the old release would free the key for a third run."""
-    server = LocalRedis(tmp_path)
-    url = server.start()
-    own = Accounting()
-    state = FallbackState(
-        RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=0.1
-    )
-    admin = Redis.from_url(url)
-    peer = RedisState(url, replica="peer")
     answer = Outcome(200, "application/json", b"{}")
-    try:
+    async with outage(tmp_path) as away:
+        state, peer = away.state, away.peer
         assert await state.claim("key", 600.0) is None
-        await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        await away.pause()
         await state.release("key")  # times out: owed
         assert await state.claim("key", 600.0) is None  # the retry, while Redis is away
         await asyncio.sleep(1.2)
@@ -516,6 +487,33 @@ async def test_an_end_owed_for_an_earlier_claim_does_not_free_a_newer_one(tmp_pa
         assert await peer.claim("key", 600.0) is IN_PROGRESS  # the retry still runs
         await state.settle("key", answer, 600.0)
         assert await peer.claim("key", 600.0) == answer
+
+
+@dataclass
+class Outage:
+    """A replica's state on a Redis of its own that ``pause`` stops answering for a second
+    (its data kept), and a peer reading that Redis."""
+
+    state: FallbackState
+    peer: RedisState
+    admin: Redis
+
+    async def pause(self) -> None:
+        await self.admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+
+
+@contextlib.asynccontextmanager
+async def outage(home: Path) -> AsyncIterator[Outage]:
+    server = LocalRedis(home)
+    url = server.start()
+    own = Accounting()
+    state = FallbackState(
+        RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=0.1
+    )
+    admin = Redis.from_url(url)
+    peer = RedisState(url, replica="peer")
+    try:
+        yield Outage(state, peer, admin)
     finally:
         await peer.close()
         await admin.aclose()
