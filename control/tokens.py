@@ -5,8 +5,10 @@ that agree between the router's estimate and the engine's cache. The rule:
 
 - a prompt's text is its UTF-8 bytes; every 4 bytes are one token (English averages about
   4 characters a token with Llama-family tokenisers), the last token possibly shorter;
-- a chat request's text is its messages rendered as ``<|role|>\\n{content}\\n`` each, in
-  order, followed by ``<|assistant|>\\n``;
+- a chat request's text is its tools' JSON (``<|tools|>\\n{json}\\n``, first, as chat
+  templates write them into the system turn), then its messages rendered as
+  ``<|role|>\\n{content}{tool calls' JSON}\\n`` each, in order, followed by
+  ``<|assistant|>\\n``;
 - block ``i`` holds tokens ``16i .. 16i+15``; its hash chains the previous block's hash
   with its 64 bytes (BLAKE2b, 64 bits, top bit cleared). Only full blocks are hashed.
 """
@@ -14,6 +16,7 @@ that agree between the router's estimate and the engine's cache. The rule:
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable, Mapping, Sequence
 
 BYTES_PER_TOKEN = 4
@@ -36,10 +39,26 @@ def block_hashes(text: str) -> tuple[int, ...]:
     return tuple(hashes)
 
 
-def chat_text(messages: Iterable[Mapping[str, object]]) -> str:
-    """The prompt text of chat messages; non-text content parts count by their text."""
-    parts = [f"<|{m.get('role', 'user')}|>\n{_content(m.get('content'))}\n" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
+def chat_text(
+    messages: Iterable[Mapping[str, object]], tools: Sequence[object] | None = None
+) -> str:
+    """The prompt text of chat messages; non-text content parts count by their text, tools
+    and tool calls by their JSON (a chat template writes both into the prompt: fifty
+    tools' schemas are thousands of tokens, and a fixed tool list is a shared prefix)."""
+    head = f"<|tools|>\n{_json(tools)}\n" if tools else ""
+    parts = [
+        f"<|{m.get('role', 'user')}|>\n{_content(m.get('content'))}{_calls(m)}\n" for m in messages
+    ]
+    return head + "".join(parts) + "<|assistant|>\n"
+
+
+def _calls(message: Mapping[str, object]) -> str:
+    calls = message.get("tool_calls")
+    return _json(calls) if calls else ""
+
+
+def _json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _content(content: object) -> str:

@@ -149,7 +149,7 @@ def read_inbound(
 def _size(request: ProxiedRequest) -> _Size:
     if isinstance(request, ChatRequest | ResponsesRequest):
         messages = request.messages if isinstance(request, ChatRequest) else request.messages()
-        text = chat_text(messages)
+        text = chat_text(messages, request.tools)
         tokens = count_tokens(text)
         return _Size(text, tokens, tokens, request.output_tokens, request.n, request.client_cap)
     prompts = request.prompts

@@ -150,6 +150,7 @@ class ResponsesRequest(_Request):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
 
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as chat messages: instructions as a system message, each

@@ -105,7 +105,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse_request(ChatRequest, await request.body())
-        text = chat_text(body.messages)
+        text = chat_text(body.messages, body.tools)
         call = _call(
             Api.CHAT, body, prompt_tokens(text), body.n, body.called_tool, instance.reasoning
         )
@@ -114,7 +114,7 @@ def create_app(
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         body = parse_request(ResponsesRequest, await request.body())
-        text = chat_text(body.messages())
+        text = chat_text(body.messages(), body.tools)
         call = _call(Api.RESPONSES, body, prompt_tokens(text), 1)
         return await _generate(request, instance, call, [text])
 

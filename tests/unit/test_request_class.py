@@ -50,3 +50,27 @@ def test_a_tenant_s_objectives_override_the_fleet_s_for_its_requests_only() -> N
     assert objectives.of(TaskClass.INTERACTIVE, "t") == ClassObjective(ttft_s=0.5)
     assert objectives.of(TaskClass.INTERACTIVE, "other") == ClassObjective(ttft_s=2.0, tpot_s=0.1)
     assert objectives.of(TaskClass.BATCH, "t") == ClassObjective(use_deadline=True)
+
+
+def test_tools_and_tool_calls_count_in_a_chat_s_prompt_tools_first() -> None:
+    """A chat template writes both into the prompt. Uncounted, 2 MB of tools read as 11
+    tokens: a chat under every token quota and context check."""
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{n}", "description": "d" * 400}}
+        for n in range(50)
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "x" * 4000}}
+
+    def read(messages: list[dict[str, object]], **extra: object) -> tuple[int, tuple[int, ...]]:
+        body = json.dumps({"model": "emulated", "messages": messages, **extra}).encode()
+        inbound = read_inbound(fleet(), fleet().tenants[0], CHAT_PATH, body, {})
+        return inbound.input_tokens, inbound.blocks
+
+    bare, _ = read([{"role": "user", "content": "hi"}])
+    with_tools, first = read([{"role": "user", "content": "hi"}], tools=tools)
+    _, second = read([{"role": "user", "content": "something else"}], tools=tools)
+    assert with_tools > bare + 5_000  # 50 tools of 400 characters and more
+    shared = len(first) - 1  # the tool list is a prefix the two chats share
+    assert first[:shared] == second[:shared]
+    called, _ = read([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert called > 1_000
