@@ -273,6 +273,7 @@ class Gateway:
                 )
             if held is IN_PROGRESS:
                 raise ApiError(409, "A request with this Idempotency-Key is still running.")
+        handed = False  # to the exchange, which frees the key where it fails otherwise
         try:
             self.events.emit(_arrived_event(inbound, self.regions[self.local_dc]))
             await self.decider.take_quota(inbound)
@@ -284,9 +285,10 @@ class Gateway:
                 inbound.task_class,
                 inbound.request_id,
             )
+            handed = True
             return await self._in_turn(dcs, inbound, request, arrived, scoped)
-        except BaseException as exc:  # whatever ends it before an answer frees its key
-            if scoped is not None:
+        except BaseException as exc:  # an answer refused, or anything before the exchange
+            if scoped is not None and (isinstance(exc, ApiError) or not handed):
                 await state.release(scoped)
             if isinstance(exc, ApiError) and exc.status in _REJECTIONS:
                 self.events.emit(_rejected_event(inbound, exc))

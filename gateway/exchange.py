@@ -125,6 +125,8 @@ class Exchange:
     ) -> Response:
         try:
             plan = await self._decide(inbound, dc, arrived, request)
+        except ApiError:
+            raise  # refused: the caller frees the key and reports it
         except ClientLeft:
             if idempotency_key is not None:  # free for the client's retry
                 await self.state.release(idempotency_key)
@@ -137,6 +139,10 @@ class Exchange:
                 )
             )
             return Response(status_code=499)
+        except BaseException:  # the server stopping while it was held, or a bug
+            if idempotency_key is not None:
+                await self.state.release(idempotency_key)
+            raise
         self.events.emit(_routed_event(inbound, plan))
         order = plan.order[:2]
         for attempt, row in enumerate(order, start=1):
@@ -512,25 +518,23 @@ async def _unless_gone(held: Awaitable[Plan], request: Request) -> Plan:
 
 async def _lock_unless_gone(lock: asyncio.Lock, request: Request) -> bool:
     """Take ``lock``; False (and not taken) if the client goes away first. Watched only
-    while the lock is busy: taking a free one does not wait."""
-    if not lock.locked():
+    where taking it waits: a free lock with no request queued for it is taken at once."""
+    if not lock.locked() and not getattr(lock, "_waiters", None):  # asyncio.Lock's queue
         await lock.acquire()
         return True
     gone = asyncio.ensure_future(_disconnected(request))
     taking = asyncio.ensure_future(lock.acquire())
+    left = True  # also where this caller is cancelled while it waits
     try:
         await asyncio.wait({taking, gone}, return_when=asyncio.FIRST_COMPLETED)
+        left = gone.done()
+        return not left and taking.result()
     finally:
         gone.cancel()
-    if not gone.done() or gone.cancelled():  # the lock came first
-        return await taking
-    taking.cancel()
-    try:
-        await taking  # taken just before it was cancelled: given back
-    except asyncio.CancelledError:
-        return False
-    lock.release()
-    return False
+        if left:  # given back if taken meanwhile; a pending take gives up its place
+            taking.cancel()
+            if taking.done() and not taking.cancelled():
+                lock.release()
 
 
 async def _unless_left(work: Awaitable[T], gone: asyncio.Future[None]) -> T | None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from operator import itemgetter
+from typing import Any, cast
 
 from gateway.redis_state import REDIS_ERRORS, RedisState
 from gateway.state import (
-    SWEEP_AT,
     AdmissionLoads,
+    Expiring,
     InProgress,
     LocalState,
     Outcome,
@@ -20,7 +21,6 @@ from gateway.state import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class RedisAway(ConnectionError):
@@ -48,9 +48,9 @@ class FallbackState:
         self.on_fallback = on_fallback
         """Called on every call answered locally (the gateway counts them)."""
         self._down_until = 0.0
-        self._claimed: dict[str, float] = {}
+        self._claimed: Expiring[float] = Expiring(float)
         """Idempotency keys this replica holds, and when their claim expires."""
-        self._owed: dict[str, tuple[str, tuple[Any, ...], float]] = {}
+        self._owed: Expiring[tuple[str, tuple[Any, ...], float]] = Expiring(itemgetter(2))
         """Idempotency keys whose settle or release Redis did not take: the call, its
         arguments, and until when it is owed (a claim that expired in Redis may have
         been claimed again by another request, which a late release would free)."""
@@ -127,7 +127,7 @@ class FallbackState:
         held = cast(Outcome | InProgress | None, await self._run("claim", key, ttl_s))
         if held is None:
             now = time.monotonic()
-            self._claimed = _unexpired(self._claimed, now, lambda until: until)
+            self._claimed.sweep(now)
             self._claimed[key] = now + ttl_s
             self._owed.pop(key, None)  # an end owed for an earlier claim must not free this one
         return held
@@ -155,7 +155,7 @@ class FallbackState:
             except REDIS_ERRORS:
                 self._down_until = time.monotonic() + self.retry_s
         until = now + args[-1] if method == "settle" else claimed_until
-        self._owed = _unexpired(self._owed, now, lambda owed: owed[2])
+        self._owed.sweep(now)
         self._owed[key] = (method, args, until)
         self.on_fallback()
         await getattr(self.fallback, method)(key, *args)
@@ -185,11 +185,3 @@ class FallbackState:
                 await self._pay_owed()
         finally:
             await self.primary.close()
-
-
-def _unexpired(entries: dict[str, T], now: float, until: Callable[[T], float]) -> dict[str, T]:
-    """``entries`` without those past their time, once there are many (as ``LocalState``
-    sweeps its keys): entries of requests that never ended, or an outage's owed ends."""
-    if len(entries) <= SWEEP_AT:
-        return entries
-    return {key: entry for key, entry in entries.items() if until(entry) > now}

@@ -89,11 +89,19 @@ class NoEngineMetrics(ValueError):
     draw every request."""
 
 
-def _kept(labels: dict[str, str]) -> bool:
-    """Whether a series counts toward the instance's figures: SGLang repeats a figure per
-    priority (beside the total, whose ``priority`` is empty) and, with metrics for all
-    schedulers, per tensor-parallel rank (each the same batch)."""
-    return not labels.get("priority") and labels.get("tp_rank", "0") == "0"
+def _series_key(engine: str, name: str, labels: dict[str, str]) -> tuple[str, ...] | None:
+    """Which series of a figure count, as keys (one series each); None for one that does
+    not. vLLM's count all (one per data-parallel engine). SGLang repeats a figure per
+    priority beside the total (whose ``priority`` is empty), and, with metrics for every
+    scheduler, per tensor-parallel (or pipeline, expert) rank of a batch: of those, the
+    first series of each DP rank counts (under DP attention a rank's ``tp_rank`` is
+    global, not 0)."""
+    if engine != "sglang":
+        return (name, *labels.values())
+    if labels.get("priority"):
+        return None
+    kept = (f"{k}={v}" for k, v in sorted(labels.items()) if k == "dp_rank" or k[-5:] != "_rank")
+    return (name, *kept)
 
 
 _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)")
@@ -123,9 +131,12 @@ def parse_metrics(text: str, engine: str) -> Scraped:
     where ``kv_cache_usage_perc`` is missing (0.9.2 to 0.10 publish both)."""
     names = _VLLM if engine == "vllm" else _SGLANG
     series: dict[str, list[float]] = {}
+    counted: set[tuple[str, ...]] = set()
     blocks, block_size = 0, 16
     awake: list[float] = []
+    engine_samples = False
     for name, labels, value in samples(text):
+        engine_samples = engine_samples or name.startswith(f"{engine}:")
         # Counters are exposed as ``name_total`` (with ``name_created`` beside them).
         field = names.get(name.removesuffix("_total"))
         if field == "sleep_state":
@@ -135,9 +146,12 @@ def parse_metrics(text: str, engine: str) -> Scraped:
             # One series per data-parallel engine, each with the engines' sum already.
             blocks = max(blocks, _whole(labels.get("num_gpu_blocks")))
             block_size = _whole(labels.get("block_size")) or block_size
-        elif field is not None and _kept(labels):
-            series.setdefault(field, []).append(value)
-    if "running" not in series and "waiting" not in series:
+        elif field is not None:
+            key = _series_key(engine, name, labels)
+            if key is not None and key not in counted:
+                counted.add(key)
+                series.setdefault(field, []).append(value)
+    if not engine_samples:  # a server's gauges wait for its first stats (SGLang's: 30 s idle)
         raise NoEngineMetrics(
             f"no {engine} request gauges ({', '.join(list(names)[:2])}): an SGLang server "
             "needs --enable-metrics, a vLLM one its stats logging (no --disable-log-stats); "

@@ -341,7 +341,8 @@ def _weighed(shown: dict[str, Any]) -> tuple[float, float | None, int]:
     if chats is None:
         return shown["weight"], None, 0
     ended = chats["completed"] + chats["failures"] + chats["cancellations"]
-    return shown["weight"], round(chats["compliance"], 2), ended
+    compliance = chats["compliance"]  # None where none completed
+    return shown["weight"], None if compliance is None else round(compliance, 2), ended
 
 
 async def _shown(http: httpx.AsyncClient) -> dict[str, Any]:

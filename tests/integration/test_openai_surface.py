@@ -609,8 +609,13 @@ async def test_a_stopping_gateway_cuts_a_stream_that_outlasts_its_drain() -> Non
                         async for _ in answer.aiter_bytes():
                             pass
 
-        async with gateway(fleet_for([upstream]), drain_s=1) as front:
-            reading = asyncio.create_task(read_until_cut(front))
-            await asyncio.sleep(0.5)  # streaming now; then the gateway stops
+        async def serve_then_stop() -> asyncio.Task[None]:
+            async with gateway(fleet_for([upstream]), drain_s=1) as front:
+                reading = asyncio.create_task(read_until_cut(front))
+                await asyncio.sleep(0.5)  # streaming now; then the gateway stops
+            return reading
+
+        # without a drain the stop waited for the stream, which never ends
+        reading = await asyncio.wait_for(serve_then_stop(), timeout=30)
         await asyncio.wait_for(ended.wait(), timeout=20)  # the upstream call was closed
         await asyncio.wait_for(reading, timeout=20)

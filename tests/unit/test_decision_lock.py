@@ -44,3 +44,18 @@ async def test_a_waiting_client_that_stays_takes_the_lock_once_free() -> None:
     assert lock.locked()
     free = asyncio.Lock()
     assert await _lock_unless_gone(free, request) is True  # a free lock: taken at once
+
+
+async def test_a_waiter_cancelled_while_waiting_never_holds_the_lock() -> None:
+    """The server cancels a request (its drain over): the lock it waited for must not be
+    taken for it later, with nobody to give it back."""
+    lock = asyncio.Lock()
+    await lock.acquire()
+    request, _ = leaving()
+    waiting = asyncio.create_task(_lock_unless_gone(lock, request))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    lock.release()
+    await asyncio.sleep(0.01)
+    assert not lock.locked()

@@ -178,6 +178,17 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="4000"} 1.0
     scraped = parse_metrics(sglang, "sglang")
     assert (scraped.running, scraped.waiting, scraped.kv_blocks_total) == (4, 2, 2000)
     assert scraped.kv_usage == pytest.approx(0.4)
+    # DP attention (tp 8, dp 2): a rank's tp_rank is global, its leader's 0 and 4
+    attention = sglang.replace('dp_rank="1",tp_rank="0"', 'dp_rank="1",tp_rank="4"')
+    assert parse_metrics(attention, "sglang").running == 4
+
+
+def test_a_starting_sglang_server_reads_idle_until_its_first_stats() -> None:
+    """Its labelled gauges appear with its first stats (30 s on an idle server); its
+    constants are there from the start."""
+    starting = 'sglang:max_total_num_tokens{model_name="m"} 16000\n'
+    scraped = parse_metrics(starting, "sglang")
+    assert (scraped.running, scraped.waiting, scraped.kv_blocks_total) == (0, 0, 1000)
 
 
 def test_an_exposition_without_the_engine_s_gauges_is_not_read_as_idle() -> None:

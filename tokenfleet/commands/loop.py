@@ -46,7 +46,10 @@ def allow_open_files() -> None:
     limit (1,024) ran out past about 500 of them, failing upstream connections that were
     then counted against healthy instances."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    most = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's own ceiling
-    if soft != resource.RLIM_INFINITY and soft < most:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (most, hard))
+    unbounded = hard == resource.RLIM_INFINITY
+    # Linux's own ceiling; macOS refuses more than its kern.maxfilesperproc (10,240)
+    for most in (1 << 20, 10_240) if unbounded else (hard,):
+        if soft != resource.RLIM_INFINITY and soft < most:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (most, hard))
+                return

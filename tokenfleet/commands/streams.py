@@ -203,11 +203,12 @@ def _status(args: argparse.Namespace) -> int:
     recorded = deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
     parts = deployment.pids() if recorded == bootstrap else {}  # another broker's, else
     dcs = args.dc
-    if args.fleet is not None:
+    if args.fleet is not None:  # with --dc too: the named DCs the fleet file has
         try:
-            dcs = [*(dcs or ()), *(dc.name for dc in load_fleet(args.fleet).dcs)]
+            fleet_dcs = [dc.name for dc in load_fleet(args.fleet).dcs]
         except FleetFileError as exc:
             raise CliError(str(exc)) from None
+        dcs = [dc for dc in fleet_dcs if dcs is None or dc in dcs]
     try:
         found = asyncio.run(asyncio.wait_for(read_broker(bootstrap), args.timeout))
     except TimeoutError:
