@@ -27,6 +27,7 @@ whatever awaits inside the response.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -249,7 +250,8 @@ class Exchange:
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             body = self.decider.admission.upstream_body(inbound, trip.plan.dc)
-            upstream = await _unless_left(self._post(trip.instance, inbound.path, body), gone)
+            posted = self._post(trip.instance, inbound.path, body, whole=not inbound.stream)
+            upstream = await _unless_left(posted, gone)
             if upstream is None:
                 return await self._left(trip)
             if upstream.status >= 400:  # the instance refused the request itself: pass it on
@@ -292,13 +294,23 @@ class Exchange:
         raise ApiError(502, f"The model instance failed: {error}")
 
     async def _post(
-        self, instance: InstanceConfig, path: str, body: bytes
+        self, instance: InstanceConfig, path: str, body: bytes, *, whole: bool
     ) -> aiohttp.ClientResponse:
-        """The instance's response, its status below 500; UpstreamFailed otherwise."""
+        """The instance's response, its status below 500; UpstreamFailed otherwise. A
+        ``whole`` answer has no read timeout: vLLM sends its headers with its end, so the
+        silence is the generation itself, and a long one timed out as a failed instance,
+        which was cooled down while the work ran again on another. Its client's own
+        timeout ends it (a client that leaves cancels it)."""
         assert self.client is not None, "the app's lifespan has not started"
+        timeout = self.client.timeout
+        if whole:
+            timeout = _without_read_timeout(timeout)
         try:
             upstream = await self.client.post(
-                _url(instance, path), data=body, headers=self._headers[instance.id]
+                _url(instance, path),
+                data=body,
+                headers=self._headers[instance.id],
+                timeout=timeout,
             )
         except UPSTREAM_ERRORS as exc:
             self.metrics.upstream_errors.labels(instance.id, "connect").inc()
@@ -450,6 +462,13 @@ class RelayedStream(StreamingResponse):
         finally:
             for ended in self.on_end:
                 ended()
+
+
+@functools.cache
+def _without_read_timeout(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(
+        total=timeout.total, connect=timeout.connect, sock_connect=timeout.sock_connect
+    )
 
 
 def _url(instance: InstanceConfig, path: str) -> str:

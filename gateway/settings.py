@@ -37,7 +37,9 @@ class GatewaySettings(BaseSettings):
     """Lifecycle events held while Kafka is slow or away; beyond it they are dropped."""
     upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
     upstream_read_timeout_s: float = Field(default=600.0, gt=0)
-    """Longest silence from an instance within a response (a stream's gap between chunks)."""
+    """Longest silence from an instance within a stream (to its first event, between its
+    chunks). A whole answer has none: vLLM sends its headers with its end, so its client's
+    own timeout ends it."""
     drain_s: int = Field(default=25, ge=1)
     """At a stop (SIGTERM), how long requests in progress get to finish before they are cut
     (and their books closed): below the orchestrator's grace period (Kubernetes' 30 s;

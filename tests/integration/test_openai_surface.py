@@ -619,3 +619,30 @@ async def test_a_stopping_gateway_cuts_a_stream_that_outlasts_its_drain() -> Non
         reading = await asyncio.wait_for(serve_then_stop(), timeout=30)
         await asyncio.wait_for(ended.wait(), timeout=20)  # the upstream call was closed
         await asyncio.wait_for(reading, timeout=20)
+
+
+async def test_a_whole_answer_slower_than_the_read_timeout_is_waited_for() -> None:
+    """vLLM sends a whole answer's headers with its end: the silence is the generation,
+    not a failed instance. A stream's silence still times out."""
+    calls: list[bool] = []
+
+    async def slow(request: Request) -> Response:
+        streamed = bool((await request.json()).get("stream"))
+        calls.append(streamed)
+        if streamed:
+            await asyncio.sleep(1.0)  # silent past the read timeout, then nothing
+            return JSONResponse({}, status_code=200)
+        await asyncio.sleep(1.0)  # a long generation
+        return chat_answer()
+
+    async with (
+        http_server(fake_instance("/v1/chat/completions", slow)) as upstream,
+        gateway(fleet_for([upstream]), upstream_read_timeout_s=0.3) as front,
+        front.client() as http,
+    ):
+        whole = await http.post("/v1/chat/completions", json=chat("write a lot"))
+        streamed = await http.post("/v1/chat/completions", json=chat("write", stream=True))
+    assert whole.status_code == 200
+    assert whole.json()["choices"][0]["message"]["content"] == "ok"
+    assert streamed.status_code == 502  # the stream's first byte never came in time
+    assert calls == [False, True]  # the whole answer was not tried again
