@@ -423,7 +423,7 @@ async def test_a_request_the_gateway_gives_up_is_reported_failed_and_counts_noth
     its client did not get, and leaves nothing counted on the instance."""
     exchange = front.app.state.gateway.exchange
 
-    async def broken(*_: object) -> None:
+    async def broken(*_: object, **__: object) -> None:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(exchange, "_post", broken)
