@@ -21,12 +21,19 @@ def leaving() -> tuple[Request, asyncio.Event]:
     return Request({"type": "http", "method": "POST", "headers": []}, receive), left
 
 
-async def test_a_client_that_leaves_while_waiting_never_takes_the_lock() -> None:
+async def waiting_for_a_held_lock() -> tuple[asyncio.Lock, asyncio.Task[bool], asyncio.Event]:
+    """A lock another request's decision holds, and a request waiting for it whose client
+    leaves once the event is set."""
     lock = asyncio.Lock()
-    await lock.acquire()  # another request's decision
+    await lock.acquire()
     request, left = leaving()
     waiting = asyncio.create_task(_lock_unless_gone(lock, request))
     await asyncio.sleep(0.01)
+    return lock, waiting, left
+
+
+async def test_a_client_that_leaves_while_waiting_never_takes_the_lock() -> None:
+    lock, waiting, left = await waiting_for_a_held_lock()
     left.set()
     assert await waiting is False
     lock.release()
@@ -34,26 +41,18 @@ async def test_a_client_that_leaves_while_waiting_never_takes_the_lock() -> None
 
 
 async def test_a_waiting_client_that_stays_takes_the_lock_once_free() -> None:
-    lock = asyncio.Lock()
-    await lock.acquire()
-    request, _ = leaving()
-    waiting = asyncio.create_task(_lock_unless_gone(lock, request))
-    await asyncio.sleep(0.01)
+    lock, waiting, _ = await waiting_for_a_held_lock()
     lock.release()
     assert await waiting is True
     assert lock.locked()
-    free = asyncio.Lock()
-    assert await _lock_unless_gone(free, request) is True  # a free lock: taken at once
+    request, _ = leaving()
+    assert await _lock_unless_gone(asyncio.Lock(), request) is True  # free: taken at once
 
 
 async def test_a_waiter_cancelled_while_waiting_never_holds_the_lock() -> None:
     """The server cancels a request (its drain over): the lock it waited for must not be
     taken for it later, with nobody to give it back."""
-    lock = asyncio.Lock()
-    await lock.acquire()
-    request, _ = leaving()
-    waiting = asyncio.create_task(_lock_unless_gone(lock, request))
-    await asyncio.sleep(0.01)
+    lock, waiting, _ = await waiting_for_a_held_lock()
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     lock.release()
