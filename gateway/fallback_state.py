@@ -32,7 +32,7 @@ class FallbackState:
 
     After a failure Redis is tried again every ``retry_s``. Counts kept locally during an
     outage are not merged back: they describe requests that finish within seconds. An
-    idempotency key's end is (``_keyed``).
+    idempotency key's end is sent to Redis once it answers again (``_keyed``).
     """
 
     def __init__(
@@ -148,12 +148,11 @@ class FallbackState:
         now = time.monotonic()
         claimed_until = self._claimed.pop(key, now)
         self._owed.pop(key, None)
-        if not self.degraded:
-            try:
-                await getattr(self.primary, method)(key, *args)
-                return
-            except REDIS_ERRORS:
-                self._down_until = time.monotonic() + self.retry_s
+        try:
+            await self._on_redis(method, key, *args)
+            return
+        except RedisAway:
+            pass
         until = now + args[-1] if method == "settle" else claimed_until
         self._owed.sweep(now)
         self._owed[key] = (method, args, until)
