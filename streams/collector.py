@@ -2,7 +2,7 @@
 read the KV events of instances that serve them over HTTP, publish ``tf.kv-events``.
 
 Understands vLLM's names (v1, and the older ``gpu_cache_usage_perc``) and SGLang's (its
-server needs ``--enable-metrics``); an exposition without the engine's request gauges is
+server needs ``--enable-metrics``); an exposition with none of the engine's metrics is
 an instance published not ready, with a warning, rather than one read as idle.
 Scrapes run concurrently, each under a timeout, so one slow instance delays no other. An
 instance that does not answer (or answers garbage) is published not ready; the next good
@@ -85,7 +85,7 @@ where counts are added up."""
 
 
 class NoEngineMetrics(ValueError):
-    """An exposition without the engine's request gauges: read as idle, the instance would
+    """An exposition with none of the engine's metrics: read as idle, the instance would
     draw every request."""
 
 
@@ -124,7 +124,7 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
 
 def parse_metrics(text: str, engine: str) -> Scraped:
     """Read a Prometheus exposition; raises ValueError if it is not one, and
-    ``NoEngineMetrics`` if it lacks the engine's request gauges (vLLM started with
+    ``NoEngineMetrics`` if it has none of the engine's metrics (vLLM started with
     ``--disable-log-stats``, or a server of the other engine than the fleet file says).
     Counts of several series of one family (one per model, or per data-parallel engine)
     are added up, fractions averaged; vLLM's older ``gpu_cache_usage_perc`` is read only
@@ -153,7 +153,7 @@ def parse_metrics(text: str, engine: str) -> Scraped:
                 series.setdefault(field, []).append(value)
     if not engine_samples:  # a server's gauges wait for its first stats (SGLang's: 30 s idle)
         raise NoEngineMetrics(
-            f"no {engine} request gauges ({', '.join(list(names)[:2])}): an SGLang server "
+            f"no {engine} metrics (such as {', '.join(list(names)[:2])}): an SGLang server "
             "needs --enable-metrics, a vLLM one its stats logging (no --disable-log-stats); "
             "the fleet file's `engine` must name the server's"
         )
