@@ -318,6 +318,7 @@ class GatewayAdmission:
         for (model, dc), pipeline in list(self._pipelines.items()):
             if not len(pipeline.pools):
                 continue
+            pipeline.quotas = _class_quotas(self._pool_now(model, dc)[1])  # renewed meanwhile
             snapshot = await self._snapshot_for(model, dc)
             for outcome in pipeline.release(_always(snapshot), time.monotonic()):
                 self._count(outcome, model, dc)

@@ -50,9 +50,32 @@ class ClassQuota(Frozen):
     max_concurrency: NonNegInt | None = Field(
         default=None, description="Requests of the class in flight at once (None: no limit)."
     )
+    for_instances: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "The ready instances max_concurrency was set for: a pool with another number "
+            "ready runs it in proportion to its own, one request at least (None: the "
+            "limit is the same whatever the pool's size)."
+        ),
+    )
     reserved_share: Fraction = Field(
         default=0.0, description="Share of capacity held back for this class alone."
     )
+
+    @model_validator(mode="after")
+    def _sized_limit(self) -> ClassQuota:
+        if self.for_instances is not None and self.max_concurrency is None:
+            raise ValueError("for_instances sizes a max_concurrency, and there is none")
+        return self
+
+    def concurrency(self, ready: int) -> int | None:
+        """The requests of the class a pool with ``ready`` instances runs at once (None:
+        no limit)."""
+        limit = self.max_concurrency
+        if limit is None or self.for_instances is None:
+            return limit
+        return max(min(limit, 1), round(limit * ready / self.for_instances))
 
 
 class AdmissionQuotas(ControlSnapshot):

@@ -14,13 +14,17 @@ instead of publishing versions the gateways drop as old.
 
 Tables older than ``stale_after_s`` (a stream processor that stopped publishing) move
 nothing and renew nothing: the quotas run out at their TTL and the gateways fall back to
-the admission policy's defaults, as they do when no controller runs.
+the admission policy's defaults, as they do when no controller runs. Once a scope's
+snapshot has expired (the tables stopped for longer than its TTL, or the controller was
+away), its next pass starts again from those defaults too, where the gateways stand, not
+from the limits or weights it published before; its versions go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -214,11 +218,13 @@ class QuotaHost(_ControlHost[AdmissionQuotas]):
         published = self._published.get(dc)
         changed = self._changed.get(dc)
         current = (
-            None
-            if published is None or changed is None
+            None  # none, or expired: the gateways are back on the defaults, and so is this
+            if published is None or changed is None or published.expired(now)
             else changed.model_copy(update={"version": published.version})
         )
         desired = self.controller.reconcile(goodput, capacity, current, now)
+        if desired is not None and published is not None and current is None:
+            desired = desired.model_copy(update={"version": published.version + 1})
         if desired is not None:  # held as the last change once published (``apply``)
             return desired
         if published is not None and now - published.issued_at >= self.renew_s:
@@ -275,6 +281,9 @@ class WeightHost(_ControlHost[RoutingWeights]):
         whole = {key: 1.0 for dc, t in fresh.items() for key in self.controller.groups(dc, t)}
         due = []
         for edge, region in self.edges.items():
+            if self._expired(edge, now):  # the gateways are back on whole weights
+                self._weights[edge].clear()
+                self._changed_at[edge].clear()
             current = self._weights[edge]
             changed = (
                 self.controller.reconcile(fresh, current, self._changed_at[edge], now, region)
@@ -287,6 +296,10 @@ class WeightHost(_ControlHost[RoutingWeights]):
                 version = self._version(edge)
                 due.append(self.controller.snapshot(weights, self.models, edge, version, now))
         return await self._publish(due)
+
+    def _expired(self, edge: str, now: float) -> bool:
+        published = self._published.get(edge)
+        return published is not None and published.expired(now)
 
     def _renewal_due(self, edge: str, now: float) -> bool:
         published = self._published.get(edge)
@@ -418,37 +431,45 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
             current = self._current(dc, model)
             ready = sum(r.ready_endpoints for r in rows)
             deployed = managed.floor if current is None else current.target_replicas
-            if ready < deployed and now - self._changed_at.get(dc, now) > self._given_up_after_s:
+            lost = 0 if self._warming(dc, now) else max(deployed - ready, 0)
+            if lost:
                 log.warning(
-                    "%s: %d of %d %s replicas never came up", dc, deployed - ready, deployed, model
+                    "%s: %d of %d %s replicas not serving; sized by the %d that are",
+                    dc,
+                    lost,
+                    deployed,
+                    model,
+                    ready,
                 )
-                deployed = max(ready, managed.floor)  # judge the DC by what serves
-            replicas = DcReplicas(
+            replicas = DcReplicas(  # counted in replicas that serve
                 ready=ready,
-                deployed=deployed,
-                floor=managed.floor,
-                ceiling=managed.ceiling,
+                deployed=deployed - lost,
+                floor=max(managed.floor - lost, 0),
+                ceiling=managed.ceiling - lost,
                 sent_rps=rate * share + sum(r.queued for r in rows) / self.window_s,
             )
             moves = self.controller.targets({dc: replicas}, managed.rps, self._changed_at, now)
-            kept = (deployed, BASE if current is None else current.reason)
+            kept = (deployed - lost, BASE if current is None else current.reason)
             target, why = moves.get(dc, kept)
             actions.append(
                 PlacementAction(
                     model=model,
                     model_version=managed.version,
                     dc=dc,
-                    target_replicas=target,
+                    target_replicas=target + lost,
                     reason=why,
                 )
             )
         return tuple(actions)
 
-    @property
-    def _given_up_after_s(self) -> float:
-        """How long replicas asked for may take to serve before they count as failed
-        (else a DC whose new replicas never come up would never move again)."""
-        return 2 * self.controller.params.settle_s
+    def _warming(self, dc: str, now: float) -> bool:
+        """Whether replicas the last move asked for in ``dc`` may still be loading: for
+        twice the settling time after it. Past that, and in a DC never moved, a replica
+        short of those deployed is down or never came up: it counts as lost, and the DC
+        is judged by what serves, one more replica asked for to make up for it. Waiting
+        instead for every replica to serve would freeze a DC with a base replica down,
+        just when it has the least capacity."""
+        return now - self._changed_at.get(dc, -math.inf) <= 2 * self.controller.params.settle_s
 
     def _current(self, dc: str, model: str) -> PlacementAction | None:
         """What was last published for ``model`` in ``dc``."""

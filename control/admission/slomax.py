@@ -113,7 +113,7 @@ class SLOMax:
         """The requests of ``task_class`` a DC with ``ready`` instances runs at once under
         ``quotas`` (None: no limit): the quota's, else for long documents the default."""
         quota = quotas.get(task_class)
-        limit = None if quota is None else quota.max_concurrency
+        limit = None if quota is None else quota.concurrency(ready)
         if limit is None and task_class is TaskClass.LONG_DOCUMENT:
             limit = math.ceil(self.params.long_documents_per_instance * ready)
         return limit

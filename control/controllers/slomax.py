@@ -150,7 +150,7 @@ class QuotaController:
         instances = sum(row.ready_endpoints for row in capacity.rows)
         if instances == 0:
             return None
-        published = None if current is None else ceilings(current)
+        published = None if current is None else ceilings(current, instances)
         start = published or Ceilings(
             self._bounded(self.params.initial_per_instance * instances, instances), None
         )
@@ -163,7 +163,7 @@ class QuotaController:
             wait = self.params.raise_after_s if rising else self.params.lower_after_s
             if desired == published or now - current.issued_at < wait:
                 return None
-        return self._quotas(goodput.dc, desired, current, now)
+        return self._quotas(goodput.dc, desired, instances, current, now)
 
     def chats(self, interactive: GoodputRow | None) -> Chats:
         """How the window's chats fared against their target (None: a table without the
@@ -255,16 +255,34 @@ class QuotaController:
         return math.floor(self.params.batch_lifted_per_instance * instances)
 
     def _quotas(
-        self, dc: str, desired: Ceilings, current: AdmissionQuotas | None, now: float
+        self,
+        dc: str,
+        desired: Ceilings,
+        instances: int,
+        current: AdmissionQuotas | None,
+        now: float,
     ) -> AdmissionQuotas:
+        """The snapshot of ``desired``, set for ``instances`` ready instances: a pool
+        with more or fewer ready (a DC grows, loses one, or runs several models) scales
+        them, so they mean the same per instance until the next change."""
         quotas = [
             ClassQuota(
                 task_class=TaskClass.INTERACTIVE, reserved_share=self.params.interactive_kv_share
             ),
-            ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=desired.long_documents),
+            ClassQuota(
+                task_class=TaskClass.LONG_DOCUMENT,
+                max_concurrency=desired.long_documents,
+                for_instances=instances,
+            ),
         ]
         if desired.batch is not None:
-            quotas.append(ClassQuota(task_class=TaskClass.BATCH, max_concurrency=desired.batch))
+            quotas.append(
+                ClassQuota(
+                    task_class=TaskClass.BATCH,
+                    max_concurrency=desired.batch,
+                    for_instances=instances,
+                )
+            )
         return AdmissionQuotas(
             scope=dc,
             version=1 if current is None else current.version + 1,
@@ -275,26 +293,37 @@ class QuotaController:
 
 
 def ceiling(quotas: AdmissionQuotas, task_class: TaskClass) -> int | None:
-    """The requests of ``task_class`` in flight the quotas allow (None: they set no limit)."""
-    return next(
-        (
-            q.max_concurrency
-            for q in quotas.quotas
-            if q.task_class is task_class and q.tenant is None
-        ),
-        None,
-    )
+    """The requests of ``task_class`` in flight the quotas allow, for the ready instances
+    they were set for (None: they set no limit)."""
+    quota = _class_limit(quotas, task_class)
+    return None if quota is None else quota.max_concurrency
 
 
 def long_documents(quotas: AdmissionQuotas) -> int | None:
-    """The long documents in flight the quotas allow (None: they set no limit)."""
+    """The long documents in flight the quotas allow, for the ready instances they were
+    set for (None: they set no limit)."""
     return ceiling(quotas, TaskClass.LONG_DOCUMENT)
 
 
-def ceilings(quotas: AdmissionQuotas) -> Ceilings | None:
-    """The two ceilings the quotas hold (None: quotas without a long-document limit, which
-    this controller never publishes)."""
-    documents = long_documents(quotas)
-    if documents is None:
+def ceilings(quotas: AdmissionQuotas, instances: int) -> Ceilings | None:
+    """The two ceilings the quotas hold on ``instances`` ready instances, scaled from
+    those they were set for (None: quotas without a long-document limit, which this
+    controller never publishes)."""
+    documents = _class_limit(quotas, TaskClass.LONG_DOCUMENT)
+    limit = None if documents is None else documents.concurrency(instances)
+    if limit is None:
         return None
-    return Ceilings(documents, ceiling(quotas, TaskClass.BATCH))
+    batch = _class_limit(quotas, TaskClass.BATCH)
+    return Ceilings(limit, None if batch is None else batch.concurrency(instances))
+
+
+def _class_limit(quotas: AdmissionQuotas, task_class: TaskClass) -> ClassQuota | None:
+    """The quota that caps ``task_class`` as a whole (not a tenant's)."""
+    return next(
+        (
+            q
+            for q in quotas.quotas
+            if q.task_class is task_class and q.tenant is None and q.max_concurrency is not None
+        ),
+        None,
+    )

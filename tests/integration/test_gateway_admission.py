@@ -437,6 +437,30 @@ async def test_a_replica_whose_shares_fail_keeps_its_slots_a_while_then_decides_
     assert (host.replicas, host.pipeline(MODEL, "dc-a").slots) == (1, None)
 
 
+async def test_a_release_pass_applies_the_quotas_published_since_the_last_arrival() -> None:
+    """Held under a ceiling of one, a document starts at the next pass once the ceiling
+    is raised, though nothing arrived since."""
+
+    def ceiling(limit: int, version: int) -> AdmissionQuotas:
+        quota = ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=limit)
+        return AdmissionQuotas(
+            scope="dc-a", version=version, issued_at=time.time(), ttl_s=60, quotas=(quota,)
+        )
+
+    async def alone(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
+        return AdmissionLoads([], {})
+
+    published = [ceiling(1, 1)]
+    host = _slomax_host(alone, held_quotas=published)
+    assert isinstance(_document(host, published[-1])[1], Admitted)
+    _, held = _document(host, published[-1])
+    assert isinstance(held, Waiting)
+    assert await host.release_pass() == 0
+    published.append(ceiling(4, 2))
+    assert await host.release_pass() == 1
+    assert isinstance(await held.decision(), Admitted)
+
+
 @pytest.mark.redis
 async def test_replicas_on_one_redis_never_start_more_than_the_ceiling_between_them(
     redis_server: Service,
@@ -493,9 +517,12 @@ def _slomax_host(
     quotas: AdmissionQuotas | None = None,
     heard_for_s: float = 1.5,
     tick_s: float = 0.05,
+    held_quotas: list[AdmissionQuotas] | None = None,
 ) -> GatewayAdmission:
-    """A gateway's admission host with SLOMax, in front of ``READY``, under ``quotas``,
-    sharing its load through ``loads``."""
+    """A gateway's admission host with SLOMax, in front of ``READY``, under ``quotas``
+    (or the last of ``held_quotas`` as it is when asked), sharing its load through
+    ``loads``."""
+    now = [quotas] if held_quotas is None else held_quotas
 
     async def snapshot(_model: str, _dc: str) -> FleetSnapshot:
         return READY
@@ -508,7 +535,7 @@ def _slomax_host(
         GatewayMetrics(),
         loads,
         tick_s=tick_s,
-        pool_now=lambda _model, _dc: (1, quotas),
+        pool_now=lambda _model, _dc: (1, now[-1]),
         heard_for_s=heard_for_s,
     )
 

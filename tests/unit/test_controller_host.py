@@ -444,3 +444,36 @@ async def test_a_controller_no_longer_per_class_drops_the_class_weights_it_reads
     [renewed] = await restarted.reconcile()
     assert {w.task_class for w in renewed.weights} == {None}
     assert weights_of(renewed, "m", TaskClass.INTERACTIVE) == {"dc-b": 1.0}
+
+
+async def test_a_dc_with_its_base_replica_down_is_sized_by_what_serves() -> None:
+    """dc-b's one base replica is down and its load would keep one busy: the long cycle
+    does not wait for it to come up, but makes up for it on the standby GPUs."""
+    bus, clock = InMemoryBus(), Clock()
+    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=60.0, clock=clock)
+    feed_dc_b(host, ended_rps=6.0, ready=0, now=clock.now)
+    [grown] = await host.reconcile()
+    assert targets(grown) == {"m": 3}  # two serving for 6 a second, and the one down
+    clock.now += 130  # the standby ones load: nothing moves while they may
+    feed_dc_b(host, ended_rps=6.0, ready=1, now=clock.now)
+    assert await host.reconcile() == []
+
+
+async def test_expired_quotas_and_weights_start_again_from_where_the_gateways_are() -> None:
+    """After two hours away, the controllers continue their versions but not the limits
+    and weights they had set: the gateways dropped those at their TTL."""
+    bus, clock = InMemoryBus(), Clock()
+    quotas = QuotaHost(bus, clock=clock)
+    feed(quotas, chats_met=50, documents_refused=0, now=clock.now)
+    [lowered] = await quotas.reconcile()
+    weights = WeightHost(bus, ["m"], {"dc-a": None}, clock=clock)
+    feed_goodput(weights, "dc-b", 50, clock.now)
+    [fallen] = await weights.reconcile()
+    assert weights_of(fallen)["dc-b"] < 1
+    clock.now += 7200
+    feed(quotas, chats_met=96, documents_refused=0, now=clock.now)  # in the band
+    [again] = await quotas.reconcile()
+    assert (again.version, long_documents(lowered), long_documents(again)) == (2, 4, 8)
+    feed_goodput(weights, "dc-b", 87, clock.now)  # in the band: no move
+    [whole] = await weights.reconcile()
+    assert (whole.version, weights_of(whole)) == (fallen.version + 1, {"dc-b": 1.0})

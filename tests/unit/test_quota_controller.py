@@ -273,3 +273,27 @@ def test_the_limit_stays_within_its_bounds() -> None:
         worse = table((100, 100), (10, 1, 5))
         quotas = controller.reconcile(worse, SIXTEEN, quotas, now=60.0 * n) or quotas
     assert long_documents(quotas) == params.max_per_instance * 16
+
+
+def test_published_ceilings_are_per_instance_and_follow_the_fleet_as_it_grows() -> None:
+    """Set for 2 ready instances, the controller's limits mean the same per instance on
+    16 (it reads them back scaled, and moves on from there), and on a pool with half a
+    DC's instances (a DC running two models) half of them."""
+    controller = QuotaController()
+    first = controller.reconcile(table((100, 96)), capacity(2), None, now=60.0)
+    assert first is not None
+    assert long_documents(first) == START * 2
+    assert controller.reconcile(table((100, 96)), SIXTEEN, first, now=200.0) is None
+    quota = next(q for q in first.quotas if q.task_class is TaskClass.LONG_DOCUMENT)
+    assert (quota.concurrency(16), quota.concurrency(1)) == (START * 16, START)
+    lowered = controller.reconcile(table((100, 50)), SIXTEEN, first, now=200.0)
+    assert lowered is not None
+    assert long_documents(lowered) == math.floor(START * 16 / FAR)  # from 64, not from 8
+    two_models = capacity(16).rows[0].model_copy(update={"ready_endpoints": 8})
+    both = capacity(16).model_copy(
+        update={"rows": (two_models, two_models.model_copy(update={"model": "other"}))}
+    )
+    shared = controller.reconcile(table((100, 96)), both, None, now=60.0)
+    assert shared is not None
+    per_pool = next(q for q in shared.quotas if q.task_class is TaskClass.LONG_DOCUMENT)
+    assert per_pool.concurrency(8) == START * 8  # each model's pool: half the DC's
