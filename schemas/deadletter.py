@@ -1,8 +1,11 @@
-"""What a consumer could not decode, kept whole with the reason."""
+"""What a consumer could not decode, kept with the reason: whole, or, for a record too
+large for a letter, its start."""
 
 from __future__ import annotations
 
-from schemas.base import Message
+from pydantic import Field
+
+from schemas.base import Message, NonNegInt
 
 
 class DeadLetter(Message):
@@ -14,3 +17,10 @@ class DeadLetter(Message):
     key: str | None
     reason: str
     raw_b64: str
+    raw_size: NonNegInt | None = Field(
+        default=None,
+        description=(
+            "The record's size in bytes where raw_b64 holds only its first bytes (None: "
+            "it holds the whole record)."
+        ),
+    )

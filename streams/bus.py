@@ -24,6 +24,11 @@ MAX_RECORD_BYTES = 1_000_000
 """The largest event a bus takes, encoded: under the Kafka producer's default limit on a
 request (``max.request.size``, 1,048,576 bytes) with the record's key and framing. Both
 buses refuse a larger one alike (``Unpublishable``)."""
+DEAD_LETTER_RAW_BYTES = 600_000
+"""The most of an undecodable record a dead letter keeps: 800,000 bytes in base64, with
+room under ``MAX_RECORD_BYTES`` for the reason."""
+REASON_CHARS = 10_000
+"""The most of a decoding error's message a dead letter keeps."""
 
 StartFrom = Literal["earliest", "latest"] | Mapping[int, int]
 """Where a subscription starts: the oldest record, the next new one, or given offsets per
@@ -188,14 +193,18 @@ class EventBus(ABC):
 
 def dead_letter(record: RawRecord, reason: str, source: str) -> Envelope:
     """The dead letter of an undecodable record. Its event id names the record, so the
-    letters several consumers write for one record deduplicate."""
+    letters several consumers write for one record deduplicate. A record over
+    ``DEAD_LETTER_RAW_BYTES`` keeps only its start: whole, in base64, a record the broker
+    took could make a letter no bus takes, and the consumer would stop on it for good."""
+    raw = record.value or b""
     letter = DeadLetter(
         source_topic=record.topic,
         partition=record.partition,
         offset=record.offset,
         key=record.key,
-        reason=reason,
-        raw_b64=base64.b64encode(record.value or b"").decode(),
+        reason=reason[:REASON_CHARS],
+        raw_b64=base64.b64encode(raw[:DEAD_LETTER_RAW_BYTES]).decode(),
+        raw_size=len(raw) if len(raw) > DEAD_LETTER_RAW_BYTES else None,
     )
     event_id = f"{record.topic}/{record.partition}/{record.offset}"
     return Envelope.wrap(letter, source=source, event_id=event_id)

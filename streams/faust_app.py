@@ -42,7 +42,7 @@ from schemas.base import TaskClass
 from schemas.objectives import Objectives
 from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from schemas.topics import DAY_MS
-from streams.bus import RawRecord, dead_letter
+from streams.bus import MAX_RECORD_BYTES, RawRecord, dead_letter
 from streams.faust_parts import (
     RUST_JSON,
     KeyedTable,
@@ -199,9 +199,14 @@ def build_app(
         now = time.time()
         for dc in live.dcs():
             for table in live.of(dc).tables(dc, spec, now):
-                envelope = Envelope.wrap(table, source=settings.app_id)
+                value = encode(Envelope.wrap(table, source=settings.app_id))
+                if len(value) > MAX_RECORD_BYTES:  # the producer would fail, and the worker
+                    log.error(
+                        "%s of %s: %d bytes, not published", type(table).__name__, dc, len(value)
+                    )
+                    continue
                 topic = topic_for(type(table)).name
-                await app.topic(topic, **raw).send(key=dc.encode(), value=encode(envelope))
+                await app.topic(topic, **raw).send(key=dc.encode(), value=value)
                 app.published[topic] += 1
 
     return app
@@ -211,9 +216,13 @@ def _decoder(
     app: WorkerApp, dead_letters: faust.TopicT, source: str
 ) -> Callable[[faust.EventT], Awaitable[Envelope | None]]:
     """An event's envelope; one that does not decode is sent to the dead-letter topic
-    (as ``source``'s), counted and logged, and answers None."""
+    (as ``source``'s), counted and logged, and answers None, as a tombstone does (a
+    record without a value: decoding it raised TypeError, which escaped the batch's
+    agent and lost the batch)."""
 
     async def decoded(event: faust.EventT) -> Envelope | None:
+        if event.value is None:  # a tombstone: no event, as the buses skip it
+            return None
         try:
             return decode(event.value)
         except DecodeError as exc:
@@ -370,6 +379,7 @@ class _LiveStates:
     ) -> None:
         """Apply a batch's updates of ``dc`` to its state and store what they changed."""
         state = self.of(dc)
+        state.horizon = time.time() + spec.grace_s
         changed: set[float] = set()
         counted: dict[float, list[str]] = defaultdict(list)
         for item in items:

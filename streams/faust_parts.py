@@ -30,6 +30,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector, start_http_se
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from schemas.topics import COMPACTED_SEGMENT_MS
+
 log = logging.getLogger(__name__)
 
 FETCH_MAX_WAIT_MS = 100
@@ -352,7 +354,18 @@ class JsonTable(faust.Table[Any, Any]):
     """A table whose changelog carries its keys and values as JSON written by pydantic-core
     (``RustJson``). Faust picks a table's changelog serializers from its key and value
     types, not its schema: ``json``, the standard library's, for anything but a Faust
-    record or bytes."""
+    record or bytes.
+
+    Its changelog closes a segment every ``COMPACTED_SEGMENT_MS``, as the project's own
+    compacted topics do: with the broker's default (7 days or 1 GB), the cleaner seldom
+    compacts it, and a worker restarted after days replays every write since, publishing
+    nothing while it recovers."""
+
+    def __init__(self, app: faust.App, **options: Any) -> None:
+        configs = {"segment.ms": str(COMPACTED_SEGMENT_MS)} | dict(
+            options.pop("extra_topic_configs", None) or {}
+        )
+        super().__init__(app, extra_topic_configs=configs, **options)
 
     def _serializer_from_type(self, typ: Any) -> str:
         return "raw" if typ is bytes else RUST_JSON

@@ -8,11 +8,14 @@ tables every ``publish_s``. It does not share work or keep changelogs; on Kafka,
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from schemas import Envelope
-from streams.bus import EventBus
+from streams.bus import EventBus, Unpublishable
 from streams.tables.builder import TableBuilder
+
+log = logging.getLogger(__name__)
 
 INPUT_TOPICS = ("tf.requests", "tf.completions", "tf.cancellations", "tf.telemetry", "tf.kv-events")
 
@@ -24,13 +27,18 @@ class TableHost:
         self.publish_s = publish_s
 
     async def run(self) -> None:
-        """Feed and publish until cancelled."""
+        """Feed and publish until cancelled. A table no bus takes (``Unpublishable``: a
+        goodput table with thousands of tenants' rows passes the size a record may have)
+        is logged and left out; the others go on being published."""
         readers = [asyncio.create_task(self._read(topic)) for topic in INPUT_TOPICS]
         try:
             while True:
                 await asyncio.sleep(self.publish_s)
-                tables = self.builder.tables(time.time())
-                await self.bus.publish_events([Envelope.wrap(t, source="tables") for t in tables])
+                for table in self.builder.tables(time.time()):
+                    try:
+                        await self.bus.publish_event(Envelope.wrap(table, source="tables"))
+                    except Unpublishable as exc:
+                        log.error("%s: not published: %s", type(table).__name__, exc)
         finally:
             for reader in readers:
                 reader.cancel()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import secrets
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, replace
 from typing import Any
@@ -200,7 +201,7 @@ async def _serving(
         if services.kafka_bootstrap is None:  # embedded: the collector and tables run here
             tables = WorkerSettings()
             table_host = TableHost(
-                bus, TableBuilder(tables.spec, fleet.all_objectives()), tables.publish_s
+                bus, TableBuilder(tables.spec, fleet.all_objectives(), time.time), tables.publish_s
             )
             tasks.append(asyncio.create_task(Collector(fleet.instances, bus, scraper).run()))
             tasks.append(asyncio.create_task(table_host.run()))

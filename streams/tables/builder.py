@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,18 +33,27 @@ class DcTables:
     (a replay after a crash) counts it once."""
     watermark: float = float("-inf")
     """The latest event time seen for this DC."""
+    horizon: float = float("inf")
+    """The latest event time its host believes (its clock and the grace): a later one
+    counts as of the horizon. One event stamped an hour ahead (a producer's clock, or
+    milliseconds sent as seconds) moved the watermark with it, and every slice expired
+    and every later event counted as late, for as long as the watermark stood there."""
+    version: int = 0
+    """The last tables' version: versions are the publishing clock's milliseconds, but
+    never go back within a host while that clock steps back (NTP)."""
 
     def add_outcome(
         self, outcome: Outcome, objective: ClassObjective, spec: WindowSpec
     ) -> set[float]:
         """Count an outcome; returns the slices it changed (none for one counted before)."""
-        counted_in = spec.slice_of(outcome.ts)
+        ts = min(outcome.ts, self.horizon)
+        counted_in = spec.slice_of(ts)
         if not self._first(outcome.event_id, counted_in):
             return set()
         if not outcome.unmatched:  # its time is when it was given up, not an event's
-            self.watermark = max(self.watermark, outcome.ts)
-        late = outcome.unmatched or spec.is_late(outcome.ts, self.watermark)
-        at = spec.slice_of(max(self.watermark, outcome.ts) if late else outcome.ts)
+            self.watermark = max(self.watermark, ts)
+        late = outcome.unmatched or spec.is_late(ts, self.watermark)
+        at = spec.slice_of(max(self.watermark, ts) if late else ts)
         groups = self.goodput.setdefault(at, {})
         for key in group_keys(outcome):
             counts = groups.setdefault(key, GoodputCounts())
@@ -59,6 +69,7 @@ class DcTables:
     def add_telemetry(
         self, telemetry: InstanceTelemetry, ts: float, spec: WindowSpec
     ) -> set[float]:
+        ts = min(ts, self.horizon)
         self.watermark = max(self.watermark, ts)
         if spec.is_late(ts, self.watermark):
             return set()
@@ -68,6 +79,7 @@ class DcTables:
     def add_evictions(
         self, event_id: str, instance: str, blocks: int, ts: float, spec: WindowSpec
     ) -> set[float]:
+        ts = min(ts, self.horizon)
         at = spec.slice_of(ts)
         if not self._first(event_id, at):
             return set()
@@ -103,7 +115,7 @@ class DcTables:
             if at in self.fleet:
                 fleet.merge(self.fleet[at])
         start = slices[0]
-        version = int(now * 1000)
+        self.version = version = max(int(now * 1000), self.version + 1)
         span = now - start
         classes, tenants, regions = rows(groups, span)
         kv = fleet.kv_totals(span)
@@ -174,9 +186,13 @@ class TableBuilder:
         self,
         spec: WindowSpec | None = None,
         objectives: Objectives | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``clock``: the time events cannot be later than (with the spec's grace), for a
+        host on the wall clock (``DcTables.horizon``); None: any time."""
         self.spec = spec or WindowSpec()
         self.objectives = objectives or Objectives()
+        self.clock = clock
         self.dcs: dict[str, DcTables] = {}
         self.requests: dict[str, RequestState] = {}
         self._instance_dc: dict[str, str] = {}
@@ -226,7 +242,11 @@ class TableBuilder:
         return published
 
     def _dc(self, dc: str) -> DcTables:
-        return self.dcs.setdefault(dc, DcTables())
+        """``dc``'s state, its horizon brought to now."""
+        state = self.dcs.setdefault(dc, DcTables())
+        if self.clock is not None:
+            state.horizon = self.clock() + self.spec.grace_s
+        return state
 
     def _first(self, envelope: Envelope) -> bool:
         if envelope.event_id in self._seen:

@@ -13,6 +13,9 @@ from faust.transport.consumer import ThreadDelegateConsumer
 from faust.types import TP
 from faust.utils import json as faust_json
 
+from schemas import DEADLETTER_TOPIC
+from schemas.topics import COMPACTED_SEGMENT_MS
+from streams.faust_app import _decoder
 from streams.faust_parts import (
     FETCH_MAX_WAIT_MS,
     RUST_JSON,
@@ -179,3 +182,19 @@ async def test_a_rebalance_forgets_the_keys_written_to_partitions_no_longer_held
     assert dict(table.data.items()) == {"kept": {"seen": ["e1"]}}
     await table.on_recovery_completed({TP(changelog, 0)}, set())  # nothing more to forget
     assert dict(table.data.items()) == {"kept": {"seen": ["e1"]}}
+
+
+def test_changelogs_close_segments_as_the_project_s_compacted_topics_do() -> None:
+    app = WorkerApp("segments", broker="kafka://127.0.0.1:1")
+    table = KeyedTable(app, name="join", partitions=6)
+    assert table.changelog_topic.config["segment.ms"] == str(COMPACTED_SEGMENT_MS)
+
+
+async def test_a_tombstone_is_no_event_and_sends_no_dead_letter(app: WorkerApp) -> None:
+    """A record without a value (a tombstone) raised TypeError from the decoder, which
+    escaped the agent with its whole batch."""
+    letters = app.topic(DEADLETTER_TOPIC)
+    decoded = _decoder(app, letters, "worker")
+    tombstone = types.SimpleNamespace(value=None, message=None)
+    assert await decoded(tombstone) is None  # type: ignore[arg-type]
+    assert not app.dead_lettered

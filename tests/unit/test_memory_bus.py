@@ -4,6 +4,7 @@ does not keep every event it ever sent; its readers go on across the trim."""
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import pytest
 
@@ -11,6 +12,13 @@ from schemas import Envelope
 from schemas.control import AdmissionQuotas
 from schemas.lifecycle import RequestAdmitted
 from streams import InMemoryBus
+from streams.bus import (
+    DEAD_LETTER_RAW_BYTES,
+    MAX_RECORD_BYTES,
+    Outgoing,
+    RawRecord,
+    dead_letter,
+)
 
 LIMIT = 10
 
@@ -77,3 +85,15 @@ async def test_a_compacted_topic_with_more_keys_than_it_keeps_still_keeps_each_l
 def test_a_bus_keeps_at_least_two_records_a_topic() -> None:
     with pytest.raises(ValueError, match="at least 2"):
         InMemoryBus(retained=1)
+
+
+def test_the_dead_letter_of_a_record_too_large_for_a_letter_keeps_its_start() -> None:
+    """Whole, in base64, a 760 KB record the broker took made a letter no bus takes, and
+    the consumer stopped on it for good."""
+    record = RawRecord("tf.kv-events", 0, 5, "i", b"x" * 760_000)
+    letter = dead_letter(record, "not JSON", "worker")
+    assert len(Outgoing.of(letter).value) <= MAX_RECORD_BYTES
+    assert letter.payload.raw_size == 760_000
+    assert base64.b64decode(letter.payload.raw_b64) == b"x" * DEAD_LETTER_RAW_BYTES
+    small = dead_letter(RawRecord("tf.kv-events", 0, 6, "i", b"{bad"), "not JSON", "worker")
+    assert (base64.b64decode(small.payload.raw_b64), small.payload.raw_size) == (b"{bad", None)

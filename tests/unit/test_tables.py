@@ -3,8 +3,10 @@ simulated run produced, under reordering, duplicates, early ends and late events
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,13 +35,16 @@ from schemas.telemetry import InstanceTelemetry, KvBlocksRemoved
 from sim.events import lifecycle_events
 from sim.records import RequestRecord
 from sim.run import RunConfig, simulate_run
+from streams import InMemoryBus
 from streams.faust_app import _apply, _LiveStates, build_app
 from streams.settings import WorkerSettings
+from streams.table_host import TableHost
 from streams.tables import outcomes
 from streams.tables.builder import TableBuilder
 from streams.tables.outcomes import OPEN_REQUEST_S, Outcome, OutcomeKind
 from streams.tables.sketch import QuantileSketch
 from streams.tables.windows import WindowSpec
+from tests.conftest import read_for
 
 SPEC = WindowSpec(size_s=600.0, slide_s=60.0, grace_s=600.0)
 EPOCH = 1_800_000_000.0  # a slide boundary
@@ -88,13 +93,13 @@ def test_reordered_and_redelivered_events_give_the_same_tables(
     assert build(shaken, now) == build(events, now)
 
 
-def _request(n: int, at: float, region: str = "eu") -> list[Envelope]:
+def _request(n: int, at: float, region: str = "eu", tenant: str = "t") -> list[Envelope]:
     rid = f"r{n}"
     return [
         Envelope.wrap(
             RequestArrived(
                 request_id=rid,
-                tenant="t",
+                tenant=tenant,
                 task_class=TaskClass.INTERACTIVE,
                 model="m",
                 input_tokens=100,
@@ -112,13 +117,13 @@ def _request(n: int, at: float, region: str = "eu") -> list[Envelope]:
     ]
 
 
-def _completed(n: int, at: float, output_tokens: int = 10) -> Envelope:
+def _completed(n: int, at: float, output_tokens: int = 10, tenant: str = "t") -> Envelope:
     done = RequestCompleted(
         request_id=f"r{n}",
         dc="dc-a",
         instance_id="i0",
         task_class=TaskClass.INTERACTIVE,
-        tenant="t",
+        tenant=tenant,
         input_tokens=100,
         cached_tokens=0,
         output_tokens=output_tokens,
@@ -512,3 +517,54 @@ def test_workers_keep_no_standby_copies_of_their_tables_unless_asked(
     monkeypatch.setenv("TOKENFLEET_WORKER_STANDBY_REPLICAS", "1")
     asked = build_app("localhost:9", WorkerSettings(app_id="one", data_dir=tmp_path))
     assert asked.conf.table_standby_replicas == 1
+
+
+def test_an_event_stamped_an_hour_ahead_counts_as_of_now_and_expires_nothing() -> None:
+    """A producer's clock an hour ahead (or milliseconds sent as seconds) moved the
+    watermark with it: every slice expired and every later event counted as late."""
+    now = EPOCH + 30
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5), clock=lambda: now)
+    for n in (1, 2):
+        for event in _request(n, EPOCH):
+            builder.feed(event)
+        builder.feed(_completed(n, EPOCH + 1))
+    for event in _request(3, EPOCH + 3600):
+        builder.feed(event)
+    builder.feed(_completed(3, EPOCH + 3600))
+    for event in _request(4, EPOCH + 2):
+        builder.feed(event)
+    builder.feed(_completed(4, EPOCH + 3))
+    [row] = [r for r in goodput(builder.tables(now)).classes if r.key == "interactive"]
+    assert (row.completed, row.late_events) == (4, 0)
+
+
+def test_table_versions_never_go_back_when_the_clock_does() -> None:
+    builder = TableBuilder(SPEC)
+    for event in _request(1, EPOCH):
+        builder.feed(event)
+    builder.feed(_completed(1, EPOCH + 1))
+    first = goodput(builder.tables(EPOCH + 10)).version
+    assert goodput(builder.tables(EPOCH + 5)).version > first  # NTP stepped the clock back
+
+
+async def test_the_embedded_host_leaves_out_a_table_too_large_to_publish_and_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A goodput table with a row for each of 3,000 tenants passes the size a record may
+    have: the host published nothing more, and its task ended without a word."""
+    builder, bus, now = TableBuilder(SPEC), InMemoryBus(), time.time()  # the host's clock
+    for n in range(3000):
+        for event in [
+            *_request(n, now, tenant=f"t{n}"),
+            _completed(n, now, tenant=f"t{n}"),
+        ]:
+            builder.feed(event)
+    host = TableHost(bus, builder, publish_s=0.01)
+    running = asyncio.create_task(host.run())
+    with caplog.at_level("ERROR", logger="streams.table_host"):
+        published = await read_for(bus, "tf.tables.capacity", 0.5)
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    assert len(published) > 1  # pass after pass
+    assert not await read_for(bus, "tf.tables.goodput", 0.05)
+    assert any("GoodputTable: not published" in r.getMessage() for r in caplog.records)
