@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,7 +16,7 @@ from control.routing import make_router
 from control.tokens import block_hashes, count_tokens
 from schemas.fleet import FleetConfig
 from sim.cluster import Cluster
-from sim.emulator.server import EmulatedInstance, serve, serve_fleet
+from sim.emulator.server import EmulatedInstance, FleetOptions, serve, serve_fleet
 from sim.profiles import profile
 from sim.replay import prompt_text, replay
 from sim.simulator import Simulation
@@ -220,7 +221,8 @@ async def test_a_fleet_file_starts_its_local_instances_each_behind_its_dc_s_roun
             ],
         }
     )
-    async with serve_fleet(fleet, "eu-west", speedup=10) as instances, httpx.AsyncClient() as http:
+    serving = serve_fleet(fleet, "eu-west", FleetOptions(speedup=10))
+    async with serving as instances, httpx.AsyncClient() as http:
         assert sorted(i.url for i in instances) == sorted(
             f"http://127.0.0.1:{port}" for port in (near, far)
         )  # the one on another host is not this machine's to start
@@ -229,3 +231,50 @@ async def test_a_fleet_file_starts_its_local_instances_each_behind_its_dc_s_roun
         assert asyncio.get_running_loop().time() - started >= 0.3  # across the Atlantic
         models = (await http.get(f"http://127.0.0.1:{near}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["m"]
+
+
+def _one_model_fleet(model: dict[str, object], port: int) -> FleetConfig:
+    return FleetConfig.model_validate(
+        {
+            "dcs": [{"name": "dc-a", "region": "eu-west"}],
+            "models": [{"name": "m", **model}],
+            "instances": [
+                {"id": "a", "dc": "dc-a", "url": f"http://127.0.0.1:{port}", "model": "m"}
+            ],
+        }
+    )
+
+
+async def test_a_fleet_file_s_engine_settings_and_the_emulate_flags_reach_its_engines() -> None:
+    fleet = _one_model_fleet({"max_num_seqs": 4, "context_tokens": 4096}, free_port())
+    options = FleetOptions(speedup=10, reasoning=True, scheduling_policy="priority")
+    async with serve_fleet(fleet, "eu-west", options) as [instance], httpx.AsyncClient() as http:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        answer = (await http.post(f"{instance.url}/v1/chat/completions", json=body)).json()
+    config = instance.driver.engine.config
+    assert config.max_num_seqs == 4  # as SLOMax, reading the fleet file, reserves seats of
+    assert config.max_model_len == 4096
+    assert config.scheduling_policy == "priority"
+    assert answer["choices"][0]["message"]["reasoning_content"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--model", "other"],
+        ["--instances", "2"],
+        ["--base-port", "9000"],
+        ["--profile", "mixtral-8x7b-2xh100"],
+    ],
+)
+def test_emulate_refuses_with_fleet_the_flags_its_file_overrides(
+    flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        '[[dcs]]\nname = "dc-a"\nregion = "eu-west"\n'
+        '[[models]]\nname = "m"\nprofile = "llama3-70b-4xh100"\n'
+        '[[instances]]\nid = "a"\ndc = "dc-a"\nurl = "http://127.0.0.1:1"\nmodel = "m"\n'
+    )
+    assert main(["emulate", "--fleet", str(path), *flags]) == 2
+    assert f"{flags[0]}: " in capsys.readouterr().err
