@@ -24,7 +24,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from control.tokens import block_hashes, chat_text, prompt_tokens, token_ids, token_text
+from control.tokens import (
+    chat_text,
+    prompt_block_hashes,
+    prompt_tokens,
+    token_ids,
+    token_text,
+)
 from schemas.openai_api import (
     ApiError,
     ChatRequest,
@@ -224,7 +230,7 @@ def _submit(
     driver = instance.driver
     submitted: list[tuple[EngineSequence, Tokens]] = []
     for n, prompt in enumerate(prompts):
-        blocks = block_hashes(prompt) if isinstance(prompt, str) else ()
+        blocks = prompt_block_hashes(prompt)
         tokens = prompt_tokens(prompt)
         work = TraceRequest(f"{request_id}-{n}", driver.now(), tokens, budget, blocks)
         try:

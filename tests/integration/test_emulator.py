@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from control.routing import make_router
-from control.tokens import block_hashes, count_tokens
+from control.tokens import BLOCK_TOKENS, block_hashes, count_tokens, token_ids, token_text
 from schemas.fleet import FleetConfig
 from sim.cluster import Cluster
 from sim.emulator.server import EmulatedInstance, FleetOptions, serve, serve_fleet
@@ -110,6 +110,21 @@ async def test_metrics_parse_and_count_prefix_hits(
     assert hits == 208  # the second prompt reuses all its full blocks but the last token's
     assert samples["vllm:time_to_first_token_seconds_count"].value == 2
     assert samples["vllm:num_requests_running"].labels == {"model_name": MODEL}
+
+
+async def test_a_prompt_sent_as_token_ids_is_cached_as_its_text_is(
+    instance: EmulatedInstance,
+) -> None:
+    text = "a prompt sent as token ids " * 60
+    ids = token_ids(text)[:400]
+    async with httpx.AsyncClient(base_url=instance.url) as http:
+        for prompt in (ids, ids, token_text(ids)):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+        text = (await http.get("/metrics")).text
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    reusable = (len(ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # all but the last token's block
+    assert samples["vllm:prefix_cache_hits_total"].value == 2 * reusable
 
 
 async def test_kv_events_name_the_blocks_a_prompt_stored_and_refuse_bad_numbers() -> None:
