@@ -76,7 +76,8 @@ def reasoning_tokens(budget: int, calls_tool: bool = False) -> int:
 
 
 def opening_chunks(call: Call) -> list[str]:
-    """What a stream sends before any token: a chat stream's role, per choice."""
+    """What a stream sends with its first output, before that output's tokens: a chat
+    stream's role, per choice."""
     if call.api is not Api.CHAT:
         return []
     return [

@@ -304,12 +304,16 @@ async def _stream(
     done = [0] * len(submitted)
     started = False
     try:
-        for event in responses.opening() if responses else answers.opening_chunks(call):
+        for event in responses.opening() if responses else ():
             yield event
         async for choice, count in _merged([t for _, t in submitted]):
             if not started:
+                # a chat stream's roles come with its first output, not at once, as vLLM's
+                # (first_iteration in vllm/entrypoints/openai/chat_completion/serving.py)
                 await asyncio.sleep(driver.api_overhead_s())
                 started = True
+                for event in answers.opening_chunks(call):
+                    yield event
             if responses is not None:
                 events = responses.tokens(count)
             else:

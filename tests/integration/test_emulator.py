@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -59,6 +60,28 @@ async def test_the_openai_client_streams_a_chat_completion(client: openai.AsyncO
     assert usage is not None
     assert usage.completion_tokens == 12
     assert usage.prompt_tokens == -(-len("<|user|>\n" + "hello " * 100 + "\n<|assistant|>\n") // 4)
+
+
+async def test_a_queued_chat_stream_sends_nothing_before_its_first_token() -> None:
+    one_seat = replace(PROFILE, engine=replace(PROFILE.engine, max_num_seqs=1))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with (
+        serve(one_seat, MODEL, [free_port()], speedup=10) as [instance],
+        httpx.AsyncClient(base_url=instance.url, timeout=10) as http,
+    ):
+        seat = {"model": MODEL, "prompt": "x" * 400, "max_tokens": 300}
+        taken = asyncio.ensure_future(http.post("/v1/completions", json=seat))
+        for _ in range(1000):  # until it holds the seat
+            if instance.driver.engine.running:
+                break
+            await asyncio.sleep(0.001)
+        async with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            events = [(asyncio.get_running_loop().time(), line) async for line in r.aiter_lines()]
+        await taken
+    data = [(t, line) for t, line in events if line.startswith("data: {")]
+    first_token = next(t for t, line in data if "tok" in line)
+    assert '"role":"assistant"' in data[0][1].replace(" ", "")
+    assert data[0][0] >= first_token - 0.05  # the seat frees after ~0.5 s
 
 
 async def test_the_openai_client_gets_a_whole_completion(client: openai.AsyncOpenAI) -> None:
