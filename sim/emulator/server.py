@@ -78,7 +78,10 @@ async def serve(
 ) -> AsyncIterator[list[EmulatedInstance]]:
     """Start one instance per port on 127.0.0.1 (port 0: any free one); stop them all on
     exit. A port taken raises ``OSError`` before any starts. ``network_s``: a round trip
-    added before each request is handled, as a client in another region would see."""
+    added before each request is handled, as a client in another region would see, in
+    the model's seconds as the steps and the API overhead are (``speedup`` times shorter
+    in wall time): a replay, which reads wall time times ``speedup``, then sees the round
+    trip the simulator adds."""
     with contextlib.ExitStack() as bound:
         sockets = [bound.enter_context(socket.create_server(("127.0.0.1", port))) for port in ports]
         bound.pop_all()  # every port is ours: the servers own the sockets from here
@@ -89,7 +92,7 @@ async def serve(
     servers = [
         SignalFreeServer(
             uvicorn.Config(
-                _behind(i.app, network_s),
+                _behind(i.app, network_s / speedup),
                 host="127.0.0.1",
                 port=port,
                 log_level="warning",

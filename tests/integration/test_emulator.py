@@ -250,7 +250,7 @@ async def test_a_fleet_file_starts_its_local_instances_each_behind_its_dc_s_roun
     fleet = FleetConfig.model_validate(
         {
             "dcs": [{"name": "dc-a", "region": "eu-west"}, {"name": "dc-b", "region": "us-east"}],
-            "network": [{"regions": ["eu-west", "us-east"], "rtt_ms": 300}],
+            "network": [{"regions": ["eu-west", "us-east"], "rtt_ms": 3000}],
             "models": [{"name": "m", "profile": "llama3-70b-4xh100"}],
             "instances": [
                 {"id": "a", "dc": "dc-a", "url": f"http://127.0.0.1:{near}", "model": "m"},
@@ -266,7 +266,8 @@ async def test_a_fleet_file_starts_its_local_instances_each_behind_its_dc_s_roun
         )  # the one on another host is not this machine's to start
         started = asyncio.get_running_loop().time()
         assert (await http.get(f"http://127.0.0.1:{far}/metrics")).status_code == 200
-        assert asyncio.get_running_loop().time() - started >= 0.3  # across the Atlantic
+        took = asyncio.get_running_loop().time() - started
+        assert 0.3 <= took < 3.0  # the round trip, 10 times faster as the engine is
         models = (await http.get(f"http://127.0.0.1:{near}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["m"]
 
