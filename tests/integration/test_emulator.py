@@ -102,6 +102,30 @@ async def test_bad_requests_get_openai_errors(client: openai.AsyncOpenAI) -> Non
         await client.completions.create(model=MODEL, prompt="x", max_tokens=200_000)
 
 
+async def test_a_budget_past_the_context_is_shortened_and_a_full_prompt_refused() -> None:
+    context = 1000
+    short = replace(PROFILE, engine=replace(PROFILE.engine, max_model_len=context))
+    long_prompt, short_prompt = "abcd" * 900, "abcd" * 100  # 900 and 100 tokens
+    async with (
+        serve(short, MODEL, [free_port()], speedup=10) as [instance],
+        openai.AsyncOpenAI(base_url=f"{instance.url}/v1", api_key="unused") as client,
+    ):
+        both = await client.completions.create(
+            model=MODEL, prompt=[long_prompt, short_prompt], max_tokens=500
+        )
+        stream = await client.completions.create(
+            model=MODEL, prompt=long_prompt, max_tokens=500, stream=True
+        )
+        streamed = [c.choices[0] async for c in stream if c.choices]
+        with pytest.raises(openai.BadRequestError, match="maximum context length") as refused:
+            await client.completions.create(model=MODEL, prompt="abcd" * context, max_tokens=1)
+    assert [c.text.count("tok") for c in both.choices] == [context - 900, 500]
+    assert [c.finish_reason for c in both.choices] == ["length", "length"]
+    assert sum(c.text.count("tok") for c in streamed) == context - 900
+    assert streamed[-1].finish_reason == "length"
+    assert refused.value.body["param"] == "prompt"  # type: ignore[index]
+
+
 async def test_malformed_json_is_a_400_in_openai_format(instance: EmulatedInstance) -> None:
     async with httpx.AsyncClient(base_url=instance.url) as http:
         response = await http.post("/v1/chat/completions", content=b"{not json")
