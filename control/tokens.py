@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 BYTES_PER_TOKEN = 4
 BLOCK_TOKENS = 16
 _BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK_TOKENS
+MAX_TOKEN_ID = (1 << (8 * BYTES_PER_TOKEN)) - 1
 
 
 def count_tokens(text: str) -> int:
@@ -29,7 +30,19 @@ def count_tokens(text: str) -> int:
 
 
 def block_hashes(text: str) -> tuple[int, ...]:
-    data = text.encode()
+    return _chained(text.encode())
+
+
+def prompt_block_hashes(prompt: str | Sequence[int]) -> tuple[int, ...]:
+    """The block hashes of one prompt: of its text, or of its token ids' bytes as
+    ``token_ids`` writes them (an id outside 0..``MAX_TOKEN_ID`` wraps), so that a text's
+    ids hash as its text does: an engine caches by the tokens, however they were sent."""
+    if isinstance(prompt, str):
+        return block_hashes(prompt)
+    return _chained(b"".join((i & MAX_TOKEN_ID).to_bytes(BYTES_PER_TOKEN) for i in prompt))
+
+
+def _chained(data: bytes) -> tuple[int, ...]:
     hashes = []
     parent = b"\0" * 8
     for start in range(0, len(data) - _BLOCK_BYTES + 1, _BLOCK_BYTES):
@@ -82,9 +95,6 @@ def token_ids(text: str) -> list[int]:
         int.from_bytes(data[start : start + BYTES_PER_TOKEN].ljust(BYTES_PER_TOKEN, b"\0"))
         for start in range(0, len(data), BYTES_PER_TOKEN)
     ]
-
-
-MAX_TOKEN_ID = (1 << (8 * BYTES_PER_TOKEN)) - 1
 
 
 def token_text(ids: Iterable[int]) -> str:

@@ -69,7 +69,8 @@ class Inbound:
     input_tokens: int
     output_budget: int
     """Tokens the request may generate, all its choices together: what the gateway counts
-    in flight (the client's cap, else the API's default)."""
+    in flight (the client's cap, else the API's default, each prompt's shortened to the
+    room it leaves in the context, as vLLM shortens it)."""
     blocks: tuple[int, ...]
     """The first prompt's prefix blocks (a request with several prompts is routed on its
     first)."""
@@ -88,10 +89,12 @@ class _Size:
     prompt_text: str | None
     """The first prompt's text, for its prefix blocks (None: token ids)."""
     input_tokens: int
-    longest_prompt: int
+    prompts: tuple[int, ...]
+    """Each prompt's tokens."""
     choice_budget: int
-    """Tokens each choice may generate."""
+    """Tokens each choice may generate, as asked."""
     choices: int
+    """All the prompts' choices together (each prompt has as many)."""
     client_cap: int | None = None
     """The cap on each choice the client set, if it set one."""
 
@@ -121,14 +124,7 @@ def read_inbound(
         raise ApiError(404, f"The model `{request.model}` does not exist.", param="model")
     size = _size(request)
     deadline = _deadline(headers.get(DEADLINE_HEADER))
-    if size.longest_prompt + size.choice_budget > model.context_tokens:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {model.context_tokens} tokens; the "
-            f"request has {size.longest_prompt} prompt tokens and asks for "
-            f"{size.choice_budget} more.",
-            param=_PROMPT_PARAM[path],
-        )
+    output_budget = _output_budget(size, model.context_tokens, _PROMPT_PARAM[path])
     return Inbound(
         request_id=f"req-{uuid.uuid4().hex}",
         tenant=tenant,
@@ -140,7 +136,7 @@ def read_inbound(
         deadline_s=deadline,
         residency=residency_of(headers),
         input_tokens=size.input_tokens,
-        output_budget=size.choice_budget * size.choices,
+        output_budget=output_budget,
         client_cap=None if size.client_cap is None else size.client_cap * size.choices,
         blocks=block_hashes(size.prompt_text) if size.prompt_text else (),
         by_load=isinstance(request, EmbeddingRequest),
@@ -152,16 +148,41 @@ def _size(request: ProxiedRequest) -> _Size:
         messages = request.messages if isinstance(request, ChatRequest) else request.messages()
         text = chat_text(messages, request.tools)
         tokens = count_tokens(text)
-        return _Size(text, tokens, tokens, request.output_tokens, request.n, request.client_cap)
+        return _Size(text, tokens, (tokens,), request.output_tokens, request.n, request.client_cap)
     prompts = request.prompts
-    counts = [prompt_tokens(p) for p in prompts]
+    counts = tuple(prompt_tokens(p) for p in prompts)
     first = prompts[0] if isinstance(prompts[0], str) else None
     if isinstance(request, EmbeddingRequest):
-        return _Size(first, sum(counts), max(counts), 0, 1)
+        return _Size(first, sum(counts), counts, 0, len(counts))
     choices = request.n * len(counts)
-    return _Size(
-        first, sum(counts), max(counts), request.output_tokens, choices, request.client_cap
-    )
+    return _Size(first, sum(counts), counts, request.output_tokens, choices, request.client_cap)
+
+
+def _output_budget(size: _Size, context_tokens: int, prompt_param: str) -> int:
+    """The tokens the request may generate, all its choices together, each prompt's budget
+    set as vLLM 0.34 sets it: the asked one, shortened to the room the prompt leaves in
+    the context (``get_max_tokens``, vllm/entrypoints/serve/utils/api_utils.py).
+    ApiError(400) where vLLM refuses: a budget asked beyond the context
+    (vllm/renderers/params.py), a prompt that leaves no room for the one token a
+    generation needs, or an embedding's input beyond the context
+    (``_validate_prompt_len``, vllm/v1/engine/input_processor.py)."""
+    if size.client_cap is not None and size.client_cap > context_tokens:
+        raise ApiError(
+            400,
+            f"The output budget ({size.client_cap} tokens) cannot be greater than this "
+            f"model's maximum context length, {context_tokens} tokens.",
+            param="max_tokens",
+        )
+    longest = max(size.prompts)
+    if longest + (1 if size.choice_budget else 0) > context_tokens:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context_tokens} tokens; the request "
+            f"has {longest} prompt tokens, which leave no room for output.",
+            param=prompt_param,
+        )
+    each = size.choices // len(size.prompts)
+    return sum(min(size.choice_budget, context_tokens - p) for p in size.prompts) * each
 
 
 def _task_class(

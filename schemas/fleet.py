@@ -34,7 +34,11 @@ class ModelConfig(Frozen):
         "TokenPilot needs one to price queues and prefills.",
     )
     context_tokens: int = Field(
-        default=32_768, ge=1, description="Prompt plus output budget may not exceed this."
+        default=32_768,
+        ge=1,
+        description="The engines' `--max-model-len`: a prompt plus output budget over it has "
+        "the budget shortened to fit, as vLLM does; a prompt or a budget alone over it is "
+        "refused.",
     )
     version: Identifier | None = Field(
         default=None,

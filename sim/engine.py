@@ -303,7 +303,9 @@ class Engine:
         tokens = min(target - cached * pool.block_size, budget)
         new_blocks = _blocks_for(cached * pool.block_size + tokens, pool.block_size) - cached
         try:
-            blocks, cached_tokens = pool.start_prompt(request.prefix_blocks, target, new_blocks)
+            blocks, cached_tokens = pool.start_prompt(
+                request.prefix_blocks, target, new_blocks, resumed=sequence.preemptions > 0
+            )
         except OutOfBlocks:
             return False
         sequence.blocks = blocks

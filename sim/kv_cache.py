@@ -79,11 +79,17 @@ class KvBlockPool:
         return min(self.cached_prefix(hashes), (prompt_tokens - 1) // self.block_size)
 
     def start_prompt(
-        self, hashes: Sequence[int], prompt_tokens: int, new_blocks: int
+        self, hashes: Sequence[int], prompt_tokens: int, new_blocks: int, *, resumed: bool = False
     ) -> tuple[list[int], int]:
         """Reuse a new prompt's cached leading blocks and allocate ``new_blocks`` more, all
         or nothing (OutOfBlocks leaves the pool as it was). Returns the blocks, prefix
         first, and how many tokens the prefix covers (see ``usable_prefix``).
+
+        ``resumed``: a sequence starting again after a preemption, whose lookup the prefix
+        counters leave out, as vLLM 0.34 counts it apart in stats it does not export
+        (``record_prefix_cache_stats`` in vllm/v1/core/kv_cache_manager.py,
+        ``PrefixCacheStats.record`` in vllm/v1/metrics/stats.py): else a preemption storm
+        reads as prefix hits.
         """
         usable = self.usable_prefix(hashes, prompt_tokens)
         prefix = [self._block_of[h] for h in hashes[:usable]]
@@ -92,8 +98,9 @@ class KvBlockPool:
             raise OutOfBlocks(f"need {new_blocks} blocks, {len(self._free) - idle_prefix} free")
         for block in prefix:
             self._reference(block)
-        self.counters.prefix_queries_tokens += prompt_tokens
-        self.counters.prefix_hits_tokens += usable * self.block_size
+        if not resumed:
+            self.counters.prefix_queries_tokens += prompt_tokens
+            self.counters.prefix_hits_tokens += usable * self.block_size
         return prefix + self.allocate(new_blocks), usable * self.block_size
 
     def allocate(self, count: int) -> list[int]:

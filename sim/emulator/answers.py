@@ -48,9 +48,9 @@ class Call:
     created: int
     prompt_tokens: int
     """All the choices' prompts together."""
-    budget: int
-    """Tokens each choice generates."""
-    choices: int
+    budgets: tuple[int, ...]
+    """Tokens each choice generates: the asked budget, shortened where its prompt leaves
+    less room in the context."""
     stream: bool
     include_usage: bool
     tool: str | None = None
@@ -59,6 +59,10 @@ class Call:
     priority: int = 0
     """vLLM's request ``priority`` (lower first), under ``--scheduling-policy priority``."""
     tool_call_id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+    @property
+    def choices(self) -> int:
+        return len(self.budgets)
 
     @property
     def finish_reason(self) -> str:
@@ -76,7 +80,8 @@ def reasoning_tokens(budget: int, calls_tool: bool = False) -> int:
 
 
 def opening_chunks(call: Call) -> list[str]:
-    """What a stream sends before any token: a chat stream's role, per choice."""
+    """What a stream sends with its first output, before that output's tokens: a chat
+    stream's role, per choice."""
     if call.api is not Api.CHAT:
         return []
     return [
@@ -88,14 +93,16 @@ def opening_chunks(call: Call) -> list[str]:
 def token_chunks(call: Call, choice: int, done: int, count: int) -> list[str]:
     """The chunks of a choice's ``count`` new tokens, ``done`` generated before them; the
     last token's chunk carries the finish."""
+    budget = call.budgets[choice]
     if call.api is Api.COMPLETION:
-        finish = call.finish_reason if done + count >= call.budget else None
+        finish = call.finish_reason if done + count >= budget else None
         choice_body = {"index": choice, "text": TOKEN_TEXT * count, "logprobs": None}
         return [event(_envelope(call, {**choice_body, "finish_reason": finish}))]
     chunks = []
     for kind, start, length in _segments(call, done, count):
-        finish = call.finish_reason if start + length >= call.budget else None
-        chunks.append(event(_chunk(call, choice, _delta(call, kind, start, length), finish)))
+        finish = call.finish_reason if start + length >= budget else None
+        delta = _delta(call, kind, start, length, budget)
+        chunks.append(event(_chunk(call, choice, delta, finish)))
     return chunks
 
 
@@ -124,12 +131,12 @@ def _segments(call: Call, done: int, count: int) -> list[tuple[str, int, int]]:
     return segments
 
 
-def _delta(call: Call, kind: str, start: int, length: int) -> dict[str, Any]:
+def _delta(call: Call, kind: str, start: int, length: int, budget: int) -> dict[str, Any]:
     if kind == "reasoning":
         return {"reasoning_content": TOKEN_TEXT * length}
     if kind == "content":
         return {"content": TOKEN_TEXT * length}
-    arguments = _arguments_part(call, start, length)
+    arguments = _arguments_part(call, start, length, budget)
     if start > call.reasoning:
         return {"tool_calls": [{"index": 0, "function": {"arguments": arguments}}]}
     function = {"name": call.tool, "arguments": arguments}
@@ -137,11 +144,11 @@ def _delta(call: Call, kind: str, start: int, length: int) -> dict[str, Any]:
                             "function": function}]}  # fmt: skip
 
 
-def _arguments_part(call: Call, start: int, length: int) -> str:
+def _arguments_part(call: Call, start: int, length: int, budget: int) -> str:
     """Positions ``start``.. of the arguments ``{"text": "tok tok ..."}``, one ``tok`` a
     token, the opening with the first and the closing with the last."""
     opening = '{"text": "' if start == call.reasoning else ""
-    closing = '"}' if start + length >= call.budget else ""
+    closing = '"}' if start + length >= budget else ""
     return opening + TOKEN_TEXT * length + closing
 
 

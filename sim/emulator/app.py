@@ -2,12 +2,12 @@
 
 Prompts become tokens and prefix blocks by ``control.tokens`` (the gateway's rule too);
 each choice generates exactly its budget (``max_tokens``, else the defaults in
-``schemas.openai_api``), shaped as ``sim.emulator.answers`` says (text, reasoning, tool
-calls). It serves vLLM's routes: chat and completions (several prompts, ``n`` choices),
-the Responses API, embeddings (a prefill of each input on the engine), ``/tokenize`` and
-``/detokenize``. A client that disconnects cancels its request and frees its blocks.
-Where asked to, ``/kv-events`` serves the engine's KV events, which vLLM would publish on
-ZMQ, to the collector.
+``schemas.openai_api``, shortened to the room its prompt leaves in the context), shaped
+as ``sim.emulator.answers`` says (text, reasoning, tool calls). It serves vLLM's routes:
+chat and completions (several prompts, ``n`` choices), the Responses API, embeddings (a
+prefill of each input on the engine), ``/tokenize`` and ``/detokenize``. A client that
+disconnects cancels its request and frees its blocks. Where asked to, ``/kv-events``
+serves the engine's KV events, which vLLM would publish on ZMQ, to the collector.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from control.tokens import block_hashes, chat_text, prompt_tokens, token_ids, token_text
+from control.tokens import (
+    chat_text,
+    prompt_block_hashes,
+    prompt_tokens,
+    token_ids,
+    token_text,
+)
 from schemas.openai_api import (
     ApiError,
     ChatRequest,
@@ -98,24 +104,21 @@ def create_app(
     async def completions(request: Request) -> Response:
         body = parse_request(CompletionRequest, await request.body())
         prompts = [p for p in body.prompts for _ in range(body.n)]  # choice i * n + j
-        used = sum(prompt_tokens(p) for p in body.prompts)
-        call = _call(Api.COMPLETION, body, used, len(prompts))
+        call = _call(instance, Api.COMPLETION, body, body.prompts, body.n)
         return await _generate(request, instance, call, prompts)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = parse_request(ChatRequest, await request.body())
         text = chat_text(body.messages, body.tools)
-        call = _call(
-            Api.CHAT, body, prompt_tokens(text), body.n, body.called_tool, instance.reasoning
-        )
+        call = _call(instance, Api.CHAT, body, [text], body.n, body.called_tool)
         return await _generate(request, instance, call, [text] * body.n)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         body = parse_request(ResponsesRequest, await request.body())
         text = chat_text(body.messages(), body.tools)
-        call = _call(Api.RESPONSES, body, prompt_tokens(text), 1)
+        call = _call(instance, Api.RESPONSES, body, [text], 1)
         return await _generate(request, instance, call, [text])
 
     @app.post("/v1/embeddings")
@@ -181,31 +184,65 @@ def _count(value: str, name: str, least: int) -> int:
     return number
 
 
+_PROMPT_PARAM = {Api.CHAT: "messages", Api.COMPLETION: "prompt", Api.RESPONSES: "input"}
+
+
 def _call(
+    instance: Instance,
     api: Api,
     body: ChatRequest | CompletionRequest | ResponsesRequest,
-    used: int,
-    choices: int,
+    prompts: Sequence[Prompt],
+    n: int,
     tool: str | None = None,
-    reasoning: bool = False,
 ) -> Call:
-    """``used``: the prompt tokens usage reports (each prompt once, however many choices)."""
+    """``prompts``: each once, each answered ``n`` times (choice ``i * n + j``)."""
     prefix = {Api.CHAT: "chatcmpl", Api.COMPLETION: "cmpl", Api.RESPONSES: "resp"}[api]
-    budget = body.output_tokens
+    counts = [prompt_tokens(p) for p in prompts]
+    budgets = _budgets(instance, body, counts, _PROMPT_PARAM[api])
+    thinking = instance.reasoning and api is Api.CHAT  # chat's one prompt: one budget
     return Call(
         api,
         body.model,
         f"{prefix}-{uuid.uuid4().hex}",
         int(time.time()),
-        prompt_tokens=used,
-        budget=budget,
-        choices=choices,
+        prompt_tokens=sum(counts),
+        budgets=tuple(budget for budget in budgets for _ in range(n)),
         stream=body.stream,
         include_usage=body.include_usage,
         tool=tool,
-        reasoning=answers.reasoning_tokens(budget, tool is not None) if reasoning else 0,
+        reasoning=answers.reasoning_tokens(budgets[0], tool is not None) if thinking else 0,
         priority=_priority(body),
     )
+
+
+def _budgets(
+    instance: Instance,
+    body: ChatRequest | CompletionRequest | ResponsesRequest,
+    counts: list[int],
+    prompt_param: str,
+) -> list[int]:
+    """Each prompt's output budget as vLLM 0.34 sets it: the asked one, shortened to the
+    room its prompt leaves in the context (``get_max_tokens``, in
+    vllm/entrypoints/serve/utils/api_utils.py). ApiError(400) where vLLM refuses: an
+    asked budget beyond the context (vllm/renderers/params.py), a prompt that leaves no
+    room for a token (``_validate_prompt_len``, vllm/v1/engine/input_processor.py)."""
+    limit = instance.driver.engine.config.max_tokens_per_sequence
+    cap = body.client_cap
+    if cap is not None and cap > limit:
+        raise ApiError(
+            400,
+            f"The output budget ({cap} tokens) cannot be greater than this model's maximum "
+            f"context length, {limit} tokens.",
+            param="max_tokens",
+        )
+    if (longest := max(counts)) >= limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens; the prompt has "
+            f"{longest}, which leaves no room for output.",
+            param=prompt_param,
+        )
+    return [min(body.output_tokens, limit - count) for count in counts]
 
 
 def _priority(body: ChatRequest | CompletionRequest | ResponsesRequest) -> int:
@@ -217,14 +254,19 @@ def _priority(body: ChatRequest | CompletionRequest | ResponsesRequest) -> int:
 
 
 def _submit(
-    instance: Instance, request_id: str, prompts: Sequence[Prompt], budget: int, priority: int = 0
+    instance: Instance,
+    request_id: str,
+    prompts: Sequence[Prompt],
+    budgets: Sequence[int],
+    priority: int = 0,
 ) -> list[tuple[EngineSequence, Tokens]]:
-    """One engine sequence per prompt; ApiError(400) if one can never fit (none is left
-    queued then). Empty prompts never come here: the request types refuse them."""
+    """One engine sequence per prompt, generating its budget; ApiError(400) if one can
+    never fit (none is left queued then). Empty prompts never come here: the request
+    types refuse them."""
     driver = instance.driver
     submitted: list[tuple[EngineSequence, Tokens]] = []
-    for n, prompt in enumerate(prompts):
-        blocks = block_hashes(prompt) if isinstance(prompt, str) else ()
+    for n, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+        blocks = prompt_block_hashes(prompt)
         tokens = prompt_tokens(prompt)
         work = TraceRequest(f"{request_id}-{n}", driver.now(), tokens, budget, blocks)
         try:
@@ -245,7 +287,7 @@ async def _generate(
     request: Request, instance: Instance, call: Call, prompts: Sequence[Prompt]
 ) -> Response:
     instance.check_model(call.model)
-    submitted = _submit(instance, call.request_id, prompts, call.budget, call.priority)
+    submitted = _submit(instance, call.request_id, prompts, call.budgets, call.priority)
     if call.stream:
         return StreamingResponse(
             _stream(instance.driver, submitted, call), media_type="text/event-stream"
@@ -298,12 +340,16 @@ async def _stream(
     done = [0] * len(submitted)
     started = False
     try:
-        for event in responses.opening() if responses else answers.opening_chunks(call):
+        for event in responses.opening() if responses else ():
             yield event
         async for choice, count in _merged([t for _, t in submitted]):
             if not started:
+                # a chat stream's roles come with its first output, not at once, as vLLM's
+                # (first_iteration in vllm/entrypoints/openai/chat_completion/serving.py)
                 await asyncio.sleep(driver.api_overhead_s())
                 started = True
+                for event in answers.opening_chunks(call):
+                    yield event
             if responses is not None:
                 events = responses.tokens(count)
             else:
@@ -361,7 +407,7 @@ async def _embed(request: Request, instance: Instance, body: EmbeddingRequest) -
             param="dimensions",
         )
     prompts = body.prompts
-    submitted = _submit(instance, f"embd-{uuid.uuid4().hex}", prompts, 1)
+    submitted = _submit(instance, f"embd-{uuid.uuid4().hex}", prompts, [1] * len(prompts))
     if await _until_done(request, instance.driver, submitted) is None:
         return Response(status_code=499)
     vectors = [answers.embedding(p) for p in prompts]

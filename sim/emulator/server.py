@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from control.admission.registry import EngineScheduling
 from control.fleet.view import FleetState
 from schemas.fleet import FleetConfig, InstanceConfig
 from sim.cluster import InstanceProfile
@@ -77,7 +78,10 @@ async def serve(
 ) -> AsyncIterator[list[EmulatedInstance]]:
     """Start one instance per port on 127.0.0.1 (port 0: any free one); stop them all on
     exit. A port taken raises ``OSError`` before any starts. ``network_s``: a round trip
-    added before each request is handled, as a client in another region would see."""
+    added before each request is handled, as a client in another region would see, in
+    the model's seconds as the steps and the API overhead are (``speedup`` times shorter
+    in wall time): a replay, which reads wall time times ``speedup``, then sees the round
+    trip the simulator adds."""
     with contextlib.ExitStack() as bound:
         sockets = [bound.enter_context(socket.create_server(("127.0.0.1", port))) for port in ports]
         bound.pop_all()  # every port is ours: the servers own the sockets from here
@@ -88,7 +92,7 @@ async def serve(
     servers = [
         SignalFreeServer(
             uvicorn.Config(
-                _behind(i.app, network_s),
+                _behind(i.app, network_s / speedup),
                 host="127.0.0.1",
                 port=port,
                 log_level="warning",
@@ -130,13 +134,24 @@ def _behind(app: ASGIApp, network_s: float) -> ASGIApp:
     return delayed
 
 
+@dataclass(frozen=True)
+class FleetOptions:
+    """How ``tokenfleet emulate --fleet`` runs every instance it starts: ``profile``, for
+    the models the fleet file gives none; ``reasoning`` and ``scheduling_policy`` as
+    ``serve`` and ``EngineConfig`` take them."""
+
+    speedup: float = 1.0
+    kv_events: bool = False
+    reasoning: bool = False
+    scheduling_policy: EngineScheduling = "fcfs"
+    profile: str = DEFAULT_PROFILE
+
+
 @contextlib.asynccontextmanager
 async def serve_fleet(
     fleet: FleetConfig,
     region: str,
-    speedup: float = 1.0,
-    kv_events: bool = False,
-    default_profile: str = DEFAULT_PROFILE,
+    options: FleetOptions = FleetOptions(),
     dc: str | None = None,
 ) -> AsyncIterator[list[EmulatedInstance]]:
     """Every instance of ``fleet`` on this machine's loopback (its URL's port) but those
@@ -150,7 +165,7 @@ async def serve_fleet(
     async with contextlib.AsyncExitStack() as stack:
         started = []
         for instance in (i for i in local if not i.standby):
-            serving = serve_instance(fleet, instance, region, speedup, kv_events, default_profile)
+            serving = serve_instance(fleet, instance, region, options)
             started += await stack.enter_async_context(serving)
         yield started
 
@@ -159,16 +174,35 @@ def serve_instance(
     fleet: FleetConfig,
     instance: InstanceConfig,
     region: str,
-    speedup: float = 1.0,
-    kv_events: bool = False,
-    default_profile: str = DEFAULT_PROFILE,
+    options: FleetOptions = FleetOptions(),
 ) -> contextlib.AbstractAsyncContextManager[list[EmulatedInstance]]:
-    """One instance of ``fleet`` on its URL's port, with its model's profile, behind the
-    round trip between ``region`` and its DC's region (the fleet file's ``[[network]]``;
-    pairs not named, ``DEFAULT_RTT_S``)."""
+    """One instance of ``fleet`` on its URL's port, as ``fleet_profile`` sets its engine,
+    behind the round trip between ``region`` and its DC's region (the fleet file's
+    ``[[network]]``; pairs not named, ``DEFAULT_RTT_S``)."""
     regions = {dc.name: dc.region for dc in fleet.dcs}
-    config = fleet.model(instance.model)
-    chosen = profile((config.profile if config else None) or default_profile)
+    chosen = fleet_profile(fleet, instance.model, options)
     network = FleetState((), fleet.round_trips_s()).rtt_s(region, regions[instance.dc])
     port = instance.url.port or 80
-    return serve(chosen, instance.model, [port], speedup, kv_events, network_s=network)
+    return serve(
+        chosen,
+        instance.model,
+        [port],
+        options.speedup,
+        options.kv_events,
+        options.reasoning,
+        network_s=network,
+    )
+
+
+def fleet_profile(fleet: FleetConfig, model: str, options: FleetOptions) -> InstanceProfile:
+    """The profile an instance of ``model`` runs: the model's (else ``options.profile``),
+    its engine started as the fleet file says the real ones are (``context_tokens`` as
+    ``--max-model-len``, ``max_num_seqs`` as ``--max-num-seqs`` where set), so that the
+    gateway's admission reserves seats the engine really has."""
+    config = fleet.model(model)
+    chosen = profile((config.profile if config else None) or options.profile)
+    engine = replace(chosen.engine, scheduling_policy=options.scheduling_policy)
+    if config is not None:
+        seats = config.max_num_seqs or engine.max_num_seqs
+        engine = replace(engine, max_model_len=config.context_tokens, max_num_seqs=seats)
+    return replace(chosen, engine=engine)

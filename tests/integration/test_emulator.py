@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -12,10 +14,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from control.routing import make_router
-from control.tokens import block_hashes, count_tokens
+from control.tokens import BLOCK_TOKENS, block_hashes, count_tokens, token_ids, token_text
 from schemas.fleet import FleetConfig
 from sim.cluster import Cluster
-from sim.emulator.server import EmulatedInstance, serve, serve_fleet
+from sim.emulator.server import EmulatedInstance, FleetOptions, serve, serve_fleet
 from sim.profiles import profile
 from sim.replay import prompt_text, replay
 from sim.simulator import Simulation
@@ -60,6 +62,28 @@ async def test_the_openai_client_streams_a_chat_completion(client: openai.AsyncO
     assert usage.prompt_tokens == -(-len("<|user|>\n" + "hello " * 100 + "\n<|assistant|>\n") // 4)
 
 
+async def test_a_queued_chat_stream_sends_nothing_before_its_first_token() -> None:
+    one_seat = replace(PROFILE, engine=replace(PROFILE.engine, max_num_seqs=1))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with (
+        serve(one_seat, MODEL, [free_port()], speedup=10) as [instance],
+        httpx.AsyncClient(base_url=instance.url, timeout=10) as http,
+    ):
+        seat = {"model": MODEL, "prompt": "x" * 400, "max_tokens": 300}
+        taken = asyncio.ensure_future(http.post("/v1/completions", json=seat))
+        for _ in range(1000):  # until it holds the seat
+            if instance.driver.engine.running:
+                break
+            await asyncio.sleep(0.001)
+        async with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
+            events = [(asyncio.get_running_loop().time(), line) async for line in r.aiter_lines()]
+        await taken
+    data = [(t, line) for t, line in events if line.startswith("data: {")]
+    first_token = next(t for t, line in data if "tok" in line)
+    assert '"role":"assistant"' in data[0][1].replace(" ", "")
+    assert data[0][0] >= first_token - 0.05  # the seat frees after ~0.5 s
+
+
 async def test_the_openai_client_gets_a_whole_completion(client: openai.AsyncOpenAI) -> None:
     completion = await client.completions.create(model=MODEL, prompt="abcd" * 50, max_tokens=4)
     assert completion.choices[0].text == "tok " * 4
@@ -76,6 +100,30 @@ async def test_bad_requests_get_openai_errors(client: openai.AsyncOpenAI) -> Non
         await client.completions.create(model=MODEL, prompt="x", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         await client.completions.create(model=MODEL, prompt="x", max_tokens=200_000)
+
+
+async def test_a_budget_past_the_context_is_shortened_and_a_full_prompt_refused() -> None:
+    context = 1000
+    short = replace(PROFILE, engine=replace(PROFILE.engine, max_model_len=context))
+    long_prompt, short_prompt = "abcd" * 900, "abcd" * 100  # 900 and 100 tokens
+    async with (
+        serve(short, MODEL, [free_port()], speedup=10) as [instance],
+        openai.AsyncOpenAI(base_url=f"{instance.url}/v1", api_key="unused") as client,
+    ):
+        both = await client.completions.create(
+            model=MODEL, prompt=[long_prompt, short_prompt], max_tokens=500
+        )
+        stream = await client.completions.create(
+            model=MODEL, prompt=long_prompt, max_tokens=500, stream=True
+        )
+        streamed = [c.choices[0] async for c in stream if c.choices]
+        with pytest.raises(openai.BadRequestError, match="maximum context length") as refused:
+            await client.completions.create(model=MODEL, prompt="abcd" * context, max_tokens=1)
+    assert [c.text.count("tok") for c in both.choices] == [context - 900, 500]
+    assert [c.finish_reason for c in both.choices] == ["length", "length"]
+    assert sum(c.text.count("tok") for c in streamed) == context - 900
+    assert streamed[-1].finish_reason == "length"
+    assert refused.value.body["param"] == "prompt"  # type: ignore[index]
 
 
 async def test_malformed_json_is_a_400_in_openai_format(instance: EmulatedInstance) -> None:
@@ -109,6 +157,21 @@ async def test_metrics_parse_and_count_prefix_hits(
     assert hits == 208  # the second prompt reuses all its full blocks but the last token's
     assert samples["vllm:time_to_first_token_seconds_count"].value == 2
     assert samples["vllm:num_requests_running"].labels == {"model_name": MODEL}
+
+
+async def test_a_prompt_sent_as_token_ids_is_cached_as_its_text_is(
+    instance: EmulatedInstance,
+) -> None:
+    text = "a prompt sent as token ids " * 60
+    ids = token_ids(text)[:400]
+    async with httpx.AsyncClient(base_url=instance.url) as http:
+        for prompt in (ids, ids, token_text(ids)):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+        text = (await http.get("/metrics")).text
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    reusable = (len(ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS  # all but the last token's block
+    assert samples["vllm:prefix_cache_hits_total"].value == 2 * reusable
 
 
 async def test_kv_events_name_the_blocks_a_prompt_stored_and_refuse_bad_numbers() -> None:
@@ -211,7 +274,7 @@ async def test_a_fleet_file_starts_its_local_instances_each_behind_its_dc_s_roun
     fleet = FleetConfig.model_validate(
         {
             "dcs": [{"name": "dc-a", "region": "eu-west"}, {"name": "dc-b", "region": "us-east"}],
-            "network": [{"regions": ["eu-west", "us-east"], "rtt_ms": 300}],
+            "network": [{"regions": ["eu-west", "us-east"], "rtt_ms": 3000}],
             "models": [{"name": "m", "profile": "llama3-70b-4xh100"}],
             "instances": [
                 {"id": "a", "dc": "dc-a", "url": f"http://127.0.0.1:{near}", "model": "m"},
@@ -220,12 +283,61 @@ async def test_a_fleet_file_starts_its_local_instances_each_behind_its_dc_s_roun
             ],
         }
     )
-    async with serve_fleet(fleet, "eu-west", speedup=10) as instances, httpx.AsyncClient() as http:
+    serving = serve_fleet(fleet, "eu-west", FleetOptions(speedup=10))
+    async with serving as instances, httpx.AsyncClient() as http:
         assert sorted(i.url for i in instances) == sorted(
             f"http://127.0.0.1:{port}" for port in (near, far)
         )  # the one on another host is not this machine's to start
         started = asyncio.get_running_loop().time()
         assert (await http.get(f"http://127.0.0.1:{far}/metrics")).status_code == 200
-        assert asyncio.get_running_loop().time() - started >= 0.3  # across the Atlantic
+        took = asyncio.get_running_loop().time() - started
+        assert 0.3 <= took < 3.0  # the round trip, 10 times faster as the engine is
         models = (await http.get(f"http://127.0.0.1:{near}/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["m"]
+
+
+def _one_model_fleet(model: dict[str, object], port: int) -> FleetConfig:
+    return FleetConfig.model_validate(
+        {
+            "dcs": [{"name": "dc-a", "region": "eu-west"}],
+            "models": [{"name": "m", **model}],
+            "instances": [
+                {"id": "a", "dc": "dc-a", "url": f"http://127.0.0.1:{port}", "model": "m"}
+            ],
+        }
+    )
+
+
+async def test_a_fleet_file_s_engine_settings_and_the_emulate_flags_reach_its_engines() -> None:
+    fleet = _one_model_fleet({"max_num_seqs": 4, "context_tokens": 4096}, free_port())
+    options = FleetOptions(speedup=10, reasoning=True, scheduling_policy="priority")
+    async with serve_fleet(fleet, "eu-west", options) as [instance], httpx.AsyncClient() as http:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        answer = (await http.post(f"{instance.url}/v1/chat/completions", json=body)).json()
+    config = instance.driver.engine.config
+    assert config.max_num_seqs == 4  # as SLOMax, reading the fleet file, reserves seats of
+    assert config.max_model_len == 4096
+    assert config.scheduling_policy == "priority"
+    assert answer["choices"][0]["message"]["reasoning_content"]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--model", "other"],
+        ["--instances", "2"],
+        ["--base-port", "9000"],
+        ["--profile", "mixtral-8x7b-2xh100"],
+    ],
+)
+def test_emulate_refuses_with_fleet_the_flags_its_file_overrides(
+    flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(
+        '[[dcs]]\nname = "dc-a"\nregion = "eu-west"\n'
+        '[[models]]\nname = "m"\nprofile = "llama3-70b-4xh100"\n'
+        '[[instances]]\nid = "a"\ndc = "dc-a"\nurl = "http://127.0.0.1:1"\nmodel = "m"\n'
+    )
+    assert main(["emulate", "--fleet", str(path), *flags]) == 2
+    assert f"{flags[0]}: " in capsys.readouterr().err

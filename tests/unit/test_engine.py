@@ -106,6 +106,22 @@ def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_recomputed() -
     assert engine.pool.used_blocks == 0
 
 
+def test_the_prefix_counters_leave_out_a_preempted_sequence_s_lookups_again() -> None:
+    # two fresh 100-token prompts (7 blocks each) growing to 11 blocks on 20: one preempted
+    engine = Engine(EngineConfig(num_blocks=20, block_size=16), ONE_SECOND_STEPS)
+    prompts = [
+        Sequence(_request(name, 100, 70, prefix=tuple(range(n * 10, n * 10 + 6))), 0.0)
+        for n, name in enumerate("ab")
+    ]
+    for sequence in prompts:
+        engine.add(sequence)
+    _run(engine)
+    assert engine.counters.preemptions >= 1
+    counters = engine.pool.counters
+    assert counters.prefix_queries_tokens == sum(s.request.input_tokens for s in prompts)
+    assert counters.prefix_hits_tokens == sum(s.cached_tokens for s in prompts)
+
+
 def test_under_priority_scheduling_the_lowest_priority_is_preempted_not_the_newest() -> None:
     config = EngineConfig(num_blocks=6, block_size=4, scheduling_policy="priority")
     engine = Engine(config, ONE_SECOND_STEPS)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.inbound import CHAT_PATH, read_inbound
+from gateway.inbound import CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, Inbound, read_inbound
 from schemas.base import TaskClass
 from schemas.fleet import FleetConfig
 from schemas.objectives import ClassObjective
@@ -74,3 +74,29 @@ def test_tools_and_tool_calls_count_in_a_chat_s_prompt_tools_first() -> None:
     assert first[:shared] == second[:shared]
     called, _ = read([{"role": "assistant", "content": None, "tool_calls": [call]}])
     assert called > 1_000
+
+
+def test_a_budget_past_the_context_is_shortened_as_vllm_does_and_counted_shortened() -> None:
+    chosen = fleet()
+    context = chosen.models[0].context_tokens
+
+    def read(path: str, **body: object) -> Inbound:
+        data = json.dumps({"model": "emulated", **body}).encode()
+        return read_inbound(chosen, chosen.tenants[0], path, data, {})
+
+    chat = read(CHAT_PATH, messages=[{"role": "user", "content": "abcd" * 8000}], max_tokens=500)
+    assert chat.output_budget == context - chat.input_tokens
+    prompts = ["abcd" * (context - 100), "abcd" * 100]  # the first leaves 100 tokens
+    both = read(COMPLETIONS_PATH, prompt=prompts, max_tokens=500, n=2)
+    assert both.output_budget == 2 * (100 + 500)
+    refused = [
+        (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": context + 1}),
+        (COMPLETIONS_PATH, {"prompt": "abcd" * context, "max_tokens": 1}),
+        (EMBEDDINGS_PATH, {"input": "abcd" * (context + 1)}),
+    ]
+    for path, body in refused:
+        with pytest.raises(ApiError) as too_long:
+            read(path, **body)
+        assert too_long.value.status == 400
+        assert "maximum context length" in str(too_long.value)
+    assert read(EMBEDDINGS_PATH, input="abcd" * context).output_budget == 0

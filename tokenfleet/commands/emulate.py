@@ -25,6 +25,7 @@ from tokenfleet.commands.output import write_json
 
 if TYPE_CHECKING:
     from schemas.fleet import FleetConfig, InstanceConfig
+    from sim.emulator.server import FleetOptions
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -45,16 +46,21 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         "or localhost, on their URLs' ports, each with its model's profile), each behind "
         "the round trip between --region and its DC's region. Stop with Ctrl-C.",
     )
-    emulate.add_argument("--instances", type=positive_int, default=1, help="how many (default: 1)")
+    emulate.add_argument(
+        "--instances", type=positive_int, help="how many (default: 1; not with --fleet)"
+    )
     emulate.add_argument(
         "--base-port",
         type=port,
-        default=8100,
-        help="the first port; the others follow (default: 8100)",
+        help="the first port; the others follow (default: 8100; not with --fleet)",
     )
-    add_profile(emulate, "the calibrated model and GPUs it times its steps by")
+    add_profile(
+        emulate,
+        "the calibrated model and GPUs it times its steps by (with --fleet: for the fleet "
+        "file's models that name no profile)",
+    )
     emulate.add_argument(
-        "--model", default="emulated", help="the model name clients use (default: emulated)"
+        "--model", help="the model name clients use (default: emulated; not with --fleet)"
     )
     emulate.add_argument(
         "--speedup",
@@ -84,7 +90,8 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
     emulate.add_argument(
         "--fleet",
         type=Path,
-        help="start the fleet file's local instances (a multi-DC fleet on one machine)",
+        help="start the fleet file's local instances (a multi-DC fleet on one machine), "
+        "each engine with its model's profile, context_tokens and max_num_seqs",
     )
     emulate.add_argument(
         "--region",
@@ -109,28 +116,30 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         help="with --placement: seconds a placed replica takes to load before it listens "
         "(default: %(default)g, a 70B model's weights)",
     )
-    emulate.set_defaults(handler=_emulate)
+    emulate.set_defaults(handler=_emulate, profile=None)
 
 
 def _emulate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from sim.emulator.server import serve
-    from sim.profiles import profile
+    from sim.profiles import DEFAULT_PROFILE, profile
 
     if args.fleet is not None:
         return _emulate_fleet(args)
     if args.placement:
         raise CliError("--placement needs --fleet: the standby instances are the fleet file's")
-    ports = [args.base_port + n for n in range(args.instances)]
+    base_port = 8100 if args.base_port is None else args.base_port
+    ports = [base_port + n for n in range(args.instances or 1)]
+    model = args.model or "emulated"
 
-    chosen = profile(args.profile)
+    chosen = profile(args.profile or DEFAULT_PROFILE)
     engine = replace(chosen.engine, scheduling_policy=args.scheduling_policy)
 
     async def run() -> None:
         emulated = serve(
             replace(chosen, engine=engine),
-            args.model,
+            model,
             ports,
             args.speedup,
             args.kv_events,
@@ -138,7 +147,7 @@ def _emulate(args: argparse.Namespace) -> int:
         )
         async with emulated as instances:
             for instance in instances:
-                print(f"{args.model} at {instance.url}/v1", flush=True)
+                print(f"{model} at {instance.url}/v1", flush=True)
             await asyncio.Event().wait()
 
     try:
@@ -154,10 +163,18 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     from schemas.fleet import FleetFileError, load_fleet
     from sim.emulator.server import serve_fleet
 
+    given = [flag for flag, value in _FLEET_SETS.items() if getattr(args, value) is not None]
+    if given:
+        raise CliError(
+            f"{', '.join(given)}: not with --fleet, whose file names the models and their "
+            "instances' ports"
+        )
     try:
         fleet = load_fleet(args.fleet)
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
+    if args.profile is not None and all(m.profile for m in fleet.models):
+        raise CliError("--profile: every model of the fleet file names its own profile")
     region = args.region or fleet.dcs[0].region
     regions = {dc.region for dc in fleet.dcs} | {r for link in fleet.network for r in link.regions}
     if region not in regions:
@@ -169,7 +186,7 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     bootstrap = broker() if args.placement else None
 
     async def run() -> None:
-        serving = serve_fleet(fleet, region, args.speedup, args.kv_events, dc=args.dc)
+        serving = serve_fleet(fleet, region, _fleet_options(args), dc=args.dc)
         async with serving as instances:
             for instance in instances:
                 print(f"{instance.url}/v1", flush=True)
@@ -187,6 +204,23 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+_FLEET_SETS = {"--instances": "instances", "--base-port": "base_port", "--model": "model"}
+"""The flags whose settings a fleet file makes: --fleet refuses them."""
+
+
+def _fleet_options(args: argparse.Namespace) -> FleetOptions:
+    from sim.emulator.server import FleetOptions
+    from sim.profiles import DEFAULT_PROFILE
+
+    return FleetOptions(
+        args.speedup,
+        args.kv_events,
+        args.reasoning,
+        args.scheduling_policy,
+        args.profile or DEFAULT_PROFILE,
+    )
+
+
 async def _follow_placements(
     fleet: FleetConfig, args: argparse.Namespace, region: str, bootstrap: str
 ) -> None:
@@ -197,8 +231,10 @@ async def _follow_placements(
     from streams.kafka import KafkaBus
     from tokenfleet.controller_host import PLACEMENT_TOPIC
 
+    options = _fleet_options(args)
+
     def serve(instance: InstanceConfig) -> contextlib.AbstractAsyncContextManager[object]:
-        return serve_instance(fleet, instance, region, args.speedup, args.kv_events)
+        return serve_instance(fleet, instance, region, options)
 
     bus = KafkaBus(bootstrap, source=f"emulate-{args.dc or 'fleet'}")
     mine = [i for i in fleet.instances if args.dc in (None, i.dc)]
