@@ -124,7 +124,9 @@ def read_inbound(
         raise ApiError(404, f"The model `{request.model}` does not exist.", param="model")
     size = _size(request)
     deadline = _deadline(headers.get(DEADLINE_HEADER))
-    output_budget = _output_budget(size, model.context_tokens, _PROMPT_PARAM[path])
+    output_budget = _output_budget(
+        size, model.context_tokens, _PROMPT_PARAM[path], _shortens(fleet, model.name)
+    )
     return Inbound(
         request_id=f"req-{uuid.uuid4().hex}",
         tenant=tenant,
@@ -158,7 +160,16 @@ def _size(request: ProxiedRequest) -> _Size:
     return _Size(first, sum(counts), counts, request.output_tokens, choices, request.client_cap)
 
 
-def _output_budget(size: _Size, context_tokens: int, prompt_param: str) -> int:
+def _shortens(fleet: FleetConfig, model: str) -> bool:
+    """Whether ``model``'s engines serve a prompt whose budget passes the context, the
+    budget shortened: vLLM does; SGLang refuses it (``_validate_one_request`` in its
+    tokenizer_manager.py, unless started with ``--allow-auto-truncate``). Refused here
+    too where every instance runs SGLang: passed on, the refusal would count as the
+    DC's failure in its tables."""
+    return any(i.engine != "sglang" for i in fleet.instances if i.model == model)
+
+
+def _output_budget(size: _Size, context_tokens: int, prompt_param: str, shortens: bool) -> int:
     """The tokens the request may generate, all its choices together, each prompt's budget
     set as vLLM 0.34 sets it: the asked one, shortened to the room the prompt leaves in
     the context (``get_max_tokens``, vllm/entrypoints/serve/utils/api_utils.py).
@@ -174,6 +185,13 @@ def _output_budget(size: _Size, context_tokens: int, prompt_param: str) -> int:
             param="max_tokens",
         )
     longest = max(size.prompts)
+    if not shortens and size.client_cap is not None and longest + size.client_cap > context_tokens:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context_tokens} tokens; the request "
+            f"has {longest} prompt tokens and asks for {size.client_cap} more.",
+            param=prompt_param,
+        )
     if longest + (1 if size.choice_budget else 0) > context_tokens:
         raise ApiError(
             400,

@@ -100,3 +100,21 @@ def test_a_budget_past_the_context_is_shortened_as_vllm_does_and_counted_shorten
         assert too_long.value.status == 400
         assert "maximum context length" in str(too_long.value)
     assert read(EMBEDDINGS_PATH, input="abcd" * context).output_budget == 0
+
+
+def test_where_every_instance_runs_sglang_a_budget_past_the_context_is_refused() -> None:
+    """SGLang refuses what vLLM shortens: passed on, its 400 would count as the DC's
+    failure."""
+    vllm = fleet()
+    sglang = vllm.model_copy(
+        update={"instances": [i.model_copy(update={"engine": "sglang"}) for i in vllm.instances]}
+    )
+    context = vllm.models[0].context_tokens
+    body = {"model": "emulated", "messages": [{"role": "user", "content": "abcd" * 8000}]}
+    asked = json.dumps(body | {"max_tokens": 500}).encode()
+    with pytest.raises(ApiError) as too_long:
+        read_inbound(sglang, sglang.tenants[0], CHAT_PATH, asked, {})
+    assert (too_long.value.status, too_long.value.param) == (400, "messages")
+    unasked = read_inbound(sglang, sglang.tenants[0], CHAT_PATH, json.dumps(body).encode(), {})
+    assert unasked.output_budget <= context - unasked.input_tokens  # no cap: none refused
+    assert read_inbound(vllm, vllm.tenants[0], CHAT_PATH, asked, {}).output_budget > 0
