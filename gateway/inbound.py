@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from control.admission.request import identify
-from control.tokens import block_hashes, chat_text, count_tokens, prompt_tokens
+from control.tokens import chat_text, count_tokens, prompt_block_hashes, prompt_tokens
 from schemas.base import TaskClass
 from schemas.fleet import FleetConfig, ModelConfig, TenantConfig
 from schemas.openai_api import (
@@ -86,8 +86,8 @@ class Inbound:
 class _Size:
     """What a request asks of an instance."""
 
-    prompt_text: str | None
-    """The first prompt's text, for its prefix blocks (None: token ids)."""
+    first_prompt: str | Sequence[int]
+    """The first prompt, text or token ids, for its prefix blocks."""
     input_tokens: int
     prompts: tuple[int, ...]
     """Each prompt's tokens."""
@@ -140,7 +140,7 @@ def read_inbound(
         input_tokens=size.input_tokens,
         output_budget=output_budget,
         client_cap=None if size.client_cap is None else size.client_cap * size.choices,
-        blocks=block_hashes(size.prompt_text) if size.prompt_text else (),
+        blocks=prompt_block_hashes(size.first_prompt),
         by_load=isinstance(request, EmbeddingRequest),
     )
 
@@ -153,7 +153,7 @@ def _size(request: ProxiedRequest) -> _Size:
         return _Size(text, tokens, (tokens,), request.output_tokens, request.n, request.client_cap)
     prompts = request.prompts
     counts = tuple(prompt_tokens(p) for p in prompts)
-    first = prompts[0] if isinstance(prompts[0], str) else None
+    first = prompts[0]
     if isinstance(request, EmbeddingRequest):
         return _Size(first, sum(counts), counts, 0, len(counts))
     choices = request.n * len(counts)

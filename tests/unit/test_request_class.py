@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from control.tokens import token_ids
 from gateway.inbound import CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, Inbound, read_inbound
 from schemas.base import TaskClass
 from schemas.fleet import FleetConfig
@@ -118,3 +119,14 @@ def test_where_every_instance_runs_sglang_a_budget_past_the_context_is_refused()
     unasked = read_inbound(sglang, sglang.tenants[0], CHAT_PATH, json.dumps(body).encode(), {})
     assert unasked.output_budget <= context - unasked.input_tokens  # no cap: none refused
     assert read_inbound(vllm, vllm.tenants[0], CHAT_PATH, asked, {}).output_budget > 0
+
+
+def test_a_prompt_sent_as_token_ids_is_routed_on_the_blocks_of_its_text() -> None:
+    chosen = fleet()
+    text = "a shared system prompt, then a question " * 20
+
+    def blocks(prompt: object) -> tuple[int, ...]:
+        body = json.dumps({"model": "emulated", "prompt": prompt, "max_tokens": 5}).encode()
+        return read_inbound(chosen, chosen.tenants[0], COMPLETIONS_PATH, body, {}).blocks
+
+    assert blocks(token_ids(text)) == blocks(text) != ()
