@@ -81,7 +81,15 @@ def audit_journal(name: str, records: list[Record]) -> JournalAudit:
             _replay_dc_choices(start["recipe"]["dc_policy"], records, result)
             return result
         replayed = replay(records, _pipeline)
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+        IndexError,
+        AttributeError,  # a null where a record's format has an object
+        AssertionError,  # a call the rebuilt pipeline cannot make (another version's)
+        OverflowError,  # a number past what a snapshot's arrays hold
+    ) as exc:
         result.problem = f"a record is malformed ({type(exc).__name__}: {exc})"
         return result
     result.decisions, result.differences = replayed.decisions, replayed.differences

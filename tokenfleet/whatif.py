@@ -2,12 +2,14 @@
 
 The arrivals come from ``tf.requests`` (what the gateways knew of each request when it
 arrived: its class, tenant, prompt length and blocks, budget, deadline), each in the DC
-its ``tf.request.routed`` event names, with the output length its completion recorded
-(its budget where it has none). Each DC's arrivals are simulated twice on its instances
-from the fleet file, with the model's calibrated profile: under the stack the gateways run
-(the fleet file's routing policy, SLOMax) and under the one asked about; the difference
-is the policy's, both sides simulated alike. What the clients actually got is reported
-beside them, from the completions, as a check of the simulation.
+its ``tf.request.routed`` event names (or, for one the DC's admission refused or held
+until its client left, its rejection's or cancellation's), with the output length its
+completion recorded (its budget where it has none). Each DC's arrivals are simulated
+twice on its instances from the fleet file, with the model's calibrated profile: under
+the stack the gateways run (the fleet file's routing policy, SLOMax) and under the one
+asked about; the difference is the policy's, both sides simulated alike. What the
+clients actually got is reported beside them, from the completions, as a check of the
+simulation.
 
 ``whatif_fleet`` re-makes the choice of DC as well: every recorded arrival enters at the
 region of the gateway that took it, and the multi-DC simulator (``sim.fleet_sim``) runs
@@ -26,7 +28,13 @@ from control.fleet.registry import make_dc_policy
 from control.fleet.view import FleetState
 from schemas import Envelope
 from schemas.fleet import FleetConfig
-from schemas.lifecycle import RequestArrived, RequestCompleted, RequestRouted
+from schemas.lifecycle import (
+    RequestArrived,
+    RequestCancelled,
+    RequestCompleted,
+    RequestRejected,
+    RequestRouted,
+)
 from sim.fleet_bench import region_figures
 from sim.fleet_sim import FleetLayout, FleetSimulation, Site
 from sim.metrics import latency_stats
@@ -35,7 +43,7 @@ from sim.records import RequestRecord
 from sim.run import RunConfig, simulate_run
 from sim.workload import TraceRequest
 
-WHATIF_TOPICS = ("tf.requests", "tf.completions")
+WHATIF_TOPICS = ("tf.requests", "tf.completions", "tf.cancellations")
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ def recorded(events: Iterable[Envelope]) -> Recorded:
     """The arrivals of ``events`` (the lifecycle topics' envelopes) per DC."""
     arrived: dict[str, tuple[float, RequestArrived]] = {}
     routed: dict[str, str] = {}
+    turned_away: dict[str, str] = {}
     completed: dict[str, RequestCompleted] = {}
     for envelope in events:
         payload = envelope.payload
@@ -74,8 +83,11 @@ def recorded(events: Iterable[Envelope]) -> Recorded:
             arrived.setdefault(payload.request_id, (envelope.ts, payload))
         elif isinstance(payload, RequestRouted):
             routed[payload.request_id] = payload.dc
+        elif isinstance(payload, RequestRejected | RequestCancelled) and payload.dc:
+            turned_away[payload.request_id] = payload.dc
         elif isinstance(payload, RequestCompleted):
             completed[payload.request_id] = payload
+    routed = turned_away | routed  # refused, or held until its client left, in that DC
     start = min((ts for ts, _ in arrived.values()), default=0.0)
     workloads: dict[str, list[TraceRequest]] = {}
     arrivals = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from control.admission.registry import make_admission
@@ -13,6 +15,7 @@ from control.fleet.fleetmind import FleetMind
 from control.fleet.journal import dc_choice_record, replay_dc_choice
 from control.fleet.view import DataCenterState, DcRequest, FleetState
 from control.journal import (
+    SAME_AS_LAST_PASS,
     JournaledPipeline,
     Record,
     replay,
@@ -20,6 +23,7 @@ from control.journal import (
 from control.pipeline import Pipeline
 from control.routing import PoolModel, RouteRequest, make_router
 from gateway.journal import Journals
+from schemas import Envelope, encode
 from schemas.audit import JournalRecord
 from schemas.base import Message, TaskClass
 from sim.clients import ClientModel
@@ -29,6 +33,8 @@ from sim.simulator import Simulation
 from sim.workload import TraceRequest
 from tests.unit.test_admission import fleet, request
 from tests.unit.test_simulator import STEPS, _profile
+from tokenfleet.audit import audit_journal
+from tokenfleet.cli import main
 
 SEED = 7
 POOL = PoolModel(STEPS, 16, 2_048)
@@ -201,3 +207,53 @@ def test_a_record_the_gateway_cannot_keep_leaves_a_gap_and_the_decision_stands()
     pool = [record for name, record in kept if name != dc_choices]
     assert [r["seq"] for r in pool] == [0, 1, 3]
     assert replay(pool, _pipeline).problem == "record 2 is missing (the next is 3)"
+
+
+def test_passes_that_see_the_last_pass_s_snapshot_refer_to_it_and_replay() -> None:
+    """A host passes every 50 ms while it holds a request: each pass wrote its snapshot
+    whole, hundreds of KB a second on a large pool for one held request."""
+    records, _ = _journaled_run()
+    passes = [r for r in records if r["call"] == "release"]
+    assert any(SAME_AS_LAST_PASS in r["fleets"]["snapshots"] for r in passes)  # replayed above
+    journal: list[Record] = []
+    held = JournaledPipeline(
+        make_admission("slomax"), make_router("round_robin"), journal=journal.append
+    )
+    zeros = (0,) * 256
+    busy = fleet((2, 1) * 128, zeros, zeros, running=zeros)  # 256 queueing: batch waits
+    batch = request(TaskClass.BATCH, deadline=3600.0)
+    outcome = held.arrive(batch, RouteRequest("r", 1_000, 100), "r", busy, 0.0)
+    assert outcome.admission.verdict.value == "hold"
+    for n in range(200):
+        assert held.release(lambda: busy, 0.05 * n) == []
+    passes_bytes = sum(len(json.dumps(r)) for r in journal if r["call"] == "release")
+    assert passes_bytes < 2 * len(json.dumps(journal[1]["fleet"])) + 200 * 200
+    assert replay(json.loads(json.dumps(journal)), _round_robin).differences == []
+
+
+def test_the_audit_reports_a_record_it_cannot_replay_and_fails_with_nothing_to_compare(
+    tmp_path: Path,
+) -> None:
+    recipe = {"policy": "round_robin", "params": {}, "seed": 0, "admission": "fcfs"}
+    alone = tmp_path / "start-only.jsonl"
+    journals = Journals(
+        "g", lambda _model: recipe | {"profile": None}, "fleetmind", _write_to(alone)
+    )
+    journal, pool_recipe = journals.pool("m", "a")
+    JournaledPipeline(
+        make_admission("fcfs"), make_router("round_robin"), journal=journal, recipe=pool_recipe
+    )
+    assert main(["audit", "--from", str(alone)]) == 1  # reproduced nothing: exit 0 before
+    [start] = [json.loads(line)["payload"]["record"] for line in alone.read_text().splitlines()[1:]]
+    assert audit_journal("g/m@a/1", [start]).problem is None
+    nulled = audit_journal("g/m@a/1", [start | {"quotas": None}])
+    assert nulled.problem is not None  # AttributeError escaped the audit
+    assert "malformed" in nulled.problem
+
+
+def _write_to(path: Path) -> Callable[[Message], None]:
+    def emit(message: Message) -> None:
+        with path.open("a") as out:
+            out.write(encode(Envelope.wrap(message, source="g")).decode() + "\n")
+
+    return emit

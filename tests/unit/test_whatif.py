@@ -10,7 +10,7 @@ import pytest
 
 from schemas import Envelope
 from schemas.fleet import load_fleet
-from schemas.lifecycle import RequestArrived, RequestCompleted
+from schemas.lifecycle import RequestArrived, RequestCancelled, RequestCompleted, RequestRejected
 from sim.events import lifecycle_events
 from sim.run import RunConfig, simulate_run
 from tokenfleet.whatif import Stack, fleet_layout, recorded, whatif, whatif_fleet
@@ -38,18 +38,25 @@ def test_arrivals_keep_their_dc_and_their_recorded_length_and_unrouted_ones_are_
         output_budget=64,
         source_region="eu-west",
     )
-    record = recorded([*events, Envelope.wrap(refused, source="test")])
+    in_dc = [refused.model_copy(update={"request_id": rid}) for rid in ("held-too-long", "left")]
+    ends = [
+        RequestRejected(request_id="held-too-long", reason="deadline", dc="dc-a"),
+        RequestCancelled(request_id="left", reason="client_disconnect", dc="dc-a"),
+    ]
+    record = recorded(
+        [*events, *(Envelope.wrap(e, source="test") for e in [refused, *in_dc, *ends])]
+    )
     assert record.unrouted == 1
     [(dc, workload)] = record.workloads.items()
     assert dc == "dc-a"
-    assert len(workload) == 20
+    assert len(workload) == 22  # the DC's admission turned two away: its workload too
     assert workload[0].arrival_s == 0.0
     lengths = {
         e.payload.request_id: e.payload.output_tokens
         for e in events
         if isinstance(e.payload, RequestCompleted)
     }
-    assert all(r.output_tokens == max(1, lengths[r.request_id]) for r in workload)
+    assert all(r.output_tokens == max(1, lengths.get(r.request_id, 64)) for r in workload)
     assert record.measured["dc-a"]["completed"] == 20
 
 

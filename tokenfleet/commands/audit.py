@@ -57,7 +57,8 @@ def _register_audit(commands: argparse._SubParsersAction[argparse.ArgumentParser
         "first tokens, ends and what the router observed, KV events, quotas) and compares "
         "each decision: verdict, reason, instance, every candidate's score. DC choices "
         "are made again from their recorded view of the DCs. Exit 0 when every decision "
-        "is reproduced, 1 when one is not or a journal has a gap.",
+        "is reproduced, 1 when one is not, a journal has a gap, or there was no decision "
+        "to compare.",
     )
     audit.add_argument(
         "--from",
@@ -96,10 +97,13 @@ def _audit(args: argparse.Namespace) -> int:
             print(f"    replayed {_brief(d.replayed)}")
     if not audits:
         print("no journal found (are the gateways started with TOKENFLEET_GATEWAY_JOURNAL=true?)")
+    elif not any(a.decisions for a in audits):
+        print("no decision to compare: the journals hold none")
     if args.json:
         document = [asdict(a) | {"reproduced": a.reproduced} for a in audits]
         write_json(args.json, document)
-    return 0 if audits and all(a.reproduced for a in audits) and not malformed else 1
+    compared = any(a.decisions for a in audits)
+    return 0 if compared and all(a.reproduced for a in audits) and not malformed else 1
 
 
 def _brief(result: object, limit: int = 300) -> str:
