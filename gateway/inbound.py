@@ -21,6 +21,7 @@ from schemas.openai_api import (
     CompletionRequest,
     EmbeddingRequest,
     ResponsesRequest,
+    context_budgets,
     parse_request,
 )
 
@@ -139,7 +140,9 @@ def read_inbound(
         residency=residency_of(headers),
         input_tokens=size.input_tokens,
         output_budget=output_budget,
-        client_cap=None if size.client_cap is None else size.client_cap * size.choices,
+        client_cap=(
+            None if size.client_cap is None else min(size.client_cap * size.choices, output_budget)
+        ),
         blocks=prompt_block_hashes(size.first_prompt),
         by_load=isinstance(request, EmbeddingRequest),
     )
@@ -170,20 +173,9 @@ def _shortens(fleet: FleetConfig, model: str) -> bool:
 
 
 def _output_budget(size: _Size, context_tokens: int, prompt_param: str, shortens: bool) -> int:
-    """The tokens the request may generate, all its choices together, each prompt's budget
-    set as vLLM 0.34 sets it: the asked one, shortened to the room the prompt leaves in
-    the context (``get_max_tokens``, vllm/entrypoints/serve/utils/api_utils.py).
-    ApiError(400) where vLLM refuses: a budget asked beyond the context
-    (vllm/renderers/params.py), a prompt that leaves no room for the one token a
-    generation needs, or an embedding's input beyond the context
-    (``_validate_prompt_len``, vllm/v1/engine/input_processor.py)."""
-    if size.client_cap is not None and size.client_cap > context_tokens:
-        raise ApiError(
-            400,
-            f"The output budget ({size.client_cap} tokens) cannot be greater than this "
-            f"model's maximum context length, {context_tokens} tokens.",
-            param="max_tokens",
-        )
+    """The tokens the request may generate, all its choices together, each prompt's
+    budget as vLLM sets it (``context_budgets``); where the engines refuse a budget past
+    the context (``shortens`` False), ApiError(400) for one."""
     longest = max(size.prompts)
     if not shortens and size.client_cap is not None and longest + size.client_cap > context_tokens:
         raise ApiError(
@@ -192,15 +184,10 @@ def _output_budget(size: _Size, context_tokens: int, prompt_param: str, shortens
             f"has {longest} prompt tokens and asks for {size.client_cap} more.",
             param=prompt_param,
         )
-    if longest + (1 if size.choice_budget else 0) > context_tokens:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {context_tokens} tokens; the request "
-            f"has {longest} prompt tokens, which leave no room for output.",
-            param=prompt_param,
-        )
-    each = size.choices // len(size.prompts)
-    return sum(min(size.choice_budget, context_tokens - p) for p in size.prompts) * each
+    budgets = context_budgets(
+        size.prompts, size.choice_budget, size.client_cap, context_tokens, prompt_param
+    )
+    return sum(budgets) * (size.choices // len(size.prompts))
 
 
 def _task_class(

@@ -7,6 +7,8 @@ defaults once the TTL has passed.
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field, model_validator
 
 from schemas.base import (
@@ -55,8 +57,8 @@ class ClassQuota(Frozen):
         ge=1,
         description=(
             "The ready instances max_concurrency was set for: a pool with another number "
-            "ready runs it in proportion to its own, one request at least (None: the "
-            "limit is the same whatever the pool's size)."
+            "ready runs it in proportion to its own, rounded up (None: the limit is the "
+            "same whatever the pool's size)."
         ),
     )
     reserved_share: Fraction = Field(
@@ -75,7 +77,7 @@ class ClassQuota(Frozen):
         limit = self.max_concurrency
         if limit is None or self.for_instances is None:
             return limit
-        return max(min(limit, 1), round(limit * ready / self.for_instances))
+        return math.ceil(limit * ready / self.for_instances - 1e-9)
 
 
 class AdmissionQuotas(ControlSnapshot):

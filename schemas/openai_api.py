@@ -7,6 +7,7 @@ we do. Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import (
@@ -256,6 +257,34 @@ _TYPES = {
     502: "upstream_error",
     503: "service_unavailable",
 }
+
+
+def context_budgets(
+    prompts: Sequence[int], asked: int, cap: int | None, context: int, prompt_param: str
+) -> list[int]:
+    """Each prompt's output budget as vLLM 0.34 sets it: the ``asked`` one, shortened to
+    the room its prompt leaves in the ``context`` (``get_max_tokens``, in
+    vllm/entrypoints/serve/utils/api_utils.py). ApiError(400) where vLLM refuses: a
+    budget the client capped (``cap``) beyond the context (vllm/renderers/params.py), a
+    prompt that leaves no room for the one token a generation needs, or an input beyond
+    the context where nothing is generated (``asked`` 0: an embedding;
+    ``_validate_prompt_len`` in vllm/v1/engine/input_processor.py)."""
+    if cap is not None and cap > context:
+        raise ApiError(
+            400,
+            f"The output budget ({cap} tokens) cannot be greater than this model's maximum "
+            f"context length, {context} tokens.",
+            param="max_tokens",
+        )
+    longest = max(prompts)
+    if longest + (1 if asked else 0) > context:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {context} tokens; the request has "
+            f"{longest} prompt tokens, which leave no room for output.",
+            param=prompt_param,
+        )
+    return [min(asked, context - p) for p in prompts]
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)

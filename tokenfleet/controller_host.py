@@ -203,10 +203,14 @@ class QuotaHost(_ControlHost[AdmissionQuotas]):
             self._capacity.get(message.dc)
         ):
             self._capacity[message.dc] = message
-        elif isinstance(message, AdmissionQuotas) and self._taken_in(message):
+        elif isinstance(message, AdmissionQuotas):
+            before = self._published.get(message.scope)
+            if not self._taken_in(message):
+                return
             changed = self._changed.get(message.scope)
-            if changed is None or changed.quotas != message.quotas:  # a change, not a renewal
-                self._changed[message.scope] = message
+            started_again = before is not None and before.expired(message.issued_at)
+            if changed is None or changed.quotas != message.quotas or started_again:
+                self._changed[message.scope] = message  # a change, not a renewal
 
     def _next(
         self, dc: str, goodput: GoodputTable, capacity: CapacityTable, now: float
@@ -227,7 +231,11 @@ class QuotaHost(_ControlHost[AdmissionQuotas]):
             desired = desired.model_copy(update={"version": published.version + 1})
         if desired is not None:  # held as the last change once published (``apply``)
             return desired
-        if published is not None and now - published.issued_at >= self.renew_s:
+        if (
+            published is not None
+            and not published.expired(now)  # expired: the gateways are on the defaults
+            and now - published.issued_at >= self.renew_s
+        ):
             return published.model_copy(update={"version": published.version + 1, "issued_at": now})
         return None
 

@@ -38,6 +38,7 @@ from schemas.openai_api import (
     EmbeddingRequest,
     Prompt,
     ResponsesRequest,
+    context_budgets,
     parse_request,
 )
 from sim.emulator import answers
@@ -221,28 +222,9 @@ def _budgets(
     counts: list[int],
     prompt_param: str,
 ) -> list[int]:
-    """Each prompt's output budget as vLLM 0.34 sets it: the asked one, shortened to the
-    room its prompt leaves in the context (``get_max_tokens``, in
-    vllm/entrypoints/serve/utils/api_utils.py). ApiError(400) where vLLM refuses: an
-    asked budget beyond the context (vllm/renderers/params.py), a prompt that leaves no
-    room for a token (``_validate_prompt_len``, vllm/v1/engine/input_processor.py)."""
+    """Each prompt's output budget, as vLLM sets it (``context_budgets``)."""
     limit = instance.driver.engine.config.max_tokens_per_sequence
-    cap = body.client_cap
-    if cap is not None and cap > limit:
-        raise ApiError(
-            400,
-            f"The output budget ({cap} tokens) cannot be greater than this model's maximum "
-            f"context length, {limit} tokens.",
-            param="max_tokens",
-        )
-    if (longest := max(counts)) >= limit:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {limit} tokens; the prompt has "
-            f"{longest}, which leaves no room for output.",
-            param=prompt_param,
-        )
-    return [min(body.output_tokens, limit - count) for count in counts]
+    return context_budgets(counts, body.output_tokens, body.client_cap, limit, prompt_param)
 
 
 def _priority(body: ChatRequest | CompletionRequest | ResponsesRequest) -> int:

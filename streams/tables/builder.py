@@ -35,9 +35,11 @@ class DcTables:
     """The latest event time seen for this DC."""
     horizon: float = float("inf")
     """The latest event time its host believes (its clock and the grace): a later one
-    counts as of the horizon. One event stamped an hour ahead (a producer's clock, or
-    milliseconds sent as seconds) moved the watermark with it, and every slice expired
-    and every later event counted as late, for as long as the watermark stood there."""
+    counts as of the horizon, and is remembered as counted by its own time, which a
+    replay finds the same whatever the clock then. One event stamped an hour ahead (a
+    producer's clock, or milliseconds sent as seconds) moved the watermark with it, and
+    every slice expired and every later event counted as late, for as long as the
+    watermark stood there."""
     version: int = 0
     """The last tables' version: versions are the publishing clock's milliseconds, but
     never go back within a host while that clock steps back (NTP)."""
@@ -47,7 +49,7 @@ class DcTables:
     ) -> set[float]:
         """Count an outcome; returns the slices it changed (none for one counted before)."""
         ts = min(outcome.ts, self.horizon)
-        counted_in = spec.slice_of(ts)
+        counted_in = spec.slice_of(outcome.ts)  # its own time: the same in a replay
         if not self._first(outcome.event_id, counted_in):
             return set()
         if not outcome.unmatched:  # its time is when it was given up, not an event's
@@ -79,14 +81,15 @@ class DcTables:
     def add_evictions(
         self, event_id: str, instance: str, blocks: int, ts: float, spec: WindowSpec
     ) -> set[float]:
+        counted_in = spec.slice_of(ts)  # its own time: the same in a replay
+        if not self._first(event_id, counted_in):
+            return set()
         ts = min(ts, self.horizon)
         at = spec.slice_of(ts)
-        if not self._first(event_id, at):
-            return set()
         self.watermark = max(self.watermark, ts)
         if not spec.is_late(ts, self.watermark):
             self._fleet(at).evicted(instance, blocks)
-        return {at}
+        return {counted_in, at}
 
     def _first(self, event_id: str, at: float) -> bool:
         ids = self.counted.setdefault(at, set())

@@ -477,3 +477,30 @@ async def test_expired_quotas_and_weights_start_again_from_where_the_gateways_ar
     feed_goodput(weights, "dc-b", 87, clock.now)  # in the band: no move
     [whole] = await weights.reconcile()
     assert (whole.version, weights_of(whole)) == (fallen.version + 1, {"dc-b": 1.0})
+
+
+async def test_expired_quotas_are_not_renewed_while_no_instance_is_ready() -> None:
+    bus, clock = InMemoryBus(), Clock()
+    host = QuotaHost(bus, clock=clock)
+    feed(host, chats_met=50, documents_refused=0, now=clock.now)
+    assert len(await host.reconcile()) == 1
+    clock.now += 7200
+    feed(host, chats_met=96, documents_refused=0, now=clock.now)
+    host.apply(capacity(0, now=clock.now).model_copy(update={"version": 10**9}))
+    assert await host.reconcile() == []  # it renewed the limit the gateways had dropped
+
+
+async def test_quotas_set_again_after_expiry_wait_before_their_next_move() -> None:
+    """Set again to what they last changed to, they were taken as a renewal, and the next
+    move was timed from the change two hours before."""
+    bus, clock = InMemoryBus(), Clock()
+    host = QuotaHost(bus, clock=clock)
+    feed(host, chats_met=96, documents_refused=0, now=clock.now)
+    [first] = await host.reconcile()
+    clock.now += 7200
+    feed(host, chats_met=96, documents_refused=0, now=clock.now)
+    [again] = await host.reconcile()
+    assert (long_documents(first), long_documents(again)) == (8, 8)
+    clock.now += 5  # chats miss now; but the limit was set again 5 s ago
+    feed(host, chats_met=50, documents_refused=0, now=clock.now)
+    assert await host.reconcile() == []

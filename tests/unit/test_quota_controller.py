@@ -297,3 +297,5 @@ def test_published_ceilings_are_per_instance_and_follow_the_fleet_as_it_grows() 
     assert shared is not None
     per_pool = next(q for q in shared.quotas if q.task_class is TaskClass.LONG_DOCUMENT)
     assert per_pool.concurrency(8) == START * 8  # each model's pool: half the DC's
+    half = per_pool.model_copy(update={"max_concurrency": 8})  # 0.5 per instance on 16
+    assert [half.concurrency(n) for n in (0, 1, 3, 5, 7)] == [0, 1, 2, 3, 4]  # rounded up

@@ -86,7 +86,7 @@ def test_a_budget_past_the_context_is_shortened_as_vllm_does_and_counted_shorten
         return read_inbound(chosen, chosen.tenants[0], path, data, {})
 
     chat = read(CHAT_PATH, messages=[{"role": "user", "content": "abcd" * 8000}], max_tokens=500)
-    assert chat.output_budget == context - chat.input_tokens
+    assert chat.output_budget == chat.client_cap == context - chat.input_tokens
     prompts = ["abcd" * (context - 100), "abcd" * 100]  # the first leaves 100 tokens
     both = read(COMPLETIONS_PATH, prompt=prompts, max_tokens=500, n=2)
     assert both.output_budget == 2 * (100 + 500)

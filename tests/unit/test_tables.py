@@ -40,7 +40,7 @@ from streams.faust_app import _apply, _LiveStates, build_app
 from streams.settings import WorkerSettings
 from streams.table_host import TableHost
 from streams.tables import outcomes
-from streams.tables.builder import TableBuilder
+from streams.tables.builder import DcTables, TableBuilder
 from streams.tables.outcomes import OPEN_REQUEST_S, Outcome, OutcomeKind
 from streams.tables.sketch import QuantileSketch
 from streams.tables.windows import WindowSpec
@@ -568,3 +568,17 @@ async def test_the_embedded_host_leaves_out_a_table_too_large_to_publish_and_goe
     assert len(published) > 1  # pass after pass
     assert not await read_for(bus, "tf.tables.goodput", 0.05)
     assert any("GoodputTable: not published" in r.getMessage() for r in caplog.records)
+
+
+def test_an_outcome_stamped_ahead_and_delivered_again_later_counts_once() -> None:
+    """Remembered by the slice its time capped to the horizon, a replay under a later
+    clock found it in another slice, and counted it again."""
+    spec = WindowSpec(size_s=60, slide_s=10, grace_s=5)
+    state = DcTables(horizon=EPOCH + 5)
+    ahead = Outcome.from_dict(_outcome_fields("e1", EPOCH + 20))
+    objective = DEFAULT_OBJECTIVES[TaskClass.INTERACTIVE]
+    assert state.add_outcome(ahead, objective, spec)
+    state.horizon = EPOCH + 35  # the worker restarted, and its clock went on
+    assert not state.add_outcome(ahead, objective, spec)
+    [row] = [r for r in goodput(state.tables("dc", spec, EPOCH + 30)).classes if r.completed]
+    assert row.completed == 1
