@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -42,6 +43,8 @@ from streams.table_host import TableHost
 from streams.tables.builder import TableBuilder
 from tokenfleet.controller_host import QuotaHost, WeightHost
 from tokenfleet.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def router_factory(
@@ -177,6 +180,20 @@ async def running_gateway(
         await bus.close()
 
 
+def _embedded(part: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    """A part of the embedded mode, run beside the server; one that stops on an error
+    says so in the log (the server goes on without it: its tables, or its controls, go
+    stale, and the gateways fall back as they would without the part)."""
+
+    def said(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("the embedded %s stopped", name, exc_info=error)
+
+    task = asyncio.create_task(part)
+    task.add_done_callback(said)
+    return task
+
+
 @contextlib.asynccontextmanager
 async def _serving(
     app: FastAPI,
@@ -203,13 +220,13 @@ async def _serving(
             table_host = TableHost(
                 bus, TableBuilder(tables.spec, fleet.all_objectives(), time.time), tables.publish_s
             )
-            tasks.append(asyncio.create_task(Collector(fleet.instances, bus, scraper).run()))
-            tasks.append(asyncio.create_task(table_host.run()))
+            tasks.append(_embedded(Collector(fleet.instances, bus, scraper).run(), "collector"))
+            tasks.append(_embedded(table_host.run(), "tables"))
             if controlled:
-                tasks.append(asyncio.create_task(QuotaHost(bus).run()))
+                tasks.append(_embedded(QuotaHost(bus).run(), "quota controller"))
             if len(fleet.dcs) > 1:
                 models, edges = [m.name for m in fleet.models], fleet.edge_regions()
-                tasks.append(asyncio.create_task(WeightHost(bus, models, edges).run()))
+                tasks.append(_embedded(WeightHost(bus, models, edges).run(), "weights controller"))
         try:
             while not server.started:
                 if tasks[0].done():

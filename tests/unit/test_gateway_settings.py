@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from gateway.settings import GatewaySettings
 from gateway.state import LocalState
 from schemas.fleet import FleetConfig, load_fleet
 from streams.memory import InMemoryBus
-from tokenfleet.gateway_wiring import gateway_parts
+from tokenfleet.gateway_wiring import _embedded, gateway_parts
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "fleet.toml"
 
@@ -120,3 +121,21 @@ def test_the_profile_is_checked_even_where_the_gateway_runs_another_policy() -> 
     fleet = _fleet_with({"policy": "aibrix_prefix_cache", "params": {"std": 2}})
     with pytest.raises(ValueError, match="takes no std"):
         gateway_parts(fleet, GatewaySettings(policy="round_robin"), InMemoryBus(), LocalState())
+
+
+async def test_an_embedded_part_that_stops_on_an_error_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The tasks were gathered only at shutdown: a table host that stopped left the
+    tables stale without a word."""
+
+    async def breaks() -> None:
+        raise RuntimeError("the bus refused")
+
+    with caplog.at_level("ERROR", logger="tokenfleet.gateway_wiring"):
+        task = _embedded(breaks(), "tables")
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)  # the done callback runs
+    [said] = [r for r in caplog.records if r.getMessage() == "the embedded tables stopped"]
+    assert said.exc_info is not None
+    assert "the bus refused" in str(said.exc_info[1])
