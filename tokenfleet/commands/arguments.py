@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -57,8 +58,9 @@ def port(text: str) -> int:
 
 
 def output_file(text: str) -> Path:
-    """A file to write, checked before a run that may take minutes: not a folder; its
-    folder is made if missing."""
+    """A file to write, checked before a run that may take minutes: not a folder, its
+    folder made if missing, and a file can be written there (a file that is there is left
+    as it is)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder: give a file to write")
@@ -66,7 +68,27 @@ def output_file(text: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot make the folder of {text}: {exc}") from None
+    try:
+        if path.is_file():
+            path.open("a").close()
+        elif not path.exists():
+            tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {exc.strerror}") from None
     return path
+
+
+def plot_file(text: str) -> Path:
+    """An image to write: an ``output_file`` whose suffix is a format matplotlib writes
+    (none: PNG), checked before the run rather than when the figures are drawn."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(text).suffix.lower().removeprefix(".")
+    if suffix and suffix not in formats:
+        known = ", ".join(f".{name}" for name in sorted(formats))
+        raise argparse.ArgumentTypeError(f"{text}: matplotlib writes {known}, not .{suffix}")
+    return output_file(text)
 
 
 def folder(text: str) -> Path:
@@ -78,12 +100,16 @@ def folder(text: str) -> Path:
 
 
 def output_dir(text: str) -> Path:
-    """A folder to write files in: not a file; made if missing."""
+    """A folder to write files in: not a file; made if missing; a file can be written there."""
     path = folder(text)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot make the folder {text}: {exc}") from None
+    try:
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write in {text}: {exc.strerror}") from None
     return path
 
 

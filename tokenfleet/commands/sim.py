@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ from tokenfleet.commands.arguments import (
     positive_int,
 )
 from tokenfleet.commands.errors import CliError
-from tokenfleet.commands.output import write_json
+from tokenfleet.commands.output import as_json, save, save_each, write_json
 
 if TYPE_CHECKING:
     from control.routing.tokenpilot import TokenPilotParams
@@ -145,12 +146,9 @@ def _sim(args: argparse.Namespace) -> int:
             runs = [result]
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    if args.json:
-        write_json(args.json, result)
-    if args.records:
-        write_records(records, args.records)
     for run in runs:
         _print_summary(run)
+    save_each((args.json, as_json(result)), (args.records, partial(write_records, records)))
     return 0
 
 
@@ -271,7 +269,7 @@ def _workload_export(args: argparse.Namespace) -> int:
         requests = load_trace(args.trace, limit=args.requests, seed=args.seed)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    export_csv(requests, args.out)
+    save(args.out, partial(export_csv, requests))
     print(f"wrote {len(requests)} requests to {args.out}")
     return 0
 
