@@ -24,7 +24,10 @@ from tokenfleet.commands.loop import run_fast
 from tokenfleet.commands.output import write_json
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from schemas.fleet import FleetConfig, InstanceConfig
+    from sim.replay import ReplayRecord
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -254,17 +257,17 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    """Replay the workload; on Ctrl-C, report and write the requests that had ended, and
+    exit 130."""
     import sys
-    from collections import Counter
-    from dataclasses import asdict
 
     import httpx
 
     from sim.clients import ClientModel
-    from sim.metrics import latency_stats
     from sim.registry import load_trace
     from sim.replay import replay
 
+    finished: list[ReplayRecord] = []
     try:
         workload = load_trace(args.trace, limit=args.requests)
         headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else None
@@ -277,10 +280,28 @@ def _replay(args: argparse.Namespace) -> int:
                 speedup=args.speedup,
                 headers=headers,
                 clients=clients,
+                finished=finished,
             )
         )
     except (ValueError, httpx.HTTPError) as exc:
         raise CliError(str(exc)) from None
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(finished)} requests had ended", file=sys.stderr)
+        _report_replay(finished, args.json)
+        return 130
+    _report_replay(records, args.json)
+    expected = ("completed", "rejected", "cancelled") if args.clients else ("completed",)
+    return 0 if all(r.outcome in expected for r in records) else 1
+
+
+def _report_replay(records: Sequence[ReplayRecord], json_path: Path | None) -> None:
+    """Print the latencies, outcomes and failures of ``records``; write them as JSON."""
+    import sys
+    from collections import Counter
+    from dataclasses import asdict
+
+    from sim.metrics import latency_stats
+
     ok = [r for r in records if r.outcome == "completed" and r.ttft_s is not None]
     stats = latency_stats("ttft", [r.ttft_s for r in ok]) | latency_stats(
         "e2e", [r.e2e_s for r in ok]
@@ -292,11 +313,13 @@ def _replay(args: argparse.Namespace) -> int:
     outcomes = Counter(r.outcome for r in records if r.outcome not in ("completed", "failed"))
     if outcomes:
         print("; ".join(f"{outcome}: {count}" for outcome, count in sorted(outcomes.items())))
-    failed = Counter(r.status for r in records if r.status != 200 and r.outcome != "cancelled")
+    failed = Counter(
+        f"HTTP {r.status}" if r.error is None else r.error
+        for r in records
+        if r.outcome == "failed" or (r.status != 200 and r.outcome != "cancelled")
+    )
     if failed:
-        statuses = ", ".join(f"{count} with HTTP {status}" for status, count in failed.items())
-        print(f"failed: {statuses}", file=sys.stderr)
-    if args.json:
-        write_json(args.json, [asdict(r) for r in records])
-    expected = ("completed", "rejected", "cancelled") if args.clients else ("completed",)
-    return 0 if all(r.outcome in expected for r in records) else 1
+        reasons = "; ".join(f"{count} x {reason}" for reason, count in failed.most_common())
+        print(f"failed: {reasons}", file=sys.stderr)
+    if json_path:
+        write_json(json_path, [asdict(r) for r in records])
