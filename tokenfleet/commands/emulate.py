@@ -22,6 +22,7 @@ from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.loop import run_fast
 from tokenfleet.commands.output import write_json
+from tokenfleet.commands.sim import trace_help
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -226,7 +227,7 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         "batch clients give up at their deadline, and half of those refused or given up "
         "try once more after Retry-After.",
     )
-    replay.add_argument("--trace", required=True, help="a named workload or a .jsonl path")
+    replay.add_argument("--trace", required=True, help=trace_help())
     replay.add_argument(
         "--target", type=http_url, required=True, help="base URL, e.g. http://127.0.0.1:8100"
     )

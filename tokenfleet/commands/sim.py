@@ -365,8 +365,10 @@ def trace_help() -> str:
     from sim.registry import TRACES
 
     return (
-        f"{', '.join(TRACES)}, or a .jsonl path in Mooncake's format (its timestamps replayed "
-        "as given; the named mooncake trace places each request at random in its 3 s bucket), "
-        "whose rows may carry class, tenant, deadline_s and region (the label rules of "
-        "sim/labels.py fill in the rest)"
+        f"{', '.join(TRACES)}, or a .jsonl path in Mooncake's format (timestamp in "
+        "milliseconds, input_length, output_length, hash_ids: one per 512-token block, "
+        "fewer leaving the later blocks unshared; timestamps replayed as given, while the "
+        "named mooncake trace places each request at random in its 3 s bucket), whose rows "
+        "may carry class, tenant, deadline_s and region (the label rules of sim/labels.py "
+        "fill in the rest)"
     )
