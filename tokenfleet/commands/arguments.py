@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
 
+from tokenfleet.commands.errors import CliError
+
 T = TypeVar("T")
 
 
@@ -55,6 +57,25 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {value}")
     return value
+
+
+def fixed_port(text: str) -> int:
+    """A TCP port others are told in advance: 1 to 65535."""
+    value = port(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("give a port from 1 to 65535: others must know it")
+    return value
+
+
+def consecutive_ports(option: str, first: int, count: int) -> list[int]:
+    """``count`` ports from ``first`` on (0: any free one each); CliError, before anything
+    starts, where they would run past 65535."""
+    if first == 0:
+        return [0] * count
+    last = first + count - 1
+    if last > 65535:
+        raise CliError(f"{option} {first}: {count} ports from it run to {last}, past 65535")
+    return list(range(first, last + 1))
 
 
 def output_file(text: str) -> Path:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from tokenfleet.commands.arguments import (
     add_profile,
+    consecutive_ports,
     http_url,
     output_file,
     port,
@@ -54,7 +55,7 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         "--base-port",
         type=port,
         default=8100,
-        help="the first port; the others follow (default: 8100)",
+        help="the first port; the others follow (default: 8100; 0: any free ones, printed)",
     )
     add_profile(emulate, "the calibrated model and GPUs it times its steps by")
     emulate.add_argument(
@@ -126,7 +127,7 @@ def _emulate(args: argparse.Namespace) -> int:
         return _emulate_fleet(args)
     if args.placement:
         raise CliError("--placement needs --fleet: the standby instances are the fleet file's")
-    ports = [args.base_port + n for n in range(args.instances)]
+    ports = consecutive_ports("--base-port", args.base_port, args.instances)
 
     chosen = profile(args.profile)
     engine = replace(chosen.engine, scheduling_policy=args.scheduling_policy)
