@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 from pydantic import ValidationError
 
@@ -18,8 +20,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     keep_freed_memory()
+    previous = signal.signal(signal.SIGTERM, _as_ctrl_c)
     try:
         return args.handler(args)
+    except KeyboardInterrupt:
+        print("tokenfleet: interrupted", file=sys.stderr)
+        return 130
     except (ServiceError, CliError) as exc:
         print(f"tokenfleet: {exc}", file=sys.stderr)
         return 2
@@ -28,6 +34,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"tokenfleet: {_invalid_settings(exc)}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _as_ctrl_c(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (kill, a supervisor, a CI job's timeout) stops a command as Ctrl-C does:
+    the finally blocks and exit stacks that stop its children (emulators, gateways, Redis,
+    Kafka) run. A command that drains on SIGTERM (the gateway) sets its own handler."""
+    raise KeyboardInterrupt
 
 
 def _invalid_settings(exc: ValidationError) -> str:
