@@ -43,6 +43,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """A number of times or steps: a whole number, 0 or more."""
+    value = _parsed(text, int, "a whole number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration that may be nothing: a finite number of seconds, 0 or more."""
+    value = _parsed(text, float, "a number of seconds")
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError("must be a finite number of seconds, not negative")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A rate, a factor or a duration: a finite number above 0."""
     value = _parsed(text, float, "a number")
@@ -144,3 +160,9 @@ def http_url(text: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"not an http(s) URL with a host: {text!r}")
     return text
+
+
+def api_base_url(text: str) -> str:
+    """An OpenAI-compatible endpoint's base URL, with or without the ``/v1`` that
+    ``tokenfleet emulate`` and ``gateway`` print (its requests add ``/v1/...``)."""
+    return http_url(text).rstrip("/").removesuffix("/v1")

@@ -73,13 +73,14 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument(
         "--duration", type=positive_float, default=10.0, help="seconds of the rate run"
     )
-    gateway.add_argument(
+    litellm = gateway.add_mutually_exclusive_group()
+    litellm.add_argument(
         "--litellm",
         metavar="COMMAND",
         help="LiteLLM's `litellm` command, to measure its proxy the same way, side by side "
         "(default: the one `pip install tokenfleet[litellm]` installs, if any)",
     )
-    gateway.add_argument("--no-litellm", action="store_true", help="leave LiteLLM out")
+    litellm.add_argument("--no-litellm", action="store_true", help="leave LiteLLM out")
     gateway.add_argument(
         "--no-redis",
         action="store_true",
@@ -175,7 +176,7 @@ def _redis_url(stack: contextlib.ExitStack) -> str:
 def _bench_gateway(args: argparse.Namespace) -> int:
     from tokenfleet.gateway_bench import bench_gateway, litellm_command
 
-    if args.litellm and not args.no_litellm and shutil.which(args.litellm) is None:
+    if args.litellm and shutil.which(args.litellm) is None:
         raise CliError(f"--litellm {args.litellm}: no such executable")
     litellm = None if args.no_litellm else args.litellm or litellm_command()
     if litellm is None and not args.no_litellm:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenfleet.commands.arguments import (
     add_profile,
+    api_base_url,
     consecutive_ports,
-    http_url,
     output_file,
     port,
     positive_float,
     positive_int,
+    seconds,
 )
 from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
@@ -109,10 +109,9 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
     )
     emulate.add_argument(
         "--warmup",
-        type=float,
-        default=WARMUP_S,
+        type=seconds,
         help="with --placement: seconds a placed replica takes to load before it listens "
-        "(default: %(default)g, a 70B model's weights)",
+        f"(default: {WARMUP_S:g}, a 70B model's weights)",
     )
     emulate.set_defaults(handler=_emulate)
 
@@ -125,8 +124,10 @@ def _emulate(args: argparse.Namespace) -> int:
 
     if args.fleet is not None:
         return _emulate_fleet(args)
-    if args.placement:
-        raise CliError("--placement needs --fleet: the standby instances are the fleet file's")
+    given = ["--placement"] if args.placement else []
+    given += [f"--{name}" for name in ("region", "dc", "warmup") if vars(args)[name] is not None]
+    if given:
+        raise CliError(f"without --fleet, {', '.join(given)} would do nothing: see --help")
     ports = consecutive_ports("--base-port", args.base_port, args.instances)
 
     chosen = profile(args.profile)
@@ -169,8 +170,8 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
         raise CliError(f"--region {region}: the fleet file names no such region")
     if args.dc is not None and args.dc not in {dc.name for dc in fleet.dcs}:
         raise CliError(f"--dc {args.dc}: the fleet file has no such DC")
-    if not 0 <= args.warmup < math.inf:
-        raise CliError("--warmup must be a number of seconds, 0 or more")
+    if args.warmup is not None and not args.placement:
+        raise CliError("--warmup needs --placement: only a placed replica warms up")
     bootstrap = broker() if args.placement else None
 
     async def run() -> None:
@@ -197,7 +198,7 @@ async def _follow_placements(
 ) -> None:
     """Start and stop the standby instances as the newest placement for their DC says."""
     from sim.emulator.server import serve_instance
-    from sim.emulator.standby import StandbyReplicas
+    from sim.emulator.standby import WARMUP_S, StandbyReplicas
     from streams.feeds import follow
     from streams.kafka import KafkaBus
     from tokenfleet.controller_host import PLACEMENT_TOPIC
@@ -208,7 +209,8 @@ async def _follow_placements(
     bus = KafkaBus(bootstrap, source=f"emulate-{args.dc or 'fleet'}")
     mine = [i for i in fleet.instances if args.dc in (None, i.dc)]
     local = {i.id for i in fleet.local_instances(args.dc)}
-    standby = StandbyReplicas(mine, local, serve, args.warmup)
+    warmup = WARMUP_S if args.warmup is None else args.warmup
+    standby = StandbyReplicas(mine, local, serve, warmup)
     try:
         async with standby.running():
             await follow(bus, PLACEMENT_TOPIC, standby.apply, "earliest")
@@ -230,7 +232,11 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
     )
     replay.add_argument("--trace", required=True, help=trace_help())
     replay.add_argument(
-        "--target", type=http_url, required=True, help="base URL, e.g. http://127.0.0.1:8100"
+        "--target",
+        type=api_base_url,
+        required=True,
+        help="the endpoint's base URL, with or without /v1: e.g. http://127.0.0.1:8100/v1, "
+        "as emulate and gateway print it",
     )
     replay.add_argument(
         "--model", default="emulated", help="the model the requests name (default: emulated)"

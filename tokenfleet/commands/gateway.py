@@ -29,7 +29,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "(TokenPilot by default). SIGTERM or Ctrl-C stops it, answering held requests "
         "first. " + _ENVIRONMENT,
     )
-    gateway.add_argument("--fleet", type=Path, help="the fleet file (.toml or .json)")
+    gateway.add_argument(
+        "--fleet",
+        type=Path,
+        help="the fleet file, .toml or .json (default: TOKENFLEET_GATEWAY_FLEET_FILE, else "
+        "fleet.toml in the current folder)",
+    )
     gateway.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 from control.step_time import Blackbox
 from tokenfleet.commands.arguments import (
     add_profile,
+    count,
     output_dir,
     output_file,
     positive_float,
     positive_int,
+    seconds,
 )
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.output import as_json, save, save_each, write_json
@@ -179,7 +181,7 @@ def add_token_lags(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--host-token-lag",
-        type=_seconds,
+        type=seconds,
         default=HOST_TOKEN_LAG_S,
         metavar="S",
         help="how late the simulated host sees each step's streamed tokens, in seconds "
@@ -188,7 +190,7 @@ def add_token_lags(parser: argparse.ArgumentParser) -> None:
     assumed = TokenPilotParams().token_lag_s
     parser.add_argument(
         "--assumed-token-lag",
-        type=_seconds,
+        type=seconds,
         default=assumed,
         metavar="S",
         help=f"the least lag TokenPilot assumes, in seconds (default {assumed:g}); it "
@@ -201,16 +203,6 @@ def tokenpilot_params(args: argparse.Namespace) -> TokenPilotParams:
     from control.routing.tokenpilot import TokenPilotParams
 
     return TokenPilotParams(token_lag_s=args.assumed_token_lag)
-
-
-def _seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= seconds < float("inf"):
-        raise argparse.ArgumentTypeError("must be a finite number of seconds, not negative")
-    return seconds
 
 
 def levels(text: str) -> list[float]:
@@ -294,7 +286,7 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
         "--profile", required=True, choices=sorted(CALIBRATED), help="the profile to fit"
     )
     calibrate.add_argument(
-        "--iterations", type=int, default=80, help="Nelder-Mead steps (default: 80; 0: validate)"
+        "--iterations", type=count, default=80, help="Nelder-Mead steps (default: 80; 0: validate)"
     )
     calibrate.add_argument("--json", type=output_file, help="write coefficients and rows here")
     calibrate.set_defaults(handler=_calibrate)
