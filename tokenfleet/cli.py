@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -14,12 +15,15 @@ from tokenfleet.allocator import keep_freed_memory
 from tokenfleet.commands import audit, bench, deploy, emulate, gateway, services, sim, streams
 from tokenfleet.commands.errors import CliError
 from tokenfleet.services.process import ServiceError
+from tokenfleet.settings import unknown_variables
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     keep_freed_memory()
+    for warning in unknown_variables(os.environ):
+        print(f"tokenfleet: warning: {warning}", file=sys.stderr)
     previous = signal.signal(signal.SIGTERM, _as_ctrl_c)
     try:
         return args.handler(args)
