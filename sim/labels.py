@@ -14,7 +14,8 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -50,8 +51,24 @@ def _labelled(request: TraceRequest, batch: bool, seed: int) -> TraceRequest:
     )
 
 
-LABEL_COLUMNS = ("class", "tenant", "deadline_s", "region")
-"""What a row of a labelled trace file may carry; the rules above fill in the rest."""
+def _name(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+_CLASSES = ", ".join(c.value for c in TaskClass)
+LABEL_RULES: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "class": (f"one of {_CLASSES}", lambda value: value in {c.value for c in TaskClass}),
+    "tenant": ("a name", _name),
+    "deadline_s": ("a number of seconds above 0", _seconds),
+    "region": ("a name", _name),
+}
+"""What a row of a labelled trace file may carry, each what it must be (``sim.traces``
+checks the rows); the rules above fill in the rest."""
+LABEL_COLUMNS = tuple(LABEL_RULES)
 
 
 def with_given(
@@ -59,19 +76,15 @@ def with_given(
 ) -> list[TraceRequest]:
     """The labelled ``requests`` with what their rows gave (by request id) in place of the
     rules' choices: a class (a batch request given no deadline gets the batch deadline;
-    another class given none has none), a tenant, a deadline in seconds, a region.
-    ValueError naming a class that does not exist."""
+    another class given none has none), a tenant, a deadline in seconds, a region, each
+    as ``LABEL_RULES`` says."""
     return [_given(r, given[r.request_id]) if given.get(r.request_id) else r for r in requests]
 
 
 def _given(request: TraceRequest, row: Mapping[str, Any]) -> TraceRequest:
     changes: dict[str, Any] = {}
     if "class" in row:
-        try:
-            changes["task_class"] = TaskClass(row["class"])
-        except ValueError:
-            known = ", ".join(c.value for c in TaskClass)
-            raise ValueError(f"unknown class {row['class']!r} (known: {known})") from None
+        changes["task_class"] = TaskClass(row["class"])
         batch = changes["task_class"] is TaskClass.BATCH
         changes["deadline_s"] = BATCH_DEADLINE_S if batch else None
     for column, field in (("tenant", "tenant"), ("deadline_s", "deadline_s"), ("region", "region")):

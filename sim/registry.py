@@ -51,12 +51,17 @@ TRACES: dict[str, Source] = {
 def load_trace(name_or_path: str, *, limit: int | None = None, seed: int = 0) -> list[TraceRequest]:
     """A labelled workload by name (see ``TRACES``) or a Mooncake-format JSONL path, whose
     timestamps are replayed as given (only the named ``mooncake`` trace spreads its 3 s
-    buckets)."""
+    buckets). ValueError for a trace that is not there or cannot be read."""
     source = TRACES.get(name_or_path)
-    if source is not None and source.labelled:
-        return source.load(limit=limit, seed=seed)
     if source is not None:
-        return label(source.load(limit=limit, seed=seed), batch=source.batch, seed=seed)
+        try:
+            requests = source.load(limit=limit, seed=seed)
+        except FileNotFoundError as exc:
+            raise ValueError(
+                f"trace {name_or_path}: {exc.filename} not found (the traces are read from "
+                "$TOKENFLEET_TRACES where it is set, else from sim/data/traces)"
+            ) from None
+        return requests if source.labelled else label(requests, batch=source.batch, seed=seed)
     path = Path(name_or_path)
     if path.suffix == ".jsonl" and not path.is_file():
         raise ValueError(f"trace file {name_or_path} not found")

@@ -10,9 +10,9 @@ deadline (``x-tokenfleet-deadline-s``, in the target's seconds). With a client m
 (``sim.clients``) the replay behaves as the simulator's clients do: a client whose first
 token has not come within its patience closes its stream, a batch client gives up at its
 deadline, and a share of those refused (429, 503), failed or given up try once more,
-after the ``Retry-After`` they were told or the model's delay. A request that fails (an
-error status, an error event in its stream, a connection lost) is recorded as failed; the
-replay goes on.
+after the ``Retry-After`` they were told (seconds or an HTTP date) or the model's delay. A
+request that fails (an error status, an error event in its stream, a stream event it cannot
+read, a connection lost) is recorded as failed, with the reason; the replay goes on.
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import Any
 
 import httpx
 
@@ -64,6 +68,8 @@ class ReplayRecord:
     gateway_request_id: str | None = None
     """The gateway's id of the request (``x-tokenfleet-request-id``), which its events
     carry; None against a bare instance."""
+    error: str | None = None
+    """Why a request whose answer came with status 200 failed."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +95,12 @@ async def replay(
     speedup: float = 1.0,
     headers: dict[str, str] | None = None,
     clients: ClientModel | None = None,
+    finished: list[ReplayRecord] | None = None,
 ) -> list[ReplayRecord]:
     """Send each request at its arrival time (streaming /v1/completions) and await them
     all; ``clients`` None: clients that wait for every answer and never retry. Records
-    come in arrival order, a second attempt after its first."""
+    come in arrival order, a second attempt after its first. Each is also appended to
+    ``finished`` as its attempt ends, so a replay cut short (Ctrl-C) keeps those."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     async with httpx.AsyncClient(
         base_url=base_url, timeout=None, limits=limits, headers=headers
@@ -102,6 +110,8 @@ async def replay(
 
         async def attempts(request: TraceRequest) -> list[ReplayRecord]:
             record = await _one(client, request, model, clock, clients)
+            if finished is not None:
+                finished.append(record)
             if clients is None or record.outcome == "completed":
                 return [record]
             again = clients.retry(request, clock.virtual(time.monotonic()), record.retry_after_s)
@@ -116,8 +126,9 @@ class _Progress:
     status: int = 0
     first_token: float | None = None
     tokens: int = 0
-    failed: bool = False
-    """An error event came in the stream (an instance that failed mid-answer)."""
+    error: str | None = None
+    """Why the answer failed midway: an error event in the stream (an instance that
+    failed mid-answer), an event it could not read, the connection lost."""
     gateway_request_id: str | None = None
 
 
@@ -140,11 +151,12 @@ async def _one(
             )
     except TimeoutError:
         return _record(request, sent, seen, clock, "cancelled")
-    except httpx.TransportError:  # the connection failed: this request, not the replay
+    except httpx.HTTPError as exc:  # the connection failed: this request, not the replay
+        seen.error = f"{type(exc).__name__}: {exc}"
         return _record(request, sent, seen, clock, "failed")
     if refused is not None:
         return refused
-    return _record(request, sent, seen, clock, "failed" if seen.failed else "completed")
+    return _record(request, sent, seen, clock, "completed" if seen.error is None else "failed")
 
 
 async def _stream(
@@ -170,17 +182,41 @@ async def _stream(
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                seen.failed = True
+            try:
+                text = _text(line[6:])
+            except ValueError as exc:
+                seen.error = seen.error or str(exc)
                 continue
-            text = event["choices"][0]["text"]
             if text and seen.first_token is None:
                 seen.first_token = time.monotonic()
                 if patience is not None:
                     patience.reschedule(None)
             seen.tokens += text.count("tok")
     return None
+
+
+def _text(data: str) -> str:
+    """The text of one stream event; ValueError saying why it has none: an error event, or
+    an event that is not a completion chunk. A chunk without choices (the usage chunk
+    ``stream_options.include_usage`` adds) has no text."""
+    try:
+        event: Any = json.loads(data)
+    except ValueError:
+        raise ValueError(f"a stream event that is not JSON: {data[:80]!r}") from None
+    if isinstance(event, dict) and "error" in event:
+        error = event["error"]
+        message = error.get("message", error) if isinstance(error, dict) else error
+        raise ValueError(f"an error event: {message}")
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if choices == []:
+        return ""
+    try:
+        text = choices[0]["text"]
+    except (TypeError, KeyError, IndexError):
+        text = None
+    if not isinstance(text, str):
+        raise ValueError(f"a stream event without a choice's text: {data[:80]!r}")
+    return text
 
 
 def _body(request: TraceRequest, model: str) -> dict[str, object]:
@@ -212,9 +248,22 @@ def _refused(
         0,
         request.task_class.value,
         "rejected" if status in REFUSALS else "failed",
-        None if retry_after is None else float(retry_after) * clock.speedup,
+        None if retry_after is None else _retry_after_s(retry_after, clock.speedup),
         response.headers.get(REQUEST_ID_HEADER),
     )
+
+
+def _retry_after_s(value: str, speedup: float) -> float | None:
+    """``Retry-After`` in the workload's seconds: a number of seconds, or an HTTP date
+    (RFC 9110) less now; None for one that is neither (the client model's delay then)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = (parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds()
+        except (TypeError, ValueError):
+            return None
+    return max(0.0, seconds) * speedup if math.isfinite(seconds) else None
 
 
 def _record(
@@ -232,4 +281,5 @@ def _record(
         request.task_class.value,
         outcome,
         gateway_request_id=seen.gateway_request_id,
+        error=seen.error,
     )

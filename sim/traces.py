@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from sim.labels import LABEL_RULES
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -80,19 +82,36 @@ def _mooncake_rows(path: Path, limit: int | None) -> Iterator[tuple[int, dict[st
             yield index, row
 
 
-_MOONCAKE_FIELDS = {"timestamp": "a number", "input_length": "a count", "output_length": "a count"}
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _hash_ids(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(h, int) and not isinstance(h, bool) for h in value
+    )
+
+
+_MOONCAKE_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "timestamp": ("a finite number (milliseconds)", _number),
+    "input_length": ("a whole number, 1 or more", _count),
+    "output_length": ("a whole number, 1 or more (vLLM refuses max_tokens 0)", _count),
+    "hash_ids": ("a list of integers", _hash_ids),
+}
 
 
 def _check_mooncake_row(row: dict[str, Any], path: Path, line: int) -> None:
-    """ValueError naming the file, line and field of a row ``load_mooncake`` cannot read."""
-    for field, kind in _MOONCAKE_FIELDS.items():
-        value = row.get(field)
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not number or (kind == "a count" and (not isinstance(value, int) or value < 0)):
-            raise ValueError(f"{path} line {line}: {field} must be {kind}, not {value!r}")
-    hash_ids = row.get("hash_ids")
-    if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
-        raise ValueError(f"{path} line {line}: hash_ids must be a list of integers")
+    """ValueError naming the file, line and field of a row ``load_mooncake`` cannot read,
+    or whose labels (``sim.labels.LABEL_RULES``) are wrong: the one check of a trace file's
+    rows, which ``tokenfleet sim`` and ``tokenfleet replay`` both read through here."""
+    given = {field: rule for field, rule in LABEL_RULES.items() if field in row}
+    for field, (kind, valid) in (_MOONCAKE_FIELDS | given).items():
+        if not valid(row.get(field)):
+            raise ValueError(f"{path} line {line}: {field} must be {kind}, not {row.get(field)!r}")
 
 
 def given_labels(
@@ -170,9 +189,14 @@ def load_arxiv(
 
 
 def engine_blocks(hash_ids: list[int], input_tokens: int) -> tuple[int, ...]:
-    """Map 512-token trace blocks onto the hashes of the 16-token engine blocks they hold."""
+    """Map 512-token trace blocks onto the hashes of the 16-token engine blocks they hold.
+
+    Mooncake's format gives one hash id per 512-token block of the prompt, the last
+    partial one included. A row with fewer (``[]``: a trace without prefix information)
+    has its prompt's later blocks unshared: they get no hash, so no other request's cache
+    serves them, as a prompt's unique part is not. Ids past the prompt are ignored."""
     per_block = MOONCAKE_BLOCK_TOKENS // ENGINE_BLOCK_TOKENS
-    full_engine_blocks = input_tokens // ENGINE_BLOCK_TOKENS
+    full_engine_blocks = min(input_tokens // ENGINE_BLOCK_TOKENS, len(hash_ids) * per_block)
     hashes = []
     for position in range(full_engine_blocks):
         trace_id = hash_ids[position // per_block]

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
 
 from pydantic import ValidationError
 
@@ -12,14 +17,24 @@ from tokenfleet.allocator import keep_freed_memory
 from tokenfleet.commands import audit, bench, deploy, emulate, gateway, services, sim, streams
 from tokenfleet.commands.errors import CliError
 from tokenfleet.services.process import ServiceError
+from tokenfleet.settings import unknown_variables
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     keep_freed_memory()
+    for warning in unknown_variables(os.environ):
+        print(f"tokenfleet: warning: {warning}", file=sys.stderr)
     try:
-        return args.handler(args)
+        with _sigterm_as_interrupt():
+            return args.handler(args)
+    except _Terminated:
+        print("tokenfleet: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except KeyboardInterrupt:
+        print("tokenfleet: interrupted", file=sys.stderr)
+        return 130
     except (ServiceError, CliError) as exc:
         print(f"tokenfleet: {exc}", file=sys.stderr)
         return 2
@@ -28,6 +43,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"tokenfleet: {_invalid_settings(exc)}", file=sys.stderr)
         return 2
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (kill, a supervisor, a CI job's timeout) stops a command as Ctrl-C does:
+    the finally blocks and exit stacks that stop its children (emulators, gateways, Redis,
+    Kafka) run. A command that drains on SIGTERM (the gateway) sets its own handler while
+    it serves. Only the main thread may set one: a command run from another (a test's)
+    keeps the handler there is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(_signum: int, _frame: FrameType | None) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _invalid_settings(exc: ValidationError) -> str:

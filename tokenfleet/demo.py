@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from sim.fleet_sim import FleetSimulation
 from sim.metrics import met_objective
 from sim.profiles import DEFAULT_PROFILE
 from sim.records import RequestRecord
-from tokenfleet.commands.output import write_json
+from tokenfleet.commands.output import as_json, save_each
 
 LIVE_EVERY_S = 30
 Say = Callable[[str], None]
@@ -73,10 +74,15 @@ def run_demo(
         "series": {TOKENFLEET.name: ours[1], BASELINE.name: theirs[1]},
     }
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "demo.json", document)
-        plot_fleet(document, out / "demo.png")
+        write_demo(document, out)
     return document
+
+
+def write_demo(document: dict[str, Any], out: Path) -> None:
+    """The figures (demo.json) and the plot (demo.png) in ``out``, which exists."""
+    save_each(
+        (out / "demo.json", as_json(document)), (out / "demo.png", partial(plot_fleet, document))
+    )
 
 
 def _live_view(say: Say) -> Callable[[FleetSimulation], None]:
@@ -146,10 +152,11 @@ def report(document: dict[str, Any]) -> list[str]:
 
 
 def main(seed: int, instances_per_dc: int, out: Path) -> int:
-    document = run_demo(seed, instances_per_dc, out)
+    document = run_demo(seed, instances_per_dc)
     print()
     for line in report(document):
         print(line)
+    write_demo(document, out)
     print(f"\nFigures: {out / 'demo.json'}; A's traffic by DC over time: {out / 'demo.png'}")
     print(f"Run it again: tokenfleet demo --seed {seed} --out {out}")
     return 0

@@ -149,8 +149,9 @@ async def running_gateway(
     host: str,
     port: int,
 ) -> AsyncIterator[FastAPI]:
-    """Serve a gateway on ``host:port`` until the context exits (``OSError`` when the port
-    is taken; ``ValueError`` for settings that cannot work together)."""
+    """Serve a gateway on ``host:port`` (0: any free port; ``app.state.address`` says
+    which) until the context exits (``OSError`` when the port is taken; ``ValueError``
+    for settings that cannot work together)."""
     if settings.journal and not services.kafka_bootstrap:
         # On the in-process bus nobody could read it, and it would be kept until exit.
         raise ValueError(
@@ -170,7 +171,8 @@ async def running_gateway(
         # exit the process.
         with socket.create_server((host, port)) as listening:
             controlled = settings.admission in CONTROLLED
-            address = f"{host}:{port}"
+            address = f"{host}:{listening.getsockname()[1]}"  # port 0: the one it got
+            app.state.address = address
             async with _serving(
                 app, listening, fleet, bus, services, address, controlled, settings.drain_s
             ):

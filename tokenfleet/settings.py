@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
+
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -15,3 +18,39 @@ class Settings(BaseSettings):
     redis_cluster: bool = False
     """Whether ``redis_url`` names a node of a Redis Cluster (the gateways' keys carry a hash
     tag per pool, so each decision's script runs on one node)."""
+
+
+OTHER_VARIABLES = ("TOKENFLEET_CACHE", "TOKENFLEET_CALIBRATION", "TOKENFLEET_TRACES")
+"""Read where they are used (``os.environ``), not through a settings class."""
+_IGNORED_PREFIX = "TOKENFLEET_TEST_"
+"""The test suite's own (``tests/services.py``)."""
+
+
+def known_variables() -> set[str]:
+    """Every ``TOKENFLEET_*`` variable something reads: each field of the settings classes
+    under its class's prefix, and ``OTHER_VARIABLES``."""
+    from gateway.settings import GatewaySettings
+    from streams.settings import WorkerSettings
+
+    classes: tuple[type[BaseSettings], ...] = (Settings, GatewaySettings, WorkerSettings)
+    return set(OTHER_VARIABLES) | {
+        f"{cls.model_config.get('env_prefix', '')}{field}".upper()
+        for cls in classes
+        for field in cls.model_fields
+    }
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``TOKENFLEET_*`` variable in ``environ`` that nothing reads (a
+    misspelt one is silently ignored otherwise), naming the closest known one."""
+    known = known_variables()
+    warnings = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith("TOKENFLEET_") or upper.startswith(_IGNORED_PREFIX):
+            continue
+        if upper not in known:
+            close = difflib.get_close_matches(upper, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            warnings.append(f"{name} is not a setting TokenFleet reads, ignored{hint}")
+    return warnings

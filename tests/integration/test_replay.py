@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -111,3 +114,98 @@ async def test_a_stream_that_fails_midway_or_drops_is_recorded_failed_and_the_re
         ("c2", 200, "completed"),
     ]
     assert [r.output_tokens for r in records] == [1, 1, 1]
+
+
+def _chunks(*events: str) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        for event in events:
+            yield f"data: {event}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def test_an_answer_it_cannot_read_fails_that_request_with_the_reason_and_no_other() -> None:
+    token = json.dumps({"choices": [{"text": "tok "}]})
+    answers = iter(
+        [
+            _chunks(token, json.dumps({"choices": [{"index": 0}]})),  # a choice without text
+            _chunks("{not json"),
+            _chunks(token, json.dumps({"choices": []})),  # the usage chunk: no text, readable
+        ]
+    )
+
+    async def completions(_: Request) -> Response:
+        return next(answers)
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    chats = [TraceRequest(f"c{n}", n * 0.1, 100, 3, ()) for n in range(3)]
+    async with http_server(app) as url:
+        records = await replay(chats, url, "m")
+    assert [r.outcome for r in records] == ["failed", "failed", "completed"]
+    assert "without a choice's text" in (records[0].error or "")
+    assert "not JSON" in (records[1].error or "")
+    assert records[2].error is None
+
+
+async def test_a_retry_after_given_as_an_http_date_is_read_as_the_seconds_until_then() -> None:
+    from datetime import UTC, datetime, timedelta
+    from email.utils import format_datetime
+
+    later = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    refusals = [
+        JSONResponse({"error": {"message": "busy"}}, 429, headers={"retry-after": later}),
+        JSONResponse({"error": {"message": "busy"}}, 429, headers={"retry-after": "soon"}),
+    ]
+
+    async def completions(_: Request) -> Response:
+        return refusals.pop(0)
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    chats = [TraceRequest(f"c{n}", n * 0.1, 100, 3, ()) for n in range(2)]
+    async with http_server(app) as url:
+        dated, unreadable = await replay(chats, url, "m", speedup=2.0)
+    assert dated.outcome == "rejected"
+    assert 2 * 28 < (dated.retry_after_s or 0) <= 2 * 30  # in the workload's seconds
+    assert (unreadable.outcome, unreadable.retry_after_s) == ("rejected", None)
+
+
+async def test_ctrl_c_writes_the_requests_that_ended_and_exits_130(tmp_path: Path) -> None:
+    calls = 0
+
+    async def completions(_: Request) -> Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return _chunks(json.dumps({"choices": [{"text": "tok "}]}))
+
+        async def never() -> AsyncIterator[bytes]:
+            await asyncio.Event().wait()
+            yield b""
+
+        return StreamingResponse(never(), media_type="text/event-stream")
+
+    trace, out = tmp_path / "t.jsonl", tmp_path / "records.json"
+    row = '{{"timestamp": {}, "input_length": 100, "output_length": 3, "hash_ids": [1]}}\n'
+    trace.write_text(row.format(0) + row.format(100))
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    async with http_server(app) as url:
+        argv = ["replay", "--trace", str(trace), "--target", url, "--json", str(out)]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tokenfleet.cli",
+            *argv,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=Path(__file__).parents[2],  # this checkout's tokenfleet
+        )
+        for _ in range(600):  # the CLI starts, sends the first request, then the second
+            if calls == 2:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 130
+    assert b"Traceback" not in err
+    assert [r["outcome"] for r in json.loads(out.read_text())] == ["completed"]

@@ -90,7 +90,7 @@ def test_a_dc_with_standby_gpus_follows_placements_and_is_ready_by_a_serving_ins
     assert "--placement" not in emulators["emulate-dc-a"].args
     assert emulators["emulate-dc-b"].url == str(b0.url).rstrip("/")  # not the standby one
     args = build_parser().parse_args(list(emulators["emulate-dc-b"].args))
-    assert (args.placement, args.warmup) == (True, 60.0)
+    assert (args.placement, args.warmup) == (True, None)  # None: the default, WARMUP_S
 
 
 def test_the_compose_file_runs_the_same_parts_with_the_same_settings() -> None:

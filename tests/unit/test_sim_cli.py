@@ -83,7 +83,10 @@ WRONG_TYPE = '{"timestamp": 0, "input_length": "x", "output_length": 5, "hash_id
         (["--trace", "nope"], "unknown trace 'nope'"),
         (["--trace", "{tmp}/missing.jsonl"], "trace file {tmp}/missing.jsonl not found"),
         (["--trace", "{tmp}/broken.jsonl"], "{tmp}/broken.jsonl line 2: not JSON"),
-        (["--trace", "{tmp}/typed.jsonl"], "line 1: input_length must be a count, not 'x'"),
+        (
+            ["--trace", "{tmp}/typed.jsonl"],
+            "line 1: input_length must be a whole number, 1 or more, not 'x'",
+        ),
         (["--trace", "mooncake", "--instances", "0"], "must be at least 1, not 0"),
         (["--trace", "mooncake", "--rate-scale", "-1"], "must be a finite number above 0"),
         (["--trace", "mooncake", "--rate-scale", "nan"], "must be a finite number above 0"),

@@ -4,6 +4,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+
 from sim.registry import load_trace
 from sim.traces import MOONCAKE_BUCKET_S, engine_blocks, load_mooncake
 from sim.workload import reusable_blocks
@@ -78,3 +80,52 @@ def test_the_carried_traces_are_the_published_files() -> None:
         assert hashlib.sha256((root / name).read_bytes()).hexdigest() == digest, name
     for source in ("mooncake_fast25", "azure_llm_2023", "vidur_processed", "servegen"):
         assert any((root / source).glob("LICENSE*")), source
+
+
+GOOD_ROW = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"input_length": 0}, "input_length"),
+        ({"output_length": 0}, "output_length"),
+        ({"timestamp": float("nan")}, "timestamp"),
+        ({"timestamp": float("inf")}, "timestamp"),
+        ({"hash_ids": [1, True]}, "hash_ids"),
+        ({"deadline_s": "abc"}, "deadline_s"),
+        ({"deadline_s": -5}, "deadline_s"),
+        ({"tenant": ""}, "tenant"),
+        ({"region": 3}, "region"),
+    ],
+)
+def test_a_bad_row_is_refused_naming_the_file_line_and_field(
+    change: dict[str, object], field: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD_ROW) + "\n" + json.dumps(GOOD_ROW | change) + "\n")
+    with pytest.raises(ValueError, match=f"^{path} line 2: {field} must be "):
+        load_trace(str(path))
+
+
+def test_hash_ids_short_of_the_prompt_leave_its_later_blocks_unshared(tmp_path: Path) -> None:
+    assert engine_blocks([], input_tokens=2048) == ()
+    assert engine_blocks([7], input_tokens=2048) == engine_blocks([7, 8], input_tokens=1024)[:32]
+    path = tmp_path / "t.jsonl"
+    rows = [GOOD_ROW | {"hash_ids": []}, GOOD_ROW | {"timestamp": 5, "hash_ids": [1]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    unshared, one_block = load_trace(str(path))
+    assert (unshared.prefix_blocks, len(one_block.prefix_blocks)) == ((), 32)
+
+
+@pytest.mark.parametrize("command", ["sim", "replay"])
+def test_sim_and_replay_refuse_a_bad_row_with_exit_2_before_any_request(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenfleet.cli import main
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD_ROW | {"timestamp": float("inf")}) + "\n")
+    target = ["--target", "http://127.0.0.1:1"] if command == "replay" else []
+    assert main([command, "--trace", str(path), *target]) == 2
+    assert f"tokenfleet: {path} line 1: timestamp must be" in capsys.readouterr().err

@@ -170,5 +170,5 @@ def test_a_trace_file_s_own_labels_win_over_the_rules(tmp_path: Path) -> None:
         )
         + "\n"
     )
-    with pytest.raises(ValueError, match="unknown class 'urgent'"):
+    with pytest.raises(ValueError, match=r"line 1: class must be one of interactive.*not 'urgent'"):
         load_trace(str(path))

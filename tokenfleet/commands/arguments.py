@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
+
+from tokenfleet.commands.errors import CliError
 
 T = TypeVar("T")
 
@@ -40,6 +43,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """A number of times or steps: a whole number, 0 or more."""
+    value = _parsed(text, int, "a whole number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration that may be nothing: a finite number of seconds, 0 or more."""
+    value = _parsed(text, float, "a number of seconds")
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError("must be a finite number of seconds, not negative")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A rate, a factor or a duration: a finite number above 0."""
     value = _parsed(text, float, "a number")
@@ -56,9 +75,29 @@ def port(text: str) -> int:
     return value
 
 
+def fixed_port(text: str) -> int:
+    """A TCP port others are told in advance: 1 to 65535."""
+    value = port(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("give a port from 1 to 65535: others must know it")
+    return value
+
+
+def consecutive_ports(option: str, first: int, count: int) -> list[int]:
+    """``count`` ports from ``first`` on (0: any free one each); CliError, before anything
+    starts, where they would run past 65535."""
+    if first == 0:
+        return [0] * count
+    last = first + count - 1
+    if last > 65535:
+        raise CliError(f"{option} {first}: {count} ports from it run to {last}, past 65535")
+    return list(range(first, last + 1))
+
+
 def output_file(text: str) -> Path:
-    """A file to write, checked before a run that may take minutes: not a folder; its
-    folder is made if missing."""
+    """A file to write, checked before a run that may take minutes: not a folder, its
+    folder made if missing, and a file can be written there (a file that is there is left
+    as it is)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder: give a file to write")
@@ -66,7 +105,27 @@ def output_file(text: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot make the folder of {text}: {exc}") from None
+    try:
+        if path.is_file():
+            path.open("a").close()
+        elif not path.exists():
+            tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {exc.strerror}") from None
     return path
+
+
+def plot_file(text: str) -> Path:
+    """An image to write: an ``output_file`` whose suffix is a format matplotlib writes
+    (none: PNG), checked before the run rather than when the figures are drawn."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(text).suffix.lower().removeprefix(".")
+    if suffix and suffix not in formats:
+        known = ", ".join(f".{name}" for name in sorted(formats))
+        raise argparse.ArgumentTypeError(f"{text}: matplotlib writes {known}, not .{suffix}")
+    return output_file(text)
 
 
 def folder(text: str) -> Path:
@@ -78,12 +137,16 @@ def folder(text: str) -> Path:
 
 
 def output_dir(text: str) -> Path:
-    """A folder to write files in: not a file; made if missing."""
+    """A folder to write files in: not a file; made if missing; a file can be written there."""
     path = folder(text)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot make the folder {text}: {exc}") from None
+    try:
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write in {text}: {exc.strerror}") from None
     return path
 
 
@@ -97,3 +160,9 @@ def http_url(text: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"not an http(s) URL with a host: {text!r}")
     return text
+
+
+def api_base_url(text: str) -> str:
+    """An OpenAI-compatible endpoint's base URL, with or without the ``/v1`` that
+    ``tokenfleet emulate`` and ``gateway`` print (its requests add ``/v1/...``)."""
+    return http_url(text).rstrip("/").removesuffix("/v1")

@@ -6,11 +6,18 @@ import argparse
 import contextlib
 import shutil
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 
-from tokenfleet.commands.arguments import add_profile, output_file, positive_float, positive_int
+from tokenfleet.commands.arguments import (
+    add_profile,
+    output_file,
+    plot_file,
+    positive_float,
+    positive_int,
+)
 from tokenfleet.commands.errors import CliError
-from tokenfleet.commands.output import write_json
+from tokenfleet.commands.output import as_json, save_each, write_json
 from tokenfleet.commands.sim import add_token_lags, fraction, levels, tokenpilot_params, trace_help
 
 
@@ -66,13 +73,14 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     gateway.add_argument(
         "--duration", type=positive_float, default=10.0, help="seconds of the rate run"
     )
-    gateway.add_argument(
+    litellm = gateway.add_mutually_exclusive_group()
+    litellm.add_argument(
         "--litellm",
         metavar="COMMAND",
         help="LiteLLM's `litellm` command, to measure its proxy the same way, side by side "
         "(default: the one `pip install tokenfleet[litellm]` installs, if any)",
     )
-    gateway.add_argument("--no-litellm", action="store_true", help="leave LiteLLM out")
+    litellm.add_argument("--no-litellm", action="store_true", help="leave LiteLLM out")
     gateway.add_argument(
         "--no-redis",
         action="store_true",
@@ -168,7 +176,7 @@ def _redis_url(stack: contextlib.ExitStack) -> str:
 def _bench_gateway(args: argparse.Namespace) -> int:
     from tokenfleet.gateway_bench import bench_gateway, litellm_command
 
-    if args.litellm and not args.no_litellm and shutil.which(args.litellm) is None:
+    if args.litellm and shutil.which(args.litellm) is None:
         raise CliError(f"--litellm {args.litellm}: no such executable")
     litellm = None if args.no_litellm else args.litellm or litellm_command()
     if litellm is None and not args.no_litellm:
@@ -267,11 +275,11 @@ def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
         help="the router behind every policy (default: tokenpilot)",
     )
     admission.add_argument(
-        "--plot", type=output_file, help="write goodput and compliance per level here"
+        "--plot", type=plot_file, help="write goodput and compliance per level here"
     )
     admission.add_argument(
         "--step-change",
-        type=Path,
+        type=plot_file,
         metavar="PNG",
         help="also run SLOMax on a load stepping from 0.8 to 1.5 x capacity halfway, and plot "
         "its controller's limit and the attainments it read over time here (the passes go "
@@ -319,10 +327,6 @@ def _bench_admission(args: argparse.Namespace) -> int:
             requests=args.requests,
             seed=args.seed,
         )
-        plot_step_change(document["step_change"], args.step_change)
-    write_json(args.json, document)
-    if args.plot:
-        plot_levels(document, args.plot)
     print(
         f"{'policy':22}{'goodput':>10}{'total':>10}{'comply':>8}{'chat':>8}{'reject':>8}"
         f"{'lost work':>12}{'cap@90%':>9}"
@@ -335,6 +339,11 @@ def _bench_admission(args: argparse.Namespace) -> int:
             f"{result['compliance']:>8.1%}{chat:>8.1%}{result['rejected_share']:>8.1%}"
             f"{result['lost_work_tok']:>12,}{'-' if capacity is None else f'{capacity:.1f}':>9}"
         )
+    save_each(
+        (args.json, as_json(document)),
+        (args.plot, partial(plot_levels, document)),
+        (args.step_change, partial(plot_step_change, document.get("step_change"))),
+    )
     return 0
 
 
@@ -368,7 +377,7 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
     fleet.add_argument("--jobs", type=positive_int, default=1, help="runs at once (default 1)")
     fleet.add_argument("--json", type=output_file, required=True, help="write the figures here")
     fleet.add_argument(
-        "--plot", type=output_file, help="write A's traffic by DC over time here (PNG)"
+        "--plot", type=plot_file, help="write A's traffic by DC over time here (PNG)"
     )
     fleet.set_defaults(handler=_bench_fleet)
 
@@ -393,9 +402,6 @@ def _bench_fleet(args: argparse.Namespace) -> int:
             )
         except (ValueError, KeyError) as exc:
             raise CliError(str(exc)) from None
-    write_json(args.json, document)
-    if args.plot:
-        plot_fleet(document, args.plot)
     print(
         f"{'policy':26}{'goodput':>9}{'comply':>8}{'hot P95':>9}{'chats':>7}{'cross-DC':>9}"
         f"{'mismatch':>10}{'react':>7}{'violations':>11}"
@@ -411,6 +417,7 @@ def _bench_fleet(args: argparse.Namespace) -> int:
             f"{result['capacity_mismatch_request_s']:>10.0f}"
             f"{'-' if react is None else f'{react:.0f}s':>7}{violations:>11}"
         )
+    save_each((args.json, as_json(document)), (args.plot, partial(plot_fleet, document)))
     return 0
 
 
@@ -441,7 +448,7 @@ def _add_bench_routing(sub: argparse._SubParsersAction) -> None:
         "by this fraction, up or down at random per term (e.g. 0.15), while the simulated "
         "engines step with the true one (default 0: the engines' own model)",
     )
-    routing.add_argument("--plot", type=output_file, help="write TTFT CDFs per policy here (PNG)")
+    routing.add_argument("--plot", type=plot_file, help="write TTFT CDFs per policy here (PNG)")
     routing.set_defaults(handler=_bench_routing)
 
 
@@ -502,11 +509,6 @@ def _bench_routing(args: argparse.Namespace) -> int:
             )
         except (ValueError, KeyError) as exc:
             raise CliError(str(exc)) from None
-    write_json(args.json, document)
-    if args.plot:
-        plot_ttft_cdfs(
-            records, f"{args.trace}, {args.instances} instances, pooled ladder", args.plot
-        )
     print(f"{'policy':24}{'TTFT p50':>10}{'TTFT p95':>10}{'E2E p95':>10}{'cache hit':>11}")
     for policy, figures in document["policies"].items():
         print(
@@ -522,6 +524,8 @@ def _bench_routing(args: argparse.Namespace) -> int:
             f"{label:24}{bound['ttft_p50_s']:>10.3f}{bound['ttft_p95_s']:>10.3f}{'':>10}"
             f"{bound['cache_hit_rate']:>11.1%}"
         )
+    title = f"{args.trace}, {args.instances} instances, pooled ladder"
+    save_each((args.json, as_json(document)), (args.plot, partial(plot_ttft_cdfs, records, title)))
     return 0
 
 

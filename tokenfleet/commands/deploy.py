@@ -7,7 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from tokenfleet.commands.arguments import port
+from tokenfleet.commands.arguments import consecutive_ports, fixed_port
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME, GATEWAY_PORT, WORKER_PORT
@@ -35,19 +35,19 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _home_argument(up)
     up.add_argument(
         "--gateway-port",
-        type=port,
+        type=fixed_port,
         default=GATEWAY_PORT,
         help="the edge gateway's port (default: %(default)s)",
     )
     up.add_argument(
         "--controller-port",
-        type=port,
+        type=fixed_port,
         default=CONTROLLER_PORT,
         help="the operators' view, served by the controller (default: %(default)s)",
     )
     up.add_argument(
         "--worker-port",
-        type=port,
+        type=fixed_port,
         default=WORKER_PORT,
         help="the table worker's Prometheus /metrics (default: %(default)s)",
     )
@@ -101,6 +101,7 @@ def _up(args: argparse.Namespace) -> int:
         fleet = load_fleet(args.fleet)
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
+    consecutive_ports("--gateway-port", args.gateway_port, len(fleet.dcs))  # one per DC
     parts = plan(
         fleet,
         str(args.fleet),

@@ -5,27 +5,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenfleet.commands.arguments import (
     add_profile,
-    http_url,
+    api_base_url,
+    consecutive_ports,
     output_file,
     port,
     positive_float,
     positive_int,
+    seconds,
 )
 from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.loop import run_fast
 from tokenfleet.commands.output import write_json
+from tokenfleet.commands.sim import trace_help
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from schemas.fleet import FleetConfig, InstanceConfig
     from sim.emulator.server import FleetOptions
+    from sim.replay import ReplayRecord
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -52,7 +57,8 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
     emulate.add_argument(
         "--base-port",
         type=port,
-        help="the first port; the others follow (default: 8100; not with --fleet)",
+        help="the first port; the others follow (default: 8100; 0: any free ones, printed; "
+        "not with --fleet)",
     )
     add_profile(
         emulate,
@@ -111,10 +117,9 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
     )
     emulate.add_argument(
         "--warmup",
-        type=float,
-        default=WARMUP_S,
+        type=seconds,
         help="with --placement: seconds a placed replica takes to load before it listens "
-        "(default: %(default)g, a 70B model's weights)",
+        f"(default: {WARMUP_S:g}, a 70B model's weights)",
     )
     emulate.set_defaults(handler=_emulate, profile=None)
 
@@ -127,10 +132,12 @@ def _emulate(args: argparse.Namespace) -> int:
 
     if args.fleet is not None:
         return _emulate_fleet(args)
-    if args.placement:
-        raise CliError("--placement needs --fleet: the standby instances are the fleet file's")
+    given = ["--placement"] if args.placement else []
+    given += [f"--{name}" for name in ("region", "dc", "warmup") if vars(args)[name] is not None]
+    if given:
+        raise CliError(f"without --fleet, {', '.join(given)} would do nothing: see --help")
     base_port = 8100 if args.base_port is None else args.base_port
-    ports = [base_port + n for n in range(args.instances or 1)]
+    ports = consecutive_ports("--base-port", base_port, args.instances or 1)
     model = args.model or "emulated"
 
     chosen = profile(args.profile or DEFAULT_PROFILE)
@@ -181,8 +188,8 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
         raise CliError(f"--region {region}: the fleet file names no such region")
     if args.dc is not None and args.dc not in {dc.name for dc in fleet.dcs}:
         raise CliError(f"--dc {args.dc}: the fleet file has no such DC")
-    if not 0 <= args.warmup < math.inf:
-        raise CliError("--warmup must be a number of seconds, 0 or more")
+    if args.warmup is not None and not args.placement:
+        raise CliError("--warmup needs --placement: only a placed replica warms up")
     bootstrap = broker() if args.placement else None
 
     async def run() -> None:
@@ -226,7 +233,7 @@ async def _follow_placements(
 ) -> None:
     """Start and stop the standby instances as the newest placement for their DC says."""
     from sim.emulator.server import serve_instance
-    from sim.emulator.standby import StandbyReplicas
+    from sim.emulator.standby import WARMUP_S, StandbyReplicas
     from streams.feeds import follow
     from streams.kafka import KafkaBus
     from tokenfleet.controller_host import PLACEMENT_TOPIC
@@ -239,7 +246,8 @@ async def _follow_placements(
     bus = KafkaBus(bootstrap, source=f"emulate-{args.dc or 'fleet'}")
     mine = [i for i in fleet.instances if args.dc in (None, i.dc)]
     local = {i.id for i in fleet.local_instances(args.dc)}
-    standby = StandbyReplicas(mine, local, serve, args.warmup)
+    warmup = WARMUP_S if args.warmup is None else args.warmup
+    standby = StandbyReplicas(mine, local, serve, warmup)
     try:
         async with standby.running():
             await follow(bus, PLACEMENT_TOPIC, standby.apply, "earliest")
@@ -259,9 +267,13 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         "batch clients give up at their deadline, and half of those refused or given up "
         "try once more after Retry-After.",
     )
-    replay.add_argument("--trace", required=True, help="a named workload or a .jsonl path")
+    replay.add_argument("--trace", required=True, help=trace_help())
     replay.add_argument(
-        "--target", type=http_url, required=True, help="base URL, e.g. http://127.0.0.1:8100"
+        "--target",
+        type=api_base_url,
+        required=True,
+        help="the endpoint's base URL, with or without /v1: e.g. http://127.0.0.1:8100/v1, "
+        "as emulate and gateway print it",
     )
     replay.add_argument(
         "--model", default="emulated", help="the model the requests name (default: emulated)"
@@ -290,17 +302,17 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    """Replay the workload; on Ctrl-C, report and write the requests that had ended, and
+    exit 130."""
     import sys
-    from collections import Counter
-    from dataclasses import asdict
 
     import httpx
 
     from sim.clients import ClientModel
-    from sim.metrics import latency_stats
     from sim.registry import load_trace
     from sim.replay import replay
 
+    finished: list[ReplayRecord] = []
     try:
         workload = load_trace(args.trace, limit=args.requests)
         headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else None
@@ -313,10 +325,28 @@ def _replay(args: argparse.Namespace) -> int:
                 speedup=args.speedup,
                 headers=headers,
                 clients=clients,
+                finished=finished,
             )
         )
     except (ValueError, httpx.HTTPError) as exc:
         raise CliError(str(exc)) from None
+    except KeyboardInterrupt:
+        print(f"interrupted: {len(finished)} requests had ended", file=sys.stderr)
+        _report_replay(finished, args.json)
+        return 130
+    _report_replay(records, args.json)
+    expected = ("completed", "rejected", "cancelled") if args.clients else ("completed",)
+    return 0 if all(r.outcome in expected for r in records) else 1
+
+
+def _report_replay(records: Sequence[ReplayRecord], json_path: Path | None) -> None:
+    """Print the latencies, outcomes and failures of ``records``; write them as JSON."""
+    import sys
+    from collections import Counter
+    from dataclasses import asdict
+
+    from sim.metrics import latency_stats
+
     ok = [r for r in records if r.outcome == "completed" and r.ttft_s is not None]
     stats = latency_stats("ttft", [r.ttft_s for r in ok]) | latency_stats(
         "e2e", [r.e2e_s for r in ok]
@@ -328,11 +358,13 @@ def _replay(args: argparse.Namespace) -> int:
     outcomes = Counter(r.outcome for r in records if r.outcome not in ("completed", "failed"))
     if outcomes:
         print("; ".join(f"{outcome}: {count}" for outcome, count in sorted(outcomes.items())))
-    failed = Counter(r.status for r in records if r.status != 200 and r.outcome != "cancelled")
+    failed = Counter(
+        f"HTTP {r.status}" if r.error is None else r.error
+        for r in records
+        if r.outcome == "failed" or (r.status != 200 and r.outcome != "cancelled")
+    )
     if failed:
-        statuses = ", ".join(f"{count} with HTTP {status}" for status, count in failed.items())
-        print(f"failed: {statuses}", file=sys.stderr)
-    if args.json:
-        write_json(args.json, [asdict(r) for r in records])
-    expected = ("completed", "rejected", "cancelled") if args.clients else ("completed",)
-    return 0 if all(r.outcome in expected for r in records) else 1
+        reasons = "; ".join(f"{count} x {reason}" for reason, count in failed.most_common())
+        print(f"failed: {reasons}", file=sys.stderr)
+    if json_path:
+        write_json(json_path, [asdict(r) for r in records])

@@ -29,11 +29,18 @@ def register(commands: argparse._SubParsersAction) -> None:
         "(TokenPilot by default). SIGTERM or Ctrl-C stops it, answering held requests "
         "first. " + _ENVIRONMENT,
     )
-    gateway.add_argument("--fleet", type=Path, help="the fleet file (.toml or .json)")
+    gateway.add_argument(
+        "--fleet",
+        type=Path,
+        help="the fleet file, .toml or .json (default: TOKENFLEET_GATEWAY_FLEET_FILE, else "
+        "fleet.toml in the current folder)",
+    )
     gateway.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
     )
-    gateway.add_argument("--port", type=port, default=8080, help="port (default: 8080)")
+    gateway.add_argument(
+        "--port", type=port, default=8080, help="port (default: 8080; 0: any free one, printed)"
+    )
     gateway.add_argument(
         "--policy",
         help="routing policy (default: the fleet file's [routing] policy, else tokenpilot)",
@@ -86,8 +93,8 @@ def _gateway(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         allow_open_files()
-        async with running_gateway(fleet, settings, Settings(), args.host, args.port):
-            print(f"gateway at http://{args.host}:{args.port}/v1", flush=True)
+        async with running_gateway(fleet, settings, Settings(), args.host, args.port) as app:
+            print(f"gateway at http://{app.state.address}/v1", flush=True)
             tune_gc_for_serving()
             stop = asyncio.Event()
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)

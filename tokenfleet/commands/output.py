@@ -1,18 +1,78 @@
-"""The files the commands write for readers other than Python."""
+"""The files the commands write for readers other than Python.
+
+Each is written whole or not at all: into a temporary file beside it, which then replaces
+it (``os.replace``), so a full disk or a Ctrl-C mid-write leaves the file as it was, never
+half of it. A write that fails, after work that may have taken minutes, is a ``CliError``
+naming the file; the command has printed its figures by then."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from tokenfleet.commands.errors import CliError
+
+Writer = Callable[[Path], object]
+"""Writes a file at the path it is given (a temporary one, with the same suffix)."""
 
 
 def write_json(path: Path, document: object) -> None:
+    save(path, as_json(document))
+
+
+def as_json(document: object) -> Writer:
     """``document`` as strict JSON (RFC 8259), indented. A figure that does not exist (NaN:
     a quantile of a class with no completions) or is unbounded is written as null: Python
     writes them as ``NaN`` and ``Infinity`` by default, which jq, JavaScript's
     ``JSON.parse`` and most other readers refuse."""
-    path.write_text(json.dumps(_finite(document), indent=2, allow_nan=False) + "\n")
+    text = json.dumps(_finite(document), indent=2, allow_nan=False) + "\n"
+    return lambda path: path.write_text(text)
+
+
+def save(path: Path, write: Writer) -> None:
+    """``write`` the file at ``path`` whole or not at all; CliError naming it if it fails."""
+    try:
+        with _replacing(path) as written:
+            write(written)
+    except OSError as exc:
+        raise CliError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def save_each(*outputs: tuple[Path | None, Writer]) -> None:
+    """Each output whose path was given, the others written when one fails; one CliError
+    naming every file that could not be."""
+    failures = []
+    for path, write in outputs:
+        if path is None:
+            continue
+        try:
+            save(path, write)
+        except CliError as exc:
+            failures.append(str(exc))
+    if failures:
+        raise CliError("; ".join(failures))
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary file beside ``path`` (same folder, so the same file system) that
+    replaces it once written. A path that is not a regular file (``/dev/stdout``, a pipe)
+    is written in place: replacing it would put a file where the device was."""
+    if path.exists() and not path.is_file():
+        yield path
+        return
+    temporary = path.with_name(f".{secrets.token_hex(4)}.{path.name}")
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask applies
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def _finite(value: object) -> object:

@@ -5,19 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from control.step_time import Blackbox
 from tokenfleet.commands.arguments import (
     add_profile,
+    count,
     output_dir,
     output_file,
     positive_float,
     positive_int,
+    seconds,
 )
 from tokenfleet.commands.errors import CliError
-from tokenfleet.commands.output import write_json
+from tokenfleet.commands.output import as_json, save, save_each, write_json
 
 if TYPE_CHECKING:
     from control.routing.tokenpilot import TokenPilotParams
@@ -145,12 +148,9 @@ def _sim(args: argparse.Namespace) -> int:
             runs = [result]
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    if args.json:
-        write_json(args.json, result)
-    if args.records:
-        write_records(records, args.records)
     for run in runs:
         _print_summary(run)
+    save_each((args.json, as_json(result)), (args.records, partial(write_records, records)))
     return 0
 
 
@@ -181,7 +181,7 @@ def add_token_lags(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--host-token-lag",
-        type=_seconds,
+        type=seconds,
         default=HOST_TOKEN_LAG_S,
         metavar="S",
         help="how late the simulated host sees each step's streamed tokens, in seconds "
@@ -190,7 +190,7 @@ def add_token_lags(parser: argparse.ArgumentParser) -> None:
     assumed = TokenPilotParams().token_lag_s
     parser.add_argument(
         "--assumed-token-lag",
-        type=_seconds,
+        type=seconds,
         default=assumed,
         metavar="S",
         help=f"the least lag TokenPilot assumes, in seconds (default {assumed:g}); it "
@@ -203,16 +203,6 @@ def tokenpilot_params(args: argparse.Namespace) -> TokenPilotParams:
     from control.routing.tokenpilot import TokenPilotParams
 
     return TokenPilotParams(token_lag_s=args.assumed_token_lag)
-
-
-def _seconds(text: str) -> float:
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= seconds < float("inf"):
-        raise argparse.ArgumentTypeError("must be a finite number of seconds, not negative")
-    return seconds
 
 
 def levels(text: str) -> list[float]:
@@ -271,7 +261,7 @@ def _workload_export(args: argparse.Namespace) -> int:
         requests = load_trace(args.trace, limit=args.requests, seed=args.seed)
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    export_csv(requests, args.out)
+    save(args.out, partial(export_csv, requests))
     print(f"wrote {len(requests)} requests to {args.out}")
     return 0
 
@@ -296,7 +286,7 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
         "--profile", required=True, choices=sorted(CALIBRATED), help="the profile to fit"
     )
     calibrate.add_argument(
-        "--iterations", type=int, default=80, help="Nelder-Mead steps (default: 80; 0: validate)"
+        "--iterations", type=count, default=80, help="Nelder-Mead steps (default: 80; 0: validate)"
     )
     calibrate.add_argument("--json", type=output_file, help="write coefficients and rows here")
     calibrate.set_defaults(handler=_calibrate)
@@ -367,8 +357,10 @@ def trace_help() -> str:
     from sim.registry import TRACES
 
     return (
-        f"{', '.join(TRACES)}, or a .jsonl path in Mooncake's format (its timestamps replayed "
-        "as given; the named mooncake trace places each request at random in its 3 s bucket), "
-        "whose rows may carry class, tenant, deadline_s and region (the label rules of "
-        "sim/labels.py fill in the rest)"
+        f"{', '.join(TRACES)}, or a .jsonl path in Mooncake's format (timestamp in "
+        "milliseconds, input_length, output_length, hash_ids: one per 512-token block, "
+        "fewer leaving the later blocks unshared; timestamps replayed as given, while the "
+        "named mooncake trace places each request at random in its 3 s bucket), whose rows "
+        "may carry class, tenant, deadline_s and region (the label rules of sim/labels.py "
+        "fill in the rest)"
     )

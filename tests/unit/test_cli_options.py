@@ -1,0 +1,46 @@
+"""Options that could not do what they say are refused while the command line is read,
+and a URL as the commands print it is taken as it is printed."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenfleet.cli import build_parser, main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["calibrate", "--profile", "llama3-70b-4xh100", "--iterations", "-5"], "0 or more"),
+        (["bench", "gateway", "--json", "g.json", "--litellm", "x", "--no-litellm"], "not allowed"),
+        (["emulate", "--warmup", "-1"], "not negative"),
+    ],
+)
+def test_contradictory_or_negative_options_are_refused_at_parse_time(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(argv)
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (["--region", "eu-west"], "--region"),
+        (["--dc", "dc-a", "--warmup", "0"], "--dc, --warmup"),
+    ],
+)
+def test_emulate_refuses_fleet_options_without_a_fleet(
+    options: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["emulate", *options]) == 2
+    assert f"tokenfleet: without --fleet, {named} would do nothing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("printed", ["http://127.0.0.1:8100/v1", "http://127.0.0.1:8100/v1/"])
+def test_replay_takes_the_url_emulate_and_gateway_print(printed: str) -> None:
+    args = build_parser().parse_args(["replay", "--trace", "mooncake", "--target", printed])
+    plain = build_parser().parse_args(["replay", "--trace", "mooncake", "--target", printed[:-3]])
+    assert args.target.rstrip("/") == plain.target.rstrip("/")  # so /v1/completions, once

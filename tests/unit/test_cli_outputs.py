@@ -1,0 +1,89 @@
+"""The files commands write: checked while the command line is read, written whole or
+not at all, and a write that fails after the work is a message, not lost figures."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from tokenfleet.cli import build_parser, main
+
+TRACE = (
+    '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+    '{"timestamp": 100, "input_length": 600, "output_length": 5, "hash_ids": [1, 3]}\n'
+)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_json_that_cannot_be_written_is_named_after_the_summary_and_the_rest_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace, records = tmp_path / "t.jsonl", tmp_path / "records.csv"
+    trace.write_text(TRACE)
+    argv = ["sim", "--trace", str(trace), "--instances", "1", "--json", "/dev/full"]
+    assert main([*argv, "--records", str(records)]) == 2
+    out, err = capsys.readouterr()
+    assert "2 of 2 requests" in out  # the summary, printed before the write
+    assert err.startswith("tokenfleet: cannot write /dev/full:")
+    with records.open() as rows:
+        assert len(list(csv.DictReader(rows))) == 2
+
+
+def test_a_write_that_fails_midway_leaves_the_file_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenfleet.commands.errors import CliError
+    from tokenfleet.commands.output import write_json
+
+    out = tmp_path / "figures.json"
+    out.write_text('{"old": true}\n')
+    write_text = Path.write_text
+
+    def full_disk(path: Path, text: str) -> int:
+        write_text(path, text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(CliError, match=r"cannot write .*figures\.json: No space left"):
+        write_json(out, {"new": list(range(100))})
+    monkeypatch.undo()
+    assert out.read_text() == '{"old": true}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]  # no temporary left
+
+
+@pytest.mark.parametrize(
+    ("option", "name", "message"),
+    [
+        ("--step-change", "missing/step.xyz", "matplotlib writes"),
+        ("--plot", "levels.docx", "matplotlib writes"),
+        ("--step-change", "a-file/step.png", "cannot make the folder"),
+    ],
+)
+def test_a_plot_matplotlib_cannot_write_is_refused_before_the_bench(
+    option: str, name: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    argv = ["bench", "admission", "--json", str(tmp_path / "b.json"), option, str(tmp_path / name)]
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(argv)
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_plot_into_a_missing_folder_gets_its_folder(tmp_path: Path) -> None:
+    plot = tmp_path / "new" / "step.png"
+    argv = ["bench", "admission", "--json", str(tmp_path / "b.json"), "--step-change", str(plot)]
+    assert build_parser().parse_args(argv).step_change == plot
+    assert plot.parent.is_dir()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
+def test_a_folder_no_file_can_be_written_in_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["sim", "--trace", "mooncake", "--json", "/proc/out.json"])
+    assert refused.value.code == 2
+    assert "cannot write /proc/out.json" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""Ctrl-C and SIGTERM stop a command with a one-line message and exit 130 and 143 (128
+and the signal's number, as a shell reports it), after the cleanup that stops its
+children has run; a command run from another thread than the main one (as tests do)
+leaves the signal handlers alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tokenfleet.cli import main
+
+ROOT = Path(__file__).parents[2]
+
+# tokenfleet bench gateway, its benchmark replaced by one that starts a child as the real
+# one starts its emulators and gateways (http_service) and then runs until stopped.
+BENCH_WITH_A_CHILD = """
+import sys, time
+from pathlib import Path
+from tokenfleet import gateway_bench
+from tokenfleet.cli import main
+from tokenfleet.services.process import free_port, http_service
+
+def bench(*args, **kwargs):
+    port = free_port()
+    argv = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+    with http_service(Path(sys.argv[1]), argv, f"http://127.0.0.1:{port}", health="/"):
+        print("ready", flush=True)
+        time.sleep(600)
+
+gateway_bench.bench_gateway = bench
+sys.exit(main(["bench", "gateway", "--no-litellm", "--no-redis", "--json", sys.argv[2]]))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("stop", "code", "said"),
+    [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")],
+)
+def test_a_stopped_bench_stops_its_children_and_exits_as_a_shell_says(
+    stop: signal.Signals, code: int, said: str, tmp_path: Path
+) -> None:
+    argv = [sys.executable, "-c", BENCH_WITH_A_CHILD, str(tmp_path), str(tmp_path / "b.json")]
+    with subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as bench:
+        assert bench.stdout is not None
+        assert bench.stdout.readline() == "ready\n"
+        child = int((tmp_path / "pid").read_text().split()[0])
+        bench.send_signal(stop)
+        _, err = bench.communicate(timeout=60)
+    assert bench.returncode == code
+    assert err.strip().splitlines()[-1] == f"tokenfleet: {said}"
+    assert "Traceback" not in err
+    for _ in range(50):  # reaped by the bench; a moment for the kernel to say so
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+async def test_a_command_run_from_another_thread_runs() -> None:
+    """Setting a signal handler there raised ValueError: only the main thread may."""
+    assert await asyncio.to_thread(main, ["workload", "list"]) == 0
