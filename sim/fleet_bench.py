@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from sim.metrics import met_objective
 from sim.profiles import DEFAULT_PROFILE, profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
+from sim.workers import worker_processes
 from sim.workload import TraceRequest
 
 EU = ("eu-west", "eu-central", "eu-north")
@@ -222,7 +222,7 @@ def bench_fleet(
     case = scenario(trace, seed=seed, profile_name=profile_name)
     names = list(policies or STACKS)
     results: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
-    with ProcessPoolExecutor(max_workers=max(jobs, 1)) as pool:
+    with worker_processes(max(jobs, 1)) as pool:
         futures = {
             name: pool.submit(run_stack, STACKS[name], case, profile_name, seed) for name in names
         }

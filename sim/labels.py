@@ -63,7 +63,10 @@ _CLASSES = ", ".join(c.value for c in TaskClass)
 LABEL_RULES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "class": (f"one of {_CLASSES}", lambda value: value in {c.value for c in TaskClass}),
     "tenant": ("a name", _name),
-    "deadline_s": ("a number of seconds above 0", _seconds),
+    "deadline_s": (
+        "a number of seconds above 0, or null (none)",
+        lambda value: value is None or _seconds(value),
+    ),
     "region": ("a name", _name),
 }
 """What a row of a labelled trace file may carry, each what it must be (``sim.traces``

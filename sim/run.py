@@ -6,7 +6,7 @@ import csv
 import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from sim.profiles import DEFAULT_PROFILE, profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.simulator import HOST_TOKEN_LAG_S, Simulation
+from sim.workers import worker_processes
 from sim.workload import TraceRequest
 
 
@@ -137,7 +138,7 @@ def run_all(
         for config in configs:
             yield config, simulate_run(config, workload=workload)
         return
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    with worker_processes(jobs) as pool:
         futures = {pool.submit(simulate_run, config): config for config in configs}
         for future in as_completed(futures):
             yield futures[future], future.result()

@@ -14,7 +14,6 @@ process. At the end: a report, a plot and the figures as JSON, and the command a
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from sim.fleet_sim import FleetSimulation
 from sim.metrics import met_objective
 from sim.profiles import DEFAULT_PROFILE
 from sim.records import RequestRecord
+from sim.workers import worker_processes
 from tokenfleet.commands.output import as_json, save_each
 
 LIVE_EVERY_S = 30
@@ -58,7 +58,7 @@ def run_demo(
         f"{len(case.requests):,} requests over {END_S:.0f} s; the hotspot in dc-b from "
         f"{HOTSPOT_S[0]:.0f} to {HOTSPOT_S[1]:.0f} s; {instances_per_dc} instances a DC."
     )
-    with ProcessPoolExecutor(max_workers=1) as pool:
+    with worker_processes(1) as pool:
         baseline = pool.submit(run_stack, BASELINE, case, DEFAULT_PROFILE, seed)
         say(f"TokenFleet, live (the baseline runs beside it): every {LIVE_EVERY_S} s simulated")
         ours = run_stack(TOKENFLEET, case, DEFAULT_PROFILE, seed, observe=_live_view(say))

@@ -87,3 +87,34 @@ def test_a_folder_no_file_can_be_written_in_is_refused_before_the_run(
         build_parser().parse_args(["sim", "--trace", "mooncake", "--json", "/proc/out.json"])
     assert refused.value.code == 2
     assert "cannot write /proc/out.json" in capsys.readouterr().err
+
+
+def test_a_link_is_written_through_and_a_file_keeps_its_mode(tmp_path: Path) -> None:
+    """Replaced, /dev/stdout redirected to a file (a link) became a file holding the
+    JSON, and the redirect's file stayed empty."""
+    from tokenfleet.commands.output import write_json
+
+    target, link = tmp_path / "redirected.txt", tmp_path / "stdout"
+    target.write_text("")
+    link.symlink_to(target)
+    write_json(link, {"a": 1})
+    assert link.is_symlink()
+    assert '"a": 1' in target.read_text()
+    private = tmp_path / "private.json"
+    private.write_text("{}")
+    private.chmod(0o600)
+    write_json(private, {"b": 2})
+    assert (private.stat().st_mode & 0o777, '"b": 2' in private.read_text()) == (0o600, True)
+
+
+def test_the_demo_s_default_folder_is_made_and_a_plot_without_a_suffix_is_a_png(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default, not a string, was never passed through the folder's check: the demo
+    failed to write its figures after the whole run, in a fresh clone."""
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["demo"])
+    assert args.out == Path("out/demo")
+    assert (tmp_path / "out" / "demo").is_dir()
+    plot = build_parser().parse_args(["bench", "fleet", "--json", "f.json", "--plot", "hot"])
+    assert plot.plot == Path("hot.png")  # the temporary file kept no suffix matplotlib knows

@@ -108,6 +108,13 @@ def test_a_bad_row_is_refused_naming_the_file_line_and_field(
         load_trace(str(path))
 
 
+def test_a_row_with_no_deadline_written_as_null_loads(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(GOOD_ROW | {"class": "interactive", "deadline_s": None}) + "\n")
+    [chat] = load_trace(str(path))
+    assert chat.deadline_s is None
+
+
 def test_hash_ids_short_of_the_prompt_leave_its_later_blocks_unshared(tmp_path: Path) -> None:
     assert engine_blocks([], input_tokens=2048) == ()
     assert engine_blocks([7], input_tokens=2048) == engine_blocks([7, 8], input_tokens=1024)[:32]

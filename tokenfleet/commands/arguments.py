@@ -117,7 +117,8 @@ def output_file(text: str) -> Path:
 
 def plot_file(text: str) -> Path:
     """An image to write: an ``output_file`` whose suffix is a format matplotlib writes
-    (none: PNG), checked before the run rather than when the figures are drawn."""
+    (none: ``.png`` added, as matplotlib adds it), checked before the run rather than
+    when the figures are drawn."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = FigureCanvasBase.get_supported_filetypes()
@@ -125,7 +126,7 @@ def plot_file(text: str) -> Path:
     if suffix and suffix not in formats:
         known = ", ".join(f".{name}" for name in sorted(formats))
         raise argparse.ArgumentTypeError(f"{text}: matplotlib writes {known}, not .{suffix}")
-    return output_file(text)
+    return output_file(text if suffix else f"{text}.png")
 
 
 def folder(text: str) -> Path:

@@ -7,10 +7,12 @@ naming the file; the command has printed its figures by then."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import secrets
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,16 +63,31 @@ def save_each(*outputs: tuple[Path | None, Writer]) -> None:
 @contextmanager
 def _replacing(path: Path) -> Iterator[Path]:
     """A temporary file beside ``path`` (same folder, so the same file system) that
-    replaces it once written. A path that is not a regular file (``/dev/stdout``, a pipe)
-    is written in place: replacing it would put a file where the device was."""
-    if path.exists() and not path.is_file():
+    replaces it once written, with the mode the file had. Written in place instead: a
+    path that is a link or not a regular file (``/dev/stdout`` redirected to a file is a
+    link: replacing it put a file where the link was), a file whose folder takes no new
+    file, and one that cannot be replaced (a file bind-mounted into a container)."""
+    if path.is_symlink() or (path.exists() and not path.is_file()):
         yield path
         return
     temporary = path.with_name(f".{secrets.token_hex(4)}.{path.name}")
-    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask applies
+    try:
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask
+    except PermissionError:
+        if not path.exists():
+            raise
+        yield path
+        return
     try:
         yield temporary
-        os.replace(temporary, path)
+        if path.exists():
+            shutil.copymode(path, temporary)
+        try:
+            os.replace(temporary, path)
+        except OSError as exc:
+            if exc.errno not in (errno.EBUSY, errno.EXDEV):
+                raise
+            shutil.copyfile(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
 

@@ -6,7 +6,6 @@ import argparse
 import sys
 from collections.abc import Iterable
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from control.step_time import Blackbox
@@ -51,7 +50,7 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--out",
         type=output_dir,
-        default=Path("out/demo"),
+        default="out/demo",  # a string, which argparse passes through output_dir, making it
         help="where the figures and the plot go (default: out/demo)",
     )
     demo.set_defaults(handler=_demo)
