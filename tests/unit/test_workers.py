@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
+from typing import Any
 
 import pytest
 
@@ -14,15 +15,23 @@ from sim.workers import worker_processes
 def test_a_pool_left_early_cancels_the_queued_runs_and_stops_its_workers() -> None:
     """The pool's own exit waited for every queued run: a sweep stopped by SIGTERM went
     on for minutes."""
-    with pytest.raises(KeyboardInterrupt), worker_processes(1) as pool:
-        running = pool.submit(time.sleep, 60)
-        queued = pool.submit(time.sleep, 60)
-        while not running.running():
-            time.sleep(0.01)
-        workers = multiprocessing.active_children()
-        raise KeyboardInterrupt
-    for worker in workers:
+    seen: dict[str, Any] = {}
+    with pytest.raises(KeyboardInterrupt):
+        _sweep_stopped_by_ctrl_c(seen)
+    for worker in seen["workers"]:
         worker.join(10)
         assert not worker.is_alive()  # stopped, not left to sleep its minute
+    queued: Future[None] = seen["queued"]
     wait([queued], timeout=10)
     assert queued.cancelled() or queued.exception() is not None  # never run
+
+
+def _sweep_stopped_by_ctrl_c(seen: dict[str, Any]) -> None:
+    """Two runs of a minute on one worker, stopped once the first has started."""
+    with worker_processes(1) as pool:
+        running = pool.submit(time.sleep, 60)
+        seen["queued"] = pool.submit(time.sleep, 60)
+        while not running.running():
+            time.sleep(0.01)
+        seen["workers"] = multiprocessing.active_children()
+        raise KeyboardInterrupt
