@@ -76,8 +76,9 @@ class Inbound:
     """The first prompt's prefix blocks (a request with several prompts is routed on its
     first)."""
     client_cap: int | None = None
-    """The cap the client set, all its choices together; None where it set none (a router
-    is told only this of the request's length)."""
+    """The cap the client set, all its choices together, shortened to the context as
+    ``output_budget`` is; None where it set none (a router is told only this of the
+    request's length)."""
     by_load: bool = False
     """Routed to the least loaded instance: an embedding has no prefix cache to reuse
     and generates nothing, so the routing policy's model of it does not apply."""
@@ -176,6 +177,9 @@ def _output_budget(size: _Size, context_tokens: int, prompt_param: str, shortens
     """The tokens the request may generate, all its choices together, each prompt's
     budget as vLLM sets it (``context_budgets``); where the engines refuse a budget past
     the context (``shortens`` False), ApiError(400) for one."""
+    budgets = context_budgets(
+        size.prompts, size.choice_budget, size.client_cap, context_tokens, prompt_param
+    )
     longest = max(size.prompts)
     if not shortens and size.client_cap is not None and longest + size.client_cap > context_tokens:
         raise ApiError(
@@ -184,9 +188,6 @@ def _output_budget(size: _Size, context_tokens: int, prompt_param: str, shortens
             f"has {longest} prompt tokens and asks for {size.client_cap} more.",
             param=prompt_param,
         )
-    budgets = context_budgets(
-        size.prompts, size.choice_budget, size.client_cap, context_tokens, prompt_param
-    )
     return sum(budgets) * (size.choices // len(size.prompts))
 
 

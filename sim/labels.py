@@ -79,8 +79,8 @@ def with_given(
 ) -> list[TraceRequest]:
     """The labelled ``requests`` with what their rows gave (by request id) in place of the
     rules' choices: a class (a batch request given no deadline gets the batch deadline;
-    another class given none has none), a tenant, a deadline in seconds, a region, each
-    as ``LABEL_RULES`` says."""
+    another class given none has none), a tenant, a deadline in seconds (null: none, a
+    batch request's too), a region, each as ``LABEL_RULES`` says."""
     return [_given(r, given[r.request_id]) if given.get(r.request_id) else r for r in requests]
 
 

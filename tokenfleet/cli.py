@@ -66,8 +66,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: a handler not set from Python, which cannot be set again from it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _invalid_settings(exc: ValidationError) -> str:

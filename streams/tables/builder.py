@@ -99,10 +99,15 @@ class DcTables:
         return True
 
     def expire(self, spec: WindowSpec) -> set[float]:
-        """Drop the slices no window can use any more; returns their starts."""
+        """Drop the slices no window can use any more; returns their starts. So do those
+        more than a window past the horizon, which hold only the ids of events stamped
+        that far ahead (counted by their own time): they would never fall behind the
+        watermark, and a producer sending milliseconds as seconds would add one with
+        every event. A replay after a crash may count such an event again."""
         gone = set()
+        ahead = self.horizon + spec.size_s
         for slices in (self.goodput, self.fleet, self.counted):
-            for start in [s for s in slices if spec.expired(s, self.watermark)]:
+            for start in [s for s in slices if spec.expired(s, self.watermark) or s > ahead]:
                 del slices[start]
                 gone.add(start)
         return gone

@@ -582,3 +582,17 @@ def test_an_outcome_stamped_ahead_and_delivered_again_later_counts_once() -> Non
     assert not state.add_outcome(ahead, objective, spec)
     [row] = [r for r in goodput(state.tables("dc", spec, EPOCH + 30)).classes if r.completed]
     assert row.completed == 1
+
+
+def test_ids_of_events_stamped_far_ahead_do_not_pile_up() -> None:
+    """Counted by their own time, an event a second stamped in milliseconds (a year ahead
+    and more) kept a slice each, which never fell behind the watermark."""
+    spec = WindowSpec(size_s=60, slide_s=10, grace_s=5)
+    state = DcTables(horizon=EPOCH + 5)
+    objective = DEFAULT_OBJECTIVES[TaskClass.INTERACTIVE]
+    for n in range(5):
+        state.add_outcome(
+            Outcome.from_dict(_outcome_fields(f"m{n}", EPOCH * 1000 + n)), objective, spec
+        )
+    state.expire(spec)
+    assert max(state.slice_starts()) <= EPOCH + 5

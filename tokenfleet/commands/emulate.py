@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from sim.replay import ReplayRecord
 
 
+BASE_PORT = 8100
+"""The first emulated instance's port without --fleet."""
+MODEL = "emulated"
+"""The model an emulated instance serves without --fleet, and replay names."""
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     _add_emulate(commands)
     _add_replay(commands)
@@ -57,7 +63,7 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
     emulate.add_argument(
         "--base-port",
         type=port,
-        help="the first port; the others follow (default: 8100; 0: any free ones, printed; "
+        help=f"the first port; the others follow (default: {BASE_PORT}; 0: any free ones, printed; "
         "not with --fleet)",
     )
     add_profile(
@@ -66,7 +72,7 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         "file's models that name no profile)",
     )
     emulate.add_argument(
-        "--model", help="the model name clients use (default: emulated; not with --fleet)"
+        "--model", help=f"the model name clients use (default: {MODEL}; not with --fleet)"
     )
     emulate.add_argument(
         "--speedup",
@@ -136,9 +142,9 @@ def _emulate(args: argparse.Namespace) -> int:
     given += [f"--{name}" for name in ("region", "dc", "warmup") if vars(args)[name] is not None]
     if given:
         raise CliError(f"without --fleet, {', '.join(given)} would do nothing: see --help")
-    base_port = 8100 if args.base_port is None else args.base_port
+    base_port = BASE_PORT if args.base_port is None else args.base_port
     ports = consecutive_ports("--base-port", base_port, args.instances or 1)
-    model = args.model or "emulated"
+    model = args.model or MODEL
 
     chosen = profile(args.profile or DEFAULT_PROFILE)
     engine = replace(chosen.engine, scheduling_policy=args.scheduling_policy)
@@ -276,7 +282,7 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         "as emulate and gateway print it",
     )
     replay.add_argument(
-        "--model", default="emulated", help="the model the requests name (default: emulated)"
+        "--model", default=MODEL, help=f"the model the requests name (default: {MODEL})"
     )
     replay.add_argument("--requests", type=positive_int, default=100, help="first N (default: 100)")
     replay.add_argument(

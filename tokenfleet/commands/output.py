@@ -2,8 +2,10 @@
 
 Each is written whole or not at all: into a temporary file beside it, which then replaces
 it (``os.replace``), so a full disk or a Ctrl-C mid-write leaves the file as it was, never
-half of it. A write that fails, after work that may have taken minutes, is a ``CliError``
-naming the file; the command has printed its figures by then."""
+half of it; but for a link (a redirected ``/dev/stdout``), a device, a file whose folder
+takes no new file and one that cannot be replaced (bind-mounted), written in place. A
+write that fails, after work that may have taken minutes, is a ``CliError`` naming the
+file; the command has printed its figures by then."""
 
 from __future__ import annotations
 
@@ -73,9 +75,12 @@ def _replacing(path: Path) -> Iterator[Path]:
     temporary = path.with_name(f".{secrets.token_hex(4)}.{path.name}")
     try:
         os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask
+        made = True
     except PermissionError:
         if not path.exists():
             raise
+        made = False
+    if not made:
         yield path
         return
     try:
