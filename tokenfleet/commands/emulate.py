@@ -370,7 +370,7 @@ def _report_replay(records: Sequence[ReplayRecord], json_path: Path | None) -> N
         if r.outcome == "failed" or (r.status != 200 and r.outcome != "cancelled")
     )
     if failed:
-        reasons = "; ".join(f"{count} x {reason}" for reason, count in failed.most_common())
+        reasons = "; ".join(f"{count} with {reason}" for reason, count in failed.most_common())
         print(f"failed: {reasons}", file=sys.stderr)
     if json_path:
         write_json(json_path, [asdict(r) for r in records])
