@@ -26,7 +26,7 @@ import numpy as np
 
 from control.admission.request import AdmissionRequest
 from control.admission.view import AdmissionDecision
-from control.pipeline import ClassLoad, Outcome, Payload, Pipeline
+from control.pipeline import ClassLoad, Outcome, Payload, Pipeline, ReleaseFailed
 from control.routing.snapshot import (
     SNAPSHOT_ARRAYS,
     BoolArray,
@@ -285,7 +285,15 @@ class JournaledPipeline(Pipeline[Payload]):
             taken.append(fleet())
             return taken[-1]
 
-        outcomes = super().release(recorded, now)
+        try:
+            outcomes = super().release(recorded, now)
+        except ReleaseFailed as failed:
+            self._write_pass(now, taken, _failed_pass(failed))
+            raise
+        self._write_pass(now, taken, [outcome_record(o) for o in outcomes])
+        return outcomes
+
+    def _write_pass(self, now: float, taken: list[FleetSnapshot], result: Any) -> None:
         fleets = _distinct_snapshots(taken)
         whole = fleets["snapshots"]
         fleets["snapshots"] = [
@@ -293,10 +301,7 @@ class JournaledPipeline(Pipeline[Payload]):
         ]
         if whole:
             self._last_pass_snapshot = whole[-1]
-        self._write(
-            "release", now=now, fleets=fleets, outcomes=[outcome_record(o) for o in outcomes]
-        )
-        return outcomes
+        self._write("release", now=now, fleets=fleets, outcomes=result)
 
     def reroute(
         self, route: RouteRequest, fleet: FleetSnapshot, now: float, allowed: BoolArray | None
@@ -523,8 +528,18 @@ def _replayed_release(
 
     try:
         return [outcome_record(o) for o in pipeline.release(recorded, now)]
-    except _Diverged:
-        return "asked for more snapshots than the recorded pass took"
+    except ReleaseFailed as failed:
+        if isinstance(failed.__cause__, _Diverged):
+            return "asked for more snapshots than the recorded pass took"
+        return _failed_pass(failed)
+
+
+def _failed_pass(failed: ReleaseFailed[Any]) -> Record:
+    """A failed pass's result: what it decided before, and the kind of its error."""
+    return {
+        "failed": type(failed.__cause__).__name__,
+        "before": [outcome_record(o) for o in failed.outcomes],
+    }
 
 
 def _learn(pipeline: Pipeline[str], record: Record) -> None:

@@ -76,6 +76,18 @@ class Outcome(Generic[Payload]):
         return None if self.route is None else self.route.chosen
 
 
+class ReleaseFailed(Exception, Generic[Payload]):
+    """A release pass that failed part way (its cause chained): ``outcomes`` are what it
+    decided before, which the host must answer; the requests it had not decided are held
+    again, for a later pass or their expiry. Raised whole, the pass's error lost the
+    requests it had taken out (expired ones, and heads already let go): their clients were
+    never answered, and those let go counted in flight for good."""
+
+    def __init__(self, outcomes: list[Outcome[Payload]]) -> None:
+        super().__init__(f"a release pass failed after {len(outcomes)} outcomes")
+        self.outcomes = outcomes
+
+
 @dataclass(frozen=True, slots=True)
 class Charge:
     """What a routed request counts on its instance in its host's books (the simulator's
@@ -215,20 +227,23 @@ class Pipeline(Generic[Payload]):
         ]
         aside: list[Waiting[_Held[Payload]]] = []
         try:
-            return outcomes + self._release_heads(fleet, now, aside)
+            self._release_heads(fleet, now, aside, outcomes)
+        except Exception as exc:
+            raise ReleaseFailed(outcomes) from exc
         finally:  # held again, even where the pass failed: else no later one would see them
             for waiting in aside:
                 self.pools.hold(waiting)
+        return outcomes
 
     def _release_heads(
         self,
         fleet: Callable[[], FleetSnapshot],
         now: float,
         aside: list[Waiting[_Held[Payload]]],
-    ) -> list[Outcome[Payload]]:
-        """The pools' heads this pass lets go, in ``RELEASE_ORDER``; the heads it steps
-        past go to ``aside``, for the caller to hold again."""
-        outcomes: list[Outcome[Payload]] = []
+        outcomes: list[Outcome[Payload]],
+    ) -> None:
+        """Add to ``outcomes`` the pools' heads this pass lets go, in ``RELEASE_ORDER``;
+        the heads it steps past go to ``aside``, for the caller to hold again."""
         budget = self._release_budget(now)
         charges = _PassCharges()
         for task_class in RELEASE_ORDER:
@@ -244,16 +259,19 @@ class Pipeline(Generic[Payload]):
                     continue
                 if decision.verdict is Verdict.HOLD:
                     break
-                self.pools.release(task_class, now)
+                released = self.pools.release(task_class, now)
                 if decision.verdict is Verdict.REJECT:
                     outcomes.append(Outcome(head.request, held.payload, decision))
                     continue
-                dispatched = self._dispatch(
-                    head.request, held.route, held.payload, decision, snapshot, now
-                )
+                try:
+                    dispatched = self._dispatch(
+                        head.request, held.route, held.payload, decision, snapshot, now
+                    )
+                except Exception:
+                    self.pools.hold(released)  # undecided: held again
+                    raise
                 outcomes.append(dispatched)
                 charges.add(dispatched, len(snapshot))
-        return outcomes
 
     def load(self, now: float) -> dict[TaskClass, ClassLoad]:
         """This host's load, per class, for the other hosts of the pool."""

@@ -49,7 +49,7 @@ from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.slomax import SLOMax
 from control.admission.view import SLOT_WAIT, Verdict
 from control.journal import Journal, JournaledPipeline, Record
-from control.pipeline import ClassLoad, Outcome, Pipeline
+from control.pipeline import ClassLoad, Outcome, Pipeline, ReleaseFailed
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
 from control.routing.snapshot import BoolArray, Observation
 from gateway.admission_loads import decoded, encoded, summed
@@ -320,7 +320,12 @@ class GatewayAdmission:
                 continue
             pipeline.quotas = _class_quotas(self._pool_now(model, dc)[1])  # renewed meanwhile
             snapshot = await self._snapshot_for(model, dc)
-            for outcome in pipeline.release(_always(snapshot), time.monotonic()):
+            try:
+                outcomes = pipeline.release(_always(snapshot), time.monotonic())
+            except ReleaseFailed as failed:  # what it decided is answered, the rest held
+                log.error("%s@%s: a release pass failed", model, dc, exc_info=failed.__cause__)
+                outcomes = failed.outcomes
+            for outcome in outcomes:
                 self._count(outcome, model, dc)
                 _answer(outcome)
                 answered += 1

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from control.admission.slomax import SLOMax
 from control.pipeline import ClassLoad
-from control.routing import FleetSnapshot, RouteRequest, make_router
+from control.routing import FleetSnapshot, Router, RouteRequest, make_router
 from gateway.admission import Admitted, GatewayAdmission, Waiting
 from gateway.inbound import Inbound, read_inbound
 from gateway.metrics import GatewayMetrics
@@ -47,6 +47,7 @@ from tests.gateway_harness import (
     vllm_metrics,
 )
 from tests.services import Service
+from tests.unit.test_admission import _BreaksOnSecondRoute
 
 BATCH = {"x-tokenfleet-class": "batch", "x-tokenfleet-deadline-s": "60"}
 
@@ -461,6 +462,30 @@ async def test_a_release_pass_applies_the_quotas_published_since_the_last_arriva
     assert isinstance(await held.decision(), Admitted)
 
 
+async def test_a_release_pass_that_fails_holds_its_requests_for_the_next() -> None:
+    """A router's error in a pass escaped it, and the document it had let go was never
+    answered."""
+
+    def ceiling(limit: int, version: int) -> AdmissionQuotas:
+        quota = ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=limit)
+        return AdmissionQuotas(
+            scope="dc-a", version=version, issued_at=time.time(), ttl_s=60, quotas=(quota,)
+        )
+
+    async def alone(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
+        return AdmissionLoads([], {})
+
+    published = [ceiling(1, 1)]
+    host = _slomax_host(alone, held_quotas=published, router=_BreaksOnSecondRoute)
+    assert isinstance(_document(host, published[-1])[1], Admitted)  # its first route
+    _, held = _document(host, published[-1])
+    assert isinstance(held, Waiting)
+    published.append(ceiling(4, 2))
+    assert await host.release_pass() == 0  # its second route fails: held again
+    assert await host.release_pass() == 1
+    assert isinstance(await held.decision(), Admitted)
+
+
 @pytest.mark.redis
 async def test_replicas_on_one_redis_never_start_more_than_the_ceiling_between_them(
     redis_server: Service,
@@ -518,6 +543,7 @@ def _slomax_host(
     heard_for_s: float = 1.5,
     tick_s: float = 0.05,
     held_quotas: list[AdmissionQuotas] | None = None,
+    router: Callable[[], Router] = lambda: make_router("round_robin"),
 ) -> GatewayAdmission:
     """A gateway's admission host with SLOMax, in front of ``READY``, under ``quotas``
     (or the last of ``held_quotas`` as it is when asked), sharing its load through
@@ -529,7 +555,7 @@ def _slomax_host(
 
     return GatewayAdmission(
         lambda _model: SLOMax(),
-        lambda _model, _dc: make_router("round_robin"),
+        lambda _model, _dc: router(),
         snapshot,
         Objectives(),
         GatewayMetrics(),

@@ -20,7 +20,7 @@ from control.admission.view import (
     PoolState,
     Verdict,
 )
-from control.pipeline import Charge, ClassLoad, Pipeline
+from control.pipeline import Charge, ClassLoad, Pipeline, ReleaseFailed
 from control.routing import (
     Decision,
     FleetSnapshot,
@@ -29,6 +29,7 @@ from control.routing import (
     RouteRequest,
     make_router,
 )
+from control.routing.baselines import RoundRobin
 from control.step_time import KneeRoofline
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
@@ -346,11 +347,13 @@ def test_a_head_stepped_past_is_held_again_even_where_the_pass_fails() -> None:
     for rid, tokens, arrival in (("long", LONG_DOCUMENT_TOKENS, 0.0), ("short", 500, 0.1)):
         route = RouteRequest(rid, tokens, 100)
         pipeline.arrive(request(tokens=tokens, arrival=arrival, rid=rid), route, rid, full, arrival)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ReleaseFailed) as failed:
         pipeline.release(lambda: full, now=0.2)
+    assert isinstance(failed.value.__cause__, RuntimeError)
     head = pipeline.pools.head(CHAT)
     assert head is not None
     assert head.payload.payload == "long"
+    assert len(pipeline.pools) == 2  # the short one, which the router failed, too
 
 
 def test_a_release_pass_counts_its_own_dispatches_before_the_next_check() -> None:
@@ -482,3 +485,41 @@ def test_the_pipeline_keeps_the_router_s_books() -> None:
         ("route", "c"),
     ]
     assert sum(pipeline.inflight.values()) == 1  # c alone
+
+
+class _BreaksOnSecondRoute(RoundRobin):
+    """A router with a bug that shows on its second decision."""
+
+    def __init__(self) -> None:
+        super().__init__(np.random.default_rng(0))
+        self.routed = 0
+
+    def route(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> Decision:
+        self.routed += 1
+        if self.routed == 2:
+            raise ZeroDivisionError("a bug")
+        return super().route(request, fleet, now)
+
+
+def test_a_release_pass_that_fails_part_way_gives_what_it_decided_and_holds_the_rest() -> None:
+    """The pass's error lost the requests it had taken out: the expired one and the
+    document let go were never answered, and the one let go counted in flight for good."""
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), _BreaksOnSecondRoute())
+    pipeline.quotas = {
+        DOC: ClassQuota(task_class=DOC, tokens_per_s=1e6, burst_tokens=10**6, max_concurrency=2)
+    }
+    pipeline.peers = {DOC: ClassLoad(inflight=2)}  # the ceiling is full: documents wait
+    for n, at in ((3, -29.0), (1, 0.0), (2, 0.0)):  # d3 held until 1 s, the others 30 s
+        route = RouteRequest(f"d{n}", 20_000, 100)
+        held = pipeline.arrive(request(DOC, 20_000, at, rid=f"d{n}"), route, f"d{n}", fleet(), at)
+        assert held.admission.verdict is Verdict.HOLD
+    pipeline.peers = {}
+    with pytest.raises(ReleaseFailed) as failed:
+        pipeline.release(fleet, now=2.0)
+    assert isinstance(failed.value.__cause__, ZeroDivisionError)
+    decided = [(o.payload, o.admission.reason, o.instance) for o in failed.value.outcomes]
+    assert decided == [("d3", "expired", None), ("d1", "admitted", 0)]
+    assert pipeline.inflight[DOC] == 1
+    assert pipeline.pools.head(DOC) is not None  # d2, held again
+    [again] = pipeline.release(fleet, now=3.0)
+    assert (again.payload, again.instance) == ("d2", 1)

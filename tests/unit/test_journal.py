@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from control.admission.registry import make_admission
 from control.admission.request import LONG_DOCUMENT_TOKENS
 from control.fleet.fleetmind import FleetMind
@@ -20,18 +22,19 @@ from control.journal import (
     Record,
     replay,
 )
-from control.pipeline import Pipeline
+from control.pipeline import ClassLoad, Pipeline, ReleaseFailed
 from control.routing import PoolModel, RouteRequest, make_router
 from gateway.journal import Journals
 from schemas import Envelope, encode
 from schemas.audit import JournalRecord
 from schemas.base import Message, TaskClass
+from schemas.control import ClassQuota
 from sim.clients import ClientModel
 from sim.cluster import Cluster
 from sim.control_loop import QuotaLoop
 from sim.simulator import Simulation
 from sim.workload import TraceRequest
-from tests.unit.test_admission import fleet, request
+from tests.unit.test_admission import _BreaksOnSecondRoute, fleet, request
 from tests.unit.test_simulator import STEPS, _profile
 from tokenfleet.audit import audit_journal
 from tokenfleet.cli import main
@@ -257,3 +260,32 @@ def _write_to(path: Path) -> Callable[[Message], None]:
             out.write(encode(Envelope.wrap(message, source="g")).decode() + "\n")
 
     return emit
+
+
+def test_a_release_pass_that_failed_is_journaled_with_what_it_decided_and_replays() -> None:
+    records: list[Record] = []
+
+    def broken(_start: Record) -> Pipeline[str]:
+        return Pipeline(make_admission("slomax"), _BreaksOnSecondRoute())
+
+    pipeline = JournaledPipeline(
+        make_admission("slomax"), _BreaksOnSecondRoute(), journal=records.append
+    )
+    document = TaskClass.LONG_DOCUMENT
+    pipeline.quotas = {
+        document: ClassQuota(
+            task_class=document, tokens_per_s=1e6, burst_tokens=10**6, max_concurrency=2
+        )
+    }
+    pipeline.peers = {document: ClassLoad(inflight=2)}  # the ceiling is full: both wait
+    for n in (1, 2):
+        held = request(document, 20_000, rid=f"d{n}")
+        pipeline.arrive(held, RouteRequest(f"d{n}", 20_000, 100), f"d{n}", fleet(), 0.0)
+    pipeline.peers = {}
+    with pytest.raises(ReleaseFailed):
+        pipeline.release(fleet, now=2.0)
+    [failed] = [r for r in records if r["call"] == "release"]
+    assert failed["outcomes"]["failed"] == "ZeroDivisionError"
+    assert [o["request_id"] for o in failed["outcomes"]["before"]] == ["d1"]
+    audit = replay(json.loads(json.dumps(records)), broken)
+    assert (audit.problem, audit.differences) == (None, [])
