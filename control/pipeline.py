@@ -76,16 +76,24 @@ class Outcome(Generic[Payload]):
         return None if self.route is None else self.route.chosen
 
 
+ROUTING_FAILED = "routing_failed"
+"""The reason of a held request refused because its router failed on it."""
+
+
 class ReleaseFailed(Exception, Generic[Payload]):
     """A release pass that failed part way (its cause chained): ``outcomes`` are what it
-    decided before, which the host must answer; the requests it had not decided are held
-    again, for a later pass or their expiry. Raised whole, the pass's error lost the
-    requests it had taken out (expired ones, and heads already let go): their clients were
-    never answered, and those let go counted in flight for good."""
+    decided before, and the request it failed on, refused (``ROUTING_FAILED``), which the
+    host must answer; the requests it had not reached are held still, for a later pass or
+    their expiry. Raised whole, the pass's error lost the requests it had taken out
+    (expired ones, and heads already let go): their clients were never answered, and those
+    let go counted in flight for good."""
 
     def __init__(self, outcomes: list[Outcome[Payload]]) -> None:
         super().__init__(f"a release pass failed after {len(outcomes)} outcomes")
         self.outcomes = outcomes
+
+    def __reduce__(self) -> tuple[type[ReleaseFailed[Payload]], tuple[list[Outcome[Payload]]]]:
+        return type(self), (self.outcomes,)  # from a worker process, outcomes and all
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +267,7 @@ class Pipeline(Generic[Payload]):
                     continue
                 if decision.verdict is Verdict.HOLD:
                     break
-                released = self.pools.release(task_class, now)
+                self.pools.release(task_class, now)
                 if decision.verdict is Verdict.REJECT:
                     outcomes.append(Outcome(head.request, held.payload, decision))
                     continue
@@ -268,7 +276,10 @@ class Pipeline(Generic[Payload]):
                         head.request, held.route, held.payload, decision, snapshot, now
                     )
                 except Exception:
-                    self.pools.hold(released)  # undecided: held again
+                    # Refused, not held again: first in its pool, it would fail every pass
+                    # and hold the rest of its pool and every class after it.
+                    failed = AdmissionDecision(Verdict.REJECT, ROUTING_FAILED)
+                    outcomes.append(Outcome(head.request, held.payload, failed))
                     raise
                 outcomes.append(dispatched)
                 charges.add(dispatched, len(snapshot))

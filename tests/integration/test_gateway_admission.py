@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from control.admission.slomax import SLOMax
-from control.pipeline import ClassLoad
+from control.pipeline import ROUTING_FAILED, ClassLoad
 from control.routing import FleetSnapshot, Router, RouteRequest, make_router
 from gateway.admission import Admitted, GatewayAdmission, Waiting
 from gateway.inbound import Inbound, read_inbound
@@ -32,6 +32,7 @@ from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.lifecycle import RejectReason, RequestRejected
 from schemas.objectives import Objectives
+from schemas.openai_api import ApiError
 from tests.conftest import read_for
 from tests.gateway_harness import (
     MODEL,
@@ -462,7 +463,7 @@ async def test_a_release_pass_applies_the_quotas_published_since_the_last_arriva
     assert isinstance(await held.decision(), Admitted)
 
 
-async def test_a_release_pass_that_fails_holds_its_requests_for_the_next() -> None:
+async def test_a_release_pass_that_fails_answers_the_request_it_failed_on() -> None:
     """A router's error in a pass escaped it, and the document it had let go was never
     answered."""
 
@@ -481,9 +482,10 @@ async def test_a_release_pass_that_fails_holds_its_requests_for_the_next() -> No
     _, held = _document(host, published[-1])
     assert isinstance(held, Waiting)
     published.append(ceiling(4, 2))
-    assert await host.release_pass() == 0  # its second route fails: held again
-    assert await host.release_pass() == 1
-    assert isinstance(await held.decision(), Admitted)
+    assert await host.release_pass() == 1  # its second route fails: refused
+    with pytest.raises(ApiError) as refused:
+        await held.decision()
+    assert (refused.value.status, ROUTING_FAILED in refused.value.message) == (503, True)
 
 
 @pytest.mark.redis

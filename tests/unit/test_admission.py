@@ -3,6 +3,7 @@ test_admission_baselines.py)."""
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 
 import numpy as np
@@ -20,7 +21,7 @@ from control.admission.view import (
     PoolState,
     Verdict,
 )
-from control.pipeline import Charge, ClassLoad, Pipeline, ReleaseFailed
+from control.pipeline import ROUTING_FAILED, Charge, ClassLoad, Pipeline, ReleaseFailed
 from control.routing import (
     Decision,
     FleetSnapshot,
@@ -353,7 +354,7 @@ def test_a_head_stepped_past_is_held_again_even_where_the_pass_fails() -> None:
     head = pipeline.pools.head(CHAT)
     assert head is not None
     assert head.payload.payload == "long"
-    assert len(pipeline.pools) == 2  # the short one, which the router failed, too
+    assert [o.payload for o in failed.value.outcomes] == ["short"]  # refused, not lost
 
 
 def test_a_release_pass_counts_its_own_dispatches_before_the_next_check() -> None:
@@ -501,9 +502,12 @@ class _BreaksOnSecondRoute(RoundRobin):
         return super().route(request, fleet, now)
 
 
-def test_a_release_pass_that_fails_part_way_gives_what_it_decided_and_holds_the_rest() -> None:
+def test_a_release_pass_that_fails_part_way_gives_what_it_decided_and_the_one_it_failed_on() -> (
+    None
+):
     """The pass's error lost the requests it had taken out: the expired one and the
-    document let go were never answered, and the one let go counted in flight for good."""
+    document let go were never answered, and the one let go counted in flight for good.
+    The one the router failed on is refused: held again, it would fail first every pass."""
     pipeline: Pipeline[str] = Pipeline(SLOMax(), _BreaksOnSecondRoute())
     pipeline.quotas = {
         DOC: ClassQuota(task_class=DOC, tokens_per_s=1e6, burst_tokens=10**6, max_concurrency=2)
@@ -518,8 +522,8 @@ def test_a_release_pass_that_fails_part_way_gives_what_it_decided_and_holds_the_
         pipeline.release(fleet, now=2.0)
     assert isinstance(failed.value.__cause__, ZeroDivisionError)
     decided = [(o.payload, o.admission.reason, o.instance) for o in failed.value.outcomes]
-    assert decided == [("d3", "expired", None), ("d1", "admitted", 0)]
+    assert decided == [("d3", "expired", None), ("d1", "admitted", 0), ("d2", ROUTING_FAILED, None)]
     assert pipeline.inflight[DOC] == 1
-    assert pipeline.pools.head(DOC) is not None  # d2, held again
-    [again] = pipeline.release(fleet, now=3.0)
-    assert (again.payload, again.instance) == ("d2", 1)
+    assert len(pipeline.pools) == 0
+    unpickled = pickle.loads(pickle.dumps(failed.value))  # from a worker process
+    assert [o.payload for o in unpickled.outcomes] == ["d3", "d1", "d2"]

@@ -286,6 +286,6 @@ def test_a_release_pass_that_failed_is_journaled_with_what_it_decided_and_replay
         pipeline.release(fleet, now=2.0)
     [failed] = [r for r in records if r["call"] == "release"]
     assert failed["outcomes"]["failed"] == "ZeroDivisionError"
-    assert [o["request_id"] for o in failed["outcomes"]["before"]] == ["d1"]
+    assert [o["request_id"] for o in failed["outcomes"]["before"]] == ["d1", "d2"]
     audit = replay(json.loads(json.dumps(records)), broken)
     assert (audit.problem, audit.differences) == (None, [])
