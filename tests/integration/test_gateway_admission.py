@@ -442,23 +442,9 @@ async def test_a_replica_whose_shares_fail_keeps_its_slots_a_while_then_decides_
 async def test_a_release_pass_applies_the_quotas_published_since_the_last_arrival() -> None:
     """Held under a ceiling of one, a document starts at the next pass once the ceiling
     is raised, though nothing arrived since."""
-
-    def ceiling(limit: int, version: int) -> AdmissionQuotas:
-        quota = ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=limit)
-        return AdmissionQuotas(
-            scope="dc-a", version=version, issued_at=time.time(), ttl_s=60, quotas=(quota,)
-        )
-
-    async def alone(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
-        return AdmissionLoads([], {})
-
-    published = [ceiling(1, 1)]
-    host = _slomax_host(alone, held_quotas=published)
-    assert isinstance(_document(host, published[-1])[1], Admitted)
-    _, held = _document(host, published[-1])
-    assert isinstance(held, Waiting)
+    host, held, published = _one_running_one_held(make_router("round_robin"))
     assert await host.release_pass() == 0
-    published.append(ceiling(4, 2))
+    published.append(_documents_ceiling(4, 2))
     assert await host.release_pass() == 1
     assert isinstance(await held.decision(), Admitted)
 
@@ -466,26 +452,36 @@ async def test_a_release_pass_applies_the_quotas_published_since_the_last_arriva
 async def test_a_release_pass_that_fails_answers_the_request_it_failed_on() -> None:
     """A router's error in a pass escaped it, and the document it had let go was never
     answered."""
-
-    def ceiling(limit: int, version: int) -> AdmissionQuotas:
-        quota = ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=limit)
-        return AdmissionQuotas(
-            scope="dc-a", version=version, issued_at=time.time(), ttl_s=60, quotas=(quota,)
-        )
-
-    async def alone(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
-        return AdmissionLoads([], {})
-
-    published = [ceiling(1, 1)]
-    host = _slomax_host(alone, held_quotas=published, router=_BreaksOnSecondRoute)
-    assert isinstance(_document(host, published[-1])[1], Admitted)  # its first route
-    _, held = _document(host, published[-1])
-    assert isinstance(held, Waiting)
-    published.append(ceiling(4, 2))
+    host, held, published = _one_running_one_held(_BreaksOnSecondRoute())  # 1st route: fine
+    published.append(_documents_ceiling(4, 2))
     assert await host.release_pass() == 1  # its second route fails: refused
     with pytest.raises(ApiError) as refused:
         await held.decision()
     assert (refused.value.status, ROUTING_FAILED in refused.value.message) == (503, True)
+
+
+def _one_running_one_held(
+    router: Router,
+) -> tuple[GatewayAdmission, Waiting, list[AdmissionQuotas]]:
+    """A lone host under a ceiling of one long document (the last of the quotas it
+    returns, as the host reads them), one document running and one held."""
+
+    async def alone(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
+        return AdmissionLoads([], {})
+
+    published = [_documents_ceiling(1, 1)]
+    host = _slomax_host(alone, held_quotas=published, router=lambda: router)
+    assert isinstance(_document(host, published[-1])[1], Admitted)
+    _, held = _document(host, published[-1])
+    assert isinstance(held, Waiting)
+    return host, held, published
+
+
+def _documents_ceiling(limit: int, version: int) -> AdmissionQuotas:
+    quota = ClassQuota(task_class=TaskClass.LONG_DOCUMENT, max_concurrency=limit)
+    return AdmissionQuotas(
+        scope="dc-a", version=version, issued_at=time.time(), ttl_s=60, quotas=(quota,)
+    )
 
 
 @pytest.mark.redis
