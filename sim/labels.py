@@ -17,7 +17,7 @@ import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from control.admission.request import LONG_DOCUMENT_TOKENS
 from schemas.base import TaskClass
@@ -55,8 +55,14 @@ def _name(value: object) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
+def finite_number(value: object) -> TypeGuard[int | float]:
+    """Whether a JSON value is a finite number (not a boolean, which Python counts as one;
+    not the NaN or Infinity Python's JSON reader takes)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _seconds(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+    return finite_number(value) and value > 0
 
 
 _CLASSES = ", ".join(c.value for c in TaskClass)

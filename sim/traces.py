@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -13,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sim.labels import LABEL_RULES
+from sim.labels import LABEL_RULES, finite_number
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -82,12 +81,8 @@ def _mooncake_rows(path: Path, limit: int | None) -> Iterator[tuple[int, dict[st
             yield index, row
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return finite_number(value) and isinstance(value, int) and value >= 1
 
 
 def _hash_ids(value: object) -> bool:
@@ -97,7 +92,7 @@ def _hash_ids(value: object) -> bool:
 
 
 _MOONCAKE_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "timestamp": ("a finite number (milliseconds)", _number),
+    "timestamp": ("a finite number (milliseconds)", finite_number),
     "input_length": ("a whole number, 1 or more", _count),
     "output_length": ("a whole number, 1 or more (vLLM refuses max_tokens 0)", _count),
     "hash_ids": ("a list of integers", _hash_ids),
