@@ -69,18 +69,9 @@ def _replacing(path: Path) -> Iterator[Path]:
     path that is a link or not a regular file (``/dev/stdout`` redirected to a file is a
     link: replacing it put a file where the link was), a file whose folder takes no new
     file, and one that cannot be replaced (a file bind-mounted into a container)."""
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        yield path
-        return
-    temporary = path.with_name(f".{secrets.token_hex(4)}.{path.name}")
-    try:
-        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask
-        made = True
-    except PermissionError:
-        if not path.exists():
-            raise
-        made = False
-    if not made:
+    special = path.is_symlink() or (path.exists() and not path.is_file())
+    temporary = None if special else _temporary_beside(path)
+    if temporary is None:
         yield path
         return
     try:
@@ -95,6 +86,19 @@ def _replacing(path: Path) -> Iterator[Path]:
             shutil.copyfile(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def _temporary_beside(path: Path) -> Path | None:
+    """A new empty file beside ``path`` (the umask applies); None where the folder takes
+    no new file but ``path`` is there to write in place."""
+    temporary = path.with_name(f".{secrets.token_hex(4)}.{path.name}")
+    try:
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    except PermissionError:
+        if not path.exists():
+            raise
+        return None
+    return temporary
 
 
 def _finite(value: object) -> object:
