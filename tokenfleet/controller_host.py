@@ -151,6 +151,12 @@ class _ControlHost(ABC, Generic[SnapshotT]):
                 self.apply(snapshot)
         return snapshots
 
+    def _expired(self, scope: str, now: float) -> bool:
+        """Whether this host's snapshot for ``scope`` has run out: the gateways are back
+        on their defaults."""
+        published = self._published.get(scope)
+        return published is not None and published.expired(now)
+
     def _taken_in(self, snapshot: SnapshotT) -> bool:
         """Hold ``snapshot`` if it is newer than the one held for its scope."""
         if not snapshot.supersedes(self._published.get(snapshot.scope)):
@@ -223,7 +229,7 @@ class QuotaHost(_ControlHost[AdmissionQuotas]):
         changed = self._changed.get(dc)
         current = (
             None  # none, or expired: the gateways are back on the defaults, and so is this
-            if published is None or changed is None or published.expired(now)
+            if published is None or changed is None or self._expired(dc, now)
             else changed.model_copy(update={"version": published.version})
         )
         desired = self.controller.reconcile(goodput, capacity, current, now)
@@ -233,7 +239,7 @@ class QuotaHost(_ControlHost[AdmissionQuotas]):
             return desired
         if (
             published is not None
-            and not published.expired(now)  # expired: the gateways are on the defaults
+            and not self._expired(dc, now)
             and now - published.issued_at >= self.renew_s
         ):
             return published.model_copy(update={"version": published.version + 1, "issued_at": now})
@@ -304,10 +310,6 @@ class WeightHost(_ControlHost[RoutingWeights]):
                 version = self._version(edge)
                 due.append(self.controller.snapshot(weights, self.models, edge, version, now))
         return await self._publish(due)
-
-    def _expired(self, edge: str, now: float) -> bool:
-        published = self._published.get(edge)
-        return published is not None and published.expired(now)
 
     def _renewal_due(self, edge: str, now: float) -> bool:
         published = self._published.get(edge)
