@@ -215,7 +215,7 @@ class Decider:
                 queued=round(telemetry.waiting * len(ready)) + held,
                 kv_use=telemetry.kv_use,
                 sent_per_s=sent_per_s,
-                inflight=sum(inflight.values()),
+                inflight=sum(inflight.values()) + held,  # sent and not finished
                 capacity_rps=per_instance * len(ready) if per_instance and ready else None,
             )
             limit = self.admission.concurrency_limit(
@@ -369,5 +369,9 @@ class Decider:
         return self._routers[key]
 
 
-def _none_ready(pool: Pool) -> ApiError:
-    return ApiError(503, f"No instance of `{pool.model}` is ready in {pool.dc}.")
+def _none_ready(pool: Pool) -> Refused:
+    """The DC's refusal of a request none of its pool can take now: the edge passes it to
+    the next DC it may run in (an instance that failed a moment ago, or telemetry that
+    says not ready, between the DC's choice and its decision)."""
+    message = f"No instance of `{pool.model}` is ready in {pool.dc}."
+    return Refused(503, message, RejectReason.NO_CAPACITY)

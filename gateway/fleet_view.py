@@ -56,6 +56,9 @@ class FleetView:
         self._telemetry: dict[str, InstanceTelemetry] = {}
         self._standby = frozenset(i.id for i in fleet.instances if i.standby)
         """Instances down until a placement starts them: not ready before telemetry says."""
+        self._other_version = frozenset(i.id for i in fleet.instances if _off_version(i, fleet))
+        """Instances of a version their model's requests must not run on: never ready, so
+        no decision, retry or ceiling counts them (a rolling upgrade's old replicas)."""
         self._failed_until: dict[str, float] = {}
         self._tokens_seen: dict[str, float] = {}
         self._pools: dict[tuple[str, str], Pool] = {}
@@ -88,6 +91,8 @@ class FleetView:
         self._tokens_seen[instance_id] = time.monotonic()
 
     def ready(self, instance_id: str) -> bool:
+        if instance_id in self._other_version:
+            return False
         if time.monotonic() < self._failed_until.get(instance_id, 0.0):
             return False
         telemetry = self._telemetry.get(instance_id)
@@ -130,6 +135,11 @@ class FleetView:
             pending_prefill_tokens=np.maximum(shared.pending_prefill, 0.0),
             last_step_end_s=np.array([self._tokens_seen.get(i, -np.inf) for i in pool.ids]),
         )
+
+
+def _off_version(instance: InstanceConfig, fleet: FleetConfig) -> bool:
+    model = fleet.model(instance.model)
+    return model is not None and model.version not in (None, instance.version)
 
 
 SnapshotT = TypeVar("SnapshotT", bound=ControlSnapshot)

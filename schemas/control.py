@@ -96,7 +96,11 @@ class AdmissionQuotas(ControlSnapshot):
 class DcWeight(Frozen):
     model: Identifier
     dc: Identifier
-    weight: NonNegFloat
+    weight: Fraction = Field(
+        description="The share of the DC's capacity the edge counts on (1: all of it; 0: "
+        "none, the DC comes last): a DC counted past its capacity would draw traffic it "
+        "cannot serve."
+    )
     task_class: TaskClass | None = Field(
         default=None,
         description="The class the weight is for (None: every class without one of its own).",

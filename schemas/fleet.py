@@ -42,8 +42,9 @@ class ModelConfig(Frozen):
     )
     version: Identifier | None = Field(
         default=None,
-        description="The version requests must run on: a DC whose ready instances of the "
-        "model are all of other versions is not chosen (unset: any version).",
+        description="The version requests must run on: instances of the model of other "
+        "versions are never chosen, and a DC with none of this version ready is chosen only "
+        "where no DC has one (its admission holds the request; unset: any version).",
     )
     rps_per_instance: float | None = Field(
         default=None,

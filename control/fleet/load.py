@@ -38,8 +38,8 @@ class DcLoad:
     """Requests the edge sent to the DC per second, lately (its own count, and on a
     gateway what the replicas beside it last shared of theirs)."""
     inflight: int = 0
-    """Requests the edge sent to the DC that have not finished (counted as
-    ``sent_per_s`` is)."""
+    """Requests the edge sent to the DC that have not finished, those its admission holds
+    included (counted as ``sent_per_s`` is)."""
     capacity_rps: float | None = None
     """Requests per second the DC serves at capacity (None: not known)."""
 

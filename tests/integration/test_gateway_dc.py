@@ -184,6 +184,44 @@ async def test_the_last_dc_s_failure_is_the_answer() -> None:
     assert failed.request_id == kept.headers["x-tokenfleet-request-id"]  # errors carry it too
 
 
+async def test_a_dc_with_no_instance_ready_when_it_decides_passes_the_request_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """dc-a was chosen, and its one instance failed another request before this one's
+    decision (its cooldown keeps it out): admitting all (SLOMax would hold it), dc-a's
+    router finds none ready, and the next DC serves it rather than a 503."""
+    served: list[str] = []
+    async with two_dcs(served, admission="fcfs") as front, front.client() as http:
+        gateway = front.app.state.gateway
+        monkeypatch.setattr(gateway.decider, "choose_dcs", lambda *_, **__: ("dc-a", "dc-b"))
+        gateway.view.failed("i-dc-a")
+        moved = await ask(http)
+        fallbacks = await scraped(front.url, "tokenfleet_gateway_dc_fallbacks_total", dc="dc-a")
+    assert moved.status_code == 200, moved.text
+    assert served == ["dc-b"]
+    assert fallbacks == 1
+
+
+async def test_requests_held_in_a_dc_count_as_its_work_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three requests held in dc-a's pools are three seconds of backlog there at one
+    request a second per instance, as the simulator's edge counts them: the next one
+    goes to dc-b, 80 ms away."""
+    served: list[str] = []
+    async with two_dcs(served, rps_per_instance=1.0) as front, front.client() as http:
+        admission = front.app.state.gateway.decider.admission
+        pool_load = admission.pool_load
+
+        def three_held_in_dc_a(model: str, dc: str) -> Any:
+            inflight, held, sent = pool_load(model, dc)
+            return inflight, held + 3 * (dc == "dc-a"), sent
+
+        monkeypatch.setattr(admission, "pool_load", three_held_in_dc_a)
+        assert (await ask(http)).status_code == 200
+    assert served == ["dc-b"]
+
+
 async def test_a_request_too_late_after_its_dc_failed_is_refused_as_the_fleet_s_doing() -> None:
     """dc-a fails the chat after 0.4 s, past its 0.2 s first-token objective, so dc-b
     refuses it (SLOMax's predicted TTFT); the client sees a 503 naming both, not the 429

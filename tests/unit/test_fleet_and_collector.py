@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gateway.fleet_view import FleetView, LastKnown
+from gateway.state import SharedView
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.fleet import FleetFileError, load_fleet
@@ -74,6 +76,31 @@ def test_an_empty_api_key_is_refused(tmp_path: Path) -> None:
     blank.write_text(EXAMPLE.read_text().replace('api_keys = ["sk-demo"]', 'api_keys = [""]'))
     with pytest.raises(FleetFileError, match="api_keys"):
         load_fleet(blank)
+
+
+def test_instances_of_a_version_their_model_is_not_pinned_to_are_never_ready() -> None:
+    """A rolling upgrade: dc-a runs version 1 and 2 side by side, the model is pinned to
+    2; the version-1 replica is kept out of every decision, however ready it reports."""
+    fleet = load_fleet(EXAMPLE)
+    pinned = fleet.model_copy(
+        update={
+            "models": tuple(m.model_copy(update={"version": "2"}) for m in fleet.models),
+            "instances": (
+                fleet.instances[0],
+                fleet.instances[1].model_copy(update={"version": "2"}),
+            ),
+        }
+    )
+    view = FleetView(pinned)
+    zeros = np.zeros(2)
+    pool = view.pool(fleet.instances[0].model, "dc-a")
+    assert pool is not None
+    assert [view.ready(i) for i in pool.ids] == [False, True]
+    assert list(view.snapshot(pool, SharedView(zeros, zeros, zeros.astype(int))).ready) == [
+        False,
+        True,
+    ]
+    assert all(FleetView(fleet).ready(i.id) for i in fleet.instances)  # unpinned: any version
 
 
 def test_last_known_takes_newer_live_snapshots_and_any_live_one_once_its_own_expired() -> None:

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas import MESSAGES, DecodeError, Envelope, Message, decode, encode
-from schemas.control import AdmissionQuotas, ClassQuota
+from schemas.control import AdmissionQuotas, ClassQuota, DcWeight
 from schemas.lifecycle import CandidateScore, RequestArrived, RequestRouted
 from schemas.telemetry import InstanceTelemetry
 from tests.strategies import models
@@ -116,6 +116,14 @@ def test_cross_field_rules_name_the_fields() -> None:
     )
     with pytest.raises(ValueError, match=r"reserved shares add up to 1\.200"):
         AdmissionQuotas(scope="dc", version=1, issued_at=0, ttl_s=5, quotas=(quota, quota))
+
+
+def test_a_dc_weight_is_a_share_of_its_capacity() -> None:
+    """A weight past 1 would count a DC beyond its capacity: refused, as a negative one."""
+    assert DcWeight(model="m", dc="d", weight=1.0).weight == 1.0
+    for wrong in (5.0, -0.1):
+        with pytest.raises(ValueError, match="weight"):
+            DcWeight(model="m", dc="d", weight=wrong)
 
 
 def test_a_snapshot_supersedes_only_older_versions() -> None:
