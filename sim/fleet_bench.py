@@ -161,21 +161,46 @@ def paced(
     """``stream`` (in arrival order) with its times mapped so that it arrives at each
     piece's rate (requests per second from the piece's start to the next's), until
     ``end_s``: the n-th request of the stream's own cumulative count arrives when the
-    pieces' cumulative count reaches it; what would come after ``end_s`` is dropped."""
+    pieces' cumulative count reaches it; what would come after ``end_s`` is dropped. A
+    stream shorter than the pieces ask for comes again after its end (``_again``) as
+    often as needed: cut short, the scenario's last seconds would have no arrivals while
+    its rates are still counted over them (seed 1's region A ran out at 256 s of 360
+    until 2026-12-06)."""
     if len(stream) < 2:
         return list(stream)
-    own = np.array([r.arrival_s for r in stream]) - stream[0].arrival_s
-    rate = len(stream) / max(own[-1], 1e-9)
     starts = [start for start, _ in pieces] + [end_s]
     counts = np.concatenate(
         [[0.0], np.cumsum([r * (b - a) for (a, r), b in zip(pieces, starts[1:], strict=True)])]
     )
+    stream = _again(stream, int(np.ceil(counts[-1] / len(stream))))
+    own = np.array([r.arrival_s for r in stream]) - stream[0].arrival_s
+    rate = len(stream) / max(own[-1], 1e-9)
     times = np.interp(own * rate, counts, starts, right=np.inf)
     return [
         replace(request, arrival_s=float(at))
         for request, at in zip(stream, times, strict=True)
         if at < end_s
     ]
+
+
+def _again(stream: Sequence[TraceRequest], passes: int) -> list[TraceRequest]:
+    """``stream`` run ``passes`` times (at least once), each pass after the last, one mean
+    gap apart; a later pass's requests and sessions carry its number (``~2``, ...), so
+    they are requests of their own, with the same prompts."""
+    first = stream[0].arrival_s
+    period = (stream[-1].arrival_s - first) * len(stream) / (len(stream) - 1)
+    again = list(stream)
+    for n in range(2, passes + 1):
+        again += [
+            replace(
+                r,
+                request_id=f"{r.request_id}~{n}",
+                session_id=None if r.session_id is None else f"{r.session_id}~{n}",
+                arrival_s=r.arrival_s + (n - 1) * period,
+            )
+            for r in stream
+        ]
+    return again
 
 
 def _resident(request: TraceRequest, seed: int) -> TraceRequest:

@@ -133,6 +133,20 @@ def test_paced_arrivals_follow_the_pieces_rates_and_keep_their_order() -> None:
     assert per_piece == pytest.approx([50, 200, 50], abs=1)
 
 
+def test_a_stream_too_short_for_its_pieces_comes_again_until_the_end() -> None:
+    """100 chats asked for at 20 a second for 30 s: run six times, as requests of their own,
+    so the last seconds still see arrivals at the pieces' rate."""
+    stream = chats(100, 10.0)
+    out = paced(stream, [(0.0, 20.0)], 30.0)
+    times = [r.arrival_s for r in out]
+    assert len(out) == pytest.approx(600, abs=1)
+    assert times == sorted(times)
+    assert sum(25.0 <= t < 30.0 for t in times) == pytest.approx(100, abs=1)
+    assert len({r.request_id for r in out}) == len(out)
+    assert out[100].request_id == f"{stream[0].request_id}~2"
+    assert out[100].prefix_blocks == stream[0].prefix_blocks
+
+
 def test_mismatch_counts_queues_only_while_another_ready_dc_has_none() -> None:
     def load(queued: int, ready: bool = True) -> PublishedLoad:
         return PublishedLoad(0.0, ready, 10, queued, 0.5, 1.0)
