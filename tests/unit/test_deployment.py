@@ -67,6 +67,31 @@ def test_the_local_fleet_runs_an_emulator_and_a_gateway_per_dc_around_the_loop()
     assert emulators["emulate-dc-b"] == "http://127.0.0.1:8110"  # its DC's first instance
 
 
+def test_every_part_serving_a_url_is_ready_by_it_and_the_worker_by_its_metrics() -> None:
+    """Before, the worker and the collector counted as ready once started, and an emulator
+    once its first instance answered: ``up`` reported started a worker that had exited."""
+    parts = {part.name: part for part in local_plan(worker_port=9191)}
+    assert parts["worker"].ready_urls == ("http://127.0.0.1:9191/metrics",)
+    assert parts["controller"].ready_urls == ("http://127.0.0.1:9090/health",)
+    assert parts["gateway-dc-a"].ready_urls == ("http://127.0.0.1:8080/health",)
+    assert parts["collector"].ready_urls == ()  # it serves none: ready once it stays up
+    fleet = load_fleet(ROOT / "examples" / "fleet-local.toml")
+    for dc in fleet.dcs:
+        local = fleet.local_instances(dc.name)
+        serving = [f"{str(i.url).rstrip('/')}/health" for i in local if not i.standby]
+        assert parts[f"emulate-{dc.name}"].ready_urls == tuple(serving)
+
+
+def test_a_part_with_no_url_that_exits_at_startup_fails_the_start_by_its_name(
+    tmp_path: Path,
+) -> None:
+    deployment = Deployment(tmp_path / "up")
+    with pytest.raises(ServiceError, match=r"^collector exited early"):
+        deployment.start([Part("collector", ("no-such-command",))], {})
+    assert "invalid choice" in (tmp_path / "up" / "collector" / "server.log").read_text()
+    assert not deployment.record_path.exists()
+
+
 def test_every_part_is_a_command_line_the_cli_accepts() -> None:
     parser = build_parser()
     for part in local_plan(ttl_s=12.5, period_s=0.5):
@@ -246,7 +271,7 @@ def test_a_part_whose_port_already_answers_is_refused_before_it_starts(tmp_path:
     deployment = Deployment(tmp_path / "up")
     try:
         with pytest.raises(ServiceError, match="already answers"):
-            deployment.start([Part("gateway-dc-a", ("gateway",), url)], {})
+            deployment.start([Part("gateway-dc-a", ("gateway",), url, (f"{url}/health",))], {})
     finally:
         server.shutdown()
         server.server_close()

@@ -101,7 +101,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
                 self.terminate()  # forget its pid and address files
-                raise ServiceError(f"{argv[0]} exited early; log tail:\n{self._log_tail()}")
+                raise ServiceError(f"{self.address} exited early; log tail:\n{self._log_tail()}")
             if ready():
                 return
             time.sleep(0.2)
@@ -155,6 +155,13 @@ def http_service(
         yield url
     finally:
         server.terminate()
+
+
+def running_for(seconds: float) -> Callable[[], bool]:
+    """A readiness check for a server with nothing to ask: true once ``seconds`` have
+    passed, by which time ``launch`` has seen that the process has not exited."""
+    deadline = time.monotonic() + seconds
+    return lambda: time.monotonic() >= deadline
 
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
