@@ -15,9 +15,11 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from schemas.fleet import FleetConfig
+from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.output import write_json
 from tokenfleet.services.kafka import LocalKafka, running_bootstrap
 from tokenfleet.services.process import (
     CACHE,
@@ -194,11 +196,25 @@ class Deployment:
         ]
 
     def record(self) -> Record:
-        """The deployment recorded in ``home``; an empty one where there is none."""
-        if not self.record_path.exists():
+        """The deployment recorded in ``home``; an empty one where there is none. CliError
+        where it cannot be read (cut short by a crash while an older version wrote it, or
+        edited), naming it: ``up``, ``down`` and ``status`` stop there."""
+        try:
+            loaded: Any = json.loads(self.record_path.read_text())
+        except FileNotFoundError:
             return {"parts": [], "settings": {}, "own_services": []}
-        loaded: Record = json.loads(self.record_path.read_text())
-        return loaded
+        except (OSError, ValueError) as exc:
+            raise self._unreadable(str(exc)) from None
+        if not isinstance(loaded, dict) or not Record.__required_keys__ <= loaded.keys():
+            raise self._unreadable("not a deployment record")
+        return cast(Record, loaded)
+
+    def _unreadable(self, why: str) -> CliError:
+        path = self.record_path
+        return CliError(
+            f"cannot read {path} ({why}): the deployment it recorded may still run; stop "
+            f"its parts by the pid in each {self.home}/<part>/pid, then remove {path}"
+        )
 
     def pids(self) -> dict[str, int | None]:
         """Each recorded part's process id, None for one that does not run."""
@@ -245,7 +261,7 @@ class Deployment:
     def _write(self, record: Record) -> None:
         """Record what runs before starting it, so that ``stop`` finds whatever started."""
         self.home.mkdir(parents=True, exist_ok=True)
-        self.record_path.write_text(json.dumps(record, indent=2) + "\n")
+        write_json(self.record_path, record)  # whole or not at all: read by another process
 
     def _launch(self, part: Part, env: Mapping[str, str], timeout_s: float) -> None:
         answering = [url for url in part.ready_urls if answers_http(url)]

@@ -6,6 +6,7 @@ part's command line by parsing it with the CLI's own parser."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -22,6 +23,8 @@ import yaml
 
 from schemas.fleet import load_fleet
 from tokenfleet.cli import build_parser, main
+from tokenfleet.commands.broker import broker
+from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import SERVICE_SETTINGS, Deployment, Part, plan
 from tokenfleet.services import kafka
 from tokenfleet.services.kafka import KAFKA_VERSION
@@ -295,3 +298,38 @@ def test_the_controller_refuses_a_taken_view_port_before_it_starts(
     assert main(["controller", "--port", str(taken_port)]) == 2
     assert f"cannot listen on 127.0.0.1:{taken_port}" in capsys.readouterr().err
     assert main(["controller", "--period", "5", "--ttl", "10"]) == 2  # renewed too late
+
+
+def test_a_truncated_record_is_named_by_up_down_and_status_and_skipped_by_an_env_broker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record cut short used to make every command that reads it traceback, the Kafka
+    commands too, though ``TOKENFLEET_KAFKA_BOOTSTRAP`` named their broker."""
+    home = tmp_path / "up"
+    home.mkdir()
+    (home / "deployment.json").write_text('{"parts": [{"name": "collector", "ar')
+    for command in (["up"], ["down"], ["status"]):
+        assert main([*command, "--home", str(home)]) == 2, command
+        err = capsys.readouterr().err
+        assert f"cannot read {home / 'deployment.json'}" in err, command
+        assert "then remove" in err, command
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    assert broker(home) == "127.0.0.1:1"
+
+
+def test_a_record_whose_write_fails_midway_is_left_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployment = Deployment(tmp_path / "up")
+    deployment.start([], {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    write_text = Path.write_text
+
+    def disk_full(path: Path, text: str) -> int:
+        write_text(path, text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(CliError, match="No space left"):
+        deployment.start([], {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:2"})
+    monkeypatch.undo()
+    assert deployment.record()["settings"] == {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
