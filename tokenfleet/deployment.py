@@ -11,7 +11,6 @@ them again from another process through ``deployment.json`` in its home.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from tokenfleet.services.process import (
     ServerProcess,
     ServiceError,
     answers_http,
+    python_module,
     read_pid,
     running_for,
 )
@@ -273,7 +273,7 @@ class Deployment:
         server = ServerProcess(self.home / part.name, part.name)
         self._started[part.name] = server
         server.launch(
-            [sys.executable, "-m", "tokenfleet.cli", *part.args],
+            [*python_module("tokenfleet.cli"), *part.args],
             ready=_readiness(part),
             timeout_s=timeout_s,
             detach=True,

@@ -333,3 +333,17 @@ def test_a_record_whose_write_fails_midway_is_left_as_it_was(
         deployment.start([], {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:2"})
     monkeypatch.undo()
     assert deployment.record()["settings"] == {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+
+
+def test_a_part_imports_the_project_not_a_package_of_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m`` put the working folder first on the child's path: an operator's own
+    ``schemas/`` there was imported in place of the project's, and every part failed."""
+    (tmp_path / "schemas").mkdir()
+    (tmp_path / "schemas" / "__init__.py").write_text("raise ImportError('the folder shadows')")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ServiceError, match="exited early"):
+        Deployment(tmp_path / "up").start([Part("collector", ("no-such-command",))], {})
+    log = (tmp_path / "up" / "collector" / "server.log").read_text()
+    assert "invalid choice" in log  # the CLI's own parser ran

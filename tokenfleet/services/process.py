@@ -12,6 +12,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -69,6 +70,13 @@ def _candidate(count: int) -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def python_module(module: str) -> list[str]:
+    """The command line that runs ``module`` with this Python. ``-P`` leaves the working
+    folder off the child's ``sys.path``: the project's top-level packages have generic
+    names (``schemas``, ``control``), which a folder of the operator's own would shadow."""
+    return [sys.executable, "-P", "-m", module]
 
 
 class ServerProcess:
