@@ -10,8 +10,10 @@ them again from another process through ``deployment.json`` in its home.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypedDict, cast
@@ -160,6 +162,21 @@ class Deployment:
     @property
     def record_path(self) -> Path:
         return self.home / "deployment.json"
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold ``home`` for one ``up`` or ``down`` at a time, or fail at once (CliError):
+        two at once, or ``down`` during ``up``, left processes that no record named. The
+        lock goes with this process, however it ends; the parts do not inherit it."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        with (self.home / "up.lock").open("w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CliError(
+                    f"another tokenfleet up/down is running on {self.home}: wait for it to end"
+                ) from None
+            yield
 
     def start(
         self,

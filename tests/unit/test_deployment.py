@@ -7,6 +7,7 @@ part's command line by parsing it with the CLI's own parser."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import subprocess
@@ -347,3 +348,23 @@ def test_a_part_imports_the_project_not_a_package_of_the_working_folder(
         Deployment(tmp_path / "up").start([Part("collector", ("no-such-command",))], {})
     log = (tmp_path / "up" / "collector" / "server.log").read_text()
     assert "invalid choice" in log  # the CLI's own parser ran
+
+
+def test_up_and_down_refuse_at_once_a_folder_another_up_or_down_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing kept two at once apart: ``down`` during ``up`` stopped what was recorded
+    while ``up`` went on starting parts that no record then named."""
+    home = tmp_path / "up"
+    home.mkdir()
+    (home / "deployment.json").write_text('{"parts": [], "settings": {}, "own_services": []}')
+    missing = str(tmp_path / "none.toml")  # an up let through would start nothing
+    with (home / "up.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another up, say
+        for command in (["down"], ["up", "--fleet", missing]):
+            assert main([*command, "--home", str(home)]) == 2, command
+            err = capsys.readouterr().err
+            assert f"another tokenfleet up/down is running on {home}" in err, command
+        assert (home / "deployment.json").exists()  # down stopped nothing
+    assert main(["down", "--home", str(home)]) == 0
+    assert not (home / "deployment.json").exists()
