@@ -59,6 +59,9 @@ PROBE_REQUESTS = 1_000
 """Requests of the first, short run that sizes the timed one: a run the worker cannot
 drain within the tables' window never shows its whole count (its first events leave the
 window first), so the timed run is kept to what the worker drains in half of it."""
+_RUN_MODULE = (sys.executable, "-P", "-m")
+"""How a child runs one of the project's modules: ``-P`` leaves the working folder off its
+``sys.path``, where a package of the operator's own would shadow ``sim`` or ``schemas``."""
 
 
 def bench_streams(
@@ -191,7 +194,7 @@ def _worker(bootstrap: str, app_id: str) -> Iterator[subprocess.Popen[bytes]]:
         }
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.cli", "worker"],
+        [*_RUN_MODULE, "tokenfleet.cli", "worker"],
         env=environment,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -214,7 +217,7 @@ def _ceiling(bootstrap: str, topic: str, requests: int) -> float:
     try:
         events = [e for n in range(requests) for e in _request(topic, n)]
         asyncio.run(_publish_copy(bootstrap, events, topic))
-        argv = [sys.executable, "-m", "sim.faust_ceiling", bootstrap, topic, str(len(events))]
+        argv = [*_RUN_MODULE, "sim.faust_ceiling", bootstrap, topic, str(len(events))]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True)
         return float(done.stdout.split()[-1])
     finally:

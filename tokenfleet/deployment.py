@@ -10,16 +10,27 @@ them again from another process through ``deployment.json`` in its home.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from schemas.fleet import FleetConfig
+from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.output import write_json
 from tokenfleet.services.kafka import LocalKafka, running_bootstrap
-from tokenfleet.services.process import CACHE, ServerProcess, ServiceError, answers_http, read_pid
+from tokenfleet.services.process import (
+    CACHE,
+    ServerProcess,
+    ServiceError,
+    answers_http,
+    python_module,
+    read_pid,
+    running_for,
+)
 from tokenfleet.services.redis import LocalRedis, running_url
 
 DEFAULT_HOME = CACHE / "run" / "up"
@@ -33,14 +44,27 @@ SERVICE_SETTINGS = ("TOKENFLEET_KAFKA_BOOTSTRAP", "TOKENFLEET_REDIS_URL")
 """What every part is told of the services it shares, through its environment."""
 
 
+STARTUP_GRACE_S = 3.0
+"""How long a part with no URL to ask (the collector, an emulator whose instances are all
+on standby) must keep running to count as started. Without it ``up`` reported such a part
+started at once, though it exited moments later (a bad ``TOKENFLEET_*`` setting, a fleet
+file it cannot read); loading the CLI alone takes over a second on a busy machine."""
+
+
 @dataclass(frozen=True)
 class Part:
-    """One process: its name, its ``tokenfleet`` arguments, and the URL it serves (it is
-    ready once ``url/health`` answers; a part without one is ready once started)."""
+    """One process: its name, its ``tokenfleet`` arguments, the URL it serves, and the URLs
+    that answer once it is ready (none: it is ready once it has run ``STARTUP_GRACE_S``)."""
 
     name: str
     args: tuple[str, ...]
     url: str | None = None
+    ready_urls: tuple[str, ...] = ()
+
+
+def _serving(name: str, args: tuple[str, ...], url: str, ready_path: str = "/health") -> Part:
+    """A part serving ``url``, ready once ``url + ready_path`` answers."""
+    return Part(name, args, url, (url + ready_path,))
 
 
 def plan(
@@ -70,10 +94,15 @@ def plan(
     return (
         *_emulators(fleet, fleet_args),
         Part("collector", ("collect", *fleet_args)),
-        Part("worker", ("worker", *fleet_args, "--metrics-port", str(worker_port))),
-        Part("controller", controller, f"http://127.0.0.1:{controller_port}"),
+        _serving(
+            "worker",
+            ("worker", *fleet_args, "--metrics-port", str(worker_port)),
+            f"http://127.0.0.1:{worker_port}",
+            "/metrics",  # prometheus_client's: the worker serves no /health
+        ),
+        _serving("controller", controller, f"http://127.0.0.1:{controller_port}"),
         *(
-            Part(
+            _serving(
                 f"gateway-{dc.name}",
                 (
                     "gateway",
@@ -93,8 +122,8 @@ def plan(
 
 def _emulators(fleet: FleetConfig, fleet_args: tuple[str, ...]) -> list[Part]:
     """One emulator per DC with instances on this machine (the others are real servers),
-    each behind the round trip from the edge's region; ready once its first instance not
-    on standby answers. A DC with standby instances follows FleetMind's placements."""
+    each behind the round trip from the edge's region; ready once every instance not on
+    standby answers. A DC with standby instances follows FleetMind's placements."""
     entry_region = fleet.dcs[0].region
     parts = []
     for dc in fleet.dcs:
@@ -103,7 +132,8 @@ def _emulators(fleet: FleetConfig, fleet_args: tuple[str, ...]) -> list[Part]:
             args = ("emulate", *fleet_args, "--dc", dc.name, "--region", entry_region)
             args += ("--kv-events", *(("--placement",) if any(i.standby for i in local) else ()))
             serving = [str(i.url).rstrip("/") for i in local if not i.standby]
-            parts.append(Part(f"emulate-{dc.name}", args, serving[0] if serving else None))
+            ready = tuple(url + "/health" for url in serving)
+            parts.append(Part(f"emulate-{dc.name}", args, serving[0] if serving else None, ready))
     return parts
 
 
@@ -133,6 +163,21 @@ class Deployment:
     def record_path(self) -> Path:
         return self.home / "deployment.json"
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold ``home`` for one ``up`` or ``down`` at a time, or fail at once (CliError):
+        two at once, or ``down`` during ``up``, left processes that no record named. The
+        lock goes with this process, however it ends; the parts do not inherit it."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        with (self.home / "up.lock").open("w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CliError(
+                    f"another tokenfleet up/down is running on {self.home}: wait for it to end"
+                ) from None
+            yield
+
     def start(
         self,
         parts: Sequence[Part],
@@ -160,15 +205,33 @@ class Deployment:
             raise
 
     def parts(self) -> list[Part]:
-        """The parts of the deployment recorded in ``home`` (none if there is none)."""
-        return [Part(p["name"], tuple(p["args"]), p["url"]) for p in self.record()["parts"]]
+        """The parts of the deployment recorded in ``home`` (none if there is none); a
+        record written before parts had ready URLs has none."""
+        return [
+            Part(p["name"], tuple(p["args"]), p["url"], tuple(p.get("ready_urls", ())))
+            for p in self.record()["parts"]
+        ]
 
     def record(self) -> Record:
-        """The deployment recorded in ``home``; an empty one where there is none."""
-        if not self.record_path.exists():
+        """The deployment recorded in ``home``; an empty one where there is none. CliError
+        where it cannot be read (cut short by a crash while an older version wrote it, or
+        edited), naming it: ``up``, ``down`` and ``status`` stop there."""
+        try:
+            loaded: Any = json.loads(self.record_path.read_text())
+        except FileNotFoundError:
             return {"parts": [], "settings": {}, "own_services": []}
-        loaded: Record = json.loads(self.record_path.read_text())
-        return loaded
+        except (OSError, ValueError) as exc:
+            raise self._unreadable(str(exc)) from None
+        if not isinstance(loaded, dict) or not Record.__required_keys__ <= loaded.keys():
+            raise self._unreadable("not a deployment record")
+        return cast(Record, loaded)
+
+    def _unreadable(self, why: str) -> CliError:
+        path = self.record_path
+        return CliError(
+            f"cannot read {path} ({why}): the deployment it recorded may still run; stop "
+            f"its parts by the pid in each {self.home}/<part>/pid, then remove {path}"
+        )
 
     def pids(self) -> dict[str, int | None]:
         """Each recorded part's process id, None for one that does not run."""
@@ -215,18 +278,20 @@ class Deployment:
     def _write(self, record: Record) -> None:
         """Record what runs before starting it, so that ``stop`` finds whatever started."""
         self.home.mkdir(parents=True, exist_ok=True)
-        self.record_path.write_text(json.dumps(record, indent=2) + "\n")
+        write_json(self.record_path, record)  # whole or not at all: read by another process
 
     def _launch(self, part: Part, env: Mapping[str, str], timeout_s: float) -> None:
-        url = part.url
-        if url is not None and answers_http(url + "/health"):
-            # The new part would fail to bind while the old server answered its health.
-            raise ServiceError(f"{part.name}: {url} already answers; another server holds the port")
-        server = ServerProcess(self.home / part.name, url or part.name)
+        answering = [url for url in part.ready_urls if answers_http(url)]
+        if answering:
+            # The new part would fail to bind while the old server answered for it.
+            raise ServiceError(
+                f"{part.name}: {answering[0]} already answers; another server holds the port"
+            )
+        server = ServerProcess(self.home / part.name, part.name)
         self._started[part.name] = server
         server.launch(
-            [sys.executable, "-m", "tokenfleet.cli", *part.args],
-            ready=(lambda: True) if url is None else (lambda: answers_http(url + "/health")),
+            [*python_module("tokenfleet.cli"), *part.args],
+            ready=_readiness(part),
             timeout_s=timeout_s,
             detach=True,
             env=env,
@@ -235,3 +300,11 @@ class Deployment:
     def _server(self, part: Part) -> ServerProcess:
         """The part's process: the one started here, else the one its folder names."""
         return self._started.pop(part.name, None) or ServerProcess(self.home / part.name, part.name)
+
+
+def _readiness(part: Part) -> Callable[[], bool]:
+    """Whether ``part``, just launched, is ready: every URL of its own answers; with none,
+    it has kept running for ``STARTUP_GRACE_S`` (``launch`` notices an exit first)."""
+    if part.ready_urls:
+        return lambda: all(answers_http(url) for url in part.ready_urls)
+    return running_for(STARTUP_GRACE_S)

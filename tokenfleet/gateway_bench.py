@@ -45,6 +45,7 @@ from tokenfleet.services.process import (
     free_port,
     free_ports,
     http_service,
+    python_module,
     read_http,
 )
 
@@ -184,7 +185,7 @@ def _gateway(
 @contextlib.contextmanager
 def _bare_proxy(home: Path, instances: list[str]) -> Iterator[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "tokenfleet.bare_proxy", str(port), ",".join(instances)]
+    argv = [*python_module("tokenfleet.bare_proxy"), str(port), ",".join(instances)]
     with http_service(home / "bare", argv, f"http://127.0.0.1:{port}", env=_environment()) as url:
         yield url
 
@@ -214,7 +215,7 @@ def _litellm(home: Path, command: str, instances: list[str]) -> Iterator[str]:
         yield url
 
 
-_CLI = [sys.executable, "-m", "tokenfleet.cli"]
+_CLI = python_module("tokenfleet.cli")
 _MEASURED_CPU = ("gateway", "gateway_fcfs", "gateway_redis", "gateway_journal", "bare_proxy")
 """Fronts whose ``/metrics`` carry ``process_cpu_seconds_total``."""
 

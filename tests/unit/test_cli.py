@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from pathlib import Path
 
@@ -99,6 +100,24 @@ def test_a_server_that_exits_at_once_is_reported_and_forgotten(tmp_path: Path) -
         server.launch(["false"], ready=lambda: False, timeout_s=10)
     assert read_address(tmp_path) is None
     assert not (tmp_path / "pid").exists()
+
+
+def test_a_failed_launch_reports_its_own_log_not_an_earlier_runs(tmp_path: Path) -> None:
+    """The log is appended to run after run: a launch that failed at once used to show
+    the end of the whole file, an earlier run's lines for its own."""
+    from tokenfleet.services.process import ServerProcess, ServiceError
+
+    server = ServerProcess(tmp_path, "failing")
+    for run in ("first", "second"):
+        with pytest.raises(ServiceError) as failed:
+            server.launch(
+                ["sh", "-c", f"echo {run} run; exit 1"], ready=lambda: False, timeout_s=10
+            )
+    tail = str(failed.value).partition("log tail:\n")[2]
+    assert "first run" not in tail
+    assert re.search(r"^--- started \S+ pid \d+: sh -c 'echo second run; exit 1' ---$", tail, re.M)
+    assert "second run\n" in tail
+    assert "first run" in (tmp_path / "server.log").read_text()  # the log keeps both
 
 
 def test_a_recorded_pid_that_now_names_another_process_is_not_taken_for_the_server(

@@ -6,6 +6,8 @@ part's command line by parsing it with the CLI's own parser."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import subprocess
@@ -22,6 +24,8 @@ import yaml
 
 from schemas.fleet import load_fleet
 from tokenfleet.cli import build_parser, main
+from tokenfleet.commands.broker import broker
+from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import SERVICE_SETTINGS, Deployment, Part, plan
 from tokenfleet.services import kafka
 from tokenfleet.services.kafka import KAFKA_VERSION
@@ -65,6 +69,31 @@ def test_the_local_fleet_runs_an_emulator_and_a_gateway_per_dc_around_the_loop()
     assert gateways == [f"http://127.0.0.1:{port}" for port in (9000, 9001, 9002)]
     emulators = {part.name: part.url for part in local_plan() if part.name[:8] == "emulate-"}
     assert emulators["emulate-dc-b"] == "http://127.0.0.1:8110"  # its DC's first instance
+
+
+def test_every_part_serving_a_url_is_ready_by_it_and_the_worker_by_its_metrics() -> None:
+    """Before, the worker and the collector counted as ready once started, and an emulator
+    once its first instance answered: ``up`` reported started a worker that had exited."""
+    parts = {part.name: part for part in local_plan(worker_port=9191)}
+    assert parts["worker"].ready_urls == ("http://127.0.0.1:9191/metrics",)
+    assert parts["controller"].ready_urls == ("http://127.0.0.1:9090/health",)
+    assert parts["gateway-dc-a"].ready_urls == ("http://127.0.0.1:8080/health",)
+    assert parts["collector"].ready_urls == ()  # it serves none: ready once it stays up
+    fleet = load_fleet(ROOT / "examples" / "fleet-local.toml")
+    for dc in fleet.dcs:
+        local = fleet.local_instances(dc.name)
+        serving = [f"{str(i.url).rstrip('/')}/health" for i in local if not i.standby]
+        assert parts[f"emulate-{dc.name}"].ready_urls == tuple(serving)
+
+
+def test_a_part_with_no_url_that_exits_at_startup_fails_the_start_by_its_name(
+    tmp_path: Path,
+) -> None:
+    deployment = Deployment(tmp_path / "up")
+    with pytest.raises(ServiceError, match=r"^collector exited early"):
+        deployment.start([Part("collector", ("no-such-command",))], {})
+    assert "invalid choice" in (tmp_path / "up" / "collector" / "server.log").read_text()
+    assert not deployment.record_path.exists()
 
 
 def test_every_part_is_a_command_line_the_cli_accepts() -> None:
@@ -246,7 +275,7 @@ def test_a_part_whose_port_already_answers_is_refused_before_it_starts(tmp_path:
     deployment = Deployment(tmp_path / "up")
     try:
         with pytest.raises(ServiceError, match="already answers"):
-            deployment.start([Part("gateway-dc-a", ("gateway",), url)], {})
+            deployment.start([Part("gateway-dc-a", ("gateway",), url, (f"{url}/health",))], {})
     finally:
         server.shutdown()
         server.server_close()
@@ -270,3 +299,72 @@ def test_the_controller_refuses_a_taken_view_port_before_it_starts(
     assert main(["controller", "--port", str(taken_port)]) == 2
     assert f"cannot listen on 127.0.0.1:{taken_port}" in capsys.readouterr().err
     assert main(["controller", "--period", "5", "--ttl", "10"]) == 2  # renewed too late
+
+
+def test_a_truncated_record_is_named_by_up_down_and_status_and_skipped_by_an_env_broker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record cut short used to make every command that reads it traceback, the Kafka
+    commands too, though ``TOKENFLEET_KAFKA_BOOTSTRAP`` named their broker."""
+    home = tmp_path / "up"
+    home.mkdir()
+    (home / "deployment.json").write_text('{"parts": [{"name": "collector", "ar')
+    for command in (["up"], ["down"], ["status"]):
+        assert main([*command, "--home", str(home)]) == 2, command
+        err = capsys.readouterr().err
+        assert f"cannot read {home / 'deployment.json'}" in err, command
+        assert "then remove" in err, command
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    assert broker(home) == "127.0.0.1:1"
+
+
+def test_a_record_whose_write_fails_midway_is_left_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deployment = Deployment(tmp_path / "up")
+    deployment.start([], {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    write_text = Path.write_text
+
+    def disk_full(path: Path, text: str) -> int:
+        write_text(path, text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(CliError, match="No space left"):
+        deployment.start([], {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:2"})
+    monkeypatch.undo()
+    assert deployment.record()["settings"] == {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+
+
+def test_a_part_imports_the_project_not_a_package_of_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m`` put the working folder first on the child's path: an operator's own
+    ``schemas/`` there was imported in place of the project's, and every part failed."""
+    (tmp_path / "schemas").mkdir()
+    (tmp_path / "schemas" / "__init__.py").write_text("raise ImportError('the folder shadows')")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ServiceError, match="exited early"):
+        Deployment(tmp_path / "up").start([Part("collector", ("no-such-command",))], {})
+    log = (tmp_path / "up" / "collector" / "server.log").read_text()
+    assert "invalid choice" in log  # the CLI's own parser ran
+
+
+def test_up_and_down_refuse_at_once_a_folder_another_up_or_down_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing kept two at once apart: ``down`` during ``up`` stopped what was recorded
+    while ``up`` went on starting parts that no record then named."""
+    home = tmp_path / "up"
+    home.mkdir()
+    (home / "deployment.json").write_text('{"parts": [], "settings": {}, "own_services": []}')
+    missing = str(tmp_path / "none.toml")  # an up let through would start nothing
+    with (home / "up.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another up, say
+        for command in (["down"], ["up", "--fleet", missing]):
+            assert main([*command, "--home", str(home)]) == 2, command
+            err = capsys.readouterr().err
+            assert f"another tokenfleet up/down is running on {home}" in err, command
+        assert (home / "deployment.json").exists()  # down stopped nothing
+    assert main(["down", "--home", str(home)]) == 0
+    assert not (home / "deployment.json").exists()

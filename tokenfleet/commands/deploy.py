@@ -10,7 +10,14 @@ from pathlib import Path
 from tokenfleet.commands.arguments import consecutive_ports, fixed_port
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
-from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME, GATEWAY_PORT, WORKER_PORT
+from tokenfleet.deployment import (
+    CONTROLLER_PORT,
+    DEFAULT_HOME,
+    GATEWAY_PORT,
+    WORKER_PORT,
+    Deployment,
+    plan,
+)
 
 LOCAL_FLEET = Path("examples/fleet-local.toml")
 
@@ -88,13 +95,18 @@ def _home_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
+    check_controller_args(args)
+    deployment = Deployment(args.home)
+    with deployment.exclusive():
+        return _deploy(deployment, args)
+
+
+def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
+    """``up`` once this process holds the deployment's folder."""
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
     from streams.kafka import create_topics
-    from tokenfleet.deployment import Deployment, plan
 
-    check_controller_args(args)
-    deployment = Deployment(args.home)
     if any(pid is not None for pid in deployment.pids().values()):
         raise CliError(f"a deployment runs from {args.home}: tokenfleet down --home {args.home}")
     try:
@@ -137,12 +149,11 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from tokenfleet.deployment import Deployment
-
     deployment = Deployment(args.home)
-    if not deployment.record_path.exists():
-        print(f"no deployment in {args.home}")
-        return 0
-    deployment.stop()
+    with deployment.exclusive():
+        if not deployment.record_path.exists():
+            print(f"no deployment in {args.home}")
+            return 0
+        deployment.stop()
     print(f"stopped the deployment in {args.home}")
     return 0

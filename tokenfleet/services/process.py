@@ -9,13 +9,16 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 
 CACHE = Path(os.environ.get("TOKENFLEET_CACHE", Path.home() / ".cache" / "tokenfleet"))
@@ -71,13 +74,24 @@ def _candidate(count: int) -> int:
         return port
 
 
+def python_module(module: str) -> list[str]:
+    """The command line that runs ``module`` with this Python. ``-P`` leaves the working
+    folder off the child's ``sys.path``: the project's top-level packages have generic
+    names (``schemas``, ``control``), which a folder of the operator's own would shadow."""
+    return [sys.executable, "-P", "-m", module]
+
+
 class ServerProcess:
-    """One server process whose output goes to ``home/server.log``."""
+    """One server process whose output goes to ``home/server.log``, after a header line
+    per launch (the log is appended to, run after run)."""
 
     def __init__(self, home: Path, address: str) -> None:
         self.home = home
         self.address = address
         self._process: subprocess.Popen[bytes] | None = None
+        self._log_start = 0
+        """Where this launch's header begins in the log: a failed launch's tail is its
+        own output, never an earlier run's."""
 
     @property
     def log_path(self) -> Path:
@@ -101,7 +115,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self._process is not None and self._process.poll() is not None:
                 self.terminate()  # forget its pid and address files
-                raise ServiceError(f"{argv[0]} exited early; log tail:\n{self._log_tail()}")
+                raise ServiceError(f"{self.address} exited early; log tail:\n{self._log_tail()}")
             if ready():
                 return
             time.sleep(0.2)
@@ -111,11 +125,14 @@ class ServerProcess:
         )
 
     def _log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+        with self.log_path.open("rb") as log:
+            log.seek(self._log_start)
+            return log.read().decode(errors="replace")[-2000:]
 
     def _spawn(self, argv: Sequence[str], detach: bool, env: Mapping[str, str] | None) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            self._log_start = log.tell()
             self._process = subprocess.Popen(
                 list(argv),
                 stdout=log,
@@ -124,7 +141,10 @@ class ServerProcess:
                 start_new_session=detach,
                 env=env,
             )
-        pid = self._process.pid
+            pid = self._process.pid
+            # Once the pid is known: the child, just started, has seldom written yet (the
+            # tail reads from _log_start, before the header, either way).
+            log.write(_log_header(pid, argv).encode())
         (self.home / "pid").write_text(f"{pid} {_started_at(pid) or ''}".strip())
         (self.home / "address").write_text(self.address)
 
@@ -135,6 +155,11 @@ class ServerProcess:
         self._process = None
         for name in ("pid", "address"):
             (self.home / name).unlink(missing_ok=True)
+
+
+def _log_header(pid: int, argv: Sequence[str]) -> str:
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    return f"--- started {started} pid {pid}: {shlex.join(argv)} ---\n"
 
 
 @contextlib.contextmanager
@@ -155,6 +180,13 @@ def http_service(
         yield url
     finally:
         server.terminate()
+
+
+def running_for(seconds: float) -> Callable[[], bool]:
+    """A readiness check for a server with nothing to ask: true once ``seconds`` have
+    passed, by which time ``launch`` has seen that the process has not exited."""
+    deadline = time.monotonic() + seconds
+    return lambda: time.monotonic() >= deadline
 
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
