@@ -119,6 +119,18 @@ def test_lower_classes_wait_once_the_fleet_eats_into_the_interactive_reserve() -
     assert SLOMax().decide(request(DOC, tokens=20_000), reserved).reason == "reservation"
 
 
+def test_an_interactive_quota_without_a_reserve_keeps_the_default_one() -> None:
+    """A quota that set only a bucket or a ceiling for interactive requests read as a
+    reserve of 0: long documents took the KV held back for chats."""
+    busy = fleet(kv_used=(86, 86))  # 86 % in use, against the default 15 % reserve
+    for quota in (
+        ClassQuota(task_class=CHAT, tokens_per_s=1e6, burst_tokens=10**6),
+        ClassQuota(task_class=CHAT, max_concurrency=100),
+    ):
+        decision = SLOMax().decide(request(DOC, tokens=20_000), view(busy, quotas={CHAT: quota}))
+        assert decision.reason == "reservation"
+
+
 def test_lower_classes_leave_the_interactive_share_of_the_engines_sequences() -> None:
     """On an instance whose running and waiting sequences take more than all but the
     reserved share (15 % by default, else the quota's) of its ``max_num_seqs``, only chats
