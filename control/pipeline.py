@@ -77,7 +77,8 @@ class Outcome(Generic[Payload]):
 
 
 ROUTING_FAILED = "routing_failed"
-"""The reason of a held request refused because its router failed on it."""
+"""The reason of a held request refused because its admission policy or its router
+failed on it."""
 
 
 class ReleaseFailed(Exception, Generic[Payload]):
@@ -261,7 +262,12 @@ class Pipeline(Generic[Payload]):
                 budget -= 1
                 snapshot = charges.on(fleet())
                 held = head.payload
-                decision = self._admit(head.request, held.route, snapshot, now, held=True)
+                try:
+                    decision = self._admit(head.request, held.route, snapshot, now, held=True)
+                except Exception:
+                    self.pools.release(task_class, now)
+                    outcomes.append(_failed_on(head))
+                    raise
                 if decision.verdict is Verdict.HOLD and _steps_past(decision, task_class):
                     aside.append(self.pools.set_aside(task_class))
                     continue
@@ -276,10 +282,7 @@ class Pipeline(Generic[Payload]):
                         head.request, held.route, held.payload, decision, snapshot, now
                     )
                 except Exception:
-                    # Refused, not held again: first in its pool, it would fail every pass
-                    # and hold the rest of its pool and every class after it.
-                    failed = AdmissionDecision(Verdict.REJECT, ROUTING_FAILED)
-                    outcomes.append(Outcome(head.request, held.payload, failed))
+                    outcomes.append(_failed_on(head))
                     raise
                 outcomes.append(dispatched)
                 charges.add(dispatched, len(snapshot))
@@ -462,6 +465,14 @@ class Pipeline(Generic[Payload]):
             self._classes[request.request_id] = request.task_class
             self._count(request.task_class, Usage(requests=1), now)
         return Outcome(request, payload, decision, routed)
+
+
+def _failed_on(head: Waiting[_Held[Payload]]) -> Outcome[Payload]:
+    """A held request its admission policy or router failed on, refused: held again, first
+    in its pool, it would fail every pass and hold the rest of its pool and every class
+    after it."""
+    refused = AdmissionDecision(Verdict.REJECT, ROUTING_FAILED)
+    return Outcome(head.request, head.payload.payload, refused)
 
 
 def _steps_past(hold: AdmissionDecision, task_class: TaskClass) -> bool:

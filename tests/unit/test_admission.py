@@ -369,6 +369,32 @@ def test_a_head_stepped_past_is_held_again_even_where_the_pass_fails() -> None:
     assert [o.payload for o in failed.value.outcomes] == ["short"]  # refused, not lost
 
 
+class _FailsOnHeldRequests(Fcfs):
+    """Holds every arrival, and fails on every held one: a bug in the policy's code."""
+
+    def decide(
+        self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
+    ) -> AdmissionDecision:
+        if held:
+            raise ZeroDivisionError("a bug in the policy")
+        return AdmissionDecision(Verdict.HOLD, "saturated", hold_until_s=np.inf)
+
+
+def test_a_head_the_policy_fails_on_is_refused_not_held_first_again() -> None:
+    """Only the router's errors were refused: a head the policy failed on stayed first in
+    its pool, and every later pass failed on it and released nothing behind it."""
+    pipeline: Pipeline[str] = Pipeline(_FailsOnHeldRequests(), make_router("round_robin"))
+    for rid in ("c1", "c2"):
+        pipeline.arrive(request(rid=rid), RouteRequest(rid, 1_000, 100), rid, fleet(), 0.0)
+    for now, refused, held in ((0.1, "c1", 1), (0.2, "c2", 0)):
+        with pytest.raises(ReleaseFailed) as failed:
+            pipeline.release(fleet, now)
+        assert isinstance(failed.value.__cause__, ZeroDivisionError)
+        decided = [(o.payload, o.admission.reason) for o in failed.value.outcomes]
+        assert decided == [(refused, ROUTING_FAILED)]
+        assert len(pipeline.pools) == held
+
+
 def test_a_release_pass_counts_its_own_dispatches_before_the_next_check() -> None:
     """Two long documents wait for prefill room, and one instance has it: the first one
     released takes it, and the second sees it taken, in the same pass, before the host
