@@ -97,6 +97,16 @@ class ReleaseFailed(Exception, Generic[Payload]):
         return type(self), (self.outcomes,)  # from a worker process, outcomes and all
 
 
+def check_pairing(admission: Admission, router: Router) -> None:
+    """ValueError where ``admission`` cannot decide behind ``router``: one that needs a TTFT
+    prediction behind a router that makes none would refuse every request."""
+    if admission.needs_prediction and not implements(router, PredictsTtft):
+        raise ValueError(
+            f"admission {admission.name!r} needs a router that predicts TTFT, as tokenpilot "
+            f"does; behind {router.name!r} it would refuse every request"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Charge:
     """What a routed request counts on its instance in its host's books (the simulator's
@@ -194,6 +204,7 @@ class Pipeline(Generic[Payload]):
     _kv_reader: ReadsKvEvents | None = field(init=False)
 
     def __post_init__(self) -> None:
+        check_pairing(self.admission, self.router)
         router = self.router
         self._follows = (
             cast(FollowsRequests, router) if implements(router, FollowsRequests) else None

@@ -31,6 +31,7 @@ class Fcfs:
 
     name: str = "fcfs"
     wants_prediction: bool = False
+    needs_prediction: bool = False
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
 
@@ -81,6 +82,7 @@ class DynamoRouterQueue:
     params: DynamoQueueParams = DynamoQueueParams()
     name: str = "dynamo_router_queue"
     wants_prediction: bool = False
+    needs_prediction: bool = False
     engine_scheduling: EngineScheduling = "fcfs"
     release_rate_per_s: float | None = None
     """Its queue drains in a loop, each admission counted before the next check."""
@@ -128,6 +130,7 @@ class LlmdFlowControl:
     params: FlowControlParams = FlowControlParams()
     name: str = "llmd_flow_control"
     wants_prediction: bool = False
+    needs_prediction: bool = False
     engine_scheduling: EngineScheduling = "fcfs"
     release_rate_per_s: float | None = 1000.0
     """Its processor dispatches at most one request per 1 ms tick of its dispatch loop
@@ -199,6 +202,7 @@ class LitellmPriority:
     params: LitellmParams = LitellmParams()
     name: str = "litellm_priority"
     wants_prediction: bool = False
+    needs_prediction: bool = False
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
 
@@ -254,6 +258,8 @@ class MooncakeEarlyReject:
     params: MooncakeParams = MooncakeParams()
     name: str = "mooncake_early_reject"
     wants_prediction: bool = True
+    needs_prediction: bool = True
+    """Without a TTFT prediction it refuses every request (``no_instance``)."""
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
 

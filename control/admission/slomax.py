@@ -75,6 +75,8 @@ class SLOMax:
     pool: PoolModel | None = field(default=None, kw_only=True)
     """The pool's engine limits: with its ``max_num_seqs``, sequences are reserved too."""
     wants_prediction: bool = True
+    needs_prediction: bool = False
+    """Without a prediction it rejects nothing early, and does the rest."""
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
 
