@@ -120,7 +120,10 @@ class LlmdFlowControl:
     rest. Saturation is the mean over endpoints of max(waiting / 5, KV use / 0.8), from
     the 50 ms scrape (metrics older than 200 ms would count 1.0; the scrape is never that
     old here). It lets held requests go at most one per millisecond. A request waits at
-    most 60 s, then gets 429; a band holds at most 5,000.
+    most 60 s, then is refused with 503, as upstream answers one whose TTL ran out in its
+    queue (``translateFlowControlOutcome`` in ``pkg/epp/requestcontrol/admission.go``:
+    ``QueueOutcomeEvictedTTL`` is ``ServiceUnavailable``); a band holds at most 5,000, and
+    an arrival past that is refused with 429 (``ResourceExhausted``).
 
     The chart ships the gate off; then only requests of negative priority are refused
     (429) while saturation is at or over 1.0, and everything else is admitted: for these
@@ -194,7 +197,10 @@ class LitellmPriority:
     (the sums over its deployments, one per ready instance); the model's own limits hold
     for everyone, and from saturation 0.5 each priority is also held to its weight times
     them. Requests count when they are sent, tokens when a response completes. Over a
-    limit the answer is 429 at once with no ``Retry-After``; nothing waits.
+    limit the answer is 429 at once; nothing waits. The hook names no retry time (it
+    raises ``litellm.RateLimitError``), so the decision names none either, and the
+    gateway's 429 carries its default ``Retry-After`` of 1 s, as for every refusal that
+    names no time (``gateway.admission.REFUSED_RETRY_AFTER_S``).
 
     Departure: upstream reads saturation through a local cache that lives up to 60 s; here
     it is read fresh at every decision, which can only help it."""
