@@ -77,7 +77,8 @@ class Outcome(Generic[Payload]):
 
 
 ROUTING_FAILED = "routing_failed"
-"""The reason of a held request refused because its router failed on it."""
+"""The reason of a held request refused because its admission policy or its router
+failed on it."""
 
 
 class ReleaseFailed(Exception, Generic[Payload]):
@@ -94,6 +95,16 @@ class ReleaseFailed(Exception, Generic[Payload]):
 
     def __reduce__(self) -> tuple[type[ReleaseFailed[Payload]], tuple[list[Outcome[Payload]]]]:
         return type(self), (self.outcomes,)  # from a worker process, outcomes and all
+
+
+def check_pairing(admission: Admission, router: Router) -> None:
+    """ValueError where ``admission`` cannot decide behind ``router``: one that needs a TTFT
+    prediction behind a router that makes none would refuse every request."""
+    if admission.needs_prediction and not implements(router, PredictsTtft):
+        raise ValueError(
+            f"admission {admission.name!r} needs a router that predicts TTFT, as tokenpilot "
+            f"does; behind {router.name!r} it would refuse every request"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +204,7 @@ class Pipeline(Generic[Payload]):
     _kv_reader: ReadsKvEvents | None = field(init=False)
 
     def __post_init__(self) -> None:
+        check_pairing(self.admission, self.router)
         router = self.router
         self._follows = (
             cast(FollowsRequests, router) if implements(router, FollowsRequests) else None
@@ -261,7 +273,12 @@ class Pipeline(Generic[Payload]):
                 budget -= 1
                 snapshot = charges.on(fleet())
                 held = head.payload
-                decision = self._admit(head.request, held.route, snapshot, now, held=True)
+                try:
+                    decision = self._admit(head.request, held.route, snapshot, now, held=True)
+                except Exception:
+                    self.pools.release(task_class, now)
+                    outcomes.append(_failed_on(head))
+                    raise
                 if decision.verdict is Verdict.HOLD and _steps_past(decision, task_class):
                     aside.append(self.pools.set_aside(task_class))
                     continue
@@ -276,10 +293,7 @@ class Pipeline(Generic[Payload]):
                         head.request, held.route, held.payload, decision, snapshot, now
                     )
                 except Exception:
-                    # Refused, not held again: first in its pool, it would fail every pass
-                    # and hold the rest of its pool and every class after it.
-                    failed = AdmissionDecision(Verdict.REJECT, ROUTING_FAILED)
-                    outcomes.append(Outcome(head.request, held.payload, failed))
+                    outcomes.append(_failed_on(head))
                     raise
                 outcomes.append(dispatched)
                 charges.add(dispatched, len(snapshot))
@@ -462,6 +476,14 @@ class Pipeline(Generic[Payload]):
             self._classes[request.request_id] = request.task_class
             self._count(request.task_class, Usage(requests=1), now)
         return Outcome(request, payload, decision, routed)
+
+
+def _failed_on(head: Waiting[_Held[Payload]]) -> Outcome[Payload]:
+    """A held request its admission policy or router failed on, refused: held again, first
+    in its pool, it would fail every pass and hold the rest of its pool and every class
+    after it."""
+    refused = AdmissionDecision(Verdict.REJECT, ROUTING_FAILED)
+    return Outcome(head.request, head.payload.payload, refused)
 
 
 def _steps_past(hold: AdmissionDecision, task_class: TaskClass) -> bool:

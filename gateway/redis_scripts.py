@@ -201,7 +201,7 @@ local at = tonumber(state[2]) or now
 level = math.min(burst, level + math.max(0, now - at) * rate)
 local wait = 0
 if level >= amount then level = level - amount
-elseif rate > 0 then wait = (amount - level) / rate
+elseif rate > 0 and amount <= burst then wait = (amount - level) / rate
 else wait = -1 end
 redis.call('HSET', key, 'level', tostring(level), 'at', tostring(now))
 if rate > 0 then redis.call('EXPIRE', key, math.ceil(burst / rate) + 60) end

@@ -262,7 +262,7 @@ class LocalState:
         now = time.monotonic()
         level, at = self._buckets.get(bucket, (burst, now))
         level = min(burst, level + (now - at) * rate_per_s)
-        wait = token_bucket_wait(level, rate_per_s, amount)
+        wait = token_bucket_wait(level, rate_per_s, amount, burst)
         self._buckets[bucket] = (level - amount if wait == 0.0 else level, now)
         return wait
 
@@ -290,8 +290,12 @@ class LocalState:
         return None
 
 
-def token_bucket_wait(level: float, rate_per_s: float, amount: float) -> float:
-    """Seconds until a bucket at ``level`` holds ``amount``; inf if it never refills."""
+def token_bucket_wait(level: float, rate_per_s: float, amount: float, burst: float) -> float:
+    """Seconds until a bucket at ``level`` holds ``amount``; inf if it never will: it does
+    not refill, or ``amount`` is more than it holds full (``burst``). ``TAKE`` in
+    ``gateway.redis_scripts`` is the same rule in Redis."""
     if level >= amount:
         return 0.0
-    return (amount - level) / rate_per_s if rate_per_s > 0 else float("inf")
+    if rate_per_s <= 0 or amount > burst:
+        return float("inf")
+    return (amount - level) / rate_per_s

@@ -61,8 +61,15 @@ class ClassQuota(Frozen):
             "same whatever the pool's size)."
         ),
     )
-    reserved_share: Fraction = Field(
-        default=0.0, description="Share of capacity held back for this class alone."
+    reserved_share: Fraction | None = Field(
+        default=None,
+        # Left off the wire when unset: readers from before it could be unset take the
+        # missing field as their 0.0, as they read every quota without a reserve before.
+        exclude_if=lambda share: share is None,
+        description=(
+            "Share of capacity held back for this class alone (None: the admission "
+            "policy's own default)."
+        ),
     )
 
     @model_validator(mode="after")
@@ -87,7 +94,7 @@ class AdmissionQuotas(ControlSnapshot):
 
     @model_validator(mode="after")
     def _reservations_fit(self) -> AdmissionQuotas:
-        reserved = sum(q.reserved_share for q in self.quotas)
+        reserved = sum(q.reserved_share or 0.0 for q in self.quotas)
         if reserved > 1.0 + 1e-9:
             raise ValueError(f"reserved shares add up to {reserved:.3f}, more than 1")
         return self

@@ -46,7 +46,7 @@ from sim.metrics import latency_stats, met_objective
 from sim.profiles import DEFAULT_PROFILE, profile
 from sim.records import RequestRecord
 from sim.registry import load_trace
-from sim.run import RunConfig, run_all
+from sim.run import RunConfig, check_policies, run_all
 from sim.simulator import Simulation
 
 STACKS = {"llmd_stack": ("llmd_default", "llmd_flow_control")}
@@ -82,12 +82,14 @@ def bench_admission(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """The benchmark's JSON document; ``clients`` None: the default ``ClientModel``."""
+    names = list(policies or BENCHED)
+    for name in names:
+        check_policies(*STACKS.get(name, (router, name)), profile_name)
     chosen = profile(profile_name)
     clients = clients or ClientModel(seed=seed)
     workload = load_trace(trace, limit=requests, seed=seed)
     capacity = instance_capacity_rps(chosen, workload) * instances
     offered = offered_rate_rps(workload)
-    names = list(policies or BENCHED)
     levels_of = {
         RunConfig(
             trace,

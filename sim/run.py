@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from control.admission.registry import CONTROLLED, make_admission
+from control.pipeline import check_pairing
 from control.routing import make_router
 from control.routing.tokenpilot import TokenPilotParams
 from control.step_time import Blackbox, StepTime
@@ -58,6 +59,13 @@ class RunConfig:
     def instance_profile(self) -> InstanceProfile:
         chosen = profile(self.profile)
         return chosen if self.blackbox is None else replace(chosen, step_time=self.blackbox)
+
+
+def check_policies(policy: str, admission: str, profile_name: str = DEFAULT_PROFILE) -> None:
+    """ValueError, before any work, where admission ``admission`` cannot run behind router
+    ``policy`` (``control.pipeline.check_pairing``), both built for the profile's pool."""
+    pool = profile(profile_name).pool_model()
+    check_pairing(make_admission(admission, pool), make_router(policy, pool=pool))
 
 
 def misjudged(step_time: StepTime, error: float, seed: int) -> StepTime:

@@ -24,6 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from control.admission.registry import CONTROLLED, Admission, make_admission
+from control.pipeline import check_pairing
 from control.routing import PoolModel, make_router, policy_params
 from control.routing.registry import Router
 from control.routing.tokenpilot import TokenPilotParams
@@ -112,6 +113,8 @@ def gateway_parts(
     policy, params = routing_params(fleet, settings)
     routers = router_factory(fleet, policy, seed, params)
     admissions = admission_factory(fleet, settings.admission)
+    first = fleet.models[0].name
+    check_pairing(admissions(first), routers(first))  # at start, not at the first request
 
     def recipe(model: str) -> dict[str, Any]:
         """How ``routers`` and ``admissions`` build ``model``'s pool, for an auditor."""

@@ -31,6 +31,7 @@ class Fcfs:
 
     name: str = "fcfs"
     wants_prediction: bool = False
+    needs_prediction: bool = False
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
 
@@ -81,6 +82,7 @@ class DynamoRouterQueue:
     params: DynamoQueueParams = DynamoQueueParams()
     name: str = "dynamo_router_queue"
     wants_prediction: bool = False
+    needs_prediction: bool = False
     engine_scheduling: EngineScheduling = "fcfs"
     release_rate_per_s: float | None = None
     """Its queue drains in a loop, each admission counted before the next check."""
@@ -118,7 +120,10 @@ class LlmdFlowControl:
     rest. Saturation is the mean over endpoints of max(waiting / 5, KV use / 0.8), from
     the 50 ms scrape (metrics older than 200 ms would count 1.0; the scrape is never that
     old here). It lets held requests go at most one per millisecond. A request waits at
-    most 60 s, then gets 429; a band holds at most 5,000.
+    most 60 s, then is refused with 503, as upstream answers one whose TTL ran out in its
+    queue (``translateFlowControlOutcome`` in ``pkg/epp/requestcontrol/admission.go``:
+    ``QueueOutcomeEvictedTTL`` is ``ServiceUnavailable``); a band holds at most 5,000, and
+    an arrival past that is refused with 429 (``ResourceExhausted``).
 
     The chart ships the gate off; then only requests of negative priority are refused
     (429) while saturation is at or over 1.0, and everything else is admitted: for these
@@ -128,6 +133,7 @@ class LlmdFlowControl:
     params: FlowControlParams = FlowControlParams()
     name: str = "llmd_flow_control"
     wants_prediction: bool = False
+    needs_prediction: bool = False
     engine_scheduling: EngineScheduling = "fcfs"
     release_rate_per_s: float | None = 1000.0
     """Its processor dispatches at most one request per 1 ms tick of its dispatch loop
@@ -191,7 +197,10 @@ class LitellmPriority:
     (the sums over its deployments, one per ready instance); the model's own limits hold
     for everyone, and from saturation 0.5 each priority is also held to its weight times
     them. Requests count when they are sent, tokens when a response completes. Over a
-    limit the answer is 429 at once with no ``Retry-After``; nothing waits.
+    limit the answer is 429 at once; nothing waits. The hook names no retry time (it
+    raises ``litellm.RateLimitError``), so the decision names none either, and the
+    gateway's 429 carries its default ``Retry-After`` of 1 s, as for every refusal that
+    names no time (``gateway.admission.REFUSED_RETRY_AFTER_S``).
 
     Departure: upstream reads saturation through a local cache that lives up to 60 s; here
     it is read fresh at every decision, which can only help it."""
@@ -199,6 +208,7 @@ class LitellmPriority:
     params: LitellmParams = LitellmParams()
     name: str = "litellm_priority"
     wants_prediction: bool = False
+    needs_prediction: bool = False
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
 
@@ -254,6 +264,8 @@ class MooncakeEarlyReject:
     params: MooncakeParams = MooncakeParams()
     name: str = "mooncake_early_reject"
     wants_prediction: bool = True
+    needs_prediction: bool = True
+    """Without a TTFT prediction it refuses every request (``no_instance``)."""
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
 

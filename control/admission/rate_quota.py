@@ -33,11 +33,12 @@ def bucket_draw(
 ) -> BucketDraw | None:
     """What a request of ``tokens`` (prompt and output budget) takes in ``dc``, from the
     bucket of the quota it draws on; None when that quota sets no bucket. A request larger
-    than the bucket takes all of it, so that it can pass at all."""
+    than the bucket takes all of it, so that it can pass at all; but a bucket of 0 holds
+    nothing, and the whole request never fits in it: ``burst_tokens=0`` shuts the class or
+    tenant off (it took 0 tokens of 0 and passed, whatever the rate)."""
     quota = quota_for(quotas, task_class, tenant)
     if quota is None or quota.tokens_per_s is None or quota.burst_tokens is None:
         return None
+    burst = quota.burst_tokens
     bucket = f"{dc}:{quota.task_class.value}:{quota.tenant or '*'}"
-    return BucketDraw(
-        bucket, quota.tokens_per_s, quota.burst_tokens, min(tokens, quota.burst_tokens)
-    )
+    return BucketDraw(bucket, quota.tokens_per_s, burst, min(tokens, burst) if burst else tokens)

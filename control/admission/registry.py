@@ -39,6 +39,12 @@ class Admission(Protocol):
         ...
 
     @property
+    def needs_prediction(self) -> bool:
+        """Whether it cannot decide without that prediction: it runs only behind a router
+        that makes one (``PredictsTtft``; ``control.pipeline.check_pairing``)."""
+        ...
+
+    @property
     def release_rate_per_s(self) -> float | None:
         """At most how many held requests a second it lets go, as its dispatch loop ticks
         (None: as many as it allows whenever the host asks)."""

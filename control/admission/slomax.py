@@ -75,6 +75,8 @@ class SLOMax:
     pool: PoolModel | None = field(default=None, kw_only=True)
     """The pool's engine limits: with its ``max_num_seqs``, sequences are reserved too."""
     wants_prediction: bool = True
+    needs_prediction: bool = False
+    """Without a prediction it rejects nothing early, and does the rest."""
     release_rate_per_s: float | None = None
     engine_scheduling: EngineScheduling = "fcfs"
 
@@ -129,8 +131,7 @@ class SLOMax:
         if limit is not None and task_class in view.out_of_slots:
             return SLOT_WAIT, allowed
         if p.interactive_reservation and task_class is not TaskClass.INTERACTIVE:
-            interactive = view.quotas.get(TaskClass.INTERACTIVE)
-            reserved = p.reserved_kv_share if interactive is None else interactive.reserved_share
+            reserved = self._interactive_reserve(view.quotas)
             if task_class is TaskClass.BATCH:  # batch fills what the others leave idle
                 allowed &= fleet.waiting == 0
             most = None if self.pool is None else self.pool.max_num_seqs
@@ -143,6 +144,13 @@ class SLOMax:
             if not allowed.any():
                 return PREFILL_WAIT, allowed
         return (None if allowed.any() else "no_instance"), allowed
+
+    def _interactive_reserve(self, quotas: Mapping[TaskClass, ClassQuota]) -> float:
+        """The share held back for interactive requests: the interactive quota's, where it
+        names one (a quota that sets only a bucket or a ceiling leaves the default)."""
+        interactive = quotas.get(TaskClass.INTERACTIVE)
+        named = None if interactive is None else interactive.reserved_share
+        return self.params.reserved_kv_share if named is None else named
 
     def _reject(self, reason: str, held: bool, figures: dict[str, float]) -> AdmissionDecision:
         retry = None if held else self.params.retry_after_s

@@ -143,34 +143,46 @@ async def test_a_request_no_allowed_dc_can_run_gets_503(client: openai.AsyncOpen
     assert refused.value.status_code == 503
 
 
-async def test_a_quota_answers_429_with_retry_after(front: Gateway) -> None:
+async def _apply(front: Gateway, quota: ClassQuota) -> None:
+    """Publish ``quota`` for dc-a and wait until the gateway holds it."""
     quotas = AdmissionQuotas(
-        version=1,
-        scope="dc-a",
-        issued_at=time.time(),
-        ttl_s=60,
-        quotas=(
-            ClassQuota(
-                task_class=TaskClass.INTERACTIVE,
-                tokens_per_s=10,
-                burst_tokens=200,
-                max_concurrency=100,
-            ),
-        ),
+        version=1, scope="dc-a", issued_at=time.time(), ttl_s=60, quotas=(quota,)
     )
     bus = front.app.state.gateway.parts.bus
     await bus.publish_event(Envelope.wrap(quotas, source="test"))
+    for _ in range(100):
+        if front.app.state.gateway.decider.quotas.current("dc-a"):
+            break
+        await asyncio.sleep(0.02)
+
+
+async def test_a_quota_answers_429_with_retry_after(front: Gateway) -> None:
+    await _apply(
+        front,
+        ClassQuota(
+            task_class=TaskClass.INTERACTIVE,
+            tokens_per_s=10,
+            burst_tokens=200,
+            max_concurrency=100,
+        ),
+    )
     async with front.client() as http:
-        for _ in range(100):
-            if front.app.state.gateway.decider.quotas.current("dc-a"):
-                break
-            await asyncio.sleep(0.02)
         first = await http.post("/v1/chat/completions", json=chat("a" * 400, max_tokens=50))
         second = await http.post("/v1/chat/completions", json=chat("a" * 400, max_tokens=50))
     assert first.status_code == 200
     assert second.status_code == 429
     assert second.json()["error"]["type"] == "rate_limit_error"
     assert 1 <= int(second.headers["retry-after"]) <= 20
+
+
+async def test_a_quota_with_a_burst_of_0_refuses_every_request(front: Gateway) -> None:
+    """It took 0 tokens of 0 from the bucket and passed: a tenant shut off ran freely."""
+    shut = ClassQuota(task_class=TaskClass.INTERACTIVE, tokens_per_s=0, burst_tokens=0)
+    await _apply(front, shut)
+    async with front.client() as http:
+        refused = await http.post("/v1/chat/completions", json=chat("hi", max_tokens=5))
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "60"  # the wait for a bucket that never fills
 
 
 async def test_kv_events_correct_the_shared_prefix_index(front: Gateway) -> None:

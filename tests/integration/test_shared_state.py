@@ -120,6 +120,14 @@ async def test_a_token_bucket_admits_its_burst_then_says_when(state: SharedState
     assert await state.take(bucket, 0.0, 10.0, 20.0) == float("inf")
 
 
+async def test_a_token_bucket_never_fits_more_than_it_holds_full(state: SharedState) -> None:
+    """A bucket of 0 that refills still holds 0: a wait of 2 s told the client to come back
+    for a request that could never pass."""
+    bucket = f"b-{uuid.uuid4().hex}"
+    assert await state.take(bucket, 10.0, 0.0, 20.0) == float("inf")
+    assert await state.take(bucket, 10.0, 100.0, 101.0) == float("inf")
+
+
 async def test_an_idempotency_key_is_held_then_settled(state: SharedState) -> None:
     key = f"k-{uuid.uuid4().hex}"
     assert await state.claim(key, 60.0) is None

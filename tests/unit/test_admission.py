@@ -119,6 +119,18 @@ def test_lower_classes_wait_once_the_fleet_eats_into_the_interactive_reserve() -
     assert SLOMax().decide(request(DOC, tokens=20_000), reserved).reason == "reservation"
 
 
+def test_an_interactive_quota_without_a_reserve_keeps_the_default_one() -> None:
+    """A quota that set only a bucket or a ceiling for interactive requests read as a
+    reserve of 0: long documents took the KV held back for chats."""
+    busy = fleet(kv_used=(86, 86))  # 86 % in use, against the default 15 % reserve
+    for quota in (
+        ClassQuota(task_class=CHAT, tokens_per_s=1e6, burst_tokens=10**6),
+        ClassQuota(task_class=CHAT, max_concurrency=100),
+    ):
+        decision = SLOMax().decide(request(DOC, tokens=20_000), view(busy, quotas={CHAT: quota}))
+        assert decision.reason == "reservation"
+
+
 def test_lower_classes_leave_the_interactive_share_of_the_engines_sequences() -> None:
     """On an instance whose running and waiting sequences take more than all but the
     reserved share (15 % by default, else the quota's) of its ``max_num_seqs``, only chats
@@ -355,6 +367,32 @@ def test_a_head_stepped_past_is_held_again_even_where_the_pass_fails() -> None:
     assert head is not None
     assert head.payload.payload == "long"
     assert [o.payload for o in failed.value.outcomes] == ["short"]  # refused, not lost
+
+
+class _FailsOnHeldRequests(Fcfs):
+    """Holds every arrival, and fails on every held one: a bug in the policy's code."""
+
+    def decide(
+        self, request: AdmissionRequest, view: AdmissionView, *, held: bool = False
+    ) -> AdmissionDecision:
+        if held:
+            raise ZeroDivisionError("a bug in the policy")
+        return AdmissionDecision(Verdict.HOLD, "saturated", hold_until_s=np.inf)
+
+
+def test_a_head_the_policy_fails_on_is_refused_not_held_first_again() -> None:
+    """Only the router's errors were refused: a head the policy failed on stayed first in
+    its pool, and every later pass failed on it and released nothing behind it."""
+    pipeline: Pipeline[str] = Pipeline(_FailsOnHeldRequests(), make_router("round_robin"))
+    for rid in ("c1", "c2"):
+        pipeline.arrive(request(rid=rid), RouteRequest(rid, 1_000, 100), rid, fleet(), 0.0)
+    for now, refused, held in ((0.1, "c1", 1), (0.2, "c2", 0)):
+        with pytest.raises(ReleaseFailed) as failed:
+            pipeline.release(fleet, now)
+        assert isinstance(failed.value.__cause__, ZeroDivisionError)
+        decided = [(o.payload, o.admission.reason) for o in failed.value.outcomes]
+        assert decided == [(refused, ROUTING_FAILED)]
+        assert len(pipeline.pools) == held
 
 
 def test_a_release_pass_counts_its_own_dispatches_before_the_next_check() -> None:

@@ -125,6 +125,17 @@ def test_the_pipeline_counts_usage_in_fixed_windows() -> None:
     assert pipeline.usage[CHAT] == Usage(requests=1)
 
 
+def test_mooncake_runs_only_behind_a_router_that_predicts_ttft() -> None:
+    """Behind round robin it had no prediction, and refused every request (no_instance),
+    an idle fleet's too."""
+    steps = KneeRoofline(0.01, 0.0, 0, 0.0, 0.0)
+    conductor = MooncakeEarlyReject(PoolModel(steps))
+    with pytest.raises(ValueError, match="'mooncake_early_reject' needs a router that predicts"):
+        Pipeline(conductor, make_router("round_robin"))
+    Pipeline(conductor, make_router("tokenpilot", pool=PoolModel(steps)))
+    Pipeline(SLOMax(), make_router("round_robin"))  # SLOMax rejects nothing early without
+
+
 def test_mooncake_refuses_what_would_meet_a_decode_batch_too_slow_for_its_tbt_limit() -> None:
     # each step: 0.01 s plus 0.01 s per sequence decoding
     steps = KneeRoofline(

@@ -53,6 +53,13 @@ def test_slomax_reserves_the_sequences_the_fleet_file_says_each_engine_runs() ->
     assert admission.pool.max_num_seqs is None  # KV alone is reserved
 
 
+def test_an_admission_that_needs_a_prediction_behind_a_router_without_stops_the_gateway() -> None:
+    """Started so, it refused every request (no_instance), on an idle fleet too."""
+    settings = GatewaySettings(policy="round_robin", admission="mooncake_early_reject")
+    with pytest.raises(ValueError, match="needs a router that predicts TTFT"):
+        gateway_parts(load_fleet(EXAMPLE), settings, InMemoryBus(), LocalState())
+
+
 def test_a_negative_token_lag_is_refused() -> None:
     with pytest.raises(ValidationError, match="token_lag_s"):
         GatewaySettings(token_lag_s=-0.001)

@@ -44,3 +44,11 @@ def test_a_request_larger_than_its_bucket_takes_all_of_it() -> None:
 def test_a_quota_without_a_bucket_draws_nothing() -> None:
     assert bucket_draw(QUOTAS, "dc-a", TaskClass.LONG_DOCUMENT, "acme", 10) is None
     assert bucket_draw(QUOTAS, "dc-a", TaskClass.INTERACTIVE, "acme", 10) is None
+
+
+def test_a_bucket_of_nothing_draws_the_whole_request_which_never_fits() -> None:
+    """A burst of 0 drew 0 tokens and passed: tokens_per_s=0, burst_tokens=0 let all in."""
+    shut = ClassQuota(task_class=BATCH, tenant="acme", tokens_per_s=0.0, burst_tokens=0)
+    quotas = QUOTAS.model_copy(update={"quotas": (shut,)})
+    draw = bucket_draw(quotas, "dc-a", BATCH, "acme", 30)
+    assert draw == BucketDraw("dc-a:batch:acme", 0.0, 0, 30)

@@ -126,6 +126,21 @@ def test_a_dc_weight_is_a_share_of_its_capacity() -> None:
             DcWeight(model="m", dc="d", weight=wrong)
 
 
+def test_a_quota_without_a_reserve_leaves_it_off_the_wire_and_counts_none() -> None:
+    """Unset, the reserve is not written: readers of an earlier version, which take a
+    missing reserve as 0.0, read the controller's quotas as they did before."""
+    bucket = ClassQuota(task_class="interactive", tokens_per_s=1, burst_tokens=1)
+    held = ClassQuota(task_class="batch", reserved_share=1.0)
+    quotas = AdmissionQuotas(scope="dc", version=1, issued_at=0, ttl_s=5, quotas=(bucket, held))
+    written = json.loads(encode(Envelope.wrap(quotas, source="c")))["payload"]["quotas"]
+    assert "reserved_share" not in written[0]
+    assert written[1]["reserved_share"] == 1.0
+    decoded = decode(encode(Envelope.wrap(quotas, source="c"))).payload
+    assert decoded == quotas
+    assert isinstance(decoded, AdmissionQuotas)
+    assert decoded.quotas[0].reserved_share is None
+
+
 def test_a_snapshot_supersedes_only_older_versions() -> None:
     def quotas(version: int) -> AdmissionQuotas:
         return AdmissionQuotas(scope="dc", version=version, issued_at=0, ttl_s=5, quotas=())

@@ -88,6 +88,11 @@ WRONG_TYPE = '{"timestamp": 0, "input_length": "x", "output_length": 5, "hash_id
             "line 1: input_length must be a whole number, 1 or more, not 'x'",
         ),
         (["--trace", "mooncake", "--instances", "0"], "must be at least 1, not 0"),
+        (
+            ["--trace", "mooncake", "--admission", "mooncake_early_reject"],
+            "'mooncake_early_reject' needs a router that predicts TTFT, as tokenpilot does; "
+            "behind 'round_robin' it would refuse every request",
+        ),
         (["--trace", "mooncake", "--rate-scale", "-1"], "must be a finite number above 0"),
         (["--trace", "mooncake", "--rate-scale", "nan"], "must be a finite number above 0"),
         (["--trace", "mooncake", "--ladder", "1,nan"], "must be a finite number above 0, not nan"),
@@ -383,6 +388,16 @@ def test_the_admission_benchmark_writes_every_policy_per_level_and_class(tmp_pat
             assert set(level["per_class"]) == {"interactive", "long_document", "batch"}
         assert 0.0 <= figures["compliance"] <= 1.0
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_admission_benchmark_refuses_a_policy_its_router_cannot_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    arguments = ["bench", "admission", "--router", "round_robin", "--requests", "50"]
+    arguments += ["--policies", "fcfs,mooncake_early_reject", "--ladder", "1"]
+    arguments += ["--json", str(tmp_path / "admission.json")]
+    assert main(arguments) == 2
+    assert "behind 'round_robin' it would refuse every request" in capsys.readouterr().err
 
 
 def test_capacity_at_90_percent_is_read_where_compliance_falls_through() -> None:

@@ -122,7 +122,7 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from sim.run import RunConfig, simulate_ladder, simulate_run, write_records
+    from sim.run import RunConfig, check_policies, simulate_ladder, simulate_run, write_records
 
     config = RunConfig(
         trace=args.trace,
@@ -139,6 +139,7 @@ def _sim(args: argparse.Namespace) -> int:
     )
     progress = sys.stderr.isatty()
     try:
+        check_policies(config.policy, config.admission, config.profile)
         if args.ladder:
             result, records = simulate_ladder(config, args.ladder, progress=progress)
             runs = result["levels"]
