@@ -288,6 +288,8 @@ class FleetSimulation:
         self.choices.append(EdgeChoice(self.now, request, decision.chosen))
         if decision.chosen is None:
             self.refused.append(RequestRecord.rejected(request, self.now))
+            # Its client tries again as one refused in a DC does (any DC's queue times it).
+            self._dcs[0].simulation.come_back(request, self.now, None)
             return
         self._fallbacks[request.request_id] = list(decision.order[1:])
         self._send(request, decision.chosen)

@@ -300,7 +300,7 @@ class Simulation:
             if self.fall_back is not None and self.fall_back(request):
                 return
             self.records.append(RequestRecord.rejected(request, self.now))
-            self._come_back(request, outcome.admission.retry_after_s)
+            self.come_back(request, self.now, outcome.admission.retry_after_s)
             return
         assert outcome.route is not None
         self._dispatch(index, request, outcome.route)
@@ -327,7 +327,7 @@ class Simulation:
             if not self.pipeline.withdraw(request_id):
                 return
             self.records.append(RequestRecord.cancelled(request, self.now, None, None))
-            self._come_back(request, None)
+            self.come_back(request, self.now, None)
             return
         index, sequence = placed
         plan = self.instances[index].plan
@@ -338,7 +338,7 @@ class Simulation:
         if first_token_only and sequence.first_token_s is not None:
             return
         self._cancel(index, sequence)
-        self._come_back(request, None)
+        self.come_back(request, self.now, None)
 
     def _cancel(self, index: int, sequence: Sequence) -> None:
         """Stop a sequence on its engine and settle the host's books for it."""
@@ -355,11 +355,13 @@ class Simulation:
         self.records.append(RequestRecord.cancelled(sequence.request, self.now, where, sequence))
         self.pipeline.finished(request_id, self.now, cancelled=True)
 
-    def _come_back(self, request: TraceRequest, retry_after_s: float | None) -> None:
-        """A client that was refused or gave up tries once more, if it is one that does."""
+    def come_back(self, request: TraceRequest, at_s: float, retry_after_s: float | None) -> None:
+        """A client refused or giving up at ``at_s`` tries once more, if it is one that does
+        (through ``reenter`` where that is set: an edge refusal's retry is the edge's
+        too)."""
         if self.clients is None:
             return
-        retry = self.clients.retry(request, self.now, retry_after_s)
+        retry = self.clients.retry(request, at_s, retry_after_s)
         if retry is not None:
             self._push(retry.arrival_s, _RETRY, -1, retry)
 

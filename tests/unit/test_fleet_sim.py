@@ -10,6 +10,7 @@ import pytest
 
 from control.fleet.registry import DC_POLICIES, make_dc_policy
 from schemas.base import TaskClass
+from sim.clients import RETRY_SUFFIX, ClientModel
 from sim.fleet_bench import (
     HOTSPOT_S,
     fleet_figures,
@@ -66,6 +67,27 @@ def test_local_only_keeps_every_request_home_and_refuses_while_home_warms_up() -
     assert refused
     assert all(r.outcome == "rejected" and r.arrival_s < 6.0 for r in refused)
     assert {r.dc for r in us if r.dc is not None} == {"dc-d"}
+
+
+def test_a_client_the_edge_refuses_tries_again_as_one_a_dc_refused_does() -> None:
+    """us-east's home warms up until 5 s: its refused chats' clients that retry (half of
+    them) come back a second later through the edge, and those back after it is ready run."""
+    requests = chats(30, 3.0, "us-east")
+    simulation = FleetSimulation(
+        LAYOUT,
+        PROFILE,
+        make_dc_policy("local_only"),
+        capacity_rps_per_instance=4.0,
+        clients=ClientModel(),
+    )
+    records = simulation.run(requests)
+    refused = {r.request_id for r in records if r.dc is None}
+    retried = [c for c in simulation.choices if c.request.request_id.endswith(RETRY_SUFFIX)]
+    assert refused
+    assert retried
+    assert {c.request.request_id.removesuffix(RETRY_SUFFIX) for c in retried} <= refused
+    assert all(c.at_s >= 1.0 for c in retried)
+    assert any(c.chosen == "dc-d" for c in retried)
 
 
 def test_nothing_runs_in_a_dc_before_the_edge_hears_it_is_ready() -> None:
