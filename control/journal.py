@@ -17,6 +17,7 @@ seen streaming, an ineligible candidate's score) are written as the strings ``"i
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -218,6 +219,16 @@ _RECORDED_FIELDS: dict[str, Callable[[Any], Record | None]] = {
 """The fields a host sets between calls, recorded when they change."""
 
 
+RELEASE_PART = "release_part"
+"""A record that carries more of the outcomes of the release pass before it."""
+PART_BYTES = 400_000
+"""The most bytes of outcomes one release record carries; a pass that lets out more goes
+on in ``RELEASE_PART`` records, which the replay joins to it. Written whole, a pass that
+let out about 190 held requests at 256 instances (every outcome carries every instance's
+score: 5 KB each) passed the bus's 1,000,000 bytes, and the pool's replay stopped there.
+400 KB leaves room for the pass's snapshots beside them."""
+
+
 @dataclass
 class JournaledPipeline(Pipeline[Payload]):
     """A pipeline that writes every call that shapes its decisions to ``journal``, with
@@ -231,6 +242,8 @@ class JournaledPipeline(Pipeline[Payload]):
     _seq: int = field(default=0, init=False)
     _last_pass_snapshot: Record | None = field(default=None, init=False, repr=False)
     """The last snapshot a release pass recorded whole (``SAME_AS_LAST_PASS``)."""
+    part_bytes: int = PART_BYTES
+    """The most bytes of outcomes one release record carries (``PART_BYTES``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -301,7 +314,11 @@ class JournaledPipeline(Pipeline[Payload]):
         ]
         if whole:
             self._last_pass_snapshot = whole[-1]
-        self._write("release", now=now, fleets=fleets, outcomes=result)
+        first, *rest = _parts(result, self.part_bytes) if isinstance(result, list) else [result]
+        parts = {"parts": 1 + len(rest)} if rest else {}
+        self._write("release", now=now, fleets=fleets, outcomes=first, **parts)
+        for part in rest:
+            self._write(RELEASE_PART, outcomes=part)
 
     def reroute(
         self, route: RouteRequest, fleet: FleetSnapshot, now: float, allowed: BoolArray | None
@@ -372,6 +389,21 @@ a pass, most of them the same snapshot again (hundreds of KB a second for one he
 request)."""
 
 
+def _parts(outcomes: list[Record], budget: int) -> list[list[Record]]:
+    """``outcomes`` in order, in parts of at most ``budget`` bytes of JSON each (an
+    outcome larger than that alone in its part); one part, empty, for none."""
+    parts: list[list[Record]] = [[]]
+    size = 0
+    for outcome in outcomes:
+        length = len(json.dumps(outcome))
+        if parts[-1] and size + length > budget:
+            parts.append([])
+            size = 0
+        parts[-1].append(outcome)
+        size += length
+    return parts
+
+
 def _distinct_snapshots(taken: list[FleetSnapshot]) -> Record:
     """The snapshots a release pass took, each written once (a host usually hands the
     same one to every dispatch of a pass), and the order it took them in."""
@@ -427,6 +459,7 @@ def replay(records: Iterable[Record], build: Callable[[Record], Pipeline[str]]) 
     result = Replayed()
     pipeline: Pipeline[str] | None = None
     last_pass = _LastPass()
+    in_parts = _PassInParts()
     for expected, record in enumerate(records):
         if (gap := missing(expected, record)) is not None:
             result.problem = gap
@@ -441,6 +474,10 @@ def replay(records: Iterable[Record], build: Callable[[Record], Pipeline[str]]) 
             pipeline.peers = _peers_from(record["peers"])
             pipeline.slots = _slots_from(record.get("slots"))
             continue
+        whole = in_parts.whole(record)
+        if whole is None:
+            continue
+        record = whole
         replayed = _call(pipeline, record, last_pass)
         if replayed is _NO_RESULT:
             continue
@@ -462,6 +499,34 @@ _RESULT_FIELD = {
     "drain": "outcomes",
 }
 _NO_RESULT = object()
+
+
+@dataclass
+class _PassInParts:
+    """A release pass written in parts (``RELEASE_PART``), gathered until whole."""
+
+    first: Record | None = None
+    left: int = 0
+
+    def whole(self, record: Record) -> Record | None:
+        """``record``, or the pass whose last part it is; None while parts are to come.
+        ValueError for a part that continues no pass, or a record amid a pass's parts."""
+        if record["call"] == RELEASE_PART:
+            if self.first is None:
+                raise ValueError(f"record {record['seq']} continues no release pass")
+            self.first["outcomes"] += record["outcomes"]
+            self.left -= 1
+        elif self.first is not None:
+            raise ValueError(f"record {record['seq']} comes amid a release pass's parts")
+        elif record.get("parts", 1) > 1:
+            self.first = record | {"outcomes": list(record["outcomes"])}
+            self.left = record["parts"] - 1
+        else:
+            return record
+        if self.left:
+            return None
+        whole, self.first = self.first, None
+        return whole
 
 
 @dataclass

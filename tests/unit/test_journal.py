@@ -17,6 +17,8 @@ from control.fleet.fleetmind import FleetMind
 from control.fleet.journal import dc_choice_record, replay_dc_choice
 from control.fleet.view import DataCenterState, DcRequest, FleetState
 from control.journal import (
+    PART_BYTES,
+    RELEASE_PART,
     SAME_AS_LAST_PASS,
     JournaledPipeline,
     Record,
@@ -34,6 +36,7 @@ from sim.cluster import Cluster
 from sim.control_loop import QuotaLoop
 from sim.simulator import Simulation
 from sim.workload import TraceRequest
+from streams.bus import MAX_RECORD_BYTES
 from tests.unit.test_admission import _BreaksOnSecondRoute, fleet, request
 from tests.unit.test_simulator import STEPS, _profile
 from tokenfleet.audit import audit_journal
@@ -289,3 +292,46 @@ def test_a_release_pass_that_failed_is_journaled_with_what_it_decided_and_replay
     assert [o["request_id"] for o in failed["outcomes"]["before"]] == ["d1", "d2"]
     audit = replay(json.loads(json.dumps(records)), broken)
     assert (audit.problem, audit.differences) == (None, [])
+
+
+def test_a_pass_that_lets_out_many_writes_them_in_parts_each_within_the_bus_s_limit() -> None:
+    """200 batch requests held on 256 busy instances, then let out at once: written whole,
+    the pass carried every instance's score for each of them, past the 1,000,000 bytes a
+    bus takes, and the pool's replay stopped there."""
+    journal = _held_and_let_out(200, part_bytes=PART_BYTES)
+    assert max(_written_bytes(r) for r in journal) < MAX_RECORD_BYTES
+    whole = _held_and_let_out(200, part_bytes=10**9)
+    assert max(_written_bytes(r) for r in whole) > MAX_RECORD_BYTES  # the pass in one
+    [first] = [r for r in journal if r["call"] == "release"]
+    parts = [r for r in journal if r["call"] == RELEASE_PART]
+    assert first["parts"] == 1 + len(parts) > 1
+    assert len(first["outcomes"]) + sum(len(p["outcomes"]) for p in parts) == 200
+    audit = replay(json.loads(json.dumps(journal)), _pipeline)
+    assert (audit.problem, audit.differences, audit.decisions) == (None, [], 201)
+    without_the_pass = [r for r in journal if r is not first]
+    renumbered = [r | {"seq": n} for n, r in enumerate(without_the_pass)]
+    with pytest.raises(ValueError, match="continues no release pass"):
+        replay(renumbered, _pipeline)
+
+
+def _held_and_let_out(count: int, part_bytes: int) -> list[Record]:
+    """The journal of ``count`` batch requests held on 256 busy instances, then let out."""
+    journal: list[Record] = []
+    pipeline = JournaledPipeline(
+        make_admission("slomax"),
+        make_router("tokenpilot", seed=SEED, pool=POOL),
+        journal=journal.append,
+        part_bytes=part_bytes,
+    )
+    zeros = (0,) * 256
+    busy = fleet((2, 1) * 128, zeros, zeros, running=zeros)  # 256 queueing: batch waits
+    for n in range(count):
+        batch = request(TaskClass.BATCH, deadline=3600.0, rid=f"b{n}")
+        pipeline.arrive(batch, RouteRequest(f"b{n}", 1_000, 100), f"b{n}", busy, 0.0)
+    idle = fleet(zeros, zeros, zeros, running=zeros)
+    assert len(pipeline.release(lambda: idle, 1.0)) == count
+    return journal
+
+
+def _written_bytes(record: Record) -> int:
+    return len(encode(Envelope.wrap(JournalRecord(journal="j", record=record), source="g")))
