@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 import zipfile
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,10 +30,16 @@ from schemas.fleet import load_fleet
 from tokenfleet.cli import build_parser, main
 from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
-from tokenfleet.deployment import SERVICE_SETTINGS, Deployment, Part, plan
+from tokenfleet.deployment import (
+    GATEWAY_STOP_MARGIN_S,
+    SERVICE_SETTINGS,
+    Deployment,
+    Part,
+    plan,
+)
 from tokenfleet.services import kafka
 from tokenfleet.services.kafka import KAFKA_VERSION
-from tokenfleet.services.process import ServiceError
+from tokenfleet.services.process import STOP_TIMEOUT_S, ServiceError
 from tokenfleet.services.redis import LocalRedis
 
 ROOT = Path(__file__).parents[2]
@@ -368,3 +378,79 @@ def test_up_and_down_refuse_at_once_a_folder_another_up_or_down_holds(
         assert (home / "deployment.json").exists()  # down stopped nothing
     assert main(["down", "--home", str(home)]) == 0
     assert not (home / "deployment.json").exists()
+
+
+def test_the_gateways_stop_timeout_follows_their_drain_and_is_recorded(tmp_path: Path) -> None:
+    """``down`` killed every part 30 s after its SIGTERM, whatever the gateways' drain: with
+    ``TOKENFLEET_GATEWAY_DRAIN_S=60`` a gateway was killed halfway through draining."""
+    parts = local_plan(gateway_drain_s=60)
+    timeouts = {part.name: part.stop_timeout_s for part in parts}
+    assert timeouts["gateway-dc-c"] == 60 + GATEWAY_STOP_MARGIN_S
+    assert timeouts["controller"] == STOP_TIMEOUT_S
+    assert local_plan()[-1].stop_timeout_s == 25 + GATEWAY_STOP_MARGIN_S  # the gateway's default
+    deployment = Deployment(tmp_path / "up")
+    _record(deployment, parts)
+    assert deployment.parts() == list(parts)  # down, from another process, reads them back
+
+
+def test_down_kills_a_part_still_running_its_recorded_stop_timeout_after_sigterm(
+    tmp_path: Path,
+) -> None:
+    home = tmp_path / "up"
+    part = replace(_draining(home, "gateway-dc-a", drain_s=120), stop_timeout_s=1)
+    _record(Deployment(home), [part])
+    started = time.monotonic()
+    Deployment(home).stop()
+    assert time.monotonic() - started < 10  # not the fixed 30 s
+    assert Deployment(home).pids() == {}
+    assert not (home / part.name / "pid").exists()
+
+
+def test_down_signals_every_gateway_before_waiting_for_any(tmp_path: Path) -> None:
+    """One at a time, ``down`` took as many drains as there are gateways."""
+    home = tmp_path / "up"
+    parts = [_draining(home, f"gateway-dc-{dc}", drain_s=2) for dc in "abc"]
+    pids = [(home / part.name / "pid").read_text().split()[0] for part in parts]
+    _record(Deployment(home), parts)
+    started = time.monotonic()
+    Deployment(home).stop()
+    assert time.monotonic() - started < 5  # one drain, not three
+    for part, pid in zip(parts, pids, strict=True):
+        assert (home / part.name / "drained").read_text() == pid, part.name  # not killed
+
+
+_DRAINS = """
+import os, pathlib, signal, sys, time
+folder, drain_s = pathlib.Path(sys.argv[1]), float(sys.argv[2])
+def drain(*_):
+    time.sleep(drain_s)
+    (folder / "drained").write_text(str(os.getpid()))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, drain)
+(folder / "ready").touch()
+while True:
+    time.sleep(1)
+"""
+"""A process that, on SIGTERM, takes ``drain_s`` to exit, then says so, as a gateway drains."""
+
+
+def _draining(home: Path, name: str, drain_s: float) -> Part:
+    """A part that takes ``drain_s`` to exit after SIGTERM, running from ``home/name`` as
+    one that another process (``up``) started: not this one's child."""
+    folder = home / name
+    folder.mkdir(parents=True)
+    detached = '"$@" >/dev/null 2>&1 & echo $! >pid'
+    argv = [sys.executable, "-c", _DRAINS, str(folder), str(drain_s)]
+    subprocess.run(["sh", "-c", detached, "sh", *argv], cwd=folder, check=True)
+    deadline = time.monotonic() + 30
+    while not (folder / "ready").exists():
+        assert time.monotonic() < deadline, f"{name} did not start"
+        time.sleep(0.05)
+    return Part(name, ("gateway",), stop_timeout_s=drain_s + 10)
+
+
+def _record(deployment: Deployment, parts: Sequence[Part]) -> None:
+    """Record ``parts`` as ``up`` does, without starting them."""
+    deployment.home.mkdir(parents=True, exist_ok=True)
+    record = {"parts": [asdict(part) for part in parts], "settings": {}, "own_services": []}
+    deployment.record_path.write_text(json.dumps(record))
