@@ -270,6 +270,20 @@ class Deployment:
         """Each recorded part's process id, None for one that does not run."""
         return {part.name: read_pid(self.home / part.name) for part in self.parts()}
 
+    def service_pids(self) -> dict[str, int | None]:
+        """The process id of each service started for the deployment (``kafka``,
+        ``redis``), None for one that does not run."""
+        return {name: read_pid(self.home / name) for name in self.record()["own_services"]}
+
+    def kafka_bootstrap(self) -> str | None:
+        """The broker the recorded deployment's parts were told (none without a record):
+        the environment's as recorded; its own only while that runs, since after a reboot
+        the record stays and names a dead address, which commands would then target."""
+        record = self.record()
+        if "kafka" in record["own_services"]:
+            return running_bootstrap(self.home / "kafka")
+        return record["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
+
     def with_own_services(self, env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
         """``env`` with a local Kafka broker and Redis server, started in ``home``, for
         the services it names none of; and which were started (for ``start``)."""

@@ -449,8 +449,56 @@ def _draining(home: Path, name: str, drain_s: float) -> Part:
     return Part(name, ("gateway",), stop_timeout_s=drain_s + 10)
 
 
-def _record(deployment: Deployment, parts: Sequence[Part]) -> None:
-    """Record ``parts`` as ``up`` does, without starting them."""
+def _record(
+    deployment: Deployment,
+    parts: Sequence[Part],
+    own_services: Sequence[str] = (),
+    kafka: str | None = None,
+) -> None:
+    """Record ``parts`` (on the broker at ``kafka``) as ``up`` does, without starting them."""
     deployment.home.mkdir(parents=True, exist_ok=True)
-    record = {"parts": [asdict(part) for part in parts], "settings": {}, "own_services": []}
+    settings = {} if kafka is None else {"TOKENFLEET_KAFKA_BOOTSTRAP": kafka}
+    parts_recorded = [asdict(part) for part in parts]
+    record = {"parts": parts_recorded, "settings": settings, "own_services": [*own_services]}
     deployment.record_path.write_text(json.dumps(record))
+
+
+def test_a_recorded_broker_counts_only_while_the_deployments_own_kafka_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a reboot the record stayed: ``tokenfleet kafka start`` then ``topics create``
+    targeted the dead address the record named, not the broker that ran."""
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setattr("tokenfleet.services.kafka.DEFAULT_HOME", tmp_path / "kafka")
+    _running_as(tmp_path / "kafka", "127.0.0.1:2")  # tokenfleet kafka start's
+    home = tmp_path / "up"
+    _record(Deployment(home), [], own_services=["kafka"], kafka="127.0.0.1:1")
+    assert broker(home) == "127.0.0.1:2"
+    _running_as(home / "kafka", "127.0.0.1:1")
+    assert broker(home) == "127.0.0.1:1"
+
+
+def test_status_says_which_parts_and_services_run_before_failing_on_a_dead_own_broker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It failed at once with "cannot read the topics", saying nothing of the processes."""
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setattr("tokenfleet.services.kafka.DEFAULT_HOME", tmp_path / "kafka")
+    home = tmp_path / "up"
+    own = ["kafka", "redis"]
+    _record(Deployment(home), [Part("collector", ())], own_services=own, kafka="127.0.0.1:1")
+    _running_as(home / "redis", "redis://127.0.0.1:3/0")
+    assert main(["status", "--home", str(home), "--timeout", "5"]) == 2
+    printed = capsys.readouterr()
+    lines = [line.split() for line in printed.out.splitlines()]
+    assert ["NO", "process", "collector", "not", "running"] in lines
+    assert ["NO", "process", "kafka", "not", "running"] in lines
+    assert ["ok", "process", "redis", "pid", str(os.getpid())] in lines
+    assert "Kafka broker (127.0.0.1:1) is not running" in printed.err
+
+
+def _running_as(folder: Path, address: str) -> None:
+    """Make ``folder`` name a running server at ``address``: this process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pid").write_text(str(os.getpid()))
+    (folder / "address").write_text(address)
