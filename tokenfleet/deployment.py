@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypedDict, cast
+from urllib.parse import urlsplit
 
 from gateway.settings import GatewaySettings
 from schemas.fleet import FleetConfig
@@ -78,6 +79,10 @@ class Part:
     @property
     def is_gateway(self) -> bool:
         return self.name.startswith("gateway-")
+
+    @property
+    def is_emulator(self) -> bool:
+        return self.name.startswith("emulate-")
 
 
 def _serving(
@@ -162,6 +167,36 @@ def _emulators(fleet: FleetConfig, fleet_args: tuple[str, ...]) -> list[Part]:
             ready = tuple(url + "/health" for url in serving)
             parts.append(Part(f"emulate-{dc.name}", args, serving[0] if serving else None, ready))
     return parts
+
+
+def check_ports(fleet: FleetConfig, parts: Sequence[Part]) -> None:
+    """Refuse (CliError) a plan in which two servers would listen on one port, naming
+    both. Found only when the second started, after Kafka, Redis and the parts before it,
+    the clash named a part of the same plan as another server holding the port."""
+    users: dict[int, str] = {}
+    for user, port in _listeners(fleet, parts):
+        if port in users:
+            raise CliError(
+                f"port {port} is both {users[port]}'s and {user}'s: move one (--gateway-port, "
+                "--controller-port, --worker-port or the fleet file's instance URLs)"
+            )
+        users[port] = user
+
+
+def _listeners(fleet: FleetConfig, parts: Sequence[Part]) -> Iterator[tuple[str, int]]:
+    """Who listens on which port: each instance the emulators serve (those on standby
+    too), and each other part that serves a URL."""
+    for instance in fleet.local_instances():
+        yield f"emulate-{instance.dc} (instance {instance.id})", _port(str(instance.url))
+    for part in parts:
+        if part.url is not None and not part.is_emulator:
+            yield part.name, _port(part.url)
+
+
+def _port(url: str) -> int:
+    """The port ``url`` is served on (its scheme's where it names none)."""
+    parts = urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _service_settings(env: Mapping[str, str]) -> dict[str, str]:

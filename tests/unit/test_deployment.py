@@ -502,3 +502,38 @@ def _running_as(folder: Path, address: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pid").write_text(str(os.getpid()))
     (folder / "address").write_text(address)
+
+
+@pytest.mark.parametrize(
+    ("ports", "users"),
+    [
+        (["--gateway-port", "9089"], ("controller", "gateway-dc-b")),  # 9089, 9090, 9091
+        (["--worker-port", "9090"], ("worker", "controller")),
+        (["--controller-port", "8111"], ("emulate-dc-b (instance b-1)", "controller")),
+        (["--gateway-port", "8099"], ("emulate-dc-a (instance a-0)", "gateway-dc-b")),
+    ],
+)
+def test_up_refuses_two_servers_of_its_plan_on_one_port_before_starting_anything(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    ports: list[str],
+    users: tuple[str, str],
+) -> None:
+    """Found when the second started, after Kafka, Redis, the emulators, the worker and
+    the controller, a clash named the plan's own controller as "another server"."""
+
+    def started(*args: object) -> None:
+        raise AssertionError("started the services")
+
+    monkeypatch.setattr(Deployment, "with_own_services", started)
+    home = tmp_path / "up"
+    assert (
+        main(
+            ["up", "--home", str(home), "--fleet", str(ROOT / "examples/fleet-local.toml"), *ports]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert f"is both {users[0]}'s and {users[1]}'s" in err
+    assert not Deployment(home).record_path.exists()

@@ -17,6 +17,7 @@ from tokenfleet.deployment import (
     GATEWAY_STOP_MARGIN_S,
     WORKER_PORT,
     Deployment,
+    check_ports,
     plan,
 )
 from tokenfleet.services.process import STOP_TIMEOUT_S
@@ -133,6 +134,7 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         weights_min_outcomes=args.weights_min_outcomes,
         gateway_drain_s=GatewaySettings().drain_s,  # the environment the gateways get
     )
+    check_ports(fleet, parts)
     try:
         env, own = deployment.with_own_services(os.environ)
         print(
