@@ -43,7 +43,7 @@ class GatewaySettings(BaseSettings):
     drain_s: int = Field(default=25, ge=1)
     """At a stop (SIGTERM), how long requests in progress get to finish before they are cut
     (and their books closed): below the orchestrator's grace period (Kubernetes' 30 s;
-    ``docker-compose.yml`` gives the gateways 30 s)."""
+    ``docker-compose.yml`` gives the gateways 30 s; ``tokenfleet down`` follows it)."""
     failure_cooldown_s: float = Field(default=5.0, ge=0)
     """An instance whose call failed is left out of decisions this long."""
     idempotency_ttl_s: float = Field(default=600.0, gt=0)

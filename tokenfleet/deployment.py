@@ -13,17 +13,21 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypedDict, cast
+from urllib.parse import urlsplit
 
+from gateway.settings import GatewaySettings
 from schemas.fleet import FleetConfig
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.output import write_json
 from tokenfleet.services.kafka import LocalKafka, running_bootstrap
 from tokenfleet.services.process import (
     CACHE,
+    STOP_TIMEOUT_S,
     ServerProcess,
     ServiceError,
     answers_http,
@@ -40,8 +44,17 @@ CONTROLLER_PORT = 9090
 """Where the controller serves the operators' view (``tokenfleet/operator_page.py``)."""
 WORKER_PORT = 9091
 """Where the table worker serves its Prometheus metrics."""
+GATEWAY_DRAIN_S: int = GatewaySettings.model_fields["drain_s"].default
+"""The gateways' drain where ``TOKENFLEET_GATEWAY_DRAIN_S`` is unset."""
 SERVICE_SETTINGS = ("TOKENFLEET_KAFKA_BOOTSTRAP", "TOKENFLEET_REDIS_URL")
 """What every part is told of the services it shares, through its environment."""
+
+
+GATEWAY_STOP_MARGIN_S = 10.0
+"""What a gateway gets to exit after its drain (``TOKENFLEET_GATEWAY_DRAIN_S``) ends: it
+then cancels what still runs, closes those requests' books and flushes their events to
+Kafka. Killed sooner, as ``down`` did after a fixed 30 s whatever the drain, a gateway lost
+the completion events of the requests it was draining."""
 
 
 STARTUP_GRACE_S = 3.0
@@ -53,18 +66,34 @@ file it cannot read); loading the CLI alone takes over a second on a busy machin
 
 @dataclass(frozen=True)
 class Part:
-    """One process: its name, its ``tokenfleet`` arguments, the URL it serves, and the URLs
-    that answer once it is ready (none: it is ready once it has run ``STARTUP_GRACE_S``)."""
+    """One process: its name, its ``tokenfleet`` arguments, the URL it serves, the URLs
+    that answer once it is ready (none: it is ready once it has run ``STARTUP_GRACE_S``),
+    and how long it gets to exit after SIGTERM before it is killed."""
 
     name: str
     args: tuple[str, ...]
     url: str | None = None
     ready_urls: tuple[str, ...] = ()
+    stop_timeout_s: float = STOP_TIMEOUT_S
+
+    @property
+    def is_gateway(self) -> bool:
+        return self.name.startswith("gateway-")
+
+    @property
+    def is_emulator(self) -> bool:
+        return self.name.startswith("emulate-")
 
 
-def _serving(name: str, args: tuple[str, ...], url: str, ready_path: str = "/health") -> Part:
+def _serving(
+    name: str,
+    args: tuple[str, ...],
+    url: str,
+    ready_path: str = "/health",
+    stop_timeout_s: float = STOP_TIMEOUT_S,
+) -> Part:
     """A part serving ``url``, ready once ``url + ready_path`` answers."""
-    return Part(name, args, url, (url + ready_path,))
+    return Part(name, args, url, (url + ready_path,), stop_timeout_s)
 
 
 def plan(
@@ -78,10 +107,12 @@ def plan(
     ttl_s: float | None = None,
     long_cycle_s: float | None = None,
     weights_min_outcomes: int | None = None,
+    gateway_drain_s: int = GATEWAY_DRAIN_S,
 ) -> tuple[Part, ...]:
     """The parts that run ``fleet`` (read from ``fleet_file``, as every part reads it):
     ``period_s``, ``ttl_s``, ``long_cycle_s`` and ``weights_min_outcomes`` are the
-    controllers' (unset: their defaults)."""
+    controllers' (unset: their defaults); ``gateway_drain_s`` is how long the gateways
+    drain at a stop (``TOKENFLEET_GATEWAY_DRAIN_S``), which their stop timeout follows."""
     fleet_args = ("--fleet", fleet_file)
     controller: tuple[str, ...] = ("controller", *fleet_args, "--period", f"{period_s:g}")
     if ttl_s is not None:
@@ -114,6 +145,7 @@ def plan(
                     "--journal",
                 ),
                 f"http://127.0.0.1:{gateway_port + n}",
+                stop_timeout_s=gateway_drain_s + GATEWAY_STOP_MARGIN_S,
             )
             for n, dc in enumerate(fleet.dcs)
         ),
@@ -135,6 +167,36 @@ def _emulators(fleet: FleetConfig, fleet_args: tuple[str, ...]) -> list[Part]:
             ready = tuple(url + "/health" for url in serving)
             parts.append(Part(f"emulate-{dc.name}", args, serving[0] if serving else None, ready))
     return parts
+
+
+def check_ports(fleet: FleetConfig, parts: Sequence[Part]) -> None:
+    """Refuse (CliError) a plan in which two servers would listen on one port, naming
+    both. Found only when the second started, after Kafka, Redis and the parts before it,
+    the clash named a part of the same plan as another server holding the port."""
+    users: dict[int, str] = {}
+    for user, port in _listeners(fleet, parts):
+        if port in users:
+            raise CliError(
+                f"port {port} is both {users[port]}'s and {user}'s: move one (--gateway-port, "
+                "--controller-port, --worker-port or the fleet file's instance URLs)"
+            )
+        users[port] = user
+
+
+def _listeners(fleet: FleetConfig, parts: Sequence[Part]) -> Iterator[tuple[str, int]]:
+    """Who listens on which port: each instance the emulators serve (those on standby
+    too), and each other part that serves a URL."""
+    for instance in fleet.local_instances():
+        yield f"emulate-{instance.dc} (instance {instance.id})", _port(str(instance.url))
+    for part in parts:
+        if part.url is not None and not part.is_emulator:
+            yield part.name, _port(part.url)
+
+
+def _port(url: str) -> int:
+    """The port ``url`` is served on (its scheme's where it names none)."""
+    parts = urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _service_settings(env: Mapping[str, str]) -> dict[str, str]:
@@ -206,9 +268,15 @@ class Deployment:
 
     def parts(self) -> list[Part]:
         """The parts of the deployment recorded in ``home`` (none if there is none); a
-        record written before parts had ready URLs has none."""
+        record written before parts had ready URLs or stop timeouts has none of them."""
         return [
-            Part(p["name"], tuple(p["args"]), p["url"], tuple(p.get("ready_urls", ())))
+            Part(
+                p["name"],
+                tuple(p["args"]),
+                p["url"],
+                tuple(p.get("ready_urls", ())),
+                p.get("stop_timeout_s", STOP_TIMEOUT_S),
+            )
             for p in self.record()["parts"]
         ]
 
@@ -236,6 +304,20 @@ class Deployment:
     def pids(self) -> dict[str, int | None]:
         """Each recorded part's process id, None for one that does not run."""
         return {part.name: read_pid(self.home / part.name) for part in self.parts()}
+
+    def service_pids(self) -> dict[str, int | None]:
+        """The process id of each service started for the deployment (``kafka``,
+        ``redis``), None for one that does not run."""
+        return {name: read_pid(self.home / name) for name in self.record()["own_services"]}
+
+    def kafka_bootstrap(self) -> str | None:
+        """The broker the recorded deployment's parts were told (none without a record):
+        the environment's as recorded; its own only while that runs, since after a reboot
+        the record stays and names a dead address, which commands would then target."""
+        record = self.record()
+        if "kafka" in record["own_services"]:
+            return running_bootstrap(self.home / "kafka")
+        return record["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
 
     def with_own_services(self, env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
         """``env`` with a local Kafka broker and Redis server, started in ``home``, for
@@ -270,10 +352,25 @@ class Deployment:
         self.record_path.unlink(missing_ok=True)
 
     def stop_parts(self, names: Sequence[str] | None = None) -> None:
-        """Stop the parts named (default: all, the gateways first: the reverse order)."""
-        for part in reversed(self.parts()):
-            if names is None or part.name in names:
-                self._server(part).terminate()
+        """Stop the parts named (default: all) in the reverse order: the gateways first,
+        all at once (each drains its requests, and one after another took as many drains),
+        then the others one by one."""
+        chosen = [part for part in reversed(self.parts()) if names is None or part.name in names]
+        self._stop_together([part for part in chosen if part.is_gateway])
+        for part in chosen:
+            if not part.is_gateway:
+                self._stop_together([part])
+
+    def _stop_together(self, parts: Sequence[Part]) -> None:
+        """SIGTERM every part, then wait for each: one still running its stop timeout
+        after its SIGTERM is killed."""
+        stopping = []
+        for part in parts:
+            server = self._server(part)
+            server.request_stop()
+            stopping.append((server, time.monotonic() + part.stop_timeout_s))
+        for server, deadline in stopping:
+            server.wait_stopped(deadline - time.monotonic())
 
     def _write(self, record: Record) -> None:
         """Record what runs before starting it, so that ``stop`` finds whatever started."""

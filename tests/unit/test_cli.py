@@ -3,8 +3,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
+import subprocess
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,6 +15,7 @@ from schemas import MESSAGES
 from tests.conftest import unavailable
 from tokenfleet.cli import main
 from tokenfleet.services import kafka
+from tokenfleet.services.process import ServiceError
 
 
 def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
@@ -193,3 +197,42 @@ def test_status_reads_its_dcs_from_a_fleet_file(
     monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # never reached
     assert main(["status", "--fleet", str(tmp_path / "none.toml")]) == 2
     assert "cannot read fleet file" in capsys.readouterr().err
+
+
+def test_kafka_jars_that_differ_from_the_pins_are_removed_with_the_maven_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bad jar kept in ``~/.m2`` failed every fetch: Maven checks downloads, not what it
+    holds. The fetch has a repository of its own, removed with the jars on a mismatch."""
+    monkeypatch.setattr(kafka, "CACHE", tmp_path)
+    lib, repository = kafka.jars_dir(), kafka.maven_repository()
+    assert repository.parent == lib.parent  # in the cache, not ~/.m2
+    bad = repository / "org" / "apache" / "kafka" / "kafka-clients.jar"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"not the pinned bytes")
+    lib.mkdir()
+    shutil.copy(bad, lib)
+    with pytest.raises(ServiceError, match=re.escape("kafka-clients.jar not pinned")) as raised:
+        kafka.check_pinned(lib)
+    assert str(lib) in str(raised.value)
+    assert str(repository) in str(raised.value)
+    assert not lib.exists()
+    assert not repository.exists()
+
+
+def test_the_kafka_fetch_uses_its_own_maven_repository_and_a_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kafka, "CACHE", tmp_path)
+    monkeypatch.setattr(kafka.shutil, "which", lambda name: f"/usr/bin/{name}")
+    ran: dict[str, Any] = {}
+
+    def stalled(command: list[str], **options: Any) -> None:
+        ran.update(command=command, **options)
+        raise subprocess.TimeoutExpired(command, options["timeout"])
+
+    monkeypatch.setattr(kafka.subprocess, "run", stalled)
+    with pytest.raises(ServiceError, match=f"within {kafka.FETCH_TIMEOUT_S:g} s"):
+        kafka.fetch_jars()
+    assert f"-Dmaven.repo.local={kafka.maven_repository()}" in ran["command"]
+    assert ran["timeout"] == kafka.FETCH_TIMEOUT_S

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import time
 import zipfile
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,10 +30,16 @@ from schemas.fleet import load_fleet
 from tokenfleet.cli import build_parser, main
 from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
-from tokenfleet.deployment import SERVICE_SETTINGS, Deployment, Part, plan
+from tokenfleet.deployment import (
+    GATEWAY_STOP_MARGIN_S,
+    SERVICE_SETTINGS,
+    Deployment,
+    Part,
+    plan,
+)
 from tokenfleet.services import kafka
 from tokenfleet.services.kafka import KAFKA_VERSION
-from tokenfleet.services.process import ServiceError
+from tokenfleet.services.process import STOP_TIMEOUT_S, ServiceError
 from tokenfleet.services.redis import LocalRedis
 
 ROOT = Path(__file__).parents[2]
@@ -368,3 +378,162 @@ def test_up_and_down_refuse_at_once_a_folder_another_up_or_down_holds(
         assert (home / "deployment.json").exists()  # down stopped nothing
     assert main(["down", "--home", str(home)]) == 0
     assert not (home / "deployment.json").exists()
+
+
+def test_the_gateways_stop_timeout_follows_their_drain_and_is_recorded(tmp_path: Path) -> None:
+    """``down`` killed every part 30 s after its SIGTERM, whatever the gateways' drain: with
+    ``TOKENFLEET_GATEWAY_DRAIN_S=60`` a gateway was killed halfway through draining."""
+    parts = local_plan(gateway_drain_s=60)
+    timeouts = {part.name: part.stop_timeout_s for part in parts}
+    assert timeouts["gateway-dc-c"] == 60 + GATEWAY_STOP_MARGIN_S
+    assert timeouts["controller"] == STOP_TIMEOUT_S
+    assert local_plan()[-1].stop_timeout_s == 25 + GATEWAY_STOP_MARGIN_S  # the gateway's default
+    deployment = Deployment(tmp_path / "up")
+    _record(deployment, parts)
+    assert deployment.parts() == list(parts)  # down, from another process, reads them back
+
+
+def test_down_kills_a_part_still_running_its_recorded_stop_timeout_after_sigterm(
+    tmp_path: Path,
+) -> None:
+    home = tmp_path / "up"
+    part = replace(_draining(home, "gateway-dc-a", drain_s=120), stop_timeout_s=1)
+    _record(Deployment(home), [part])
+    started = time.monotonic()
+    Deployment(home).stop()
+    assert time.monotonic() - started < 10  # not the fixed 30 s
+    assert Deployment(home).pids() == {}
+    assert not (home / part.name / "pid").exists()
+
+
+def test_down_signals_every_gateway_before_waiting_for_any(tmp_path: Path) -> None:
+    """One at a time, ``down`` took as many drains as there are gateways."""
+    home = tmp_path / "up"
+    parts = [_draining(home, f"gateway-dc-{dc}", drain_s=2) for dc in "abc"]
+    pids = [(home / part.name / "pid").read_text().split()[0] for part in parts]
+    _record(Deployment(home), parts)
+    started = time.monotonic()
+    Deployment(home).stop()
+    assert time.monotonic() - started < 5  # one drain, not three
+    for part, pid in zip(parts, pids, strict=True):
+        assert (home / part.name / "drained").read_text() == pid, part.name  # not killed
+
+
+_DRAINS = """
+import os, pathlib, signal, sys, time
+folder, drain_s = pathlib.Path(sys.argv[1]), float(sys.argv[2])
+def drain(*_):
+    time.sleep(drain_s)
+    (folder / "drained").write_text(str(os.getpid()))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, drain)
+(folder / "ready").touch()
+while True:
+    time.sleep(1)
+"""
+"""A process that, on SIGTERM, takes ``drain_s`` to exit, then says so, as a gateway drains."""
+
+
+def _draining(home: Path, name: str, drain_s: float) -> Part:
+    """A part that takes ``drain_s`` to exit after SIGTERM, running from ``home/name`` as
+    one that another process (``up``) started: not this one's child."""
+    folder = home / name
+    folder.mkdir(parents=True)
+    detached = '"$@" >/dev/null 2>&1 & echo $! >pid'
+    argv = [sys.executable, "-c", _DRAINS, str(folder), str(drain_s)]
+    subprocess.run(["sh", "-c", detached, "sh", *argv], cwd=folder, check=True)
+    deadline = time.monotonic() + 30
+    while not (folder / "ready").exists():
+        assert time.monotonic() < deadline, f"{name} did not start"
+        time.sleep(0.05)
+    return Part(name, ("gateway",), stop_timeout_s=drain_s + 10)
+
+
+def _record(
+    deployment: Deployment,
+    parts: Sequence[Part],
+    own_services: Sequence[str] = (),
+    kafka: str | None = None,
+) -> None:
+    """Record ``parts`` (on the broker at ``kafka``) as ``up`` does, without starting them."""
+    deployment.home.mkdir(parents=True, exist_ok=True)
+    settings = {} if kafka is None else {"TOKENFLEET_KAFKA_BOOTSTRAP": kafka}
+    parts_recorded = [asdict(part) for part in parts]
+    record = {"parts": parts_recorded, "settings": settings, "own_services": [*own_services]}
+    deployment.record_path.write_text(json.dumps(record))
+
+
+def test_a_recorded_broker_counts_only_while_the_deployments_own_kafka_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a reboot the record stayed: ``tokenfleet kafka start`` then ``topics create``
+    targeted the dead address the record named, not the broker that ran."""
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setattr("tokenfleet.services.kafka.DEFAULT_HOME", tmp_path / "kafka")
+    _running_as(tmp_path / "kafka", "127.0.0.1:2")  # tokenfleet kafka start's
+    home = tmp_path / "up"
+    _record(Deployment(home), [], own_services=["kafka"], kafka="127.0.0.1:1")
+    assert broker(home) == "127.0.0.1:2"
+    _running_as(home / "kafka", "127.0.0.1:1")
+    assert broker(home) == "127.0.0.1:1"
+
+
+def test_status_says_which_parts_and_services_run_before_failing_on_a_dead_own_broker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It failed at once with "cannot read the topics", saying nothing of the processes."""
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setattr("tokenfleet.services.kafka.DEFAULT_HOME", tmp_path / "kafka")
+    home = tmp_path / "up"
+    own = ["kafka", "redis"]
+    _record(Deployment(home), [Part("collector", ())], own_services=own, kafka="127.0.0.1:1")
+    _running_as(home / "redis", "redis://127.0.0.1:3/0")
+    assert main(["status", "--home", str(home), "--timeout", "5"]) == 2
+    printed = capsys.readouterr()
+    lines = [line.split() for line in printed.out.splitlines()]
+    assert ["NO", "process", "collector", "not", "running"] in lines
+    assert ["NO", "process", "kafka", "not", "running"] in lines
+    assert ["ok", "process", "redis", "pid", str(os.getpid())] in lines
+    assert "Kafka broker (127.0.0.1:1) is not running" in printed.err
+
+
+def _running_as(folder: Path, address: str) -> None:
+    """Make ``folder`` name a running server at ``address``: this process."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pid").write_text(str(os.getpid()))
+    (folder / "address").write_text(address)
+
+
+@pytest.mark.parametrize(
+    ("ports", "users"),
+    [
+        (["--gateway-port", "9089"], ("controller", "gateway-dc-b")),  # 9089, 9090, 9091
+        (["--worker-port", "9090"], ("worker", "controller")),
+        (["--controller-port", "8111"], ("emulate-dc-b (instance b-1)", "controller")),
+        (["--gateway-port", "8099"], ("emulate-dc-a (instance a-0)", "gateway-dc-b")),
+    ],
+)
+def test_up_refuses_two_servers_of_its_plan_on_one_port_before_starting_anything(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    ports: list[str],
+    users: tuple[str, str],
+) -> None:
+    """Found when the second started, after Kafka, Redis, the emulators, the worker and
+    the controller, a clash named the plan's own controller as "another server"."""
+
+    def started(*args: object) -> None:
+        raise AssertionError("started the services")
+
+    monkeypatch.setattr(Deployment, "with_own_services", started)
+    home = tmp_path / "up"
+    assert (
+        main(
+            ["up", "--home", str(home), "--fleet", str(ROOT / "examples/fleet-local.toml"), *ports]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert f"is both {users[0]}'s and {users[1]}'s" in err
+    assert not Deployment(home).record_path.exists()

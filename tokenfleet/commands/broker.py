@@ -15,19 +15,16 @@ from tokenfleet.settings import Settings
 
 def broker(home: Path = DEFAULT_HOME) -> str:
     """``TOKENFLEET_KAFKA_BOOTSTRAP``; else the broker of the deployment ``tokenfleet up``
-    recorded in ``home`` (read only when the variable is unset); else the local broker of
-    ``tokenfleet kafka start``."""
-    address = Settings().kafka_bootstrap or _recorded(home) or running_bootstrap()
+    recorded in ``home`` (read only when the variable is unset; its own broker only while
+    that runs); else the local broker of ``tokenfleet kafka start``."""
+    address = Settings().kafka_bootstrap or Deployment(home).kafka_bootstrap()
+    address = address or running_bootstrap()
     if address is None:
         raise CliError(
             "no Kafka broker: set TOKENFLEET_KAFKA_BOOTSTRAP, or start one with "
             "'tokenfleet up' or 'tokenfleet kafka start'"
         )
     return address
-
-
-def _recorded(home: Path) -> str | None:
-    return Deployment(home).record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
 
 
 def create_topics_on(bootstrap: str, topics: Sequence[Topic] = TOPICS) -> list[str]:

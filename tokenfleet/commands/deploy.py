@@ -14,10 +14,13 @@ from tokenfleet.deployment import (
     CONTROLLER_PORT,
     DEFAULT_HOME,
     GATEWAY_PORT,
+    GATEWAY_STOP_MARGIN_S,
     WORKER_PORT,
     Deployment,
+    check_ports,
     plan,
 )
+from tokenfleet.services.process import STOP_TIMEOUT_S
 
 LOCAL_FLEET = Path("examples/fleet-local.toml")
 
@@ -80,8 +83,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     down = commands.add_parser(
         "down",
         help="stop what tokenfleet up started",
-        description="Stops every part of the deployment in HOME, gateways first, then the "
-        "Kafka broker and Redis server it started (their logs stay in HOME).",
+        description="Stops every part of the deployment in HOME, the gateways first (all at "
+        "once; each gets its drain, TOKENFLEET_GATEWAY_DRAIN_S as up ran with it, plus "
+        f"{GATEWAY_STOP_MARGIN_S:g} s before it is killed; the others {STOP_TIMEOUT_S:g} s), "
+        "then the Kafka broker and Redis server it started (their logs stay in HOME).",
     )
     _home_argument(down)
     down.set_defaults(handler=_down)
@@ -105,6 +110,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
     """``up`` once this process holds the deployment's folder."""
+    from gateway.settings import GatewaySettings
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
     from streams.kafka import create_topics
@@ -126,7 +132,9 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         ttl_s=args.ttl,
         long_cycle_s=args.long_cycle,
         weights_min_outcomes=args.weights_min_outcomes,
+        gateway_drain_s=GatewaySettings().drain_s,  # the environment the gateways get
     )
+    check_ports(fleet, parts)
     try:
         env, own = deployment.with_own_services(os.environ)
         print(
@@ -139,7 +147,7 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         if isinstance(exc, Exception) and not isinstance(exc, CliError):
             raise CliError(f"the deployment did not start: {exc}") from None
         raise
-    edge = next(part.url for part in parts if part.name.startswith("gateway-"))
+    edge = next(part.url for part in parts if part.is_gateway)
     print(
         f"The edge gateway: {edge}/v1 (an API key of the fleet file's tenants); the "
         f"operators' page: http://127.0.0.1:{args.controller_port}/; the table worker's "

@@ -11,12 +11,17 @@ import socket
 from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenfleet.commands.arguments import port, positive_float
 from tokenfleet.commands.broker import broker, create_topics_on
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME
+from tokenfleet.settings import Settings
+
+if TYPE_CHECKING:
+    from tokenfleet.loop_status import Check
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -148,7 +153,9 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
         "ids) published each DC's tables in the last minute, and how long each control "
         "has left; exits 0 when the loop is closed (every table fresh and from one "
         "worker, controls in force), 1 when not, saying why, 2 when the broker cannot be "
-        "read. Needs TOKENFLEET_KAFKA_BOOTSTRAP.",
+        "read. Needs TOKENFLEET_KAFKA_BOOTSTRAP, else reads the broker of the deployment "
+        "tokenfleet up recorded in --home, after saying which of its parts and services "
+        "run.",
     )
     status.add_argument(
         "--stale-after",
@@ -199,9 +206,12 @@ def _status(args: argparse.Namespace) -> int:
     )
 
     deployment = Deployment(args.home)
-    bootstrap = broker(args.home)
     recorded = deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
-    parts = deployment.pids() if recorded == bootstrap else {}  # another broker's, else
+    # The recorded deployment's broker even where it is down: the processes say so first.
+    bootstrap = Settings().kafka_bootstrap or recorded or broker(args.home)
+    processes: dict[str, int | None] = {}
+    if recorded == bootstrap:  # else another broker's loop, which these parts are not of
+        processes = deployment.pids() | deployment.service_pids()
     dcs = args.dc
     if args.fleet is not None:  # with --dc too: the named DCs the fleet file has
         try:
@@ -209,6 +219,13 @@ def _status(args: argparse.Namespace) -> int:
         except FleetFileError as exc:
             raise CliError(str(exc)) from None
         dcs = [dc for dc in fleet_dcs if dcs is None or dc in dcs]
+    checks = process_checks(processes)
+    _print_checks(checks)
+    if "kafka" in processes and processes["kafka"] is None:
+        raise CliError(
+            f"the deployment's own Kafka broker ({bootstrap}) is not running: tokenfleet up "
+            f"--home {args.home} starts the deployment again, tokenfleet down stops what remains"
+        )
     try:
         found = asyncio.run(asyncio.wait_for(read_broker(bootstrap), args.timeout))
     except TimeoutError:
@@ -216,13 +233,17 @@ def _status(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
     now = time.time()
-    checks = process_checks(parts) + loop_checks(found.latest, now, args.stale_after, dcs)
-    checks += publisher_checks(found.published, now, dcs)
-    for check in checks:
-        print(f"{'ok ' if check.ok else 'NO '} {check.what:20} {check.key:16} {check.detail}")
-    closed, why = verdict(checks)
+    on_the_broker = loop_checks(found.latest, now, args.stale_after, dcs)
+    on_the_broker += publisher_checks(found.published, now, dcs)
+    _print_checks(on_the_broker)
+    closed, why = verdict(checks + on_the_broker)
     print(f"loop {'closed' if closed else 'open'}: {why}")
     return 0 if closed else 1
+
+
+def _print_checks(checks: list[Check]) -> None:
+    for check in checks:
+        print(f"{'ok ' if check.ok else 'NO '} {check.what:20} {check.key:16} {check.detail}")
 
 
 def _worker(args: argparse.Namespace) -> int:

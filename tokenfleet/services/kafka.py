@@ -3,7 +3,8 @@
 One node in KRaft combined mode (broker and controller, static quorum), on free loopback
 ports. The jars come from ``org.apache.kafka:kafka_2.13`` plus the log4j2 binding that its
 dependency tree lacks (Kafka pins slf4j-api 1.7, so the binding is ``log4j-slf4j-impl``),
-copied once by ``maven-dependency-plugin:copy-dependencies`` into ``CACHE/kafka-VERSION/lib``.
+copied once by ``maven-dependency-plugin:copy-dependencies`` into ``CACHE/kafka-VERSION/lib``
+through a Maven repository of the fetch's own (``CACHE/kafka-VERSION/m2``).
 
     tokenfleet kafka fetch     # download the jars (needs Java 17 and Maven)
     tokenfleet kafka start     # prints the bootstrap address, e.g. 127.0.0.1:40123
@@ -63,9 +64,21 @@ def jars_dir() -> Path:
     return CACHE / f"kafka-{KAFKA_VERSION}" / "lib"
 
 
+def maven_repository() -> Path:
+    """Where Maven keeps what it downloads for the fetch: a repository of the fetch's own,
+    not ``~/.m2``, whose files Maven does not check again (``--strict-checksums`` checks
+    downloads), so that a bad jar kept there failed every fetch; this one is removed
+    when the jars do not match."""
+    return CACHE / f"kafka-{KAFKA_VERSION}" / "m2"
+
+
 JARS_SHA256 = Path(__file__).with_name(f"kafka-{KAFKA_VERSION}.sha256")
 """The SHA-256 of every jar the broker runs (``sha256sum`` format), taken when this
 version was adopted: a fetch that brings other bytes, or other jars, is refused."""
+
+FETCH_TIMEOUT_S = 900.0
+"""The longest a fetch may take (about 90 MB from Maven Central, with Maven's plugins):
+a stalled download failed nothing and ``tokenfleet kafka fetch`` or ``up`` hung."""
 
 
 def fetch_jars() -> Path:
@@ -90,19 +103,37 @@ def fetch_jars() -> Path:
         "--strict-checksums",
         "-f",
         str(pom),
+        f"-Dmaven.repo.local={maven_repository()}",
         "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies",
         f"-DoutputDirectory={lib}",
         "-DincludeScope=runtime",
     ]
     print(f"Fetching Kafka {KAFKA_VERSION}'s jars from Maven Central (once)...", file=sys.stderr)
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    try:
+        result = subprocess.run(
+            command, capture_output=True, text=True, check=False, timeout=FETCH_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise ServiceError(
+            f"mvn did not fetch Kafka {KAFKA_VERSION} within {FETCH_TIMEOUT_S:g} s"
+        ) from None
     if result.returncode != 0:
         raise ServiceError(f"mvn failed to fetch Kafka {KAFKA_VERSION}:\n{result.stdout[-3000:]}")
-    if problems := _unpinned(lib):
-        shutil.rmtree(lib, ignore_errors=True)
-        raise ServiceError(f"Kafka's jars differ from {JARS_SHA256.name}: {'; '.join(problems)}")
+    check_pinned(lib)
     marker.touch()
     return lib
+
+
+def check_pinned(lib: Path) -> None:
+    """Raise where the jars in ``lib`` differ from ``JARS_SHA256``, after removing them
+    and the Maven repository they came from, so that the next fetch downloads them afresh."""
+    if problems := _unpinned(lib):
+        shutil.rmtree(lib, ignore_errors=True)
+        shutil.rmtree(maven_repository(), ignore_errors=True)
+        raise ServiceError(
+            f"Kafka's jars in {lib} differ from {JARS_SHA256}: {'; '.join(problems)}; removed "
+            f"them and the Maven repository they came from, {maven_repository()}: fetch again"
+        )
 
 
 def _unpinned(lib: Path) -> list[str]:

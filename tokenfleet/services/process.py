@@ -25,6 +25,10 @@ CACHE = Path(os.environ.get("TOKENFLEET_CACHE", Path.home() / ".cache" / "tokenf
 """Downloads and default run folders live here, outside the work tree."""
 
 
+STOP_TIMEOUT_S = 30.0
+"""How long a server gets to exit after SIGTERM before it is killed (SIGKILL)."""
+
+
 class ServiceError(RuntimeError):
     """A local service could not be set up, started or reached."""
 
@@ -148,13 +152,31 @@ class ServerProcess:
         (self.home / "pid").write_text(f"{pid} {_started_at(pid) or ''}".strip())
         (self.home / "address").write_text(self.address)
 
-    def terminate(self, timeout_s: float = 30.0) -> None:
-        pid = self._process.pid if self._process else read_pid(self.home)
+    def terminate(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop the process: SIGTERM, then SIGKILL if it runs ``timeout_s`` later."""
+        self.request_stop()
+        self.wait_stopped(timeout_s)
+
+    def request_stop(self) -> None:
+        """Send the process SIGTERM without waiting, so that several can stop at once
+        (``wait_stopped`` next)."""
+        pid = self._pid()
         if pid is not None:
-            _signal_and_wait(pid, self._process, timeout_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    def wait_stopped(self, timeout_s: float) -> None:
+        """Wait for the process to exit after ``request_stop``, SIGKILL it once
+        ``timeout_s`` has passed; forget its pid and address files."""
+        pid = self._pid()
+        if pid is not None:
+            _wait_or_kill(pid, self._process, timeout_s)
         self._process = None
         for name in ("pid", "address"):
             (self.home / name).unlink(missing_ok=True)
+
+    def _pid(self) -> int | None:
+        return self._process.pid if self._process else read_pid(self.home)
 
 
 def _log_header(pid: int, argv: Sequence[str]) -> str:
@@ -232,24 +254,18 @@ def read_address(home: Path) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
-def _signal_and_wait(pid: int, process: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
+def _wait_or_kill(pid: int, process: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for ``pid`` (``process`` where it is this one's child) to
+    exit, then kill it."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            return
-        if process is None and not _alive(pid):
+    while process.poll() is None if process is not None else _alive(pid):
+        if time.monotonic() >= deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if process is not None:
+                process.wait()
             return
         time.sleep(0.1)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    if process is not None:
-        process.wait()
 
 
 def _alive(pid: int) -> bool:
