@@ -12,13 +12,14 @@ replicas hear of them.
 
 Replicas side by side share their pools through the shared state: before each pass a
 replica publishes its load per pool and class (requests in flight, held, how fast its pool
-drains, where its first held request stands), reads the others' and claims slots of the
-class ceilings (``SharedState.admission_loads``: a Redis round trip per pass, off the
-request's path). A replica that heard of no other at its last share shares once a tick
-instead, so a replica that starts beside it is heard of within a tick, and is counted from
-then on. Arrivals then queue behind any replica's held ones, and a held request waits
-while another replica holds one of its class from before it, so the pools drain in one
-order; what a replica reads of the others is as old as their last pass and a round trip.
+drains, where its first held request stands, but for those its passes step past), reads
+the others' and claims slots of the class ceilings (``SharedState.admission_loads``: a
+Redis round trip per pass, off the request's path). A replica that heard of no other at
+its last share shares once a tick instead, so a replica that starts beside it is heard of
+within a tick, and is counted from then on. Arrivals then queue behind any replica's held
+ones, and a held request waits while another replica holds one of its class from before
+it, so the pools drain in one order; what a replica reads of the others is as old as
+their last pass and a round trip.
 
 A ceiling is kept by slots, since the others' counts may be a pass old: each replica
 starts a class's requests only in the slots it holds, and the slots are granted in one
