@@ -435,7 +435,7 @@ class Pipeline(Generic[Payload]):
             now,
             fleet,
             predicted,
-            {c: self._pool_state(c, now) for c in TaskClass},
+            {c: self.pool_state(c, now) for c in TaskClass},
             self._inflight(),
             self.quotas,
             self._current_usage(now),
@@ -457,7 +457,7 @@ class Pipeline(Generic[Payload]):
             return frozenset()
         return frozenset(c for c in TaskClass if self.inflight[c] >= self.slots.get(c, 0))
 
-    def _pool_state(self, task_class: TaskClass, now: float) -> PoolState:
+    def pool_state(self, task_class: TaskClass, now: float) -> PoolState:
         """The class's pool as all its hosts hold it."""
         own = self.pools.state(task_class, now)
         peer = self.peers.get(task_class, ClassLoad())

@@ -40,7 +40,7 @@ from control.routing.snapshot import (
 )
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.tokens import BLOCK_TOKENS
-from gateway.admission import GatewayAdmission, Refused, Waiting
+from gateway.admission import LONGEST_RETRY_AFTER_S, GatewayAdmission, Refused, Waiting
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.journal import Journals
@@ -153,7 +153,7 @@ class Decider:
             raise ApiError(
                 429,
                 f"Quota for {inbound.task_class.value} requests is exhausted; retry later.",
-                retry_after_s=wait if wait != float("inf") else 60.0,
+                retry_after_s=wait if wait != float("inf") else LONGEST_RETRY_AFTER_S,
             )
 
     def choose_dcs(
