@@ -148,7 +148,9 @@ class ClassLoad:
     drained_per_s: float = 0.0
     head_key: float | None = None
     """Where the host's first held request stands in the pool's order (``order_key``, on
-    the reader's clock); None when it holds none."""
+    the reader's clock), leaving out those its passes step past (``ClassPools.lead``):
+    the others would wait behind a request that waits only for room of its own; None
+    when it holds none but those."""
     arrived_per_s: float = 0.0
     """Requests of the class that came to the host's pipeline lately (``RATE_WINDOW_S``),
     admitted or not: the rate the host sends into the pool's DC."""
@@ -183,7 +185,8 @@ class Pipeline(Generic[Payload]):
     peers: Mapping[TaskClass, ClassLoad] = field(default_factory=dict)
     """The other hosts' load on the same pool, summed (none: this host is alone); the host
     replaces it as it hears from them. Admission counts it in, and a held request waits
-    while a peer holds one of its class that stands before it."""
+    while a peer holds one of its class that stands before it and that the peer's passes
+    do not step past (``ClassLoad.head_key``)."""
     slots: Mapping[TaskClass, int] | None = None
     """This host's slots of each class ceiling, where the pool's hosts hold the slots of
     one ceiling apart (gateway replicas side by side; a class not named has none); None:
@@ -228,7 +231,9 @@ class Pipeline(Generic[Payload]):
         if decision.verdict is Verdict.HOLD:
             assert decision.hold_until_s is not None
             drains = decision.reason != SLOT_WAIT
-            self.pools.hold(Waiting(request, _Held(route, payload), decision.hold_until_s, drains))
+            alone = _steps_past(decision, request.task_class)
+            held = _Held(route, payload)
+            self.pools.hold(Waiting(request, held, decision.hold_until_s, drains, alone))
             return Outcome(request, payload, decision)
         if decision.verdict is Verdict.REJECT:
             return Outcome(request, payload, decision)
@@ -240,7 +245,7 @@ class Pipeline(Generic[Payload]):
         gives the snapshot as the host's books stand, to which the pass adds the charges of
         its own dispatches: the host books them only once it has the outcomes). A long
         prompt at a head that waits for prefill room of its own keeps its place, and the
-        pass goes on past it."""
+        pass goes on past it; the pool's other hosts do not wait behind it (``load``)."""
         outcomes = [
             Outcome(w.request, w.payload.payload, AdmissionDecision(Verdict.REJECT, "expired"))
             for w in self.pools.expired(now)
@@ -279,11 +284,12 @@ class Pipeline(Generic[Payload]):
                     self.pools.release(task_class, now)
                     outcomes.append(_failed_on(head))
                     raise
-                if decision.verdict is Verdict.HOLD and _steps_past(decision, task_class):
+                if decision.verdict is Verdict.HOLD:
+                    head.waits_alone = _steps_past(decision, task_class)
+                    if not head.waits_alone:
+                        break
                     aside.append(self.pools.set_aside(task_class))
                     continue
-                if decision.verdict is Verdict.HOLD:
-                    break
                 self.pools.release(task_class, now)
                 if decision.verdict is Verdict.REJECT:
                     outcomes.append(Outcome(head.request, held.payload, decision))
@@ -304,13 +310,13 @@ class Pipeline(Generic[Payload]):
         decoding = Counter(self._classes[r] for r in self._first_tokens)
         for task_class in TaskClass:
             pool = self.pools.state(task_class, now)
-            head = self.pools.head(task_class)
+            lead = self.pools.lead(task_class)
             loads[task_class] = ClassLoad(
                 self.inflight[task_class],
                 decoding[task_class],
                 pool.depth,
                 pool.drained_per_s,
-                None if head is None else order_key(head.request),
+                None if lead is None else order_key(lead.request),
                 self.arrived_per_s(now, task_class),
             )
         return loads
@@ -429,7 +435,7 @@ class Pipeline(Generic[Payload]):
             now,
             fleet,
             predicted,
-            {c: self._pool_state(c, now) for c in TaskClass},
+            {c: self.pool_state(c, now) for c in TaskClass},
             self._inflight(),
             self.quotas,
             self._current_usage(now),
@@ -451,7 +457,7 @@ class Pipeline(Generic[Payload]):
             return frozenset()
         return frozenset(c for c in TaskClass if self.inflight[c] >= self.slots.get(c, 0))
 
-    def _pool_state(self, task_class: TaskClass, now: float) -> PoolState:
+    def pool_state(self, task_class: TaskClass, now: float) -> PoolState:
         """The class's pool as all its hosts hold it."""
         own = self.pools.state(task_class, now)
         peer = self.peers.get(task_class, ClassLoad())

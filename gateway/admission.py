@@ -12,13 +12,14 @@ replicas hear of them.
 
 Replicas side by side share their pools through the shared state: before each pass a
 replica publishes its load per pool and class (requests in flight, held, how fast its pool
-drains, where its first held request stands), reads the others' and claims slots of the
-class ceilings (``SharedState.admission_loads``: a Redis round trip per pass, off the
-request's path). A replica that heard of no other at its last share shares once a tick
-instead, so a replica that starts beside it is heard of within a tick, and is counted from
-then on. Arrivals then queue behind any replica's held ones, and a held request waits
-while another replica holds one of its class from before it, so the pools drain in one
-order; what a replica reads of the others is as old as their last pass and a round trip.
+drains, where its first held request stands, but for those its passes step past), reads
+the others' and claims slots of the class ceilings (``SharedState.admission_loads``: a
+Redis round trip per pass, off the request's path). A replica that heard of no other at
+its last share shares once a tick instead, so a replica that starts beside it is heard of
+within a tick, and is counted from then on. Arrivals then queue behind any replica's held
+ones, and a held request waits while another replica holds one of its class from before
+it, so the pools drain in one order; what a replica reads of the others is as old as
+their last pass and a round trip.
 
 A ceiling is kept by slots, since the others' counts may be a pass old: each replica
 starts a class's requests only in the slots it holds, and the slots are granted in one
@@ -82,6 +83,10 @@ LEAVING_S = 1.0
 """How long a stopping replica tries to give its slots back (a share on its way first)."""
 REFUSED_RETRY_AFTER_S = 1.0
 """What a refusal tells the client to wait when its policy names no time."""
+LONGEST_RETRY_AFTER_S = 60.0
+"""What a refusal tells the client to wait where the wait has no end (a token bucket that
+never refills), and the most it tells from a pool's expected drain: an estimate from the
+last 30 s of releases says little of more than a minute ahead."""
 
 
 class GatewayAdmission:
@@ -198,6 +203,9 @@ class GatewayAdmission:
             if self._closing:
                 self.answer_held(SHUTDOWN)
             return Waiting(self, inbound.model.name, dc, inbound.request_id, answer)
+        if outcome.admission.verdict is Verdict.REJECT:
+            pool = pipeline.pool_state(request.task_class, time.monotonic())
+            raise _refusal(outcome, waited=False, pool_wait_s=pool.expected_wait_s())
         return _routed(outcome, waited=False)
 
     def upstream_body(self, inbound: Inbound, dc: str) -> bytes:
@@ -561,10 +569,14 @@ def rejected_for(admission_reason: str) -> RejectReason:
     return RejectReason.NO_CAPACITY
 
 
-def _refusal(outcome: Outcome[Held], *, waited: bool) -> ApiError:
+def _refusal(outcome: Outcome[Held], *, waited: bool, pool_wait_s: float = 0.0) -> ApiError:
     """429 for a request refused at the door, with ``Retry-After``; 503 for one that waited
     in its pool and can no longer meet its objective, or that the gateway's stop answered
-    (that one may come straight back, to another replica)."""
+    (that one may come straight back, to another replica). ``Retry-After`` is the policy's
+    time, or 1 s, but no sooner than the class's pool is expected to have drained
+    (``pool_wait_s``, across replicas; ``LONGEST_RETRY_AFTER_S`` at most): a full pool
+    told its clients 1 s, and a storm of retries met it still full. The simulator's
+    clients keep to the policy's own time, as its benches were measured."""
     decision = outcome.admission
     task_class, reason = outcome.request.task_class.value, decision.reason
     why = rejected_for(reason)
@@ -578,7 +590,8 @@ def _refusal(outcome: Outcome[Held], *, waited: bool) -> ApiError:
         )
         return Refused(503, message, why)
     message = f"The fleet cannot take this {task_class} request now ({reason}); retry later."
-    retry_after = decision.retry_after_s or REFUSED_RETRY_AFTER_S
+    named = decision.retry_after_s or REFUSED_RETRY_AFTER_S
+    retry_after = max(named, min(pool_wait_s, LONGEST_RETRY_AFTER_S))
     return Refused(429, message, why, retry_after_s=retry_after)
 
 

@@ -4,10 +4,11 @@ each one's load per pool and class as the JSON it publishes, and the sum of the 
 A load is ``{pool: {class: [in flight, decoding, held, drained per s, head, arrived per
 s]}}``, where a pool is ``model/dc``, ``head`` is where the replica's first held request
 stands in the pool's order, on the wall clock (every replica's monotonic clock starts
-elsewhere), and the last is the rate the replica sends the class into the pool. A
-replica of an earlier version publishes no such rate, which reads as none; one from
-before the rate (2026-12-06) cannot read this version's loads, and skips them (logged)
-until it is upgraded too. Fields past the six are a later version's, read past.
+elsewhere), leaving out those its passes step past (``ClassLoad.head_key``), and the
+last is the rate the replica sends the class into the pool. A replica of an earlier
+version publishes no such rate, which reads as none; one from before the rate
+(2026-12-06) cannot read this version's loads, and skips them (logged) until it is
+upgraded too. Fields past the six are a later version's, read past.
 """
 
 from __future__ import annotations

@@ -276,17 +276,17 @@ class Gateway:
         handed = False  # to the exchange, which frees the key where it fails otherwise
         try:
             self.events.emit(_arrived_event(inbound, self.regions[self.local_dc]))
-            await self.decider.take_quota(inbound)
-            dcs = self.decider.choose_dcs(
-                inbound.model.name,
-                inbound.tenant,
-                inbound.residency,
-                inbound.input_tokens,
-                inbound.task_class,
-                inbound.request_id,
-            )
-            handed = True
-            return await self._in_turn(dcs, inbound, request, arrived, scoped)
+            async with self.decider.quota_taken(inbound):
+                dcs = self.decider.choose_dcs(
+                    inbound.model.name,
+                    inbound.tenant,
+                    inbound.residency,
+                    inbound.input_tokens,
+                    inbound.task_class,
+                    inbound.request_id,
+                )
+                handed = True
+                return await self._in_turn(dcs, inbound, request, arrived, scoped)
         except BaseException as exc:  # an answer refused, or anything before the exchange
             if scoped is not None and (isinstance(exc, ApiError) or not handed):
                 await state.release(scoped)

@@ -1,10 +1,10 @@
 """The decision path: admit -> choose the DC -> choose the instance.
 
-A tenant's token bucket first (``take_quota``), then the DC (``choose_dcs``: the DC policy,
-FleetMind by default, on this edge's view of the DCs), then the pipeline of
-``control/pipeline.py`` (``gateway.admission``): the admission policy (SLOMax by default)
-and the routing policy (TokenPilot by default), on a snapshot built from last-known
-telemetry and the shared accounting.
+A tenant's token bucket first (``quota_taken``, given back where the request is refused),
+then the DC (``choose_dcs``: the DC policy, FleetMind by default, on this edge's view of
+the DCs), then the pipeline of ``control/pipeline.py`` (``gateway.admission``): the
+admission policy (SLOMax by default) and the routing policy (TokenPilot by default), on a
+snapshot built from last-known telemetry and the shared accounting.
 
 Safe defaults when control is silent (no snapshot, or past its TTL):
 
@@ -15,14 +15,15 @@ Safe defaults when control is silent (no snapshot, or past its TTL):
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from control.admission.rate_quota import bucket_draw
+from control.admission.rate_quota import BucketDraw, bucket_draw
 from control.admission.registry import Admission
 from control.controllers.fleetmind import weights_of
 from control.fleet.fleetmind import FleetMind
@@ -40,7 +41,7 @@ from control.routing.snapshot import (
 )
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.tokens import BLOCK_TOKENS
-from gateway.admission import GatewayAdmission, Refused, Waiting
+from gateway.admission import LONGEST_RETRY_AFTER_S, GatewayAdmission, Refused, Waiting
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.journal import Journals
@@ -138,23 +139,38 @@ class Decider:
             pool_now=self._pool_now,
         )
 
-    async def take_quota(self, inbound: Inbound) -> None:
-        """Take the request's tokens from its quota's bucket; ApiError(429) if empty."""
-        quotas = self.quotas.current(self.local_dc)
-        tokens = inbound.input_tokens + inbound.output_budget
-        draw = None
-        if quotas is not None:
-            tenant = inbound.tenant.name
-            draw = bucket_draw(quotas, self.local_dc, inbound.task_class, tenant, tokens)
+    @contextlib.asynccontextmanager
+    async def quota_taken(self, inbound: Inbound) -> AsyncIterator[None]:
+        """Take the request's tokens from its quota's bucket (ApiError(429) if empty) for
+        what runs within, and give them back where that refuses the request (``Refused``:
+        the DC policy, a DC's admission, the gateway stopping): it never ran, and its
+        client's retry takes them again, so a refusal must not cost them twice. The
+        bucket is the one replicas share (in Redis), given back to atomically."""
+        draw = self._bucket_draw(inbound)
         if draw is None:
+            yield
             return
         wait = await self.state.take(draw.bucket, draw.rate_per_s, draw.burst_tokens, draw.tokens)
         if wait > 0:
             raise ApiError(
                 429,
                 f"Quota for {inbound.task_class.value} requests is exhausted; retry later.",
-                retry_after_s=wait if wait != float("inf") else 60.0,
+                retry_after_s=wait if wait != float("inf") else LONGEST_RETRY_AFTER_S,
             )
+        try:
+            yield
+        except Refused:
+            await self.state.give_back(draw.bucket, draw.rate_per_s, draw.burst_tokens, draw.tokens)
+            raise
+
+    def _bucket_draw(self, inbound: Inbound) -> BucketDraw | None:
+        """What the request takes from which bucket (None: its quota sets no bucket)."""
+        quotas = self.quotas.current(self.local_dc)
+        if quotas is None:
+            return None
+        tokens = inbound.input_tokens + inbound.output_budget
+        tenant = inbound.tenant.name
+        return bucket_draw(quotas, self.local_dc, inbound.task_class, tenant, tokens)
 
     def choose_dcs(
         self,

@@ -123,6 +123,11 @@ class FallbackState:
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
         return cast(float, await self._run("take", bucket, rate_per_s, burst, amount))
 
+    async def give_back(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> None:
+        """Into Redis's bucket, or this process's while Redis is away: a draw that Redis
+        took before it went away then stays taken."""
+        await self._run("give_back", bucket, rate_per_s, burst, amount)
+
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
         held = cast(Outcome | InProgress | None, await self._run("claim", key, ttl_s))
         if held is None:

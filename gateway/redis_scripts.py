@@ -191,6 +191,7 @@ redis.call('DEL', lru)
 return 0
 """
 
+# A negative amount gives back what a refused request drew, never past the burst.
 TAKE = """
 local key, rate, burst, amount = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local clock = redis.call('TIME')
@@ -200,7 +201,7 @@ local level = tonumber(state[1]) or burst
 local at = tonumber(state[2]) or now
 level = math.min(burst, level + math.max(0, now - at) * rate)
 local wait = 0
-if level >= amount then level = level - amount
+if level >= amount then level = math.min(burst, level - amount)
 elseif rate > 0 and amount <= burst then wait = (amount - level) / rate
 else wait = -1 end
 redis.call('HSET', key, 'level', tostring(level), 'at', tostring(now))

@@ -503,6 +503,9 @@ class RedisState:
         )
         return float("inf") if wait < 0 else wait
 
+    async def give_back(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> None:
+        await self.take(bucket, rate_per_s, burst, -amount)
+
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
         name = f"{self.prefix}idem:{key}"
         if await self._redis.set(name, b"pending", nx=True, px=int(ttl_s * 1000)):

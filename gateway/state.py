@@ -141,6 +141,11 @@ class SharedState(Protocol):
         """Take ``amount`` from a token bucket; 0.0 if taken, else seconds until it could be."""
         ...
 
+    async def give_back(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> None:
+        """Put ``amount`` taken from a token bucket back (never past ``burst``): the
+        request that took it was refused, and its client's retry takes it again."""
+        ...
+
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
         """Claim an idempotency key: None if it is new (and now held), else what it holds."""
         ...
@@ -263,8 +268,11 @@ class LocalState:
         level, at = self._buckets.get(bucket, (burst, now))
         level = min(burst, level + (now - at) * rate_per_s)
         wait = token_bucket_wait(level, rate_per_s, amount, burst)
-        self._buckets[bucket] = (level - amount if wait == 0.0 else level, now)
+        self._buckets[bucket] = (min(burst, level - amount) if wait == 0.0 else level, now)
         return wait
+
+    async def give_back(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> None:
+        await self.take(bucket, rate_per_s, burst, -amount)
 
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
         now = time.monotonic()
@@ -292,8 +300,9 @@ class LocalState:
 
 def token_bucket_wait(level: float, rate_per_s: float, amount: float, burst: float) -> float:
     """Seconds until a bucket at ``level`` holds ``amount``; inf if it never will: it does
-    not refill, or ``amount`` is more than it holds full (``burst``). ``TAKE`` in
-    ``gateway.redis_scripts`` is the same rule in Redis."""
+    not refill, or ``amount`` is more than it holds full (``burst``); 0.0 for a negative
+    ``amount``, given back. ``TAKE`` in ``gateway.redis_scripts`` is the same rule in
+    Redis."""
     if level >= amount:
         return 0.0
     if rate_per_s <= 0 or amount > burst:

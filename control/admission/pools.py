@@ -54,6 +54,10 @@ class Waiting(Generic[Payload]):
     """Whether its release counts in its pool's drain rate: not for a request held only
     for its host's next slot grant (``SLOT_WAIT``), which tells nothing of how fast the
     pool drains, and would read as a pool that drains one request in its window."""
+    waits_alone: bool = False
+    """Whether it waits, as last decided, for room of its own that the requests behind
+    it do not need (a long prompt held for prefill room in a pool of short ones): its
+    host's release passes step past it, so no one should wait behind it (``lead``)."""
 
 
 @dataclass
@@ -93,6 +97,17 @@ class ClassPools(Generic[Payload]):
         while heap and heap[0][1] not in self._live:
             heapq.heappop(heap)
         return self._live[heap[0][1]] if heap else None
+
+    def lead(self, task_class: TaskClass) -> Waiting[Payload] | None:
+        """The first held request of ``task_class`` that does not wait alone: the one the
+        rest of the pool, on every host that shares it, waits behind. The heads that wait
+        alone are popped to find it, and pushed back."""
+        heap, passed = self._heaps[task_class], []
+        while (head := self.head(task_class)) is not None and head.waits_alone:
+            passed.append(heapq.heappop(heap))
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return head
 
     def release(self, task_class: TaskClass, now_s: float) -> Waiting[Payload]:
         """Take the head of ``task_class``'s pool out, to dispatch it or answer it."""

@@ -185,6 +185,19 @@ async def test_a_quota_with_a_burst_of_0_refuses_every_request(front: Gateway) -
     assert refused.headers["retry-after"] == "60"  # the wait for a bucket that never fills
 
 
+async def test_a_refused_request_gives_its_quota_tokens_back(front: Gateway) -> None:
+    """No DC may run the first request (its residency): refused after it took its tokens,
+    it kept them, and its client's retry found the bucket empty, charged twice."""
+    quota = ClassQuota(task_class=TaskClass.INTERACTIVE, tokens_per_s=1, burst_tokens=200)
+    await _apply(front, quota)
+    body = chat("a" * 400, max_tokens=50)  # larger than the bucket: it takes all of it
+    async with front.client() as http:
+        elsewhere = {"x-tokenfleet-residency": "us-east"}
+        refused = await http.post("/v1/chat/completions", json=body, headers=elsewhere)
+        retried = await http.post("/v1/chat/completions", json=body)
+    assert (refused.status_code, retried.status_code) == (503, 200)
+
+
 async def test_kv_events_correct_the_shared_prefix_index(front: Gateway) -> None:
     prompt = "the same long system prompt " * 40
     messages = chat(prompt)["messages"]

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from control.admission.slomax import SLOMax
+from control.admission.slomax import SLOMax, SLOMaxParams
 from control.pipeline import ROUTING_FAILED, ClassLoad
 from control.routing import FleetSnapshot, Router, RouteRequest, make_router
 from gateway.admission import Admitted, GatewayAdmission, Waiting
@@ -460,6 +460,26 @@ async def test_a_release_pass_that_fails_answers_the_request_it_failed_on() -> N
     assert (refused.value.status, ROUTING_FAILED in refused.value.message) == (503, True)
 
 
+@pytest.mark.parametrize(("held", "retry_after_s"), [(10, 20.0), (1_000, 60.0)])
+async def test_a_refusal_for_a_full_pool_says_to_retry_once_the_pool_has_drained(
+    held: int, retry_after_s: float
+) -> None:
+    """The pool, on another replica, drains one request every 2 s: a request refused as
+    the pool is full is told to come back once it has drained (a minute at most), not in
+    1 s, when it would meet the pool still full."""
+
+    async def alone(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
+        return AdmissionLoads([], {})
+
+    host = _slomax_host(alone, params=SLOMaxParams(pool_depth=1))
+    pool = ClassLoad(held=held, drained_per_s=0.5)
+    host.pipeline(MODEL, "dc-a").peers = {TaskClass.LONG_DOCUMENT: pool}
+    with pytest.raises(ApiError) as refused:
+        _document(host)
+    assert (refused.value.status, "(pool_full)" in refused.value.message) == (429, True)
+    assert refused.value.retry_after_s == retry_after_s
+
+
 def _one_running_one_held(
     router: Router,
 ) -> tuple[GatewayAdmission, Waiting, list[AdmissionQuotas]]:
@@ -542,17 +562,18 @@ def _slomax_host(
     tick_s: float = 0.05,
     held_quotas: list[AdmissionQuotas] | None = None,
     router: Callable[[], Router] = lambda: make_router("round_robin"),
+    params: SLOMaxParams | None = None,
 ) -> GatewayAdmission:
-    """A gateway's admission host with SLOMax, in front of ``READY``, under ``quotas``
-    (or the last of ``held_quotas`` as it is when asked), sharing its load through
-    ``loads``."""
+    """A gateway's admission host with SLOMax (``params``), in front of ``READY``, under
+    ``quotas`` (or the last of ``held_quotas`` as it is when asked), sharing its load
+    through ``loads``."""
     now = [quotas] if held_quotas is None else held_quotas
 
     async def snapshot(_model: str, _dc: str) -> FleetSnapshot:
         return READY
 
     return GatewayAdmission(
-        lambda _model: SLOMax(),
+        lambda _model: SLOMax(params or SLOMaxParams()),
         lambda _model, _dc: router(),
         snapshot,
         Objectives(),

@@ -128,6 +128,21 @@ async def test_a_token_bucket_never_fits_more_than_it_holds_full(state: SharedSt
     assert await state.take(bucket, 10.0, 100.0, 101.0) == float("inf")
 
 
+async def test_a_token_bucket_takes_back_what_it_gave_never_past_its_burst(
+    state: SharedState,
+) -> None:
+    """What a refused request took goes back, so that its retry is not charged twice; a
+    full bucket given more holds no more than its burst."""
+    bucket = f"b-{uuid.uuid4().hex}"
+    assert await state.take(bucket, 0.001, 100.0, 80.0) == 0.0
+    await state.give_back(bucket, 0.001, 100.0, 80.0)
+    assert await state.take(bucket, 0.001, 100.0, 100.0) == 0.0  # full again
+    await state.give_back(bucket, 0.001, 100.0, 100.0)
+    await state.give_back(bucket, 0.001, 100.0, 50.0)  # past full: kept to the burst
+    assert await state.take(bucket, 0.001, 100.0, 100.0) == 0.0
+    assert await state.take(bucket, 0.001, 100.0, 1.0) > 0.0
+
+
 async def test_an_idempotency_key_is_held_then_settled(state: SharedState) -> None:
     key = f"k-{uuid.uuid4().hex}"
     assert await state.claim(key, 60.0) is None

@@ -439,6 +439,39 @@ def test_a_held_request_waits_while_a_peer_holds_one_of_its_class_from_before() 
     assert [o.payload for o in pipeline.release(lambda: calm, now=2.0)] == ["b"]
 
 
+def test_a_long_prompt_a_peer_steps_past_does_not_hold_this_host_s_pool() -> None:
+    """Replica A holds a 20k-token batch request, and a short one due after it; replica
+    B, a short one due between the two. Once A's pass finds its long prompt waiting for
+    prefill room, and steps past it, what A shares as its head is its short one: B's
+    goes first, then A's. Before, A went on sharing the long prompt's deadline, and B
+    held its request to the end."""
+    a: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    b: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    for host, rid, tokens, deadline in (
+        (a, "a-long", 20_000, 100.0),
+        (a, "a-short", 500, 300.0),
+        (b, "b-short", 500, 200.0),
+    ):
+        route = RouteRequest(rid, tokens, 100)
+        arrival = request(BATCH, tokens, deadline=deadline, rid=rid)
+        held = host.arrive(arrival, route, rid, fleet(waiting=(1, 1)), now=0.0)
+        assert held.admission.verdict is Verdict.HOLD
+
+    def share(now: float) -> None:
+        a.peers, b.peers = {BATCH: b.load(now)[BATCH]}, {BATCH: a.load(now)[BATCH]}
+
+    full = fleet(pending=(LONG_DOCUMENT_TOKENS, LONG_DOCUMENT_TOKENS))
+    share(0.0)
+    assert b.release(lambda: full, now=1.0) == []  # behind A's long prompt, as A shared it
+    assert a.release(lambda: full, now=1.0) == []  # past its long prompt, behind B's
+    share(1.0)
+    assert a.load(1.0)[BATCH].head_key == 300.0
+    assert [o.payload for o in b.release(lambda: full, now=2.0)] == ["b-short"]
+    share(2.0)
+    assert [o.payload for o in a.release(lambda: full, now=3.0)] == ["a-short"]
+    assert a.load(3.0)[BATCH].head_key is None  # only the long prompt is left
+
+
 def test_arrivals_queue_behind_a_pool_another_host_holds() -> None:
     pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
     pipeline.peers = {CHAT: ClassLoad(held=3, head_key=0.0)}
