@@ -185,8 +185,10 @@ def paced(
 
 def _again(stream: Sequence[TraceRequest], passes: int) -> list[TraceRequest]:
     """``stream`` run ``passes`` times (at least once), each pass after the last, one mean
-    gap apart; a later pass's requests and sessions carry its number (``~2``, ...), so
-    they are requests of their own, with the same prompts."""
+    gap apart; a later pass's requests and sessions carry its number (``~2``, ...), and so
+    do its prompts' block hashes: new clients sending prompts shaped as the first pass's,
+    sharing prefixes among themselves as those did, none with the first pass (whose
+    prompts a DC's cache may still hold)."""
     first = stream[0].arrival_s
     period = (stream[-1].arrival_s - first) * len(stream) / (len(stream) - 1)
     again = list(stream)
@@ -196,11 +198,19 @@ def _again(stream: Sequence[TraceRequest], passes: int) -> list[TraceRequest]:
                 r,
                 request_id=f"{r.request_id}~{n}",
                 session_id=None if r.session_id is None else f"{r.session_id}~{n}",
+                prefix_group=None if r.prefix_group is None else f"{r.prefix_group}~{n}",
+                prefix_blocks=tuple(_salted(block, n) for block in r.prefix_blocks),
                 arrival_s=r.arrival_s + (n - 1) * period,
             )
             for r in stream
         ]
     return again
+
+
+def _salted(block: int, salt: int) -> int:
+    """A block hash of its own for ``salt``'s pass: equal blocks stay equal within it."""
+    digest = hashlib.blake2b(f"{salt}:{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest) >> 1
 
 
 def _resident(request: TraceRequest, seed: int) -> TraceRequest:

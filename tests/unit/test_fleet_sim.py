@@ -157,16 +157,21 @@ def test_paced_arrivals_follow_the_pieces_rates_and_keep_their_order() -> None:
 
 def test_a_stream_too_short_for_its_pieces_comes_again_until_the_end() -> None:
     """100 chats asked for at 20 a second for 30 s: run six times, as requests of their own,
-    so the last seconds still see arrivals at the pieces' rate."""
-    stream = chats(100, 10.0)
+    so the last seconds still see arrivals at the pieces' rate; a later pass's prompts
+    share prefixes among themselves as the first pass's did, none with it."""
+    stream = [
+        replace(chat, prefix_blocks=(7, 8 + n % 2)) for n, chat in enumerate(chats(100, 10.0))
+    ]
     out = paced(stream, [(0.0, 20.0)], 30.0)
     times = [r.arrival_s for r in out]
     assert len(out) == pytest.approx(600, abs=1)
     assert times == sorted(times)
     assert sum(25.0 <= t < 30.0 for t in times) == pytest.approx(100, abs=1)
     assert len({r.request_id for r in out}) == len(out)
+    second = out[100:200]
+    assert len({r.prefix_blocks for r in second}) == 2  # two prompts, as in the first pass
+    assert {r.prefix_blocks[0] for r in second}.isdisjoint({7})
     assert out[100].request_id == f"{stream[0].request_id}~2"
-    assert out[100].prefix_blocks == stream[0].prefix_blocks
 
 
 def test_mismatch_counts_queues_only_while_another_ready_dc_has_none() -> None:
