@@ -219,14 +219,15 @@ _RECORDED_FIELDS: dict[str, Callable[[Any], Record | None]] = {
 """The fields a host sets between calls, recorded when they change."""
 
 
-RELEASE_PART = "release_part"
-"""A record that carries more of the outcomes of the release pass before it."""
+PART = "part"
+"""A record that carries more of the outcomes of the record before it (a release pass's,
+a failed one's or a drain's)."""
 PART_BYTES = 400_000
-"""The most bytes of outcomes one release record carries; a pass that lets out more goes
-on in ``RELEASE_PART`` records, which the replay joins to it. Written whole, a pass that
-let out about 190 held requests at 256 instances (every outcome carries every instance's
-score: 5 KB each) passed the bus's 1,000,000 bytes, and the pool's replay stopped there.
-400 KB leaves room for the pass's snapshots beside them."""
+"""The most bytes of outcomes one record carries; more go on in ``PART`` records, which the
+replay joins to it. Written whole, a pass that let out about 190 held requests at 256
+instances (every outcome carries every instance's score: 5 KB each) passed the bus's
+1,000,000 bytes, and the pool's replay stopped there; so did a drain of about 4,800 held
+requests. 400 KB leaves room for a pass's snapshots beside them."""
 
 
 @dataclass
@@ -314,11 +315,17 @@ class JournaledPipeline(Pipeline[Payload]):
         ]
         if whole:
             self._last_pass_snapshot = whole[-1]
-        first, *rest = _parts(result, self.part_bytes) if isinstance(result, list) else [result]
+        self._write_in_parts("release", result, now=now, fleets=fleets)
+
+    def _write_in_parts(self, call: str, result: list[Record] | Record, **fields: Any) -> None:
+        """Write ``call``'s record with its ``result``: outcomes, or a failed pass's (its
+        outcomes ``before``), in parts of at most ``part_bytes`` (``PART`` after the first)."""
+        first, *rest = _parts(_outcomes_of({"outcomes": result}), self.part_bytes)
+        head = first if isinstance(result, list) else result | {"before": first}
         parts = {"parts": 1 + len(rest)} if rest else {}
-        self._write("release", now=now, fleets=fleets, outcomes=first, **parts)
+        self._write(call, **fields, outcomes=head, **parts)
         for part in rest:
-            self._write(RELEASE_PART, outcomes=part)
+            self._write(PART, outcomes=part)
 
     def reroute(
         self, route: RouteRequest, fleet: FleetSnapshot, now: float, allowed: BoolArray | None
@@ -378,7 +385,7 @@ class JournaledPipeline(Pipeline[Payload]):
 
     def drain(self, reason: str) -> list[Outcome[Payload]]:
         outcomes = super().drain(reason)
-        self._write("drain", reason=reason, outcomes=[outcome_record(o) for o in outcomes])
+        self._write_in_parts("drain", [outcome_record(o) for o in outcomes], reason=reason)
         return outcomes
 
 
@@ -459,7 +466,7 @@ def replay(records: Iterable[Record], build: Callable[[Record], Pipeline[str]]) 
     result = Replayed()
     pipeline: Pipeline[str] | None = None
     last_pass = _LastPass()
-    in_parts = _PassInParts()
+    in_parts = _InParts()
     for expected, record in enumerate(records):
         if (gap := missing(expected, record)) is not None:
             result.problem = gap
@@ -474,7 +481,11 @@ def replay(records: Iterable[Record], build: Callable[[Record], Pipeline[str]]) 
             pipeline.peers = _peers_from(record["peers"])
             pipeline.slots = _slots_from(record.get("slots"))
             continue
-        whole = in_parts.whole(record)
+        try:
+            whole = in_parts.whole(record)
+        except _OutOfOrder as out_of_order:
+            result.problem = str(out_of_order)
+            break
         if whole is None:
             continue
         record = whole
@@ -488,6 +499,8 @@ def replay(records: Iterable[Record], build: Callable[[Record], Pipeline[str]]) 
     else:
         if pipeline is None:
             result.problem = "the journal is empty"
+        else:
+            result.problem = in_parts.unfinished()
     return result
 
 
@@ -501,32 +514,54 @@ _RESULT_FIELD = {
 _NO_RESULT = object()
 
 
+class _OutOfOrder(Exception):
+    """A ``PART`` record that continues no record, or a record amid another's parts."""
+
+
 @dataclass
-class _PassInParts:
-    """A release pass written in parts (``RELEASE_PART``), gathered until whole."""
+class _InParts:
+    """A record written in parts (``PART``), gathered until whole."""
 
     first: Record | None = None
     left: int = 0
 
     def whole(self, record: Record) -> Record | None:
-        """``record``, or the pass whose last part it is; None while parts are to come.
-        ValueError for a part that continues no pass, or a record amid a pass's parts."""
-        if record["call"] == RELEASE_PART:
+        """``record``, or the record whose last part it is; None while parts are to come."""
+        if record["call"] == PART:
             if self.first is None:
-                raise ValueError(f"record {record['seq']} continues no release pass")
-            self.first["outcomes"] += record["outcomes"]
+                raise _OutOfOrder(f"record {record['seq']} continues no record")
+            _outcomes_of(self.first).extend(record["outcomes"])
             self.left -= 1
         elif self.first is not None:
-            raise ValueError(f"record {record['seq']} comes amid a release pass's parts")
+            raise _OutOfOrder(
+                f"record {record['seq']} comes amid record {self.first['seq']}'s parts"
+            )
         elif record.get("parts", 1) > 1:
-            self.first = record | {"outcomes": list(record["outcomes"])}
-            self.left = record["parts"] - 1
+            outcomes = record["outcomes"]
+            copied = (
+                list(outcomes)
+                if isinstance(outcomes, list)
+                else outcomes | {"before": list(outcomes["before"])}
+            )
+            self.first, self.left = record | {"outcomes": copied}, record["parts"] - 1
         else:
             return record
         if self.left:
             return None
         whole, self.first = self.first, None
         return whole
+
+    def unfinished(self) -> str | None:
+        """What the journal lacks where it ended amid a record's parts."""
+        if self.first is None:
+            return None
+        return f"the journal ends before {self.left} part(s) of record {self.first['seq']}"
+
+
+def _outcomes_of(record: Record) -> list[Record]:
+    """A record's outcomes: a failed pass's are those it decided ``before`` it failed."""
+    outcomes = record["outcomes"]
+    return outcomes if isinstance(outcomes, list) else outcomes["before"]
 
 
 @dataclass
