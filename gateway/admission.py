@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from control.admission.registry import Admission
 from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.slomax import SLOMax
-from control.admission.view import SLOT_WAIT, Verdict
+from control.admission.view import SLOT_WAIT, PoolState, Verdict
 from control.journal import Journal, JournaledPipeline, Record
 from control.pipeline import ClassLoad, Outcome, Pipeline, ReleaseFailed
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
@@ -205,7 +205,7 @@ class GatewayAdmission:
             return Waiting(self, inbound.model.name, dc, inbound.request_id, answer)
         if outcome.admission.verdict is Verdict.REJECT:
             pool = pipeline.pool_state(request.task_class, time.monotonic())
-            raise _refusal(outcome, waited=False, pool_wait_s=pool.expected_wait_s())
+            raise _refusal(outcome, waited=False, pool_wait_s=_drained_in_s(pool))
         return _routed(outcome, waited=False)
 
     def upstream_body(self, inbound: Inbound, dc: str) -> bytes:
@@ -567,6 +567,15 @@ def rejected_for(admission_reason: str) -> RejectReason:
     if admission_reason in OVER_LIMIT:
         return RejectReason.QUOTA
     return RejectReason.NO_CAPACITY
+
+
+def _drained_in_s(pool: PoolState) -> float:
+    """When the class's pool should have drained: its depth over its drain rate, and the
+    longest wait named where it holds requests and let none go lately (a pool full while
+    no instance is ready told its clients 1 s)."""
+    if pool.depth and not pool.drained_per_s:
+        return LONGEST_RETRY_AFTER_S
+    return pool.expected_wait_s()
 
 
 def _refusal(outcome: Outcome[Held], *, waited: bool, pool_wait_s: float = 0.0) -> ApiError:

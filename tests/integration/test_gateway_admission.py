@@ -460,19 +460,23 @@ async def test_a_release_pass_that_fails_answers_the_request_it_failed_on() -> N
     assert (refused.value.status, ROUTING_FAILED in refused.value.message) == (503, True)
 
 
-@pytest.mark.parametrize(("held", "retry_after_s"), [(10, 20.0), (1_000, 60.0)])
+@pytest.mark.parametrize(
+    ("held", "drained_per_s", "retry_after_s"),
+    [(10, 0.5, 20.0), (1_000, 0.5, 60.0), (10, 0.0, 60.0)],
+)
 async def test_a_refusal_for_a_full_pool_says_to_retry_once_the_pool_has_drained(
-    held: int, retry_after_s: float
+    held: int, drained_per_s: float, retry_after_s: float
 ) -> None:
     """The pool, on another replica, drains one request every 2 s: a request refused as
     the pool is full is told to come back once it has drained (a minute at most), not in
-    1 s, when it would meet the pool still full."""
+    1 s, when it would meet the pool still full. A pool that let none go lately (no
+    instance ready, say) says the minute."""
 
     async def alone(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
         return AdmissionLoads([], {})
 
     host = _slomax_host(alone, params=SLOMaxParams(pool_depth=1))
-    pool = ClassLoad(held=held, drained_per_s=0.5)
+    pool = ClassLoad(held=held, drained_per_s=drained_per_s)
     host.pipeline(MODEL, "dc-a").peers = {TaskClass.LONG_DOCUMENT: pool}
     with pytest.raises(ApiError) as refused:
         _document(host)
