@@ -142,10 +142,11 @@ class Decider:
     @contextlib.asynccontextmanager
     async def quota_taken(self, inbound: Inbound) -> AsyncIterator[None]:
         """Take the request's tokens from its quota's bucket (ApiError(429) if empty) for
-        what runs within, and give them back where that refuses the request (``Refused``:
-        the DC policy, a DC's admission, the gateway stopping): it never ran, and its
-        client's retry takes them again, so a refusal must not cost them twice. The
-        bucket is the one replicas share (in Redis), given back to atomically."""
+        what runs within, and give them back where that answers the request with an error
+        (refused by the DC policy, a DC's admission or the gateway's stop; failed by every
+        instance tried before its first token, 502): it got no answer, and its client's
+        retry takes them again, so it must not cost them twice. The bucket is the one
+        replicas share (in Redis), given back to atomically."""
         draw = self._bucket_draw(inbound)
         if draw is None:
             yield
@@ -159,7 +160,7 @@ class Decider:
             )
         try:
             yield
-        except Refused:
+        except ApiError:
             await self.state.give_back(draw.bucket, draw.rate_per_s, draw.burst_tokens, draw.tokens)
             raise
 

@@ -150,10 +150,11 @@ async def _apply(front: Gateway, quota: ClassQuota) -> None:
     )
     bus = front.app.state.gateway.parts.bus
     await bus.publish_event(Envelope.wrap(quotas, source="test"))
-    for _ in range(100):
+    for _ in range(250):
         if front.app.state.gateway.decider.quotas.current("dc-a"):
-            break
+            return
         await asyncio.sleep(0.02)
+    pytest.fail("the gateway never took the quotas")
 
 
 async def test_a_quota_answers_429_with_retry_after(front: Gateway) -> None:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from gateway.admission import Refused
 from schemas import Envelope, topic_for
 from schemas.base import TaskClass
-from schemas.control import DcWeight, RoutingWeights
+from schemas.control import AdmissionQuotas, ClassQuota, DcWeight, RoutingWeights
 from schemas.fleet import FleetConfig
 from schemas.lifecycle import RejectReason, RequestFailed, RequestRejected
 from tests.conftest import read_for
@@ -220,6 +220,28 @@ async def test_requests_held_in_a_dc_count_as_its_work_in_flight(
         monkeypatch.setattr(admission, "pool_load", three_held_in_dc_a)
         assert (await ask(http)).status_code == 200
     assert served == ["dc-b"]
+
+
+async def test_a_request_every_instance_failed_gives_its_quota_tokens_back() -> None:
+    """Failed before its first token (502), the request got no answer: its tokens go back
+    to the bucket, and its client's retry is not refused for the quota it already paid."""
+    served: list[str] = []
+    async with two_dcs(served, home_fails=0.0) as front, front.client() as http:
+        quota = ClassQuota(task_class=TaskClass.INTERACTIVE, tokens_per_s=0.001, burst_tokens=1)
+        quotas = AdmissionQuotas(
+            scope="dc-a", version=1, issued_at=time.time(), ttl_s=60, quotas=(quota,)
+        )
+        gateway = front.app.state.gateway
+        await gateway.parts.bus.publish_event(Envelope.wrap(quotas, source="test"))
+        for _ in range(250):
+            if gateway.decider.quotas.current("dc-a"):
+                break
+            await asyncio.sleep(0.02)
+        home = {"x-tokenfleet-residency": "eu-west"}  # dc-a alone, whose instance fails
+        answers = [(await ask(http, **home)).status_code for _ in range(2)]
+    # The second past its quota (its bucket had the tokens back; 429 before), then refused:
+    # dc-a's instance, which failed the first, cools down.
+    assert answers == [502, 503]
 
 
 async def test_a_request_too_late_after_its_dc_failed_is_refused_as_the_fleet_s_doing() -> None:
