@@ -6,11 +6,13 @@ part's command line by parsing it with the CLI's own parser."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +29,7 @@ import pytest
 import yaml
 
 from schemas.fleet import load_fleet
+from tokenfleet import deployment as deployment_module
 from tokenfleet.cli import build_parser, main
 from tokenfleet.commands.broker import broker
 from tokenfleet.commands.errors import CliError
@@ -97,8 +100,9 @@ def test_every_part_serving_a_url_is_ready_by_it_and_the_worker_by_its_metrics()
 
 
 def test_a_part_with_no_url_that_exits_at_startup_fails_the_start_by_its_name(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(deployment_module, "STARTUP_GRACE_S", 120.0)  # however slow the exit
     deployment = Deployment(tmp_path / "up")
     with pytest.raises(ServiceError, match=r"^collector exited early"):
         deployment.start([Part("collector", ("no-such-command",))], {})
@@ -354,6 +358,7 @@ def test_a_part_imports_the_project_not_a_package_of_the_working_folder(
     (tmp_path / "schemas").mkdir()
     (tmp_path / "schemas" / "__init__.py").write_text("raise ImportError('the folder shadows')")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(deployment_module, "STARTUP_GRACE_S", 120.0)  # however slow the exit
     with pytest.raises(ServiceError, match="exited early"):
         Deployment(tmp_path / "up").start([Part("collector", ("no-such-command",))], {})
     log = (tmp_path / "up" / "collector" / "server.log").read_text()
@@ -404,6 +409,28 @@ def test_down_kills_a_part_still_running_its_recorded_stop_timeout_after_sigterm
     assert time.monotonic() - started < 10  # not the fixed 30 s
     assert Deployment(home).pids() == {}
     assert not (home / part.name / "pid").exists()
+
+
+def test_down_never_kills_a_process_that_took_over_a_stopping_part_s_id(tmp_path: Path) -> None:
+    """While ``down`` waits out a part's stop, the part's id may come to name another
+    process (it exited, and the system reused the id): its pid file's start time then no
+    longer matches, and that process is not killed. Here the file is changed under the
+    wait, as a reused id would read."""
+    home = tmp_path / "up"
+    part = replace(_draining(home, "gateway-dc-a", drain_s=120), stop_timeout_s=2)
+    pid_file = home / part.name / "pid"
+    pid = int(pid_file.read_text().split()[0])
+    _record(Deployment(home), [part])
+    taken_over = threading.Timer(0.5, lambda: pid_file.write_text(f"{pid} 0"))
+    taken_over.start()
+    try:
+        Deployment(home).stop()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state != "Z"  # still runs: not killed as the part it no longer is
+    finally:
+        taken_over.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_down_signals_every_gateway_before_waiting_for_any(tmp_path: Path) -> None:

@@ -170,13 +170,23 @@ class ServerProcess:
         ``timeout_s`` has passed; forget its pid and address files."""
         pid = self._pid()
         if pid is not None:
-            _wait_or_kill(pid, self._process, timeout_s)
+            _wait_or_kill(pid, self._running(pid), timeout_s)
         self._process = None
         for name in ("pid", "address"):
             (self.home / name).unlink(missing_ok=True)
 
     def _pid(self) -> int | None:
         return self._process.pid if self._process else read_pid(self.home)
+
+    def _running(self, pid: int) -> Callable[[], bool]:
+        """Whether ``pid`` still runs: this one's child by its handle; another's by its
+        pid file, which also checks that the id still names the process it started (a
+        long drain gives the system time to reuse the id, and the process then killed
+        would be another's)."""
+        process = self._process
+        if process is not None:
+            return lambda: process.poll() is None
+        return lambda: read_pid(self.home) == pid
 
 
 def _log_header(pid: int, argv: Sequence[str]) -> str:
@@ -254,17 +264,21 @@ def read_address(home: Path) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
-def _wait_or_kill(pid: int, process: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for ``pid`` (``process`` where it is this one's child) to
-    exit, then kill it."""
-    deadline = time.monotonic() + timeout_s
-    while process.poll() is None if process is not None else _alive(pid):
+KILLED_WAIT_S = 10.0
+"""How long a stop waits for a killed process to be gone (a child is reaped meanwhile)."""
+
+
+def _wait_or_kill(pid: int, running: Callable[[], bool], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for ``pid`` to exit (while ``running`` says it runs), then
+    kill it and wait up to ``KILLED_WAIT_S`` for it to go."""
+    deadline, killed = time.monotonic() + timeout_s, False
+    while running():
         if time.monotonic() >= deadline:
+            if killed:
+                return
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            if process is not None:
-                process.wait()
-            return
+            deadline, killed = time.monotonic() + KILLED_WAIT_S, True
         time.sleep(0.1)
 
 
