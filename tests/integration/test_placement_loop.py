@@ -136,11 +136,22 @@ async def deployed(kafka: Service, tmp_path: Path, dc: str) -> AsyncIterator[lis
     fleet_args = ("--fleet", str(fleet))
     cycle = ("--period", "1", "--ttl", "3", "--long-cycle", f"{LONG_CYCLE_S:g}")
     placed = ("--placement", "--warmup", f"{WARMUP_S:g}")
-    parts = [
-        Part("emulate", ("emulate", *fleet_args, *placed), urls[0]),
-        Part("controller", ("controller", *fleet_args, *cycle, "--port", str(ports + 3))),
+    controller = f"http://127.0.0.1:{ports + 3}"
+    parts = [  # the controller last: the standby must still be down when ``deployed`` yields
+        Part("emulate", ("emulate", *fleet_args, *placed), urls[0], (f"{urls[0]}/health",)),
         Part("collector", ("collect", *fleet_args)),
-        Part("gateway", ("gateway", *fleet_args, "--dc", dc, "--port", str(ports + 2)), urls[2]),
+        Part(
+            "gateway",
+            ("gateway", *fleet_args, "--dc", dc, "--port", str(ports + 2)),
+            urls[2],
+            (f"{urls[2]}/health",),
+        ),
+        Part(
+            "controller",
+            ("controller", *fleet_args, *cycle, "--port", str(ports + 3)),
+            controller,
+            (f"{controller}/health",),
+        ),
     ]
     deployment = Deployment(tmp_path / "up")
     env = os.environ | {"TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address}
