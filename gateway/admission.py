@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from control.admission.registry import Admission
 from control.admission.request import PRIORITY, AdmissionRequest
 from control.admission.slomax import SLOMax
-from control.admission.view import SLOT_WAIT, PoolState, Verdict
+from control.admission.view import SLOT_WAIT, Verdict
 from control.journal import Journal, JournaledPipeline, Record
 from control.pipeline import ClassLoad, Outcome, Pipeline, ReleaseFailed
 from control.routing import Decision, FleetSnapshot, Router, RouteRequest
@@ -205,7 +205,9 @@ class GatewayAdmission:
             return Waiting(self, inbound.model.name, dc, inbound.request_id, answer)
         if outcome.admission.verdict is Verdict.REJECT:
             pool = pipeline.pool_state(request.task_class, time.monotonic())
-            raise _refusal(outcome, waited=False, pool_wait_s=_drained_in_s(pool))
+            stalled = bool(pool.depth) and not snapshot.ready.any()
+            wait_s = LONGEST_RETRY_AFTER_S if stalled else pool.expected_wait_s()
+            raise _refusal(outcome, waited=False, pool_wait_s=wait_s)
         return _routed(outcome, waited=False)
 
     def upstream_body(self, inbound: Inbound, dc: str) -> bytes:
@@ -569,22 +571,14 @@ def rejected_for(admission_reason: str) -> RejectReason:
     return RejectReason.NO_CAPACITY
 
 
-def _drained_in_s(pool: PoolState) -> float:
-    """When the class's pool should have drained: its depth over its drain rate, and the
-    longest wait named where it holds requests and let none go lately (a pool full while
-    no instance is ready told its clients 1 s)."""
-    if pool.depth and not pool.drained_per_s:
-        return LONGEST_RETRY_AFTER_S
-    return pool.expected_wait_s()
-
-
 def _refusal(outcome: Outcome[Held], *, waited: bool, pool_wait_s: float = 0.0) -> ApiError:
     """429 for a request refused at the door, with ``Retry-After``; 503 for one that waited
     in its pool and can no longer meet its objective, or that the gateway's stop answered
     (that one may come straight back, to another replica). ``Retry-After`` is the policy's
     time, or 1 s, but no sooner than the class's pool is expected to have drained
-    (``pool_wait_s``, across replicas; ``LONGEST_RETRY_AFTER_S`` at most): a full pool
-    told its clients 1 s, and a storm of retries met it still full. The simulator's
+    (``pool_wait_s``, across replicas; ``LONGEST_RETRY_AFTER_S`` at most, and that where
+    the pool holds requests while no instance is ready): a full pool told its clients
+    1 s, and a storm of retries met it still full. The simulator's
     clients keep to the policy's own time, as its benches were measured."""
     decision = outcome.admission
     task_class, reason = outcome.request.task_class.value, decision.reason

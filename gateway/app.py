@@ -35,7 +35,8 @@ from control.routing.registry import Router
 from gateway.admission import Refused
 from gateway.decide import Decider
 from gateway.events import EventSink
-from gateway.exchange import DcFailed, Exchange, RelayedStream
+from gateway.exchange import Exchange, RelayedStream
+from gateway.failures import DcFailed
 from gateway.fallback_state import FallbackState
 from gateway.fleet_view import FleetView
 from gateway.inbound import (

@@ -42,6 +42,7 @@ from control.routing.snapshot import (
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.tokens import BLOCK_TOKENS
 from gateway.admission import LONGEST_RETRY_AFTER_S, GatewayAdmission, Refused, Waiting
+from gateway.failures import DcFailed
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.journal import Journals
@@ -143,9 +144,10 @@ class Decider:
     async def quota_taken(self, inbound: Inbound) -> AsyncIterator[None]:
         """Take the request's tokens from its quota's bucket (ApiError(429) if empty) for
         what runs within, and give them back where that answers the request with an error
-        (refused by the DC policy, a DC's admission or the gateway's stop; failed by every
-        instance tried before its first token, 502): it got no answer, and its client's
-        retry takes them again, so it must not cost them twice. The bucket is the one
+        before it ran (refused by the DC policy, a DC's admission or the gateway's stop;
+        failed by every instance tried before its first token, 502): its client's retry
+        takes them again, so it must not cost them twice. A whole answer generated and
+        then unreadable (``DcFailed.answered``) ran, and keeps them. The bucket is the one
         replicas share (in Redis), given back to atomically."""
         draw = self._bucket_draw(inbound)
         if draw is None:
@@ -160,8 +162,11 @@ class Decider:
             )
         try:
             yield
-        except ApiError:
-            await self.state.give_back(draw.bucket, draw.rate_per_s, draw.burst_tokens, draw.tokens)
+        except (Refused, DcFailed) as error:
+            if not isinstance(error, DcFailed) or not error.answered:
+                await self.state.give_back(
+                    draw.bucket, draw.rate_per_s, draw.burst_tokens, draw.tokens
+                )
             raise
 
     def _bucket_draw(self, inbound: Inbound) -> BucketDraw | None:

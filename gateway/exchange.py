@@ -45,6 +45,7 @@ from starlette.types import Message, Receive, Scope, Send
 from control.pipeline import Charge
 from gateway.decide import INDEX_STRIDE, Decider, Plan
 from gateway.events import EventSink
+from gateway.failures import DcFailed, UpstreamFailed
 from gateway.fleet_view import FleetView
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
@@ -73,21 +74,6 @@ _DONE_EVENT = b"data: [DONE]\n\n"
 
 REPLANS = 2
 """Decisions made again at most, when other requests were routed since their view."""
-
-
-class UpstreamFailed(Exception):
-    """The instance could not serve the request (before any token reached the client)."""
-
-
-class DcFailed(ApiError):
-    """Every instance tried in a DC failed the request before its first token: the edge
-    may try another DC (nothing reached the client yet)."""
-
-    def __init__(self, error: str, instance_id: str, dc: str) -> None:
-        super().__init__(502, f"The model instance failed: {error}")
-        self.error = error
-        self.instance_id = instance_id
-        self.dc = dc
 
 
 class Exchange:
@@ -145,7 +131,7 @@ class Exchange:
                 await self.state.release(idempotency_key)
             raise
         self.events.emit(_routed_event(inbound, plan))
-        order = plan.order[:2]
+        order, answered = plan.order[:2], False
         for attempt, row in enumerate(order, start=1):
             trip = Trip(inbound, plan, row, arrived, idempotency_key)
             try:
@@ -157,7 +143,7 @@ class Exchange:
                 return await self._attempt(trip, request)
             except UpstreamFailed as exc:
                 self.view.failed(trip.instance.id)
-                error = str(exc)
+                error, answered = str(exc), answered or exc.answered
             except BaseException as exc:  # a bug, or the server stopping: undo it all the same
                 self.spawn(self.books.abandoned(trip, exc))
                 raise
@@ -167,7 +153,7 @@ class Exchange:
                 self.spawn(self.books.abandoned(trip, exc))
                 raise
         self.decider.admission.finished(inbound, plan.dc, cancelled=True)
-        raise DcFailed(error, trip.instance.id, plan.dc)
+        raise DcFailed(error, trip.instance.id, plan.dc, answered=answered)
 
     def failed(self, inbound: Inbound, failure: DcFailed) -> None:
         """Report a request whose last DC failed it before any token."""
@@ -330,7 +316,9 @@ class Exchange:
         except UPSTREAM_ERRORS as exc:
             upstream.close()
             self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
-            raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
+            raise UpstreamFailed(
+                f"{trip.instance.id}: {type(exc).__name__}", answered=True
+            ) from None
         if body is None:
             return await self._left(trip, upstream)
         upstream.release()
@@ -338,7 +326,9 @@ class Exchange:
             answer = json.loads(body)
         except ValueError as exc:
             self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
-            raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
+            raise UpstreamFailed(
+                f"{trip.instance.id}: {type(exc).__name__}", answered=True
+            ) from None
         trip.first_token_at = time.monotonic()  # unseen: a whole response counts TTFT as E2E
         trip.output_tokens = output_tokens(answer) or 0
         trip.captured.extend(body)

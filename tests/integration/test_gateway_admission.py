@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import numpy as np
@@ -461,16 +461,17 @@ async def test_a_release_pass_that_fails_answers_the_request_it_failed_on() -> N
 
 
 @pytest.mark.parametrize(
-    ("held", "drained_per_s", "retry_after_s"),
-    [(10, 0.5, 20.0), (1_000, 0.5, 60.0), (10, 0.0, 60.0)],
+    ("held", "drained_per_s", "ready", "retry_after_s"),
+    [(10, 0.5, True, 20.0), (1_000, 0.5, True, 60.0), (10, 0.0, False, 60.0), (10, 0.0, True, 1.0)],
 )
 async def test_a_refusal_for_a_full_pool_says_to_retry_once_the_pool_has_drained(
-    held: int, drained_per_s: float, retry_after_s: float
+    held: int, drained_per_s: float, ready: bool, retry_after_s: float
 ) -> None:
     """The pool, on another replica, drains one request every 2 s: a request refused as
     the pool is full is told to come back once it has drained (a minute at most), not in
-    1 s, when it would meet the pool still full. A pool that let none go lately (no
-    instance ready, say) says the minute."""
+    1 s, when it would meet the pool still full. A pool holding requests while no
+    instance is ready says the minute; one not measured yet (nothing let go in its
+    window, an instance ready), the policy's own second."""
 
     async def alone(_own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
         return AdmissionLoads([], {})
@@ -478,8 +479,9 @@ async def test_a_refusal_for_a_full_pool_says_to_retry_once_the_pool_has_drained
     host = _slomax_host(alone, params=SLOMaxParams(pool_depth=1))
     pool = ClassLoad(held=held, drained_per_s=drained_per_s)
     host.pipeline(MODEL, "dc-a").peers = {TaskClass.LONG_DOCUMENT: pool}
+    snapshot = READY if ready else replace(READY, ready=np.array([False]))
     with pytest.raises(ApiError) as refused:
-        _document(host)
+        _document(host, snapshot=snapshot)
     assert (refused.value.status, "(pool_full)" in refused.value.message) == (429, True)
     assert refused.value.retry_after_s == retry_after_s
 
@@ -590,13 +592,16 @@ def _slomax_host(
 
 
 def _document(
-    host: GatewayAdmission, quotas: AdmissionQuotas | None = None
+    host: GatewayAdmission,
+    quotas: AdmissionQuotas | None = None,
+    snapshot: FleetSnapshot = READY,
 ) -> tuple[Inbound, Admitted | Waiting]:
-    """A long document arriving at ``host`` now, and where admission put it."""
+    """A long document arriving at ``host`` now (on ``snapshot``), and where admission put
+    it."""
     fleet = fleet_for(["http://127.0.0.1:9"])
     at = time.monotonic()
     body = json.dumps(chat(f"document at {at}")).encode()
     headers = {"x-tokenfleet-class": "long_document"}
     inbound = read_inbound(fleet, fleet.tenants[0], "/v1/chat/completions", body, headers)
     route = RouteRequest(inbound.request_id, inbound.input_tokens, None)
-    return inbound, host.arrive(inbound, "dc-a", route, READY, at, quotas)
+    return inbound, host.arrive(inbound, "dc-a", route, snapshot, at, quotas)

@@ -53,10 +53,15 @@ class Gate:
 
 
 def instance(
-    served: list[str], dc: str, gate: Gate | None = None, failing: float | None = None
+    served: list[str],
+    dc: str,
+    gate: Gate | None = None,
+    failing: float | None = None,
+    garbles: bool = False,
 ) -> Starlette:
     """An instance that answers at once, or once its gate opens, or fails every request
-    ``failing`` seconds after it came."""
+    ``failing`` seconds after it came, or (``garbles``) answers 200 with a body that is
+    no JSON."""
 
     async def metrics(_: Request) -> Response:
         return vllm_metrics(waiting=0, running=0)
@@ -66,6 +71,8 @@ def instance(
         if failing is not None:
             await asyncio.sleep(failing)
             return Response("engine dead", status_code=500)
+        if garbles:
+            return Response("{not json", media_type="application/json")
         if gate is not None:
             gate.reached.set()
             await gate.opened.wait()
@@ -87,6 +94,7 @@ async def two_dcs(
     gate: Gate | None = None,
     home_fails: float | None = None,
     chat_ttft_s: float | None = None,
+    home_garbles: bool = False,
     **settings: Any,
 ) -> AsyncIterator[Gateway]:
     """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east),
@@ -97,7 +105,11 @@ async def two_dcs(
         urls = {
             dc: await stack.enter_async_context(
                 http_server(
-                    instance(served, dc, *((gate, home_fails) if dc == "dc-a" else (None, None)))
+                    instance(
+                        served,
+                        dc,
+                        *((gate, home_fails, home_garbles) if dc == "dc-a" else (None, None)),
+                    )
                 )
             )
             for dc in ("dc-a", "dc-b")
@@ -222,11 +234,20 @@ async def test_requests_held_in_a_dc_count_as_its_work_in_flight(
     assert served == ["dc-b"]
 
 
-async def test_a_request_every_instance_failed_gives_its_quota_tokens_back() -> None:
+@pytest.mark.parametrize(("failure", "second"), [("fails", 503), ("garbles", 429)])
+async def test_a_request_every_instance_failed_gives_its_quota_tokens_back(
+    failure: str, second: int
+) -> None:
     """Failed before its first token (502), the request got no answer: its tokens go back
-    to the bucket, and its client's retry is not refused for the quota it already paid."""
+    to the bucket, and its client's retry passes the quota it already paid (then dc-a's
+    instance, which failed the first, cools down: 503). One whose instance generated a
+    whole answer that could not be read ran, and keeps them: the retry meets the quota."""
     served: list[str] = []
-    async with two_dcs(served, home_fails=0.0) as front, front.client() as http:
+    fails, garbles = (0.0 if failure == "fails" else None), failure == "garbles"
+    async with (
+        two_dcs(served, home_fails=fails, home_garbles=garbles) as front,
+        front.client() as http,
+    ):
         quota = ClassQuota(task_class=TaskClass.INTERACTIVE, tokens_per_s=0.001, burst_tokens=1)
         quotas = AdmissionQuotas(
             scope="dc-a", version=1, issued_at=time.time(), ttl_s=60, quotas=(quota,)
@@ -239,9 +260,7 @@ async def test_a_request_every_instance_failed_gives_its_quota_tokens_back() -> 
             await asyncio.sleep(0.02)
         home = {"x-tokenfleet-residency": "eu-west"}  # dc-a alone, whose instance fails
         answers = [(await ask(http, **home)).status_code for _ in range(2)]
-    # The second past its quota (its bucket had the tokens back; 429 before), then refused:
-    # dc-a's instance, which failed the first, cools down.
-    assert answers == [502, 503]
+    assert answers == [502, second]
 
 
 async def test_a_request_too_late_after_its_dc_failed_is_refused_as_the_fleet_s_doing() -> None:

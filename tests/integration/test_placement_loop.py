@@ -137,7 +137,7 @@ async def deployed(kafka: Service, tmp_path: Path, dc: str) -> AsyncIterator[lis
     cycle = ("--period", "1", "--ttl", "3", "--long-cycle", f"{LONG_CYCLE_S:g}")
     placed = ("--placement", "--warmup", f"{WARMUP_S:g}")
     controller = f"http://127.0.0.1:{ports + 3}"
-    parts = [  # the controller last: the standby must still be down when ``deployed`` yields
+    parts = [  # the controller last: it places nothing before the rest is up
         Part("emulate", ("emulate", *fleet_args, *placed), urls[0], (f"{urls[0]}/health",)),
         Part("collector", ("collect", *fleet_args)),
         Part(
@@ -169,7 +169,7 @@ async def test_a_hot_dc_gets_a_replica_after_its_warm_up_and_a_cold_one_gives_it
     kafka: Service, tmp_path: Path
 ) -> None:
     dc = f"dc-{uuid.uuid4().hex[:8]}"  # the session's broker: tables of its own
-    tables = Tables(dc, ended_rps=3.0, ready=1)  # 1.5 of its one replica's rate
+    tables = Tables(dc, ended_rps=0.2, ready=1)  # cold while it deploys: nothing placed
     bus = KafkaBus(kafka.address, source="test")
     publisher = asyncio.create_task(tables.publish(bus))
     try:
@@ -177,6 +177,7 @@ async def test_a_hot_dc_gets_a_replica_after_its_warm_up_and_a_cold_one_gives_it
             assert await answers(base)
             assert not await answers(spare)
             assert await served_by(gateway) == {f"{dc}-0"}
+            tables.ended_rps = 3.0  # 1.5 of its one replica's rate
             grown = await placements(bus, dc, 2)
             started_at = await until(spare, listening=True)
             assert started_at - grown.issued_at >= WARMUP_S  # it loaded before it listened
