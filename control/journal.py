@@ -320,8 +320,8 @@ class JournaledPipeline(Pipeline[Payload]):
     def _write_in_parts(self, call: str, result: list[Record] | Record, **fields: Any) -> None:
         """Write ``call``'s record with its ``result``: outcomes, or a failed pass's (its
         outcomes ``before``), in parts of at most ``part_bytes`` (``PART`` after the first)."""
-        first, *rest = _parts(_outcomes_of({"outcomes": result}), self.part_bytes)
-        head = first if isinstance(result, list) else result | {"before": first}
+        first, *rest = _parts(_outcomes_in(result), self.part_bytes)
+        head = _with_outcomes(result, first)
         parts = {"parts": 1 + len(rest)} if rest else {}
         self._write(call, **fields, outcomes=head, **parts)
         for part in rest:
@@ -530,19 +530,15 @@ class _InParts:
         if record["call"] == PART:
             if self.first is None:
                 raise _OutOfOrder(f"record {record['seq']} continues no record")
-            _outcomes_of(self.first).extend(record["outcomes"])
+            _outcomes_in(self.first["outcomes"]).extend(record["outcomes"])
             self.left -= 1
         elif self.first is not None:
             raise _OutOfOrder(
                 f"record {record['seq']} comes amid record {self.first['seq']}'s parts"
             )
         elif record.get("parts", 1) > 1:
-            outcomes = record["outcomes"]
-            copied = (
-                list(outcomes)
-                if isinstance(outcomes, list)
-                else outcomes | {"before": list(outcomes["before"])}
-            )
+            result = record["outcomes"]
+            copied = _with_outcomes(result, list(_outcomes_in(result)))  # to extend
             self.first, self.left = record | {"outcomes": copied}, record["parts"] - 1
         else:
             return record
@@ -558,10 +554,15 @@ class _InParts:
         return f"the journal ends before {self.left} part(s) of record {self.first['seq']}"
 
 
-def _outcomes_of(record: Record) -> list[Record]:
-    """A record's outcomes: a failed pass's are those it decided ``before`` it failed."""
-    outcomes = record["outcomes"]
-    return outcomes if isinstance(outcomes, list) else outcomes["before"]
+def _outcomes_in(result: list[Record] | Record) -> list[Record]:
+    """A record's outcomes, from its result: a failed pass's are those it decided
+    ``before`` it failed."""
+    return result if isinstance(result, list) else result["before"]
+
+
+def _with_outcomes(result: list[Record] | Record, outcomes: list[Record]) -> list[Record] | Record:
+    """``result`` with ``outcomes`` in place of its own (``_outcomes_in``)."""
+    return outcomes if isinstance(result, list) else result | {"before": outcomes}
 
 
 @dataclass
