@@ -52,7 +52,8 @@ def router_factory(
     fleet: FleetConfig, policy: str, seed: int = 0, params: Any = None
 ) -> Callable[[str], Router]:
     """Routers for the fleet's models; a model's ``profile`` gives TokenPilot its step model.
-    ValueError (or KeyError for an unknown policy) at once, not at the first request."""
+    ValueError at once for an unknown profile; ValueError (or KeyError for an unknown
+    policy) when a router is made, which ``gateway_parts`` does at start."""
     for model in fleet.models:
         if model.profile is not None and model.profile not in PROFILES:
             known = ", ".join(sorted(PROFILES))
@@ -63,7 +64,6 @@ def router_factory(
         assert model is not None
         return make_router(policy, seed, pool_model(model.profile, model.max_num_seqs), params)
 
-    make(fleet.models[0].name)
     return make
 
 
@@ -78,15 +78,14 @@ def pool_model(profile_name: str | None, max_num_seqs: int | None) -> PoolModel 
 
 def admission_factory(fleet: FleetConfig, name: str) -> Callable[[str], Admission]:
     """Admission policies for the fleet's models, built with the model's pool (its step
-    model and engine limits) for those that use it; KeyError (unknown) or ValueError at
-    once."""
+    model and engine limits) for those that use it; KeyError (unknown) or ValueError when
+    one is made, which ``gateway_parts`` does at start."""
 
     def make(model_name: str) -> Admission:
         model = fleet.model(model_name)
         assert model is not None
         return make_admission(name, pool_model(model.profile, model.max_num_seqs), ablations=False)
 
-    make(fleet.models[0].name)
     return make
 
 
@@ -113,8 +112,11 @@ def gateway_parts(
     policy, params = routing_params(fleet, settings)
     routers = router_factory(fleet, policy, seed, params)
     admissions = admission_factory(fleet, settings.admission)
+    # Both built once at start, the router first: an unknown policy, a bad parameter or a
+    # pairing that cannot work fails now, not at the first request.
     first = fleet.models[0].name
-    check_pairing(admissions(first), routers(first))  # at start, not at the first request
+    router = routers(first)
+    check_pairing(admissions(first), router)
 
     def recipe(model: str) -> dict[str, Any]:
         """How ``routers`` and ``admissions`` build ``model``'s pool, for an auditor."""
