@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from gateway.settings import GatewaySettings
 from schemas.fleet import FleetConfig
+from tokenfleet.commands.arguments import consecutive_ports
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.output import write_json
 from tokenfleet.services.kafka import LocalKafka, running_bootstrap
@@ -135,19 +136,15 @@ def plan(
         *(
             _serving(
                 f"gateway-{dc.name}",
-                (
-                    "gateway",
-                    *fleet_args,
-                    "--dc",
-                    dc.name,
-                    "--port",
-                    str(gateway_port + n),
-                    "--journal",
-                ),
-                f"http://127.0.0.1:{gateway_port + n}",
+                ("gateway", *fleet_args, "--dc", dc.name, "--port", str(port), "--journal"),
+                f"http://127.0.0.1:{port}",
                 stop_timeout_s=gateway_drain_s + GATEWAY_STOP_MARGIN_S,
             )
-            for n, dc in enumerate(fleet.dcs)
+            for port, dc in zip(
+                consecutive_ports("--gateway-port", gateway_port, len(fleet.dcs)),
+                fleet.dcs,
+                strict=True,
+            )
         ),
     )
 

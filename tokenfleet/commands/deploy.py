@@ -7,7 +7,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from tokenfleet.commands.arguments import consecutive_ports, fixed_port
+from tokenfleet.commands.arguments import fixed_port
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import (
@@ -121,7 +121,6 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         fleet = load_fleet(args.fleet)
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
-    consecutive_ports("--gateway-port", args.gateway_port, len(fleet.dcs))  # one per DC
     parts = plan(
         fleet,
         str(args.fleet),
