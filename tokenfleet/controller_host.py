@@ -229,7 +229,7 @@ class QuotaHost(_ControlHost[AdmissionQuotas]):
         changed = self._changed.get(dc)
         current = (
             None  # none, or expired: the gateways are back on the defaults, and so is this
-            if published is None or changed is None or self._expired(dc, now)
+            if published is None or changed is None or published.expired(now)
             else changed.model_copy(update={"version": published.version})
         )
         desired = self.controller.reconcile(goodput, capacity, current, now)
@@ -239,7 +239,7 @@ class QuotaHost(_ControlHost[AdmissionQuotas]):
             return desired
         if (
             published is not None
-            and not self._expired(dc, now)
+            and not published.expired(now)
             and now - published.issued_at >= self.renew_s
         ):
             return published.model_copy(update={"version": published.version + 1, "issued_at": now})

@@ -95,14 +95,14 @@ def _audit(args: argparse.Namespace) -> int:
             print(f"  DIFFERS record {d.seq} ({d.call}):")
             print(f"    recorded {_brief(d.recorded)}")
             print(f"    replayed {_brief(d.replayed)}")
+    compared = any(a.decisions for a in audits)
     if not audits:
         print("no journal found (are the gateways started with TOKENFLEET_GATEWAY_JOURNAL=true?)")
-    elif not any(a.decisions for a in audits):
+    elif not compared:
         print("no decision to compare: the journals hold none")
     if args.json:
         document = [asdict(a) | {"reproduced": a.reproduced} for a in audits]
         write_json(args.json, document)
-    compared = any(a.decisions for a in audits)
     return 0 if compared and all(a.reproduced for a in audits) and not malformed else 1
 
 
