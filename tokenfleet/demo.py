@@ -47,11 +47,9 @@ Say = Callable[[str], None]
 def run_demo(
     seed: int = 0,
     instances_per_dc: int = INSTANCES_PER_DC,
-    out: Path | None = None,
     say: Say = print,
 ) -> dict[str, Any]:
-    """Both stacks' figures (as ``bench fleet`` writes them); with ``out``, the JSON and
-    the plot are written there."""
+    """Both stacks' figures (as ``bench fleet`` writes them; ``write_demo`` writes them)."""
     say(f"Building the scenario: the mixed workload in the seed's layout, seed {seed} ...")
     case = scenario(seed=seed, instances_per_dc=instances_per_dc)
     say(
@@ -73,8 +71,6 @@ def run_demo(
         "policies": {TOKENFLEET.name: ours[0], BASELINE.name: theirs[0]},
         "series": {TOKENFLEET.name: ours[1], BASELINE.name: theirs[1]},
     }
-    if out is not None:
-        write_demo(document, out)
     return document
 
 

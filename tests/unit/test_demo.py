@@ -6,14 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenfleet.demo import report, run_demo
+from tokenfleet.demo import report, run_demo, write_demo
 
 
 def test_the_demo_runs_both_stacks_on_the_same_arrivals_and_writes_its_report(
     tmp_path: Path,
 ) -> None:
     said: list[str] = []
-    document = run_demo(seed=0, instances_per_dc=1, out=tmp_path, say=said.append)
+    document = run_demo(seed=0, instances_per_dc=1, say=said.append)
+    write_demo(document, tmp_path)
     ours, theirs = document["policies"]["tokenfleet"], document["policies"]["baseline"]
     assert ours["arrivals"] > 1000
     assert theirs["cross_dc_share"] == 0.0  # the baseline keeps every request at home
