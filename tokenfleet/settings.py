@@ -42,15 +42,21 @@ def known_variables() -> set[str]:
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """A warning for each ``TOKENFLEET_*`` variable in ``environ`` that nothing reads (a
-    misspelt one is silently ignored otherwise), naming the closest known one."""
+    misspelt one is silently ignored otherwise), naming the closest known one. The
+    settings classes are read only where some such variable is set: every command starts
+    here."""
+    ours = [
+        name
+        for name in sorted(environ)
+        if name.upper().startswith("TOKENFLEET_") and not name.upper().startswith(_IGNORED_PREFIX)
+    ]
+    if not ours:
+        return []
     known = known_variables()
     warnings = []
-    for name in sorted(environ):
-        upper = name.upper()
-        if not upper.startswith("TOKENFLEET_") or upper.startswith(_IGNORED_PREFIX):
-            continue
-        if upper not in known:
-            close = difflib.get_close_matches(upper, known, n=1)
+    for name in ours:
+        if name.upper() not in known:
+            close = difflib.get_close_matches(name.upper(), known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             warnings.append(f"{name} is not a setting TokenFleet reads, ignored{hint}")
     return warnings
