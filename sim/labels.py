@@ -65,9 +65,9 @@ def _seconds(value: object) -> bool:
     return finite_number(value) and value > 0
 
 
-_CLASSES = ", ".join(c.value for c in TaskClass)
+_CLASS_VALUES = tuple(c.value for c in TaskClass)
 LABEL_RULES: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "class": (f"one of {_CLASSES}", lambda value: value in {c.value for c in TaskClass}),
+    "class": (f"one of {', '.join(_CLASS_VALUES)}", lambda value: value in _CLASS_VALUES),
     "tenant": ("a name", _name),
     "deadline_s": (
         "a number of seconds above 0, or null (none)",

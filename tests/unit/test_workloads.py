@@ -172,3 +172,7 @@ def test_a_trace_file_s_own_labels_win_over_the_rules(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match=r"line 1: class must be one of interactive.*not 'urgent'"):
         load_trace(str(path))
+    row = {"timestamp": 0, "input_length": 9, "output_length": 1, "hash_ids": []}
+    path.write_text(json.dumps(row | {"class": ["batch"]}) + "\n")  # not a name: no TypeError
+    with pytest.raises(ValueError, match=r"line 1: class must be one of interactive.*\['batch'\]"):
+        load_trace(str(path))
