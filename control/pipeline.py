@@ -279,7 +279,10 @@ class Pipeline(Generic[Payload]):
                 snapshot = charges.on(fleet())
                 held = head.payload
                 try:
-                    decision = self._admit(head.request, held.route, snapshot, now, held=True)
+                    started = charges.started(len(snapshot))
+                    decision = self._admit(
+                        head.request, held.route, snapshot, now, held=True, started=started
+                    )
                 except Exception:
                     self.pools.release(task_class, now)
                     outcomes.append(_failed_on(head))
@@ -427,6 +430,7 @@ class Pipeline(Generic[Payload]):
         now: float,
         *,
         held: bool,
+        started: IntArray | None = None,
     ) -> AdmissionDecision:
         predicted = None
         if self.admission.wants_prediction and implements(self.router, PredictsTtft):
@@ -442,6 +446,7 @@ class Pipeline(Generic[Payload]):
             MappingProxyType(self._first_tokens),
             sum(p.decoding for p in self.peers.values()),
             self._out_of_slots(),
+            started,
             objectives=self.objectives,
         )
         return self.admission.decide(request, view, held=held)
@@ -503,24 +508,35 @@ def _steps_past(hold: AdmissionDecision, task_class: TaskClass) -> bool:
 @dataclass
 class _PassCharges:
     """The charges of a release pass's dispatches so far, per instance, as the simulator
-    books them once it has the pass's outcomes (``Charge.routed``). A gateway books a
-    little otherwise (the shared index's match where the router expects nothing, the
+    books them once it has the pass's outcomes (``Charge.routed``), and the sequences
+    they start, which admission counts against the engines' seats (the scrape that would
+    show them comes after the pass; the router counts them its own way). A gateway books
+    a little otherwise (the shared index's match where the router expects nothing, the
     API's own default budget) and later (when each released request's task runs): near
     enough for the checks of one pass."""
 
     pending_prefill: FloatArray | None = None
     inflight_tokens: IntArray | None = None
+    sequences: IntArray | None = None
 
     def add(self, outcome: Outcome[Payload], instances: int) -> None:
         index, request, route = outcome.instance, outcome.request, outcome.route
         if index is None or route is None:
             return
-        if self.pending_prefill is None or self.inflight_tokens is None:
+        if self.pending_prefill is None or self.inflight_tokens is None or self.sequences is None:
             self.pending_prefill = np.zeros(instances)
             self.inflight_tokens = np.zeros(instances, dtype=np.int64)
+            self.sequences = np.zeros(instances, dtype=np.int64)
         charge = Charge.routed(request.input_tokens, request.output_budget, route, index)
         self.pending_prefill[index] += charge.pending_prefill
         self.inflight_tokens[index] += charge.inflight_tokens
+        self.sequences[index] += 1
+
+    def started(self, instances: int) -> IntArray | None:
+        """The sequences started so far on each of ``instances`` (None: none, or not on
+        these instances)."""
+        sequences = self.sequences
+        return None if sequences is None or len(sequences) != instances else sequences.copy()
 
     def on(self, fleet: FleetSnapshot) -> FleetSnapshot:
         """``fleet`` with these charges on its instances (none where its instances are not

@@ -26,7 +26,7 @@ from control.admission.view import (
 
 if TYPE_CHECKING:
     from control.admission.registry import EngineScheduling
-from control.routing.snapshot import BoolArray, PoolModel
+from control.routing.snapshot import DEFAULT_BLOCK_SIZE, BoolArray, PoolModel
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
 from schemas.objectives import ClassObjective
@@ -40,8 +40,9 @@ class SLOMaxParams:
     """Reject a request whose predicted TTFT (best instance, plus its pool's expected wait)
     misses its class objective, or that would start after its deadline."""
     interactive_reservation: bool = True
-    """Start long documents and batch work only while the fleet's KV use leaves
-    ``reserved_kv_share`` free for interactive traffic, only on instances whose running
+    """Start long documents and batch work only while the fleet's KV use, taken and
+    promised (``AdmissionView.kv_use``), leaves ``reserved_kv_share`` free for
+    interactive traffic, only on instances whose running
     and waiting sequences leave the same share of the engine's ``max_num_seqs`` (where
     the pool's model is known), and batch work only on instances with nothing waiting."""
     interference_bound: bool = True
@@ -94,7 +95,7 @@ class SLOMax:
         wait = pool.expected_wait_s() if joins_pool else 0.0
         # held: the best of the ready instances, where it may start once load falls
         predicted = view.best_predicted_ttft_s(allowed if blocked is None else None)
-        figures = {"kv_use": view.kv_use(), "pool_wait_s": wait}
+        figures = {"kv_use": view.kv_use(self._block_size), "pool_wait_s": wait}
         if predicted is not None:
             figures["predicted_ttft_s"] = predicted
         objective = view.objective(request)
@@ -136,14 +137,18 @@ class SLOMax:
                 allowed &= fleet.waiting == 0
             most = None if self.pool is None else self.pool.max_num_seqs
             if most is not None:  # running and waiting: the seats taken and promised
-                allowed &= fleet.requests < (1 - reserved) * most
-            if view.kv_use() >= 1 - reserved or not allowed.any():
+                allowed &= view.sequences() < (1 - reserved) * most
+            if view.kv_use(self._block_size) >= 1 - reserved or not allowed.any():
                 return "reservation", allowed
         if p.interference_bound and request.input_tokens >= LONG_DOCUMENT_TOKENS:
             allowed &= fleet.pending_prefill_tokens < p.long_prefill_cap_tokens
             if not allowed.any():
                 return PREFILL_WAIT, allowed
         return (None if allowed.any() else "no_instance"), allowed
+
+    @property
+    def _block_size(self) -> int:
+        return DEFAULT_BLOCK_SIZE if self.pool is None else self.pool.block_size
 
     def _interactive_reserve(self, quotas: Mapping[TaskClass, ClassQuota]) -> float:
         """The share held back for interactive requests: the interactive quota's, where it

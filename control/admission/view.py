@@ -15,7 +15,7 @@ from enum import StrEnum
 import numpy as np
 
 from control.admission.request import AdmissionRequest
-from control.routing.snapshot import BoolArray, FleetSnapshot, FloatArray
+from control.routing.snapshot import BoolArray, FleetSnapshot, FloatArray, IntArray
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
 from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
@@ -119,6 +119,9 @@ class AdmissionView:
     """Classes whose ceiling this host shares with the pool's other hosts, each holding
     slots of it apart (gateway replicas), and whose slots this host has all in use: it
     starts no more of them, whatever the ceiling leaves."""
+    started: IntArray | None = None
+    """Sequences the host let go on each instance in the release pass this decision is
+    part of (None: none), which the scrape does not show yet."""
     objectives: Mapping[TaskClass, ClassObjective] = field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES)
     )
@@ -145,11 +148,25 @@ class AdmissionView:
     def total_usage(self) -> Usage:
         return sum(self.usage.values(), Usage())
 
-    def kv_use(self) -> float:
-        """The ready instances' share of KV blocks in use, as last scraped."""
-        fleet = self.fleet
-        total = int(fleet.kv_blocks_total[fleet.ready].sum())
-        return float(fleet.kv_blocks_used[fleet.ready].sum()) / total if total else 1.0
+    def sequences(self) -> IntArray:
+        """Each instance's sequences running, waiting and started by the pass since the
+        scrape: the engine's seats taken and promised."""
+        requests = self.fleet.requests
+        return requests if self.started is None else requests + self.started
+
+    def kv_use(self, block_size: int) -> float:
+        """The ready instances' share of KV blocks taken and promised: in use as last
+        scraped, and those the prompts routed there and not yet prefilled will take (the
+        hosts' pending prefill, in blocks of ``block_size`` tokens). The scrape alone is
+        stale: between two, and within a release pass, the requests let go would not
+        count, and a burst could start past a reserve. A prompt part-prefilled at the
+        scrape counts its computed part twice."""
+        fleet, ready = self.fleet, self.fleet.ready
+        total = int(fleet.kv_blocks_total[ready].sum())
+        if not total:
+            return 1.0
+        promised = float(fleet.pending_prefill_tokens[ready].sum()) / block_size
+        return (float(fleet.kv_blocks_used[ready].sum()) + promised) / total
 
     def best_predicted_ttft_s(self, allowed: BoolArray | None) -> float | None:
         """The lowest predicted TTFT among the instances the request may use."""

@@ -96,12 +96,17 @@ class RouteRequest:
     (the gateways share one); None: a cache-aware router consults its own index."""
 
 
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block where the pool's engines are not known: vLLM's default
+``--block-size`` on CUDA."""
+
+
 @dataclass(frozen=True)
 class PoolModel:
     """What a router may know of the model pool: its step times and engine limits."""
 
     step_time: StepTime
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int = 8192
     max_num_seqs: int | None = None
     """Sequences an engine runs at once (vLLM's ``--max-num-seqs``; None: not known).

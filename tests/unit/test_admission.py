@@ -4,6 +4,7 @@ test_admission_baselines.py)."""
 from __future__ import annotations
 
 import pickle
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -39,6 +40,10 @@ from schemas.objectives import ClassObjective
 CHAT, DOC, BATCH = TaskClass.INTERACTIVE, TaskClass.LONG_DOCUMENT, TaskClass.BATCH
 
 
+KV_BLOCKS = 10_000
+"""Each test instance's KV blocks: 160,000 tokens in blocks of 16."""
+
+
 def fleet(
     waiting=(0, 0), kv_used=(0, 0), pending=(0, 0), ready=None, running=(0, 0)
 ) -> FleetSnapshot:
@@ -50,7 +55,7 @@ def fleet(
         np.array(running, dtype=np.int64),
         np.zeros(size, dtype=np.int64),
         np.array(kv_used, dtype=np.int64),
-        np.full(size, 100, dtype=np.int64),
+        np.full(size, KV_BLOCKS, dtype=np.int64),
         np.array(pending, dtype=np.float64),
     )
 
@@ -103,9 +108,9 @@ def test_batch_starts_only_where_nothing_waits() -> None:
 
 
 def test_lower_classes_wait_once_the_fleet_eats_into_the_interactive_reserve() -> None:
-    busy = fleet(kv_used=(86, 86))  # 86 % in use, against the default 15 % reserve
+    busy = fleet(kv_used=(8_600, 8_600))  # 86 % in use, against the default 15 % reserve
     assert SLOMax().decide(request(DOC, tokens=20_000), view(busy)).reason == "reservation"
-    calm = fleet(kv_used=(84, 84))
+    calm = fleet(kv_used=(8_400, 8_400))
     assert SLOMax().decide(request(DOC, tokens=20_000), view(calm)).verdict is Verdict.DISPATCH
     # the controller's quota names the reserve once it publishes one
     quota = ClassQuota(
@@ -122,7 +127,7 @@ def test_lower_classes_wait_once_the_fleet_eats_into_the_interactive_reserve() -
 def test_an_interactive_quota_without_a_reserve_keeps_the_default_one() -> None:
     """A quota that set only a bucket or a ceiling for interactive requests read as a
     reserve of 0: long documents took the KV held back for chats."""
-    busy = fleet(kv_used=(86, 86))  # 86 % in use, against the default 15 % reserve
+    busy = fleet(kv_used=(8_600, 8_600))  # 86 % in use, against the default 15 % reserve
     for quota in (
         ClassQuota(task_class=CHAT, tokens_per_s=1e6, burst_tokens=10**6),
         ClassQuota(task_class=CHAT, max_concurrency=100),
@@ -407,6 +412,34 @@ def test_a_release_pass_counts_its_own_dispatches_before_the_next_check() -> Non
     room = fleet(pending=(0, LONG_DOCUMENT_TOKENS))
     assert [(o.payload, o.instance) for o in pipeline.release(lambda: room, now=3.0)] == [("d1", 0)]
     assert pipeline.pools.head(DOC) is not None
+
+
+def test_prompts_routed_and_not_yet_prefilled_count_against_the_interactive_reserve() -> None:
+    """The scrape shows 70 % of KV in use, but the prompts routed since, not yet prefilled
+    (the hosts' pending prefill: 40,000 tokens an instance, 2,500 blocks of 16), will take
+    25 % more: a long document waits, where the scrape alone would let it start."""
+    scraped = fleet(kv_used=(7_000, 7_000))
+    doc = request(DOC, tokens=20_000)
+    assert SLOMax().decide(doc, view(scraped)).verdict is Verdict.DISPATCH
+    promised = replace(scraped, pending_prefill_tokens=np.array([40_000.0, 40_000.0]))
+    decision = SLOMax().decide(doc, view(promised))
+    assert (decision.verdict, decision.reason) == (Verdict.HOLD, "reservation")
+    assert dict(decision.figures)["kv_use"] == pytest.approx(0.95)
+
+
+def test_a_release_pass_keeps_the_interactive_share_of_the_engines_sequences() -> None:
+    """300 batch requests held on two idle instances of ``max_num_seqs`` 100: one pass lets
+    go 85 to each, the seats outside the 15 % reserve, though the scrape it reads shows
+    the instances idle throughout (a review saw about 150 each start)."""
+    pool = PoolModel(KneeRoofline(0.01, 0.0, 0, 0.0, 0.0), max_num_seqs=100)
+    pipeline: Pipeline[str] = Pipeline(SLOMax(pool=pool), make_router("round_robin"))
+    busy, idle = fleet(waiting=(1, 1)), fleet()
+    for n in range(300):
+        batch = request(BATCH, tokens=100, deadline=3_600.0, rid=f"b{n}")
+        pipeline.arrive(batch, RouteRequest(f"b{n}", 100, 100), f"b{n}", busy, now=0.0)
+    released = pipeline.release(lambda: idle, now=1.0)
+    assert Counter(o.instance for o in released) == {0: 85, 1: 85}
+    assert len(pipeline.pools) == 130
 
 
 def test_a_pipeline_counts_its_peers_in_flight_against_the_class_ceiling() -> None:

@@ -70,10 +70,10 @@ def test_dynamo_s_queue_holds_while_every_worker_is_prefill_busy() -> None:
 def test_llm_d_s_flow_control_holds_everything_while_the_pool_is_saturated() -> None:
     control = LlmdFlowControl()
     # saturation: mean over endpoints of max(waiting / 5, KV use / 0.8)
-    calm = fleet(waiting=(2, 0), kv_used=(40, 60))  # max(0.4, 0.5) and max(0, 0.75)
+    calm = fleet(waiting=(2, 0), kv_used=(4_000, 6_000))  # max(0.4, 0.5) and max(0, 0.75)
     assert saturation(view(calm), FlowControlParams()) == pytest.approx((0.5 + 0.75) / 2)
     assert control.decide(request(BATCH), view(calm)).verdict is Verdict.DISPATCH
-    full = fleet(waiting=(5, 6), kv_used=(10, 10))
+    full = fleet(waiting=(5, 6), kv_used=(1_000, 1_000))
     held = control.decide(request(CHAT), view(full, now=3.0))
     assert (held.verdict, held.hold_until_s) == (Verdict.HOLD, 63.0)  # 60 s, then 429
     behind = view(calm, pools={BATCH: PoolState(depth=1)})
