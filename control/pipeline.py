@@ -232,6 +232,8 @@ class Pipeline(Generic[Payload]):
             assert decision.hold_until_s is not None
             drains = decision.reason != SLOT_WAIT
             alone = _steps_past(decision, request.task_class)
+            if not self.pools:  # a paced loop's idle ticks let nothing go: none are saved
+                self._released_at = max(self._released_at, now)
             held = _Held(route, payload)
             self.pools.hold(Waiting(request, held, decision.hold_until_s, drains, alone))
             return Outcome(request, payload, decision)
@@ -343,8 +345,9 @@ class Pipeline(Generic[Payload]):
 
     def _release_budget(self, now: float) -> float:
         """How many held requests this pass may take out: any number, unless the policy
-        paces its releases (one per tick of its dispatch loop, the ticks whole: a tick
-        begun before this pass is the next pass's)."""
+        paces its releases (one per tick of its dispatch loop since the pools last held
+        nothing or the last pass, the ticks whole: a tick begun before this pass is the
+        next pass's; a tick a pass found blocked is spent)."""
         rate = self.admission.release_rate_per_s
         if rate is None:
             return math.inf

@@ -96,6 +96,21 @@ def test_llm_d_s_flow_control_lets_held_requests_go_one_per_millisecond() -> Non
     assert len(pipeline.release(lambda: calm, now=0.010)) == 2
 
 
+def test_llm_d_s_flow_control_saves_no_ticks_while_nothing_waits() -> None:
+    """Its dispatch loop lets one request go per 1 ms tick, and a tick with nothing queued
+    lets nothing go: after 10 s with the pools empty, requests held now leave at one a
+    millisecond from now (the ticks of those 10 s were saved: all five left at once)."""
+    pipeline: Pipeline[str] = Pipeline(LlmdFlowControl(), make_router("round_robin"))
+    saturated, calm = fleet(waiting=(9, 9)), fleet()
+    first = RouteRequest("r0", 100, 10)
+    pipeline.arrive(request(rid="r0"), first, "r0", saturated, now=0.0)
+    assert len(pipeline.release(lambda: calm, now=0.0015)) == 1
+    for n in range(1, 6):
+        route = RouteRequest(f"r{n}", 100, 10)
+        pipeline.arrive(request(rid=f"r{n}", arrival=10.0), route, f"r{n}", saturated, now=10.0)
+    assert len(pipeline.release(lambda: calm, now=10.002)) == 2
+
+
 def test_litellm_holds_every_priority_to_its_share_once_the_model_is_half_used() -> None:
     # two ready deployments of 100 rpm and 1,000 tpm: the model group's limits are 200 and 2,000
     params = LitellmParams(rpm_per_instance=100, tpm_per_instance=1_000)
