@@ -32,7 +32,6 @@ from control.admission.baselines import Fcfs
 from control.admission.registry import Admission
 from control.fleet.registry import make_dc_policy
 from control.routing.registry import Router
-from gateway.admission import Refused
 from gateway.decide import Decider
 from gateway.events import EventSink
 from gateway.exchange import Exchange, RelayedStream
@@ -53,6 +52,7 @@ from gateway.inbound import (
 )
 from gateway.journal import Journals
 from gateway.metrics import GatewayMetrics
+from gateway.refusals import Refused
 from gateway.settings import GatewaySettings
 from gateway.state import IN_PROGRESS, Outcome, SharedState
 from schemas.control import AdmissionQuotas, RoutingWeights

@@ -41,12 +41,13 @@ from control.routing.snapshot import (
 )
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from control.tokens import BLOCK_TOKENS
-from gateway.admission import LONGEST_RETRY_AFTER_S, GatewayAdmission, Refused, Waiting
+from gateway.admission import GatewayAdmission, Waiting
 from gateway.failures import DcFailed
 from gateway.fleet_view import FleetView, LastKnown, Pool
 from gateway.inbound import Inbound
 from gateway.journal import Journals
 from gateway.metrics import GatewayMetrics
+from gateway.refusals import LONGEST_RETRY_AFTER_S, Refused
 from gateway.state import SharedState, SharedView
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, RoutingWeights

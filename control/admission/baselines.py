@@ -200,7 +200,7 @@ class LitellmPriority:
     limit the answer is 429 at once; nothing waits. The hook names no retry time (it
     raises ``litellm.RateLimitError``), so the decision names none either, and the
     gateway's 429 carries its default ``Retry-After`` of 1 s, as for every refusal that
-    names no time (``gateway.admission.REFUSED_RETRY_AFTER_S``).
+    names no time (``gateway.refusals.REFUSED_RETRY_AFTER_S``).
 
     Departure: upstream reads saturation through a local cache that lives up to 60 s; here
     it is read fresh at every decision, which can only help it."""

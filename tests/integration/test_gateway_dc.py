@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.admission import Refused
+from gateway.refusals import Refused
 from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota, DcWeight, RoutingWeights
