@@ -13,7 +13,7 @@ class JournalRecord(Message):
     """One record of a gateway's decision journal: a call its pipeline of one pool made
     (an arrival with the snapshot it was decided on, a release pass, a first token, an
     end, ...) or one choice of DC, with its inputs and results; ``tokenfleet audit``
-    replays them. The record's own format is ``control/journal.py``'s; its floats are
+    replays them. The record's own format is ``control/journal/``'s; its floats are
     finite (infinities and NaN are written as strings)."""
 
     schema_name = "tf.audit.journal"

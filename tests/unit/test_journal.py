@@ -1,5 +1,5 @@
 """A pipeline's journal replays to the same decisions, and the audit catches a record that
-was changed or lost (``control/journal.py``)."""
+was changed or lost (``control/journal/``)."""
 
 from __future__ import annotations
 
