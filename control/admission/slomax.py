@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
-import numpy as np
 from pydantic import Field
 
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest
@@ -67,6 +66,12 @@ class SLOMaxParams:
     """Requests one class pool holds; past it, arrivals of the class are rejected."""
     retry_after_s: Annotated[float, Field(gt=0)] = 1.0
     """What a rejection tells the client to wait when nothing better is known."""
+    max_hold_s: Annotated[float, Field(gt=0)] = 600.0
+    """How long a request with neither a first-token objective nor a deadline (batch sent
+    without one) is held at most: the OpenAI Python client's default timeout
+    (``openai._constants.DEFAULT_TIMEOUT``, 600 s), past which its client has given up.
+    Unbounded, such a request waited as long as no instance was ready or KV stayed over
+    the reserve, its connection open."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class SLOMax:
             return AdmissionDecision(Verdict.DISPATCH, "admitted", allowed, figures=_items(figures))
         if not p.class_pools or (not held and pool.depth >= p.pool_depth):
             return self._reject(blocked if not p.class_pools else "pool_full", held, figures)
-        until = _hold_until(request, objective, predicted or 0.0)
+        until = _hold_until(request, objective, predicted or 0.0, p.max_hold_s)
         return AdmissionDecision(Verdict.HOLD, blocked, hold_until_s=until, figures=_items(figures))
 
     def concurrency_limit(
@@ -181,17 +186,20 @@ def _late(
 
 
 def _hold_until(
-    request: AdmissionRequest, objective: ClassObjective, predicted_ttft_s: float
+    request: AdmissionRequest,
+    objective: ClassObjective,
+    predicted_ttft_s: float,
+    max_hold_s: float,
 ) -> float:
     """The last moment a held request can still start and meet its objective, as far as
     its predicted TTFT tells; a class with no such objective waits at most the deadline
-    or, without one, as long as the pool holds it."""
-    limits = [np.inf]
+    or, without one, ``max_hold_s`` from its arrival."""
+    limits = []
     if objective.ttft_s is not None:
         limits.append(request.arrival_s + objective.ttft_s - predicted_ttft_s)
     if objective.use_deadline and request.deadline_s is not None:
         limits.append(request.deadline_s - predicted_ttft_s)
-    return float(min(limits))
+    return min(limits) if limits else request.arrival_s + max_hold_s
 
 
 def _items(figures: dict[str, float]) -> tuple[tuple[str, float], ...]:

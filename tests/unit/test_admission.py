@@ -219,6 +219,8 @@ def test_a_held_request_is_answered_without_retry_after_and_holds_end_in_time() 
     )
     assert waiting.verdict is Verdict.HOLD
     assert waiting.hold_until_s == pytest.approx(96.0)  # the last start that can still make it
+    undated = SLOMax().decide(request(BATCH, arrival=5.0), view(fleet(waiting=(1, 1)), now=5.0))
+    assert (undated.verdict, undated.hold_until_s) == (Verdict.HOLD, 605.0)  # its client's timeout
 
 
 def test_arrivals_queue_behind_their_pool_and_the_pool_is_bounded() -> None:
