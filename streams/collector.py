@@ -13,6 +13,10 @@ instance that answers 404 (vLLM and SGLang, which publish theirs on ZMQ) is not 
 again. Events the feed dropped before they were read, or a restarted instance (a new
 epoch), are published as the instance's cache cleared, so that no index keeps blocks the
 engine may have evicted unseen.
+
+What it did is counted in ``CollectorMetrics`` (``tokenfleet collect --metrics-port``
+serves them): scrapes and failed scrapes by instance, the last good scrape's time, and
+events published and failed publishes by topic.
 """
 
 from __future__ import annotations
@@ -29,15 +33,18 @@ from operator import itemgetter
 from statistics import fmean
 
 import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector
 from pydantic import BaseModel
 
-from schemas import Envelope
+from schemas import Envelope, Message, topic_for
 from schemas.fleet import InstanceConfig
 from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved, KvBlocksStored
 from streams.bus import EventBus
 
 log = logging.getLogger(__name__)
 
+TELEMETRY_TOPIC = topic_for(InstanceTelemetry).name
+KV_EVENTS_TOPIC = topic_for(KvAllCleared).name
 NOMINAL_KV_BLOCKS = 10_000
 """Cache size assumed when an engine reports only a usage fraction (SGLang without
 ``max_total_num_tokens``): usage is then right as a share, not as a count."""
@@ -248,6 +255,56 @@ def kv_messages(
     return messages
 
 
+class CollectorMetrics:
+    """The collector's Prometheus metrics, in a registry of its own (tests build several).
+    Each instance's and topic's series exist from the start, at 0, so that a first failure
+    shows as an increase rather than as a new series."""
+
+    def __init__(self, instance_ids: Iterable[str]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, open files
+        self.scrapes = Counter(
+            "tokenfleet_collector_scrapes",
+            "Scrapes of an instance's /metrics, failed ones included, by instance (its id in "
+            "the fleet file).",
+            ("instance_id",),
+            registry=r,
+        )
+        self.scrape_failures = Counter(
+            "tokenfleet_collector_scrape_failures",
+            "Scrapes that failed (no answer in time, an HTTP error, no exposition, none of "
+            "the engine's metrics), by instance: each published it not ready.",
+            ("instance_id",),
+            registry=r,
+        )
+        self.last_scrape = Gauge(
+            "tokenfleet_collector_last_scrape_timestamp_seconds",
+            "When the instance was last scraped successfully (Unix time); absent before.",
+            ("instance_id",),
+            registry=r,
+        )
+        self.events_published = Counter(
+            "tokenfleet_collector_events_published",
+            "Events the bus has taken, by topic (tf.telemetry, tf.kv-events).",
+            ("topic",),
+            registry=r,
+        )
+        self.publish_failures = Counter(
+            "tokenfleet_collector_publish_failures",
+            "Batches of events the bus refused, by topic: a round's telemetry is lost; the "
+            "KV events' instances are published cleared at their next read.",
+            ("topic",),
+            registry=r,
+        )
+        for instance_id in instance_ids:
+            self.scrapes.labels(instance_id)
+            self.scrape_failures.labels(instance_id)
+        for topic in (TELEMETRY_TOPIC, KV_EVENTS_TOPIC):
+            self.events_published.labels(topic)
+            self.publish_failures.labels(topic)
+
+
 class Collector:
     """Scrapes ``instances`` every ``interval_s`` and publishes one telemetry event per
     instance; every ``kv_interval_s``, the KV events each instance with a feed made since.
@@ -281,6 +338,7 @@ class Collector:
         """Instances whose KV events were read but could not be published."""
         self._unread: dict[str, str] = {}
         """Instances whose last scrape failed, and why (warned of once, not every scrape)."""
+        self.metrics = CollectorMetrics(i.id for i in self.instances)
 
     async def scrape_once(self) -> list[InstanceTelemetry]:
         scraped = await asyncio.gather(*(self._scrape(i) for i in self.instances))
@@ -302,26 +360,30 @@ class Collector:
 
     async def _publish_telemetry(self) -> None:
         """A bus outage loses one round, not the loop."""
-        events = [Envelope.wrap(t, source="collector") for t in await self.scrape_once()]
-        try:
-            await self.bus.publish_events(events)
-        except Exception as exc:
-            log.warning("publishing telemetry failed: %s", exc)
+        await self._publish(TELEMETRY_TOPIC, await self.scrape_once())
 
     async def _publish_kv(self) -> None:
         """KV events a bus outage loses clear their instances at the next round (their
         index is relearned from routing)."""
         kv_events = await self.kv_events_once()
-        if not kv_events:
-            return
-        try:
-            await self.bus.publish_events([Envelope.wrap(m, source="collector") for m in kv_events])
-        except Exception as exc:
-            log.warning("publishing KV events failed: %s", exc)
+        if kv_events and not await self._publish(KV_EVENTS_TOPIC, kv_events):
             self._unpublished.update(message.instance_id for message in kv_events)
+
+    async def _publish(self, topic: str, messages: Sequence[Message]) -> bool:
+        """Publish ``messages`` (``topic``'s, counted under it); False, with a warning,
+        where the bus refused them."""
+        try:
+            await self.bus.publish_events([Envelope.wrap(m, source="collector") for m in messages])
+        except Exception as exc:
+            log.warning("publishing to %s failed: %s", topic, exc)
+            self.metrics.publish_failures.labels(topic).inc()
+            return False
+        self.metrics.events_published.labels(topic).inc(len(messages))
+        return True
 
     async def _scrape(self, instance: InstanceConfig) -> Scraped | None:
         url = f"{str(instance.url).rstrip('/')}/metrics"
+        self.metrics.scrapes.labels(instance.id).inc()
         try:
             async with (
                 asyncio.timeout(self.timeout_s),
@@ -335,9 +397,11 @@ class Collector:
             if self._unread.get(instance.id) != why:
                 log.warning("%s is published not ready: scraping %s: %s", instance.id, url, exc)
             self._unread[instance.id] = why
+            self.metrics.scrape_failures.labels(instance.id).inc()
             return None
         if self._unread.pop(instance.id, None) is not None:
             log.warning("%s answers again: published ready", instance.id)
+        self.metrics.last_scrape.labels(instance.id).set_to_current_time()
         return scraped
 
     async def _kv_events(self, instance: InstanceConfig) -> list[KvMessage]:

@@ -26,7 +26,7 @@ from faust.types.tuples import FutureMessage
 from faust.worker import Worker
 from mode.services import WaitResults
 from mode.utils.tracebacks import Traceback
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -303,13 +303,13 @@ def _counter(name: str, documentation: str, label: str, tally: Mapping[str, int]
     return family
 
 
-def serve_metrics(app: WorkerApp, host: str, port: int) -> None:
-    """``/metrics`` on ``host:port``, from a thread of its own: the worker's counters and
-    its process's CPU and memory."""
+def metrics_registry(app: WorkerApp) -> CollectorRegistry:
+    """What the worker's ``/metrics`` serves: its counters and its process's CPU and
+    memory."""
     registry = CollectorRegistry()
     registry.register(WorkerMetrics(app))
     ProcessCollector(registry=registry)
-    start_http_server(port, host, registry=registry)
+    return registry
 
 
 class FlowHeldRecovery(Recovery):

@@ -60,6 +60,11 @@ class KafkaBus(EventBus):
             sent.append(await producer.send(record.topic, record.value, key=record.key.encode()))
         await asyncio.gather(*sent)
 
+    async def connect(self) -> None:
+        """Connect the producer now rather than at the first publish; raises where the
+        broker cannot be reached (aiokafka's ``KafkaConnectionError``)."""
+        await self._started_producer()
+
     async def close(self) -> None:
         async with self._producer_starting:  # a producer still starting is stopped too
             if self._producer is not None:

@@ -45,6 +45,9 @@ CONTROLLER_PORT = 9090
 """Where the controller serves the operators' view (``tokenfleet/operator_page.py``)."""
 WORKER_PORT = 9091
 """Where the table worker serves its Prometheus metrics."""
+COLLECTOR_PORT = 9094
+"""Where the collector serves its Prometheus metrics (past 9092 and 9093, the Kafka
+broker's and its controller's in ``docker-compose.yml``)."""
 GATEWAY_DRAIN_S: int = GatewaySettings.model_fields["drain_s"].default
 """The gateways' drain where ``TOKENFLEET_GATEWAY_DRAIN_S`` is unset."""
 SERVICE_SETTINGS = ("TOKENFLEET_KAFKA_BOOTSTRAP", "TOKENFLEET_REDIS_URL")
@@ -59,10 +62,10 @@ the completion events of the requests it was draining."""
 
 
 STARTUP_GRACE_S = 3.0
-"""How long a part with no URL to ask (the collector, an emulator whose instances are all
-on standby) must keep running to count as started. Without it ``up`` reported such a part
-started at once, though it exited moments later (a bad ``TOKENFLEET_*`` setting, a fleet
-file it cannot read); loading the CLI alone takes over a second on a busy machine."""
+"""How long a part with no URL to ask (an emulator whose instances are all on standby)
+must keep running to count as started. Without it ``up`` reported such a part started at
+once, though it exited moments later (a bad ``TOKENFLEET_*`` setting, a fleet file it
+cannot read); loading the CLI alone takes over a second on a busy machine."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ def plan(
     gateway_port: int = GATEWAY_PORT,
     controller_port: int = CONTROLLER_PORT,
     worker_port: int = WORKER_PORT,
+    collector_port: int = COLLECTOR_PORT,
     period_s: float = 5.0,
     ttl_s: float | None = None,
     long_cycle_s: float | None = None,
@@ -125,7 +129,12 @@ def plan(
     controller += ("--port", str(controller_port))
     return (
         *_emulators(fleet, fleet_args),
-        Part("collector", ("collect", *fleet_args)),
+        _serving(
+            "collector",
+            ("collect", *fleet_args, "--metrics-port", str(collector_port)),
+            f"http://127.0.0.1:{collector_port}",
+            "/metrics",  # served once its Kafka bus is connected
+        ),
         _serving(
             "worker",
             ("worker", *fleet_args, "--metrics-port", str(worker_port)),
@@ -175,7 +184,8 @@ def check_ports(fleet: FleetConfig, parts: Sequence[Part]) -> None:
         if port in users:
             raise CliError(
                 f"port {port} is both {users[port]}'s and {user}'s: move one (--gateway-port, "
-                "--controller-port, --worker-port or the fleet file's instance URLs)"
+                "--controller-port, --worker-port, --collector-port or the fleet file's "
+                "instance URLs)"
             )
         users[port] = user
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
+from pathlib import Path
 
 import aiohttp
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -19,7 +23,10 @@ from sim.profiles import profile
 from streams.collector import Collector
 from streams.memory import InMemoryBus
 from tests.gateway_harness import MODEL, PROFILE, emulated, http_server
-from tokenfleet.services.process import free_port
+from tests.services import Service
+from tokenfleet.services.process import answers_http, free_port
+
+LOCAL_FLEET = Path(__file__).parents[2] / "examples" / "fleet-local.toml"
 
 
 def _slow(delay_s: float) -> Starlette:
@@ -143,3 +150,38 @@ async def test_kv_events_lost_to_a_bus_outage_clear_their_instance() -> None:
     assert bus.failed
     assert isinstance(received.envelope.payload, KvAllCleared)
     assert received.envelope.payload.reason == "KV events read but not published"
+
+
+@pytest.mark.kafka
+async def test_collect_serves_its_metrics_once_connected_and_another_on_its_port_exits(
+    kafka: Service,
+) -> None:
+    """What ``tokenfleet up`` waits for: the collector's ``/metrics``, served once its bus
+    is connected; a second collector told the same port exits 2, naming it."""
+    port = free_port()
+    argv = ["-m", "tokenfleet.cli", "collect", "--fleet", str(LOCAL_FLEET)]
+    argv += ["--metrics-port", str(port)]
+    env = os.environ | {"TOKENFLEET_KAFKA_BOOTSTRAP": kafka.address}
+    quiet = asyncio.subprocess.DEVNULL
+    first = await asyncio.create_subprocess_exec(
+        sys.executable, *argv, env=env, stdout=quiet, stderr=quiet
+    )
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        for _ in range(300):  # its imports and the broker's connection: seconds here
+            if first.returncode is not None or await asyncio.to_thread(answers_http, url):
+                break
+            await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession() as client, client.get(url) as answer:
+            exposition = await answer.text()
+        assert 'tokenfleet_collector_scrapes_total{instance_id="a-0"}' in exposition
+        assert 'tokenfleet_collector_events_published_total{topic="tf.telemetry"}' in exposition
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, *argv, env=env, stdout=quiet, stderr=asyncio.subprocess.PIPE
+        )
+        _, err = await asyncio.wait_for(second.communicate(), timeout=60)
+        assert second.returncode == 2
+        assert f"cannot serve /metrics on 127.0.0.1:{port}" in err.decode()
+    finally:
+        first.terminate()
+        await first.wait()

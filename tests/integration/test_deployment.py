@@ -123,7 +123,7 @@ def deployed(own_broker: LocalKafka, redis_server: Service, tmp_path: Path) -> I
     }
     run_in_thread(create_topics(own_broker.bootstrap))
     ports = {"gateway_port": free_ports(3), "controller_port": free_ports(1)}
-    ports["worker_port"] = free_ports(1)
+    ports |= {"worker_port": free_ports(1), "collector_port": free_ports(1)}
     controllers = {"period_s": PERIOD_S, "ttl_s": TTL_S, "long_cycle_s": LONG_CYCLE_S}
     controllers |= {"weights_min_outcomes": WEIGHTS_MIN_OUTCOMES}
     parts = plan(fleet, str(fleet_file), **ports, **controllers)

@@ -49,7 +49,9 @@ def test_a_gateway_on_port_0_prints_the_port_it_got() -> None:
     assert port > 0
 
 
-@pytest.mark.parametrize("option", ["--gateway-port", "--controller-port", "--worker-port"])
+@pytest.mark.parametrize(
+    "option", ["--gateway-port", "--controller-port", "--worker-port", "--collector-port"]
+)
 def test_up_refuses_port_0_whose_address_it_must_know(
     option: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

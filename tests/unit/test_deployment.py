@@ -84,14 +84,17 @@ def test_the_local_fleet_runs_an_emulator_and_a_gateway_per_dc_around_the_loop()
     assert emulators["emulate-dc-b"] == "http://127.0.0.1:8110"  # its DC's first instance
 
 
-def test_every_part_serving_a_url_is_ready_by_it_and_the_worker_by_its_metrics() -> None:
+def test_every_part_serving_a_url_is_ready_by_it_and_the_worker_and_collector_by_metrics() -> None:
     """Before, the worker and the collector counted as ready once started, and an emulator
-    once its first instance answered: ``up`` reported started a worker that had exited."""
-    parts = {part.name: part for part in local_plan(worker_port=9191)}
+    once its first instance answered: ``up`` reported started a worker that had exited.
+    Then the collector counted as ready once it had run 3 s, though it could not reach
+    Kafka or died later; it serves ``/metrics`` once its bus is connected."""
+    parts = {part.name: part for part in local_plan(worker_port=9191, collector_port=9194)}
     assert parts["worker"].ready_urls == ("http://127.0.0.1:9191/metrics",)
+    assert parts["collector"].ready_urls == ("http://127.0.0.1:9194/metrics",)
+    assert "--metrics-port" in parts["collector"].args
     assert parts["controller"].ready_urls == ("http://127.0.0.1:9090/health",)
     assert parts["gateway-dc-a"].ready_urls == ("http://127.0.0.1:8080/health",)
-    assert parts["collector"].ready_urls == ()  # it serves none: ready once it stays up
     fleet = load_fleet(ROOT / "examples" / "fleet-local.toml")
     for dc in fleet.dcs:
         local = fleet.local_instances(dc.name)
@@ -542,6 +545,7 @@ def _running_as(folder: Path, address: str) -> None:
     [
         (["--gateway-port", "9089"], ("controller", "gateway-dc-b")),  # 9089, 9090, 9091
         (["--worker-port", "9090"], ("worker", "controller")),
+        (["--collector-port", "9091"], ("collector", "worker")),
         (["--controller-port", "8111"], ("emulate-dc-b (instance b-1)", "controller")),
         (["--gateway-port", "8099"], ("emulate-dc-a (instance a-0)", "gateway-dc-b")),
     ],

@@ -11,6 +11,7 @@ from tokenfleet.commands.arguments import fixed_port
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import (
+    COLLECTOR_PORT,
     CONTROLLER_PORT,
     DEFAULT_HOME,
     GATEWAY_PORT,
@@ -62,6 +63,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=fixed_port,
         default=WORKER_PORT,
         help="the table worker's Prometheus /metrics (default: %(default)s)",
+    )
+    up.add_argument(
+        "--collector-port",
+        type=fixed_port,
+        default=COLLECTOR_PORT,
+        help="the collector's Prometheus /metrics (default: %(default)s)",
     )
     up.add_argument(
         "--period", type=float, default=5.0, help="the controllers' period (default: 5 s)"
@@ -127,6 +134,7 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         gateway_port=args.gateway_port,
         controller_port=args.controller_port,
         worker_port=args.worker_port,
+        collector_port=args.collector_port,
         period_s=args.period,
         ttl_s=args.ttl,
         long_cycle_s=args.long_cycle,
@@ -150,7 +158,8 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
     print(
         f"The edge gateway: {edge}/v1 (an API key of the fleet file's tenants); the "
         f"operators' page: http://127.0.0.1:{args.controller_port}/; the table worker's "
-        f"metrics: http://127.0.0.1:{args.worker_port}/metrics.\n"
+        f"metrics: http://127.0.0.1:{args.worker_port}/metrics, the collector's: "
+        f"http://127.0.0.1:{args.collector_port}/metrics.\n"
         f"Logs: {args.home}/<part>/server.log. Next: tokenfleet status --home {args.home}; "
         f"tokenfleet down --home {args.home}."
     )

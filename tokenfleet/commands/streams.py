@@ -21,6 +21,9 @@ from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME
 from tokenfleet.settings import Settings
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from streams.kafka import KafkaBus
     from tokenfleet.loop_status import Check
 
 
@@ -39,17 +42,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=Path,
         help="the fleet file, for its class objectives (default: the built-in objectives)",
     )
-    worker.add_argument(
-        "--metrics-port",
-        type=port,
-        help="serve Prometheus /metrics on this port: events taken in, dead letters by "
-        "source topic, tables published, CPU and memory (default: not served)",
-    )
-    worker.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        help="address /metrics listens on (default: %(default)s)",
-    )
+    _metrics_arguments(worker, "events taken in, dead letters by source topic, tables published")
     worker.set_defaults(handler=_worker)
 
     collect = commands.add_parser(
@@ -58,7 +51,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Scrapes the fleet file's instances (vLLM and SGLang metric names) "
         "concurrently and publishes one tf.telemetry event per instance per round, to the "
         "broker in TOKENFLEET_KAFKA_BOOTSTRAP. Instances that serve their KV events over "
-        "HTTP (/kv-events: the emulator) have them published to tf.kv-events as well.",
+        "HTTP (/kv-events: the emulator) have them published to tf.kv-events as well. "
+        "Connects to the broker before its first scrape, and exits if it cannot: /metrics "
+        "(--metrics-port) answers only once it is connected.",
     )
     collect.add_argument("--fleet", type=Path, required=True, help="the fleet file")
     collect.add_argument(
@@ -70,9 +65,30 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=1.0,
         help="seconds one scrape may take (default: 1)",
     )
+    _metrics_arguments(
+        collect,
+        "scrapes and failed scrapes by instance, the last good scrape's time, events "
+        "published and failed publishes by topic",
+    )
     collect.set_defaults(handler=_collect)
     _register_controller(commands)
     _register_status(commands)
+
+
+def _metrics_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--metrics-port`` and ``--metrics-host``: where the command serves ``what`` (and
+    its process's CPU and memory) as Prometheus ``/metrics``."""
+    parser.add_argument(
+        "--metrics-port",
+        type=port,
+        help=f"serve Prometheus /metrics on this port: {what}, CPU and memory "
+        "(default: not served)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address /metrics listens on (default: %(default)s)",
+    )
 
 
 def _register_controller(commands: argparse._SubParsersAction) -> None:
@@ -250,7 +266,7 @@ def _worker(args: argparse.Namespace) -> int:
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
     from streams.faust_app import build_app, run_worker, updates_topic_of
-    from streams.faust_parts import WorkerApp, serve_metrics
+    from streams.faust_parts import WorkerApp, metrics_registry
     from streams.settings import WorkerSettings
 
     bootstrap = broker()
@@ -264,11 +280,7 @@ def _worker(args: argparse.Namespace) -> int:
     def served() -> WorkerApp:
         app = build_app(bootstrap, settings, objectives)
         if args.metrics_port is not None:
-            try:
-                serve_metrics(app, args.metrics_host, args.metrics_port)
-            except (OSError, OverflowError) as exc:
-                where = f"{args.metrics_host}:{args.metrics_port}"
-                raise CliError(f"cannot serve /metrics on {where}: {exc}") from None
+            _serve_metrics(metrics_registry(app), args.metrics_host, args.metrics_port)
         return app
 
     run_worker(served, settings.log_level)
@@ -294,13 +306,37 @@ def _collect(args: argparse.Namespace) -> int:
         bus = KafkaBus(bootstrap, source="collector")
         async with aiohttp.ClientSession() as client:
             try:
-                await Collector(fleet.instances, bus, client, args.interval, args.timeout).run()
+                await _connect(bus)
+                collector = Collector(fleet.instances, bus, client, args.interval, args.timeout)
+                if args.metrics_port is not None:  # only now: its answering means connected
+                    registry = collector.metrics.registry
+                    _serve_metrics(registry, args.metrics_host, args.metrics_port)
+                await collector.run()
             finally:
                 await bus.close()
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(run())
     return 0
+
+
+async def _connect(bus: KafkaBus) -> None:
+    """Connect ``bus`` to its broker; CliError where it cannot be reached."""
+    try:
+        await bus.connect()
+    except Exception as exc:
+        raise CliError(f"cannot reach the Kafka broker at {bus.bootstrap}: {exc}") from None
+
+
+def _serve_metrics(registry: CollectorRegistry, host: str, port: int) -> None:
+    """Serve ``registry`` as Prometheus ``/metrics`` on ``host:port``, from a thread of its
+    own; CliError where it cannot listen there (a taken port)."""
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port, host, registry=registry)
+    except (OSError, OverflowError) as exc:
+        raise CliError(f"cannot serve /metrics on {host}:{port}: {exc}") from None
 
 
 def _controller(args: argparse.Namespace) -> int:
