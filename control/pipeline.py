@@ -199,6 +199,10 @@ class Pipeline(Generic[Payload]):
     _first_tokens: dict[str, float] = field(default_factory=dict)
     """Requests in flight that have their first token, and when it came (in that order)."""
     _classes: dict[str, TaskClass] = field(default_factory=dict)
+    _seats: dict[str, str] = field(default_factory=dict)
+    """The instance each request in flight was sent to, by request id."""
+    _seated: Counter[str] = field(default_factory=Counter)
+    """Requests in flight on each instance, by instance id (``AdmissionView.seated``)."""
     _released_at: float = 0.0
     _arrivals: dict[TaskClass, Rate] = field(default_factory=dict)
     _follows: FollowsRequests | None = field(init=False)
@@ -281,10 +285,7 @@ class Pipeline(Generic[Payload]):
                 snapshot = charges.on(fleet())
                 held = head.payload
                 try:
-                    started = charges.started(len(snapshot))
-                    decision = self._admit(
-                        head.request, held.route, snapshot, now, held=True, started=started
-                    )
+                    decision = self._admit(head.request, held.route, snapshot, now, held=True)
                 except Exception:
                     self.pools.release(task_class, now)
                     outcomes.append(_failed_on(head))
@@ -373,7 +374,11 @@ class Pipeline(Generic[Payload]):
         decision. Only where ``reroutes``."""
         assert self._forgets is not None
         self._forgets.withdraw(route.request_id)
-        return self.router.route(route, _within(fleet, allowed), now)
+        decision = self.router.route(route, _within(fleet, allowed), now)
+        self._unseat(route.request_id)
+        if decision.chosen is not None:
+            self._seat(route.request_id, fleet.instance_ids[decision.chosen])
+        return decision
 
     def first_token(self, request_id: str, now: float) -> None:
         """A dispatched request's first token came."""
@@ -393,8 +398,20 @@ class Pipeline(Generic[Payload]):
         self._left(request_id)
 
     def _left(self, request_id: str) -> None:
+        self._unseat(request_id)
         if self._follows is not None:
             self._follows.ended(request_id)
+
+    def _seat(self, request_id: str, instance_id: str) -> None:
+        self._seats[request_id] = instance_id
+        self._seated[instance_id] += 1
+
+    def _unseat(self, request_id: str) -> None:
+        instance_id = self._seats.pop(request_id, None)
+        if instance_id is not None:
+            self._seated[instance_id] -= 1
+            if not self._seated[instance_id]:
+                del self._seated[instance_id]
 
     def finished(
         self,
@@ -433,7 +450,6 @@ class Pipeline(Generic[Payload]):
         now: float,
         *,
         held: bool,
-        started: IntArray | None = None,
     ) -> AdmissionDecision:
         predicted = None
         if self.admission.wants_prediction and implements(self.router, PredictsTtft):
@@ -449,7 +465,7 @@ class Pipeline(Generic[Payload]):
             MappingProxyType(self._first_tokens),
             sum(p.decoding for p in self.peers.values()),
             self._out_of_slots(),
-            started,
+            MappingProxyType(self._seated),
             objectives=self.objectives,
         )
         return self.admission.decide(request, view, held=held)
@@ -486,6 +502,7 @@ class Pipeline(Generic[Payload]):
     ) -> Outcome[Payload]:
         routed = self.router.route(route, _within(fleet, decision.allowed), now)
         if routed.chosen is not None:
+            self._seat(request.request_id, fleet.instance_ids[routed.chosen])
             self.inflight[request.task_class] += 1
             self._classes[request.request_id] = request.task_class
             self._count(request.task_class, Usage(requests=1), now)
@@ -511,35 +528,24 @@ def _steps_past(hold: AdmissionDecision, task_class: TaskClass) -> bool:
 @dataclass
 class _PassCharges:
     """The charges of a release pass's dispatches so far, per instance, as the simulator
-    books them once it has the pass's outcomes (``Charge.routed``), and the sequences
-    they start, which admission counts against the engines' seats (the scrape that would
-    show them comes after the pass; the router counts them its own way). A gateway books
-    a little otherwise (the shared index's match where the router expects nothing, the
+    books them once it has the pass's outcomes (``Charge.routed``). A gateway books a
+    little otherwise (the shared index's match where the router expects nothing, the
     API's own default budget) and later (when each released request's task runs): near
     enough for the checks of one pass."""
 
     pending_prefill: FloatArray | None = None
     inflight_tokens: IntArray | None = None
-    sequences: IntArray | None = None
 
     def add(self, outcome: Outcome[Payload], instances: int) -> None:
         index, request, route = outcome.instance, outcome.request, outcome.route
         if index is None or route is None:
             return
-        if self.pending_prefill is None or self.inflight_tokens is None or self.sequences is None:
+        if self.pending_prefill is None or self.inflight_tokens is None:
             self.pending_prefill = np.zeros(instances)
             self.inflight_tokens = np.zeros(instances, dtype=np.int64)
-            self.sequences = np.zeros(instances, dtype=np.int64)
         charge = Charge.routed(request.input_tokens, request.output_budget, route, index)
         self.pending_prefill[index] += charge.pending_prefill
         self.inflight_tokens[index] += charge.inflight_tokens
-        self.sequences[index] += 1
-
-    def started(self, instances: int) -> IntArray | None:
-        """The sequences started so far on each of ``instances`` (None: none, or not on
-        these instances)."""
-        sequences = self.sequences
-        return None if sequences is None or len(sequences) != instances else sequences.copy()
 
     def on(self, fleet: FleetSnapshot) -> FleetSnapshot:
         """``fleet`` with these charges on its instances (none where its instances are not

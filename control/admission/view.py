@@ -119,9 +119,9 @@ class AdmissionView:
     """Classes whose ceiling this host shares with the pool's other hosts, each holding
     slots of it apart (gateway replicas), and whose slots this host has all in use: it
     starts no more of them, whatever the ceiling leaves."""
-    started: IntArray | None = None
-    """Sequences the host let go on each instance in the release pass this decision is
-    part of (None: none), which the scrape does not show yet."""
+    seated: Mapping[str, int] = field(default_factory=dict)
+    """This host's requests in flight on each instance, by instance id (sent, not yet
+    ended there): a scrape older than they are does not show them."""
     objectives: Mapping[TaskClass, ClassObjective] = field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES)
     )
@@ -149,10 +149,15 @@ class AdmissionView:
         return sum(self.usage.values(), Usage())
 
     def sequences(self) -> IntArray:
-        """Each instance's sequences running, waiting and started by the pass since the
-        scrape: the engine's seats taken and promised."""
-        requests = self.fleet.requests
-        return requests if self.started is None else requests + self.started
+        """Each instance's sequences, running and waiting: as scraped, or as many as this
+        host has in flight there where that is more (sent since the scrape; a release
+        pass's, or a burst of arrivals between two scrapes)."""
+        scraped = self.fleet.requests
+        if not self.seated:
+            return scraped
+        ids = self.fleet.instance_ids
+        own = np.fromiter((self.seated.get(i, 0) for i in ids), np.int64, len(ids))
+        return np.maximum(scraped, own)
 
     def kv_use(self, block_size: int) -> float:
         """The ready instances' share of KV blocks taken and promised: in use as last

@@ -429,18 +429,43 @@ def test_prompts_routed_and_not_yet_prefilled_count_against_the_interactive_rese
     assert dict(decision.figures)["kv_use"] == pytest.approx(0.95)
 
 
-def test_a_release_pass_keeps_the_interactive_share_of_the_engines_sequences() -> None:
-    """300 batch requests held on two idle instances of ``max_num_seqs`` 100: one pass lets
-    go 85 to each, the seats outside the 15 % reserve, though the scrape it reads shows
-    the instances idle throughout (a review saw about 150 each start)."""
-    pool = PoolModel(KneeRoofline(0.01, 0.0, 0, 0.0, 0.0), max_num_seqs=100)
-    pipeline: Pipeline[str] = Pipeline(SLOMax(pool=pool), make_router("round_robin"))
+SEATS = PoolModel(KneeRoofline(0.01, 0.0, 0, 0.0, 0.0), max_num_seqs=100)
+
+
+def test_release_passes_keep_the_interactive_share_of_the_engines_sequences() -> None:
+    """300 batch requests held on two idle instances of ``max_num_seqs`` 100: release passes
+    let go 85 to each, the seats outside the 15 % reserve, though the scrape they read
+    shows the instances idle throughout (a review saw about 150 each start); once one
+    ends, one more starts."""
+    pipeline: Pipeline[str] = Pipeline(SLOMax(pool=SEATS), make_router("round_robin"))
     busy, idle = fleet(waiting=(1, 1)), fleet()
     for n in range(300):
         batch = request(BATCH, tokens=100, deadline=3_600.0, rid=f"b{n}")
         pipeline.arrive(batch, RouteRequest(f"b{n}", 100, 100), f"b{n}", busy, now=0.0)
     released = pipeline.release(lambda: idle, now=1.0)
     assert Counter(o.instance for o in released) == {0: 85, 1: 85}
+    assert pipeline.release(lambda: idle, now=1.01) == []  # the same stale scrape
+    pipeline.finished(released[0].request.request_id, 1.02, completed_tokens=100)
+    assert [o.instance for o in pipeline.release(lambda: idle, now=1.03)] == [0]
+    assert len(pipeline.pools) == 129
+
+
+def test_a_burst_of_arrivals_between_two_scrapes_keeps_the_interactive_share() -> None:
+    """Batch arrivals on an idle scrape start until this host's own requests in flight
+    take all but the reserved share of an instance's seats; the rest wait in their pool."""
+    pipeline: Pipeline[str] = Pipeline(SLOMax(pool=SEATS), make_router("round_robin"))
+    idle = fleet()
+    outcomes = [
+        pipeline.arrive(
+            request(BATCH, tokens=100, deadline=3_600.0, rid=f"b{n}"),
+            RouteRequest(f"b{n}", 100, 100),
+            f"b{n}",
+            idle,
+            now=0.0,
+        )
+        for n in range(300)
+    ]
+    assert Counter(o.instance for o in outcomes if o.instance is not None) == {0: 85, 1: 85}
     assert len(pipeline.pools) == 130
 
 
