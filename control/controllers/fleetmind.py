@@ -63,9 +63,17 @@ class WeightParams:
     itself keeps traffic away, and a DC at 0.25 whose stated capacity is 2 requests a
     second takes about 0.45 a second, 27 a window, so it would never be judged again. As
     SLOMax's controller lifts its batch ceiling with no chats to judge by."""
-    settle_s: Annotated[float, Field(ge=0)] = 10.0
-    """Time after a DC's change before it may change again: two slides of the tables'
-    window, so that the change shows in what the next one judges."""
+    settle_s: Annotated[float, Field(ge=0)] = 30.0
+    """Time after a DC's change before it may change again: half the tables' 60 s window,
+    so that what the next judgement reads ended mostly under the new weight. At 10 s (two
+    slides) a falling weight went on falling on the outcomes of the weights before it, to
+    the floor in 60 s (seed 1's C, 1 to 0.25), and rose again only once the window had
+    forgotten them. ``tokenfleet bench fleet --policies fleetmind`` at 81d24f9, seeds 0, 1,
+    3 and 4: goodput 6,908, 8,415, 5,487 and 6,305 tokens/s at 30 s against 6,908, 8,390,
+    5,473 and 6,332 at 10 s and 6,896, 8,395, 5,492 and 6,303 at 60 s; the hotspot's chats'
+    TTFT P95 0.397, 0.449, 0.432 and 0.472 s against 0.393, 0.564, 0.439 and 0.492 at 10 s;
+    seed 1's C fell to 0.64. A fall of 0.6 rather than 0.8 a step at 30 s lost on seeds 0
+    and 1 (6,905 and 8,386)."""
     ttl_s: Annotated[float, Field(gt=0)] = 60.0
     per_region: bool = False
     """Each edge's weights judged on its own region's requests (``regions`` rows, where

@@ -30,6 +30,9 @@ from tokenfleet.controller_host import (
     WeightHost,
 )
 
+SETTLED_S = WeightParams().settle_s + 5.0
+"""Long enough after a weight's change for it to move again."""
+
 
 class Clock:
     def __init__(self) -> None:
@@ -244,7 +247,7 @@ async def test_each_edge_gets_the_weights_its_own_region_s_requests_call_for() -
     feed_goodput(host, "dc-b", 80, clock.now, regions=(far, near))  # 80 % in all
     published = {w.scope: weights_of(w) for w in await host.reconcile()}
     assert published == {"dc-a": {"dc-b": 0.8}, "dc-b": {"dc-b": 1.0}}
-    clock.now += 15.0  # settled; dc-b now misses its own region's chats too
+    clock.now += SETTLED_S  # dc-b now misses its own region's chats too
     near = region_row("us-east", TaskClass.INTERACTIVE, 60, 30)
     feed_goodput(host, "dc-b", 50, clock.now, regions=(far, near))
     published = {w.scope: weights_of(w) for w in await host.reconcile()}
@@ -262,7 +265,7 @@ async def test_a_restarted_weights_controller_continues_versions_and_weights() -
         await asyncio.wait_for(restarted.caught_up(), 5.0)
     finally:
         reader.cancel()
-    clock.now = 75.0
+    clock.now += SETTLED_S
     feed_goodput(restarted, "dc-b", 50, clock.now)
     [again] = await restarted.reconcile()
     assert again.version == lowered.version + 1
