@@ -375,8 +375,9 @@ class Pipeline(Generic[Payload]):
         assert self._forgets is not None
         self._forgets.withdraw(route.request_id)
         decision = self.router.route(route, _within(fleet, allowed), now)
-        self._unseat(route.request_id)
-        if decision.chosen is not None:
+        if decision.chosen is None:
+            self._unseat(route.request_id)
+        else:
             self._seat(route.request_id, fleet.instance_ids[decision.chosen])
         return decision
 
@@ -403,6 +404,7 @@ class Pipeline(Generic[Payload]):
             self._follows.ended(request_id)
 
     def _seat(self, request_id: str, instance_id: str) -> None:
+        self._unseat(request_id)  # a request sent again counts once, where it went last
         self._seats[request_id] = instance_id
         self._seated[instance_id] += 1
 
