@@ -93,14 +93,15 @@ class SLOMax:
         host asks again as load falls, pool heads first)."""
         p = self.params
         pool = view.pool(request.task_class)
-        blocked, allowed = self._gate(request, view)
+        kv_use = view.kv_use(self._block_size)
+        blocked, allowed = self._gate(request, view, kv_use)
         if blocked is None and not held and p.class_pools and pool.depth > 0:
             blocked = "behind_pool"  # arrivals queue behind those already waiting
         joins_pool = blocked is not None and p.class_pools and not held
         wait = pool.expected_wait_s() if joins_pool else 0.0
         # held: the best of the ready instances, where it may start once load falls
         predicted = view.best_predicted_ttft_s(allowed if blocked is None else None)
-        figures = {"kv_use": view.kv_use(self._block_size), "pool_wait_s": wait}
+        figures = {"kv_use": kv_use, "pool_wait_s": wait}
         if predicted is not None:
             figures["predicted_ttft_s"] = predicted
         objective = view.objective(request)
@@ -126,9 +127,11 @@ class SLOMax:
             limit = math.ceil(self.params.long_documents_per_instance * ready)
         return limit
 
-    def _gate(self, request: AdmissionRequest, view: AdmissionView) -> tuple[str | None, BoolArray]:
+    def _gate(
+        self, request: AdmissionRequest, view: AdmissionView, kv_use: float
+    ) -> tuple[str | None, BoolArray]:
         """The first reason the request may not start now (None: it may), and the
-        instances it may start on."""
+        instances it may start on; ``kv_use``: the view's, taken and promised."""
         p, fleet, task_class = self.params, view.fleet, request.task_class
         allowed = fleet.ready.copy()
         limit = self.concurrency_limit(task_class, view.quotas, int(fleet.ready.sum()))
@@ -143,7 +146,7 @@ class SLOMax:
             most = None if self.pool is None else self.pool.max_num_seqs
             if most is not None:  # running and waiting: the seats taken and promised
                 allowed &= view.sequences() < (1 - reserved) * most
-            if view.kv_use(self._block_size) >= 1 - reserved or not allowed.any():
+            if kv_use >= 1 - reserved or not allowed.any():
                 return "reservation", allowed
         if p.interference_bound and request.input_tokens >= LONG_DOCUMENT_TOKENS:
             allowed &= fleet.pending_prefill_tokens < p.long_prefill_cap_tokens
