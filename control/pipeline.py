@@ -47,6 +47,7 @@ from control.routing import (
     RouteRequest,
     Withdrawing,
 )
+from control.routing.inflight import InFlight
 from control.routing.registry import implements
 from control.routing.snapshot import BoolArray, FloatArray, IntArray, KvEvent, Observation
 from schemas.base import TaskClass
@@ -199,10 +200,8 @@ class Pipeline(Generic[Payload]):
     _first_tokens: dict[str, float] = field(default_factory=dict)
     """Requests in flight that have their first token, and when it came (in that order)."""
     _classes: dict[str, TaskClass] = field(default_factory=dict)
-    _seats: dict[str, str] = field(default_factory=dict)
-    """The instance each request in flight was sent to, by request id."""
-    _seated: Counter[str] = field(default_factory=Counter)
-    """Requests in flight on each instance, by instance id (``AdmissionView.seated``)."""
+    _seated: InFlight = field(default_factory=InFlight)
+    """Requests in flight on each instance (``AdmissionView.seated``)."""
     _released_at: float = 0.0
     _arrivals: dict[TaskClass, Rate] = field(default_factory=dict)
     _follows: FollowsRequests | None = field(init=False)
@@ -376,9 +375,9 @@ class Pipeline(Generic[Payload]):
         self._forgets.withdraw(route.request_id)
         decision = self.router.route(route, _within(fleet, allowed), now)
         if decision.chosen is None:
-            self._unseat(route.request_id)
+            self._seated.ended(route.request_id)
         else:
-            self._seat(route.request_id, fleet.instance_ids[decision.chosen])
+            self._seated.dispatched(route.request_id, decision.chosen)
         return decision
 
     def first_token(self, request_id: str, now: float) -> None:
@@ -399,21 +398,9 @@ class Pipeline(Generic[Payload]):
         self._left(request_id)
 
     def _left(self, request_id: str) -> None:
-        self._unseat(request_id)
+        self._seated.ended(request_id)
         if self._follows is not None:
             self._follows.ended(request_id)
-
-    def _seat(self, request_id: str, instance_id: str) -> None:
-        self._unseat(request_id)  # a request sent again counts once, where it went last
-        self._seats[request_id] = instance_id
-        self._seated[instance_id] += 1
-
-    def _unseat(self, request_id: str) -> None:
-        instance_id = self._seats.pop(request_id, None)
-        if instance_id is not None:
-            self._seated[instance_id] -= 1
-            if not self._seated[instance_id]:
-                del self._seated[instance_id]
 
     def finished(
         self,
@@ -467,7 +454,7 @@ class Pipeline(Generic[Payload]):
             MappingProxyType(self._first_tokens),
             sum(p.decoding for p in self.peers.values()),
             self._out_of_slots(),
-            MappingProxyType(self._seated),
+            self._seated,
             objectives=self.objectives,
         )
         return self.admission.decide(request, view, held=held)
@@ -504,7 +491,7 @@ class Pipeline(Generic[Payload]):
     ) -> Outcome[Payload]:
         routed = self.router.route(route, _within(fleet, decision.allowed), now)
         if routed.chosen is not None:
-            self._seat(request.request_id, fleet.instance_ids[routed.chosen])
+            self._seated.dispatched(request.request_id, routed.chosen)
             self.inflight[request.task_class] += 1
             self._classes[request.request_id] = request.task_class
             self._count(request.task_class, Usage(requests=1), now)

@@ -15,6 +15,7 @@ from enum import StrEnum
 import numpy as np
 
 from control.admission.request import AdmissionRequest
+from control.routing.inflight import InFlight
 from control.routing.snapshot import BoolArray, FleetSnapshot, FloatArray, IntArray
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
@@ -119,9 +120,9 @@ class AdmissionView:
     """Classes whose ceiling this host shares with the pool's other hosts, each holding
     slots of it apart (gateway replicas), and whose slots this host has all in use: it
     starts no more of them, whatever the ceiling leaves."""
-    seated: Mapping[str, int] = field(default_factory=dict)
-    """This host's requests in flight on each instance, by instance id (sent, not yet
-    ended there): a scrape older than they are does not show them."""
+    seated: InFlight = field(default_factory=InFlight)
+    """This host's requests in flight on each instance (sent, not yet ended there): a
+    scrape older than they are does not show them. Read only."""
     objectives: Mapping[TaskClass, ClassObjective] = field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES)
     )
@@ -152,12 +153,7 @@ class AdmissionView:
         """Each instance's sequences, running and waiting: as scraped, or as many as this
         host has in flight there where that is more (sent since the scrape; a release
         pass's, or a burst of arrivals between two scrapes)."""
-        scraped = self.fleet.requests
-        if not self.seated:
-            return scraped
-        ids = self.fleet.instance_ids
-        own = np.fromiter((self.seated.get(i, 0) for i in ids), np.int64, len(ids))
-        return np.maximum(scraped, own)
+        return np.maximum(self.fleet.requests, self.seated.counts(len(self.fleet)))
 
     def kv_use(self, block_size: int) -> float:
         """The ready instances' share of KV blocks taken and promised: in use as last

@@ -7,7 +7,8 @@ when the response ends, fresh at every decision, and per router process (replica
 share them). Dynamo's KV router tracks more of each request (``ActiveSequences``): its
 prefill tokens until the first token comes back, its blocks until it ends. The host tells
 a router that follows its requests when each one sends its first token and when it ends
-(``registry.FollowsRequests``).
+(``registry.FollowsRequests``). The pipeline keeps an ``InFlight`` of its own, for
+admission's count of each instance's seats (``AdmissionView.seated``).
 """
 
 from __future__ import annotations
