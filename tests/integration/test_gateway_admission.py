@@ -48,7 +48,7 @@ from tests.gateway_harness import (
     vllm_metrics,
 )
 from tests.services import Service
-from tests.unit.test_admission import _BreaksOnSecondRoute
+from tests.unit.test_pipeline import _BreaksOnSecondRoute
 
 BATCH = {"x-tokenfleet-class": "batch", "x-tokenfleet-deadline-s": "60"}
 

@@ -37,7 +37,8 @@ from sim.control_loop import QuotaLoop
 from sim.simulator import Simulation
 from sim.workload import TraceRequest
 from streams.bus import MAX_RECORD_BYTES
-from tests.unit.test_admission import _BreaksOnSecondRoute, fleet, request
+from tests.unit.test_admission import fleet, request
+from tests.unit.test_pipeline import _BreaksOnSecondRoute
 from tests.unit.test_simulator import STEPS, _profile
 from tokenfleet.audit import audit_journal
 from tokenfleet.cli import main
