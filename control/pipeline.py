@@ -238,21 +238,25 @@ class Pipeline(Generic[Payload]):
             if not self.pools:  # a paced loop's idle ticks let nothing go: none are saved
                 self._released_at = max(self._released_at, now)
             held = _Held(route, payload)
-            self.pools.hold(Waiting(request, held, decision.hold_until_s, drains, alone))
+            waiting = Waiting(
+                request, held, decision.hold_until_s, drains, alone, decision.expires_as
+            )
+            self.pools.hold(waiting)
             return Outcome(request, payload, decision)
         if decision.verdict is Verdict.REJECT:
             return Outcome(request, payload, decision)
         return self._dispatch(request, route, payload, decision, fleet, now)
 
     def release(self, fleet: Callable[[], FleetSnapshot], now: float) -> list[Outcome[Payload]]:
-        """What the pools let go now: held requests whose time ran out (rejected, reason
-        ``expired``), then each pool's heads while admission lets them start (``fleet``
-        gives the snapshot as the host's books stand, to which the pass adds the charges of
-        its own dispatches: the host books them only once it has the outcomes). A long
-        prompt at a head that waits for prefill room of its own keeps its place, and the
-        pass goes on past it; the pool's other hosts do not wait behind it (``load``)."""
+        """What the pools let go now: held requests whose time ran out (rejected, with the
+        reason their hold named: ``expired``, ``max_hold``), then each pool's heads while
+        admission lets them start (``fleet`` gives the snapshot as the host's books stand,
+        to which the pass adds the charges of its own dispatches: the host books them only
+        once it has the outcomes). A long prompt at a head that waits for prefill room of
+        its own keeps its place, and the pass goes on past it; the pool's other hosts do
+        not wait behind it (``load``)."""
         outcomes = [
-            Outcome(w.request, w.payload.payload, AdmissionDecision(Verdict.REJECT, "expired"))
+            Outcome(w.request, w.payload.payload, AdmissionDecision(Verdict.REJECT, w.expires_as))
             for w in self.pools.expired(now)
         ]
         aside: list[Waiting[_Held[Payload]]] = []

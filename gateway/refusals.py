@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from control.admission.view import SLOT_WAIT
+from control.admission.view import EXPIRED, MAX_HOLD, SLOT_WAIT
 from control.pipeline import Outcome
 from schemas.lifecycle import RejectReason
 from schemas.openai_api import ApiError
 
 SHUTDOWN = "shutdown"
 """The reason a held request is answered when the gateway stops."""
-OUT_OF_REACH = frozenset({"predicted_ttft", "predicted_tbt", "deadline", "expired"})
+OUT_OF_REACH = frozenset({"predicted_ttft", "predicted_tbt", "deadline", EXPIRED})
 """Admission's reasons that say the request could no longer meet its objective."""
 OVER_LIMIT = frozenset({"concurrency", SLOT_WAIT, "priority_limit", "model_limit"})
 """Admission's reasons that say its class (or model) is at its limit; any other reason
@@ -58,8 +58,10 @@ def rejected_for(admission_reason: str) -> RejectReason:
 
 def refusal(outcome: Outcome[Any], *, waited: bool, pool_wait_s: float = 0.0) -> ApiError:
     """429 for a request refused at the door, with ``Retry-After``; 503 for one that waited
-    in its pool and can no longer meet its objective, or that the gateway's stop answered
-    (that one may come straight back, to another replica). ``Retry-After`` is the policy's
+    in its pool and can no longer meet its objective (or had none and waited the longest a
+    request is held: the lifecycle event says no capacity, not a deadline missed), or that
+    the gateway's stop answered (that one may come straight back, to another replica).
+    ``Retry-After`` is the policy's
     time, or 1 s, but no sooner than the class's pool is expected to have drained
     (``pool_wait_s``, across replicas; ``LONGEST_RETRY_AFTER_S`` at most, and that where
     the pool holds requests while no instance is ready): a full pool told its clients
@@ -71,6 +73,12 @@ def refusal(outcome: Outcome[Any], *, waited: bool, pool_wait_s: float = 0.0) ->
     if reason == SHUTDOWN:
         message = "The gateway is stopping; send the request again."
         return Refused(503, message, why, REFUSED_RETRY_AFTER_S, stopping=True)
+    if reason == MAX_HOLD:  # no objective to miss: the fleet had no room for it
+        message = (
+            f"This {task_class} request waited for capacity as long as a request without "
+            "a deadline is held; retry later, or send x-tokenfleet-deadline-s."
+        )
+        return Refused(503, message, why)
     if waited:
         message = (
             f"This {task_class} request waited for capacity and can no longer meet its "

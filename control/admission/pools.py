@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from control.admission.request import AdmissionRequest
-from control.admission.view import PoolState
+from control.admission.view import EXPIRED, PoolState
 from schemas.base import TaskClass
 
 Payload = TypeVar("Payload")
@@ -58,6 +58,8 @@ class Waiting(Generic[Payload]):
     """Whether it waits, as last decided, for room of its own that the requests behind
     it do not need (a long prompt held for prefill room in a pool of short ones): its
     host's release passes step past it, so no one should wait behind it (``lead``)."""
+    expires_as: str = EXPIRED
+    """The reason it is answered with once its hold runs out (``AdmissionDecision``)."""
 
 
 @dataclass

@@ -16,6 +16,8 @@ from pydantic import Field
 
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest
 from control.admission.view import (
+    EXPIRED,
+    MAX_HOLD,
     PREFILL_WAIT,
     SLOT_WAIT,
     AdmissionDecision,
@@ -113,8 +115,14 @@ class SLOMax:
             return AdmissionDecision(Verdict.DISPATCH, "admitted", allowed, figures=_items(figures))
         if not p.class_pools or (not held and pool.depth >= p.pool_depth):
             return self._reject(blocked if not p.class_pools else "pool_full", held, figures)
-        until = _hold_until(request, objective, predicted or 0.0, p.max_hold_s)
-        return AdmissionDecision(Verdict.HOLD, blocked, hold_until_s=until, figures=_items(figures))
+        until, expires_as = _hold_until(request, objective, predicted or 0.0, p.max_hold_s)
+        return AdmissionDecision(
+            Verdict.HOLD,
+            blocked,
+            hold_until_s=until,
+            expires_as=expires_as,
+            figures=_items(figures),
+        )
 
     def concurrency_limit(
         self, task_class: TaskClass, quotas: Mapping[TaskClass, ClassQuota], ready: int
@@ -193,16 +201,19 @@ def _hold_until(
     objective: ClassObjective,
     predicted_ttft_s: float,
     max_hold_s: float,
-) -> float:
+) -> tuple[float, str]:
     """The last moment a held request can still start and meet its objective, as far as
     its predicted TTFT tells; a class with no such objective waits at most the deadline
-    or, without one, ``max_hold_s`` from its arrival."""
+    or, without one, ``max_hold_s`` from its arrival. With the reason it is answered with
+    then."""
     limits = []
     if objective.ttft_s is not None:
         limits.append(request.arrival_s + objective.ttft_s - predicted_ttft_s)
     if objective.use_deadline and request.deadline_s is not None:
         limits.append(request.deadline_s - predicted_ttft_s)
-    return min(limits) if limits else request.arrival_s + max_hold_s
+    if limits:
+        return min(limits), EXPIRED
+    return request.arrival_s + max_hold_s, MAX_HOLD
 
 
 def _items(figures: dict[str, float]) -> tuple[tuple[str, float], ...]:

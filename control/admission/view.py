@@ -21,6 +21,15 @@ from schemas.base import TaskClass
 from schemas.control import ClassQuota
 from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective
 
+EXPIRED = "expired"
+"""The reason a held request is answered once its hold ran out: it could no longer meet
+its objective."""
+
+MAX_HOLD = "max_hold"
+"""The reason a request with neither a first-token objective nor a deadline is answered
+once it waited the longest a policy holds one: not a missed objective, as it had none,
+but a fleet that found no room for it meanwhile."""
+
 
 class Verdict(StrEnum):
     DISPATCH = "dispatch"
@@ -29,7 +38,8 @@ class Verdict(StrEnum):
     """Keep it in its class's pool until ``hold_until_s``; decide again as load falls."""
     REJECT = "reject"
     """Answer now: 429 with ``retry_after_s`` when it was never admitted, 503 when it
-    waited in a pool and can no longer meet its objective."""
+    waited in a pool and can no longer meet its objective (or has none, and waited the
+    longest a request is held)."""
 
 
 @dataclass(frozen=True)
@@ -37,12 +47,16 @@ class AdmissionDecision:
     verdict: Verdict
     reason: str
     """Why, as a short name: ``admitted``, ``reservation``, ``prefill_cap``, ``concurrency``,
-    ``pool_full``, ``predicted_ttft``, ``deadline``, ``expired``, ``behind_pool``,
-    ``no_instance``, ``slots`` (``SLOT_WAIT``)."""
+    ``pool_full``, ``predicted_ttft``, ``deadline``, ``expired``, ``max_hold``,
+    ``behind_pool``, ``no_instance``, ``slots`` (``SLOT_WAIT``)."""
     allowed: BoolArray | None = None
     """For a dispatch: the instances the router may use (None: every ready one)."""
     hold_until_s: float | None = None
     """For a hold: when the request is answered if it is still waiting."""
+    expires_as: str = EXPIRED
+    """For a hold: the reason it is answered with then. ``expired``: it could no longer
+    meet its objective; ``max_hold`` (``MAX_HOLD``): it has none, and waited as long as a
+    request is held."""
     retry_after_s: float | None = None
     """For a rejection of a request never admitted: when the client may try again."""
     figures: tuple[tuple[str, float], ...] = ()

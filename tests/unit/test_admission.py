@@ -12,6 +12,8 @@ from control.admission.pools import STALE_ENTRIES_KEPT, ClassPools, Waiting
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest, identify
 from control.admission.slomax import SLOMax, SLOMaxParams
 from control.admission.view import (
+    EXPIRED,
+    MAX_HOLD,
     AdmissionDecision,
     AdmissionView,
     PoolState,
@@ -198,8 +200,10 @@ def test_a_held_request_is_answered_without_retry_after_and_holds_end_in_time() 
     )
     assert waiting.verdict is Verdict.HOLD
     assert waiting.hold_until_s == pytest.approx(96.0)  # the last start that can still make it
+    assert waiting.expires_as == EXPIRED
     undated = SLOMax().decide(request(BATCH, arrival=5.0), view(fleet(waiting=(1, 1)), now=5.0))
     assert (undated.verdict, undated.hold_until_s) == (Verdict.HOLD, 605.0)  # its client's timeout
+    assert undated.expires_as == MAX_HOLD  # it had no objective to miss
 
 
 def test_arrivals_queue_behind_their_pool_and_the_pool_is_bounded() -> None:

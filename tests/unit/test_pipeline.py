@@ -14,6 +14,8 @@ from control.admission.baselines import (
 from control.admission.request import LONG_DOCUMENT_TOKENS, AdmissionRequest
 from control.admission.slomax import SLOMax
 from control.admission.view import (
+    EXPIRED,
+    MAX_HOLD,
     AdmissionDecision,
     AdmissionView,
     Verdict,
@@ -63,8 +65,17 @@ def test_the_pipeline_answers_a_hold_that_ran_out() -> None:
         request(BATCH, deadline=5.0, rid="b"), RouteRequest("b", 1_000, 100), "b", busy, 0.0
     )
     [answered] = pipeline.release(lambda: busy, now=5.0)
-    assert (answered.admission.verdict, answered.admission.reason) == (Verdict.REJECT, "expired")
+    assert (answered.admission.verdict, answered.admission.reason) == (Verdict.REJECT, EXPIRED)
     assert len(pipeline.pools) == 0
+
+
+def test_a_hold_without_an_objective_runs_out_as_the_longest_hold_not_as_a_deadline() -> None:
+    pipeline: Pipeline[str] = Pipeline(SLOMax(), make_router("round_robin"))
+    busy = fleet(waiting=(1, 1))
+    pipeline.arrive(request(BATCH, rid="u"), RouteRequest("u", 1_000, 100), "u", busy, 0.0)
+    assert pipeline.release(lambda: busy, now=599.0) == []
+    [answered] = pipeline.release(lambda: busy, now=600.0)
+    assert (answered.admission.verdict, answered.admission.reason) == (Verdict.REJECT, MAX_HOLD)
 
 
 def test_a_long_prompt_waiting_for_prefill_room_does_not_hold_the_chats_behind_it() -> None:
