@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from control.routing.snapshot import FleetSnapshot
+from control.routing.snapshot import DEFAULT_BLOCK_SIZE, FleetSnapshot
 from gateway.state import SharedView
 from schemas.control import ControlSnapshot
 from schemas.fleet import FleetConfig, InstanceConfig
@@ -134,6 +134,9 @@ class FleetView:
             ),
             pending_prefill_tokens=np.maximum(shared.pending_prefill, 0.0),
             last_step_end_s=np.array([self._tokens_seen.get(i, -np.inf) for i in pool.ids]),
+            kv_block_size=np.array(
+                [t.block_size if t else DEFAULT_BLOCK_SIZE for t in rows], dtype=np.int64
+            ),
         )
 
 

@@ -127,6 +127,8 @@ class Simulation:
         self._inflight = np.zeros(size, dtype=np.int64)
         self._kv_used = np.zeros(size, dtype=np.int64)
         self._kv_total = np.array([i.engine.config.num_blocks for i in self.instances])
+        self._kv_block_size = np.array([i.engine.config.block_size for i in self.instances])
+        self._kv_block_size.flags.writeable = False  # fixed: every snapshot shares it
         self._pending_prefill = np.zeros(size, dtype=np.float64)
         self._charges: dict[str, Charge] = {}
         """Each dispatched request's charge on its instance until it ends, its pending
@@ -235,6 +237,7 @@ class Simulation:
             self._kv_total.copy(),
             self._pending_prefill.copy(),
             self._last_step_ends(),
+            self._kv_block_size,
         )
 
     def _last_step_ends(self) -> np.ndarray:

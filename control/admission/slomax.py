@@ -27,7 +27,7 @@ from control.admission.view import (
 
 if TYPE_CHECKING:
     from control.admission.registry import EngineScheduling
-from control.routing.snapshot import DEFAULT_BLOCK_SIZE, BoolArray, PoolModel
+from control.routing.snapshot import BoolArray, PoolModel
 from schemas.base import TaskClass
 from schemas.control import ClassQuota
 from schemas.objectives import ClassObjective
@@ -95,7 +95,7 @@ class SLOMax:
         host asks again as load falls, pool heads first)."""
         p = self.params
         pool = view.pool(request.task_class)
-        kv_use = view.kv_use(self._block_size)
+        kv_use = view.kv_use()
         blocked, allowed = self._gate(request, view, kv_use)
         if blocked is None and not held and p.class_pools and pool.depth > 0:
             blocked = "behind_pool"  # arrivals queue behind those already waiting
@@ -161,10 +161,6 @@ class SLOMax:
             if not allowed.any():
                 return PREFILL_WAIT, allowed
         return (None if allowed.any() else "no_instance"), allowed
-
-    @property
-    def _block_size(self) -> int:
-        return DEFAULT_BLOCK_SIZE if self.pool is None else self.pool.block_size
 
     def _interactive_reserve(self, quotas: Mapping[TaskClass, ClassQuota]) -> float:
         """The share held back for interactive requests: the interactive quota's, where it

@@ -169,10 +169,10 @@ class AdmissionView:
         pass's, or a burst of arrivals between two scrapes)."""
         return np.maximum(self.fleet.requests, self.seated.counts(len(self.fleet)))
 
-    def kv_use(self, block_size: int) -> float:
+    def kv_use(self) -> float:
         """The ready instances' share of KV blocks taken and promised: in use as last
         scraped, and those the prompts routed there and not yet prefilled will take (the
-        hosts' pending prefill, in blocks of ``block_size`` tokens). The scrape alone is
+        hosts' pending prefill, in blocks of each instance's size). The scrape alone is
         stale: between two, and within a release pass, the requests let go would not
         count, and a burst could start past a reserve. A prompt part-prefilled at the
         scrape counts its computed part twice."""
@@ -180,8 +180,8 @@ class AdmissionView:
         total = int(fleet.kv_blocks_total[ready].sum())
         if not total:
             return 1.0
-        promised = float(fleet.pending_prefill_tokens[ready].sum()) / block_size
-        return (float(fleet.kv_blocks_used[ready].sum()) + promised) / total
+        pending = fleet.pending_prefill_tokens[ready] / fleet.kv_block_size[ready]
+        return (float(fleet.kv_blocks_used[ready].sum()) + float(pending.sum())) / total
 
     def best_predicted_ttft_s(self, allowed: BoolArray | None) -> float | None:
         """The lowest predicted TTFT among the instances the request may use."""

@@ -18,6 +18,7 @@ from control.admission.request import AdmissionRequest
 from control.admission.view import AdmissionDecision
 from control.pipeline import ClassLoad, Outcome
 from control.routing.snapshot import (
+    DEFAULT_BLOCK_SIZE,
     SNAPSHOT_ARRAYS,
     Decision,
     FleetSnapshot,
@@ -60,6 +61,7 @@ def snapshot_record(fleet: FleetSnapshot) -> Record:
 
 
 def snapshot_from(record: Record) -> FleetSnapshot:
+    unknown = [DEFAULT_BLOCK_SIZE] * len(record["ids"])
     return FleetSnapshot(
         tuple(record["ids"]),
         np.array(record["ready"], dtype=np.bool_),
@@ -70,6 +72,8 @@ def snapshot_from(record: Record) -> FleetSnapshot:
         np.array(record["kv_blocks_total"], dtype=np.int64),
         _floats(record["pending_prefill_tokens"]),
         _floats(record["last_step_end_s"]),
+        # not in the journals written before 2026-12-06
+        np.array(record.get("kv_block_size", unknown), dtype=np.int64),
     )
 
 

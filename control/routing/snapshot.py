@@ -19,7 +19,12 @@ FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
 _UNKNOWN: FloatArray = np.empty(0)
-"""The default of a snapshot's optional arrays, replaced by their neutral values."""
+_UNKNOWN_INTS: IntArray = np.empty(0, dtype=np.int64)
+"""The defaults of a snapshot's optional arrays, replaced by their neutral values."""
+
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV block where the engines are not known: vLLM's default ``--block-size``
+on CUDA."""
 
 KvEvent = tuple[int, bool]
 """One KV event of an engine: a block hash, and whether the block was stored (True) or
@@ -35,6 +40,7 @@ SNAPSHOT_ARRAYS = (
     "kv_blocks_total",
     "pending_prefill_tokens",
     "last_step_end_s",
+    "kv_block_size",
 )
 """``FleetSnapshot``'s per-instance arrays, in field order."""
 
@@ -61,6 +67,12 @@ class FleetSnapshot:
     """When each instance last ended a step that streamed tokens, as the host saw them
     come back (an engine streams every sequence's new token at each step's end): so the
     step in flight began then. Not given (-inf): not known."""
+    kv_block_size: IntArray = field(default_factory=lambda: _UNKNOWN_INTS)
+    """Tokens per KV block of each instance's engine, as its metrics state it (vLLM's
+    ``cache_config_info``): what turns tokens into the blocks ``kv_blocks_*`` count.
+    Engines need not take vLLM's default: FlashMLA's kernels for DeepSeek's attention
+    page KV in blocks of 64 (deepseek-ai/FlashMLA's README). Not given:
+    ``DEFAULT_BLOCK_SIZE``."""
 
     def __post_init__(self) -> None:
         size = len(self.instance_ids)
@@ -68,6 +80,8 @@ class FleetSnapshot:
             object.__setattr__(self, "pending_prefill_tokens", np.zeros(size))
         if self.last_step_end_s is _UNKNOWN:
             object.__setattr__(self, "last_step_end_s", np.full(size, -np.inf))
+        if self.kv_block_size is _UNKNOWN_INTS:
+            object.__setattr__(self, "kv_block_size", np.full(size, DEFAULT_BLOCK_SIZE))
         for name in SNAPSHOT_ARRAYS:
             array = getattr(self, name)
             if array.shape != (size,):
@@ -94,11 +108,6 @@ class RouteRequest:
     known_matches: IntArray | None = None
     """Leading blocks of ``prefix_blocks`` each instance holds, from an index the host keeps
     (the gateways share one); None: a cache-aware router consults its own index."""
-
-
-DEFAULT_BLOCK_SIZE = 16
-"""Tokens per KV block where the pool's engines are not known: vLLM's default
-``--block-size`` on CUDA."""
 
 
 @dataclass(frozen=True)

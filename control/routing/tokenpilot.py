@@ -160,6 +160,7 @@ def _load_of(fleet: FleetSnapshot) -> tuple[np.ndarray, ...]:
         fleet.waiting,
         fleet.running,
         fleet.kv_blocks_used,
+        fleet.kv_block_size,
         fleet.pending_prefill_tokens,
         fleet.last_step_end_s,
     )
@@ -291,7 +292,7 @@ class TokenPilot:
         cached = np.minimum(matched, (prompt - 1) // size) * float(size)
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
-        context = fleet.kv_blocks_used * float(size)
+        context = np.multiply(fleet.kv_blocks_used, fleet.kv_block_size, dtype=np.float64)
         model = self.pool.step_time
         budget = self.pool.max_num_batched_tokens
         load = _Load(model.under_load(decoders, context), np.maximum(budget - decoders, 1))
@@ -405,7 +406,7 @@ class TokenPilot:
         free_blocks = fleet.kv_blocks_total - fleet.kv_blocks_used
         eligible = (
             fleet.ready
-            & (uncached / self.pool.block_size <= free_blocks)
+            & (uncached / fleet.kv_block_size <= free_blocks)
             & (fleet.waiting < self.params.max_waiting)
         )
         if not eligible.any():

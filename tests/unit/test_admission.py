@@ -292,3 +292,7 @@ def test_prompts_routed_and_not_yet_prefilled_count_against_the_interactive_rese
     decision = SLOMax().decide(doc, view(promised))
     assert (decision.verdict, decision.reason) == (Verdict.HOLD, "reservation")
     assert dict(decision.figures)["kv_use"] == pytest.approx(0.95)
+    # engines that page KV in blocks of 64 tokens: the same prompts take a quarter as many
+    paged = replace(promised, kv_block_size=np.array([64, 64]))
+    assert view(paged).kv_use() == pytest.approx(0.70 + 0.25 / 4)
+    assert SLOMax().decide(doc, view(paged)).reason == "prefill_cap"  # past the reserve

@@ -12,7 +12,7 @@ from gateway.state import SharedView
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.fleet import FleetFileError, load_fleet
-from schemas.telemetry import KvAllCleared, KvBlocksRemoved, KvBlocksStored
+from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved, KvBlocksStored
 from streams.collector import (
     NOMINAL_KV_BLOCKS,
     NoEngineMetrics,
@@ -76,6 +76,34 @@ def test_an_empty_api_key_is_refused(tmp_path: Path) -> None:
     blank.write_text(EXAMPLE.read_text().replace('api_keys = ["sk-demo"]', 'api_keys = [""]'))
     with pytest.raises(FleetFileError, match="api_keys"):
         load_fleet(blank)
+
+
+def test_the_snapshot_carries_each_engine_s_block_size_as_scraped() -> None:
+    """One instance reported blocks of 64 tokens, the other nothing yet: vLLM's 16."""
+    fleet = load_fleet(EXAMPLE)
+    view = FleetView(fleet)
+    first, second = fleet.instances[0], fleet.instances[1]
+    view.observe(
+        InstanceTelemetry(
+            instance_id=first.id,
+            dc=first.dc,
+            model=first.model,
+            model_version="1",
+            ready=True,
+            waiting=0,
+            running=0,
+            inflight_tokens=0,
+            kv_blocks_used=0,
+            kv_blocks_total=4_000,
+            block_size=64,
+        )
+    )
+    pool = view.pool(first.model, first.dc)
+    assert pool is not None
+    assert pool.ids == (first.id, second.id)
+    zeros = np.zeros(2)
+    snapshot = view.snapshot(pool, SharedView(zeros, zeros, zeros.astype(int)))
+    assert list(snapshot.kv_block_size) == [64, 16]
 
 
 def test_instances_of_a_version_their_model_is_not_pinned_to_are_never_ready() -> None:

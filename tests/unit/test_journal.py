@@ -132,6 +132,26 @@ def test_a_changed_snapshot_or_a_lost_first_token_shows_as_differences() -> None
     assert replay(unlearned, _pipeline).differences
 
 
+def test_a_journal_from_before_the_engines_block_sizes_were_kept_replays_on_the_default() -> None:
+    records, _ = _journaled_run()
+    assert replay(records, _pipeline).differences == []
+
+    def forget(value: Any) -> None:
+        if isinstance(value, dict):
+            value.pop("kv_block_size", None)
+            for item in value.values():
+                forget(item)
+        elif isinstance(value, list):
+            for item in value:
+                forget(item)
+
+    older = copy.deepcopy(records)
+    forget(older)
+    assert older != records  # the sizes were there to forget
+    audit = replay(older, _pipeline)
+    assert (audit.problem, audit.differences) == (None, [])
+
+
 def test_the_slots_a_host_holds_are_journaled_with_the_decisions_they_shaped() -> None:
     """A host sharing a ceiling starts a second long document once granted a second slot:
     the replay does too, and a journal that says the slot never came does not."""

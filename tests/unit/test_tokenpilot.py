@@ -205,6 +205,20 @@ def test_an_instance_without_free_blocks_for_the_uncached_prompt_is_skipped() ->
     assert decision.chosen == 1  # ...but only instance 1 has room (517 blocks) for its part
 
 
+def test_free_blocks_are_counted_in_each_engine_s_own_block_size() -> None:
+    """The warm instance pages KV in blocks of 64 tokens (FlashMLA's): its 4 free blocks
+    hold the 200 uncached tokens, which would take 13 blocks of the pool's 16."""
+    pilot = TokenPilot(POOL)
+    pilot.index.add(0, PREFIX)
+    fleet = replace(
+        idle_fleet(3),
+        kv_blocks_used=np.array([7_496, 29_000, 29_600]),
+        kv_blocks_total=np.array([7_500, 30_000, 30_000]),
+        kv_block_size=np.array([64, 16, 16]),
+    )
+    assert pilot.route(hot_request(0), fleet, now=0.0).chosen == 0
+
+
 def test_it_degrades_to_the_best_ready_instance_when_every_one_is_full() -> None:
     pilot = TokenPilot(POOL)
     full = replace(
