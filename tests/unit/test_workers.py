@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from concurrent.futures import Future, wait
 from typing import Any
@@ -33,5 +32,7 @@ def _sweep_stopped_by_ctrl_c(seen: dict[str, Any]) -> None:
         seen["queued"] = pool.submit(time.sleep, 60)
         while not running.running():
             time.sleep(0.01)
-        seen["workers"] = multiprocessing.active_children()
+        # the pool's own: active_children() would also name any process an earlier test
+        # left stopping, which this test would then wait on
+        seen["workers"] = list(pool._processes.values())
         raise KeyboardInterrupt
