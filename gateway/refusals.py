@@ -58,14 +58,13 @@ def rejected_for(admission_reason: str) -> RejectReason:
 
 def refusal(outcome: Outcome[Any], *, waited: bool, pool_wait_s: float = 0.0) -> ApiError:
     """429 for a request refused at the door, with ``Retry-After``; 503 for one that waited
-    in its pool and can no longer meet its objective (or had none and waited the longest a
-    request is held: the lifecycle event says no capacity, not a deadline missed), or that
+    in its pool and can no longer meet its objective, or waited as long as its policy holds
+    a request (the lifecycle event then says no capacity, not a deadline missed), or that
     the gateway's stop answered (that one may come straight back, to another replica).
-    ``Retry-After`` is the policy's
-    time, or 1 s, but no sooner than the class's pool is expected to have drained
-    (``pool_wait_s``, across replicas; ``LONGEST_RETRY_AFTER_S`` at most, and that where
-    the pool holds requests while no instance is ready): a full pool told its clients
-    1 s, and a storm of retries met it still full. The simulator's
+    ``Retry-After`` is the policy's time, or 1 s, but no sooner than the class's pool is
+    expected to have drained (``pool_wait_s``, across replicas; ``LONGEST_RETRY_AFTER_S``
+    at most, and that where the pool holds requests while no instance is ready): a full
+    pool told its clients 1 s, and a storm of retries met it still full. The simulator's
     clients keep to the policy's own time, as its benches were measured."""
     decision = outcome.admission
     task_class, reason = outcome.request.task_class.value, decision.reason
@@ -73,10 +72,10 @@ def refusal(outcome: Outcome[Any], *, waited: bool, pool_wait_s: float = 0.0) ->
     if reason == SHUTDOWN:
         message = "The gateway is stopping; send the request again."
         return Refused(503, message, why, REFUSED_RETRY_AFTER_S, stopping=True)
-    if reason == MAX_HOLD:  # no objective to miss: the fleet had no room for it
+    if reason == MAX_HOLD:  # not an objective missed: the fleet had no room for it
         message = (
-            f"This {task_class} request waited for capacity as long as a request without "
-            "a deadline is held; retry later, or send x-tokenfleet-deadline-s."
+            f"This {task_class} request waited for capacity as long as the gateway holds "
+            f"a request ({reason}); retry later."
         )
         return Refused(503, message, why)
     if waited:

@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import Field
 
 from control.admission.request import AdmissionRequest
-from control.admission.view import AdmissionDecision, AdmissionView, Verdict
+from control.admission.view import MAX_HOLD, AdmissionDecision, AdmissionView, Verdict
 from control.routing.snapshot import PoolModel
 from schemas.base import TaskClass
 
@@ -150,7 +150,9 @@ class LlmdFlowControl:
         figures = (("saturation", level),)
         if (not held and depth > 0) or level >= p.usage_limit:
             until = view.now_s + p.request_ttl_s
-            return AdmissionDecision(Verdict.HOLD, "saturated", hold_until_s=until, figures=figures)
+            return AdmissionDecision(
+                Verdict.HOLD, "saturated", hold_until_s=until, expires_as=MAX_HOLD, figures=figures
+            )
         return AdmissionDecision(Verdict.DISPATCH, "admitted", figures=figures)
 
 

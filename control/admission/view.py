@@ -26,9 +26,10 @@ EXPIRED = "expired"
 its objective."""
 
 MAX_HOLD = "max_hold"
-"""The reason a request with neither a first-token objective nor a deadline is answered
-once it waited the longest a policy holds one: not a missed objective, as it had none,
-but a fleet that found no room for it meanwhile."""
+"""The reason a held request is answered once it waited the longest its policy holds one,
+whatever its objective (SLOMax's ``max_hold_s`` for a request with neither a first-token
+objective nor a deadline; llm-d flow control's TTL): not a missed objective but a fleet
+that found no room for it meanwhile."""
 
 
 class Verdict(StrEnum):
@@ -55,8 +56,8 @@ class AdmissionDecision:
     """For a hold: when the request is answered if it is still waiting."""
     expires_as: str = EXPIRED
     """For a hold: the reason it is answered with then. ``expired``: it could no longer
-    meet its objective; ``max_hold`` (``MAX_HOLD``): it has none, and waited as long as a
-    request is held."""
+    meet its objective; ``max_hold`` (``MAX_HOLD``): it waited as long as its policy holds
+    a request."""
     retry_after_s: float | None = None
     """For a rejection of a request never admitted: when the client may try again."""
     figures: tuple[tuple[str, float], ...] = ()
@@ -170,18 +171,19 @@ class AdmissionView:
         return np.maximum(self.fleet.requests, self.seated.counts(len(self.fleet)))
 
     def kv_use(self) -> float:
-        """The ready instances' share of KV blocks taken and promised: in use as last
-        scraped, and those the prompts routed there and not yet prefilled will take (the
-        hosts' pending prefill, in blocks of each instance's size). The scrape alone is
-        stale: between two, and within a release pass, the requests let go would not
-        count, and a burst could start past a reserve. A prompt part-prefilled at the
+        """The ready instances' share of KV taken and promised, in tokens (engines' blocks
+        need not be the same size): in use as last scraped, and what the prompts routed
+        there and not yet prefilled will take (the hosts' pending prefill). The scrape
+        alone is stale: between two, and within a release pass, the requests let go would
+        not count, and a burst could start past a reserve. A prompt part-prefilled at the
         scrape counts its computed part twice."""
         fleet, ready = self.fleet, self.fleet.ready
-        total = int(fleet.kv_blocks_total[ready].sum())
+        size = fleet.kv_block_size[ready]
+        total = int((fleet.kv_blocks_total[ready] * size).sum())
         if not total:
             return 1.0
-        pending = fleet.pending_prefill_tokens[ready] / fleet.kv_block_size[ready]
-        return (float(fleet.kv_blocks_used[ready].sum()) + float(pending.sum())) / total
+        used = int((fleet.kv_blocks_used[ready] * size).sum())
+        return (used + float(fleet.pending_prefill_tokens[ready].sum())) / total
 
     def best_predicted_ttft_s(self, allowed: BoolArray | None) -> float | None:
         """The lowest predicted TTFT among the instances the request may use."""

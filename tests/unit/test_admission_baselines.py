@@ -3,6 +3,9 @@ says what each sees), the registry that names them, and SLOMax's ablations."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
 from control.admission.baselines import (
@@ -26,6 +29,7 @@ from control.admission.registry import (
 )
 from control.admission.slomax import SLOMax, SLOMaxParams
 from control.admission.view import (
+    MAX_HOLD,
     USAGE_WINDOW_S,
     PoolState,
     Usage,
@@ -75,7 +79,8 @@ def test_llm_d_s_flow_control_holds_everything_while_the_pool_is_saturated() -> 
     assert control.decide(request(BATCH), view(calm)).verdict is Verdict.DISPATCH
     full = fleet(waiting=(5, 6), kv_used=(1_000, 1_000))
     held = control.decide(request(CHAT), view(full, now=3.0))
-    assert (held.verdict, held.hold_until_s) == (Verdict.HOLD, 63.0)  # 60 s, then 429
+    assert (held.verdict, held.hold_until_s) == (Verdict.HOLD, 63.0)  # 60 s, then 503
+    assert held.expires_as == MAX_HOLD  # its TTL, which says nothing of an objective
     behind = view(calm, pools={BATCH: PoolState(depth=1)})
     assert control.decide(request(BATCH), behind).verdict is Verdict.HOLD  # FCFS in its band
     assert control.decide(request(BATCH), behind, held=True).verdict is Verdict.DISPATCH
@@ -170,6 +175,19 @@ def test_mooncake_refuses_what_would_meet_a_decode_batch_too_slow_for_its_tbt_li
     crowded = view(now=15.0, predicted=(5.0, 6.0), inflight={CHAT: 22}, first_tokens=since)
     # 19 prefilling + 1 + itself = 21, 11 each: 0.12 s a token, over the 0.1 s limit
     assert conductor.decide(request(BATCH), crowded).reason == "predicted_tbt"
+
+
+def test_mooncake_counts_the_context_in_each_engine_s_own_blocks() -> None:
+    """Two sequences of 16,000 tokens each: one engine holds its sequence's in 1,000
+    blocks of 16, the other in 250 blocks of 64. The decode step is priced by context."""
+    steps = KneeRoofline(
+        a_s=0.0, b_s_per_token=0.0, n0_tokens=0, c_s_per_seq=0.0, d_s_per_context_token=1e-6
+    )
+    conductor = MooncakeEarlyReject(PoolModel(steps))
+    sixteens = fleet(running=(1, 1), kv_used=(1_000, 1_000))
+    mixed = replace(fleet(running=(1, 1), kv_used=(1_000, 250)), kv_block_size=np.array([16, 64]))
+    expected = conductor.predicted_tbt_s(view(sixteens, predicted=(1.0, 1.0)), 0.0)
+    assert conductor.predicted_tbt_s(view(mixed, predicted=(1.0, 1.0)), 0.0) == expected
 
 
 def test_each_ablation_is_slomax_with_one_part_off() -> None:

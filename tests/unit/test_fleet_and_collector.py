@@ -159,6 +159,9 @@ def test_vllm_metrics_become_telemetry() -> None:
     assert (telemetry.kv_blocks_used, telemetry.kv_blocks_total) == (500, 2000)
     assert (telemetry.prefix_cache_hits, telemetry.prefix_cache_queries) == (400, 1000)
     assert telemetry.ready
+    assert telemetry.block_size == 16
+    mla = VLLM.replace('block_size="16"', 'block_size="64"')  # FlashMLA's blocks
+    assert telemetry_of(fleet.instances[0], parse_metrics(mla, "vllm")).block_size == 64
 
 
 def test_sglang_metrics_become_telemetry() -> None:

@@ -219,6 +219,21 @@ def test_free_blocks_are_counted_in_each_engine_s_own_block_size() -> None:
     assert pilot.route(hot_request(0), fleet, now=0.0).chosen == 0
 
 
+def test_context_is_counted_in_each_engine_s_own_block_size() -> None:
+    """Two instances alike in tokens: 64,000 in use of 480,000, one in blocks of 16, the
+    other in blocks of 64. Their decode steps cost the same, and so do they."""
+    pilot = TokenPilot(POOL)
+    fleet = replace(
+        idle_fleet(2),
+        running=np.array([8, 8]),
+        kv_blocks_used=np.array([4_000, 1_000]),
+        kv_blocks_total=np.array([30_000, 7_500]),
+        kv_block_size=np.array([16, 64]),
+    )
+    scores = pilot.route(hot_request(0), fleet, now=0.0).scores
+    assert scores[0] == pytest.approx(scores[1])
+
+
 def test_it_degrades_to_the_best_ready_instance_when_every_one_is_full() -> None:
     pilot = TokenPilot(POOL)
     full = replace(
