@@ -25,7 +25,9 @@ class InstanceProfile:
         """What routers may know of a pool of these instances."""
         engine = self.engine
         return PoolModel(
-            self.step_time, engine.block_size, engine.max_num_batched_tokens, engine.max_num_seqs
+            self.step_time,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=engine.max_num_seqs,
         )
 
 

@@ -104,6 +104,9 @@ class RouteRequest:
     """The client's cap on output tokens (``max_tokens``), None where it set none: what a
     gateway knows of a request's length, never the length itself."""
     prefix_blocks: tuple[int, ...] = ()
+    """The hashes of the prompt's leading whole blocks of ``BLOCK_TOKENS`` (16) tokens
+    (``control.tokens``): the unit of every prefix index, whatever the engines' own KV
+    block size."""
     task_class: str = "interactive"
     known_matches: IntArray | None = None
     """Leading blocks of ``prefix_blocks`` each instance holds, from an index the host keeps
@@ -115,7 +118,6 @@ class PoolModel:
     """What a router may know of the model pool: its step times and engine limits."""
 
     step_time: StepTime
-    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_batched_tokens: int = 8192
     max_num_seqs: int | None = None
     """Sequences an engine runs at once (vLLM's ``--max-num-seqs``; None: not known).

@@ -76,6 +76,7 @@ from control.routing.snapshot import (
     RouteRequest,
 )
 from control.step_time import Seconds, StepsUnderLoad
+from control.tokens import BLOCK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -282,7 +283,7 @@ class TokenPilot:
         ahead: FloatArray,
         now: float,
     ) -> dict[str, np.ndarray]:
-        size = self.pool.block_size
+        size = BLOCK_TOKENS  # the prefix index's unit
         prompt = request.input_tokens
         matched = request.known_matches
         if matched is None:

@@ -44,7 +44,7 @@ from tokenfleet.audit import audit_journal
 from tokenfleet.cli import main
 
 SEED = 7
-POOL = PoolModel(STEPS, 16, 2_048)
+POOL = PoolModel(STEPS, max_num_batched_tokens=2_048)
 
 
 def _pipeline(_start: Record) -> Pipeline[str]:

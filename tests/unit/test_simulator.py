@@ -336,7 +336,9 @@ def test_slomax_keeps_a_batch_burst_out_of_the_chats_way_and_still_finishes_it()
     workload = sorted(batch + chats, key=lambda r: r.arrival_s)
     outcome = {}
     for name in ("fcfs", "slomax"):
-        router = make_router("tokenpilot", seed=7, pool=PoolModel(STEPS, 16, 256))
+        router = make_router(
+            "tokenpilot", seed=7, pool=PoolModel(STEPS, max_num_batched_tokens=256)
+        )
         cluster = Cluster.single(_profile(num_blocks=2_000, budget=256), 2)
         records = Simulation(cluster, router, admission=make_admission(name)).run(workload)
         chat_ttft = [r.ttft_s for r in records if r.task_class == "interactive"]
@@ -407,7 +409,7 @@ def test_the_quota_loop_closes_through_the_tables_and_lowers_the_limit_while_cha
     loop = QuotaLoop()
     simulation = Simulation(
         Cluster.single(_profile(num_blocks=4_000, budget=2_048), 2),
-        make_router("tokenpilot", seed=7, pool=PoolModel(STEPS, 16, 2_048)),
+        make_router("tokenpilot", seed=7, pool=PoolModel(STEPS, max_num_batched_tokens=2_048)),
         admission=make_admission("slomax"),
         control=loop,
     )
