@@ -221,7 +221,7 @@ class Exchange:
         there (see ``SharedState.routed`` for ``seen_version``)."""
         pending, inflight = _charges(inbound, plan, row)
         instance = plan.pool.instances[row].id
-        capacity = self.view.kv_capacity(instance) // INDEX_STRIDE
+        capacity = self.view.prefix_capacity(instance) // INDEX_STRIDE
         return await self.state.routed(
             instance, plan.index_blocks, capacity, pending, inflight, seen_version
         )

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from control.routing.snapshot import DEFAULT_BLOCK_SIZE, FleetSnapshot
+from control.routing.snapshot import DEFAULT_BLOCK_SIZE, FleetSnapshot, prefix_blocks_held
 from gateway.state import SharedView
 from schemas.control import ControlSnapshot
 from schemas.fleet import FleetConfig, InstanceConfig
@@ -100,10 +100,13 @@ class FleetView:
             return instance_id not in self._standby
         return telemetry.ready
 
-    def kv_capacity(self, instance_id: str) -> int:
-        """The instance's KV cache in blocks, as last reported."""
+    def prefix_capacity(self, instance_id: str) -> int:
+        """The instance's KV cache, as last reported, in prefix blocks (16 tokens each,
+        whatever its engine's block size): its entry's size in the prefix index."""
         telemetry = self._telemetry.get(instance_id)
-        return telemetry.kv_blocks_total if telemetry else UNKNOWN_KV_BLOCKS
+        if telemetry is None:
+            return UNKNOWN_KV_BLOCKS
+        return prefix_blocks_held(telemetry.kv_blocks_total, telemetry.block_size)
 
     def any_ready(self) -> bool:
         return any(self.ready(i.id) for i in self.fleet.instances)

@@ -51,7 +51,7 @@ class _Learning(ABC):
         assert decision.chosen is not None
         if self._learns_from_decisions:
             self.index.add(
-                decision.chosen, request.prefix_blocks, int(fleet.kv_blocks_total[decision.chosen])
+                decision.chosen, request.prefix_blocks, fleet.prefix_capacity(decision.chosen)
             )
         return decision
 

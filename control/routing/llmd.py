@@ -74,7 +74,7 @@ class LlmdDefault:
     def remember(self, request: RouteRequest, chosen: int, fleet: FleetSnapshot) -> None:
         """Index the request's prefix on the instance it was sent to."""
         hashes = request.prefix_blocks[: self.weights.max_prefix_blocks]
-        self.index.add(chosen, hashes, int(fleet.kv_blocks_total[chosen]))
+        self.index.add(chosen, hashes, fleet.prefix_capacity(chosen))
 
 
 def queue_score(waiting: np.ndarray, eligible: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from control.step_time import StepTime
+from control.tokens import BLOCK_TOKENS
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -94,6 +95,17 @@ class FleetSnapshot:
     @property
     def requests(self) -> IntArray:
         return self.waiting + self.running
+
+    def prefix_capacity(self, row: int) -> int:
+        """How many prefix blocks (``BLOCK_TOKENS`` each) instance ``row``'s KV holds: the
+        size of its entry in a prefix index, whatever its engine's own block size."""
+        return prefix_blocks_held(int(self.kv_blocks_total[row]), int(self.kv_block_size[row]))
+
+
+def prefix_blocks_held(kv_blocks: int, block_size: int) -> int:
+    """How many prefix blocks of ``BLOCK_TOKENS`` tokens ``kv_blocks`` blocks of
+    ``block_size`` tokens hold."""
+    return kv_blocks * block_size // BLOCK_TOKENS
 
 
 @dataclass(frozen=True, slots=True)

@@ -442,7 +442,7 @@ class TokenPilot:
             first_token + decode_s,
         )
         if request.known_matches is None:
-            self.index.add(chosen, request.prefix_blocks, int(fleet.kv_blocks_total[chosen]))
+            self.index.add(chosen, request.prefix_blocks, fleet.prefix_capacity(chosen))
         age = now - float(fleet.last_step_end_s[chosen])
         phase = None
         learns = self.params.learn_token_lag and raw_prediction_s > 0

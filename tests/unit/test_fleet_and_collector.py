@@ -104,6 +104,7 @@ def test_the_snapshot_carries_each_engine_s_block_size_as_scraped() -> None:
     zeros = np.zeros(2)
     snapshot = view.snapshot(pool, SharedView(zeros, zeros, zeros.astype(int)))
     assert list(snapshot.kv_block_size) == [64, 16]
+    assert view.prefix_capacity(first.id) == 16_000  # 4,000 blocks of 64: of 16 tokens each
 
 
 def test_instances_of_a_version_their_model_is_not_pinned_to_are_never_ready() -> None:

@@ -219,6 +219,15 @@ def test_free_blocks_are_counted_in_each_engine_s_own_block_size() -> None:
     assert pilot.route(hot_request(0), fleet, now=0.0).chosen == 0
 
 
+def test_the_prefix_index_holds_what_the_engine_s_blocks_of_64_hold() -> None:
+    """10 blocks of 64 tokens hold 40 prefix blocks of 16: a 32-block prefix stays whole."""
+    pilot = TokenPilot(POOL)
+    small = replace(idle_fleet(1), kv_blocks_total=np.array([10]), kv_block_size=np.array([64]))
+    prefix = tuple(range(32))
+    pilot.route(RouteRequest("r", 600, 10, prefix_blocks=prefix), small, now=0.0)
+    assert pilot.index.match(prefix, 1).tolist() == [32]
+
+
 def test_context_is_counted_in_each_engine_s_own_block_size() -> None:
     """Two instances alike in tokens: 64,000 in use of 480,000, one in blocks of 16, the
     other in blocks of 64. Their decode steps cost the same, and so do they."""
