@@ -9,13 +9,13 @@ Wire form::
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any
 
 from pydantic import Field, SerializeAsAny, ValidationError
 from pydantic_core import from_json
 
 from schemas.base import Frozen, Identifier, Message
+from schemas.ids import unique_id
 from schemas.topics import MESSAGES
 
 
@@ -42,7 +42,7 @@ class Envelope(Frozen):
         """Put a payload in a new envelope; event id and time default to fresh values."""
         return cls(
             schema=payload.schema_ref(),
-            event_id=event_id or uuid.uuid4().hex,
+            event_id=event_id or unique_id(),
             ts=time.time() if ts is None else ts,
             source=source,
             payload=payload,
