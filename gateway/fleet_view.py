@@ -101,11 +101,11 @@ class FleetView:
         return telemetry.ready
 
     def prefix_capacity(self, instance_id: str) -> int:
-        """The instance's KV cache, as last reported, in prefix blocks (16 tokens each,
-        whatever its engine's block size): its entry's size in the prefix index."""
+        """The instance's KV cache, as last reported, in prefix blocks (``BLOCK_TOKENS``
+        each, whatever its engine's block size): its entry's size in the prefix index."""
         telemetry = self._telemetry.get(instance_id)
         if telemetry is None:
-            return UNKNOWN_KV_BLOCKS
+            return prefix_blocks_held(UNKNOWN_KV_BLOCKS, DEFAULT_BLOCK_SIZE)
         return prefix_blocks_held(telemetry.kv_blocks_total, telemetry.block_size)
 
     def any_ready(self) -> bool:

@@ -7,6 +7,7 @@ use too, so the gateway's prefix index names the blocks the engines cache.
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,7 +15,6 @@ from control.admission.request import identify
 from control.tokens import chat_text, count_tokens, prompt_block_hashes, prompt_tokens
 from schemas.base import TaskClass
 from schemas.fleet import FleetConfig, ModelConfig, TenantConfig
-from schemas.ids import unique_id
 from schemas.openai_api import (
     ApiError,
     ChatRequest,
@@ -130,7 +130,7 @@ def read_inbound(
         size, model.context_tokens, _PROMPT_PARAM[path], _shortens(fleet, model.name)
     )
     return Inbound(
-        request_id=f"req-{unique_id()}",
+        request_id=f"req-{uuid.uuid4().hex}",  # shown to clients: unguessable
         tenant=tenant,
         path=path,
         body=body,

@@ -113,12 +113,23 @@ class Stack:
     router: str = "tokenpilot"
     placement: bool = False
     """Whether FleetMind's long cycle places replicas on the DCs' idle GPUs."""
+    operator_capacity: bool = True
+    """Whether the edge is given the operator's figure of what an instance serves
+    (``rps_per_instance``)."""
 
 
 STACKS = {name: Stack(name, name) for name in DC_POLICIES} | {
     "fleetmind_placement": Stack("fleetmind_placement", "fleetmind", placement=True)
 }
 """The benchmark's rows: each DC policy, and FleetMind with its long cycle too."""
+VARIANTS = {
+    "fleetmind_without_rps_per_instance": Stack(
+        "fleetmind_without_rps_per_instance", "fleetmind", operator_capacity=False
+    )
+}
+"""Rows run only when named: what FleetMind makes where the fleet file gives no figure of
+an instance's capacity (``docs/fleetmind.md``, the load model)."""
+RUNNABLE = STACKS | VARIANTS
 TOKENFLEET = Stack("tokenfleet", "fleetmind", placement=True)
 BASELINE = Stack("baseline", "local_only", "fcfs", "llmd_default")
 """What an operator runs without TokenFleet: each request in its home DC, admitted as it
@@ -227,7 +238,20 @@ def run_stack(
     observe: Observer | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One stack's figures, and its series for the plot."""
-    simulation = FleetSimulation(
+    simulation = stack_simulation(stack, case, profile_name, seed, observe)
+    records = simulation.run(case.requests)
+    return fleet_figures(records, simulation, case.requests), _series(simulation)
+
+
+def stack_simulation(
+    stack: Stack,
+    case: Scenario,
+    profile_name: str,
+    seed: int,
+    observe: Observer | None = None,
+) -> FleetSimulation:
+    """The fleet ``stack`` runs on ``case``, ready to run."""
+    return FleetSimulation(
         case.layout,
         profile(profile_name),
         make_dc_policy(stack.dc_policy),
@@ -235,13 +259,13 @@ def run_stack(
         admission=stack.admission,
         seed=seed,
         clients=ClientModel(seed=seed),
-        capacity_rps_per_instance=case.capacity_rps_per_instance,
+        capacity_rps_per_instance=case.capacity_rps_per_instance
+        if stack.operator_capacity
+        else None,
         weights=WeightController() if stack.dc_policy == "fleetmind" else None,
         placement=PlacementController() if stack.placement else None,
         observe=observe,
     )
-    records = simulation.run(case.requests)
-    return fleet_figures(records, simulation, case.requests), _series(simulation)
 
 
 def bench_fleet(
@@ -259,7 +283,7 @@ def bench_fleet(
     results: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
     with worker_processes(max(jobs, 1)) as pool:
         futures = {
-            name: pool.submit(run_stack, STACKS[name], case, profile_name, seed) for name in names
+            name: pool.submit(run_stack, RUNNABLE[name], case, profile_name, seed) for name in names
         }
         for name, future in futures.items():
             results[name] = future.result()

@@ -24,8 +24,7 @@ from control.routing.baselines import CountsOwnRequests
 from control.routing.inflight import ActiveSequences
 from control.routing.prefix_index import ApproximatePrefixIndex
 from control.routing.snapshot import Decision, FleetSnapshot, KvEvent, RouteRequest
-
-BLOCK_TOKENS = 16
+from control.tokens import BLOCK_TOKENS
 
 
 def _pick_lowest(scores: np.ndarray, rng: np.random.Generator) -> int:

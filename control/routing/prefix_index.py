@@ -1,9 +1,10 @@
 """An approximate index of which instance holds which prompt prefix, learned from routing.
 
 After each decision the router records the request's block hashes as cached on the
-instance it chose. Each instance's entries live in an LRU sized like its KV cache (in
-blocks), so the index forgets roughly when the engine would; where an engine publishes KV
-events, its evictions correct the guess (``evicted``, ``cleared``).
+instance it chose. Each instance's entries live in an LRU sized like its KV cache (its
+tokens, in the index's 16-token blocks), so the index forgets roughly when the engine
+would; where an engine publishes KV events, its evictions correct the guess (``evicted``,
+``cleared``).
 
 Semantics follow the Gateway API inference extension's prefix-cache scorer, which llm-d's
 default profile uses (``pkg/epp/scheduling/framework/plugins/prefixcachescorer/indexer.go``
@@ -62,13 +63,15 @@ class ApproximatePrefixIndex:
         return matched * self.stride
 
     def add(self, instance: int, hashes: Sequence[int], capacity: int | None = None) -> None:
-        """Record ``hashes`` as cached on ``instance``; its LRU is sized on first use."""
+        """Record ``hashes`` as cached on ``instance``, whose LRU holds ``capacity`` blocks:
+        the latest given (an engine's size may be learned only after its first request),
+        else ``default_capacity``."""
         lru = self._lru.get(instance)
         if lru is None:
             lru = self._lru[instance] = Recency()
-            self._capacity[instance] = (
-                capacity if capacity and capacity > 0 else (self.default_capacity)
-            )
+            self._capacity[instance] = self.default_capacity
+        if capacity and capacity > 0:
+            self._capacity[instance] = capacity
         bit = 1 << instance
         holders = self._holders
         new = lru.touch(hashes[self.stride - 1 :: self.stride])

@@ -283,14 +283,16 @@ class TokenPilot:
         ahead: FloatArray,
         now: float,
     ) -> dict[str, np.ndarray]:
-        size = BLOCK_TOKENS  # the prefix index's unit
         prompt = request.input_tokens
         matched = request.known_matches
         if matched is None:
             matched = self.index.match(request.prefix_blocks, len(fleet))
+        # An engine reuses whole blocks of its own, and recomputes the prompt's last token.
+        shared = np.minimum(matched * BLOCK_TOKENS, prompt - 1)
         # Token counts as floats from here: an operation mixing integer and float arrays
         # takes about twice as long as one on floats alone.
-        cached = np.minimum(matched, (prompt - 1) // size) * float(size)
+        blocks = fleet.kv_block_size
+        cached = np.multiply(shared // blocks, blocks, dtype=np.float64)
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
         context = np.multiply(fleet.kv_blocks_used, fleet.kv_block_size, dtype=np.float64)

@@ -13,12 +13,16 @@ from schemas.base import TaskClass
 from sim.clients import RETRY_SUFFIX, ClientModel
 from sim.fleet_bench import (
     HOTSPOT_S,
+    STACKS,
+    VARIANTS,
+    Scenario,
     fleet_figures,
     mismatch,
     offered_tok_s,
     paced,
     react_s,
     region_figures,
+    stack_simulation,
 )
 from sim.fleet_sim import EdgeChoice, FleetLayout, FleetSimulation, PublishedLoad, Site
 from sim.profiles import profile
@@ -234,3 +238,13 @@ def test_the_long_cycle_places_replicas_on_idle_gpus_that_serve_after_their_warm
     served = [r for r in simulation.simulations[0].records if r.instance_id == "dc-b/1"]
     assert served  # the new replica took requests
     assert min(r.arrival_s for r in served) >= placed_at + 15.0 - 1.0  # once it had loaded
+
+
+def test_the_variant_without_the_operator_s_figure_runs_fleetmind_without_it() -> None:
+    case = Scenario((), 4.9, LAYOUT)
+    given = stack_simulation(STACKS["fleetmind"], case, "llama3-70b-4xh100", 0)
+    assert given.capacity_rps_per_instance == 4.9
+    variant = VARIANTS["fleetmind_without_rps_per_instance"]
+    assert variant.name not in STACKS  # run only when named
+    without = stack_simulation(variant, case, "llama3-70b-4xh100", 0)
+    assert (without.policy.name, without.capacity_rps_per_instance) == ("fleetmind", None)

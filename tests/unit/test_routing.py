@@ -65,6 +65,18 @@ def test_the_prefix_index_forgets_least_recently_used_blocks_per_instance() -> N
     assert index.match([2, 3], instances=1).tolist() == [0]
 
 
+def test_an_instance_s_entry_takes_the_latest_capacity_given() -> None:
+    """A gateway routes to an instance before its first scrape says how much KV it has."""
+    index = ApproximatePrefixIndex()
+    index.add(0, [1, 2, 3, 4])  # not known yet: the default, far larger
+    index.add(0, [5], capacity=2)  # scraped since: keeps the two most recent
+    assert index.match([4, 5], instances=1).tolist() == [2]
+    assert index.match([3], instances=1).tolist() == [0]
+    index.add(0, [6])  # capacity not given again: the latest stands
+    assert index.match([5, 6], instances=1).tolist() == [2]
+    assert index.match([4], instances=1).tolist() == [0]
+
+
 INSTANCES = (0, 1, 2, 3, 9, 64, 70)
 
 

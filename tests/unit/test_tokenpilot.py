@@ -228,6 +228,17 @@ def test_the_prefix_index_holds_what_the_engine_s_blocks_of_64_hold() -> None:
     assert pilot.index.match(prefix, 1).tolist() == [32]
 
 
+def test_an_engine_reuses_whole_blocks_of_its_own_size() -> None:
+    """Five 16-token prefix blocks match: 80 tokens, of which an engine paging in blocks of
+    64 holds one whole block."""
+    pilot = TokenPilot(POOL, TokenPilotParams(index_stride=1))
+    pilot.index.add(0, PREFIX[:5])
+    pilot.index.add(1, PREFIX[:5])
+    fleet = replace(idle_fleet(2), kv_block_size=np.array([16, 64]))
+    cached = pilot.route(hot_request(0), fleet, now=0.0).parts["cached_tokens"]
+    assert cached.tolist() == [80, 64]
+
+
 def test_context_is_counted_in_each_engine_s_own_block_size() -> None:
     """Two instances alike in tokens: 64,000 in use of 480,000, one in blocks of 16, the
     other in blocks of 64. Their decode steps cost the same, and so do they."""

@@ -348,7 +348,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
 
 
 def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
-    from sim.fleet_bench import STACKS
+    from sim.fleet_bench import STACKS, VARIANTS
 
     fleet = sub.add_parser(
         "fleet",
@@ -372,7 +372,8 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
         "--policies",
         type=lambda t: t.split(","),
         default=None,
-        help=f"comma-separated subset of: {', '.join(STACKS)}",
+        help=f"comma-separated subset of: {', '.join(STACKS)} (default: all of them); "
+        f"also, when named: {', '.join(VARIANTS)}",
     )
     fleet.add_argument("--jobs", type=positive_int, default=1, help="runs at once (default 1)")
     fleet.add_argument("--json", type=output_file, required=True, help="write the figures here")
@@ -387,9 +388,9 @@ def _bench_fleet(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from sim.fleet_bench import STACKS, bench_fleet, plot_fleet
+    from sim.fleet_bench import RUNNABLE, STACKS, bench_fleet, plot_fleet
 
-    policies = _known(args.policies or list(STACKS), STACKS, "DC policies")
+    policies = _known(args.policies or list(STACKS), RUNNABLE, "DC policies")
     with tqdm(total=len(policies), desc="policies", unit="run") as bar:
         try:
             document = bench_fleet(
