@@ -221,7 +221,8 @@ class Exchange:
         there (see ``SharedState.routed`` for ``seen_version``)."""
         pending, inflight = _charges(inbound, plan, row)
         instance = plan.pool.instances[row].id
-        capacity = self.view.prefix_capacity(instance) // INDEX_STRIDE
+        # at least one entry: Redis's script would read 0 as "keep none"
+        capacity = max(self.view.prefix_capacity(instance) // INDEX_STRIDE, 1)
         return await self.state.routed(
             instance, plan.index_blocks, capacity, pending, inflight, seen_version
         )

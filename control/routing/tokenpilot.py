@@ -288,7 +288,7 @@ class TokenPilot:
         if matched is None:
             matched = self.index.match(request.prefix_blocks, len(fleet))
         # An engine reuses whole blocks of its own, and recomputes the prompt's last token.
-        shared = np.minimum(matched * BLOCK_TOKENS, prompt - 1)
+        shared = np.minimum(matched * BLOCK_TOKENS, max(prompt - 1, 0))
         # Token counts as floats from here: an operation mixing integer and float arrays
         # takes about twice as long as one on floats alone.
         blocks = fleet.kv_block_size

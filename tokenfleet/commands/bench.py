@@ -404,7 +404,7 @@ def _bench_fleet(args: argparse.Namespace) -> int:
         except (ValueError, KeyError) as exc:
             raise CliError(str(exc)) from None
     print(
-        f"{'policy':26}{'goodput':>9}{'comply':>8}{'hot P95':>9}{'chats':>7}{'cross-DC':>9}"
+        f"{'policy':36}{'goodput':>9}{'comply':>8}{'hot P95':>9}{'chats':>7}{'cross-DC':>9}"
         f"{'mismatch':>10}{'react':>7}{'violations':>11}"
     )
     for policy, result in document["policies"].items():
@@ -413,7 +413,7 @@ def _bench_fleet(args: argparse.Namespace) -> int:
         hotspot = result["hotspot"]
         chats = hotspot["per_class"].get("interactive", {}).get("ttft_p95_s") or math.nan
         print(
-            f"{policy:26}{result['goodput_tok_s']:>9.0f}{result['compliance']:>8.1%}"
+            f"{policy:36}{result['goodput_tok_s']:>9.0f}{result['compliance']:>8.1%}"
             f"{hotspot['ttft_p95_s']:>8.2f}s{chats:>6.2f}s{result['cross_dc_share']:>9.1%}"
             f"{result['capacity_mismatch_request_s']:>10.0f}"
             f"{'-' if react is None else f'{react:.0f}s':>7}{violations:>11}"
