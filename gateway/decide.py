@@ -240,6 +240,7 @@ class Decider:
                 sent_per_s=sent_per_s,
                 inflight=sum(inflight.values()) + held,  # sent and not finished
                 capacity_rps=per_instance * len(ready) if per_instance and ready else None,
+                ready_instances=len(ready),
             )
             limit = self.admission.concurrency_limit(
                 model, dc, task_class, len(ready), self.quotas.current(dc)

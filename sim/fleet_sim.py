@@ -350,6 +350,7 @@ class FleetSimulation:
                 dc.sent.per_s(self.now),
                 len(dc.inflight),
                 capacity * ready if capacity and ready else None,
+                ready,
             )
             states.append(
                 dc_state(

@@ -254,14 +254,43 @@ def test_load_is_priced_from_the_edges_own_counts_where_capacity_is_known() -> N
     assert known.backlog_s == pytest.approx(3.0)  # 30 in flight at 10 a second
 
 
-def test_without_capacity_load_is_read_off_the_tables_queue() -> None:
-    from control.fleet.load import MIN_DRAIN_RPS, DcLoad
+def test_without_capacity_load_is_the_edges_requests_per_instance_or_the_tables_queue() -> None:
+    """Without the operator's figure the backlog is the edge's requests in flight per ready
+    instance, at an assumed rate, as they grow with every send; or the tables' queue where
+    that is more (other edges' requests, which this edge's count misses)."""
+    from control.fleet.load import ASSUMED_RPS_PER_INSTANCE, MIN_DRAIN_RPS, DcLoad
 
     assert DcLoad(kv_use=0.4).utilisation == 0.4
     assert DcLoad(queued=3, kv_use=0.4).utilisation == 1.0
     assert DcLoad(queued=20, completed_per_s=4.0).backlog_s == pytest.approx(5.0)
     assert DcLoad(queued=3).backlog_s == pytest.approx(3 / MIN_DRAIN_RPS)
-    assert DcLoad(inflight=100).backlog_s == 0.0
+    sent = DcLoad(inflight=100, ready_instances=4)
+    assert sent.backlog_s == pytest.approx(25 / ASSUMED_RPS_PER_INSTANCE)
+    drained = DcLoad(inflight=100, queued=40, completed_per_s=4.0, ready_instances=4)
+    assert drained.backlog_s == sent.backlog_s  # the queue's 10 s are less
+    assert DcLoad(inflight=8, queued=40, ready_instances=4).backlog_s == pytest.approx(40.0)
+
+
+def test_without_capacity_a_burst_spreads_as_it_is_sent() -> None:
+    """Two idle DCs, neither table showing a queue: the one the edge has sent more to
+    costs more at once (pricing the queue alone, both read 0 until a table showed one)."""
+    from control.fleet.load import DcLoad, dc_state
+
+    def state(name: str, inflight: int) -> DataCenterState:
+        load = DcLoad(inflight=inflight, ready_instances=4)
+        frozen = frozenset({"1"})
+        return dc_state(
+            name,
+            "eu",
+            instances=4,
+            versions=frozen,
+            ready_versions=frozen,
+            ready_instances=4,
+            load=load,
+        )
+
+    view = FleetState((state(B, 12), state(C, 4)))
+    assert FleetMind().choose(asked(), view).chosen == C
 
 
 def test_a_dc_whose_admission_holds_the_class_back_is_full_for_it() -> None:
