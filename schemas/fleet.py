@@ -51,7 +51,8 @@ class ModelConfig(Frozen):
         gt=0,
         description="Requests per second one instance serves at capacity (the operator's "
         "figure, as Google Cloud's maxRatePerInstance): the edge prices a DC's load as its "
-        "requests in flight and sent lately against it (unset: by the DC's queues).",
+        "requests in flight and sent lately against it (unset: its requests in flight per "
+        "ready instance, and a DC with a queue counts as full).",
     )
     max_num_seqs: int | None = Field(
         default=None,

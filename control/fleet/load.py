@@ -22,18 +22,17 @@ from control.fleet.view import DataCenterState
 
 RATE_WINDOW_S = 10.0
 """The span over which the edge counts its own sends."""
-MIN_DRAIN_RPS = 1.0
-"""The completion rate assumed of a DC whose tables show a queue and no completions: one
-request a second, so that a queue of n reads as n seconds rather than as forever."""
 ASSUMED_RPS_PER_INSTANCE = 1.0
 """What an instance is taken to serve where the operator gives no figure: one request a
 second, so that the backlog reads the edge's requests in flight per ready instance (what
-SkyServe's balancer counts) as seconds. ``tokenfleet bench fleet --policies
+SkyServe's balancer counts) as seconds, and a queue whose drain the tables did not see
+(the live edge reads none) as the same. ``tokenfleet bench fleet --policies
 fleetmind_without_rps_per_instance``, seeds 0 to 6 (``docs/fleetmind.md``, the load
-model): mean goodput 6,378 tokens/s and the hotspot's chats' TTFT P95 0.52 s, against
+model): mean goodput 6,376 tokens/s and the hotspot's chats' TTFT P95 0.52 s, against
 6,217 and 0.78 s pricing the tables' queue alone, and 6,377 and 0.50 s with the operator's
-figure (4.9 requests a second on seed 0). 5 here made 6,384 and 0.54 s: the round trips
-weigh more beside a smaller backlog, and the choice is much the same."""
+figure (4.9 requests a second on seed 0). 5 here made 6,384 and 0.54 s (before a queue's
+unseen drain was taken at this rate too): the round trips weigh more beside a smaller
+backlog, and the choice is much the same."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,7 @@ class DcLoad:
     capacity_rps: float | None = None
     """Requests per second the DC serves at capacity (None: not known)."""
     ready_instances: int = 0
+    """The DC's instances ready to serve (what an assumed rate per instance scales by)."""
 
     @property
     def utilisation(self) -> float:
@@ -67,12 +67,12 @@ class DcLoad:
         """Seconds of work ahead of a request sent now: what the edge has in flight there
         over the rate the DC completes requests at capacity (Little's law). Where that is
         not known, the same at ``ASSUMED_RPS_PER_INSTANCE``, or the tables' queue over the
-        rate they saw it drain at where that is more (a queue of other edges' requests,
-        which the edge's count misses)."""
+        rate they saw it drain at (at least that) where that is more: a queue of other
+        edges' requests, which the edge's count misses."""
         if self.capacity_rps:
             return self.inflight / self.capacity_rps
         assumed = max(self.ready_instances, 1) * ASSUMED_RPS_PER_INSTANCE
-        queue_s = self.queued / max(self.completed_per_s, MIN_DRAIN_RPS)
+        queue_s = self.queued / max(self.completed_per_s, assumed)
         return max(self.inflight / assumed, queue_s)
 
 

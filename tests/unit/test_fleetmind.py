@@ -258,17 +258,22 @@ def test_without_capacity_load_is_the_edges_requests_per_instance_or_the_tables_
     """Without the operator's figure the backlog is the edge's requests in flight per ready
     instance, at an assumed rate, as they grow with every send; or the tables' queue where
     that is more (other edges' requests, which this edge's count misses)."""
-    from control.fleet.load import ASSUMED_RPS_PER_INSTANCE, MIN_DRAIN_RPS, DcLoad
+    from control.fleet.load import ASSUMED_RPS_PER_INSTANCE, DcLoad
 
     assert DcLoad(kv_use=0.4).utilisation == 0.4
     assert DcLoad(queued=3, kv_use=0.4).utilisation == 1.0
     assert DcLoad(queued=20, completed_per_s=4.0).backlog_s == pytest.approx(5.0)
-    assert DcLoad(queued=3).backlog_s == pytest.approx(3 / MIN_DRAIN_RPS)
+    assert DcLoad(queued=3).backlog_s == pytest.approx(3 / ASSUMED_RPS_PER_INSTANCE)
+    # a queue of 8 on 4 instances, its drain unseen (the live edge's case): 2 s
+    assert DcLoad(queued=8, ready_instances=4).backlog_s == pytest.approx(
+        2 / ASSUMED_RPS_PER_INSTANCE
+    )
     sent = DcLoad(inflight=100, ready_instances=4)
     assert sent.backlog_s == pytest.approx(25 / ASSUMED_RPS_PER_INSTANCE)
     drained = DcLoad(inflight=100, queued=40, completed_per_s=4.0, ready_instances=4)
     assert drained.backlog_s == sent.backlog_s  # the queue's 10 s are less
-    assert DcLoad(inflight=8, queued=40, ready_instances=4).backlog_s == pytest.approx(40.0)
+    queued = DcLoad(inflight=8, queued=40, completed_per_s=2.0, ready_instances=4)
+    assert queued.backlog_s == pytest.approx(40 / max(2.0, 4 * ASSUMED_RPS_PER_INSTANCE))
 
 
 def test_without_capacity_a_burst_spreads_as_it_is_sent() -> None:
