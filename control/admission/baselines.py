@@ -300,8 +300,7 @@ class MooncakeEarlyReject:
         decoders = view.awaiting_first_token() + staying + 1
         per_instance = -(-decoders // ready)
         running = max(int(fleet.running[fleet.ready].sum()), 1)
-        used = fleet.kv_blocks_used * fleet.kv_block_size
-        context = int(used[fleet.ready].sum()) / running
+        context = int(fleet.kv_tokens_used[fleet.ready].sum()) / running
         step_time = self.pool.step_time
         step = step_time.step_s(0, 0, per_instance, int(per_instance * context))
         return step + step_time.token_overhead_s

@@ -178,11 +178,10 @@ class AdmissionView:
         not count, and a burst could start past a reserve. A prompt part-prefilled at the
         scrape counts its computed part twice."""
         fleet, ready = self.fleet, self.fleet.ready
-        size = fleet.kv_block_size[ready]
-        total = int((fleet.kv_blocks_total[ready] * size).sum())
+        total = int(fleet.kv_tokens_total[ready].sum())
         if not total:
             return 1.0
-        used = int((fleet.kv_blocks_used[ready] * size).sum())
+        used = int(fleet.kv_tokens_used[ready].sum())
         return (used + float(fleet.pending_prefill_tokens[ready].sum())) / total
 
     def best_predicted_ttft_s(self, allowed: BoolArray | None) -> float | None:

@@ -96,6 +96,16 @@ class FleetSnapshot:
     def requests(self) -> IntArray:
         return self.waiting + self.running
 
+    @property
+    def kv_tokens_used(self) -> IntArray:
+        """Each instance's KV in use, in tokens: its blocks in its engine's size."""
+        return self.kv_blocks_used * self.kv_block_size
+
+    @property
+    def kv_tokens_total(self) -> IntArray:
+        """Each instance's KV cache, in tokens."""
+        return self.kv_blocks_total * self.kv_block_size
+
     def prefix_capacity(self, row: int) -> int:
         """How many prefix blocks (``BLOCK_TOKENS`` each) instance ``row``'s KV holds: the
         size of its entry in a prefix index, whatever its engine's own block size."""

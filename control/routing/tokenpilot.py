@@ -295,7 +295,7 @@ class TokenPilot:
         cached = np.multiply(shared // blocks, blocks, dtype=np.float64)
         uncached = prompt - cached
         decoders = np.maximum(fleet.running, ledger.decoding)
-        context = np.multiply(fleet.kv_blocks_used, fleet.kv_block_size, dtype=np.float64)
+        context = fleet.kv_tokens_used.astype(np.float64)
         model = self.pool.step_time
         budget = self.pool.max_num_batched_tokens
         load = _Load(model.under_load(decoders, context), np.maximum(budget - decoders, 1))

@@ -12,7 +12,7 @@ from gateway.state import SharedView
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.fleet import FleetFileError, load_fleet
-from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved, KvBlocksStored
+from schemas.telemetry import KvAllCleared, KvBlocksRemoved, KvBlocksStored
 from streams.collector import (
     NOMINAL_KV_BLOCKS,
     NoEngineMetrics,
@@ -37,6 +37,9 @@ vllm:prefix_cache_hits_total{model_name="m"} 400.0
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",num_gpu_blocks="2000"} 1.0
 """
+
+MLA = VLLM.replace('block_size="16"', 'block_size="64"')
+"""A vLLM server paging KV in FlashMLA's blocks of 64 tokens."""
 
 SGLANG = """\
 # TYPE sglang:num_running_reqs gauge
@@ -83,28 +86,14 @@ def test_the_snapshot_carries_each_engine_s_block_size_as_scraped() -> None:
     fleet = load_fleet(EXAMPLE)
     view = FleetView(fleet)
     first, second = fleet.instances[0], fleet.instances[1]
-    view.observe(
-        InstanceTelemetry(
-            instance_id=first.id,
-            dc=first.dc,
-            model=first.model,
-            model_version="1",
-            ready=True,
-            waiting=0,
-            running=0,
-            inflight_tokens=0,
-            kv_blocks_used=0,
-            kv_blocks_total=4_000,
-            block_size=64,
-        )
-    )
+    view.observe(telemetry_of(first, parse_metrics(MLA, "vllm")))
     pool = view.pool(first.model, first.dc)
     assert pool is not None
     assert pool.ids == (first.id, second.id)
     zeros = np.zeros(2)
     snapshot = view.snapshot(pool, SharedView(zeros, zeros, zeros.astype(int)))
     assert list(snapshot.kv_block_size) == [64, 16]
-    assert view.prefix_capacity(first.id) == 16_000  # 4,000 blocks of 64: of 16 tokens each
+    assert view.prefix_capacity(first.id) == 8_000  # 2,000 blocks of 64: of 16 tokens each
 
 
 def test_instances_of_a_version_their_model_is_not_pinned_to_are_never_ready() -> None:
@@ -161,8 +150,7 @@ def test_vllm_metrics_become_telemetry() -> None:
     assert (telemetry.prefix_cache_hits, telemetry.prefix_cache_queries) == (400, 1000)
     assert telemetry.ready
     assert telemetry.block_size == 16
-    mla = VLLM.replace('block_size="16"', 'block_size="64"')  # FlashMLA's blocks
-    assert telemetry_of(fleet.instances[0], parse_metrics(mla, "vllm")).block_size == 64
+    assert telemetry_of(fleet.instances[0], parse_metrics(MLA, "vllm")).block_size == 64
 
 
 def test_sglang_metrics_become_telemetry() -> None:
