@@ -67,6 +67,7 @@ from schemas.openai_api import (
     UtilityRequest,
     parse_request,
 )
+from schemas.tables import GoodputTable
 from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved
 from streams.bus import EventBus
 from streams.feeds import follow
@@ -162,6 +163,10 @@ class Gateway:
         if isinstance(message, InstanceTelemetry):
             self.view.observe(message)
 
+    def on_goodput(self, message: object) -> None:
+        if isinstance(message, GoodputTable):
+            self.view.observe_goodput(message)
+
     def on_kv_event(self, message: object) -> None:
         """Evictions correct the shared prefix index. Stored blocks add nothing: this
         gateway indexed what it sent when it sent it, and every replica applies the same
@@ -202,6 +207,7 @@ class Gateway:
             self.events.run(),
             follow(bus, "tf.telemetry", self.on_telemetry, "latest"),
             follow(bus, "tf.kv-events", self.on_kv_event, "latest"),
+            follow(bus, "tf.tables.goodput", self.on_goodput, "latest"),
             follow(bus, "tf.control.quotas", self.on_control, "earliest"),
             follow(bus, "tf.control.weights", self.on_control, "earliest"),
             _every(self.settings.share_sync_s, self.parts.state.reconcile),

@@ -219,9 +219,10 @@ class Decider:
     def _dc_view(self, model: str, task_class: TaskClass) -> FleetState:
         """The DCs serving ``model`` as this edge sees them: instances (a standby one only
         while it serves, as the simulator counts those placed), versions, queues
-        and KV from telemetry; requests in flight and held from the admission pools of
-        every replica; the rate every replica sends there (the others' as last shared);
-        the operator's capacity figure; the controller's weights."""
+        and KV from telemetry; the pace it completes requests at from its goodput table;
+        requests in flight and held from the admission pools of every replica; the rate
+        every replica sends there (the others' as last shared); the operator's capacity
+        figure; the controller's weights."""
         weights = self.weights.current(self.local_dc)
         weight = weights_of(weights, model, task_class)
         config = self.view.fleet.model(model)
@@ -237,6 +238,7 @@ class Decider:
                 running=telemetry.requests,
                 queued=round(telemetry.waiting * len(ready)) + held,
                 kv_use=telemetry.kv_use,
+                completed_per_s=self.view.completed_per_s(model, dc),
                 sent_per_s=sent_per_s,
                 inflight=sum(inflight.values()) + held,  # sent and not finished
                 capacity_rps=per_instance * len(ready) if per_instance and ready else None,

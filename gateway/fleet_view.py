@@ -1,5 +1,6 @@
 """What a gateway knows of its fleet: instances from the fleet file, their last telemetry,
-their recent upstream failures, and the last control snapshots it heard.
+their recent upstream failures, each DC's last goodput table, and the last control
+snapshots it heard.
 
 Everything here is last-known: when the feeds go quiet (Kafka down, collector stopped) the
 gateway keeps routing on what it last heard, and on its own failure observations.
@@ -18,11 +19,32 @@ from control.routing.snapshot import DEFAULT_BLOCK_SIZE, FleetSnapshot, prefix_b
 from gateway.state import SharedView
 from schemas.control import ControlSnapshot
 from schemas.fleet import FleetConfig, InstanceConfig
+from schemas.tables import GoodputTable
 from schemas.telemetry import InstanceTelemetry
 
 UNKNOWN_KV_BLOCKS = 1 << 20
 """KV blocks assumed for an instance until its telemetry reports the real size: large, so
 that an unknown cache never looks full."""
+TABLES_STALE_S = 30.0
+"""A DC's goodput table whose window ended longer ago than this says nothing of its pace
+now: the age at which the controllers stop acting on tables too
+(``tokenfleet.controller_host.STALE_AFTER_S``)."""
+
+
+@dataclass(frozen=True)
+class DcPace:
+    """What a DC's newest goodput table says of its pace: requests completed per second
+    of each model over the table's window, and when that window ended (epoch seconds)."""
+
+    version: int
+    window_end: float
+    completed_per_s: Mapping[str, float]
+
+    @classmethod
+    def of(cls, table: GoodputTable) -> DcPace:
+        span = table.window_end - table.window_start
+        rates = {row.key: row.completed / span if span > 0 else 0.0 for row in table.models}
+        return cls(table.version, table.window_end, rates)
 
 
 @dataclass(frozen=True)
@@ -61,6 +83,7 @@ class FleetView:
         no decision, retry or ceiling counts them (a rolling upgrade's old replicas)."""
         self._failed_until: dict[str, float] = {}
         self._tokens_seen: dict[str, float] = {}
+        self._pace: dict[str, DcPace] = {}
         self._pools: dict[tuple[str, str], Pool] = {}
         for instance in fleet.instances:
             key = (instance.model, instance.dc)
@@ -77,6 +100,23 @@ class FleetView:
     def observe(self, telemetry: InstanceTelemetry) -> None:
         if any(i.id == telemetry.instance_id for i in self.fleet.instances):
             self._telemetry[telemetry.instance_id] = telemetry
+
+    def observe_goodput(self, table: GoodputTable) -> None:
+        """Keep each DC's newest goodput table's pace (a replayed older one changes
+        nothing)."""
+        held = self._pace.get(table.dc)
+        if held is None or table.version > held.version:
+            self._pace[table.dc] = DcPace.of(table)
+
+    def completed_per_s(self, model: str, dc: str, now: float | None = None) -> float:
+        """Requests of ``model`` the DC completed per second over its tables' last window
+        (the pace its queue for the model drains at, as the simulator's edge reads it from
+        the tables it is published); 0 while no table came or the last one is stale."""
+        pace = self._pace.get(dc)
+        now = time.time() if now is None else now
+        if pace is None or now - pace.window_end > TABLES_STALE_S:
+            return 0.0
+        return pace.completed_per_s.get(model, 0.0)
 
     def failed(self, instance_id: str) -> None:
         """An upstream call failed: keep the instance out of decisions for a cooldown."""

@@ -133,6 +133,12 @@ class GoodputTable(WindowedTable):
         "keyed ``region/class``: what the DC delivered to each region's clients, by which "
         "FleetMind weighs the DC for each edge. Empty in tables from before 2026-12-05.",
     )
+    models: tuple[GoodputRow, ...] = Field(
+        default=(),
+        description="Per model, keyed by its name: what the DC completed of each, by which "
+        "an edge prices how fast the DC works through a model's queue. Empty in tables from "
+        "before 2026-12-06.",
+    )
 
     @model_validator(mode="after")
     def _known_classes(self) -> GoodputTable:

@@ -125,7 +125,7 @@ class DcTables:
         start = slices[0]
         self.version = version = max(int(now * 1000), self.version + 1)
         span = now - start
-        classes, tenants, regions = rows(groups, span)
+        classes, tenants, regions, models = rows(groups, span)
         kv = fleet.kv_totals(span)
         return [
             CapacityTable(
@@ -154,6 +154,7 @@ class DcTables:
                 classes=classes,
                 tenants=tenants,
                 regions=regions,
+                models=models,
             ),
         ]
 

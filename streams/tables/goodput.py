@@ -1,5 +1,5 @@
-"""Goodput per (DC, class), per (DC, tenant) and per (DC, source region, class): one
-mergeable aggregate per group."""
+"""Goodput per (DC, class), per (DC, tenant), per (DC, source region, class) and per
+(DC, model): one mergeable aggregate per group."""
 
 from __future__ import annotations
 
@@ -109,24 +109,29 @@ _COUNTERS = tuple(f.name for f in fields(GoodputCounts) if f.type == "int")
 
 def group_keys(outcome: Outcome) -> tuple[str, ...]:
     """The groups an outcome counts in: its class, its tenant, and its source region's
-    class where the region is known."""
-    keys = f"class:{outcome.task_class}", f"tenant:{outcome.tenant}"
-    if not outcome.source_region:
-        return keys
-    region = region_row_key(outcome.source_region, TaskClass(outcome.task_class))
-    return (*keys, f"region:{region}")
+    class and its model where those are known."""
+    keys: tuple[str, ...] = f"class:{outcome.task_class}", f"tenant:{outcome.tenant}"
+    if outcome.source_region:
+        region = region_row_key(outcome.source_region, TaskClass(outcome.task_class))
+        keys = (*keys, f"region:{region}")
+    if outcome.model:
+        keys = (*keys, f"model:{outcome.model}")
+    return keys
 
 
 Rows = tuple[GoodputRow, ...]
+KINDS = ("tenant:", "region:", "model:")
+"""The groups besides the classes, in the order ``rows`` gives them."""
 
 
-def rows(groups: dict[str, GoodputCounts], span_s: float) -> tuple[Rows, Rows, Rows]:
-    """Class rows (every class, even without traffic), then tenant rows and source-region
-    rows, each sorted by key."""
+def rows(groups: dict[str, GoodputCounts], span_s: float) -> tuple[Rows, Rows, Rows, Rows]:
+    """Class rows (every class, even without traffic), then tenant, source-region and
+    model rows, each sorted by key."""
     classes = tuple(
         groups.get(f"class:{c.value}", GoodputCounts()).row(c.value, span_s) for c in TaskClass
     )
-    return classes, _rows_of(groups, "tenant:", span_s), _rows_of(groups, "region:", span_s)
+    tenants, regions, models = (_rows_of(groups, kind, span_s) for kind in KINDS)
+    return classes, tenants, regions, models
 
 
 def _rows_of(groups: dict[str, GoodputCounts], kind: str, span_s: float) -> Rows:

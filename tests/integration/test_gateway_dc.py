@@ -18,12 +18,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from gateway.fleet_view import TABLES_STALE_S
 from gateway.refusals import Refused
 from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota, DcWeight, RoutingWeights
 from schemas.fleet import FleetConfig
 from schemas.lifecycle import RejectReason, RequestFailed, RequestRejected
+from schemas.tables import GoodputTable
+from streams.tables.goodput import GoodputCounts
 from tests.conftest import read_for
 from tests.gateway_harness import (
     KEY,
@@ -58,13 +61,14 @@ def instance(
     gate: Gate | None = None,
     failing: float | None = None,
     garbles: bool = False,
+    waiting: int = 0,
 ) -> Starlette:
     """An instance that answers at once, or once its gate opens, or fails every request
     ``failing`` seconds after it came, or (``garbles``) answers 200 with a body that is
-    no JSON."""
+    no JSON; its metrics show ``waiting`` requests in its queue."""
 
     async def metrics(_: Request) -> Response:
-        return vllm_metrics(waiting=0, running=0)
+        return vllm_metrics(waiting=waiting, running=0)
 
     async def answer(_: Request) -> Response:
         served.append(dc)
@@ -95,12 +99,14 @@ async def two_dcs(
     home_fails: float | None = None,
     chat_ttft_s: float | None = None,
     home_garbles: bool = False,
+    queues: tuple[int, int] = (0, 0),
     **settings: Any,
 ) -> AsyncIterator[Gateway]:
     """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east),
     and a standby instance in dc-a that no placement started; ``gate``: dc-a's instance
     answers only once it opens; ``home_fails``: dc-a's fails that many seconds after each
-    request came; ``chat_ttft_s``: the chats' objective; ``settings``: the gateway's."""
+    request came; ``queues``: the queues dc-a's and dc-b's report; ``chat_ttft_s``: the chats'
+    objective; ``settings``: the gateway's."""
     async with contextlib.AsyncExitStack() as stack:
         urls = {
             dc: await stack.enter_async_context(
@@ -108,7 +114,8 @@ async def two_dcs(
                     instance(
                         served,
                         dc,
-                        *((gate, home_fails, home_garbles) if dc == "dc-a" else (None, None)),
+                        *((gate, home_fails, home_garbles) if dc == "dc-a" else ()),
+                        waiting=queues[dc == "dc-b"],
                     )
                 )
             )
@@ -166,6 +173,44 @@ async def test_work_in_flight_at_home_sends_the_next_request_abroad() -> None:
         assert (await first).status_code == 200
     assert second.status_code == 200
     assert served == ["dc-a", "dc-b"]
+
+
+async def test_a_queue_drains_at_the_pace_its_dc_s_goodput_table_shows() -> None:
+    """Both DCs report a queue (each as busy as the load cap reads without the operator's
+    figure): 3 requests in dc-a's, 1 in dc-b's. At the assumed request a second an
+    instance, dc-a's is 3 s of backlog, more than dc-b's second and its 80 ms round trip.
+    A stale table changes nothing; a fresh one where dc-a completed 100 requests of the
+    model a second makes its queue 30 ms, and the next request stays home."""
+    served: list[str] = []
+    async with two_dcs(served, queues=(3, 1)) as front, front.client() as http:
+        assert (await ask(http)).status_code == 200
+        await _publish_pace(front, version=1, ended_s_ago=TABLES_STALE_S + 5)
+        assert (await ask(http)).status_code == 200
+        await _publish_pace(front, version=2, ended_s_ago=1.0)
+        assert (await ask(http)).status_code == 200
+    assert served == ["dc-b", "dc-b", "dc-a"]
+
+
+async def _publish_pace(front: Gateway, version: int, ended_s_ago: float) -> None:
+    """Publish dc-a's goodput table: 6,000 completions of the model, and of another, in
+    the minute up to ``ended_s_ago``; wait for the gateway to hold it."""
+    end = time.time() - ended_s_ago
+    table = GoodputTable(
+        dc="dc-a",
+        version=version,
+        window_start=end - 60,
+        window_end=end,
+        classes=(),
+        tenants=(),
+        models=tuple(GoodputCounts(completed=6000).row(m, 60) for m in (MODEL, "other")),
+    )
+    gateway = front.app.state.gateway
+    await gateway.parts.bus.publish_event(Envelope.wrap(table, source="test"))
+    for _ in range(100):  # held: as of its window's end, its pace reads
+        if gateway.view.completed_per_s(MODEL, "dc-a", now=end) == 100:
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail("the gateway never took the table")
 
 
 async def test_a_dc_that_fails_a_request_before_its_first_token_passes_it_to_the_next() -> None:

@@ -7,11 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.fleet_view import FleetView, LastKnown
+from gateway.fleet_view import TABLES_STALE_S, FleetView, LastKnown
 from gateway.state import SharedView
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas
 from schemas.fleet import FleetFileError, load_fleet
+from schemas.tables import GoodputTable
 from schemas.telemetry import KvAllCleared, KvBlocksRemoved, KvBlocksStored
 from streams.collector import (
     NOMINAL_KV_BLOCKS,
@@ -20,6 +21,7 @@ from streams.collector import (
     parse_metrics,
     telemetry_of,
 )
+from streams.tables.goodput import GoodputCounts
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "fleet.toml"
 
@@ -140,6 +142,26 @@ def test_last_known_takes_newer_live_snapshots_and_any_live_one_once_its_own_exp
     current = known.current("dc", now=1_101.0)
     assert current is not None
     assert current.version == 1
+
+
+def test_a_dc_s_pace_is_its_newest_goodput_table_s_completions_of_the_model() -> None:
+    """Requests of the model completed a second over the table's window; a replayed
+    older table changes nothing, and a table past ``TABLES_STALE_S`` says nothing."""
+
+    def table(version: int, completed: int, end: float) -> GoodputTable:
+        row = GoodputCounts(completed=completed).row("m", 60)
+        return GoodputTable(
+            dc="b", version=version, window_start=end - 60, window_end=end,
+            classes=(), tenants=(), models=(row,),
+        )  # fmt: skip
+
+    view = FleetView(load_fleet(EXAMPLE))
+    view.observe_goodput(table(2, 600, 1_000.0))
+    view.observe_goodput(table(1, 6_000, 1_010.0))
+    assert view.completed_per_s("m", "b", now=1_010.0) == 10
+    assert view.completed_per_s("other", "b", now=1_010.0) == 0
+    assert view.completed_per_s("m", "c", now=1_010.0) == 0
+    assert view.completed_per_s("m", "b", now=1_001.0 + TABLES_STALE_S) == 0
 
 
 def test_vllm_metrics_become_telemetry() -> None:

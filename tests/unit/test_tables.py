@@ -93,7 +93,9 @@ def test_reordered_and_redelivered_events_give_the_same_tables(
     assert build(shaken, now) == build(events, now)
 
 
-def _request(n: int, at: float, region: str = "eu", tenant: str = "t") -> list[Envelope]:
+def _request(
+    n: int, at: float, region: str = "eu", tenant: str = "t", model: str = "m"
+) -> list[Envelope]:
     rid = f"r{n}"
     return [
         Envelope.wrap(
@@ -101,7 +103,7 @@ def _request(n: int, at: float, region: str = "eu", tenant: str = "t") -> list[E
                 request_id=rid,
                 tenant=tenant,
                 task_class=TaskClass.INTERACTIVE,
-                model="m",
+                model=model,
                 input_tokens=100,
                 output_budget=10,
                 source_region=region,
@@ -261,6 +263,20 @@ def test_each_source_region_s_requests_have_rows_of_their_own_by_class() -> None
     assert table.region_rows("us") == {TaskClass.INTERACTIVE: table.regions[1]}
     assert table.region_rows("ap") == {}
     assert table.classes[0].completed == 3
+
+
+def test_each_model_s_completions_have_a_row_of_their_own() -> None:
+    """What an edge reads a DC's drain rate for a model from: its completions alone, over
+    the window's span; a request that failed completed nothing."""
+    builder = TableBuilder(WindowSpec(size_s=60, slide_s=10, grace_s=5))
+    for n, model in enumerate(("llama", "llama", "qwen", "qwen")):
+        for event in _request(n, EPOCH, model=model):
+            builder.feed(event)
+        if n < 3:
+            builder.feed(_completed(n, EPOCH + 1))
+    table = goodput(builder.tables(EPOCH + 59))
+    assert [(r.key, r.completed) for r in table.models] == [("llama", 2), ("qwen", 1)]
+    assert table.models[0].output_tokens_per_s == pytest.approx(20 / 59)
 
 
 def test_a_region_name_as_long_as_an_identifier_still_makes_a_row_key_that_fits() -> None:
