@@ -100,16 +100,20 @@ async def two_dcs(
     chat_ttft_s: float | None = None,
     home_garbles: bool = False,
     queues: tuple[int, int] = (0, 0),
+    at_home: int = 1,
     **settings: Any,
 ) -> AsyncIterator[Gateway]:
-    """A gateway in dc-a (eu-west) before one instance there and one in dc-b (us-east),
-    and a standby instance in dc-a that no placement started; ``gate``: dc-a's instance
-    answers only once it opens; ``home_fails``: dc-a's fails that many seconds after each
-    request came; ``queues``: the queues dc-a's and dc-b's report; ``chat_ttft_s``: the chats'
+    """A gateway in dc-a (eu-west) before ``at_home`` instances there (``i-dc-a``, then
+    ``i-dc-a-2`` ...) and one in dc-b (us-east), and a standby instance in dc-a that no
+    placement started; ``gate``: dc-a's instances answer only once it opens;
+    ``home_fails``: dc-a's fail that many seconds after each request came; ``queues``: the
+    queue each instance of dc-a and of dc-b reports; ``chat_ttft_s``: the chats'
     objective; ``settings``: the gateway's."""
+    names = [("i-dc-a", "dc-a")]
+    names += [(f"i-dc-a-{n}", "dc-a") for n in range(2, at_home + 1)] + [("i-dc-b", "dc-b")]
     async with contextlib.AsyncExitStack() as stack:
         urls = {
-            dc: await stack.enter_async_context(
+            (name, dc): await stack.enter_async_context(
                 http_server(
                     instance(
                         served,
@@ -119,7 +123,7 @@ async def two_dcs(
                     )
                 )
             )
-            for dc in ("dc-a", "dc-b")
+            for name, dc in names
         }
         fleet = FleetConfig.model_validate(
             {
@@ -134,8 +138,8 @@ async def two_dcs(
                 ],
                 "instances": [
                     *(
-                        {"id": f"i-{dc}", "dc": dc, "url": url, "model": MODEL}
-                        for dc, url in urls.items()
+                        {"id": name, "dc": dc, "url": url, "model": MODEL}
+                        for (name, dc), url in urls.items()
                     ),
                     {
                         "id": "spare-a",
@@ -189,6 +193,17 @@ async def test_a_queue_drains_at_the_pace_its_dc_s_goodput_table_shows() -> None
         await _publish_pace(front, version=2, ended_s_ago=1.0)
         assert (await ask(http)).status_code == 200
     assert served == ["dc-b", "dc-b", "dc-a"]
+
+
+async def test_a_queue_drains_at_the_assumed_pace_of_each_ready_instance() -> None:
+    """Without the operator's figure or a table, each instance of both DCs reports a
+    request waiting: dc-a's two are a second of backlog at the assumed request a second
+    an instance, less than dc-b's one and its 80 ms round trip (counted as one instance,
+    dc-a's two would be two seconds)."""
+    served: list[str] = []
+    async with two_dcs(served, queues=(1, 1), at_home=2) as front, front.client() as http:
+        assert (await ask(http)).status_code == 200
+    assert served == ["dc-a"]
 
 
 async def _publish_pace(front: Gateway, version: int, ended_s_ago: float) -> None:
