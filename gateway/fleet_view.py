@@ -102,20 +102,21 @@ class FleetView:
         if any(i.id == telemetry.instance_id for i in self.fleet.instances):
             self._telemetry[telemetry.instance_id] = telemetry
 
-    def observe_goodput(self, table: GoodputTable) -> None:
-        """Keep each DC's newest goodput table's pace (a replayed older one changes
-        nothing)."""
+    def observe_goodput(self, table: GoodputTable, now: float | None = None) -> None:
+        """Keep each DC's newest goodput table's pace: a replayed older one changes
+        nothing, but any table replaces one gone stale (versions are a worker's clock in
+        milliseconds, and the worker taking a DC over may run behind)."""
         held = self._pace.get(table.dc)
-        if held is None or table.version > held.version:
+        now = time.time() if now is None else now
+        if held is None or table.version > held.version or _stale(held, now):
             self._pace[table.dc] = DcPace.of(table)
 
     def completed_per_s(self, model: str, dc: str, now: float | None = None) -> float:
         """Requests of ``model`` the DC completed per second over its tables' last window
         (the pace its queue for the model drains at, as the simulator's edge reads it from
-        the tables it is published); 0 while no table came or the last one is stale."""
+        the tables published to it); 0 while no table came or the last one is stale."""
         pace = self._pace.get(dc)
-        now = time.time() if now is None else now
-        if pace is None or now - pace.window_end > TABLES_STALE_S:
+        if pace is None or _stale(pace, time.time() if now is None else now):
             return 0.0
         return pace.completed_per_s.get(model, 0.0)
 
@@ -182,6 +183,10 @@ class FleetView:
                 [t.block_size if t else DEFAULT_BLOCK_SIZE for t in rows], dtype=np.int64
             ),
         )
+
+
+def _stale(pace: DcPace, now: float) -> bool:
+    return now - pace.window_end > TABLES_STALE_S
 
 
 def _off_version(instance: InstanceConfig, fleet: FleetConfig) -> bool:

@@ -78,8 +78,8 @@ class GoodputRow(Frozen):
     """Outcomes of one class, one tenant, or one class of one source region over the window."""
 
     key: Identifier = Field(
-        description="A task class, a tenant id, or a source region and a task class "
-        "(``region/class``)."
+        description="A task class, a tenant id, a source region and a task class "
+        "(``region/class``), or a model's name."
     )
     completed: NonNegInt
     output_tokens: NonNegInt

@@ -9,7 +9,7 @@ is due first.
 
 The edge sees each DC through its tables, published every ``view_period_s`` and reaching
 it ``view_delay_s`` later (requests running and queued, in the engines and in the DC's
-admission pools; KV in use; completions per second over ``RATE_WINDOW_S``; whether the
+admission pools; KV in use; completions per second over the tables' window; whether the
 model is ready there; the first reaches it with the first request), and through its own
 counts, fresh: requests it sent to each DC lately and those not finished, and where
 each prompt's blocks went (so a prompt's warm DC is known, a prefix warm in one DC being
@@ -46,6 +46,7 @@ from sim.control_loop import QuotaLoop, RecordTables
 from sim.records import RequestRecord
 from sim.simulator import Simulation
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
+from streams.tables.windows import WindowSpec
 
 VERSION = "v1"
 PLACEMENT_WINDOW_S = 60.0
@@ -92,7 +93,9 @@ class _Dc:
     sent: Rate = field(default_factory=Rate)
     inflight: dict[str, TaskClass] = field(default_factory=dict)
     """The edge's requests in flight there, and their classes."""
-    completions: Rate = field(default_factory=Rate)
+    completions: Rate = field(default_factory=lambda: Rate(WindowSpec().size_s))
+    """Requests completed here, over the tables' window, as a live DC's goodput table
+    counts them for the gateways (``FleetView.completed_per_s``)."""
     demand: Rate = field(default_factory=lambda: Rate(PLACEMENT_WINDOW_S))
     """What the edge sent here over the placement loop's window."""
     deployed: int = 0
@@ -121,6 +124,9 @@ class PublishedLoad:
     ready_instances: int = 0
     deployed: int = 0
     """Replicas serving or loading the model."""
+    loading: int = 0
+    """Of those, the replicas still loading it: not yet instances of the DC, as a gateway
+    counts a standby instance only once it serves."""
 
 
 Observer = Callable[["FleetSimulation"], None]
@@ -356,7 +362,7 @@ class FleetSimulation:
                 dc_state(
                     dc.site.name,
                     dc.site.region,
-                    instances=table.deployed if table else dc.site.instances,
+                    instances=table.deployed - table.loading if table else dc.site.instances,
                     versions=frozenset({VERSION}),
                     ready_versions=frozenset({VERSION}) if ready else frozenset(),
                     ready_instances=ready,
@@ -415,6 +421,7 @@ class FleetSimulation:
                 limits,
                 ready,
                 dc.deployed,
+                len(dc.warming),
             )
         self.tables.append(tables)
         if self.weights is not None and len(self.tables) % self.weights_every == 0:
@@ -449,6 +456,7 @@ class FleetSimulation:
                 dc.warming.append((self.now + self.warmup_s, index))
             for index in range(target, dc.deployed):
                 dc.simulation.set_ready(index, False)
+            dc.warming = [w for w in dc.warming if w[1] < target]  # never to serve now
             dc.deployed = target
             self._placed_at[name] = self.now
         self.placement_steps.append((self.now, {dc.site.name: dc.deployed for dc in self._dcs}))

@@ -146,7 +146,8 @@ def test_last_known_takes_newer_live_snapshots_and_any_live_one_once_its_own_exp
 
 def test_a_dc_s_pace_is_its_newest_goodput_table_s_completions_of_the_model() -> None:
     """Requests of the model completed a second over the table's window; a replayed
-    older table changes nothing, and a table past ``TABLES_STALE_S`` says nothing."""
+    older table changes nothing, a table past ``TABLES_STALE_S`` says nothing, and any
+    table replaces it."""
 
     def table(version: int, completed: int, end: float) -> GoodputTable:
         row = GoodputCounts(completed=completed).row("m", 60)
@@ -156,12 +157,15 @@ def test_a_dc_s_pace_is_its_newest_goodput_table_s_completions_of_the_model() ->
         )  # fmt: skip
 
     view = FleetView(load_fleet(EXAMPLE))
-    view.observe_goodput(table(2, 600, 1_000.0))
-    view.observe_goodput(table(1, 6_000, 1_010.0))
+    view.observe_goodput(table(2, 600, 1_000.0), now=1_000.0)
+    view.observe_goodput(table(1, 6_000, 1_010.0), now=1_010.0)
     assert view.completed_per_s("m", "b", now=1_010.0) == 10
     assert view.completed_per_s("other", "b", now=1_010.0) == 0
     assert view.completed_per_s("m", "c", now=1_010.0) == 0
-    assert view.completed_per_s("m", "b", now=1_001.0 + TABLES_STALE_S) == 0
+    later = 1_001.0 + TABLES_STALE_S
+    assert view.completed_per_s("m", "b", now=later) == 0
+    view.observe_goodput(table(1, 1_200, later), now=later)  # a worker whose clock is behind
+    assert view.completed_per_s("m", "b", now=later) == 20
 
 
 def test_vllm_metrics_become_telemetry() -> None:

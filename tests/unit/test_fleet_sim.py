@@ -240,6 +240,42 @@ def test_the_long_cycle_places_replicas_on_idle_gpus_that_serve_after_their_warm
     assert min(r.arrival_s for r in served) >= placed_at + 15.0 - 1.0  # once it had loaded
 
 
+def test_a_replica_counts_as_the_dc_s_once_loaded_and_never_if_taken_back_while_loading() -> None:
+    """A placement that starts a replica on dc-b's standby GPU, then takes it back before
+    it has loaded: while it loads, the tables count it deployed but not among the DC's
+    instances (as a gateway counts a standby instance only once it serves), and it never
+    serves."""
+
+    class Scripted:
+        """dc-b's replicas: 2 at the first pass, 1 from the second on."""
+
+        passes = 0
+
+        def targets(self, *_: object) -> dict[str, tuple[int, str]]:
+            self.passes += 1
+            return {"dc-b": (2 if self.passes == 1 else 1, "scripted")}
+
+    standby = FleetLayout(
+        (Site("dc-b", "eu-central", 1, standby=1), Site("dc-d", "us-east", 1)),
+        LAYOUT.round_trips_s,
+        LAYOUT.home,
+    )
+    simulation = FleetSimulation(
+        standby,
+        PROFILE,
+        make_dc_policy("local_only"),
+        capacity_rps_per_instance=2.0,
+        placement=Scripted(),  # type: ignore[arg-type]
+        placement_every=10,
+        warmup_s=15.0,
+    )
+    simulation.run(chats(600, 10.0))
+    loading = [t["dc-b"] for t in simulation.tables if t["dc-b"].loading]
+    assert loading
+    assert {(t.deployed, t.loading, t.ready_instances) for t in loading} == {(2, 1, 1)}
+    assert not [r for r in simulation.simulations[0].records if r.instance_id == "dc-b/1"]
+
+
 def test_the_variant_without_the_operator_s_figure_runs_fleetmind_without_it() -> None:
     case = Scenario((), 4.9, LAYOUT)
     given = stack_simulation(STACKS["fleetmind"], case, "llama3-70b-4xh100", 0)
