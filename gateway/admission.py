@@ -396,17 +396,20 @@ class GatewayAdmission:
         itself; none granted yet: none)."""
         return None if self.replicas == 1 else self._slots.get(pool, {})
 
-    def pool_load(self, model: str, dc: str) -> tuple[dict[TaskClass, int], int, float]:
-        """The pool's requests in flight by class, held, and sent into it per second,
+    def pool_load(
+        self, model: str, dc: str
+    ) -> tuple[dict[TaskClass, int], dict[TaskClass, int], float]:
+        """The pool's requests in flight and held, by class, and sent into it per second,
         across the replicas (the others' as they last shared them)."""
         pipeline = self._pipelines.get((model, dc))
         peers = self._peers.get(_pool_name((model, dc)), {})
-        inflight = {
-            c: (pipeline.inflight[c] if pipeline else 0) + peers.get(c, ClassLoad()).inflight
-            for c in TaskClass
-        }
-        held = (len(pipeline.pools) if pipeline else 0) + sum(p.held for p in peers.values())
-        sent = pipeline.arrived_per_s(time.monotonic()) if pipeline else 0.0
+        now = time.monotonic()
+        inflight, held = {}, {}
+        for c in TaskClass:
+            peer = peers.get(c, ClassLoad())
+            inflight[c] = (pipeline.inflight[c] if pipeline else 0) + peer.inflight
+            held[c] = (pipeline.pools.state(c, now).depth if pipeline else 0) + peer.held
+        sent = pipeline.arrived_per_s(now) if pipeline else 0.0
         return inflight, held, sent + sum(p.arrived_per_s for p in peers.values())
 
     def concurrency_limit(

@@ -293,7 +293,8 @@ class Gateway:
                     inbound.request_id,
                 )
                 handed = True
-                return await self._in_turn(dcs, inbound, request, arrived, scoped)
+                with self.decider.on_its_way(inbound, dcs[0]):
+                    return await self._in_turn(dcs, inbound, request, arrived, scoped)
         except BaseException as exc:  # an answer refused, or anything before the exchange
             if scoped is not None and (isinstance(exc, ApiError) or not handed):
                 await state.release(scoped)

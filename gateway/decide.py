@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,9 @@ LEAST_LOADED = "least_loaded"
 INDEX_STRIDE = TokenPilotParams().index_stride
 """The shared index keeps every block TokenPilot's own index would (every 8th: hashes
 chain, so one block stands for its whole prefix)."""
+
+OnWay = tuple[str, str, TaskClass]
+"""A request on its way to a DC's admission: its model, the DC and its class."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,9 @@ class Decider:
         self._make_router = make_router
         self._routers: dict[tuple[str, str], Router] = {}
         self._turn = 0
+        self._on_way: dict[str, OnWay] = {}
+        """Requests sent to a DC that its admission has not counted yet, by request id."""
+        self._on_way_count: Counter[OnWay] = Counter()
         self.admission = GatewayAdmission(
             make_admission,
             self.router,
@@ -169,6 +176,25 @@ class Decider:
                     draw.bucket, draw.rate_per_s, draw.burst_tokens, draw.tokens
                 )
             raise
+
+    @contextlib.contextmanager
+    def on_its_way(self, inbound: Inbound, dc: str) -> Iterator[None]:
+        """Count the request in ``dc``'s load from when its DC is chosen until that DC's
+        admission counts it (``decide``), or it ends first. In between it may wait for
+        the decision lock, or for Redis, and the requests choosing their DCs meanwhile
+        must see it: the simulator's edge counts a request from when it sends it."""
+        key = (inbound.model.name, dc, inbound.task_class)
+        self._on_way[inbound.request_id] = key
+        self._on_way_count[key] += 1
+        try:
+            yield
+        finally:
+            self._arrived(inbound.request_id)
+
+    def _arrived(self, request_id: str) -> None:
+        key = self._on_way.pop(request_id, None)
+        if key is not None:
+            self._on_way_count[key] -= 1
 
     def _bucket_draw(self, inbound: Inbound) -> BucketDraw | None:
         """What the request takes from which bucket (None: its quota sets no bucket)."""
@@ -220,9 +246,10 @@ class Decider:
         """The DCs serving ``model`` as this edge sees them: instances (a standby one only
         while it serves, as the simulator counts those placed), versions, queues
         and KV from telemetry; the pace it completes requests at from its goodput table;
-        requests in flight and held from the admission pools of every replica; the rate
-        every replica sends there (the others' as last shared); the operator's capacity
-        figure; the controller's weights."""
+        requests in flight and held from the admission pools of every replica, and those
+        on their way to them (a class's room counts all three, as the simulator's edge
+        counts what it sent); the rate every replica sends there (the others' as last
+        shared); the operator's capacity figure; the controller's weights."""
         weights = self.weights.current(self.local_dc)
         weight = weights_of(weights, model, task_class)
         config = self.view.fleet.model(model)
@@ -234,13 +261,16 @@ class Decider:
             ready = [i for i in pool.instances if self.view.ready(i.id)]
             telemetry = self.view.load(pool)
             inflight, held, sent_per_s = self.admission.pool_load(model, dc)
+            unfinished = {  # sent there and not finished, as the simulator's edge counts
+                c: inflight[c] + held[c] + self._on_way_count[(model, dc, c)] for c in TaskClass
+            }
             load = DcLoad(
                 running=telemetry.requests,
-                queued=round(telemetry.waiting * len(ready)) + held,
+                queued=round(telemetry.waiting * len(ready)) + sum(held.values()),
                 kv_use=telemetry.kv_use,
                 completed_per_s=self.view.completed_per_s(model, dc),
                 sent_per_s=sent_per_s,
-                inflight=sum(inflight.values()) + held,  # sent and not finished
+                inflight=sum(unfinished.values()),
                 capacity_rps=per_instance * len(ready) if per_instance and ready else None,
                 ready_instances=len(ready),
             )
@@ -258,7 +288,7 @@ class Decider:
                     ready_instances=len(ready),
                     load=load,
                     weight=weight.get(dc),
-                    class_room=class_room(inflight[task_class], limit),
+                    class_room=class_room(unfinished[task_class], limit),
                 )
             )
         return FleetState(tuple(states), self._round_trips)
@@ -274,6 +304,7 @@ class Decider:
         snapshot = self.view.snapshot(pool, shared)
         await self.admission.open_pool(inbound.model.name, dc)
         quotas = self.quotas.current(dc)
+        self._arrived(inbound.request_id)
         admitted = self.admission.arrive(inbound, dc, request, snapshot, arrived, quotas)
         if isinstance(admitted, Waiting):
             return self._plan_when_released(admitted, inbound, dc, pool, sampled, shared)

@@ -282,16 +282,73 @@ async def test_requests_held_in_a_dc_count_as_its_work_in_flight(
     goes to dc-b, 80 ms away."""
     served: list[str] = []
     async with two_dcs(served, rps_per_instance=1.0) as front, front.client() as http:
-        admission = front.app.state.gateway.decider.admission
-        pool_load = admission.pool_load
-
-        def three_held_in_dc_a(model: str, dc: str) -> Any:
-            inflight, held, sent = pool_load(model, dc)
-            return inflight, held + 3 * (dc == "dc-a"), sent
-
-        monkeypatch.setattr(admission, "pool_load", three_held_in_dc_a)
+        _hold_chats_in_dc_a(front, monkeypatch, 3)
         assert (await ask(http)).status_code == 200
     assert served == ["dc-b"]
+
+
+async def test_a_request_its_dc_has_not_admitted_yet_counts_in_that_dc_s_backlog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first request's DC is chosen and its admission waits (on a gate here; live, for
+    the decision lock or for Redis): at one request a second an instance, it is a second
+    of backlog in dc-a for the request choosing next, which goes to dc-b."""
+    served: list[str] = []
+    chosen: list[str] = []
+    gate = asyncio.Event()
+    async with two_dcs(served, rps_per_instance=1.0) as front, front.client() as http:
+        decider = front.app.state.gateway.decider
+        open_pool, choose_dcs = decider.admission.open_pool, decider.choose_dcs
+
+        async def gated(model: str, dc: str) -> None:
+            await gate.wait()
+            await open_pool(model, dc)
+
+        def noted(*args: Any, **kwargs: Any) -> tuple[str, ...]:
+            order: tuple[str, ...] = choose_dcs(*args, **kwargs)
+            chosen.append(order[0])
+            choice.set()
+            return order
+
+        monkeypatch.setattr(decider.admission, "open_pool", gated)
+        monkeypatch.setattr(decider, "choose_dcs", noted)
+        asked = []
+        for _ in range(2):
+            choice = asyncio.Event()
+            asked.append(asyncio.create_task(ask(http)))
+            await asyncio.wait_for(choice.wait(), 5)
+        gate.set()
+        assert [(await a).status_code for a in asked] == [200, 200]
+    assert chosen == ["dc-a", "dc-b"]
+    assert sorted(served) == ["dc-a", "dc-b"]
+
+
+async def test_chats_held_in_a_dc_take_their_class_s_room_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """dc-a's admission runs two chats at once, and holds two: no room for a third, as
+    the simulator's edge counts its requests there, held or not (at 1,000 requests a
+    second an instance, the two are 2 ms of backlog, less than dc-b's round trip)."""
+    served: list[str] = []
+    async with two_dcs(served, rps_per_instance=1000.0) as front, front.client() as http:
+        admission = _hold_chats_in_dc_a(front, monkeypatch, 2)
+        monkeypatch.setattr(admission, "concurrency_limit", lambda *_: 2)  # in every DC
+        assert (await ask(http)).status_code == 200
+    assert served == ["dc-b"]
+
+
+def _hold_chats_in_dc_a(front: Gateway, monkeypatch: pytest.MonkeyPatch, held: int) -> Any:
+    """Count ``held`` more chats held in dc-a's pools; the admission patched."""
+    admission = front.app.state.gateway.decider.admission
+    pool_load = admission.pool_load
+
+    def more_held(model: str, dc: str) -> Any:
+        inflight, holding, sent = pool_load(model, dc)
+        holding[TaskClass.INTERACTIVE] += held * (dc == "dc-a")
+        return inflight, holding, sent
+
+    monkeypatch.setattr(admission, "pool_load", more_held)
+    return admission
 
 
 @pytest.mark.parametrize(("failure", "second"), [("fails", 503), ("garbles", 429)])
