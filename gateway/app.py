@@ -291,6 +291,7 @@ class Gateway:
                     inbound.input_tokens,
                     inbound.task_class,
                     inbound.request_id,
+                    inbound.blocks,
                 )
                 handed = True
                 with self.decider.on_its_way(inbound, dcs[0]):

@@ -30,6 +30,7 @@ from control.controllers.fleetmind import weights_of
 from control.fleet.fleetmind import FleetMind
 from control.fleet.journal import dc_choice_record
 from control.fleet.load import DcLoad, class_room, dc_state
+from control.fleet.locality import PrefixLocality
 from control.fleet.registry import DcPolicy
 from control.fleet.view import DcRequest, FleetState
 from control.routing.registry import Router
@@ -62,6 +63,9 @@ LEAST_LOADED = "least_loaded"
 INDEX_STRIDE = TokenPilotParams().index_stride
 """The shared index keeps every block TokenPilot's own index would (every 8th: hashes
 chain, so one block stands for its whole prefix)."""
+LOCALITY_BLOCKS = 1 << 17
+"""Sampled prefix blocks whose DC the edge remembers (``PrefixLocality``): about 15 MB,
+the prompts of the last several thousand requests (a 2,000-token prompt keeps 15)."""
 
 OnWay = tuple[str, str, TaskClass]
 """A request on its way to a DC's admission: its model, the DC and its class."""
@@ -137,6 +141,7 @@ class Decider:
         self._on_way: dict[str, OnWay] = {}
         """Requests sent to a DC that its admission has not counted yet, by request id."""
         self._on_way_count: Counter[OnWay] = Counter()
+        self._locality = PrefixLocality(LOCALITY_BLOCKS)
         self.admission = GatewayAdmission(
             make_admission,
             self.router,
@@ -213,9 +218,11 @@ class Decider:
         input_tokens: int = 0,
         task_class: TaskClass = TaskClass.INTERACTIVE,
         request_id: str = "",
+        prefix_blocks: tuple[int, ...] = (),
     ) -> tuple[str, ...]:
-        """The DCs to try, best first, as the DC policy orders them on this edge's view;
-        ApiError(503) saying why when no DC may run the request."""
+        """The DCs to try, best first, as the DC policy orders them on this edge's view
+        (``prefix_blocks``: the prompt's, for the DCs it went to lately); ApiError(503)
+        saying why when no DC may run the request."""
         config = self.view.fleet.model(model)
         request = DcRequest(
             request_id,
@@ -227,7 +234,7 @@ class Decider:
             None if config is None else config.version,
             self._draws.random(),
         )
-        fleet = self._dc_view(model, task_class)
+        fleet = self._dc_view(model, task_class, self._locality.warm_tokens(prefix_blocks))
         decision = self.dc_policy.choose(request, fleet)
         if self._journals is not None:
             self._journals.dc_choice(dc_choice_record(request, fleet, decision))
@@ -242,14 +249,15 @@ class Decider:
             )
         return decision.order
 
-    def _dc_view(self, model: str, task_class: TaskClass) -> FleetState:
+    def _dc_view(self, model: str, task_class: TaskClass, warm: dict[str, int]) -> FleetState:
         """The DCs serving ``model`` as this edge sees them: instances (a standby one only
         while it serves, as the simulator counts those placed), versions, queues
         and KV from telemetry; the pace it completes requests at from its goodput table;
         requests in flight and held from the admission pools of every replica, and those
         on their way to them (a class's room counts all three, as the simulator's edge
         counts what it sent); the rate every replica sends there (the others' as last
-        shared); the operator's capacity figure; the controller's weights."""
+        shared); the operator's capacity figure; the controller's weights; how much of
+        the prompt went there lately (``warm``)."""
         weights = self.weights.current(self.local_dc)
         weight = weights_of(weights, model, task_class)
         config = self.view.fleet.model(model)
@@ -288,6 +296,7 @@ class Decider:
                     ready_instances=len(ready),
                     load=load,
                     weight=weight.get(dc),
+                    warm_tokens=warm.get(dc, 0),
                     class_room=class_room(unfinished[task_class], limit),
                 )
             )
@@ -305,6 +314,7 @@ class Decider:
         await self.admission.open_pool(inbound.model.name, dc)
         quotas = self.quotas.current(dc)
         self._arrived(inbound.request_id)
+        self._locality.sent(inbound.blocks, dc)
         admitted = self.admission.arrive(inbound, dc, request, snapshot, arrived, quotas)
         if isinstance(admitted, Waiting):
             return self._plan_when_released(admitted, inbound, dc, pool, sampled, shared)

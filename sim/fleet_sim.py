@@ -35,25 +35,22 @@ from control.admission.slomax import SLOMax
 from control.controllers.fleetmind import WeightController, WeightKey, take_in, weight_for
 from control.controllers.placement import DcReplicas, PlacementController
 from control.fleet.load import DcLoad, Rate, class_room, dc_state
+from control.fleet.locality import PrefixLocality
 from control.fleet.registry import DcPolicy
 from control.fleet.view import DcDecision, DcRequest, FleetState
 from control.routing import make_router
-from control.routing.tokenpilot import TokenPilotParams
 from schemas.base import TaskClass
 from sim.clients import ClientModel
 from sim.cluster import Cluster, DataCenter, InstanceProfile
 from sim.control_loop import QuotaLoop, RecordTables
 from sim.records import RequestRecord
 from sim.simulator import Simulation
-from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
+from sim.workload import TraceRequest
 from streams.tables.windows import WindowSpec
 
 VERSION = "v1"
 PLACEMENT_WINDOW_S = 60.0
 """The long cycle judges a DC's demand over the last minute."""
-PREFIX_STRIDE = TokenPilotParams().index_stride
-"""The edge remembers every n-th block of each prompt it sent, as the gateway's shared
-prefix index does."""
 
 
 @dataclass(frozen=True)
@@ -209,8 +206,8 @@ class FleetSimulation:
         "region:dc/class")."""
         self.placement_steps: list[tuple[float, dict[str, int]]] = []
         """The replicas deployed in each DC after each pass of the long cycle."""
-        self._prefixes: dict[int, str] = {}
-        """The DC each sampled prompt block last went to."""
+        self._locality = PrefixLocality()
+        """Where each prompt went (every prompt of the run: a gateway keeps the latest)."""
         self.choices: list[EdgeChoice] = []
         self.tables: list[dict[str, PublishedLoad]] = []
         """Every publication of the DCs' tables, in order."""
@@ -317,8 +314,7 @@ class FleetSimulation:
         dc.sent.add(self.now)
         dc.demand.add(self.now)
         dc.inflight[request.request_id] = request.task_class
-        for block in request.prefix_blocks[PREFIX_STRIDE - 1 :: PREFIX_STRIDE]:
-            self._prefixes[block] = name
+        self._locality.sent(request.prefix_blocks, name)
         dc.simulation.arrive(request, self.now)
         self._count_ends(dc)
 
@@ -340,8 +336,7 @@ class FleetSimulation:
     def view(self, request: TraceRequest) -> FleetState:
         """Every DC as the edge sees it now for ``request``: its last tables, the edge's
         own counts, how much of the prompt went there lately and the room for its class."""
-        prefix_blocks = request.prefix_blocks
-        warm = self._warm_tokens(prefix_blocks)
+        warm = self._locality.warm_tokens(request.prefix_blocks)
         weights = self._edge_weights.get(request.region, {})
         states = []
         for dc in self._dcs:
@@ -373,15 +368,6 @@ class FleetSimulation:
                 )
             )
         return FleetState(tuple(states), self.layout.round_trips_s)
-
-    def _warm_tokens(self, prefix_blocks: tuple[int, ...]) -> dict[str, int]:
-        """Per DC, the deepest sampled block of the prompt that last went there, in tokens."""
-        warm: dict[str, int] = {}
-        sampled = prefix_blocks[PREFIX_STRIDE - 1 :: PREFIX_STRIDE]
-        for depth, block in enumerate(sampled, start=1):
-            if (name := self._prefixes.get(block)) is not None:
-                warm[name] = depth * PREFIX_STRIDE * ENGINE_BLOCK_TOKENS
-        return warm
 
     def _count_ends(self, dc: _Dc) -> None:
         """The requests of ``dc`` that ended since last looked: the edge saw them end."""

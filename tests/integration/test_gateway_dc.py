@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from control.fleet.fleetmind import FleetMind, FleetMindParams
 from gateway.fleet_view import TABLES_STALE_S
 from gateway.refusals import Refused
 from schemas import Envelope, topic_for
@@ -226,6 +227,27 @@ async def _publish_pace(front: Gateway, version: int, ended_s_ago: float) -> Non
             return
         await asyncio.sleep(0.02)
     pytest.fail("the gateway never took the table")
+
+
+async def test_a_prompt_is_warm_in_the_dc_it_went_to_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The edge remembers where each prompt went: a long prompt that had to run in dc-b
+    (its residency) is warm there, and FleetMind pricing a warm token's prefill sends the
+    same prompt there again, 80 ms away, where a cold one stays home."""
+    served: list[str] = []
+    async with two_dcs(served) as front, front.client() as http:
+        priced = FleetMindParams(prefill_s_per_token=1e-3)
+        monkeypatch.setattr(front.app.state.gateway.decider, "dc_policy", FleetMind(priced))
+        long = chat("the same long prompt " * 100)
+        for body, headers in (
+            (long, {"x-tokenfleet-residency": "us-east"}),
+            (long, {}),
+            (chat("another prompt " * 100), {}),
+        ):
+            answer = await http.post("/v1/chat/completions", json=body, headers=headers)
+            assert answer.status_code == 200
+    assert served == ["dc-b", "dc-b", "dc-a"]
 
 
 async def test_a_dc_that_fails_a_request_before_its_first_token_passes_it_to_the_next() -> None:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from control.fleet.baselines import EnvoyPriorityFailover
 from control.fleet.fleetmind import FleetMind, FleetMindParams
+from control.fleet.locality import STRIDE, PrefixLocality
 from control.fleet.registry import DC_POLICIES, make_dc_policy
 from control.fleet.view import DataCenterState, DcRequest, FleetState
 
@@ -302,3 +303,18 @@ def test_a_dc_whose_admission_holds_the_class_back_is_full_for_it() -> None:
     view = fleet(dc(B, "eu", class_room=0.0), dc(C, "us", class_room=0.5))
     assert FleetMind().choose(asked(), view).order == (C, B)
     assert FleetMind().choose(asked(), fleet(dc(B, "eu", class_room=0.1), dc(C, "us"))).chosen == B
+
+
+def test_a_prompt_is_warm_to_its_deepest_sampled_block_in_the_dc_it_last_went_to() -> None:
+    """Every ``STRIDE``-th block stands for its prefix; the oldest blocks go first past
+    the capacity."""
+    locality = PrefixLocality(capacity=3)
+    prompt = tuple(range(3 * STRIDE))  # three sampled blocks
+    locality.sent(prompt[: 2 * STRIDE], "b")
+    locality.sent(prompt, "c")  # its first two sampled blocks too
+    assert locality.warm_tokens(prompt) == {"c": 3 * STRIDE * 16}
+    locality.sent(prompt[:STRIDE], "b")
+    assert locality.warm_tokens(prompt) == {"b": STRIDE * 16, "c": 3 * STRIDE * 16}
+    locality.sent(tuple(range(100, 100 + 2 * STRIDE)), "d")  # two more: two forgotten
+    assert locality.warm_tokens(prompt) == {"b": STRIDE * 16}
+    assert locality.warm_tokens(prompt[: STRIDE - 1]) == {}  # no sampled block
