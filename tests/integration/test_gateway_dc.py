@@ -250,6 +250,31 @@ async def test_a_prompt_is_warm_in_the_dc_it_went_to_last(
     assert served == ["dc-b", "dc-b", "dc-a"]
 
 
+async def test_an_edge_in_a_region_without_gpus_sends_every_request_to_a_dc_with_some() -> None:
+    """The seed's entry region A, as the fleet benchmark's edge stands in it: a gateway in
+    a DC of the fleet file that runs no instance chooses among the others."""
+    served: list[str] = []
+    async with contextlib.AsyncExitStack() as stack:
+        url = await stack.enter_async_context(http_server(instance(served, "dc-b")))
+        fleet = FleetConfig.model_validate(
+            {
+                "dcs": [
+                    {"name": "edge-a", "region": "eu-west"},
+                    {"name": "dc-b", "region": "eu-central"},
+                ],
+                "network": [{"regions": ["eu-west", "eu-central"], "rtt_ms": 10}],
+                "models": [{"name": MODEL, "profile": PROFILE}],
+                "instances": [{"id": "i-dc-b", "dc": "dc-b", "url": url, "model": MODEL}],
+                "tenants": [{"name": "anyone", "api_keys": [KEY]}],
+            }
+        )
+        front = await stack.enter_async_context(gateway(fleet, dc="edge-a"))
+        await until_ready(front)
+        async with front.client() as http:
+            assert (await ask(http)).status_code == 200
+    assert served == ["dc-b"]
+
+
 async def test_a_dc_that_fails_a_request_before_its_first_token_passes_it_to_the_next() -> None:
     served: list[str] = []
     async with two_dcs(served, home_fails=0.0) as front, front.client() as http:
