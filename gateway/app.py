@@ -294,8 +294,7 @@ class Gateway:
                     inbound.blocks,
                 )
                 handed = True
-                with self.decider.on_its_way(inbound, dcs[0]):
-                    return await self._in_turn(dcs, inbound, request, arrived, scoped)
+                return await self._in_turn(dcs, inbound, request, arrived, scoped)
         except BaseException as exc:  # an answer refused, or anything before the exchange
             if scoped is not None and (isinstance(exc, ApiError) or not handed):
                 await state.release(scoped)
@@ -344,7 +343,8 @@ class Gateway:
         """Serve in ``dc``; a refusal of its admission names it (the tables count the
         request there), one of the gateway's stop does not."""
         try:
-            return await self.exchange.serve(inbound, dc, request, arrived, scoped)
+            with self.decider.on_its_way(inbound, dc):
+                return await self.exchange.serve(inbound, dc, request, arrived, scoped)
         except Refused as refused:
             if not refused.stopping:
                 refused.dc = dc

@@ -184,10 +184,11 @@ class Decider:
 
     @contextlib.contextmanager
     def on_its_way(self, inbound: Inbound, dc: str) -> Iterator[None]:
-        """Count the request in ``dc``'s load from when its DC is chosen until that DC's
-        admission counts it (``decide``), or it ends first. In between it may wait for
-        the decision lock, or for Redis, and the requests choosing their DCs meanwhile
-        must see it: the simulator's edge counts a request from when it sends it."""
+        """Count the request in ``dc``'s load from when it is sent there (its first DC, or
+        the next after a refusal or a failure) until that DC's admission counts it
+        (``decide``), or it ends first. In between it may wait for the decision lock, or
+        for Redis, and the requests choosing their DCs meanwhile must see it: the
+        simulator's edge counts a request from when it sends it."""
         key = (inbound.model.name, dc, inbound.task_class)
         self._on_way[inbound.request_id] = key
         self._on_way_count[key] += 1
@@ -251,37 +252,17 @@ class Decider:
 
     def _dc_view(self, model: str, task_class: TaskClass, warm: dict[str, int]) -> FleetState:
         """The DCs serving ``model`` as this edge sees them: instances (a standby one only
-        while it serves, as the simulator counts those placed), versions, queues
-        and KV from telemetry; the pace it completes requests at from its goodput table;
-        requests in flight and held from the admission pools of every replica, and those
-        on their way to them (a class's room counts all three, as the simulator's edge
-        counts what it sent); the rate every replica sends there (the others' as last
-        shared); the operator's capacity figure; the controller's weights; how much of
-        the prompt went there lately (``warm``)."""
+        while it serves, as the simulator counts those placed and loaded), versions and
+        load (``_dc_load``), the room its admission leaves ``task_class``, the
+        controller's weights, and how much of the prompt went there lately (``warm``)."""
         weights = self.weights.current(self.local_dc)
         weight = weights_of(weights, model, task_class)
-        config = self.view.fleet.model(model)
-        per_instance = None if config is None else config.rps_per_instance
         states = []
         for dc in self.view.dcs_serving(model):
             pool = self.view.pool(model, dc)
             assert pool is not None
             ready = [i for i in pool.instances if self.view.ready(i.id)]
-            telemetry = self.view.load(pool)
-            inflight, held, sent_per_s = self.admission.pool_load(model, dc)
-            unfinished = {  # sent there and not finished, as the simulator's edge counts
-                c: inflight[c] + held[c] + self._on_way_count[(model, dc, c)] for c in TaskClass
-            }
-            load = DcLoad(
-                running=telemetry.requests,
-                queued=round(telemetry.waiting * len(ready)) + sum(held.values()),
-                kv_use=telemetry.kv_use,
-                completed_per_s=self.view.completed_per_s(model, dc),
-                sent_per_s=sent_per_s,
-                inflight=sum(unfinished.values()),
-                capacity_rps=per_instance * len(ready) if per_instance and ready else None,
-                ready_instances=len(ready),
-            )
+            load, unfinished = self._dc_load(model, dc, pool, len(ready))
             limit = self.admission.concurrency_limit(
                 model, dc, task_class, len(ready), self.quotas.current(dc)
             )
@@ -302,12 +283,40 @@ class Decider:
             )
         return FleetState(tuple(states), self._round_trips)
 
+    def _dc_load(
+        self, model: str, dc: str, pool: Pool, ready: int
+    ) -> tuple[DcLoad, dict[TaskClass, int]]:
+        """The DC's load, and its requests sent and not finished by class (in flight or
+        held in the admission pools of every replica, or on their way to them, as the
+        simulator's edge counts what it sent): queues and KV from telemetry, the pace it
+        completes requests at from its goodput table, the rate every replica sends there
+        (the others' as last shared), the operator's capacity figure."""
+        telemetry = self.view.load(pool)
+        inflight, held, sent_per_s = self.admission.pool_load(model, dc)
+        unfinished = {
+            c: inflight[c] + held[c] + self._on_way_count[(model, dc, c)] for c in TaskClass
+        }
+        config = self.view.fleet.model(model)
+        per_instance = None if config is None else config.rps_per_instance
+        load = DcLoad(
+            running=telemetry.requests,
+            queued=round(telemetry.waiting * ready) + sum(held.values()),
+            kv_use=telemetry.kv_use,
+            completed_per_s=self.view.completed_per_s(model, dc),
+            sent_per_s=sent_per_s,
+            inflight=sum(unfinished.values()),
+            capacity_rps=per_instance * ready if per_instance and ready else None,
+            ready_instances=ready,
+        )
+        return load, unfinished
+
     async def decide(self, inbound: Inbound, dc: str, arrived: float) -> Plan | Awaitable[Plan]:
         """Admit the request and pick its instance: the plan, or, for a request held in its
         pool, what to await for it (outside any lock: it waits for capacity). ApiError 429
         when admission refuses it, 503 when none of the pool is ready; awaited, 503 when
         it can no longer meet its objective."""
-        if inbound.by_load:
+        if inbound.by_load:  # no admission counts it: not on its way to one
+            self._arrived(inbound.request_id)
             return await self.least_loaded(inbound.model.name, dc)
         pool, sampled, shared, request = await self._prepare(inbound, dc)
         snapshot = self.view.snapshot(pool, shared)

@@ -75,7 +75,8 @@ class KvTable(WindowedTable):
 
 
 class GoodputRow(Frozen):
-    """Outcomes of one class, one tenant, or one class of one source region over the window."""
+    """Outcomes of one class, one tenant, one class of one source region, or one model over
+    the window."""
 
     key: Identifier = Field(
         description="A task class, a tenant id, a source region and a task class "

@@ -26,7 +26,7 @@ ASSUMED_RPS_PER_INSTANCE = 1.0
 """What an instance is taken to serve where the operator gives no figure: one request a
 second, so that the backlog reads the edge's requests in flight per ready instance (what
 SkyServe's balancer counts) as seconds, and a queue whose drain the tables did not see
-(none completed there lately) as the same. ``tokenfleet bench fleet --policies
+(none completed there lately, or no fresh table) as the same. ``tokenfleet bench fleet --policies
 fleetmind_without_rps_per_instance``, seeds 0 to 6 (``docs/fleetmind.md``, the load
 model): mean goodput 6,376 tokens/s and the hotspot's chats' TTFT P95 0.52 s, against
 6,217 and 0.78 s pricing the tables' queue alone, and 6,377 and 0.50 s with the operator's

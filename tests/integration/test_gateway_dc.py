@@ -87,6 +87,7 @@ def instance(
         routes=[
             Route("/metrics", metrics),
             Route("/v1/chat/completions", answer, methods=["POST"]),
+            Route("/v1/embeddings", answer, methods=["POST"]),
             Route("/tokenize", answer, methods=["POST"]),
         ]
     )
@@ -366,8 +367,52 @@ async def test_a_request_its_dc_has_not_admitted_yet_counts_in_that_dc_s_backlog
             await asyncio.wait_for(choice.wait(), 5)
         gate.set()
         assert [(await a).status_code for a in asked] == [200, 200]
+        assert not decider._on_way  # each counted once there, by its DC's admission
     assert chosen == ["dc-a", "dc-b"]
     assert sorted(served) == ["dc-a", "dc-b"]
+
+
+async def test_a_request_is_on_its_way_to_the_dc_it_falls_back_to_and_no_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """dc-a fails the request at once and it goes on to dc-b, whose admission waits:
+    meanwhile it is on its way to dc-b alone."""
+    served: list[str] = []
+    waiting = asyncio.Event()
+    gate = asyncio.Event()
+    async with two_dcs(served, home_fails=0.0) as front, front.client() as http:
+        decider = front.app.state.gateway.decider
+        open_pool = decider.admission.open_pool
+
+        async def gated_in_dc_b(model: str, dc: str) -> None:
+            if dc == "dc-b":
+                waiting.set()
+                await gate.wait()
+            await open_pool(model, dc)
+
+        monkeypatch.setattr(decider.admission, "open_pool", gated_in_dc_b)
+        asked = asyncio.create_task(ask(http))
+        await asyncio.wait_for(waiting.wait(), 5)
+        on_way = [dc for _, dc, _ in decider._on_way.values()]
+        gate.set()
+        assert (await asked).status_code == 200
+        assert not decider._on_way
+    assert on_way == ["dc-b"]
+
+
+async def test_an_embedding_is_not_on_its_way_while_it_runs() -> None:
+    """An embedding is sent by load, with no admission to count it: nothing counts it on
+    its way once its instance is picked."""
+    served: list[str] = []
+    gate = Gate()
+    async with two_dcs(served, gate=gate) as front, front.client() as http:
+        body = {"model": MODEL, "input": "hi"}
+        asked = asyncio.create_task(http.post("/v1/embeddings", json=body))
+        await asyncio.wait_for(gate.reached.wait(), 5)
+        on_way = dict(front.app.state.gateway.decider._on_way)
+        gate.opened.set()
+        assert (await asked).status_code == 200
+    assert on_way == {}
 
 
 async def test_chats_held_in_a_dc_take_their_class_s_room_there(

@@ -260,6 +260,12 @@ def test_a_replica_counts_as_the_dc_s_once_loaded_and_never_if_taken_back_while_
         LAYOUT.round_trips_s,
         LAYOUT.home,
     )
+    seen: set[int] = set()
+
+    def dc_b_instances(fleet: FleetSimulation) -> None:
+        [state] = [dc for dc in fleet.view(chats(1, 1.0)[0]).dcs if dc.name == "dc-b"]
+        seen.add(state.instances)
+
     simulation = FleetSimulation(
         standby,
         PROFILE,
@@ -268,11 +274,13 @@ def test_a_replica_counts_as_the_dc_s_once_loaded_and_never_if_taken_back_while_
         placement=Scripted(),  # type: ignore[arg-type]
         placement_every=10,
         warmup_s=15.0,
+        observe=dc_b_instances,
     )
     simulation.run(chats(600, 10.0))
     loading = [t["dc-b"] for t in simulation.tables if t["dc-b"].loading]
     assert loading
     assert {(t.deployed, t.loading, t.ready_instances) for t in loading} == {(2, 1, 1)}
+    assert seen == {1}  # as the edge sees dc-b throughout
     assert not [r for r in simulation.simulations[0].records if r.instance_id == "dc-b/1"]
 
 

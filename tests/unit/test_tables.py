@@ -26,6 +26,7 @@ from schemas.lifecycle import (
     RequestArrived,
     RequestCancelled,
     RequestCompleted,
+    RequestFailed,
     RequestRejected,
     RequestRouted,
 )
@@ -272,10 +273,14 @@ def test_each_model_s_completions_have_a_row_of_their_own() -> None:
     for n, model in enumerate(("llama", "llama", "qwen", "qwen")):
         for event in _request(n, EPOCH, model=model):
             builder.feed(event)
-        if n < 3:
-            builder.feed(_completed(n, EPOCH + 1))
+        failed = RequestFailed(request_id=f"r{n}", instance_id="i0", error="engine dead")
+        ended = (
+            _completed(n, EPOCH + 1) if n < 3 else Envelope.wrap(failed, source="t", ts=EPOCH + 1)
+        )
+        builder.feed(ended)
     table = goodput(builder.tables(EPOCH + 59))
-    assert [(r.key, r.completed) for r in table.models] == [("llama", 2), ("qwen", 1)]
+    keyed = [(r.key, r.completed, r.failures) for r in table.models]
+    assert keyed == [("llama", 2, 0), ("qwen", 1, 1)]
     assert table.models[0].output_tokens_per_s == pytest.approx(20 / 59)
 
 
