@@ -123,6 +123,7 @@ async def test_a_dc_that_misses_loses_weight_and_its_traffic_moves_but_not_the_r
             await until_ready(front)
             start, start_wall = time.monotonic(), time.time()
             await _traffic(front.url, start)
+            pace = front.app.state.gateway.view.completed_per_s(MODEL, "dc-a")
         weights = [
             w for w in await read_for(bus, WEIGHTS_TOPIC, 3.0) if isinstance(w, RoutingWeights)
         ]
@@ -140,6 +141,7 @@ async def test_a_dc_that_misses_loses_weight_and_its_traffic_moves_but_not_the_r
     assert min(abroad) < first_lowered_s + 10.0  # and the overflow came soon after
     assert len(abroad) > 0.2 * len(served)
     assert all(dc == "dc-a" for dc, _, resident in served if resident)
+    assert pace > 0  # the gateway read dc-a's goodput tables off Kafka too
 
 
 async def _traffic(url: str, start: float) -> None:
