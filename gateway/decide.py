@@ -41,7 +41,7 @@ from control.routing.snapshot import (
     FloatArray,
     RouteRequest,
 )
-from control.routing.tokenpilot import TokenPilot, TokenPilotParams
+from control.routing.tokenpilot import INDEX_STRIDE, TokenPilot
 from control.tokens import BLOCK_TOKENS
 from gateway.admission import GatewayAdmission, Waiting
 from gateway.failures import DcFailed
@@ -60,9 +60,6 @@ from schemas.openai_api import ApiError
 
 LEAST_LOADED = "least_loaded"
 """The policy name of a pick by load (embeddings)."""
-INDEX_STRIDE = TokenPilotParams().index_stride
-"""The shared index keeps every block TokenPilot's own index would (every 8th: hashes
-chain, so one block stands for its whole prefix)."""
 LOCALITY_BLOCKS = 1 << 17
 """Sampled prefix blocks whose DC the edge remembers (``PrefixLocality``): about 15 MB,
 the prompts of the last several thousand requests (a 2,000-token prompt keeps 15)."""
@@ -257,12 +254,14 @@ class Decider:
         controller's weights, and how much of the prompt went there lately (``warm``)."""
         weights = self.weights.current(self.local_dc)
         weight = weights_of(weights, model, task_class)
+        config = self.view.fleet.model(model)
+        per_instance = None if config is None else config.rps_per_instance
         states = []
         for dc in self.view.dcs_serving(model):
             pool = self.view.pool(model, dc)
             assert pool is not None
             ready = [i for i in pool.instances if self.view.ready(i.id)]
-            load, unfinished = self._dc_load(model, dc, pool, len(ready))
+            load, unfinished = self._dc_load(model, dc, pool, len(ready), per_instance)
             limit = self.admission.concurrency_limit(
                 model, dc, task_class, len(ready), self.quotas.current(dc)
             )
@@ -284,20 +283,19 @@ class Decider:
         return FleetState(tuple(states), self._round_trips)
 
     def _dc_load(
-        self, model: str, dc: str, pool: Pool, ready: int
+        self, model: str, dc: str, pool: Pool, ready: int, per_instance: float | None
     ) -> tuple[DcLoad, dict[TaskClass, int]]:
         """The DC's load, and its requests sent and not finished by class (in flight or
         held in the admission pools of every replica, or on their way to them, as the
         simulator's edge counts what it sent): queues and KV from telemetry, the pace it
         completes requests at from its goodput table, the rate every replica sends there
-        (the others' as last shared), the operator's capacity figure."""
+        (the others' as last shared), the operator's figure of what an instance serves
+        (``per_instance``)."""
         telemetry = self.view.load(pool)
         inflight, held, sent_per_s = self.admission.pool_load(model, dc)
         unfinished = {
             c: inflight[c] + held[c] + self._on_way_count[(model, dc, c)] for c in TaskClass
         }
-        config = self.view.fleet.model(model)
-        per_instance = None if config is None else config.rps_per_instance
         load = DcLoad(
             running=telemetry.requests,
             queued=round(telemetry.waiting * ready) + sum(held.values()),

@@ -43,7 +43,8 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from control.pipeline import Charge
-from gateway.decide import INDEX_STRIDE, Decider, Plan
+from control.routing.tokenpilot import INDEX_STRIDE
+from gateway.decide import Decider, Plan
 from gateway.events import EventSink
 from gateway.failures import DcFailed, UpstreamFailed
 from gateway.fleet_view import FleetView

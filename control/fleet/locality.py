@@ -3,8 +3,8 @@ in one DC's engines is cold in the others, and an edge knows which DC it sent a 
 to; the policies read it as the tokens of a request's prompt warm in each DC
 (``DataCenterState.warm_tokens``).
 
-Prefixes are kept by their sampled blocks, as TokenPilot's index keeps them (every
-``index_stride``-th block: block hashes chain, so one block stands for its whole prefix).
+Prefixes are kept by their sampled blocks, as TokenPilot's index keeps them
+(``INDEX_STRIDE``).
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from control.routing.tokenpilot import TokenPilotParams
+from control.routing.tokenpilot import INDEX_STRIDE
 from control.tokens import BLOCK_TOKENS
-
-STRIDE = TokenPilotParams().index_stride
 
 
 class PrefixLocality:
@@ -28,7 +26,7 @@ class PrefixLocality:
 
     def sent(self, prefix_blocks: Sequence[int], dc: str) -> None:
         """A prompt with these prefix blocks went to ``dc``."""
-        for block in prefix_blocks[STRIDE - 1 :: STRIDE]:
+        for block in prefix_blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]:
             self._last_dc[block] = dc
             self._last_dc.move_to_end(block)
         while self.capacity is not None and len(self._last_dc) > self.capacity:
@@ -38,8 +36,8 @@ class PrefixLocality:
         """Per DC, the deepest sampled block of this prompt that last went there, in
         tokens."""
         warm: dict[str, int] = {}
-        sampled = prefix_blocks[STRIDE - 1 :: STRIDE]
+        sampled = prefix_blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
         for depth, block in enumerate(sampled, start=1):
             if (dc := self._last_dc.get(block)) is not None:
-                warm[dc] = depth * STRIDE * BLOCK_TOKENS
+                warm[dc] = depth * INDEX_STRIDE * BLOCK_TOKENS
         return warm

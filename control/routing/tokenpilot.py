@@ -107,6 +107,12 @@ class TokenPilotParams:
     double (``docs/routing.md``, "KV pressure")."""
 
 
+INDEX_STRIDE = TokenPilotParams().index_stride
+"""The blocks TokenPilot's index keeps by default (every 8th: hashes chain, so one block
+stands for its whole prefix), which the prefix memories kept beside it keep too: the
+gateways' shared index and an edge's memory of where prompts went."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Load:
     """What each candidate's steps carry besides prefill: the step model bound to its

@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from control.routing.cache_aware import SglangCacheAware
+from control.routing.tokenpilot import INDEX_STRIDE
 from control.tokens import block_hashes, chat_text
-from gateway.decide import INDEX_STRIDE
 from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota

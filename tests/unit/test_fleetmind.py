@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from control.fleet.baselines import EnvoyPriorityFailover
 from control.fleet.fleetmind import FleetMind, FleetMindParams
-from control.fleet.locality import STRIDE, PrefixLocality
+from control.fleet.locality import PrefixLocality
 from control.fleet.registry import DC_POLICIES, make_dc_policy
 from control.fleet.view import DataCenterState, DcRequest, FleetState
+from control.routing.tokenpilot import INDEX_STRIDE
 
 B, C, D = "dc-b", "dc-c", "dc-d"
 RTT = {
@@ -306,15 +307,15 @@ def test_a_dc_whose_admission_holds_the_class_back_is_full_for_it() -> None:
 
 
 def test_a_prompt_is_warm_to_its_deepest_sampled_block_in_the_dc_it_last_went_to() -> None:
-    """Every ``STRIDE``-th block stands for its prefix; the oldest blocks go first past
+    """Every ``INDEX_STRIDE``-th block stands for its prefix; the oldest blocks go first past
     the capacity."""
     locality = PrefixLocality(capacity=3)
-    prompt = tuple(range(3 * STRIDE))  # three sampled blocks
-    locality.sent(prompt[: 2 * STRIDE], "b")
+    prompt = tuple(range(3 * INDEX_STRIDE))  # three sampled blocks
+    locality.sent(prompt[: 2 * INDEX_STRIDE], "b")
     locality.sent(prompt, "c")  # its first two sampled blocks too
-    assert locality.warm_tokens(prompt) == {"c": 3 * STRIDE * 16}
-    locality.sent(prompt[:STRIDE], "b")
-    assert locality.warm_tokens(prompt) == {"b": STRIDE * 16, "c": 3 * STRIDE * 16}
-    locality.sent(tuple(range(100, 100 + 2 * STRIDE)), "d")  # two more: two forgotten
-    assert locality.warm_tokens(prompt) == {"b": STRIDE * 16}
-    assert locality.warm_tokens(prompt[: STRIDE - 1]) == {}  # no sampled block
+    assert locality.warm_tokens(prompt) == {"c": 3 * INDEX_STRIDE * 16}
+    locality.sent(prompt[:INDEX_STRIDE], "b")
+    assert locality.warm_tokens(prompt) == {"b": INDEX_STRIDE * 16, "c": 3 * INDEX_STRIDE * 16}
+    locality.sent(tuple(range(100, 100 + 2 * INDEX_STRIDE)), "d")  # two more: two forgotten
+    assert locality.warm_tokens(prompt) == {"b": INDEX_STRIDE * 16}
+    assert locality.warm_tokens(prompt[: INDEX_STRIDE - 1]) == {}  # no sampled block
