@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
+from multiprocessing.process import BaseProcess
+
+STOP_GRACE_S = 2.0
+"""How long a worker gets to exit after SIGTERM before it is killed (SIGKILL)."""
 
 
 @contextmanager
@@ -21,10 +26,23 @@ def worker_processes(jobs: int) -> Iterator[ProcessPoolExecutor]:
     except BaseException:
         workers = list(pool._processes.values())  # the standard library has no public way
         pool.shutdown(wait=False, cancel_futures=True)
-        for worker in workers:
-            worker.terminate()
+        _stop(workers)
         raise
     pool.shutdown()
+
+
+def _stop(workers: list[BaseProcess]) -> None:
+    """SIGTERM, then SIGKILL for any worker alive ``STOP_GRACE_S`` later. A worker
+    signalled before its initializer ran still has the handler it was forked with (an
+    event loop's no-op one, say), and SIGTERM leaves it running its minute-long run."""
+    for worker in workers:
+        worker.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 def _default_sigterm() -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, wait
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,23 +19,51 @@ def test_a_pool_left_early_cancels_the_queued_runs_and_stops_its_workers() -> No
     on for minutes."""
     seen: dict[str, Any] = {}
     with pytest.raises(KeyboardInterrupt):
-        _sweep_stopped_by_ctrl_c(seen)
-    for worker in seen["workers"]:
-        worker.join(10)
-        assert not worker.is_alive()  # stopped, not left to sleep its minute
+        _sweep_stopped_by_ctrl_c(_sleep_a_minute, None, seen)
+    _assert_stopped(seen["workers"])
     queued: Future[None] = seen["queued"]
     wait([queued], timeout=10)
     assert queued.cancelled() or queued.exception() is not None  # never run
 
 
-def _sweep_stopped_by_ctrl_c(seen: dict[str, Any]) -> None:
-    """Two runs of a minute on one worker, stopped once the first has started."""
+def test_a_worker_that_outlives_sigterm_is_killed(tmp_path: Path) -> None:
+    """A worker signalled before its initializer ran kept the handler it was forked with
+    and ran on (CI, stop 54): one that SIGTERM leaves running is killed."""
+    started = tmp_path / "ignoring-sigterm"
+    seen: dict[str, Any] = {}
+    with pytest.raises(KeyboardInterrupt):
+        _sweep_stopped_by_ctrl_c(_ignore_sigterm_and_sleep, started, seen)
+    _assert_stopped(seen["workers"])
+
+
+def _sleep_a_minute(started: Path | None) -> None:
+    time.sleep(60)
+
+
+def _ignore_sigterm_and_sleep(started: Path | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    assert started is not None
+    started.touch()
+    time.sleep(60)
+
+
+def _sweep_stopped_by_ctrl_c(
+    run: Callable[[Path | None], None], started: Path | None, seen: dict[str, Any]
+) -> None:
+    """Two runs of a minute on one worker, stopped once the first has started (once
+    ``started`` exists, where given)."""
     with worker_processes(1) as pool:
-        running = pool.submit(time.sleep, 60)
-        seen["queued"] = pool.submit(time.sleep, 60)
-        while not running.running():
+        running = pool.submit(run, started)
+        seen["queued"] = pool.submit(run, started)
+        while not running.running() or (started is not None and not started.exists()):
             time.sleep(0.01)
         # the pool's own: active_children() would also name any process an earlier test
         # left stopping, which this test would then wait on
         seen["workers"] = list(pool._processes.values())
         raise KeyboardInterrupt
+
+
+def _assert_stopped(workers: list[Any]) -> None:
+    for worker in workers:
+        worker.join(10)
+        assert not worker.is_alive()  # stopped, not left to sleep its minute
