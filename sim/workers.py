@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
@@ -31,7 +31,7 @@ def worker_processes(jobs: int) -> Iterator[ProcessPoolExecutor]:
     pool.shutdown()
 
 
-def _stop(workers: list[BaseProcess]) -> None:
+def _stop(workers: Sequence[BaseProcess]) -> None:
     """SIGTERM, then SIGKILL for any worker alive ``STOP_GRACE_S`` later. A worker
     signalled before its initializer ran still has the handler it was forked with (an
     event loop's no-op one, say), and SIGTERM leaves it running its minute-long run."""
