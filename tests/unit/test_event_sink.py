@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -64,3 +64,38 @@ async def test_the_batch_in_hand_at_shutdown_is_published_before_the_queue() -> 
     await sink.flush(timeout_s=1.0)
     events = await read_for(bus, "tf.requests", 0.2)
     assert [e.request_id for e in events] == ["r0", "r1", "r2"]
+
+
+async def test_events_emitted_while_the_sender_lingers_go_out_in_one_batch() -> None:
+    """Without the linger the sender published each event it woke for alone: a gateway
+    waiting on Redis for each decision published batches of 1.1 events."""
+    batches: list[int] = []
+    sink = EventSink(InMemoryBus(), "test", linger_s=0.2, on_published=_sizes(batches))
+    sending = asyncio.create_task(sink.run())
+    sink.emit(admitted(0))
+    for _ in range(3):
+        await asyncio.sleep(0)  # the sender takes r0 and lingers
+    assert sink.queued == 0
+    sink.emit(admitted(1))
+    sink.emit(admitted(2))
+    await asyncio.sleep(0.3)
+    sending.cancel()
+    assert batches == [3]
+
+
+async def test_a_sender_stopped_while_it_lingers_leaves_its_event_to_the_flush() -> None:
+    bus = InMemoryBus()
+    sink = EventSink(bus, "test", linger_s=10.0)
+    sending = asyncio.create_task(sink.run())
+    sink.emit(admitted(0))
+    await asyncio.sleep(0.01)  # r0 in hand, the sender lingering
+    sink.emit(admitted(1))
+    sending.cancel()
+    await asyncio.gather(sending, return_exceptions=True)
+    await sink.flush(timeout_s=1.0)
+    events = await read_for(bus, "tf.requests", 0.2)
+    assert [e.request_id for e in events] == ["r0", "r1"]
+
+
+def _sizes(batches: list[int]) -> Callable[[list[Envelope]], None]:
+    return lambda batch: batches.append(len(batch))
