@@ -32,9 +32,9 @@ def worker_processes(jobs: int) -> Iterator[ProcessPoolExecutor]:
 
 
 def _stop(workers: Sequence[BaseProcess]) -> None:
-    """SIGTERM, then SIGKILL for any worker alive ``STOP_GRACE_S`` later. A worker
-    signalled before its initializer ran still has the handler it was forked with (an
-    event loop's no-op one, say), and SIGTERM leaves it running its minute-long run."""
+    """SIGTERM, then SIGKILL for any worker alive ``STOP_GRACE_S`` later: one signalled
+    before its initializer ran still has the handler it was forked with, which can leave
+    it running, and CI once found a worker alive 10 s after SIGTERM."""
     for worker in workers:
         worker.terminate()
     deadline = time.monotonic() + STOP_GRACE_S
@@ -42,7 +42,7 @@ def _stop(workers: Sequence[BaseProcess]) -> None:
         worker.join(max(0.0, deadline - time.monotonic()))
         if worker.is_alive():
             worker.kill()
-            worker.join()
+            worker.join(STOP_GRACE_S)  # bounded: a process in the kernel dies on its way out
 
 
 def _default_sigterm() -> None:
