@@ -2,9 +2,9 @@
 
 ``emit`` never waits: it puts the event in a queue, or, when the queue is full, counts it
 as dropped. One sender task publishes what is queued in batches, in order, each gathered
-for ``LINGER_S`` after its first event. While the bus
-is away (Kafka down) the sender keeps retrying its batch, the queue fills, and later
-events are dropped and counted; serving goes on. An event too large for any bus (a prompt
+for ``LINGER_S`` after its first event unless the queue already fills it. While the bus is
+away (Kafka down) the sender keeps retrying its batch, the queue fills, and later events
+are dropped and counted; serving goes on. An event too large for any bus (a prompt
 of about 800,000 tokens lists over a megabyte of prefix blocks) is dropped and counted at
 once: retried, it would hold every event behind it. At shutdown the batch in hand is
 published before the queue, or counted as dropped with it.

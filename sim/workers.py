@@ -10,7 +10,8 @@ from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 
 STOP_GRACE_S = 2.0
-"""How long a worker gets to exit after SIGTERM before it is killed (SIGKILL)."""
+"""How long a worker gets to exit after SIGTERM before it is killed (SIGKILL), and then
+how long the pool waits for it to be gone."""
 
 
 @contextmanager
@@ -32,9 +33,9 @@ def worker_processes(jobs: int) -> Iterator[ProcessPoolExecutor]:
 
 
 def _stop(workers: Sequence[BaseProcess]) -> None:
-    """SIGTERM, then SIGKILL for any worker alive ``STOP_GRACE_S`` later: one signalled
-    before its initializer ran still has the handler it was forked with, which can leave
-    it running, and CI once found a worker alive 10 s after SIGTERM."""
+    """SIGTERM, then SIGKILL for any worker alive ``STOP_GRACE_S`` later. CI once found a
+    worker alive 10 s after SIGTERM, for a cause not shown. One way it can happen: a
+    worker signalled before its initializer ran still has the handler it was forked with."""
     for worker in workers:
         worker.terminate()
     deadline = time.monotonic() + STOP_GRACE_S

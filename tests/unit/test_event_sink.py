@@ -84,12 +84,13 @@ async def test_events_emitted_while_the_sender_lingers_go_out_in_one_batch() -> 
 
 
 async def test_a_sender_stopped_while_it_lingers_leaves_its_event_to_the_flush() -> None:
-    bus = InMemoryBus()
-    sink = EventSink(bus, "test", linger_s=10.0)
+    bus, batches = InMemoryBus(), list[int]()
+    sink = EventSink(bus, "test", linger_s=10.0, on_published=_sizes(batches))
     sending = asyncio.create_task(sink.run())
     sink.emit(admitted(0))
     await asyncio.sleep(0.01)  # r0 in hand, the sender lingering
     sink.emit(admitted(1))
+    assert batches == []
     sending.cancel()
     await asyncio.gather(sending, return_exceptions=True)
     await sink.flush(timeout_s=1.0)
