@@ -14,6 +14,13 @@ from tokenfleet.cli import build_parser, main
         (["calibrate", "--profile", "llama3-70b-4xh100", "--iterations", "-5"], "0 or more"),
         (["bench", "gateway", "--json", "g.json", "--litellm", "x", "--no-litellm"], "not allowed"),
         (["emulate", "--warmup", "-1"], "not negative"),
+        # numpy refuses a negative seed, once the run has started: demo with a traceback
+        (["demo", "--seed", "-5"], "a seed is 0 or more, not -5"),
+        (["sim", "--trace", "mixed", "--seed", "-1"], "a seed is 0 or more"),
+        (["workload", "export", "--trace", "mixed", "--seed", "-1"], "a seed is 0 or more"),
+        (["bench", "fleet", "--json", "f.json", "--seed", "-1"], "a seed is 0 or more"),
+        (["bench", "routing", "--trace", "mixed", "--json", "r.json", "--seed", "-1"], "0 or more"),
+        (["bench", "admission", "--trace", "mixed", "--json", "a.json", "--seed", "x"], "whole"),
     ],
 )
 def test_contradictory_or_negative_options_are_refused_at_parse_time(

@@ -51,6 +51,15 @@ def count(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """A random seed: a whole number, 0 or more. numpy's generators refuse a negative one,
+    and did so only once a run had started (``demo`` with a traceback)."""
+    value = _parsed(text, int, "a whole number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a seed is 0 or more, not {value}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A duration that may be nothing: a finite number of seconds, 0 or more."""
     value = _parsed(text, float, "a number of seconds")

@@ -15,6 +15,7 @@ from tokenfleet.commands.arguments import (
     plot_file,
     positive_float,
     positive_int,
+    seed,
 )
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.output import as_json, save_each, write_json
@@ -367,7 +368,7 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
         help="a labelled workload whose region is the entry (default: mixed). " + trace_help(),
     )
     add_profile(fleet, "the instances' calibrated model and GPUs")
-    fleet.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    fleet.add_argument("--seed", type=seed, default=0, help="seed of the workload (default: 0)")
     fleet.add_argument(
         "--policies",
         type=lambda t: t.split(","),
@@ -469,7 +470,7 @@ def _add_ladder_options(
         help="default: " + ",".join(f"{level:g}" for level in ladder),
     )
     parser.add_argument("--requests", type=positive_int, help="only the first N requests")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload (default: 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the workload (default: 0)")
     parser.add_argument(
         "--policies",
         type=lambda t: t.split(","),

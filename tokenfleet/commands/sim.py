@@ -17,6 +17,7 @@ from tokenfleet.commands.arguments import (
     positive_float,
     positive_int,
     seconds,
+    seed,
 )
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.output import as_json, save, save_each, write_json
@@ -43,7 +44,7 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         "report; writes the figures (demo.json) and a plot (demo.png) to --out. Under a "
         "minute on two cores.",
     )
-    demo.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    demo.add_argument("--seed", type=seed, default=0, help="seed (default: 0)")
     demo.add_argument(
         "--instances-per-dc", type=positive_int, default=4, help="instances in each DC (default: 4)"
     )
@@ -106,7 +107,9 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
         metavar="L1,L2,...",
         help="one run at each share of measured capacity, e.g. 0.5,0.8,1,1.2",
     )
-    sim.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: 0)")
+    sim.add_argument(
+        "--seed", type=seed, default=0, help="seed of every random choice (default: 0)"
+    )
     add_token_lags(sim)
     sim.add_argument(
         "--blackbox",
@@ -249,7 +252,7 @@ def _add_workload(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("--out", type=output_file, required=True, help="the CSV file to write")
     export.add_argument("--requests", type=positive_int, help="only the first N requests")
-    export.add_argument("--seed", type=int, default=0, help="seed of the labels (default: 0)")
+    export.add_argument("--seed", type=seed, default=0, help="seed of the labels (default: 0)")
     export.set_defaults(handler=_workload_export)
 
 
