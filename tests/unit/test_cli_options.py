@@ -17,7 +17,7 @@ from tokenfleet.cli import build_parser, main
         # numpy refuses a negative seed, once the run has started: demo with a traceback
         (["demo", "--seed", "-5"], "a seed is 0 or more, not -5"),
         (["sim", "--trace", "mixed", "--seed", "-1"], "a seed is 0 or more"),
-        (["workload", "export", "--trace", "mixed", "--seed", "-1"], "a seed is 0 or more"),
+        (["workload", "export", "--trace", "mixed", "--out", "w.csv", "--seed", "-1"], "0 or more"),
         (["bench", "fleet", "--json", "f.json", "--seed", "-1"], "a seed is 0 or more"),
         (["bench", "routing", "--trace", "mixed", "--json", "r.json", "--seed", "-1"], "0 or more"),
         (["bench", "admission", "--trace", "mixed", "--json", "a.json", "--seed", "x"], "whole"),
