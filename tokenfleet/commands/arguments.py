@@ -35,29 +35,28 @@ def _parsed(text: str, parse: Callable[[str], T], what: str) -> T:
         raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
 
 
+def _whole(text: str, least: int, rule: str) -> int:
+    """A whole number, ``least`` or more; a smaller one is refused as breaking ``rule``."""
+    value = _parsed(text, int, "a whole number")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{rule}, not {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A count: a whole number, 1 or more."""
-    value = _parsed(text, int, "a whole number")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+    return _whole(text, 1, "must be at least 1")
 
 
 def count(text: str) -> int:
     """A number of times or steps: a whole number, 0 or more."""
-    value = _parsed(text, int, "a whole number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
+    return _whole(text, 0, "must be 0 or more")
 
 
 def seed(text: str) -> int:
     """A random seed: a whole number, 0 or more. numpy's generators refuse a negative one,
     and did so only once a run had started (``demo`` with a traceback)."""
-    value = _parsed(text, int, "a whole number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a seed is 0 or more, not {value}")
-    return value
+    return _whole(text, 0, "a seed is 0 or more")
 
 
 def seconds(text: str) -> float:
