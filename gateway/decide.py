@@ -33,6 +33,7 @@ from control.fleet.load import DcLoad, class_room, dc_state
 from control.fleet.locality import PrefixLocality
 from control.fleet.registry import DcPolicy
 from control.fleet.view import DcRequest, FleetState
+from control.routing.prefix_index import sampled_blocks
 from control.routing.registry import Router
 from control.routing.snapshot import (
     BoolArray,
@@ -359,7 +360,7 @@ class Decider:
         speculative where the charge will check it (``Exchange._reserve``)."""
         pool = self.view.pool(inbound.model.name, dc)
         assert pool is not None  # choose_dcs only returns DCs serving the model
-        sampled = inbound.blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
+        sampled = tuple(sampled_blocks(inbound.blocks, INDEX_STRIDE))
         checked = self.admission.reroutes(inbound, dc)
         shared = await self.state.view(pool.ids, sampled, speculative=checked)
         request = RouteRequest(

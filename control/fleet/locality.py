@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from control.routing.prefix_index import sampled_blocks
 from control.routing.tokenpilot import INDEX_STRIDE
 from control.tokens import BLOCK_TOKENS
 
@@ -26,7 +27,7 @@ class PrefixLocality:
 
     def sent(self, prefix_blocks: Sequence[int], dc: str) -> None:
         """A prompt with these prefix blocks went to ``dc``."""
-        for block in prefix_blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]:
+        for block in sampled_blocks(prefix_blocks, INDEX_STRIDE):
             self._last_dc[block] = dc
             self._last_dc.move_to_end(block)
         while self.capacity is not None and len(self._last_dc) > self.capacity:
@@ -36,7 +37,7 @@ class PrefixLocality:
         """Per DC, the deepest sampled block of this prompt that last went there, in
         tokens."""
         warm: dict[str, int] = {}
-        sampled = prefix_blocks[INDEX_STRIDE - 1 :: INDEX_STRIDE]
+        sampled = sampled_blocks(prefix_blocks, INDEX_STRIDE)
         for depth, block in enumerate(sampled, start=1):
             if (dc := self._last_dc.get(block)) is not None:
                 warm[dc] = depth * INDEX_STRIDE * BLOCK_TOKENS

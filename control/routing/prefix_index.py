@@ -23,6 +23,12 @@ import numpy as np
 import numpy.typing as npt
 
 
+def sampled_blocks(hashes: Sequence[int], stride: int) -> Sequence[int]:
+    """Every ``stride``-th block hash, the last of each group of ``stride``: hashes chain,
+    so each stands for the whole prefix before it."""
+    return hashes[stride - 1 :: stride]
+
+
 class ApproximatePrefixIndex:
     """``stride`` > 1 keeps only every ``stride``-th block (the last of each group): since
     block hashes chain, one block still identifies the whole prefix before it, so matching
@@ -49,7 +55,7 @@ class ApproximatePrefixIndex:
         """
         matched = np.zeros(instances, dtype=np.int64)
         holders_of = self._holders.get
-        sampled = hashes[self.stride - 1 :: self.stride]
+        sampled = sampled_blocks(hashes, self.stride)
         run, run_start, position = 0, 0, len(sampled)
         for at, block in enumerate(sampled):
             holders = holders_of(block)
@@ -74,7 +80,7 @@ class ApproximatePrefixIndex:
             self._capacity[instance] = capacity
         bit = 1 << instance
         holders = self._holders
-        new = lru.touch(hashes[self.stride - 1 :: self.stride])
+        new = lru.touch(sampled_blocks(hashes, self.stride))
         holders.update(zip(new, map(bit.__or__, map(holders.get, new, repeat(0))), strict=True))
         self._leave(lru.evict_beyond(self._capacity[instance] // self.stride), bit)
 
