@@ -233,7 +233,9 @@ class Decider:
             None if config is None else config.version,
             self._draws.random(),
         )
-        fleet = self._dc_view(model, task_class, self._locality.warm_tokens(prefix_blocks))
+        per_instance = None if config is None else config.rps_per_instance
+        warm = self._locality.warm_tokens(prefix_blocks)
+        fleet = self._dc_view(model, task_class, warm, per_instance)
         decision = self.dc_policy.choose(request, fleet)
         if self._journals is not None:
             self._journals.dc_choice(dc_choice_record(request, fleet, decision))
@@ -248,15 +250,16 @@ class Decider:
             )
         return decision.order
 
-    def _dc_view(self, model: str, task_class: TaskClass, warm: dict[str, int]) -> FleetState:
+    def _dc_view(
+        self, model: str, task_class: TaskClass, warm: dict[str, int], per_instance: float | None
+    ) -> FleetState:
         """The DCs serving ``model`` as this edge sees them: instances (a standby one only
         while it serves, as the simulator counts those placed and loaded), versions and
-        load (``_dc_load``), the room its admission leaves ``task_class``, the
-        controller's weights, and how much of the prompt went there lately (``warm``)."""
+        load (``_dc_load``, with the operator's ``per_instance`` figure), the room its
+        admission leaves ``task_class``, the controller's weights, and how much of the
+        prompt went there lately (``warm``)."""
         weights = self.weights.current(self.local_dc)
         weight = weights_of(weights, model, task_class)
-        config = self.view.fleet.model(model)
-        per_instance = None if config is None else config.rps_per_instance
         states = []
         for dc in self.view.dcs_serving(model):
             pool = self.view.pool(model, dc)
