@@ -47,6 +47,7 @@ from gateway.inbound import (
     Inbound,
     authenticate,
     idempotency_key_of,
+    only_model,
     read_inbound,
     residency_of,
 )
@@ -103,7 +104,7 @@ class Gateway:
         self.metrics = metrics = GatewayMetrics()
         if isinstance(parts.state, FallbackState):
             parts.state.on_fallback = metrics.state_fallbacks.inc
-        self.view = FleetView(fleet, settings.failure_cooldown_s)
+        self.view = FleetView(fleet, settings.failure_cooldown_s, settings.failure_consecutive_5xx)
         self.local_dc = settings.dc or fleet.dcs[0].name
         self.regions = {dc.name: dc.region for dc in fleet.dcs}
         if self.local_dc not in self.regions:
@@ -254,10 +255,8 @@ class Gateway:
         fleet = self.fleet
         tenant = authenticate(fleet, request.headers.get("authorization"))
         body = await read_body(request, self.settings.max_body_bytes)
-        name = parse_request(UtilityRequest, body).model
-        if name is None and len(fleet.models) == 1:
-            name = fleet.models[0].name
-        if name is None or fleet.model(name) is None:
+        name = parse_request(UtilityRequest, body).model or only_model(fleet)
+        if fleet.model(name) is None:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model")
         residency = residency_of(request.headers)
         plan = await self.decider.least_loaded(name, tenant=tenant, residency=residency)
@@ -363,6 +362,10 @@ def create_app(parts: GatewayParts) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(UNEXPECTED)  # Starlette logs the traceback
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -483,7 +486,13 @@ async def _serve_fast(
         response = await route(Request(scope, receive))
     except ApiError as exc:
         response = error_response(exc)
+    except Exception:  # a bug: still an answer in OpenAI's format, and a traceback logged
+        log.exception("the gateway failed on %s", scope["path"])
+        response = error_response(UNEXPECTED)
     await response(scope, receive, send)
+
+
+UNEXPECTED = ApiError(500, "The gateway failed on this request; its log has the details.")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -512,7 +521,16 @@ def _upstream_client(settings: GatewaySettings) -> aiohttp.ClientSession:
     # drop one after 5 s, and a request sent on a connection being closed fails, which
     # would count against a healthy instance.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
-    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=False)
+    # Answers are relayed as their bytes came: asked for uncompressed (aiohttp asks for
+    # gzip by default), since a proxy between that compressed them would hand the
+    # gateway bytes it cannot read (a failed instance) and the client bytes without
+    # their ``Content-Encoding``.
+    return aiohttp.ClientSession(
+        timeout=timeout,
+        connector=connector,
+        auto_decompress=False,
+        headers={"accept-encoding": "identity"},
+    )
 
 
 _REJECTIONS = {429: RejectReason.QUOTA, 503: RejectReason.NO_CAPACITY}

@@ -1,8 +1,9 @@
 """One routed request's way through an instance: decide and charge, proxy, retry, relay.
 
 - An instance that fails before the first token (connection error, 5xx, a stream that
-  breaks early) is left out for a cooldown and the request goes once to the next-best
-  instance, counted as a retry; if that fails too, the DC failed it (``DcFailed``), and
+  breaks early) gets the request once more at the next-best instance, counted as a
+  retry, and is left out for a cooldown (after 5xx answers, only several in a row:
+  ``FleetView.failed``); if that fails too, the DC failed it (``DcFailed``), and
   the edge may try the next DC. A stream that breaks after tokens reached the client ends
   with an error event and ``[DONE]``, as vLLM ends a stream that failed; it is never run
   twice. Only the transport or an error status fails an instance, never the shape of a
@@ -65,6 +66,11 @@ from schemas.openai_api import REQUEST_ID_HEADER, ApiError
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
+ERROR_BODY_BYTES = 4096
+ERROR_READ_S = 1.0
+"""How much of a failed answer is read for its message, and how long it is waited for."""
+ERROR_TEXT_CHARS = 300
+"""How much of that message reaches the client and the events."""
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -141,9 +147,11 @@ class Exchange:
                     await self._charge(inbound, plan, row)
                 # counted once charged: a client gone during the charge leaves nothing to undo
                 trip.pending, trip.inflight = _charges(inbound, plan, row)
-                return await self._attempt(trip, request)
+                response = await self._attempt(trip, request)
+                self.view.served(trip.instance.id)
+                return response
             except UpstreamFailed as exc:
-                self.view.failed(trip.instance.id)
+                self.view.failed(trip.instance.id, status=exc.status)
                 error, answered = str(exc), answered or exc.answered
             except BaseException as exc:  # a bug, or the server stopping: undo it all the same
                 self.spawn(self.books.abandoned(trip, exc))
@@ -304,9 +312,11 @@ class Exchange:
             self.metrics.upstream_errors.labels(instance.id, "connect").inc()
             raise UpstreamFailed(f"{instance.id}: {type(exc).__name__}") from None
         if upstream.status >= 500:
-            upstream.close()
             self.metrics.upstream_errors.labels(instance.id, "status").inc()
-            raise UpstreamFailed(f"{instance.id} answered {upstream.status}")
+            why = await _error_of(upstream)
+            raise UpstreamFailed(
+                f"{instance.id} answered {upstream.status}{why}", status=upstream.status
+            )
         return upstream
 
     async def _whole(
@@ -364,7 +374,7 @@ class Exchange:
         if last.piece is Piece.END and (last.status or 0) >= 500:
             upstream.close()  # the engine failed before any token: another may serve it
             self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
-            raise UpstreamFailed(f"{trip.instance.id}: {last.error}")
+            raise UpstreamFailed(f"{trip.instance.id}: {last.error}", status=last.status)
         if last.piece in FIRST_TOKEN:
             self.books.first_token(trip)
         return RelayedStream(
@@ -457,6 +467,29 @@ class RelayedStream(StreamingResponse):
 
 
 @functools.cache
+async def _error_of(upstream: aiohttp.ClientResponse) -> str:
+    """What a failed answer says, as ``": message"`` (OpenAI's error object, vLLM's older
+    ``ErrorResponse``, or its text, cut to ``ERROR_TEXT_CHARS``); "" where it cannot be
+    read. The connection is closed: an error's body is not worth keeping it for."""
+    body = b""
+    try:
+        async with asyncio.timeout(ERROR_READ_S):
+            while len(body) < ERROR_BODY_BYTES and not upstream.content.at_eof():
+                body += await upstream.content.read(ERROR_BODY_BYTES - len(body))
+    except UPSTREAM_ERRORS:
+        pass  # what came in time
+    finally:
+        upstream.close()
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        text = body.decode(errors="replace").strip()
+    else:
+        error = answer.get("error", answer) if isinstance(answer, dict) else answer
+        text = str(error.get("message", error) if isinstance(error, dict) else error)
+    return f": {text[:ERROR_TEXT_CHARS]}" if text else ""
+
+
 def _without_read_timeout(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(
         total=timeout.total, connect=timeout.connect, sock_connect=timeout.sock_connect

@@ -9,11 +9,13 @@ from schemas.openai_api import ApiError
 class UpstreamFailed(Exception):
     """The instance could not serve the request (before any token reached the client).
     ``answered``: it had answered 2xx, and the whole answer it generated could not be read
-    (the request ran)."""
+    (the request ran). ``status``: the 5xx it answered (or reported in its stream before
+    any token); None where the call got no readable answer."""
 
-    def __init__(self, error: str, *, answered: bool = False) -> None:
+    def __init__(self, error: str, *, answered: bool = False, status: int | None = None) -> None:
         super().__init__(error)
         self.answered = answered
+        self.status = status
 
 
 class DcFailed(ApiError):

@@ -73,9 +73,12 @@ class PoolLoad:
 
 
 class FleetView:
-    def __init__(self, fleet: FleetConfig, failure_cooldown_s: float = 5.0) -> None:
+    def __init__(
+        self, fleet: FleetConfig, failure_cooldown_s: float = 5.0, consecutive_5xx: int = 5
+    ) -> None:
         self.fleet = fleet
         self.failure_cooldown_s = failure_cooldown_s
+        self.consecutive_5xx = consecutive_5xx
         self._telemetry: dict[str, InstanceTelemetry] = {}
         self._standby = frozenset(i.id for i in fleet.instances if i.standby)
         """Instances down until a placement starts them: not ready before telemetry says."""
@@ -83,6 +86,7 @@ class FleetView:
         """Instances of a version their model's requests must not run on: never ready, so
         no decision, retry or ceiling counts them (a rolling upgrade's old replicas)."""
         self._failed_until: dict[str, float] = {}
+        self._errors_in_a_row: dict[str, int] = {}
         self._tokens_seen: dict[str, float] = {}
         self._pace: dict[str, DcPace] = {}
         self._pools: dict[tuple[str, str], Pool] = {}
@@ -120,9 +124,25 @@ class FleetView:
             return 0.0
         return pace.completed_per_s.get(model, 0.0)
 
-    def failed(self, instance_id: str) -> None:
-        """An upstream call failed: keep the instance out of decisions for a cooldown."""
+    def failed(self, instance_id: str, *, status: int | None = None) -> None:
+        """An upstream call failed: keep the instance out of decisions for a cooldown. A
+        5xx answer (``status``) counts toward ``consecutive_5xx`` answers in a row, as
+        Envoy's outlier detection counts them (its default is 5): vLLM answers 500 for
+        some requests' own faults (a tool parser that raised), and one such request,
+        retried once, would otherwise leave out two instances, and a pool of two
+        unserved. A failed transport (no answer, or one unreadable) leaves it out at once."""
+        if status is not None:
+            errors = self._errors_in_a_row.get(instance_id, 0) + 1
+            self._errors_in_a_row[instance_id] = errors
+            if errors < self.consecutive_5xx:
+                return
+        self._errors_in_a_row.pop(instance_id, None)
         self._failed_until[instance_id] = time.monotonic() + self.failure_cooldown_s
+
+    def served(self, instance_id: str) -> None:
+        """The instance answered below 500: its 5xx answers in a row start again from 0."""
+        if self._errors_in_a_row:
+            self._errors_in_a_row.pop(instance_id, None)
 
     def tokens_streamed(self, instance_id: str) -> None:
         """A streamed answer's token after its first came back from the instance: one of

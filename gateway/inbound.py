@@ -99,6 +99,8 @@ class _Size:
     """All the prompts' choices together (each prompt has as many)."""
     client_cap: int | None = None
     """The cap on each choice the client set, if it set one."""
+    counted: bool = False
+    """Whether ``prompts`` are the engine's counts (token ids sent), not estimates."""
 
 
 def authenticate(fleet: FleetConfig, authorization: str | None) -> TenantConfig:
@@ -121,7 +123,7 @@ def read_inbound(
     """Parse and size a request to one of ``PROXIED_PATHS``; ApiError 400/403/404 says
     what is wrong with it."""
     request = parse_request(_REQUEST_TYPES[path], body)
-    model = fleet.model(request.model)
+    model = fleet.model(request.model or only_model(fleet))
     if model is None:
         raise ApiError(404, f"The model `{request.model}` does not exist.", param="model")
     size = _size(request)
@@ -149,6 +151,15 @@ def read_inbound(
     )
 
 
+def only_model(fleet: FleetConfig) -> str:
+    """The model of a request that names none: the fleet's one model, as vLLM's server
+    serves its one; ApiError(400) where the fleet serves several."""
+    if len(fleet.models) == 1:
+        return fleet.models[0].name
+    names = ", ".join(f"`{m.name}`" for m in fleet.models)
+    raise ApiError(400, f"Name the model: this fleet serves {names}.", param="model")
+
+
 def _size(request: ProxiedRequest) -> _Size:
     if isinstance(request, ChatRequest | ResponsesRequest):
         messages = request.messages if isinstance(request, ChatRequest) else request.messages()
@@ -158,10 +169,19 @@ def _size(request: ProxiedRequest) -> _Size:
     prompts = request.prompts
     counts = tuple(prompt_tokens(p) for p in prompts)
     first = prompts[0]
+    counted = not any(isinstance(p, str) for p in prompts)
     if isinstance(request, EmbeddingRequest):
-        return _Size(first, sum(counts), counts, 0, len(counts))
+        return _Size(first, sum(counts), counts, 0, len(counts), counted=counted)
     choices = request.n * len(counts)
-    return _Size(first, sum(counts), counts, request.output_tokens, choices, request.client_cap)
+    return _Size(
+        first,
+        sum(counts),
+        counts,
+        request.output_tokens,
+        choices,
+        request.client_cap,
+        counted=counted,
+    )
 
 
 def _shortens(fleet: FleetConfig, model: str) -> bool:
@@ -176,12 +196,21 @@ def _shortens(fleet: FleetConfig, model: str) -> bool:
 def _output_budget(size: _Size, context_tokens: int, prompt_param: str, shortens: bool) -> int:
     """The tokens the request may generate, all its choices together, each prompt's
     budget as vLLM sets it (``context_budgets``); where the engines refuse a budget past
-    the context (``shortens`` False), ApiError(400) for one."""
+    the context (``shortens`` False), ApiError(400) for one. A prompt's length is
+    judged against the context only where the client sent its token ids: a text's
+    tokens here are an estimate, and one the engine would serve must not be refused
+    on it (its own refusal passes back)."""
     budgets = context_budgets(
-        size.prompts, size.choice_budget, size.client_cap, context_tokens, prompt_param
+        size.prompts,
+        size.choice_budget,
+        size.client_cap,
+        context_tokens,
+        prompt_param,
+        counted=size.counted,
     )
     longest = max(size.prompts)
-    if not shortens and size.client_cap is not None and longest + size.client_cap > context_tokens:
+    too_long = size.client_cap is not None and longest + size.client_cap > context_tokens
+    if too_long and size.counted and not shortens:
         raise ApiError(
             400,
             f"This model's maximum context length is {context_tokens} tokens; the request "

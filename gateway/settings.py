@@ -43,9 +43,12 @@ class GatewaySettings(BaseSettings):
     drain_s: int = Field(default=25, ge=1)
     """At a stop (SIGTERM), how long requests in progress get to finish before they are cut
     (and their books closed): below the orchestrator's grace period (Kubernetes' 30 s;
-    ``docker-compose.yml`` gives the gateways 30 s; ``tokenfleet down`` follows it)."""
+    ``docker-compose.yml`` gives the gateways the drain and 10 s, as ``tokenfleet down`` does)."""
     failure_cooldown_s: float = Field(default=5.0, ge=0)
     """An instance whose call failed is left out of decisions this long."""
+    failure_consecutive_5xx: int = Field(default=5, ge=1)
+    """5xx answers in a row that fail an instance (Envoy's outlier detection default); a
+    call that gets no answer fails it at once."""
     idempotency_ttl_s: float = Field(default=600.0, gt=0)
     """How long an ``Idempotency-Key``'s outcome is kept."""
     redis_prefix: str = "tf:"

@@ -30,7 +30,8 @@ DEFAULT_CHAT_TOKENS = 256
 class _ModelRequest(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(default=None, min_length=1)
+    """None: the one model served, as vLLM's server takes a request that names none."""
 
 
 class _Request(_ModelRequest):
@@ -106,6 +107,14 @@ class CompletionRequest(_Request):
 MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
 
+TOOL_CHOICES = frozenset({"none", "auto", "required"})
+TOOL_SHAPE = "{'type': 'function', 'function': {'name': ...}}"
+
+
+def _named(function: object) -> bool:
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
+
+
 class ChatRequest(_Request):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -118,10 +127,31 @@ class ChatRequest(_Request):
     def _known_roles(cls, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for n, message in enumerate(messages):
             role = message.get("role")
-            if role not in MESSAGE_ROLES:
+            if not isinstance(role, str) or role not in MESSAGE_ROLES:
                 known = ", ".join(sorted(MESSAGE_ROLES))
                 raise ValueError(f"message {n} has role {role!r}; the roles are {known}")
         return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _functions(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Each tool a function with a name, as vLLM's ``ChatCompletionToolsParam`` reads
+        it (400 otherwise)."""
+        for n, tool in enumerate(tools or ()):
+            if tool.get("type", "function") != "function" or not _named(tool.get("function")):
+                raise ValueError(f"tool {n} is not a function with a name: {TOOL_SHAPE}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        """``none``, ``auto``, ``required``, or a named function, as vLLM reads it."""
+        if isinstance(choice, str) and choice not in TOOL_CHOICES:
+            known = ", ".join(sorted(TOOL_CHOICES))
+            raise ValueError(f"tool_choice is one of {known} or a named function, not {choice!r}")
+        if isinstance(choice, dict) and not _named(choice.get("function")):
+            raise ValueError(f"tool_choice names no function: {TOOL_SHAPE}")
+        return choice
 
     @property
     def client_cap(self) -> int | None:
@@ -141,8 +171,8 @@ class ChatRequest(_Request):
         if not self.tools or self.tool_choice == "none":
             return None
         if isinstance(self.tool_choice, dict):
-            return str((self.tool_choice.get("function") or {}).get("name", "")) or None
-        return str((self.tools[0].get("function") or {}).get("name", "")) or None
+            return str(self.tool_choice["function"]["name"]) or None
+        return str(self.tools[0]["function"]["name"]) or None
 
 
 class ResponsesRequest(_Request):
@@ -190,14 +220,9 @@ class EmbeddingRequest(_ModelRequest):
         return _prompts(self.input)
 
 
-class UtilityRequest(BaseModel):
+class UtilityRequest(_ModelRequest):
     """A request the gateway passes to an instance of its model as sent (``/tokenize``,
-    ``/detokenize``): only the model is read, and it may be left out where the fleet
-    serves one model."""
-
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    model: str | None = None
+    ``/detokenize``): only the model is read."""
 
 
 REQUEST_ID_HEADER = "x-tokenfleet-request-id"
@@ -260,7 +285,13 @@ _TYPES = {
 
 
 def context_budgets(
-    prompts: Sequence[int], asked: int, cap: int | None, context: int, prompt_param: str
+    prompts: Sequence[int],
+    asked: int,
+    cap: int | None,
+    context: int,
+    prompt_param: str,
+    *,
+    counted: bool = True,
 ) -> list[int]:
     """Each prompt's output budget as vLLM 0.34 sets it: the ``asked`` one, shortened to
     the room its prompt leaves in the ``context`` (``get_max_tokens``, in
@@ -268,7 +299,9 @@ def context_budgets(
     budget the client capped (``cap``) beyond the context (vllm/renderers/params.py), a
     prompt that leaves no room for the one token a generation needs, or an input beyond
     the context where nothing is generated (``asked`` 0: an embedding;
-    ``_validate_prompt_len`` in vllm/v1/engine/input_processor.py)."""
+    ``_validate_prompt_len`` in vllm/v1/engine/input_processor.py). Prompts whose
+    lengths are estimates (``counted`` False) are not refused for them: each gets at
+    least one token of budget, and the engine, which counts, judges them."""
     if cap is not None and cap > context:
         raise ApiError(
             400,
@@ -277,14 +310,14 @@ def context_budgets(
             param="max_tokens",
         )
     longest = max(prompts)
-    if longest + (1 if asked else 0) > context:
+    if counted and longest + (1 if asked else 0) > context:
         raise ApiError(
             400,
             f"This model's maximum context length is {context} tokens; the request has "
             f"{longest} prompt tokens, which leave no room for output.",
             param=prompt_param,
         )
-    return [min(asked, context - p) for p in prompts]
+    return [min(asked, max(context - p, 1)) for p in prompts]
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)

@@ -64,9 +64,12 @@ class Instance:
     model: str
     reasoning: bool
 
-    def check_model(self, name: str) -> None:
-        if name != self.model:
+    def served_model(self, name: str | None) -> str:
+        """The model a request names, or this one where it names none, as vLLM takes it;
+        ApiError(404) for another."""
+        if name is not None and name != self.model:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model")
+        return self.model
 
 
 def create_app(
@@ -203,7 +206,7 @@ def _call(
     thinking = instance.reasoning and api is Api.CHAT  # chat's one prompt: one budget
     return Call(
         api,
-        body.model,
+        instance.served_model(body.model),
         f"{prefix}-{uuid.uuid4().hex}",
         int(time.time()),
         prompt_tokens=sum(counts),
@@ -268,7 +271,6 @@ def _submit(
 async def _generate(
     request: Request, instance: Instance, call: Call, prompts: Sequence[Prompt]
 ) -> Response:
-    instance.check_model(call.model)
     submitted = _submit(instance, call.request_id, prompts, call.budgets, call.priority)
     if call.stream:
         return StreamingResponse(
@@ -381,7 +383,7 @@ async def _merged(streams: list[Tokens]) -> AsyncIterator[tuple[int, int]]:
 async def _embed(request: Request, instance: Instance, body: EmbeddingRequest) -> Response:
     """Each input is prefilled on the engine (one token generated, as a pooling model's
     forward pass costs about a prefill), then answered with ``answers.embedding``."""
-    instance.check_model(body.model)
+    model = instance.served_model(body.model)
     if body.dimensions is not None and body.dimensions != EMBEDDING_DIMENSION:
         raise ApiError(
             400,
@@ -394,4 +396,4 @@ async def _embed(request: Request, instance: Instance, body: EmbeddingRequest) -
         return Response(status_code=499)
     vectors = [answers.embedding(p) for p in prompts]
     used = sum(prompt_tokens(p) for p in prompts)
-    return JSONResponse(answers.embeddings_body(body.model, vectors, body.encoding_format, used))
+    return JSONResponse(answers.embeddings_body(model, vectors, body.encoding_format, used))

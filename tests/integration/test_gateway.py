@@ -120,7 +120,7 @@ async def test_errors_use_openai_statuses_and_format(front: Gateway) -> None:
             )
         assert "no-such-model" in unknown.value.message
         with pytest.raises(openai.BadRequestError) as long:
-            await client.completions.create(model=MODEL, prompt="x" * 40_000, max_tokens=10)
+            await client.completions.create(model=MODEL, prompt=[7] * 9_000, max_tokens=10)
         assert "maximum context length is 8192" in long.value.message
         with pytest.raises(openai.BadRequestError) as malformed:
             await client.chat.completions.create(model=MODEL, messages=[], max_tokens=-1)

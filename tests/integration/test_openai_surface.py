@@ -13,8 +13,9 @@ import numpy as np
 import openai
 import pytest
 from starlette.applications import Starlette
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from control.tokens import count_tokens
 from schemas.lifecycle import FirstToken, RequestCompleted, RequestFailed
@@ -25,6 +26,7 @@ from tests.gateway_harness import (
     MODEL,
     Gateway,
     chat,
+    chat_answer,
     emulated,
     fake_instance,
     fleet_for,
@@ -318,6 +320,18 @@ async def test_tokenize_and_detokenize_reach_an_instance(front: Gateway) -> None
     assert unknown.status_code == 404
 
 
+async def test_a_request_naming_no_model_runs_on_the_fleet_s_only_one(front: Gateway) -> None:
+    """As vLLM's server serves its one model; the schema refused it (400)."""
+    unnamed = {k: v for k, v in chat("hi " * 10).items() if k != "model"}
+    async with front.client() as http:
+        answered = await http.post("/v1/chat/completions", json=unnamed)
+        streamed = await http.post("/v1/chat/completions", json=unnamed | {"stream": True})
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["model"] == MODEL
+    assert streamed.status_code == 200
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+
+
 async def test_bad_input_is_refused_in_openai_format_and_nothing_reaches_an_instance(
     instances: list[EmulatedInstance],
 ) -> None:
@@ -389,6 +403,74 @@ async def test_an_engine_failure_reported_before_any_token_is_retried_elsewhere(
         assert await scraped(front.url, "tokenfleet_gateway_retries_total") == 1
 
 
+def _poisoned_upstream() -> Starlette:
+    """An instance that answers 500 to a request naming POISON, as vLLM answers a
+    request whose own handling raised (a tool parser that crashed), and serves the rest."""
+
+    async def answer(request: Request) -> Response:
+        if b"POISON" in await request.body():
+            error = {"error": {"message": "tool parser crashed", "type": "InternalServerError"}}
+            return JSONResponse(error, status_code=500)
+        return chat_answer()
+
+    return fake_instance("/v1/chat/completions", answer)
+
+
+async def test_one_request_an_engine_fails_leaves_its_instances_serving() -> None:
+    """Both instances answered the poisoned request 500 and were left out, so the next
+    requests found no instance (503) until the cooldown ended."""
+    async with (
+        http_server(_poisoned_upstream()) as first,
+        http_server(_poisoned_upstream()) as second,
+        gateway(fleet_for([first, second])) as front,
+        front.client() as http,
+    ):
+        poisoned = await http.post("/v1/chat/completions", json=chat("POISON " * 10))
+        after = [
+            await http.post("/v1/chat/completions", json=chat(f"hi {n} " * 10)) for n in range(4)
+        ]
+    assert poisoned.status_code == 502
+    assert "tool parser crashed" in poisoned.json()["error"]["message"]
+    assert [r.status_code for r in after] == [200] * 4
+
+
+async def test_an_instance_answering_5xx_in_a_row_is_left_out() -> None:
+    async with (
+        http_server(_poisoned_upstream()) as failing_always,
+        emulated(1) as [alive],
+        gateway(
+            fleet_for([failing_always, alive.url]), policy="round_robin", failure_consecutive_5xx=2
+        ) as front,
+        front.client() as http,
+    ):
+        answers = [
+            await http.post("/v1/chat/completions", json=chat(f"POISON {n} " * 10))
+            for n in range(6)
+        ]
+        # round robin: i0 failed the 1st and 3rd, then was left out (at once: 1 retry;
+        # after 5 in a row: 3)
+        assert await scraped(front.url, "tokenfleet_gateway_retries_total") == 2
+    assert [a.status_code for a in answers] == [200] * 6
+
+
+async def test_an_answer_is_asked_for_uncompressed() -> None:
+    """aiohttp asked for gzip by default: behind a proxy that compresses, every answer
+    was unreadable (502) and failed its instance."""
+
+    async def answer(_: Request) -> Response:
+        return chat_answer("word " * 300)
+
+    compressing = GZipMiddleware(fake_instance("/v1/chat/completions", answer), minimum_size=10)
+    async with (
+        http_server(compressing) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        answered = await http.post("/v1/chat/completions", json=chat("hi " * 10))
+    assert answered.status_code == 200
+    assert answered.json()["choices"][0]["message"]["content"] == "word " * 300
+
+
 async def test_an_error_inside_a_stream_fails_the_request_and_frees_its_key() -> None:
     async with (
         http_server(_in_stream_error_upstream(400, 2)) as upstream,
@@ -454,6 +536,42 @@ async def test_an_empty_prompt_is_refused(front: Gateway, path: str, body: dict)
         refused = await http.post(path, json=body)
     assert refused.status_code == 400
     assert "empty" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages"),
+        ({"messages": [{"role": {"a": 1}, "content": "hi"}]}, "messages"),
+        ({"tools": [{"type": "function", "function": "x"}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "x"}}, "tool_choice"),
+    ],
+)
+async def test_a_malformed_chat_is_refused_in_openai_s_format(
+    front: Gateway, extra: dict, param: str
+) -> None:
+    """An unhashable role answered a bare text 500, and a tool that was no object took
+    the emulator down with a 500 where vLLM answers 400."""
+    async with front.client() as http:
+        refused = await http.post("/v1/chat/completions", json=chat("hi") | extra)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == param
+
+
+async def test_a_failure_of_the_gateway_itself_is_answered_in_openai_s_format(
+    front: Gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(front.app.state.gateway.decider, "choose_dcs", broken)
+    async with front.client() as http:
+        failed = await http.post("/v1/chat/completions", json=chat("hi"))
+    assert failed.status_code == 500
+    assert failed.json()["error"]["code"] == 500
+    assert "log" in failed.json()["error"]["message"]
 
 
 async def test_embeddings_go_to_the_instance_with_fewer_tokens_in_flight(

@@ -92,15 +92,38 @@ def test_a_budget_past_the_context_is_shortened_as_vllm_does_and_counted_shorten
     assert both.output_budget == 2 * (100 + 500)
     refused = [
         (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": context + 1}),
-        (COMPLETIONS_PATH, {"prompt": "abcd" * context, "max_tokens": 1}),
-        (EMBEDDINGS_PATH, {"input": "abcd" * (context + 1)}),
+        (COMPLETIONS_PATH, {"prompt": [7] * context, "max_tokens": 1}),
+        (EMBEDDINGS_PATH, {"input": [7] * (context + 1)}),
     ]
     for path, body in refused:
         with pytest.raises(ApiError) as too_long:
             read(path, **body)
         assert too_long.value.status == 400
         assert "maximum context length" in str(too_long.value)
-    assert read(EMBEDDINGS_PATH, input="abcd" * context).output_budget == 0
+    assert read(EMBEDDINGS_PATH, input=[7] * context).output_budget == 0
+
+
+def test_a_text_s_estimated_length_refuses_nothing() -> None:
+    """A text's tokens are estimated here (4 bytes a token), where the engine's tokenizer
+    may count fewer: a prompt near the context that the engine would serve was refused.
+    Passed on, each such prompt is counted at one token of budget."""
+    chosen = fleet()
+    context = chosen.models[0].context_tokens
+    sglang = chosen.model_copy(
+        update={"instances": [i.model_copy(update={"engine": "sglang"}) for i in chosen.instances]}
+    )
+    over = "abcd" * (context + 10)
+    asked = [
+        (chosen, CHAT_PATH, {"messages": [{"role": "user", "content": over}], "max_tokens": 5}),
+        (sglang, CHAT_PATH, {"messages": [{"role": "user", "content": over}], "max_tokens": 5}),
+        (chosen, COMPLETIONS_PATH, {"prompt": [over, "hi"], "max_tokens": 5}),
+        (chosen, EMBEDDINGS_PATH, {"input": over}),
+    ]
+    budgets = []
+    for fleet_, path, body in asked:
+        data = json.dumps({"model": "emulated", **body}).encode()
+        budgets.append(read_inbound(fleet_, fleet_.tenants[0], path, data, {}).output_budget)
+    assert budgets == [1, 1, 1 + 5, 0]
 
 
 def test_where_every_instance_runs_sglang_a_budget_past_the_context_is_refused() -> None:
@@ -111,14 +134,16 @@ def test_where_every_instance_runs_sglang_a_budget_past_the_context_is_refused()
         update={"instances": [i.model_copy(update={"engine": "sglang"}) for i in vllm.instances]}
     )
     context = vllm.models[0].context_tokens
-    body = {"model": "emulated", "messages": [{"role": "user", "content": "abcd" * 8000}]}
+    body = {"model": "emulated", "prompt": [7] * 8000}
     asked = json.dumps(body | {"max_tokens": 500}).encode()
     with pytest.raises(ApiError) as too_long:
-        read_inbound(sglang, sglang.tenants[0], CHAT_PATH, asked, {})
-    assert (too_long.value.status, too_long.value.param) == (400, "messages")
-    unasked = read_inbound(sglang, sglang.tenants[0], CHAT_PATH, json.dumps(body).encode(), {})
+        read_inbound(sglang, sglang.tenants[0], COMPLETIONS_PATH, asked, {})
+    assert (too_long.value.status, too_long.value.param) == (400, "prompt")
+    unasked = read_inbound(
+        sglang, sglang.tenants[0], COMPLETIONS_PATH, json.dumps(body).encode(), {}
+    )
     assert unasked.output_budget <= context - unasked.input_tokens  # no cap: none refused
-    assert read_inbound(vllm, vllm.tenants[0], CHAT_PATH, asked, {}).output_budget > 0
+    assert read_inbound(vllm, vllm.tenants[0], COMPLETIONS_PATH, asked, {}).output_budget > 0
 
 
 def test_a_prompt_sent_as_token_ids_is_routed_on_the_blocks_of_its_text() -> None:
@@ -130,3 +155,16 @@ def test_a_prompt_sent_as_token_ids_is_routed_on_the_blocks_of_its_text() -> Non
         return read_inbound(chosen, chosen.tenants[0], COMPLETIONS_PATH, body, {}).blocks
 
     assert blocks(token_ids(text)) == blocks(text) != ()
+
+
+def test_a_request_naming_no_model_needs_a_fleet_of_one_model() -> None:
+    one = fleet()
+    two = one.model_copy(
+        update={"models": (*one.models, one.models[0].model_copy(update={"name": "other"}))}
+    )
+    unnamed = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    assert read_inbound(one, one.tenants[0], COMPLETIONS_PATH, unnamed, {}).model.name == "emulated"
+    with pytest.raises(ApiError) as which:
+        read_inbound(two, two.tenants[0], COMPLETIONS_PATH, unnamed, {})
+    assert (which.value.status, which.value.param) == (400, "model")
+    assert "`other`" in which.value.message
