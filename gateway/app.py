@@ -26,7 +26,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control.admission.baselines import Fcfs
 from control.admission.registry import Admission
@@ -363,6 +365,10 @@ def create_app(parts: GatewayParts) -> FastAPI:
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return error_response(UNEXPECTED)  # Starlette logs the traceback
@@ -436,6 +442,13 @@ def create_app(parts: GatewayParts) -> FastAPI:
     app.fast_lane = dict(
         zip(PROXIED_PATHS, (chat, completions, responses, embeddings), strict=True)
     )
+    if parts.settings.cors_allow_origins:
+        app.cors = CORSMiddleware(
+            app.route_request,
+            allow_origins=parts.settings.cors_allow_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app
 
 
@@ -458,15 +471,25 @@ class GatewayApp(FastAPI):
     its router, dependency solving and middlewares (server errors, OpenTelemetry's
     check of its configuration, the body limit, exception handlers) cost about a quarter
     of the gateway's CPU per request, for endpoints that read their body themselves and
-    raise only ``ApiError``. An exception that escapes one still answers 500, from
-    uvicorn. So middleware added to the app, and FastAPI's OpenTelemetry spans where it
-    is configured, do not see these endpoints: the gateway's own metrics and lifecycle
-    events cover them.
+    raise only ``ApiError`` (anything else answers an OpenAI-format 500). So middleware
+    added to the app, and FastAPI's OpenTelemetry spans where it is configured, do not
+    see these endpoints: the gateway's own metrics and lifecycle events cover them.
+
+    A request from a browser (one with an ``Origin``) passes through ``cors`` first, where
+    the gateway allows any origin: a preflight is answered, and the answer carries
+    ``Access-Control-Allow-Origin``, on every path, as vLLM's server does.
     """
 
     fast_lane: Mapping[str, Callable[[Request], Awaitable[Response]]] = MappingProxyType({})
+    cors: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.cors is not None and scope["type"] == "http" and _has_origin(scope):
+            await self.cors(scope, receive, send)
+        else:
+            await self.route_request(scope, receive, send)
+
+    async def route_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
             if len(path) > 1 and path.endswith("/"):  # clients written for vLLM are not redirected
@@ -479,6 +502,10 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+def _has_origin(scope: Scope) -> bool:
+    return any(name == b"origin" for name, _ in scope["headers"])
+
+
 async def _serve_fast(
     route: Callable[[Request], Awaitable[Response]], scope: Scope, receive: Receive, send: Send
 ) -> None:
@@ -486,6 +513,8 @@ async def _serve_fast(
         response = await route(Request(scope, receive))
     except ApiError as exc:
         response = error_response(exc)
+    except ClientDisconnect:  # gone while it sent the body: nobody to answer
+        response = Response(status_code=499)
     except Exception:  # a bug: still an answer in OpenAI's format, and a traceback logged
         log.exception("the gateway failed on %s", scope["path"])
         response = error_response(UNEXPECTED)

@@ -49,6 +49,9 @@ class GatewaySettings(BaseSettings):
     failure_consecutive_5xx: int = Field(default=5, ge=1)
     """5xx answers in a row that fail an instance (Envoy's outlier detection default); a
     call that gets no answer fails it at once."""
+    cors_allow_origins: list[str] = ["*"]
+    """Origins a browser may call the gateway from (CORS), as vLLM's ``--allowed-origins``,
+    whose default is every origin; ``[]``: no CORS headers, a preflight refused (405)."""
     idempotency_ttl_s: float = Field(default=600.0, gt=0)
     """How long an ``Idempotency-Key``'s outcome is kept."""
     redis_prefix: str = "tf:"

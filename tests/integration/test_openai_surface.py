@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -572,6 +573,57 @@ async def test_a_failure_of_the_gateway_itself_is_answered_in_openai_s_format(
     assert failed.status_code == 500
     assert failed.json()["error"]["code"] == 500
     assert "log" in failed.json()["error"]["message"]
+
+
+async def test_a_browser_may_call_as_it_may_call_vllm(front: Gateway) -> None:
+    """A preflight was refused (405), and answers carried no CORS header."""
+    origin = {"origin": "https://playground.example"}
+    preflight = origin | {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type",
+    }
+    async with front.client() as http:
+        asked = await http.options("/v1/chat/completions", headers=preflight)
+        answered = await http.post("/v1/chat/completions", json=chat("hi"), headers=origin)
+        models = await http.get("/v1/models", headers=origin)
+        plain = await http.post("/v1/chat/completions", json=chat("hi"))
+    assert asked.status_code == 200
+    assert "authorization" in asked.headers["access-control-allow-headers"].lower()
+    assert answered.status_code == models.status_code == 200
+    assert answered.headers["access-control-allow-origin"] == "*"
+    assert models.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in plain.headers
+
+
+async def test_cors_can_be_turned_off(instances: list[EmulatedInstance]) -> None:
+    preflight = {"origin": "https://x.example", "access-control-request-method": "POST"}
+    async with (
+        gateway(fleet_for([i.url for i in instances]), cors_allow_origins=[]) as front,
+        front.client() as http,
+    ):
+        asked = await http.options("/v1/chat/completions", headers=preflight)
+    assert asked.status_code == 405
+
+
+async def test_a_client_gone_during_its_upload_is_no_gateway_failure(
+    front: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Starlette's ClientDisconnect escaped as a failure of the gateway's own."""
+    host, port = front.url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer "
+        + KEY.encode()
+        + b'\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{"model"'
+    )
+    await writer.drain()
+    await asyncio.sleep(0.2)
+    writer.close()
+    await asyncio.sleep(0.2)
+    async with front.client() as http:
+        after = await http.post("/v1/chat/completions", json=chat("hi"))
+    assert after.status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_embeddings_go_to_the_instance_with_fewer_tokens_in_flight(
