@@ -605,18 +605,27 @@ async def test_cors_can_be_turned_off(instances: list[EmulatedInstance]) -> None
     assert asked.status_code == 405
 
 
+async def chat_begun(
+    front: Gateway, rest: bytes
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A chat request begun on a raw connection: its first headers, then ``rest``."""
+    host, port = front.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer "
+        + KEY.encode()
+        + b"\r\ncontent-type: application/json\r\n"
+        + rest
+    )
+    await writer.drain()
+    return reader, writer
+
+
 async def test_a_client_gone_during_its_upload_is_no_gateway_failure(
     front: Gateway, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Starlette's ClientDisconnect escaped as a failure of the gateway's own."""
-    host, port = front.url.removeprefix("http://").split(":")
-    _, writer = await asyncio.open_connection(host, int(port))
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer "
-        + KEY.encode()
-        + b'\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{"model"'
-    )
-    await writer.drain()
+    _, writer = await chat_begun(front, b'content-length: 1000\r\n\r\n{"model"')
     await asyncio.sleep(0.2)
     writer.close()
     await asyncio.sleep(0.2)
@@ -641,15 +650,8 @@ async def test_a_client_that_waits_to_upload_an_oversized_body_hears_413_first(
     front: Gateway,
 ) -> None:
     """``Expect: 100-continue`` (curl sends it for large bodies): no go-ahead, no upload."""
-    host, port = front.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer "
-        + KEY.encode()
-        + b"\r\ncontent-type: application/json\r\ncontent-length: 999999999\r\n"
-        b"expect: 100-continue\r\n\r\n"
-    )
-    await writer.drain()
+    expecting = b"content-length: 999999999\r\nexpect: 100-continue\r\n\r\n"
+    reader, writer = await chat_begun(front, expecting)
     status = await asyncio.wait_for(reader.readline(), 5)
     writer.close()
     assert status.startswith(b"HTTP/1.1 413")
