@@ -71,16 +71,25 @@ def _prompts(value: str | list[str] | list[int] | list[list[int]]) -> list[Promp
     return cast(list[Prompt], list(value))
 
 
-def _no_empty_prompt(
+def _valid_prompts(
     value: str | list[str] | list[int] | list[list[int]],
 ) -> str | list[str] | list[int] | list[list[int]]:
-    """vLLM refuses an empty prompt (an engine cannot start a sequence of no tokens)."""
-    if any(len(prompt) == 0 for prompt in _prompts(value)):
-        raise ValueError("a prompt may not be empty")
+    """vLLM refuses an empty prompt (an engine cannot start a sequence of no tokens), and
+    a token id outside its vocabulary: which vocabulary is the engine's, but no id is
+    negative, or past a signed 64-bit integer, where every engine stores them (the
+    emulator failed on one, with a 500)."""
+    for prompt in _prompts(value):
+        if len(prompt) == 0:
+            raise ValueError("a prompt may not be empty")
+        if not isinstance(prompt, str) and (min(prompt) < 0 or max(prompt) > MAX_ANY_TOKEN_ID):
+            raise ValueError(f"a token id is out of vocabulary: {min(prompt)} to {max(prompt)}")
     return value
 
 
-Prompts = Annotated[str | list[str] | list[int] | list[list[int]], AfterValidator(_no_empty_prompt)]
+MAX_ANY_TOKEN_ID = (1 << 63) - 1
+
+
+Prompts = Annotated[str | list[str] | list[int] | list[list[int]], AfterValidator(_valid_prompts)]
 """A ``prompt`` or ``input`` field: one prompt or a list of them, none empty."""
 
 

@@ -540,6 +540,23 @@ async def test_an_empty_prompt_is_refused(front: Gateway, path: str, body: dict)
 
 
 @pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": [5, -1]}),
+        ("/v1/embeddings", {"model": MODEL, "input": [[1], [2, 1 << 70]]}),
+    ],
+)
+async def test_a_token_id_no_vocabulary_holds_is_refused(
+    front: Gateway, path: str, body: dict
+) -> None:
+    """An id past 64 bits took the emulator down with a 500 (found by the schema test)."""
+    async with front.client() as http:
+        refused = await http.post(path, json=body)
+    assert refused.status_code == 400
+    assert "out of vocabulary" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
     ("extra", "param"),
     [
         ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages"),
