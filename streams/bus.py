@@ -29,6 +29,9 @@ DEAD_LETTER_RAW_BYTES = 600_000
 room under ``MAX_RECORD_BYTES`` for the reason."""
 REASON_CHARS = 10_000
 """The most of a decoding error's message a dead letter keeps."""
+KEY_CHARS = 1_000
+"""The most of a record's key a dead letter keeps (the topics' keys are ids of 256
+characters at most; a key the broker took whole could fill a letter past any bus's limit)."""
 
 StartFrom = Literal["earliest", "latest"] | Mapping[int, int]
 """Where a subscription starts: the oldest record, the next new one, or given offsets per
@@ -179,29 +182,31 @@ class EventBus(ABC):
             return None
 
     async def _dead_letter(self, record: RawRecord, reason: str) -> None:
-        log.warning(
-            "undecodable record %s[%d]@%d: %s",
-            record.topic,
-            record.partition,
-            record.offset,
-            reason,
-        )
+        log.warning("undecodable record %s[%d]@%d: %s", *_at(record), reason)
         if record.topic == DEADLETTER_TOPIC:
             return  # never loop: a broken dead letter is logged and left where it is
-        await self.publish_event(dead_letter(record, reason, self.source))
+        try:
+            await self.publish_event(dead_letter(record, reason, self.source))
+        except Unpublishable as exc:  # no retry takes it: the consumer must go on
+            log.error("the dead letter of %s[%d]@%d: %s", *_at(record), exc)
+
+
+def _at(record: RawRecord) -> tuple[str, int, int]:
+    return record.topic, record.partition, record.offset
 
 
 def dead_letter(record: RawRecord, reason: str, source: str) -> Envelope:
     """The dead letter of an undecodable record. Its event id names the record, so the
     letters several consumers write for one record deduplicate. A record over
-    ``DEAD_LETTER_RAW_BYTES`` keeps only its start: whole, in base64, a record the broker
-    took could make a letter no bus takes, and the consumer would stop on it for good."""
+    ``DEAD_LETTER_RAW_BYTES`` keeps only its start, and its key its first ``KEY_CHARS``:
+    whole, in base64, a record the broker took could make a letter no bus takes, and the
+    consumer would stop on it for good."""
     raw = record.value or b""
     letter = DeadLetter(
         source_topic=record.topic,
         partition=record.partition,
         offset=record.offset,
-        key=record.key,
+        key=None if record.key is None else record.key[:KEY_CHARS],
         reason=reason[:REASON_CHARS],
         raw_b64=base64.b64encode(raw[:DEAD_LETTER_RAW_BYTES]).decode(),
         raw_size=len(raw) if len(raw) > DEAD_LETTER_RAW_BYTES else None,

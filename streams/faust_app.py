@@ -218,7 +218,8 @@ def _decoder(
     """An event's envelope; one that does not decode is sent to the dead-letter topic
     (as ``source``'s), counted and logged, and answers None, as a tombstone does (a
     record without a value: decoding it raised TypeError, which escaped the batch's
-    agent and lost the batch)."""
+    agent and lost the batch). A letter the producer fails to send is logged and counted
+    (``dead_letters_unsent``), and the record skipped all the same."""
 
     async def decoded(event: faust.EventT) -> Envelope | None:
         if event.value is None:  # a tombstone: no event, as the buses skip it
@@ -230,7 +231,13 @@ def _decoder(
             key = message.key.decode(errors="replace") if message.key else None
             record = RawRecord(message.topic, message.partition, message.offset, key, message.value)
             letter = encode(dead_letter(record, str(exc), source))
-            await dead_letters.send(key=message.topic.encode(), value=letter)
+            try:
+                await dead_letters.send(key=message.topic.encode(), value=letter)
+            except Exception:  # raised through the agent, it took its batch down unread
+                where = (message.topic, message.partition, message.offset)
+                log.exception("the dead letter of %s[%d]@%d", *where)
+                app.dead_letters_unsent[message.topic] += 1
+                return None
             app.dead_lettered[message.topic] += 1
             log.warning(
                 "dead-lettered %s[%d]@%d (%d from that topic so far): %s",

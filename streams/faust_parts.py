@@ -255,13 +255,15 @@ class WorkerApp(faust.App):
     """Faust's app, consuming through ``RewindingConsumer``, producing through
     ``DrainingProducer`` and recovering tables through ``RecoveringTableManager``;
     ``processed`` counts what its agents took in, by kind, ``dead_lettered`` the records
-    it could not decode, by topic, and ``published`` its table snapshots, by topic
-    (``WorkerMetrics`` shows them to Prometheus)."""
+    it could not decode, by topic (``dead_letters_unsent`` those whose letter it could not
+    send), and ``published`` its table snapshots, by topic (``WorkerMetrics`` shows them
+    to Prometheus)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, TableManager=RecoveringTableManager, **kwargs)
         self.processed: Counter[str] = Counter()
         self.dead_lettered: Counter[str] = Counter()
+        self.dead_letters_unsent: Counter[str] = Counter()
         self.published: Counter[str] = Counter()
 
     def _new_transport(self) -> faust_kafka.Transport:
@@ -290,6 +292,12 @@ class WorkerMetrics(Collector):
             "Undecodable records sent to tf.deadletter, by the topic they came from.",
             "topic",
             app.dead_lettered,
+        )
+        yield _counter(
+            "dead_letters_unsent",
+            "Undecodable records whose dead letter could not be sent (logged), by topic.",
+            "topic",
+            app.dead_letters_unsent,
         )
         yield _counter(
             "tables_published", "Table snapshots published, by topic.", "topic", app.published

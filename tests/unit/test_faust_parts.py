@@ -198,3 +198,19 @@ async def test_a_tombstone_is_no_event_and_sends_no_dead_letter(app: WorkerApp) 
     tombstone = types.SimpleNamespace(value=None, message=None)
     assert await decoded(tombstone) is None  # type: ignore[arg-type]
     assert not app.dead_lettered
+
+
+async def test_a_dead_letter_the_producer_refuses_skips_the_record_alone(app: WorkerApp) -> None:
+    """The producer's error escaped the agent, whose batch Faust acknowledged unread."""
+
+    class Refusing:
+        async def send(self, **_: object) -> None:
+            raise RuntimeError("MessageSizeTooLargeError")
+
+    decoded = _decoder(app, Refusing(), "worker")  # type: ignore[arg-type]
+    message = types.SimpleNamespace(
+        topic="tf.requests", partition=2, offset=9, key=b"k", value=b"{"
+    )
+    assert await decoded(types.SimpleNamespace(value=b"{", message=message)) is None  # type: ignore[arg-type]
+    assert app.dead_letters_unsent == {"tf.requests": 1}
+    assert not app.dead_lettered

@@ -8,8 +8,10 @@ import base64
 
 import pytest
 
+import streams.bus
 from schemas import Envelope
 from schemas.control import AdmissionQuotas
+from schemas.deadletter import DeadLetter
 from schemas.lifecycle import RequestAdmitted
 from streams import InMemoryBus
 from streams.bus import (
@@ -95,5 +97,28 @@ def test_the_dead_letter_of_a_record_too_large_for_a_letter_keeps_its_start() ->
     assert len(Outgoing.of(letter).value) <= MAX_RECORD_BYTES
     assert letter.payload.raw_size == 760_000
     assert base64.b64decode(letter.payload.raw_b64) == b"x" * DEAD_LETTER_RAW_BYTES
+    keyed = RawRecord("tf.kv-events", 0, 7, "\u0007" * 300_000, b"\xff" * 760_000)
+    assert len(Outgoing.of(dead_letter(keyed, "\u0007" * 50_000, "worker")).value) <= (
+        MAX_RECORD_BYTES  # its key whole made a letter of 1.1 MB, and the worker lost a batch
+    )
     small = dead_letter(RawRecord("tf.kv-events", 0, 6, "i", b"{bad"), "not JSON", "worker")
     assert (base64.b64decode(small.payload.raw_b64), small.payload.raw_size) == (b"{bad", None)
+
+
+async def test_a_dead_letter_no_bus_takes_is_logged_and_the_reader_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Raised through the subscription, it stopped every reader of the topic from the
+    earliest offset for good (a controller never caught up)."""
+    letter = DeadLetter(
+        source_topic="tf.requests", partition=0, offset=0, key="bad", reason="", raw_b64="x" * 2**21
+    )
+    too_large = Envelope.wrap(letter, source="test")
+    monkeypatch.setattr(streams.bus, "dead_letter", lambda *_: too_large)
+    bus = InMemoryBus(retained=LIMIT)
+    await bus.publish("tf.requests", "bad", b"{not json")
+    await bus.publish_event(_admitted(1))
+    async with bus.subscribe("tf.requests") as events, asyncio.timeout(5):
+        first = await anext(aiter(events))
+    assert first.envelope.payload.request_id == "r1"  # type: ignore[attr-defined]
+    assert any("the dead letter of tf.requests[" in r.getMessage() for r in caplog.records)
