@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import re
 import time
@@ -37,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollecto
 from pydantic import BaseModel
 
 from schemas import Envelope, Message, topic_for
+from schemas.base import BlockHash
 from schemas.fleet import InstanceConfig
 from schemas.telemetry import InstanceTelemetry, KvAllCleared, KvBlocksRemoved, KvBlocksStored
 from streams.bus import EventBus
@@ -165,6 +167,9 @@ def parse_metrics(text: str, engine: str) -> Scraped:
             "the fleet file's `engine` must name the server's"
         )
     figures: dict[str, float] = {f: fmean(v) if f in _SHARES else sum(v) for f, v in series.items()}
+    for field, value in figures.items():
+        if not 0 <= value < math.inf:  # NaN too: no gauge or counter here is one
+            raise ValueError(f"its {field} reads {value}, not a count")
     if total_tokens := figures.get("total_tokens"):
         blocks = max(int(total_tokens) // block_size, 1)
     hit_rate = figures.get("hit_rate")
@@ -236,7 +241,7 @@ class KvEventPage(BaseModel):
     epoch: str
     next: int
     complete: bool
-    events: list[tuple[int, bool]]
+    events: list[tuple[BlockHash, bool]]
 
 
 KvMessage = KvBlocksStored | KvBlocksRemoved | KvAllCleared

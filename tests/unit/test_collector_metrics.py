@@ -24,10 +24,6 @@ from tokenfleet.services.process import answers_http, free_port
 LOCAL_FLEET = Path(__file__).parents[2] / "examples" / "fleet-local.toml"
 
 
-async def _metrics(_: web.Request) -> web.Response:
-    return web.Response(text="vllm:num_requests_running 1\n")
-
-
 async def _kv_events(request: web.Request) -> web.Response:
     """One new stored block at every read, as the emulator's feed numbers them."""
     after = int(request.query["after"])
@@ -36,10 +32,16 @@ async def _kv_events(request: web.Request) -> web.Response:
 
 
 @contextlib.asynccontextmanager
-async def _instance_serving() -> AsyncIterator[str]:
+async def _instance_serving(
+    exposition: str = "vllm:num_requests_running 1\n",
+) -> AsyncIterator[str]:
     """A vLLM instance's ``/metrics`` and the emulator's ``/kv-events``; yields its URL."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=exposition)
+
     app = web.Application()
-    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/kv-events", _kv_events)
     async with TestServer(app, host="127.0.0.1") as server:
         yield str(server.make_url("/"))
@@ -68,6 +70,25 @@ async def test_scrapes_and_failures_are_counted_by_instance_with_the_last_good_o
     # Another collector counts in a registry of its own, each series there from the start.
     fresh = Collector(instances, InMemoryBus(), client).metrics.registry.get_sample_value
     assert fresh("tokenfleet_collector_scrape_failures_total", {"instance_id": "dead"}) == 0
+
+
+@pytest.mark.parametrize(
+    "exposition",
+    [
+        "vllm:kv_cache_usage_perc NaN\n",
+        "vllm:num_preemptions_total +Inf\n",
+        "vllm:num_requests_running -2\n",
+    ],
+)
+async def test_an_instance_that_reads_no_count_is_published_not_ready(exposition: str) -> None:
+    """Its telemetry raised outside the scrape's guard, and the collector stopped for
+    every instance of the fleet."""
+    async with _instance_serving(exposition) as url, aiohttp.ClientSession() as client:
+        collector = Collector([_instance("odd", url)], InMemoryBus(), client)
+        [telemetry] = await collector.scrape_once()
+    assert not telemetry.ready
+    failures = collector.metrics.registry.get_sample_value
+    assert failures("tokenfleet_collector_scrape_failures_total", {"instance_id": "odd"}) == 1
 
 
 class _RefusingFirst(InMemoryBus):
