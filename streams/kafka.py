@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
@@ -182,7 +183,8 @@ async def create_topics(
     bootstrap: str, topics: Iterable[Topic] = TOPICS, replication: int = 1
 ) -> list[str]:
     """Create the catalog's topics that are missing; return the names created, once the
-    broker's metadata lists them.
+    broker's metadata lists them. ``PartitionsMismatch`` where one exists with another
+    number of partitions than the catalog's.
 
     Safe to run any number of times and concurrently: existing topics are left as they are.
     Waiting matters to consumer groups: a group that forms while a topic it subscribes to
@@ -193,6 +195,7 @@ async def create_topics(
     await admin.start()
     try:
         existing = set(await admin.list_topics())
+        await _check_partitions(bootstrap, [t for t in topics if t.name in existing])
         missing = [
             NewTopic(t.name, t.partitions, replication, topic_configs=t.broker_config())
             for t in topics
@@ -216,15 +219,43 @@ async def create_topics(
     return created
 
 
-async def _listed(bootstrap: str, names: Sequence[str], timeout_s: float = 30.0) -> None:
+class PartitionsMismatch(ValueError):
+    """A topic exists with another number of partitions than the catalog gives it."""
+
+
+async def _check_partitions(bootstrap: str, topics: Sequence[Topic]) -> None:
+    """PartitionsMismatch for the first of ``topics`` the broker holds with another number
+    of partitions: the table worker writes a request's join to its source partition's
+    changelog, and joins telemetry by partition, so a topic made elsewhere with more
+    partitions stopped it on its first event there, with an assertion of aiokafka's."""
+    if not topics:
+        return
+    async with _metadata_client(bootstrap) as client:
+        cluster = await client.fetch_all_metadata()
+    for topic in topics:
+        held = len(cluster.partitions_for_topic(topic.name) or ())
+        if held != topic.partitions:
+            raise PartitionsMismatch(
+                f"topic {topic.name} has {held} partitions, and TokenFleet's tables need "
+                f"{topic.partitions}: delete it (kafka-topics --delete) to have it made "
+                "again, or point TokenFleet at another cluster"
+            )
+
+
+@contextlib.asynccontextmanager
+async def _metadata_client(bootstrap: str) -> AsyncIterator[AIOKafkaClient]:
     client = AIOKafkaClient(bootstrap_servers=bootstrap, client_id="tokenfleet-admin")
     await client.bootstrap()
     try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                cluster = await client.fetch_all_metadata()
-                if all(cluster.partitions_for_topic(name) for name in names):
-                    return
-                await asyncio.sleep(0.1)
+        yield client
     finally:
         await client.close()
+
+
+async def _listed(bootstrap: str, names: Sequence[str], timeout_s: float = 30.0) -> None:
+    async with _metadata_client(bootstrap) as client, asyncio.timeout(timeout_s):
+        while True:
+            cluster = await client.fetch_all_metadata()
+            if all(cluster.partitions_for_topic(name) for name in names):
+                return
+            await asyncio.sleep(0.1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from urllib.parse import urlsplit
 
 import pytest
@@ -60,7 +61,6 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
     status writes nothing: no dead letter of it. Only this test's DC is asked for: the
     broker is shared with the other tests."""
     import time
-    import uuid
 
     from schemas import Envelope
     from schemas.control import AdmissionQuotas
@@ -146,3 +146,18 @@ async def test_a_plain_kafka_client_reads_the_goodput_stream(kafka: Service) -> 
     interactive = next(line for line in done.stdout.splitlines() if " interactive:" in line)
     assert interactive.startswith(f"{dc} interactive: ")
     assert "96.0% in time (100 completed" in interactive
+
+
+@pytest.mark.kafka
+async def test_a_topic_made_elsewhere_with_other_partitions_is_named_at_start(
+    kafka: Service,
+) -> None:
+    """The worker started on it, and stopped on its first event in a partition its
+    changelog lacks, with an assertion of aiokafka's."""
+    from schemas.topics import Topic
+    from streams.kafka import PartitionsMismatch, create_topics
+
+    name = f"tf-test-{uuid.uuid4().hex}"
+    await create_topics(kafka.address, [Topic(name, "request_id", 12, False, 60_000, ())])
+    with pytest.raises(PartitionsMismatch, match=f"{name} has 12 partitions.*need 6"):
+        await create_topics(kafka.address, [Topic(name, "request_id", 6, False, 60_000, ())])

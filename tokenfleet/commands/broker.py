@@ -29,11 +29,14 @@ def broker(home: Path = DEFAULT_HOME) -> str:
 
 def create_topics_on(bootstrap: str, topics: Sequence[Topic] = TOPICS) -> list[str]:
     """Create the ``topics`` the broker lacks (the names it created); CliError where the
-    broker cannot be reached or ``bootstrap`` is no broker address."""
-    from streams.kafka import create_topics
+    broker cannot be reached, ``bootstrap`` is no broker address, or a topic exists with
+    another number of partitions."""
+    from streams.kafka import PartitionsMismatch, create_topics
 
     try:
         return asyncio.run(create_topics(bootstrap, topics))
+    except PartitionsMismatch as exc:
+        raise CliError(str(exc)) from None
     except Exception as exc:
         raise CliError(
             f"cannot create the topics on the Kafka broker at {bootstrap}: {exc!r}"
