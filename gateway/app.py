@@ -37,7 +37,7 @@ from control.routing.registry import Router
 from gateway.decide import Decider
 from gateway.events import EventSink
 from gateway.exchange import Exchange, RelayedStream
-from gateway.failures import DcFailed
+from gateway.failures import CLIENT_LEFT, DcFailed
 from gateway.fallback_state import FallbackState
 from gateway.fleet_view import FleetView
 from gateway.inbound import (
@@ -367,7 +367,7 @@ def create_app(parts: GatewayParts) -> FastAPI:
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(_: Request, exc: ClientDisconnect) -> Response:
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_LEFT)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -514,7 +514,7 @@ async def _serve_fast(
     except ApiError as exc:
         response = error_response(exc)
     except ClientDisconnect:  # gone while it sent the body: nobody to answer
-        response = Response(status_code=499)
+        response = Response(status_code=CLIENT_LEFT)
     except Exception:  # a bug: still an answer in OpenAI's format, and a traceback logged
         log.exception("the gateway failed on %s", scope["path"])
         response = error_response(UNEXPECTED)

@@ -47,7 +47,7 @@ from control.pipeline import Charge
 from control.routing.tokenpilot import INDEX_STRIDE
 from gateway.decide import Decider, Plan
 from gateway.events import EventSink
-from gateway.failures import DcFailed, UpstreamFailed
+from gateway.failures import CLIENT_LEFT, DcFailed, UpstreamFailed
 from gateway.fleet_view import FleetView
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
@@ -132,7 +132,7 @@ class Exchange:
                     **attribution(inbound, dc),
                 )
             )
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_LEFT)
         except BaseException:  # the server stopping while it was held, or a bug
             if idempotency_key is not None:
                 await self.state.release(idempotency_key)
@@ -148,7 +148,8 @@ class Exchange:
                 # counted once charged: a client gone during the charge leaves nothing to undo
                 trip.pending, trip.inflight = _charges(inbound, plan, row)
                 response = await self._attempt(trip, request)
-                self.view.served(trip.instance.id)
+                if response.status_code != CLIENT_LEFT:  # the instance answered
+                    self.view.served(trip.instance.id)
                 return response
             except UpstreamFailed as exc:
                 self.view.failed(trip.instance.id, status=exc.status)
@@ -353,7 +354,7 @@ class Exchange:
         if upstream is not None:
             upstream.close()
         await self.books.cancelled(trip)
-        return Response(status_code=499)
+        return Response(status_code=CLIENT_LEFT)
 
     async def _stream(
         self, trip: Trip, upstream: aiohttp.ClientResponse, gone: asyncio.Future[None]
@@ -466,11 +467,11 @@ class RelayedStream(StreamingResponse):
                 ended()
 
 
-@functools.cache
 async def _error_of(upstream: aiohttp.ClientResponse) -> str:
     """What a failed answer says, as ``": message"`` (OpenAI's error object, vLLM's older
     ``ErrorResponse``, or its text, cut to ``ERROR_TEXT_CHARS``); "" where it cannot be
-    read. The connection is closed: an error's body is not worth keeping it for."""
+    read. The connection is closed: an error's body is not worth keeping it for. A body
+    that trickles delays the request's retry by ``ERROR_READ_S`` at most."""
     body = b""
     try:
         async with asyncio.timeout(ERROR_READ_S):
@@ -490,6 +491,7 @@ async def _error_of(upstream: aiohttp.ClientResponse) -> str:
     return f": {text[:ERROR_TEXT_CHARS]}" if text else ""
 
 
+@functools.cache
 def _without_read_timeout(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(
         total=timeout.total, connect=timeout.connect, sock_connect=timeout.sock_connect

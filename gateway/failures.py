@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from schemas.openai_api import ApiError
 
+CLIENT_LEFT = 499
+"""The status of a request whose client went away before its answer (nginx's), logged and
+counted; nobody reads it."""
+
 
 class UpstreamFailed(Exception):
     """The instance could not serve the request (before any token reached the client).

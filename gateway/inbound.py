@@ -188,8 +188,9 @@ def _shortens(fleet: FleetConfig, model: str) -> bool:
     """Whether ``model``'s engines serve a prompt whose budget passes the context, the
     budget shortened: vLLM does; SGLang refuses it (``_validate_one_request`` in its
     tokenizer_manager.py, unless started with ``--allow-auto-truncate``). Refused here
-    too where every instance runs SGLang: passed on, the refusal would count as the
-    DC's failure in its tables."""
+    too where every instance runs SGLang and the prompt came as token ids: passed on,
+    the refusal would count as the DC's failure in its tables. A text's length here is
+    an estimate, so SGLang judges it, and its refusal does count so."""
     return any(i.engine != "sglang" for i in fleet.instances if i.model == model)
 
 

@@ -309,8 +309,10 @@ def context_budgets(
     prompt that leaves no room for the one token a generation needs, or an input beyond
     the context where nothing is generated (``asked`` 0: an embedding;
     ``_validate_prompt_len`` in vllm/v1/engine/input_processor.py). Prompts whose
-    lengths are estimates (``counted`` False) are not refused for them: each gets at
-    least one token of budget, and the engine, which counts, judges them."""
+    lengths are estimates (``counted`` False) are not refused for them: the engine,
+    which counts, judges them; one estimated to fill the context keeps the budget asked
+    (at most the context), since the room the engine finds is unknown, and counting it
+    whole errs toward a load that is there."""
     if cap is not None and cap > context:
         raise ApiError(
             400,
@@ -326,7 +328,7 @@ def context_budgets(
             f"{longest} prompt tokens, which leave no room for output.",
             param=prompt_param,
         )
-    return [min(asked, max(context - p, 1)) for p in prompts]
+    return [min(asked, context - p if p < context else context) for p in prompts]
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)

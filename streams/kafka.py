@@ -233,7 +233,10 @@ async def _check_partitions(bootstrap: str, topics: Sequence[Topic]) -> None:
     async with _metadata_client(bootstrap) as client:
         cluster = await client.fetch_all_metadata()
     for topic in topics:
-        held = len(cluster.partitions_for_topic(topic.name) or ())
+        partitions = cluster.partitions_for_topic(topic.name)
+        if partitions is None:  # listed, no leader yet: being made (by another of ours)
+            continue
+        held = len(partitions)
         if held != topic.partitions:
             raise PartitionsMismatch(
                 f"topic {topic.name} has {held} partitions, and TokenFleet's tables need "

@@ -87,6 +87,7 @@ def worker_metrics() -> Exported:
     tallies = SimpleNamespace(
         processed=Counter({"lifecycle": 3}),
         dead_lettered=Counter({"tf.completions": 1}),
+        dead_letters_unsent=Counter({"tf.completions": 1}),
         published=Counter({"tf.tables.goodput": 2}),
     )
     return exported_by(WorkerMetrics(cast(WorkerApp, tallies)))
@@ -105,7 +106,7 @@ def exported_by(collector: Collector) -> Exported:
     ("dashboard", "prefix", "panels", "exporting"),
     [
         ("tokenfleet-controller.json", "tokenfleet_controller_", 9, controller_metrics),
-        ("tokenfleet-worker.json", "tokenfleet_worker_", 3, worker_metrics),
+        ("tokenfleet-worker.json", "tokenfleet_worker_", 4, worker_metrics),
     ],
 )
 def test_a_part_s_dashboard_has_a_panel_for_each_of_its_metrics_and_no_other(

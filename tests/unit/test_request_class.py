@@ -106,7 +106,7 @@ def test_a_budget_past_the_context_is_shortened_as_vllm_does_and_counted_shorten
 def test_a_text_s_estimated_length_refuses_nothing() -> None:
     """A text's tokens are estimated here (4 bytes a token), where the engine's tokenizer
     may count fewer: a prompt near the context that the engine would serve was refused.
-    Passed on, each such prompt is counted at one token of budget."""
+    Passed on, each such prompt is counted at the budget it asked."""
     chosen = fleet()
     context = chosen.models[0].context_tokens
     sglang = chosen.model_copy(
@@ -123,7 +123,7 @@ def test_a_text_s_estimated_length_refuses_nothing() -> None:
     for fleet_, path, body in asked:
         data = json.dumps({"model": "emulated", **body}).encode()
         budgets.append(read_inbound(fleet_, fleet_.tenants[0], path, data, {}).output_budget)
-    assert budgets == [1, 1, 1 + 5, 0]
+    assert budgets == [5, 5, 5 + 5, 0]
 
 
 def test_where_every_instance_runs_sglang_a_budget_past_the_context_is_refused() -> None:
