@@ -63,6 +63,9 @@ TABLE_TOPICS = ("tf.tables.goodput", "tf.tables.capacity")
 SnapshotT = TypeVar("SnapshotT", bound=ControlSnapshot)
 STALE_AFTER_S = 30.0
 """Six slides of the tables' default window (5 s): the worker has stopped publishing."""
+CLOCK_SLACK_S = 5.0
+"""How far ahead of this host's clock a snapshot read back may have been issued before it is
+taken as issued now."""
 
 
 class _ControlHost(ABC, Generic[SnapshotT]):
@@ -99,8 +102,11 @@ class _ControlHost(ABC, Generic[SnapshotT]):
         """Read and reconcile until cancelled."""
         readers = [
             asyncio.create_task(follow(self.bus, topic, self.apply, "earliest"))
-            for topic in (*self.input_topics, self.control_topic)
+            for topic in self.input_topics
         ]
+        readers.append(
+            asyncio.create_task(follow(self.bus, self.control_topic, self._read_back, "earliest"))
+        )
         try:
             await self.caught_up()
             while True:
@@ -143,6 +149,25 @@ class _ControlHost(ABC, Generic[SnapshotT]):
     @abstractmethod
     def apply(self, message: object) -> None:
         """Take in an input or a snapshot of this host's topic read from the bus."""
+
+    def _read_back(self, message: object) -> None:
+        """``apply`` a snapshot read from this host's topic, as issued now where it was
+        issued past ``CLOCK_SLACK_S`` ahead of this host's clock (by a controller on a
+        host whose clock is ahead, or before this one's clock was stepped back): its age
+        would read negative, and nothing would be renewed or changed until the clock
+        caught up."""
+        now = self.clock()
+        if isinstance(message, ControlSnapshot) and message.issued_at > now + CLOCK_SLACK_S:
+            log.warning(
+                "%s: %s's snapshot for %s was issued %.0f s ahead of this clock; taken as "
+                "issued now (check the hosts' clocks)",
+                self.source,
+                self.control_topic,
+                message.scope,
+                message.issued_at - now,
+            )
+            message = message.model_copy(update={"issued_at": now})
+        self.apply(message)
 
     async def _publish(self, snapshots: list[SnapshotT]) -> list[SnapshotT]:
         if snapshots:
@@ -417,7 +442,10 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
                 continue
             if now - min(capacity.window_end, ended[-1][0]) > self.stale_after_s:
                 continue  # a table stopped: it would read as a cold DC
-            desired = self._desired(dc, models, capacity, now)
+            rates = [rate for end, rate, _ in ended if end >= now - self.window_s]
+            if not rates:  # none ended in the window (a worker's hand-over): unknown, not 0
+                continue
+            desired = self._desired(dc, models, capacity, sum(rates) / len(rates), now)
             published = self._published.get(dc)
             if published is None:
                 snapshots.append(self.controller.snapshot(dc, desired, 1, now))
@@ -426,10 +454,9 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
         return await self._publish(snapshots)
 
     def _desired(
-        self, dc: str, models: dict[str, _Managed], capacity: CapacityTable, now: float
+        self, dc: str, models: dict[str, _Managed], capacity: CapacityTable, rate: float, now: float
     ) -> tuple[PlacementAction, ...]:
-        ended = [rate for end, rate, _ in self._ended[dc] if end >= now - self.window_s]
-        rate = sum(ended) / len(ended) if ended else 0.0
+        """``rate``: the requests a second the DC's goodput tables saw end over the window."""
         busy = {r.model: 0 for r in capacity.rows}
         for r in capacity.rows:  # every model's, managed or not: the rate is the DC's
             busy[r.model] += r.running + r.queued
@@ -440,7 +467,10 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
             share = busy.get(model, 0) / total if total else 1 / max(len(busy), 1)
             current = self._current(dc, model)
             ready = sum(r.ready_endpoints for r in rows)
-            deployed = managed.floor if current is None else current.target_replicas
+            # a target read back from before the fleet file lost GPUs: what there is now
+            deployed = (
+                managed.floor if current is None else min(current.target_replicas, managed.ceiling)
+            )
             lost = 0 if self._warming(dc, now) else max(deployed - ready, 0)
             if lost:
                 log.warning(

@@ -427,6 +427,53 @@ async def test_stale_goodput_moves_nothing_and_replicas_that_never_serve_are_giv
     assert targets(given_up) == {"m": 1}
 
 
+async def test_a_gap_in_the_tables_shorter_than_their_staleness_moves_nothing() -> None:
+    """With a cycle shorter than the tables' staleness (30 s), a hand-over between table
+    workers left no table in the window: a rate of 0, and a hot DC gave a replica back."""
+    bus, clock = InMemoryBus(), Clock()
+    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=4.0, clock=clock)
+    feed_dc_b(host, ended_rps=6.0, ready=1, now=clock.now)
+    [grown] = await host.reconcile()
+    assert targets(grown) == {"m": 2}
+    clock.now += 120
+    feed_dc_b(host, ended_rps=12.0, ready=2, now=clock.now - 6)  # fresh, but not in 4 s
+    assert await host.reconcile() == []
+
+
+async def test_a_target_read_back_past_the_dc_s_gpus_is_sized_by_the_gpus_there() -> None:
+    """A fleet file that lost standby GPUs since: the target read back was kept."""
+    bus, clock = InMemoryBus(), Clock()
+    earlier = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=60.0, clock=clock)
+    feed_dc_b(earlier, ended_rps=12.0, ready=1, now=clock.now)
+    [grown] = await earlier.reconcile()
+    big = grown.model_copy(
+        update={"actions": (grown.actions[0].model_copy(update={"target_replicas": 5}),)}
+    )
+    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=60.0, clock=clock)
+    host.apply(big)
+    clock.now += 120
+    feed_dc_b(host, ended_rps=15.0, ready=3, now=clock.now)  # 1.0 of three: in the band
+    [kept] = await host.reconcile()
+    assert targets(kept) == {"m": 3}  # dc-b has GPUs for three
+
+
+async def test_a_snapshot_read_back_from_ahead_of_the_clock_is_renewed_on_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its age read negative: nothing was renewed until this clock caught up."""
+    bus, clock = InMemoryBus(), Clock()
+    ahead = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=60.0, clock=lambda: clock.now + 300)
+    feed_dc_b(ahead, ended_rps=6.0, ready=1, now=clock.now + 300)
+    [published] = await ahead.reconcile()
+    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=60.0, renew_s=10.0, clock=clock)
+    host._read_back(published)
+    assert "300 s ahead of this clock" in caplog.text
+    clock.now += 11
+    feed_dc_b(host, ended_rps=6.0, ready=2, now=clock.now)  # 0.6 of two: in the band
+    [renewed] = await host.reconcile()
+    assert (renewed.version, targets(renewed)) == (published.version + 1, {"m": 2})
+
+
 async def test_a_controller_no_longer_per_class_drops_the_class_weights_it_reads_back() -> None:
     """Read back, a per-class controller's weights would shadow the per-DC one for good:
     every reader takes a class's own weight first."""
