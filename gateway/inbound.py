@@ -101,6 +101,8 @@ class _Size:
     """The cap on each choice the client set, if it set one."""
     counted: bool = False
     """Whether ``prompts`` are the engine's counts (token ids sent), not estimates."""
+    cap_param: str = "max_tokens"
+    """The field that set ``client_cap``."""
 
 
 def authenticate(fleet: FleetConfig, authorization: str | None) -> TenantConfig:
@@ -165,7 +167,15 @@ def _size(request: ProxiedRequest) -> _Size:
         messages = request.messages if isinstance(request, ChatRequest) else request.messages()
         text = chat_text(messages, request.tools)
         tokens = count_tokens(text)
-        return _Size(text, tokens, (tokens,), request.output_tokens, request.n, request.client_cap)
+        return _Size(
+            text,
+            tokens,
+            (tokens,),
+            request.output_tokens,
+            request.n,
+            request.client_cap,
+            cap_param=request.cap_param,
+        )
     prompts = request.prompts
     counts = tuple(prompt_tokens(p) for p in prompts)
     first = prompts[0]
@@ -181,6 +191,7 @@ def _size(request: ProxiedRequest) -> _Size:
         choices,
         request.client_cap,
         counted=counted,
+        cap_param=request.cap_param,
     )
 
 
@@ -208,6 +219,7 @@ def _output_budget(size: _Size, context_tokens: int, prompt_param: str, shortens
         context_tokens,
         prompt_param,
         counted=size.counted,
+        cap_param=size.cap_param,
     )
     longest = max(size.prompts)
     too_long = size.client_cap is not None and longest + size.client_cap > context_tokens

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, cast
 
 from pydantic import (
     AfterValidator,
@@ -107,6 +107,9 @@ class CompletionRequest(_Request):
         """The cap on each choice's output the client set, if it set one."""
         return self.max_tokens
 
+    cap_param: ClassVar[str] = "max_tokens"
+    """The field that sets ``client_cap``, for an error that names it."""
+
     @property
     def output_tokens(self) -> int:
         """The budget of each choice."""
@@ -168,6 +171,10 @@ class ChatRequest(_Request):
         return self.max_completion_tokens or self.max_tokens
 
     @property
+    def cap_param(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    @property
     def output_tokens(self) -> int:
         """The budget of each choice."""
         return self.client_cap or DEFAULT_CHAT_TOKENS
@@ -213,6 +220,8 @@ class ResponsesRequest(_Request):
     def client_cap(self) -> int | None:
         """The cap on the output the client set, if it set one."""
         return self.max_output_tokens
+
+    cap_param: ClassVar[str] = "max_output_tokens"
 
     @property
     def output_tokens(self) -> int:
@@ -301,6 +310,7 @@ def context_budgets(
     prompt_param: str,
     *,
     counted: bool = True,
+    cap_param: str = "max_tokens",
 ) -> list[int]:
     """Each prompt's output budget as vLLM 0.34 sets it: the ``asked`` one, shortened to
     the room its prompt leaves in the ``context`` (``get_max_tokens``, in
@@ -318,7 +328,7 @@ def context_budgets(
             400,
             f"The output budget ({cap} tokens) cannot be greater than this model's maximum "
             f"context length, {context} tokens.",
-            param="max_tokens",
+            param=cap_param,
         )
     longest = max(prompts)
     if counted and longest + (1 if asked else 0) > context:

@@ -227,7 +227,9 @@ def _budgets(
 ) -> list[int]:
     """Each prompt's output budget, as vLLM sets it (``context_budgets``)."""
     limit = instance.driver.engine.config.max_tokens_per_sequence
-    return context_budgets(counts, body.output_tokens, body.client_cap, limit, prompt_param)
+    return context_budgets(
+        counts, body.output_tokens, body.client_cap, limit, prompt_param, cap_param=body.cap_param
+    )
 
 
 def _priority(body: ChatRequest | CompletionRequest | ResponsesRequest) -> int:

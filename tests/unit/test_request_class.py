@@ -7,7 +7,14 @@ import json
 import pytest
 
 from control.tokens import token_ids
-from gateway.inbound import CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, Inbound, read_inbound
+from gateway.inbound import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    EMBEDDINGS_PATH,
+    RESPONSES_PATH,
+    Inbound,
+    read_inbound,
+)
 from schemas.base import TaskClass
 from schemas.fleet import FleetConfig
 from schemas.objectives import ClassObjective
@@ -168,3 +175,24 @@ def test_a_request_naming_no_model_needs_a_fleet_of_one_model() -> None:
         read_inbound(two, two.tenants[0], COMPLETIONS_PATH, unnamed, {})
     assert (which.value.status, which.value.param) == (400, "model")
     assert "`other`" in which.value.message
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+        (CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}]}, "max_completion_tokens"),
+        (RESPONSES_PATH, {"input": "hi"}, "max_output_tokens"),
+        (COMPLETIONS_PATH, {"prompt": "hi"}, "max_tokens"),
+    ],
+)
+def test_a_cap_past_the_context_is_refused_naming_the_field_that_set_it(
+    path: str, body: dict[str, object], param: str
+) -> None:
+    """The error named max_tokens whichever field the client had set."""
+    chosen = fleet()
+    over = chosen.models[0].context_tokens + 1
+    data = json.dumps({"model": "emulated", **body, param: over}).encode()
+    with pytest.raises(ApiError) as refused:
+        read_inbound(chosen, chosen.tenants[0], path, data, {})
+    assert (refused.value.status, refused.value.param) == (400, param)
