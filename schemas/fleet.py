@@ -68,6 +68,17 @@ class InstanceConfig(Frozen):
     dc: Identifier
     url: HttpUrl = Field(description="Base URL; the OpenAI API is under /v1.")
     model: Identifier
+
+    @field_validator("url")
+    @classmethod
+    def _base_url(cls, url: HttpUrl) -> HttpUrl:
+        """The server's base, where the gateway adds ``/v1/...`` and the collector
+        ``/metrics``; a client's base URL ending in ``/v1`` (as the openai package takes
+        it) reached ``/v1/v1/...`` and ``/v1/metrics``, and the instance read not ready. A
+        path before it (a proxy's prefix) stays."""
+        if (url.path or "").rstrip("/").endswith("/v1"):
+            raise ValueError(f"{url} is the OpenAI API's URL: give the server's, without /v1")
+        return url
     version: Identifier = "1"
     engine: Literal["vllm", "sglang"] = "vllm"
     api_key_env: str | None = Field(

@@ -83,6 +83,20 @@ def test_an_empty_api_key_is_refused(tmp_path: Path) -> None:
         load_fleet(blank)
 
 
+def test_an_instance_url_of_the_openai_api_is_refused(tmp_path: Path) -> None:
+    """A client's base URL (``.../v1``): the gateway called ``/v1/v1/...``, the collector
+    scraped ``/v1/metrics`` (404), and the instance read not ready, with no word why."""
+    example = EXAMPLE.read_text()
+    first = example[example.index('url = "') :].split('"')[1]
+    api = tmp_path / "fleet.toml"
+    api.write_text(example.replace(f'url = "{first}"', f'url = "{first}/v1/"', 1))
+    with pytest.raises(FleetFileError, match="the OpenAI API's URL: give the server's"):
+        load_fleet(api)
+    prefixed = tmp_path / "prefixed.toml"  # a proxy's prefix is a server's base
+    prefixed.write_text(example.replace(f'url = "{first}"', f'url = "{first}/llama"', 1))
+    assert str(load_fleet(prefixed).instances[0].url).endswith("/llama")
+
+
 def test_the_snapshot_carries_each_engine_s_block_size_as_scraped() -> None:
     """One instance reported blocks of 64 tokens, the other nothing yet: vLLM's 16."""
     fleet = load_fleet(EXAMPLE)
