@@ -46,8 +46,11 @@ async def serve_operator_view(bus: EventBus, listening: socket.socket, every_s: 
         asyncio.create_task(follow_envelopes(bus, topic, view.apply_envelope, "earliest"))
         for topic in VIEWED_TOPICS
     ]
-    config = uvicorn.Config(
-        operator_app(view, every_s), log_level="warning", timeout_graceful_shutdown=1
+    config = uvicorn.Config(  # no lifespan: the app has none, and one cancelled logged a traceback
+        operator_app(view, every_s),
+        log_level="warning",
+        timeout_graceful_shutdown=1,
+        lifespan="off",
     )
     server = SignalFreeServer(config)
     serving = asyncio.create_task(server.serve([listening]))

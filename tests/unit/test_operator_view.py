@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,9 +22,11 @@ from schemas.control import (
     RoutingWeights,
 )
 from schemas.tables import CapacityTable, GoodputTable
+from streams.memory import InMemoryBus
 from tests.unit.test_quota_controller import capacity as two_ready
 from tests.unit.test_quota_controller import row
-from tokenfleet.operator_page import ViewMetrics
+from tokenfleet.controller_host import QuotaHost
+from tokenfleet.operator_page import ViewMetrics, serve_operator_view
 from tokenfleet.operator_view import OperatorView
 
 
@@ -228,3 +234,23 @@ def test_tables_from_two_table_workers_are_named_counted_and_logged(
     assert 'tokenfleet_controller_table_publishers{dc="dc-a"} 2.0' in text
     clock.now += 120  # both silent for two minutes: nobody publishes now
     assert view.state()["dcs"][0]["table_publishers"] == []
+
+
+def test_a_controller_stopped_with_its_view_logs_no_error(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """Cancelled beside a host, as ``tokenfleet controller`` stops on SIGTERM, the view's
+    server left its lifespan task behind, and the loop's end logged its CancelledError as
+    an ERROR with a traceback, at every ``tokenfleet down``."""
+
+    async def stopped() -> None:
+        bus = InMemoryBus()
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            both = asyncio.gather(QuotaHost(bus).run(), serve_operator_view(bus, listening, 1.0))
+            await asyncio.sleep(0.5)
+            both.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await both
+
+    asyncio.run(stopped())  # its own loop, ended as the command's: what is left is cancelled
+    assert "Traceback" not in capfd.readouterr().err  # uvicorn's log, on stderr
