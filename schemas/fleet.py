@@ -79,6 +79,7 @@ class InstanceConfig(Frozen):
         if (url.path or "").rstrip("/").endswith("/v1"):
             raise ValueError(f"{url} is the OpenAI API's URL: give the server's, without /v1")
         return url
+
     version: Identifier = "1"
     engine: Literal["vllm", "sglang"] = "vllm"
     api_key_env: str | None = Field(

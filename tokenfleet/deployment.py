@@ -210,6 +210,10 @@ def _service_settings(env: Mapping[str, str]) -> dict[str, str]:
     return {key: env[key] for key in SERVICE_SETTINGS if key in env}
 
 
+_SERVICE_SETTING = {"kafka": "TOKENFLEET_KAFKA_BOOTSTRAP", "redis": "TOKENFLEET_REDIS_URL"}
+"""The setting that names each service ``up`` starts where it is unset."""
+
+
 class Record(TypedDict):
     """What ``deployment.json`` holds."""
 
@@ -275,17 +279,28 @@ class Deployment:
 
     def parts(self) -> list[Part]:
         """The parts of the deployment recorded in ``home`` (none if there is none); a
-        record written before parts had ready URLs or stop timeouts has none of them."""
-        return [
-            Part(
-                p["name"],
-                tuple(p["args"]),
-                p["url"],
-                tuple(p.get("ready_urls", ())),
-                p.get("stop_timeout_s", STOP_TIMEOUT_S),
-            )
-            for p in self.record()["parts"]
-        ]
+        record written before parts had ready URLs or stop timeouts has none of them.
+        CliError for a part the record lacks the name, arguments or URL of."""
+        try:
+            return [
+                Part(
+                    p["name"],
+                    tuple(p["args"]),
+                    p["url"],
+                    tuple(p.get("ready_urls", ())),
+                    p.get("stop_timeout_s", STOP_TIMEOUT_S),
+                )
+                for p in self.record()["parts"]
+            ]
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise self._unreadable(f"a part without {exc}") from None
+
+    def fleet_file(self) -> Path | None:
+        """The fleet file the recorded deployment's parts were started with, if any."""
+        for part in self.parts():
+            if "--fleet" in part.args[:-1]:
+                return Path(part.args[part.args.index("--fleet") + 1])
+        return None
 
     def record(self) -> Record:
         """The deployment recorded in ``home``; an empty one where there is none. CliError
@@ -328,8 +343,14 @@ class Deployment:
 
     def with_own_services(self, env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
         """``env`` with a local Kafka broker and Redis server, started in ``home``, for
-        the services it names none of; and which were started (for ``start``)."""
+        the services it names none of; and which were started (for ``start``). One that
+        an earlier ``up`` here started and that still runs is used again; one ``env`` now
+        names instead is stopped (its parts are gone, as ``up`` checked, and the record
+        written here would no longer name it: nothing would stop it)."""
         env, started = dict(env), list[str]()
+        for service, pid in self.service_pids().items():
+            if pid is not None and _SERVICE_SETTING[service] in env:
+                self._stop_service(service)  # an earlier up's, its parts gone: else orphaned
         if "TOKENFLEET_KAFKA_BOOTSTRAP" not in env:
             home = self._own("kafka", env, started)
             bootstrap = running_bootstrap(home) or LocalKafka(home).start(detach=True)
@@ -352,11 +373,13 @@ class Deployment:
         """Stop every part, then the services started for them; forget the deployment."""
         self.stop_parts()
         own = self.record()["own_services"]
-        if "redis" in own:
-            LocalRedis(self.home / "redis").stop()
-        if "kafka" in own:
-            LocalKafka(self.home / "kafka").stop()
+        for service in ("redis", "kafka"):
+            if service in own:
+                self._stop_service(service)
         self.record_path.unlink(missing_ok=True)
+
+    def _stop_service(self, service: str) -> None:
+        (LocalRedis if service == "redis" else LocalKafka)(self.home / service).stop()
 
     def stop_parts(self, names: Sequence[str] | None = None) -> None:
         """Stop the parts named (default: all) in the reverse order: the gateways first,

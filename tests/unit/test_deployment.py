@@ -283,6 +283,28 @@ def test_up_stops_the_broker_it_started_when_redis_then_fails_to_start(
     assert not Deployment(home).record_path.exists()
 
 
+def test_an_own_service_left_running_is_stopped_when_up_is_given_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts killed, Redis left running, then up with TOKENFLEET_REDIS_URL set: the first
+    Redis ran on, named by no record, and down never stopped it."""
+    stopped = []
+
+    class Server:
+        def __init__(self, home: Path) -> None:
+            self.home = home
+
+        def stop(self) -> None:
+            stopped.append(self.home.name)
+
+    monkeypatch.setattr("tokenfleet.deployment.LocalRedis", Server)
+    deployment = Deployment(tmp_path / "up")
+    monkeypatch.setattr(Deployment, "service_pids", lambda self: {"redis": 4242})
+    env = {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1", "TOKENFLEET_REDIS_URL": "redis://x"}
+    _, started = deployment.with_own_services(env)
+    assert (stopped, started) == (["redis"], [])
+
+
 def test_a_part_whose_port_already_answers_is_refused_before_it_starts(tmp_path: Path) -> None:
     """Another server on the port would answer the new part's health check while the new
     part failed to bind: ``up`` would report started a part that had exited."""
@@ -333,6 +355,36 @@ def test_a_truncated_record_is_named_by_up_down_and_status_and_skipped_by_an_env
         assert "then remove" in err, command
     monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")
     assert broker(home) == "127.0.0.1:1"
+
+
+def test_a_record_whose_part_lacks_its_arguments_is_named_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Edited by hand: up and down ended in KeyError: 'args' (exit 1)."""
+    home = tmp_path / "up"
+    home.mkdir()
+    record = {"parts": [{"name": "collector", "url": "x"}], "settings": {}, "own_services": []}
+    (home / "deployment.json").write_text(json.dumps(record))
+    for command in (["up"], ["down"]):
+        assert main([*command, "--home", str(home)]) == 2, command
+        err = capsys.readouterr().err
+        assert "a part without 'args'" in err, command
+
+
+def test_status_reads_the_dcs_of_the_fleet_file_up_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --fleet, a deployment up had run before with another fleet file left its
+    DCs' last controls on the topics: status read the loop open for good."""
+    home = tmp_path / "up"
+    home.mkdir()
+    fleet = tmp_path / "gone.toml"
+    part = {"name": "gateway", "args": ["gateway", "--fleet", str(fleet)], "url": "x"}
+    settings = {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
+    record = {"parts": [part], "settings": settings, "own_services": []}
+    (home / "deployment.json").write_text(json.dumps(record))
+    assert main(["status", "--home", str(home), "--timeout", "1"]) == 2
+    assert f"cannot read fleet file {fleet}" in capsys.readouterr().err
 
 
 def test_a_record_whose_write_fails_midway_is_left_as_it_was(

@@ -189,7 +189,8 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
         "--fleet",
         type=Path,
         help="only the DCs of this fleet file (the topics keep a retired DC's last tables "
-        "and controls, which would read as stale for good)",
+        "and controls, which would read as stale for good; default: the fleet file of the "
+        "deployment tokenfleet up recorded in --home, where status reads its broker)",
     )
     status.add_argument(
         "--timeout",
@@ -226,12 +227,14 @@ def _status(args: argparse.Namespace) -> int:
     # The recorded deployment's broker even where it is down: the processes say so first.
     bootstrap = Settings().kafka_bootstrap or recorded or broker(args.home)
     processes: dict[str, int | None] = {}
+    fleet = args.fleet
     if recorded == bootstrap:  # else another broker's loop, which these parts are not of
         processes = deployment.pids() | deployment.service_pids()
+        fleet = fleet or deployment.fleet_file()  # not a DC of an earlier fleet's up
     dcs = args.dc
-    if args.fleet is not None:  # with --dc too: the named DCs the fleet file has
+    if fleet is not None:  # with --dc too: the named DCs the fleet file has
         try:
-            fleet_dcs = [dc.name for dc in load_fleet(args.fleet).dcs]
+            fleet_dcs = [dc.name for dc in load_fleet(fleet).dcs]
         except FleetFileError as exc:
             raise CliError(str(exc)) from None
         dcs = [dc for dc in fleet_dcs if dcs is None or dc in dcs]
