@@ -79,9 +79,18 @@ def decode(data: bytes) -> Envelope:
 
 
 def describe(error: ValidationError, prefix: str = "") -> str:
-    """One line per problem: ``field.path: reason``."""
+    """One line per problem: ``field.path: reason``. A list's length is not a problem of
+    its own where one of its items failed: pydantic counts the list without the failed
+    item ("at least 1 item, not 0" beside the typo that failed it)."""
+    issues = error.errors(include_url=False)
+    failed_items = {issue["loc"][:-1] for issue in issues if len(issue["loc"]) > 1}
     return "; ".join(
-        f"{_location(prefix, issue)}: {issue['msg']}" for issue in error.errors(include_url=False)
+        f"{_location(prefix, issue)}: {issue['msg']}"
+        for issue in issues
+        if not (
+            issue["type"] == "too_short"
+            and any(loc[: len(issue["loc"])] == issue["loc"] for loc in failed_items)
+        )
     )
 
 

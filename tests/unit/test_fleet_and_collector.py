@@ -75,6 +75,16 @@ def test_a_fleet_file_naming_an_unknown_dc_is_refused(tmp_path: Path) -> None:
         load_fleet(kept_out)
 
 
+def test_a_typo_in_a_model_s_key_is_the_one_problem_named(tmp_path: Path) -> None:
+    """Pydantic also counted the models without the failed one: "models: Tuple should
+    have at least 1 item after validation, not 0", beside the typo."""
+    typo = tmp_path / "fleet.toml"
+    typo.write_text(EXAMPLE.read_text().replace("max_num_seqs = ", "max_num_seqz = ", 1))
+    with pytest.raises(FleetFileError) as refused:
+        load_fleet(typo)
+    assert str(refused.value).endswith(": models.0.max_num_seqz: Extra inputs are not permitted")
+
+
 def test_an_empty_api_key_is_refused(tmp_path: Path) -> None:
     """It would match a header of ``Bearer`` and a space: anyone would be that tenant."""
     blank = tmp_path / "fleet.toml"
