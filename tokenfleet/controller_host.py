@@ -153,9 +153,10 @@ class _ControlHost(ABC, Generic[SnapshotT]):
     def _read_back(self, message: object) -> None:
         """``apply`` a snapshot read from this host's topic, as issued now where it was
         issued past ``CLOCK_SLACK_S`` ahead of this host's clock (by a controller on a
-        host whose clock is ahead, or before this one's clock was stepped back): its age
-        would read negative, and nothing would be renewed or changed until the clock
-        caught up."""
+        host whose clock is ahead, or by this one before a restart that followed its
+        clock stepped back): its age would read negative, and nothing would be renewed or
+        changed until the clock caught up. A clock stepped back under a running host is
+        not caught: its own snapshots are held as it published them."""
         now = self.clock()
         if isinstance(message, ControlSnapshot) and message.issued_at > now + CLOCK_SLACK_S:
             log.warning(
@@ -442,9 +443,10 @@ class PlacementHost(_ControlHost[PlacementRecommendation]):
                 continue
             if now - min(capacity.window_end, ended[-1][0]) > self.stale_after_s:
                 continue  # a table stopped: it would read as a cold DC
+            # none ended in the window (a cycle shorter than the tables' slide, a worker's
+            # hand-over): the newest, fresh as checked above, not a rate of 0
             rates = [rate for end, rate, _ in ended if end >= now - self.window_s]
-            if not rates:  # none ended in the window (a worker's hand-over): unknown, not 0
-                continue
+            rates = rates or [ended[-1][1]]
             desired = self._desired(dc, models, capacity, sum(rates) / len(rates), now)
             published = self._published.get(dc)
             if published is None:

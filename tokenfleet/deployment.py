@@ -344,12 +344,14 @@ class Deployment:
     def with_own_services(self, env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
         """``env`` with a local Kafka broker and Redis server, started in ``home``, for
         the services it names none of; and which were started (for ``start``). One that
-        an earlier ``up`` here started and that still runs is used again; one ``env`` now
-        names instead is stopped (its parts are gone, as ``up`` checked, and the record
-        written here would no longer name it: nothing would stop it)."""
+        an earlier ``up`` here started and that still runs is used again (also where ``env``
+        names it); one ``env`` names another in place of is stopped (its parts are gone, as
+        ``up`` checked, and the record written here would no longer name it: nothing would
+        stop it)."""
         env, started = dict(env), list[str]()
         for service, pid in self.service_pids().items():
-            if pid is not None and _SERVICE_SETTING[service] in env:
+            named = env.get(_SERVICE_SETTING.get(service, ""))
+            if pid is not None and named is not None and named != self._address(service):
                 self._stop_service(service)  # an earlier up's, its parts gone: else orphaned
         if "TOKENFLEET_KAFKA_BOOTSTRAP" not in env:
             home = self._own("kafka", env, started)
@@ -379,7 +381,13 @@ class Deployment:
         self.record_path.unlink(missing_ok=True)
 
     def _stop_service(self, service: str) -> None:
-        (LocalRedis if service == "redis" else LocalKafka)(self.home / service).stop()
+        if service in _SERVICE_SETTING:  # a record edited by hand may name others
+            (LocalRedis if service == "redis" else LocalKafka)(self.home / service).stop()
+
+    def _address(self, service: str) -> str | None:
+        """Where this home's own ``service`` answers, if it runs."""
+        home = self.home / service
+        return running_url(home) if service == "redis" else running_bootstrap(home)
 
     def stop_parts(self, names: Sequence[str] | None = None) -> None:
         """Stop the parts named (default: all) in the reverse order: the gateways first,

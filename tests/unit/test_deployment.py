@@ -298,10 +298,13 @@ def test_an_own_service_left_running_is_stopped_when_up_is_given_another(
             stopped.append(self.home.name)
 
     monkeypatch.setattr("tokenfleet.deployment.LocalRedis", Server)
+    monkeypatch.setattr("tokenfleet.deployment.running_url", lambda home: "redis://own")
     deployment = Deployment(tmp_path / "up")
     monkeypatch.setattr(Deployment, "service_pids", lambda self: {"redis": 4242})
-    env = {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1", "TOKENFLEET_REDIS_URL": "redis://x"}
-    _, started = deployment.with_own_services(env)
+    env = {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1", "TOKENFLEET_REDIS_URL": "redis://own"}
+    deployment.with_own_services(env)  # named as up printed it: still this deployment's
+    assert stopped == []
+    _, started = deployment.with_own_services(env | {"TOKENFLEET_REDIS_URL": "redis://x"})
     assert (stopped, started) == (["redis"], [])
 
 
@@ -383,8 +386,10 @@ def test_status_reads_the_dcs_of_the_fleet_file_up_recorded(
     settings = {"TOKENFLEET_KAFKA_BOOTSTRAP": "127.0.0.1:1"}
     record = {"parts": [part], "settings": settings, "own_services": []}
     (home / "deployment.json").write_text(json.dumps(record))
-    assert main(["status", "--home", str(home), "--timeout", "1"]) == 2
-    assert f"cannot read fleet file {fleet}" in capsys.readouterr().err
+    assert main(["status", "--home", str(home), "--timeout", "1"]) == 2  # the broker is away
+    err = capsys.readouterr().err  # read, and gone since: every DC is judged, as before
+    assert f"cannot read fleet file {fleet}" in err
+    assert "every DC on the topics is judged" in err
 
 
 def test_a_record_whose_write_fails_midway_is_left_as_it_was(

@@ -130,7 +130,7 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     parts = plan(
         fleet,
-        str(args.fleet),
+        str(args.fleet.resolve()),  # status, from any folder, reads it back
         gateway_port=args.gateway_port,
         controller_port=args.controller_port,
         worker_port=args.worker_port,

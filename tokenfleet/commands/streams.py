@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
@@ -182,8 +183,9 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
     status.add_argument(
         "--dc",
         action="append",
-        help="only this DC's tables and controls (repeat for several; default: every DC "
-        "the topics hold, a retired one's last tables included)",
+        help="only this DC's tables and controls (repeat for several; default: the DCs of "
+        "--fleet, else of the deployment's fleet file, else every DC the topics hold, a "
+        "retired one's last tables included)",
     )
     status.add_argument(
         "--fleet",
@@ -212,7 +214,6 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
 def _status(args: argparse.Namespace) -> int:
     import time
 
-    from schemas.fleet import FleetFileError, load_fleet
     from tokenfleet.deployment import Deployment
     from tokenfleet.loop_status import (
         loop_checks,
@@ -227,16 +228,13 @@ def _status(args: argparse.Namespace) -> int:
     # The recorded deployment's broker even where it is down: the processes say so first.
     bootstrap = Settings().kafka_bootstrap or recorded or broker(args.home)
     processes: dict[str, int | None] = {}
-    fleet = args.fleet
+    recorded_fleet = None
     if recorded == bootstrap:  # else another broker's loop, which these parts are not of
         processes = deployment.pids() | deployment.service_pids()
-        fleet = fleet or deployment.fleet_file()  # not a DC of an earlier fleet's up
+        recorded_fleet = deployment.fleet_file()  # not a DC of an earlier fleet's up
     dcs = args.dc
-    if fleet is not None:  # with --dc too: the named DCs the fleet file has
-        try:
-            fleet_dcs = [dc.name for dc in load_fleet(fleet).dcs]
-        except FleetFileError as exc:
-            raise CliError(str(exc)) from None
+    fleet_dcs = _fleet_dcs(args.fleet, recorded_fleet)
+    if fleet_dcs is not None:  # with --dc too: the named DCs the fleet file has
         dcs = [dc for dc in fleet_dcs if dcs is None or dc in dcs]
     checks = process_checks(processes)
     _print_checks(checks)
@@ -288,6 +286,24 @@ def _worker(args: argparse.Namespace) -> int:
 
     run_worker(served, settings.log_level)
     return 0
+
+
+def _fleet_dcs(named: Path | None, recorded: Path | None) -> list[str] | None:
+    """The DCs of the fleet file ``--fleet`` names (CliError where it cannot be read), else
+    of the one the deployment was started with (a warning where it cannot be read any more:
+    every DC is judged), else None."""
+    from schemas.fleet import FleetFileError, load_fleet
+
+    path = named or recorded
+    if path is None:
+        return None
+    try:
+        return [dc.name for dc in load_fleet(path).dcs]
+    except FleetFileError as exc:
+        if named is not None:
+            raise CliError(str(exc)) from None
+        print(f"tokenfleet: {exc}; every DC on the topics is judged", file=sys.stderr)
+        return None
 
 
 def _collect(args: argparse.Namespace) -> int:
