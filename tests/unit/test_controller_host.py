@@ -427,18 +427,19 @@ async def test_stale_goodput_moves_nothing_and_replicas_that_never_serve_are_giv
     assert targets(given_up) == {"m": 1}
 
 
-async def test_a_gap_in_the_tables_shorter_than_their_staleness_moves_nothing() -> None:
+async def test_a_gap_in_the_tables_shorter_than_their_staleness_reads_the_newest() -> None:
     """With a cycle shorter than the tables' staleness (30 s), a hand-over between table
     workers left no table in the window: a rate of 0, and a DC in its band gave a replica
-    back. The newest fresh table's rate is read."""
+    back; skipped instead, the DC's renewal was skipped too, and its placement ran out."""
     bus, clock = InMemoryBus(), Clock()
-    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=4.0, clock=clock)
+    host = PlacementHost(bus, LONG_CYCLE_FLEET, period_s=4.0, renew_s=10.0, clock=clock)
     feed_dc_b(host, ended_rps=6.0, ready=1, now=clock.now)
     [grown] = await host.reconcile()
     assert targets(grown) == {"m": 2}
     clock.now += 120
     feed_dc_b(host, ended_rps=6.0, ready=2, now=clock.now - 6)  # fresh, but not in 4 s
-    assert await host.reconcile() == []  # 0.6 of two: in the band, and no renewal due
+    [renewed] = await host.reconcile()  # 0.6 of two: in the band, renewed unchanged
+    assert (renewed.version, targets(renewed)) == (grown.version + 1, {"m": 2})
 
 
 async def test_a_target_read_back_past_the_dc_s_gpus_is_sized_by_the_gpus_there() -> None:
