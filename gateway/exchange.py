@@ -51,7 +51,16 @@ from gateway.failures import CLIENT_LEFT, DcFailed, UpstreamFailed
 from gateway.fleet_view import FleetView
 from gateway.inbound import Inbound
 from gateway.metrics import GatewayMetrics
-from gateway.sse import FIRST_TOKEN, NOTHING, Piece, Seen, output_tokens, read_event, sse_events
+from gateway.sse import (
+    FIRST_TOKEN,
+    NOTHING,
+    Piece,
+    Seen,
+    error_text,
+    output_tokens,
+    read_event,
+    sse_events,
+)
 from gateway.state import SharedState
 from gateway.trip import Spawn, Trip, TripBooks, attribution
 from schemas.fleet import InstanceConfig
@@ -486,8 +495,7 @@ async def _error_of(upstream: aiohttp.ClientResponse) -> str:
     except ValueError:
         text = body.decode(errors="replace").strip()
     else:
-        error = answer.get("error", answer) if isinstance(answer, dict) else answer
-        text = str(error.get("message", error) if isinstance(error, dict) else error)
+        text = error_text(answer.get("error", answer) if isinstance(answer, dict) else answer)
     return f": {text[:ERROR_TEXT_CHARS]}" if text else ""
 
 

@@ -75,7 +75,7 @@ def read_event(event: bytes) -> Seen:
     if payload.get("error"):
         error = payload["error"]
         status = error.get("code") if isinstance(error, dict) else None
-        return Seen(Piece.END, error=_error_text(error), status=_int(status))
+        return Seen(Piece.END, error=error_text(error), status=_int(status))
     kind = payload.get("type")
     if isinstance(kind, str):
         return _responses_event(kind, payload)
@@ -106,7 +106,7 @@ def _responses_event(kind: str, payload: dict[str, Any]) -> Seen:
     if kind in _RESPONSE_ENDS:
         response = payload.get("response")
         response = response if isinstance(response, dict) else {}
-        failed = _error_text(response["error"]) if response.get("error") else None
+        failed = error_text(response["error"]) if response.get("error") else None
         return Seen(Piece.END, output_tokens(response), failed)
     return NOTHING
 
@@ -125,7 +125,8 @@ def _int(value: object) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def _error_text(error: object) -> str:
+def error_text(error: object) -> str:
+    """An OpenAI error object's message, or the error as text."""
     return str(error.get("message", error)) if isinstance(error, dict) else str(error)
 
 
