@@ -381,8 +381,9 @@ class Deployment:
         self.record_path.unlink(missing_ok=True)
 
     def _stop_service(self, service: str) -> None:
-        if service in _SERVICE_SETTING:  # a record edited by hand may name others
-            (LocalRedis if service == "redis" else LocalKafka)(self.home / service).stop()
+        """Stop this home's own ``service``: ``redis``, else Kafka (callers pass only the
+        two, whatever a record edited by hand may name)."""
+        (LocalRedis if service == "redis" else LocalKafka)(self.home / service).stop()
 
     def _address(self, service: str) -> str | None:
         """Where this home's own ``service`` answers, if it runs."""
