@@ -75,6 +75,10 @@ from schemas.openai_api import REQUEST_ID_HEADER, ApiError
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
+REQUEST_FAULTS = frozenset({400, 413, 422})
+"""An instance's answers that blame the request (vLLM and SGLang answer 400 for a prompt
+past the context or a parameter out of range): refused as invalid, not the DC's failure.
+Any other 4xx (a key the instance refuses, a model it lacks, 429) is the DC's."""
 ERROR_BODY_BYTES = 4096
 ERROR_READ_S = 1.0
 """How much of a failed answer is read for its message, and how long it is waited for."""
@@ -267,7 +271,10 @@ class Exchange:
                     upstream.close()
                     raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
                 upstream.release()
-                await self.books.fail(trip, f"instance answered {upstream.status}")
+                if upstream.status in REQUEST_FAULTS:
+                    await self.books.refused(trip, upstream.status)
+                else:
+                    await self.books.fail(trip, f"instance answered {upstream.status}")
                 return Response(
                     body, upstream.status, media_type="application/json", headers=_headers(trip)
                 )

@@ -5,10 +5,11 @@ it is charged to its end (the exchange, ``gateway.exchange``, carries the reques
   until the first token, its prompt and budget as in flight until it ends. A whole
   (non-streamed) answer shows no first token: its prefill stops counting when the router
   predicted the first token would come, or at its end if the router predicts nothing.
-- Every end (completed, cancelled, failed, abandoned by an unexpected exception or the
-  server's stop) undoes what is left of the accounting, tells admission and emits one
-  lifecycle event (an abandoned trip's is a failure, unless its end was already
-  reported); one that did not complete frees its idempotency key for the client's retry.
+- Every end (completed, cancelled, failed, refused by the instance as invalid, abandoned
+  by an unexpected exception or the server's stop) undoes what is left of the
+  accounting, tells admission and emits one lifecycle event (an abandoned trip's is a
+  failure, unless its end was already reported); one that did not complete frees its
+  idempotency key for the client's retry.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from schemas.fleet import InstanceConfig
 from schemas.lifecycle import (
     CancelReason,
     FirstToken,
+    RejectReason,
     RequestCancelled,
     RequestCompleted,
     RequestFailed,
+    RequestRejected,
     RequestRetried,
 )
 
@@ -194,6 +197,24 @@ class TripBooks:
         await self.release(trip)
         self.admission.finished(trip.inbound, trip.plan.dc)
         self._failed(trip, error)
+        await self._forget_key(trip)
+
+    async def refused(self, trip: Trip, status: int) -> None:
+        """The instance refused the request for its own fault (``status``: 400, 413 or 422,
+        a prompt past the context, a parameter the engine rejects): nothing ran, so the
+        router forgets the work it counted, and the request is reported refused as
+        invalid in no DC's table; counted as the DC's failure, one tenant's bad requests
+        would lower a healthy DC's goodput and move the weights off it."""
+        await self.release(trip)
+        self.admission.finished(trip.inbound, trip.plan.dc, cancelled=True)
+        trip.reported = True
+        self.events.emit(
+            RequestRejected(
+                request_id=trip.inbound.request_id,
+                reason=RejectReason.INVALID,
+                detail=f"instance {trip.instance.id} answered {status}",
+            )
+        )
         await self._forget_key(trip)
 
     async def abandoned(self, trip: Trip, why: BaseException) -> None:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import uvicorn
@@ -15,10 +16,11 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.settings import GatewaySettings
+from schemas import topic_for
 from schemas.fleet import FleetConfig
 from sim.emulator.server import EmulatedInstance, serve
 from sim.profiles import profile
@@ -29,6 +31,8 @@ from tokenfleet.settings import Settings
 MODEL = "emulated"
 KEY = "sk-test"
 PROFILE = "llama3-70b-4xh100"
+T = TypeVar("T")
+WEATHER = [{"role": "user", "content": "What is the weather in Lyon? " * 10}]
 
 
 def fleet_for(urls: Sequence[str], **extra: Any) -> FleetConfig:
@@ -90,6 +94,19 @@ async def gateway(
         yield Gateway(f"http://127.0.0.1:{port}", app)
 
 
+async def latest_event(front: Gateway, request_id: str, kind: type[T]) -> T | None:
+    """The request's latest event on ``kind``'s topic, once it is a ``kind`` (None after
+    5 s)."""
+    topic = topic_for(kind).name
+    bus = front.app.state.gateway.parts.bus
+    for _ in range(250):
+        envelope = (await bus.read_latest(topic)).get(request_id)
+        if envelope is not None and isinstance(envelope.payload, kind):
+            return envelope.payload
+        await asyncio.sleep(0.02)
+    return None
+
+
 async def scraped(url: str, name: str, **labels: str) -> float:
     """The sum of the samples named ``name`` (with these labels) on ``url``/metrics."""
     async with httpx.AsyncClient() as http:
@@ -129,6 +146,17 @@ def fake_instance(path: str, answer: Callable[[Request], Awaitable[Response]]) -
         return vllm_metrics(waiting=0, running=0, kv_usage=0.0)
 
     return Starlette(routes=[Route(path, answer, methods=["POST"]), Route("/metrics", metrics)])
+
+
+def streaming_instance(events: Sequence[dict[str, Any]]) -> Starlette:
+    """An instance that answers every chat completion with ``events`` as one server-sent
+    stream, then ``data: [DONE]``."""
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    async def stream(_: Request) -> StreamingResponse:
+        return StreamingResponse(iter([body.encode()]), media_type="text/event-stream")
+
+    return fake_instance("/v1/chat/completions", stream)
 
 
 @contextlib.asynccontextmanager

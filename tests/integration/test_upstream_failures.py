@@ -1,0 +1,238 @@
+"""How the gateway meets an instance's failures and refusals: an engine that fails before
+any token (retried elsewhere), inside its stream, or in the middle of one; one request an
+engine fails, or an instance that fails every request; a refusal that blames the request
+and one that blames the DC; an answer behind a proxy that compresses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware.gzip import GZipMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from schemas.lifecycle import RejectReason, RequestFailed, RequestRejected
+from tests.gateway_harness import (
+    KEY,
+    MODEL,
+    WEATHER,
+    Gateway,
+    chat,
+    chat_answer,
+    emulated,
+    fake_instance,
+    fleet_for,
+    gateway,
+    http_server,
+    latest_event,
+    scraped,
+    streaming_instance,
+)
+
+
+def _breaking_upstream() -> Starlette:
+    async def stream(_: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            chunk = {"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            await asyncio.sleep(0.01)
+            raise RuntimeError("the engine died")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return fake_instance("/v1/chat/completions", stream)
+
+
+async def test_an_error_mid_stream_reaches_the_client_and_the_stream_ends() -> None:
+    async with (
+        http_server(_breaking_upstream()) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=KEY) as client,
+    ):
+        stream = await client.chat.completions.create(model=MODEL, messages=WEATHER, stream=True)
+        received: list[str | None] = []
+
+        async def read() -> None:
+            async for chunk in stream:
+                received.append(chunk.choices[0].delta.content)
+
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            await read()
+        assert received == ["tok "]
+        async with front.client() as http:
+            body = chat("x " * 20, stream=True)
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                lines = [line async for line in response.aiter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert '"error"' in lines[-2]
+
+
+def _in_stream_error_upstream(code: int, tokens_first: int) -> Starlette:
+    """An instance that answers 200, then reports an error inside its stream as vLLM
+    does (``data: {"error": ...}`` and ``[DONE]``), after some tokens or none."""
+    chunk = {"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]}
+    error = {"error": {"message": "engine trouble", "type": "Error", "code": code}}
+    return streaming_instance([chunk] * tokens_first + [error])
+
+
+async def test_an_engine_failure_reported_before_any_token_is_retried_elsewhere() -> None:
+    async with (
+        http_server(_in_stream_error_upstream(500, 0)) as failing,
+        emulated(1) as [alive],
+        gateway(fleet_for([failing, alive.url]), policy="round_robin") as front,
+        front.client() as http,
+    ):
+        body = chat("retry me " * 10, stream=True)
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        assert response.headers["x-tokenfleet-instance"] == "i1"
+        assert lines[-1] == "data: [DONE]"
+        assert "tok" in "".join(lines)
+        assert await scraped(front.url, "tokenfleet_gateway_retries_total") == 1
+
+
+def _poisoned_upstream() -> Starlette:
+    """An instance that answers 500 to a request naming POISON, as vLLM answers a
+    request whose own handling raised (a tool parser that crashed), and serves the rest."""
+
+    async def answer(request: Request) -> Response:
+        if b"POISON" in await request.body():
+            error = {"error": {"message": "tool parser crashed", "type": "InternalServerError"}}
+            return JSONResponse(error, status_code=500)
+        return chat_answer()
+
+    return fake_instance("/v1/chat/completions", answer)
+
+
+async def test_one_request_an_engine_fails_leaves_its_instances_serving() -> None:
+    """Both instances answered the poisoned request 500 and were left out, so the next
+    requests found no instance (503) until the cooldown ended."""
+    async with (
+        http_server(_poisoned_upstream()) as first,
+        http_server(_poisoned_upstream()) as second,
+        gateway(fleet_for([first, second])) as front,
+        front.client() as http,
+    ):
+        poisoned = await http.post("/v1/chat/completions", json=chat("POISON " * 10))
+        after = [
+            await http.post("/v1/chat/completions", json=chat(f"hi {n} " * 10)) for n in range(4)
+        ]
+    assert poisoned.status_code == 502
+    assert "tool parser crashed" in poisoned.json()["error"]["message"]
+    assert [r.status_code for r in after] == [200] * 4
+
+
+async def test_an_instance_answering_5xx_in_a_row_is_left_out() -> None:
+    async with (
+        http_server(_poisoned_upstream()) as failing_always,
+        emulated(1) as [alive],
+        gateway(
+            fleet_for([failing_always, alive.url]), policy="round_robin", failure_consecutive_5xx=2
+        ) as front,
+        front.client() as http,
+    ):
+        answers = [
+            await http.post("/v1/chat/completions", json=chat(f"POISON {n} " * 10))
+            for n in range(6)
+        ]
+        # round robin: i0 failed the 1st and 3rd, then was left out (at once: 1 retry;
+        # after 5 in a row: 3)
+        assert await scraped(front.url, "tokenfleet_gateway_retries_total") == 2
+    assert [a.status_code for a in answers] == [200] * 6
+
+
+async def test_an_answer_is_asked_for_uncompressed() -> None:
+    """aiohttp asked for gzip by default: behind a proxy that compresses, every answer
+    was unreadable (502) and failed its instance."""
+
+    async def answer(_: Request) -> Response:
+        return chat_answer("word " * 300)
+
+    compressing = GZipMiddleware(fake_instance("/v1/chat/completions", answer), minimum_size=10)
+    async with (
+        http_server(compressing) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        answered = await http.post("/v1/chat/completions", json=chat("hi " * 10))
+    assert answered.status_code == 200
+    assert answered.json()["choices"][0]["message"]["content"] == "word " * 300
+
+
+async def test_an_error_inside_a_stream_fails_the_request_and_frees_its_key() -> None:
+    async with (
+        http_server(_in_stream_error_upstream(400, 2)) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        body, key = chat("fail me " * 10, stream=True), {"idempotency-key": "k-1"}
+        for _ in range(2):  # the key is free again: no 409, no replay
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=body, headers=key
+            ) as response:
+                lines = [line async for line in response.aiter_lines() if line]
+            assert response.status_code == 200
+            assert "engine trouble" in lines[-2]
+            assert "idempotent-replayed" not in response.headers
+        request_id = response.headers["x-tokenfleet-request-id"]
+        failed = await latest_event(front, request_id, RequestFailed)
+        assert failed is not None
+        assert "engine trouble" in failed.error
+
+
+@pytest.mark.parametrize(("status", "blames_request"), [(400, True), (422, True), (404, False)])
+async def test_an_instance_s_own_refusal_passes_on_and_frees_the_key(
+    status: int, blames_request: bool
+) -> None:
+    """An instance's refusal reaches the client as given. One that blames the request (a
+    prompt past the engine's context) is reported refused as invalid, in no DC's table;
+    any other (a model the instance lacks) is the DC's failure."""
+
+    async def refuse(_: Request) -> JSONResponse:
+        error = {"error": {"message": "too long for my tokenizer", "code": status}}
+        return JSONResponse(error, status_code=status)
+
+    async with (
+        http_server(fake_instance("/v1/chat/completions", refuse)) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        key = {"idempotency-key": "k-2"}
+        answers = [
+            await http.post("/v1/chat/completions", json=chat("x " * 10), headers=key)
+            for _ in range(2)
+        ]
+        request_id = answers[1].headers["x-tokenfleet-request-id"]
+        ended = await latest_event(
+            front, request_id, RequestRejected if blames_request else RequestFailed
+        )
+        bus = front.app.state.gateway.parts.bus
+        completions = await bus.read_latest("tf.completions")
+        last_of_requests = (await bus.read_latest("tf.requests"))[request_id].payload
+    assert [a.status_code for a in answers] == [status, status]  # not 409 the second time
+    assert answers[1].json()["error"]["message"] == "too long for my tokenizer"
+    assert answers[1].headers["x-tokenfleet-instance"] == "i0"  # as any answer says
+    if blames_request:
+        assert isinstance(ended, RequestRejected)
+        assert (ended.reason, ended.dc) == (RejectReason.INVALID, None)
+        assert ended.detail == f"instance i0 answered {status}"
+        assert request_id not in completions  # no failure
+    else:
+        assert isinstance(ended, RequestFailed)
+        assert ended.error == f"instance answered {status}"
+        assert not isinstance(last_of_requests, RequestRejected)
+
+
+async def test_a_refused_tokenize_call_leaves_the_instances_in_service(front: Gateway) -> None:
+    async with front.client() as http:
+        bad = await http.post(
+            "/tokenize", json={"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}
+        )
+        after = await http.post("/v1/chat/completions", json=chat("still fine " * 10))
+    assert bad.status_code == 400
+    assert after.status_code == 200
