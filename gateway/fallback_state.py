@@ -184,8 +184,11 @@ class FallbackState:
         return cast(AdmissionLoads, loads)
 
     async def close(self) -> None:
+        """Pay what is owed, once, even while Redis counts as away (it may be back): a key
+        left ``pending`` there would answer every replica's retries with 409 for its TTL,
+        and nothing else would pay it."""
         try:
-            if self._owed and not self.degraded:
+            if self._owed:
                 await self._pay_owed()
         finally:
             await self.primary.close()

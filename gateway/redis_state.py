@@ -562,14 +562,15 @@ def _without_password(url: str) -> str:
 
 def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | Redis | RedisCluster:
     """The gateway's own client on one server at a ``redis://`` address; redis-py for a
-    cluster and for the addresses it alone speaks (``rediss://``, ``unix://``)."""
+    cluster and for the addresses it alone speaks (``rediss://``, ``unix://``, options in
+    the query string: ``?db=3``, ``?password=...``)."""
     if cluster:
         # No blocking pool here: past its connections per node (100) the cluster client
         # raises, and the replica answers locally until ``retry_s`` has passed.
         return RedisCluster.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=_ONCE
         )
-    if url.startswith("redis://"):
+    if url.startswith("redis://") and not urlsplit(url).query:
         return LeanRedis(url, timeout_s)
     # More calls at once than connections wait for one (up to the timeout): the default
     # pool raises instead, which sent a burst of 500 to the local fallback.

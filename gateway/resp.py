@@ -31,12 +31,15 @@ Reply = bytes | int | list["Reply"] | ResponseError | None
 
 
 class LeanRedis:
-    """Redis at ``url`` (``redis://[[user]:password@]host[:port][/db]``)."""
+    """Redis at ``url`` (``redis://[[user]:password@]host[:port][/db]``, no query
+    string)."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
         parts = urlsplit(url)
         if parts.scheme != "redis":
             raise ValueError(f"the lean client speaks plain redis:// only, not {url!r}")
+        if parts.query:  # redis-py reads options there (?db=3, ?password=...): not ignored
+            raise ValueError(f"the lean client reads no options from a query string: {url!r}")
         self.host = parts.hostname or "localhost"
         self.port = parts.port or 6379
         self.db = int(parts.path.lstrip("/") or 0)
@@ -130,7 +133,10 @@ class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.waiting: deque[tuple[asyncio.Future[Reply], asyncio.TimerHandle]] = deque()
-        self.buffer = b""
+        self.buffer = bytearray()
+        """What Redis sent that no reply has taken yet: a bytearray, which grows in place
+        (``bytes`` copied the whole of a large reply at each of its chunks: 32 MB took
+        1.15 s to read, against 0.16 s with redis-py)."""
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -173,7 +179,7 @@ class _Connection(asyncio.Protocol):
             deadline.cancel()
             if not reply.done():
                 reply.set_result(value)
-        self.buffer = self.buffer[position:]
+        del self.buffer[:position]
 
     def close(self, error: Exception) -> None:
         """Fail every call waiting here with ``error`` and drop the connection."""
@@ -210,14 +216,15 @@ def _text(arg: Arg) -> str:
     raise TypeError(f"cannot send {type(arg).__name__} to Redis: {arg!r}")
 
 
-def _parsed(buffer: bytes, position: int) -> tuple[Reply, int]:
-    """The reply starting at ``position`` and where the next one starts."""
+def _parsed(buffer: bytearray, position: int) -> tuple[Reply, int]:
+    """The reply starting at ``position`` and where the next one starts (its strings as
+    ``bytes``)."""
     end = buffer.find(b"\r\n", position)
     if end < 0:
         raise _Incomplete
     kind, line, position = buffer[position : position + 1], buffer[position + 1 : end], end + 2
     if kind == b"+":
-        return line, position
+        return bytes(line), position
     if kind == b":":
         return int(line), position
     if kind == b"-":
@@ -231,7 +238,7 @@ def _parsed(buffer: bytes, position: int) -> tuple[Reply, int]:
             return None, position
         if len(buffer) < position + size + 2:
             raise _Incomplete
-        return buffer[position : position + size], position + size + 2
+        return bytes(buffer[position : position + size]), position + size + 2
     if kind == b"*":
         count = int(line)
         if count < 0:

@@ -6,7 +6,7 @@ import os
 import socket
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -59,7 +59,8 @@ class GatewaySettings(BaseSettings):
     share_sync_s: float = Field(default=2.0, gt=0)
     """How often a replica rewrites its share of the shared accounting from its own record."""
     share_ttl_s: float = Field(default=10.0, gt=0)
-    """A replica's share that is not rewritten for this long (it died) stops counting."""
+    """A replica's share that is not rewritten for this long (it died) stops counting;
+    more than ``share_sync_s``, or a live replica's share would lapse between rewrites."""
     journal: bool = False
     """Publish the decision journal on ``tf.audit.journal``: every decision with the inputs
     it was made on and what its pipeline learned, for ``tokenfleet audit``. Needs Kafka
@@ -67,3 +68,12 @@ class GatewaySettings(BaseSettings):
     journal_file: Path | None = None
     """Append the decision journal to this file too (JSON lines, one envelope each)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+
+    @model_validator(mode="after")
+    def _share_outlives_its_rewrites(self) -> GatewaySettings:
+        if self.share_ttl_s <= self.share_sync_s:
+            raise ValueError(
+                f"share_ttl_s ({self.share_ttl_s}) must exceed share_sync_s "
+                f"({self.share_sync_s}): a live replica's share would lapse between rewrites"
+            )
+        return self

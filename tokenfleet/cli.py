@@ -74,6 +74,8 @@ def _invalid_settings(exc: ValidationError) -> str:
     """Settings come from the environment (``TOKENFLEET_*``): name each that is wrong."""
     problems = "; ".join(
         f"{'.'.join(map(str, error['loc']))}={error['input']!r}: {error['msg']}"
+        if error["loc"]
+        else error["msg"]  # a rule between settings: its message names them
         for error in exc.errors()
     )
     return f"invalid {exc.title} (from TOKENFLEET_* environment variables): {problems}"

@@ -19,6 +19,7 @@ from starlette.responses import StreamingResponse
 from control.routing.cache_aware import SglangCacheAware
 from control.routing.tokenpilot import INDEX_STRIDE
 from control.tokens import block_hashes, chat_text
+from gateway import trip
 from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
@@ -339,6 +340,31 @@ async def test_an_idempotency_key_returns_the_first_outcome(
     assert again.status_code == 200
     assert again.json() == first.json()
     assert again.headers["idempotent-replayed"] == "true"
+    assert (
+        sum([await scraped(i.url, "vllm:e2e_request_latency_seconds_count") for i in instances])
+        == 1
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_too_large_to_keep_is_not_run_again(
+    front: Gateway,
+    instances: list[EmulatedInstance],
+    monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
+) -> None:
+    """A 24 MB answer kept under its key timed the retry's claim out in Redis, and the
+    retry ran again; past ``KEPT_ANSWER_BYTES`` the retry gets a 409 saying why."""
+    monkeypatch.setattr(trip, "KEPT_ANSWER_BYTES", 64)
+    headers, body = {"idempotency-key": "order-44"}, chat("pay " * 30, stream=stream)
+    async with front.client() as http:
+        first = await http.post("/v1/chat/completions", json=body, headers=headers)
+        again = await http.post("/v1/chat/completions", json=body, headers=headers)
+    assert first.status_code == 200
+    assert len(first.content) > 64
+    assert again.status_code == 409
+    assert again.headers["idempotent-replayed"] == "true"
+    assert "too large to keep" in again.json()["error"]["message"]
     assert (
         sum([await scraped(i.url, "vllm:e2e_request_latency_seconds_count") for i in instances])
         == 1

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable
 import pytest
 
 from gateway.redis_state import RedisState
+from gateway.resp import LeanRedis
 from gateway.state import LEAVE, SlotClaim
 from tests.services import Service
 
@@ -273,3 +274,22 @@ async def _two_replicas(
     finally:
         await one.close()
         await two.close()
+
+
+@pytest.mark.redis
+async def test_a_database_named_in_the_query_string_holds_the_state(redis_server: Service) -> None:
+    """``?db=N`` (redis-py reads it; the lean client does not) keeps a fleet's keys in
+    database N: read as 0, two fleets kept apart by it shared every key."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    server = redis_server.address.rsplit("/", 1)[0]
+    state = RedisState(f"{server}/?db=5", prefix)
+    in_5, in_0 = (LeanRedis(f"{server}/{db}", timeout_s=5.0) for db in (5, 0))
+    try:
+        await state.routed("a", (1,), 100, 1.0, 1.0)
+        pattern = f"{prefix}*"
+        assert await in_5.call("KEYS", pattern)
+        assert not await in_0.call("KEYS", pattern)
+    finally:
+        await state.close()
+        await in_5.aclose()
+        await in_0.aclose()

@@ -1,6 +1,7 @@
 """The lean Redis client against a real server: pipelined calls answered in order, a
 call that times out failing alone with those behind it while later calls reconnect, a
-database other than 0, and scripts the server has not seen yet."""
+database other than 0, scripts the server has not seen yet, a reply read in many chunks,
+and options in a query string refused."""
 
 from __future__ import annotations
 
@@ -15,6 +16,27 @@ from gateway.resp import LeanRedis
 from tests.services import Service
 
 pytestmark = pytest.mark.redis
+
+
+async def test_a_reply_larger_than_a_read_arrives_whole(redis_server: Service) -> None:
+    """A reply read in many chunks, beside small ones: each whole, as ``bytes``."""
+    client = LeanRedis(redis_server.address, timeout_s=5.0)
+    key = f"test-{uuid.uuid4().hex}"
+    value = bytes(range(256)) * (12 * 4096)  # 12 MiB, every byte value, CRLFs among them
+    try:
+        await client.set(key, value, px=60_000)
+        replies = await asyncio.gather(client.call("PING"), client.get(key), client.call("PING"))
+        assert replies == [b"PONG", value, b"PONG"]
+        assert all(type(reply) is bytes for reply in replies)
+    finally:
+        await client.delete(key)
+        await client.aclose()
+
+
+def test_options_in_a_query_string_are_refused_not_ignored() -> None:
+    """``?db=3`` read as database 0 would let two fleets share every key."""
+    with pytest.raises(ValueError, match="query string"):
+        LeanRedis("redis://127.0.0.1:6379/?db=3", timeout_s=1.0)
 
 
 async def test_calls_at_once_are_answered_each_with_its_own_reply(redis_server: Service) -> None:

@@ -512,6 +512,25 @@ async def test_an_end_owed_for_an_earlier_claim_does_not_free_a_newer_one(tmp_pa
         assert await peer.claim("key", 600.0) == answer
 
 
+@pytest.mark.redis
+async def test_a_replica_stopped_while_redis_counts_away_pays_its_keys_ends(
+    tmp_path: Path,
+) -> None:
+    """A key settled within ``retry_s`` of a failure is owed; the replica stopped before
+    its next reconcile left it ``pending`` in Redis: 409 from every replica for the key's
+    whole TTL (10 minutes by default)."""
+    answer = Outcome(200, "application/json", b"{}")
+    async with outage(tmp_path, retry_s=30.0) as away:
+        state, peer = away.state, away.peer
+        assert await state.claim("key", 600.0) is None
+        await away.pause()
+        await state.settle("key", answer, 600.0)  # times out: owed
+        await asyncio.sleep(1.2)  # Redis answers again; the replica counts it away
+        assert state.degraded
+        await state.close()
+        assert await peer.claim("key", 600.0) == answer
+
+
 @dataclass
 class Outage:
     """A replica's state on a Redis of its own that ``pause`` stops answering for a second
@@ -526,12 +545,12 @@ class Outage:
 
 
 @contextlib.asynccontextmanager
-async def outage(home: Path) -> AsyncIterator[Outage]:
+async def outage(home: Path, retry_s: float = 0.1) -> AsyncIterator[Outage]:
     server = LocalRedis(home)
     url = server.start()
     own = Accounting()
     state = FallbackState(
-        RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=0.1
+        RedisState(url, timeout_s=0.2, replica="r", own=own), LocalState(own), retry_s=retry_s
     )
     admin = Redis.from_url(url)
     peer = RedisState(url, replica="peer")

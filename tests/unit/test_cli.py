@@ -54,15 +54,27 @@ def test_an_unknown_command_exits_non_zero(capsys: pytest.CaptureFixture[str]) -
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("setting", "value", "said"),
+    [
+        ("TOKENFLEET_GATEWAY_TOKEN_LAG_S", "-1", "token_lag_s='-1'"),
+        # two settings that disagree: a live replica's share would lapse between rewrites
+        ("TOKENFLEET_GATEWAY_SHARE_TTL_S", "1", "Value error, share_ttl_s (1.0) must exceed"),
+    ],
+)
 def test_a_setting_out_of_range_is_named_without_a_traceback(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    setting: str,
+    value: str,
+    said: str,
 ) -> None:
-    monkeypatch.setenv("TOKENFLEET_GATEWAY_TOKEN_LAG_S", "-1")
+    monkeypatch.setenv(setting, value)
     fleet = Path(__file__).parents[2] / "examples" / "fleet.toml"
     assert main(["gateway", "--fleet", str(fleet), "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tokenfleet: invalid GatewaySettings")
-    assert "token_lag_s='-1'" in err
+    assert err.startswith("tokenfleet: invalid GatewaySettings (from TOKENFLEET_* environment")
+    assert f"variables): {said}" in err
     assert "Traceback" not in err
 
 
