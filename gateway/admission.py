@@ -196,18 +196,22 @@ class GatewayAdmission:
             raise refusal(outcome, waited=False, pool_wait_s=wait_s)
         return _routed(outcome, waited=False)
 
-    def upstream_body(self, inbound: Inbound, dc: str) -> bytes:
-        """The body to send the instance: as the client sent it, but where the engines
-        schedule by priority (vLLM's ``--scheduling-policy priority``), with the class's
-        ``priority`` in place of any the client set: a tenant kept to batch must not send
-        ``-100`` and run ahead of every chat, preempting them when KV runs out."""
+    def upstream_body(self, inbound: Inbound, dc: str, engine: str) -> bytes:
+        """The body to send an instance of ``engine``: as the client sent it, but where
+        the engines schedule by priority (vLLM's ``--scheduling-policy priority``), with
+        the class's ``priority`` in place of any the client set: a tenant kept to batch
+        must not send ``-100`` and run ahead of every chat, preempting them when KV runs
+        out. vLLM runs low values first; SGLang, by default, high values first (its
+        ``--schedule-low-priority-values-first`` is off), so it is sent the negated value:
+        sent as is, its batch requests ran ahead of the chats."""
         if inbound.by_load:  # never admitted: no pipeline of its own
             return inbound.body
         admission = self.pipeline(inbound.model.name, dc).admission
         if admission.engine_scheduling != "priority":
             return inbound.body
         body = json.loads(inbound.body)
-        body["priority"] = PRIORITY[inbound.task_class]
+        priority = PRIORITY[inbound.task_class]
+        body["priority"] = -priority if engine == "sglang" else priority
         return json.dumps(body).encode()
 
     def reroutes(self, inbound: Inbound, dc: str) -> bool:

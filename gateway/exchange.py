@@ -75,10 +75,15 @@ from schemas.openai_api import REQUEST_ID_HEADER, ApiError
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
+NOT_SERVED = 404
+"""An instance that answers 404 to a request the gateway checked against the fleet does
+not serve the fleet's model under its name (vLLM started without ``--served-model-name``)
+or the route: it fails as a 5xx does, and the request goes to the next instance. Passed
+on, an instance so misnamed had no load, drew most requests, and answered each 404."""
 REQUEST_FAULTS = frozenset({400, 413, 422})
 """An instance's answers that blame the request (vLLM and SGLang answer 400 for a prompt
 past the context or a parameter out of range): refused as invalid, not the DC's failure.
-Any other 4xx (a key the instance refuses, a model it lacks, 429) is the DC's."""
+Any other 4xx (a key the instance refuses, 429) is the DC's."""
 ERROR_BODY_BYTES = 4096
 ERROR_READ_S = 1.0
 """How much of a failed answer is read for its message, and how long it is waited for."""
@@ -259,8 +264,10 @@ class Exchange:
         # Watched from the start: the answer's headers come with its end or first token.
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            body = self.decider.admission.upstream_body(inbound, trip.plan.dc)
-            posted = self._post(trip.instance, inbound.path, body, whole=not inbound.stream)
+            body = self.decider.admission.upstream_body(inbound, trip.plan.dc, trip.instance.engine)
+            posted = self._post(
+                trip.instance, inbound.path, body, inbound.request_id, whole=not inbound.stream
+            )
             upstream = await _unless_left(posted, gone)
             if upstream is None:
                 return await self._left(trip)
@@ -307,13 +314,15 @@ class Exchange:
         raise ApiError(502, f"The model instance failed: {error}")
 
     async def _post(
-        self, instance: InstanceConfig, path: str, body: bytes, *, whole: bool
+        self, instance: InstanceConfig, path: str, body: bytes, request_id: str, *, whole: bool
     ) -> aiohttp.ClientResponse:
-        """The instance's response, its status below 500; UpstreamFailed otherwise. A
-        ``whole`` answer has no read timeout: vLLM sends its headers with its end, so the
-        silence is the generation itself, and a long one timed out as a failed instance,
-        which was cooled down while the work ran again on another. Its client's own
-        timeout ends it (a client that leaves cancels it)."""
+        """The instance's response, its status below 500 and not 404; UpstreamFailed
+        otherwise. A ``whole`` answer has no read timeout: vLLM sends its headers with its
+        end, so the silence is the generation itself, and a long one timed out as a failed
+        instance, which was cooled down while the work ran again on another. Its client's
+        own timeout ends it (a client that leaves cancels it). The gateway's request id
+        goes as ``X-Request-Id``, which vLLM takes for its own request's id (its logs and
+        traces then name the gateway's)."""
         assert self.client is not None, "the app's lifespan has not started"
         timeout = self.client.timeout
         if whole:
@@ -322,13 +331,13 @@ class Exchange:
             upstream = await self.client.post(
                 _url(instance, path),
                 data=body,
-                headers=self._headers[instance.id],
+                headers=self._headers[instance.id] | {"x-request-id": request_id},
                 timeout=timeout,
             )
         except UPSTREAM_ERRORS as exc:
             self.metrics.upstream_errors.labels(instance.id, "connect").inc()
             raise UpstreamFailed(f"{instance.id}: {type(exc).__name__}") from None
-        if upstream.status >= 500:
+        if upstream.status >= 500 or upstream.status == NOT_SERVED:
             self.metrics.upstream_errors.labels(instance.id, "status").inc()
             why = await _error_of(upstream)
             raise UpstreamFailed(

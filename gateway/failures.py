@@ -13,8 +13,8 @@ counted; nobody reads it."""
 class UpstreamFailed(Exception):
     """The instance could not serve the request (before any token reached the client).
     ``answered``: it had answered 2xx, and the whole answer it generated could not be read
-    (the request ran). ``status``: the 5xx it answered (or reported in its stream before
-    any token); None where the call got no readable answer."""
+    (the request ran). ``status``: the 5xx or 404 it answered (or the 5xx reported in its
+    stream before any token); None where the call got no readable answer."""
 
     def __init__(self, error: str, *, answered: bool = False, status: int | None = None) -> None:
         super().__init__(error)

@@ -126,7 +126,7 @@ class FleetView:
 
     def failed(self, instance_id: str, *, status: int | None = None) -> None:
         """An upstream call failed: keep the instance out of decisions for a cooldown. A
-        5xx answer (``status``) counts toward ``consecutive_5xx`` answers in a row, as
+        5xx or 404 answer (``status``) counts toward ``consecutive_5xx`` answers in a row, as
         Envoy's outlier detection counts them (its default is 5): vLLM answers 500 for
         some requests' own faults (a tool parser that raised), and one such request,
         retried once, would otherwise leave out two instances, and a pool of two

@@ -47,8 +47,9 @@ class GatewaySettings(BaseSettings):
     failure_cooldown_s: float = Field(default=5.0, ge=0)
     """An instance whose call failed is left out of decisions this long."""
     failure_consecutive_5xx: int = Field(default=5, ge=1)
-    """5xx answers in a row that fail an instance (Envoy's outlier detection default); a
-    call that gets no answer fails it at once."""
+    """5xx answers in a row that fail an instance (Envoy's outlier detection default), a
+    404 counted as one (the instance lacks the fleet's model name); a call that gets no
+    answer fails it at once."""
     cors_allow_origins: list[str] = ["*"]
     """Origins a browser may call the gateway from (CORS), as vLLM's ``--allowed-origins``,
     whose default is every origin; ``[]``: no CORS headers, a preflight refused (405)."""

@@ -75,6 +75,8 @@ _VLLM = {
     "vllm:gpu_cache_usage_perc": "kv_usage_before_0_10",
     "vllm:prefix_cache_hits": "prefix_hits",
     "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:gpu_prefix_cache_hits": "prefix_hits_before_0_10",
+    "vllm:gpu_prefix_cache_queries": "prefix_queries_before_0_10",
     "vllm:num_preemptions": "preemptions",
     "vllm:cache_config_info": "cache_config",
     "vllm:engine_sleep_state": "sleep_state",
@@ -136,8 +138,10 @@ def parse_metrics(text: str, engine: str) -> Scraped:
     ``NoEngineMetrics`` if it has none of the engine's metrics (vLLM started with
     ``--disable-log-stats``, or a server of the other engine than the fleet file says).
     Counts of several series of one family (one per model, or per data-parallel engine)
-    are added up, fractions averaged; vLLM's older ``gpu_cache_usage_perc`` is read only
-    where ``kv_cache_usage_perc`` is missing (0.9.2 to 0.10 publish both)."""
+    are added up, fractions averaged; vLLM's older ``gpu_cache_usage_perc`` and
+    ``gpu_prefix_cache_{hits,queries}`` are read only where ``kv_cache_usage_perc`` and
+    ``prefix_cache_queries`` are missing (0.9.2 to 0.10 publish both; 0.8 to 0.9.1 the
+    older only, whose prefix counters read 0 until 2026-12-07)."""
     names = _VLLM if engine == "vllm" else _SGLANG
     series: dict[str, list[float]] = {}
     counted: set[tuple[str, ...]] = set()
@@ -178,6 +182,9 @@ def parse_metrics(text: str, engine: str) -> Scraped:
         # nominal 1,000 queries (a counter that never grows: the tables read no rate).
         figures["prefix_queries"], figures["prefix_hits"] = 1000.0, 1000.0 * hit_rate
     kv_usage = figures.get("kv_usage", figures.get("kv_usage_before_0_10", 0.0))
+    if "prefix_queries" not in figures:  # vLLM 0.8 to 0.9.1 had only the older pair
+        figures["prefix_queries"] = figures.get("prefix_queries_before_0_10", 0.0)
+        figures["prefix_hits"] = figures.get("prefix_hits_before_0_10", 0.0)
     return Scraped(
         running=int(figures.get("running", 0)),
         waiting=int(figures.get("waiting", 0)),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from control.admission.slomax import SLOMaxParams
@@ -193,7 +193,12 @@ async def test_a_gateway_that_stops_answers_its_held_requests_first(load: Load) 
     assert answer.headers["retry-after"] == "1"
 
 
-async def test_under_vllm_priority_the_gateway_sends_each_request_its_class_s_priority() -> None:
+@pytest.mark.parametrize(("engine", "sign"), [("vllm", 1), ("sglang", -1)])
+async def test_under_vllm_priority_the_gateway_sends_each_request_its_class_s_priority(
+    engine: str, sign: int
+) -> None:
+    """vLLM runs low values first, SGLang high ones (by default): the sign follows the
+    instance's engine."""
     sent: list[object] = []
 
     async def answer(request: Request) -> Response:
@@ -201,25 +206,29 @@ async def test_under_vllm_priority_the_gateway_sends_each_request_its_class_s_pr
         return chat_answer()
 
     async def metrics(_: Request) -> Response:
+        if engine == "sglang":
+            text = "sglang:num_running_reqs 0\nsglang:num_queue_reqs 0\nsglang:token_usage 0.1\n"
+            return PlainTextResponse(text)
         return vllm_metrics(waiting=0, running=0)
 
     instance = Starlette(
         routes=[Route("/metrics", metrics), Route("/v1/chat/completions", answer, methods=["POST"])]
     )
-    async with (
-        http_server(instance) as url,
-        gateway(fleet_for([url]), admission="vllm_priority") as front,
-        front.client() as http,
-    ):
-        await until_ready(front)
-        for headers, body in (
-            ({}, chat("hi")),
-            (BATCH, chat("hi")),
-            (BATCH, chat("hi", priority=-100)),  # a batch tenant's own would overtake chats
+    async with http_server(instance) as url:
+        served = [{"id": "i0", "dc": "dc-a", "url": url, "model": MODEL, "engine": engine}]
+        async with (
+            gateway(fleet_for([url], instances=served), admission="vllm_priority") as front,
+            front.client() as http,
         ):
-            answer_ = await http.post("/v1/chat/completions", json=body, headers=headers)
-            assert answer_.status_code == 200
-    assert sent == [0, 2, 2]
+            await until_ready(front)
+            for headers, body in (
+                ({}, chat("hi")),
+                (BATCH, chat("hi")),
+                (BATCH, chat("hi", priority=-100)),  # a batch tenant's own would overtake chats
+            ):
+                answer_ = await http.post("/v1/chat/completions", json=body, headers=headers)
+                assert answer_.status_code == 200
+    assert sent == [0, 2 * sign, 2 * sign]
 
 
 async def test_the_emulator_takes_vllm_s_priority_and_refuses_one_that_is_not_a_number() -> None:

@@ -13,6 +13,8 @@ import numpy as np
 import openai
 import pytest
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
 
 from control.tokens import count_tokens
 from schemas.lifecycle import FirstToken, RequestCompleted
@@ -24,7 +26,9 @@ from tests.gateway_harness import (
     WEATHER,
     Gateway,
     chat,
+    chat_answer,
     emulated,
+    fake_instance,
     fleet_for,
     gateway,
     http_server,
@@ -227,6 +231,24 @@ async def test_completions_of_several_prompts(client: openai.AsyncOpenAI) -> Non
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert texts == {0: "tok " * 4, 1: "tok " * 4}
+
+
+async def test_the_instance_hears_the_gateway_s_request_id() -> None:
+    """As ``X-Request-Id``, which vLLM takes for its own request's id: its logs and
+    traces then name the request the gateway's events name."""
+    heard: list[str | None] = []
+
+    async def answer(request: Request) -> Response:
+        heard.append(request.headers.get("x-request-id"))
+        return chat_answer()
+
+    async with (
+        http_server(fake_instance("/v1/chat/completions", answer)) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        answered = await http.post("/v1/chat/completions", json=chat("hi " * 10))
+    assert heard == [answered.headers["x-tokenfleet-request-id"]]
 
 
 async def test_the_model_routes_and_paths_as_vllm_serves_them(front: Gateway) -> None:

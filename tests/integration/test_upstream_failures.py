@@ -127,9 +127,25 @@ async def test_one_request_an_engine_fails_leaves_its_instances_serving() -> Non
     assert [r.status_code for r in after] == [200] * 4
 
 
-async def test_an_instance_answering_5xx_in_a_row_is_left_out() -> None:
+def _refusing_upstream(status: int, message: str) -> Starlette:
+    async def answer(_: Request) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+    return fake_instance("/v1/chat/completions", answer)
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [
+        (500, "engine dead"),
+        # started without the fleet's name (vLLM's --served-model-name): it had no load,
+        # so it drew most requests, and answered each 404 while counted as serving
+        (404, f"The model `{MODEL}` does not exist."),
+    ],
+)
+async def test_an_instance_failing_every_request_is_left_out(status: int, message: str) -> None:
     async with (
-        http_server(_poisoned_upstream()) as failing_always,
+        http_server(_refusing_upstream(status, message)) as failing_always,
         emulated(1) as [alive],
         gateway(
             fleet_for([failing_always, alive.url]), policy="round_robin", failure_consecutive_5xx=2
@@ -137,8 +153,7 @@ async def test_an_instance_answering_5xx_in_a_row_is_left_out() -> None:
         front.client() as http,
     ):
         answers = [
-            await http.post("/v1/chat/completions", json=chat(f"POISON {n} " * 10))
-            for n in range(6)
+            await http.post("/v1/chat/completions", json=chat(f"hi {n} " * 10)) for n in range(6)
         ]
         # round robin: i0 failed the 1st and 3rd, then was left out (at once: 1 retry;
         # after 5 in a row: 3)
@@ -185,13 +200,13 @@ async def test_an_error_inside_a_stream_fails_the_request_and_frees_its_key() ->
         assert "engine trouble" in failed.error
 
 
-@pytest.mark.parametrize(("status", "blames_request"), [(400, True), (422, True), (404, False)])
+@pytest.mark.parametrize(("status", "blames_request"), [(400, True), (422, True), (401, False)])
 async def test_an_instance_s_own_refusal_passes_on_and_frees_the_key(
     status: int, blames_request: bool
 ) -> None:
     """An instance's refusal reaches the client as given. One that blames the request (a
     prompt past the engine's context) is reported refused as invalid, in no DC's table;
-    any other (a model the instance lacks) is the DC's failure."""
+    any other (a key the instance refuses) is the DC's failure."""
 
     async def refuse(_: Request) -> JSONResponse:
         error = {"error": {"message": "too long for my tokenizer", "code": status}}

@@ -203,6 +203,19 @@ def test_vllm_metrics_become_telemetry() -> None:
     assert telemetry_of(fleet.instances[0], parse_metrics(MLA, "vllm")).block_size == 64
 
 
+def test_vllm_s_older_prefix_counters_are_read_where_the_newer_are_missing() -> None:
+    """vLLM 0.8 to 0.9.1 named them ``gpu_prefix_cache_*``, read as 0 before; 0.9.2 to
+    0.10 publish both names, and the newer count."""
+    older = VLLM.replace("vllm:prefix_cache_", "vllm:gpu_prefix_cache_")
+    both = VLLM + "".join(
+        f'vllm:gpu_prefix_cache_{name}_total{{model_name="m"}} {value}\n'
+        for name, value in (("queries", 7.0), ("hits", 3.0))
+    )
+    for exposition in (older, both):
+        scraped = parse_metrics(exposition, "vllm")
+        assert (scraped.prefix_hits, scraped.prefix_queries) == (400.0, 1000.0)
+
+
 def test_sglang_metrics_become_telemetry() -> None:
     fleet = load_fleet(EXAMPLE)
     telemetry = telemetry_of(fleet.instances[0], parse_metrics(SGLANG, "sglang"))
