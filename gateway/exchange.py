@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -75,15 +76,18 @@ from schemas.openai_api import REQUEST_ID_HEADER, ApiError
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
-NOT_SERVED = 404
-"""An instance that answers 404 to a request the gateway checked against the fleet does
-not serve the fleet's model under its name (vLLM started without ``--served-model-name``)
-or the route: it fails as a 5xx does, and the request goes to the next instance. Passed
-on, an instance so misnamed had no load, drew most requests, and answered each 404."""
-REQUEST_FAULTS = frozenset({400, 413, 422})
+_MODEL_NOT_SERVED = re.compile(r"\bmodel\b.*\bdoes not exist\b", re.IGNORECASE)
+"""vLLM's 404 for a model it does not serve under that name ("The model `m` does not
+exist."): the gateway checked the name against the fleet, so the instance is the fault
+(started without ``--served-model-name``). It fails as a 5xx does, and the request goes to
+the next instance; passed on, an instance so misnamed had no load, drew most requests, and
+answered each 404. Any other 404 (a ``previous_response_id`` another instance stored, a
+route the engine lacks) is the request's, passed on as the instance gave it."""
+REQUEST_FAULTS = frozenset({400, 404, 413, 422})
 """An instance's answers that blame the request (vLLM and SGLang answer 400 for a prompt
-past the context or a parameter out of range): refused as invalid, not the DC's failure.
-Any other 4xx (a key the instance refuses, 429) is the DC's."""
+past the context or a parameter out of range, 404 for a stored response it lacks):
+refused as invalid, not the DC's failure; a 404 for the model is the instance's
+(``_MODEL_NOT_SERVED``). Any other 4xx (a key the instance refuses, 429) is the DC's."""
 ERROR_BODY_BYTES = 4096
 ERROR_READ_S = 1.0
 """How much of a failed answer is read for its message, and how long it is waited for."""
@@ -278,6 +282,11 @@ class Exchange:
                     upstream.close()
                     raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
                 upstream.release()
+                if upstream.status == 404 and _MODEL_NOT_SERVED.search(_message_of(body)):
+                    self.metrics.upstream_errors.labels(trip.instance.id, "status").inc()
+                    raise UpstreamFailed(
+                        f"{trip.instance.id} answered 404: {_message_of(body)}", status=404
+                    )
                 if upstream.status in REQUEST_FAULTS:
                     await self.books.refused(trip, upstream.status)
                 else:
@@ -316,12 +325,12 @@ class Exchange:
     async def _post(
         self, instance: InstanceConfig, path: str, body: bytes, request_id: str, *, whole: bool
     ) -> aiohttp.ClientResponse:
-        """The instance's response, its status below 500 and not 404; UpstreamFailed
-        otherwise. A ``whole`` answer has no read timeout: vLLM sends its headers with its
-        end, so the silence is the generation itself, and a long one timed out as a failed
-        instance, which was cooled down while the work ran again on another. Its client's
-        own timeout ends it (a client that leaves cancels it). The gateway's request id
-        goes as ``X-Request-Id``, which vLLM takes for its own request's id (its logs and
+        """The instance's response, its status below 500; UpstreamFailed otherwise. A
+        ``whole`` answer has no read timeout: vLLM sends its headers with its end, so the
+        silence is the generation itself, and a long one timed out as a failed instance,
+        which was cooled down while the work ran again on another. Its client's own
+        timeout ends it (a client that leaves cancels it). The gateway's request id goes
+        as ``X-Request-Id``, which vLLM takes for its own request's id (its logs and
         traces then name the gateway's)."""
         assert self.client is not None, "the app's lifespan has not started"
         timeout = self.client.timeout
@@ -337,7 +346,7 @@ class Exchange:
         except UPSTREAM_ERRORS as exc:
             self.metrics.upstream_errors.labels(instance.id, "connect").inc()
             raise UpstreamFailed(f"{instance.id}: {type(exc).__name__}") from None
-        if upstream.status >= 500 or upstream.status == NOT_SERVED:
+        if upstream.status >= 500:
             self.metrics.upstream_errors.labels(instance.id, "status").inc()
             why = await _error_of(upstream)
             raise UpstreamFailed(
@@ -445,6 +454,8 @@ class Exchange:
             await self.books.completed(trip)
         elif ended == "cancelled":
             await self.books.cancelled(trip)
+        elif trip.first_token_at is None and trip.error_status in REQUEST_FAULTS:
+            await self.books.refused(trip, trip.error_status)  # vLLM's checks inside a stream
         else:
             await self.books.fail(trip, ended)
 
@@ -506,13 +517,20 @@ async def _error_of(upstream: aiohttp.ClientResponse) -> str:
         pass  # what came in time
     finally:
         upstream.close()
+    text = _message_of(body)
+    return f": {text}" if text else ""
+
+
+def _message_of(body: bytes) -> str:
+    """An error answer's message (OpenAI's error object, vLLM's older ``ErrorResponse``,
+    or its text), cut to ``ERROR_TEXT_CHARS``."""
     try:
         answer = json.loads(body)
     except ValueError:
         text = body.decode(errors="replace").strip()
     else:
         text = error_text(answer.get("error", answer) if isinstance(answer, dict) else answer)
-    return f": {text[:ERROR_TEXT_CHARS]}" if text else ""
+    return text[:ERROR_TEXT_CHARS]
 
 
 @functools.cache

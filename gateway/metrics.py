@@ -41,8 +41,8 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter(
             "tokenfleet_gateway_upstream_errors",
-            "Failed upstream calls, by instance (its id in the fleet file) and whether tokens "
-            "had streamed.",
+            "Failed upstream calls, by instance (its id in the fleet file) and stage (where "
+            "it failed; `refused`: the instance answered that the request was at fault).",
             ("instance_id", "stage"),
             registry=r,
         )

@@ -41,6 +41,7 @@ import base64
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -552,12 +553,15 @@ class RedisState:
 
 
 def _without_password(url: str) -> str:
+    """``url`` fit for a log: its password masked, in the address or in the query string
+    (``?password=``, which redis-py reads)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")[2]
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit(parts._replace(netloc=user + netloc))
+    if parts.password is not None:
+        netloc = parts.netloc.rpartition("@")[2]
+        user = f"{parts.username}:***@" if parts.username else ":***@"
+        parts = parts._replace(netloc=user + netloc)
+    query = re.sub(r"(?i)((?:^|&)password=)[^&]*", r"\1***", parts.query)
+    return urlunsplit(parts._replace(query=query))
 
 
 def _client(url: str, timeout_s: float, cluster: bool) -> LeanRedis | Redis | RedisCluster:

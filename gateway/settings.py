@@ -60,8 +60,9 @@ class GatewaySettings(BaseSettings):
     share_sync_s: float = Field(default=2.0, gt=0)
     """How often a replica rewrites its share of the shared accounting from its own record."""
     share_ttl_s: float = Field(default=10.0, gt=0)
-    """A replica's share that is not rewritten for this long (it died) stops counting;
-    more than ``share_sync_s``, or a live replica's share would lapse between rewrites."""
+    """A replica's share that is not rewritten for this long (it died) stops counting; at
+    least twice ``share_sync_s`` (a rewrite comes a sync and its own call's time after the
+    last), or a live replica's share would lapse when one rewrite fails."""
     journal: bool = False
     """Publish the decision journal on ``tf.audit.journal``: every decision with the inputs
     it was made on and what its pipeline learned, for ``tokenfleet audit``. Needs Kafka
@@ -72,9 +73,10 @@ class GatewaySettings(BaseSettings):
 
     @model_validator(mode="after")
     def _share_outlives_its_rewrites(self) -> GatewaySettings:
-        if self.share_ttl_s <= self.share_sync_s:
+        if self.share_ttl_s < 2 * self.share_sync_s:
             raise ValueError(
-                f"share_ttl_s ({self.share_ttl_s}) must exceed share_sync_s "
-                f"({self.share_sync_s}): a live replica's share would lapse between rewrites"
+                f"share_ttl_s ({self.share_ttl_s}) must be at least twice share_sync_s "
+                f"({self.share_sync_s}): a live replica's share would lapse when one "
+                "rewrite fails or runs late"
             )
         return self

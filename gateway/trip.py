@@ -66,6 +66,8 @@ class Trip:
     output_tokens: int = 0
     error: str | None = None
     """An error the instance reported within its stream."""
+    error_status: int | None = None
+    """That error's code, where it gave one."""
     pending: float = 0.0
     inflight: float = 0.0
     captured: bytearray = field(default_factory=bytearray)
@@ -86,7 +88,7 @@ class Trip:
         elif seen.piece is Piece.DELTA:
             self.output_tokens += 1
         if seen.error is not None:
-            self.error = seen.error
+            self.error, self.error_status = seen.error, seen.status
         if self.idempotency_key is not None and len(self.captured) <= KEPT_ANSWER_BYTES:
             self.captured.extend(event)  # past the limit it is not kept: no more needed
         return event
@@ -209,12 +211,16 @@ class TripBooks:
 
     async def refused(self, trip: Trip, status: int) -> None:
         """The instance refused the request for its own fault (``status``: 400, 413 or 422,
-        a prompt past the context, a parameter the engine rejects): nothing ran, so the
+        a prompt past the context, a parameter the engine rejects; answered, or reported
+        inside its stream before any token): nothing ran, so the
         router forgets the work it counted, and the request is reported refused as
         invalid in no DC's table; counted as the DC's failure, one tenant's bad requests
         would lower a healthy DC's goodput and move the weights off it."""
         await self.release(trip)
         self.admission.finished(trip.inbound, trip.plan.dc, cancelled=True)
+        # Counted per instance: a fleet misconfigured (engines not started for priority
+        # scheduling, a context the fleet file overstates) shows as one instance refusing.
+        self.metrics.upstream_errors.labels(trip.instance.id, "refused").inc()
         trip.reported = True
         self.events.emit(
             RequestRejected(

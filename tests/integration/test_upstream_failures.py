@@ -179,9 +179,15 @@ async def test_an_answer_is_asked_for_uncompressed() -> None:
     assert answered.json()["choices"][0]["message"]["content"] == "word " * 300
 
 
-async def test_an_error_inside_a_stream_fails_the_request_and_frees_its_key() -> None:
+@pytest.mark.parametrize(("tokens_first", "ending"), [(2, RequestFailed), (0, RequestRejected)])
+async def test_an_error_inside_a_stream_ends_the_request_and_frees_its_key(
+    tokens_first: int, ending: type[RequestFailed | RequestRejected]
+) -> None:
+    """vLLM reports some of a request's own faults (a prompt grown past the context) as a
+    400 inside its stream: before any token, a refusal of the request, in no DC's table;
+    after tokens, a failure."""
     async with (
-        http_server(_in_stream_error_upstream(400, 2)) as upstream,
+        http_server(_in_stream_error_upstream(400, tokens_first)) as upstream,
         gateway(fleet_for([upstream])) as front,
         front.client() as http,
     ):
@@ -195,18 +201,27 @@ async def test_an_error_inside_a_stream_fails_the_request_and_frees_its_key() ->
             assert "engine trouble" in lines[-2]
             assert "idempotent-replayed" not in response.headers
         request_id = response.headers["x-tokenfleet-request-id"]
-        failed = await latest_event(front, request_id, RequestFailed)
-        assert failed is not None
-        assert "engine trouble" in failed.error
+        ended = await latest_event(front, request_id, ending)
+        completions = await front.app.state.gateway.parts.bus.read_latest("tf.completions")
+    if ending is RequestFailed:
+        assert isinstance(ended, RequestFailed)
+        assert "engine trouble" in ended.error
+    else:
+        assert isinstance(ended, RequestRejected)
+        assert (ended.reason, ended.dc) == (RejectReason.INVALID, None)
+        assert request_id not in completions
 
 
-@pytest.mark.parametrize(("status", "blames_request"), [(400, True), (422, True), (401, False)])
+@pytest.mark.parametrize(
+    ("status", "blames_request"), [(400, True), (422, True), (404, True), (401, False)]
+)
 async def test_an_instance_s_own_refusal_passes_on_and_frees_the_key(
     status: int, blames_request: bool
 ) -> None:
     """An instance's refusal reaches the client as given. One that blames the request (a
-    prompt past the engine's context) is reported refused as invalid, in no DC's table;
-    any other (a key the instance refuses) is the DC's failure."""
+    prompt past the engine's context; a 404 that is not of the model, such as a
+    ``previous_response_id`` another instance stored) is reported refused as invalid, in
+    no DC's table; any other (a key the instance refuses) is the DC's failure."""
 
     async def refuse(_: Request) -> JSONResponse:
         error = {"error": {"message": "too long for my tokenizer", "code": status}}
@@ -229,6 +244,9 @@ async def test_an_instance_s_own_refusal_passes_on_and_frees_the_key(
         bus = front.app.state.gateway.parts.bus
         completions = await bus.read_latest("tf.completions")
         last_of_requests = (await bus.read_latest("tf.requests"))[request_id].payload
+        refusals = await scraped(
+            front.url, "tokenfleet_gateway_upstream_errors_total", stage="refused"
+        )
     assert [a.status_code for a in answers] == [status, status]  # not 409 the second time
     assert answers[1].json()["error"]["message"] == "too long for my tokenizer"
     assert answers[1].headers["x-tokenfleet-instance"] == "i0"  # as any answer says
@@ -237,6 +255,7 @@ async def test_an_instance_s_own_refusal_passes_on_and_frees_the_key(
         assert (ended.reason, ended.dc) == (RejectReason.INVALID, None)
         assert ended.detail == f"instance i0 answered {status}"
         assert request_id not in completions  # no failure
+        assert refusals == 2  # counted per instance: a misconfigured fleet shows there
     else:
         assert isinstance(ended, RequestFailed)
         assert ended.error == f"instance answered {status}"

@@ -59,7 +59,7 @@ def test_an_unknown_command_exits_non_zero(capsys: pytest.CaptureFixture[str]) -
     [
         ("TOKENFLEET_GATEWAY_TOKEN_LAG_S", "-1", "token_lag_s='-1'"),
         # two settings that disagree: a live replica's share would lapse between rewrites
-        ("TOKENFLEET_GATEWAY_SHARE_TTL_S", "1", "Value error, share_ttl_s (1.0) must exceed"),
+        ("TOKENFLEET_GATEWAY_SHARE_TTL_S", "3", "Value error, share_ttl_s (3.0) must be at"),
     ],
 )
 def test_a_setting_out_of_range_is_named_without_a_traceback(

@@ -68,3 +68,5 @@ def test_a_redis_address_is_told_without_its_password() -> None:
     assert state.url == "redis://:***@127.0.0.1:1/0"
     assert RedisState("redis://u:s3cret@h:1/0", "t:").url == "redis://u:***@h:1/0"
     assert RedisState("redis://127.0.0.1:1/0", "t:").url == "redis://127.0.0.1:1/0"
+    in_query = RedisState("redis://h:1/?db=2&password=s3cret&x=1", "t:").url  # redis-py reads it
+    assert in_query == "redis://h:1/?db=2&password=***&x=1"
