@@ -12,12 +12,14 @@ from collections.abc import Iterator, Sequence
 from types import FrameType
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+from pydantic_settings import SettingsError
 
 from tokenfleet.allocator import keep_freed_memory
 from tokenfleet.commands import audit, bench, deploy, emulate, gateway, services, sim, streams
 from tokenfleet.commands.errors import CliError
 from tokenfleet.services.process import ServiceError
-from tokenfleet.settings import unknown_variables
+from tokenfleet.settings import unknown_variables, variable_of
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,6 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"tokenfleet: {_invalid_settings(exc)}", file=sys.stderr)
         return 2
+    except SettingsError as exc:  # a value pydantic-settings could not decode
+        print(f"tokenfleet: {exc} ({_LISTS_ARE_JSON})", file=sys.stderr)
+        return 2
+
+
+_LISTS_ARE_JSON = """a setting that holds a list is written in JSON: '["a", "b"]'"""
 
 
 class _Terminated(KeyboardInterrupt):
@@ -71,14 +79,18 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _invalid_settings(exc: ValidationError) -> str:
-    """Settings come from the environment (``TOKENFLEET_*``): name each that is wrong."""
-    problems = "; ".join(
-        f"{'.'.join(map(str, error['loc']))}={error['input']!r}: {error['msg']}"
-        if error["loc"]
-        else error["msg"]  # a rule between settings: its message names them
-        for error in exc.errors()
-    )
+    """Settings come from the environment (``TOKENFLEET_*``): name the variable of each
+    that is wrong."""
+    problems = "; ".join(_problem(exc.title, error) for error in exc.errors())
     return f"invalid {exc.title} (from TOKENFLEET_* environment variables): {problems}"
+
+
+def _problem(settings_class: str, error: ErrorDetails) -> str:
+    if not error["loc"]:  # a rule between settings: its message names them
+        return error["msg"]
+    field, *within = map(str, error["loc"])
+    where = ".".join([variable_of(settings_class, field), *within])
+    return f"{where}={error['input']!r}: {error['msg']}"
 
 
 def build_parser() -> argparse.ArgumentParser:

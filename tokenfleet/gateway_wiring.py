@@ -15,7 +15,7 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -62,9 +62,29 @@ def router_factory(
     def make(model_name: str) -> Router:
         model = fleet.model(model_name)
         assert model is not None
-        return make_router(policy, seed, pool_model(model.profile, model.max_num_seqs), params)
+        with _profile_named_where_missing(model.name, model.profile, "--policy least_requests"):
+            return make_router(policy, seed, pool_model(model.profile, model.max_num_seqs), params)
 
     return make
+
+
+@contextlib.contextmanager
+def _profile_named_where_missing(
+    model: str, profile_name: str | None, without: str
+) -> Iterator[None]:
+    """A policy that cannot be built for a model without ``profile`` says what to do: give
+    one, or run the gateway ``without`` it (a policy that needs none)."""
+    try:
+        yield
+    except ValueError as exc:
+        if profile_name is not None:
+            raise
+        known = ", ".join(sorted(PROFILES))
+        raise ValueError(
+            f"model {model!r} has no `profile` in the fleet file, and {exc}: give it the "
+            f"calibrated profile closest to its size and GPUs ({known}), or run the gateway "
+            f"with {without}, which needs none"
+        ) from None
 
 
 def pool_model(profile_name: str | None, max_num_seqs: int | None) -> PoolModel | None:
@@ -84,7 +104,9 @@ def admission_factory(fleet: FleetConfig, name: str) -> Callable[[str], Admissio
     def make(model_name: str) -> Admission:
         model = fleet.model(model_name)
         assert model is not None
-        return make_admission(name, pool_model(model.profile, model.max_num_seqs), ablations=False)
+        with _profile_named_where_missing(model.name, model.profile, "--admission slomax"):
+            pool = pool_model(model.profile, model.max_num_seqs)
+            return make_admission(name, pool, ablations=False)
 
     return make
 
@@ -159,10 +181,15 @@ async def running_gateway(
     for settings that cannot work together)."""
     if settings.journal and not services.kafka_bootstrap:
         # On the in-process bus nobody could read it, and it would be kept until exit.
+        to_file = (
+            "TOKENFLEET_GATEWAY_JOURNAL_FILE already writes it to a file: drop --journal "
+            "(TOKENFLEET_GATEWAY_JOURNAL)"
+            if settings.journal_file
+            else "without Kafka, write it to a file (TOKENFLEET_GATEWAY_JOURNAL_FILE) instead"
+        )
         raise ValueError(
-            "TOKENFLEET_GATEWAY_JOURNAL publishes the journal on Kafka, and "
-            "TOKENFLEET_KAFKA_BOOTSTRAP is unset; without Kafka, write it to a file "
-            "(TOKENFLEET_GATEWAY_JOURNAL_FILE)"
+            "--journal (TOKENFLEET_GATEWAY_JOURNAL) publishes the journal on Kafka, and "
+            f"TOKENFLEET_KAFKA_BOOTSTRAP is unset; {to_file}"
         )
     bus: EventBus = (
         KafkaBus(services.kafka_bootstrap, source=settings.name)

@@ -26,18 +26,32 @@ _IGNORED_PREFIX = "TOKENFLEET_TEST_"
 """The test suite's own (``tests/services.py``)."""
 
 
-def known_variables() -> set[str]:
-    """Every ``TOKENFLEET_*`` variable something reads: each field of the settings classes
-    under its class's prefix, and ``OTHER_VARIABLES``."""
+def _settings_classes() -> tuple[type[BaseSettings], ...]:
     from gateway.settings import GatewaySettings
     from streams.settings import WorkerSettings
 
-    classes: tuple[type[BaseSettings], ...] = (Settings, GatewaySettings, WorkerSettings)
+    return (Settings, GatewaySettings, WorkerSettings)
+
+
+def _variable(cls: type[BaseSettings], field: str) -> str:
+    return f"{cls.model_config.get('env_prefix', '')}{field}".upper()
+
+
+def known_variables() -> set[str]:
+    """Every ``TOKENFLEET_*`` variable something reads: each field of the settings classes
+    under its class's prefix, and ``OTHER_VARIABLES``."""
     return set(OTHER_VARIABLES) | {
-        f"{cls.model_config.get('env_prefix', '')}{field}".upper()
-        for cls in classes
-        for field in cls.model_fields
+        _variable(cls, field) for cls in _settings_classes() for field in cls.model_fields
     }
+
+
+def variable_of(settings_class: str, field: str) -> str:
+    """The environment variable that sets ``field`` of the settings class of that name
+    (``GatewaySettings``, ...); the field's own name for another class."""
+    for cls in _settings_classes():
+        if cls.__name__ == settings_class and field in cls.model_fields:
+            return _variable(cls, field)
+    return field
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:

@@ -99,7 +99,7 @@ of ``ADMISSIONS`` alone. Without the controller, the limits stay where SLOMax st
 
 def _needs(pool: PoolModel | None, name: str) -> PoolModel:
     if pool is None:
-        raise ValueError(f"{name} needs the pool's step model (a PoolModel)")
+        raise ValueError(f"{name} admission prices queues on the pool's step model")
     return pool
 
 

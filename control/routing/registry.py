@@ -119,7 +119,7 @@ class Policy:
 
 def _tokenpilot(_rng: np.random.Generator, pool: PoolModel | None, params: Any) -> Router:
     if pool is None:
-        raise ValueError("tokenpilot needs the pool's step model (a PoolModel)")
+        raise ValueError("TokenPilot prices queues on the pool's step model")
     return TokenPilot(pool, params)
 
 

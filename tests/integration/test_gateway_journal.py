@@ -35,12 +35,12 @@ async def _mixed_traffic(http: httpx.AsyncClient) -> None:
         assert answer.status_code == 200
 
     async def leaves() -> None:
+        """Leaves once its answer began: a client that left after a fixed 0.3 s could, on
+        a loaded machine, leave before the gateway read it (40 DC choices of 41 in CI)."""
         body = chat("a long answer I will not wait for", max_tokens=400, stream=True)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(0.3):
-                async with http.stream("POST", "/v1/chat/completions", json=body) as answer:
-                    async for _ in answer.aiter_bytes():
-                        pass
+        async with http.stream("POST", "/v1/chat/completions", json=body) as answer:
+            async for _ in answer.aiter_bytes():
+                break
 
     await asyncio.gather(*(one(n) for n in range(40)), leaves())
 

@@ -50,7 +50,7 @@ def test_admission_policies_by_name() -> None:
     assert isinstance(make_admission("slomax"), SLOMax)
     assert make_admission("vllm_priority").engine_scheduling == "priority"
     assert isinstance(make_admission("vllm_priority"), VllmPriority)
-    with pytest.raises(ValueError, match="needs the pool's step model"):
+    with pytest.raises(ValueError, match="prices queues on the pool's step model"):
         make_admission("mooncake_early_reject")
     with pytest.raises(KeyError, match="known: dynamo_router_queue, fcfs, litellm_priority"):
         make_admission("nope")

@@ -57,7 +57,7 @@ def test_an_unknown_command_exits_non_zero(capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.parametrize(
     ("setting", "value", "said"),
     [
-        ("TOKENFLEET_GATEWAY_TOKEN_LAG_S", "-1", "token_lag_s='-1'"),
+        ("TOKENFLEET_GATEWAY_TOKEN_LAG_S", "-1", "TOKENFLEET_GATEWAY_TOKEN_LAG_S='-1'"),
         # two settings that disagree: a live replica's share would lapse between rewrites
         ("TOKENFLEET_GATEWAY_SHARE_TTL_S", "3", "Value error, share_ttl_s (3.0) must be at"),
     ],
@@ -75,6 +75,40 @@ def test_a_setting_out_of_range_is_named_without_a_traceback(
     err = capsys.readouterr().err
     assert err.startswith("tokenfleet: invalid GatewaySettings (from TOKENFLEET_* environment")
     assert f"variables): {said}" in err
+    assert "Traceback" not in err
+
+
+def test_a_list_setting_not_written_in_json_is_named_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TOKENFLEET_GATEWAY_CORS_ALLOW_ORIGINS", "https://a.example")
+    fleet = Path(__file__).parents[2] / "examples" / "fleet.toml"
+    assert main(["gateway", "--fleet", str(fleet), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert '"cors_allow_origins"' in err
+    assert "written in JSON" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("without", "said"),
+    [("profile", "has no `profile` in the fleet file"), ("tenants", "names no tenant")],
+)
+def test_a_fleet_file_the_gateway_cannot_serve_is_refused_saying_what_to_add(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], without: str, said: str
+) -> None:
+    """Without a model's profile the default policy cannot start; without a tenant every
+    request would get 401."""
+    example = (Path(__file__).parents[2] / "examples" / "fleet.toml").read_text()
+    if without == "profile":
+        example = example.replace('profile = "llama3-70b-4xh100"', "")
+    else:  # the tenants and what follows them
+        example = example[: example.index("[[tenants]]")]
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(example)
+    assert main(["gateway", "--fleet", str(fleet), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert said in err
     assert "Traceback" not in err
 
 

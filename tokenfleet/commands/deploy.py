@@ -33,9 +33,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "controllers, gateways, on real Kafka and Redis",
         description="Starts one process per part of the fleet file's deployment, in the "
         "background, each logging to HOME/<part>/server.log: an emulator per DC for its "
-        "instances on this machine (an instance URL on 127.0.0.1 or localhost is emulated: "
-        "to put the parts in front of real servers, start them one by one as the README "
-        "shows), the collector, the table worker, the controllers, and a gateway per DC (the first "
+        "instances on this machine (an instance URL on 127.0.0.1 or localhost is emulated; "
+        "the parts are put in front of the other URLs as real servers, so a real server on "
+        "this machine needs the parts started one by one, as the README shows), the "
+        "collector, the table worker, the controllers, and a gateway per DC (the first "
         "DC's is the edge, on --gateway-port; the others on the ports after it). Kafka and "
         "Redis: TOKENFLEET_KAFKA_BOOTSTRAP and TOKENFLEET_REDIS_URL, else a local broker "
         "and server started in HOME. Every other TOKENFLEET_* setting in the environment "

@@ -33,7 +33,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--fleet",
         type=Path,
         help="the fleet file, .toml or .json (default: TOKENFLEET_GATEWAY_FLEET_FILE, else "
-        "fleet.toml in the current folder)",
+        "fleet.toml in the current folder); it needs a tenant with the clients' keys, and "
+        "under the default policies a calibrated profile per model",
     )
     gateway.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
@@ -61,8 +62,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--journal",
         action="store_const",
         const=True,
-        help="publish the decision journal on tf.audit.journal, for tokenfleet audit "
-        "(TOKENFLEET_GATEWAY_JOURNAL; TOKENFLEET_GATEWAY_JOURNAL_FILE writes it to a file)",
+        help="publish the decision journal on tf.audit.journal (Kafka), for tokenfleet "
+        "audit (TOKENFLEET_GATEWAY_JOURNAL); without Kafka, set "
+        "TOKENFLEET_GATEWAY_JOURNAL_FILE instead of this flag",
     )
     gateway.set_defaults(handler=_gateway)
 
@@ -90,6 +92,11 @@ def _gateway(args: argparse.Namespace) -> int:
         fleet = load_fleet(settings.fleet_file)
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
+    if not fleet.tenants:
+        raise CliError(
+            f"{settings.fleet_file} names no tenant: the gateway would answer every request "
+            "401; give it [[tenants]] with the clients' api_keys (examples/fleet.toml)"
+        )
 
     async def run() -> None:
         allow_open_files()

@@ -84,6 +84,7 @@ class _LocalService:
 
     name: str
     help: str
+    description: str
     module: ModuleType
     running: Callable[[Path], str | None]
     server: Callable[[Path], local_kafka.LocalKafka | local_redis.LocalRedis]
@@ -95,6 +96,11 @@ _LOCAL_SERVICES = (
     _LocalService(
         "kafka",
         "a local Kafka broker (KRaft, from Maven Central jars)",
+        "A local Apache Kafka broker for development and tests: one KRaft node on free "
+        "loopback ports, from Kafka's jars on Maven Central, fetched once into "
+        "~/.cache/tokenfleet (needs Java 17 and Maven). `start` prints its bootstrap "
+        "address, for TOKENFLEET_KAFKA_BOOTSTRAP. Not for production: one node, no "
+        "replication.",
         local_kafka,
         local_kafka.running_bootstrap,
         local_kafka.LocalKafka,
@@ -103,6 +109,9 @@ _LOCAL_SERVICES = (
     _LocalService(
         "redis",
         "a local Redis server (Debian's redis-server, no persistence)",
+        "A local Redis server for development and tests: Debian's redis-server on a free "
+        "loopback port, nothing persisted. `start` prints its URL, for "
+        "TOKENFLEET_REDIS_URL.",
         local_redis,
         local_redis.running_url,
         local_redis.LocalRedis,
@@ -115,8 +124,7 @@ def _add_local_services(commands: argparse._SubParsersAction) -> None:
         parser = commands.add_parser(
             service.name,
             help=service.help,
-            description=service.module.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            description=service.description,
         )
         actions = [
             ("start", _service_start, "start it in the background; print its address"),
