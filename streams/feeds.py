@@ -36,14 +36,34 @@ async def follow_envelopes(
     start: StartFrom = "latest",
     retry_s: float = 1.0,
 ) -> None:
-    """``follow``, for appliers that read the envelope too (who sent it, and when)."""
+    """``follow``, for appliers that read the envelope too (who sent it, and when). A run
+    of failures is warned of at its first and then every ``WARN_EVERY`` tries, and its
+    end once: a gateway started on an address with no broker wrote a line a second per
+    feed, five feeds, for as long as it ran."""
+    failures = 0
     while True:
         try:
             async with bus.subscribe(topic, start) as events:
+                if failures:
+                    log.warning("feed %s subscribed again after %d failed tries", topic, failures)
+                    failures = 0
                 async for event in events:
                     apply(event.envelope)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any bus failure: keep last-known, retry
-            log.warning("feed %s failed (%s); retrying in %.1f s", topic, exc, retry_s)
+            failures += 1
+            if failures % WARN_EVERY == 1:
+                log.warning(
+                    "feed %s failed (%s); retrying every %.1f s, keeping what it had "
+                    "(%d tries so far)",
+                    topic,
+                    exc,
+                    retry_s,
+                    failures,
+                )
         await asyncio.sleep(retry_s)
+
+
+WARN_EVERY = 60
+"""Failed tries of a feed between two warnings: a minute at the default retry."""

@@ -280,7 +280,7 @@ def test_a_withdrawn_decision_no_longer_counts_as_work_sent() -> None:
 
 
 def test_tokenpilot_cannot_be_made_without_the_pool_s_step_model() -> None:
-    with pytest.raises(ValueError, match="prices queues on the pool.s step model"):
+    with pytest.raises(ValueError, match="prices queues on the pool's step model"):
         make_router("tokenpilot")
 
 
