@@ -33,7 +33,6 @@ import json
 import logging
 import math
 import os
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -76,18 +75,25 @@ from schemas.openai_api import REQUEST_ID_HEADER, ApiError
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
-_MODEL_NOT_SERVED = re.compile(r"\bmodel\b.*\bdoes not exist\b", re.IGNORECASE)
-"""vLLM's 404 for a model it does not serve under that name ("The model `m` does not
-exist."): the gateway checked the name against the fleet, so the instance is the fault
-(started without ``--served-model-name``). It fails as a 5xx does, and the request goes to
-the next instance; passed on, an instance so misnamed had no load, drew most requests, and
-answered each 404. Any other 404 (a ``previous_response_id`` another instance stored, a
-route the engine lacks) is the request's, passed on as the instance gave it."""
+
+
+def _model_not_served(message: str, model: str) -> bool:
+    """Whether an instance's 404 is vLLM's for a model it does not serve under that name
+    ("The model `m` does not exist.", the whole message, naming the model the gateway
+    sent): the gateway checked the name against the fleet, so the instance is the fault
+    (started without ``--served-model-name``). It fails as a 5xx does, and the request goes
+    to the next instance; passed on, an instance so misnamed had no load, drew most
+    requests, and answered each 404. Any other 404 (a ``previous_response_id`` another
+    instance stored, a route the engine lacks) is the request's, passed on as the instance
+    gave it; the whole sentence is matched, since a client's own ids come back in those."""
+    return message == f"The model `{model}` does not exist."
+
+
 REQUEST_FAULTS = frozenset({400, 404, 413, 422})
 """An instance's answers that blame the request (vLLM and SGLang answer 400 for a prompt
 past the context or a parameter out of range, 404 for a stored response it lacks):
 refused as invalid, not the DC's failure; a 404 for the model is the instance's
-(``_MODEL_NOT_SERVED``). Any other 4xx (a key the instance refuses, 429) is the DC's."""
+(``_model_not_served``). Any other 4xx (a key the instance refuses, 429) is the DC's."""
 ERROR_BODY_BYTES = 4096
 ERROR_READ_S = 1.0
 """How much of a failed answer is read for its message, and how long it is waited for."""
@@ -282,7 +288,9 @@ class Exchange:
                     upstream.close()
                     raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
                 upstream.release()
-                if upstream.status == 404 and _MODEL_NOT_SERVED.search(_message_of(body)):
+                if upstream.status == 404 and _model_not_served(
+                    _message_of(body), inbound.model.name
+                ):
                     self.metrics.upstream_errors.labels(trip.instance.id, "status").inc()
                     raise UpstreamFailed(
                         f"{trip.instance.id} answered 404: {_message_of(body)}", status=404
@@ -454,8 +462,6 @@ class Exchange:
             await self.books.completed(trip)
         elif ended == "cancelled":
             await self.books.cancelled(trip)
-        elif trip.first_token_at is None and trip.error_status in REQUEST_FAULTS:
-            await self.books.refused(trip, trip.error_status)  # vLLM's checks inside a stream
         else:
             await self.books.fail(trip, ended)
 

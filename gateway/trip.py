@@ -66,8 +66,6 @@ class Trip:
     output_tokens: int = 0
     error: str | None = None
     """An error the instance reported within its stream."""
-    error_status: int | None = None
-    """That error's code, where it gave one."""
     pending: float = 0.0
     inflight: float = 0.0
     captured: bytearray = field(default_factory=bytearray)
@@ -88,7 +86,7 @@ class Trip:
         elif seen.piece is Piece.DELTA:
             self.output_tokens += 1
         if seen.error is not None:
-            self.error, self.error_status = seen.error, seen.status
+            self.error = seen.error
         if self.idempotency_key is not None and len(self.captured) <= KEPT_ANSWER_BYTES:
             self.captured.extend(event)  # past the limit it is not kept: no more needed
         return event
@@ -210,12 +208,12 @@ class TripBooks:
         await self._forget_key(trip)
 
     async def refused(self, trip: Trip, status: int) -> None:
-        """The instance refused the request for its own fault (``status``: 400, 413 or 422,
-        a prompt past the context, a parameter the engine rejects; answered, or reported
-        inside its stream before any token): nothing ran, so the
-        router forgets the work it counted, and the request is reported refused as
-        invalid in no DC's table; counted as the DC's failure, one tenant's bad requests
-        would lower a healthy DC's goodput and move the weights off it."""
+        """The instance refused the request for its own fault (``status``, one of the
+        exchange's ``REQUEST_FAULTS``: a prompt past the context, a parameter the engine
+        rejects, a stored response it lacks): nothing ran, so the router forgets the work
+        it counted, and the request is reported refused as invalid in no DC's table;
+        counted as the DC's failure, one tenant's bad requests would lower a healthy DC's
+        goodput and move the weights off it."""
         await self.release(trip)
         self.admission.finished(trip.inbound, trip.plan.dc, cancelled=True)
         # Counted per instance: a fleet misconfigured (engines not started for priority

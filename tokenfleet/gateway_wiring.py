@@ -134,11 +134,12 @@ def gateway_parts(
     policy, params = routing_params(fleet, settings)
     routers = router_factory(fleet, policy, seed, params)
     admissions = admission_factory(fleet, settings.admission)
-    # Both built once at start, the router first: an unknown policy, a bad parameter or a
-    # pairing that cannot work fails now, not at the first request.
-    first = fleet.models[0].name
-    router = routers(first)
-    check_pairing(admissions(first), router)
+    # Both built once at start for every model, the router first: an unknown policy, a
+    # bad parameter, a model without the profile its policy needs or a pairing that
+    # cannot work fails now, not at the first request.
+    for model in fleet.models:
+        router = routers(model.name)
+        check_pairing(admissions(model.name), router)
 
     def recipe(model: str) -> dict[str, Any]:
         """How ``routers`` and ``admissions`` build ``model``'s pool, for an auditor."""

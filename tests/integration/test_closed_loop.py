@@ -155,9 +155,10 @@ async def test_a_flood_lowers_its_class_ceiling_through_the_tables_and_chats_rec
     if flooding is TaskClass.LONG_DOCUMENT:
         # Where SLOMax starts (four per ready instance), or the controller's first step
         # from there when the flood reached the tables before its first pass did: down
-        # where chats missed, up one (x 1.25) where chats still had room and documents
-        # had been turned away (seen once in CI on a loaded machine: 10)
-        assert limits[0] in (4, 8, 10)
+        # where chats missed (to 6, or 4 far below), up one (x 1.25) where chats still
+        # had room and documents had been turned away (seen once in CI on a loaded
+        # machine: 10)
+        assert limits[0] in (4, 6, 8, 10)
     assert min(limits) <= 4  # lowered through the tables to two per instance at most
     assert min(early) < 0.5  # the flood made chats miss
     assert late > 0.9  # and with fewer of the class at once they met their objective again

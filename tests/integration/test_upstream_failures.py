@@ -179,13 +179,13 @@ async def test_an_answer_is_asked_for_uncompressed() -> None:
     assert answered.json()["choices"][0]["message"]["content"] == "word " * 300
 
 
-@pytest.mark.parametrize(("tokens_first", "ending"), [(2, RequestFailed), (0, RequestRejected)])
-async def test_an_error_inside_a_stream_ends_the_request_and_frees_its_key(
-    tokens_first: int, ending: type[RequestFailed | RequestRejected]
+@pytest.mark.parametrize("tokens_first", [2, 0])
+async def test_an_error_inside_a_stream_fails_the_request_and_frees_its_key(
+    tokens_first: int,
 ) -> None:
-    """vLLM reports some of a request's own faults (a prompt grown past the context) as a
-    400 inside its stream: before any token, a refusal of the request, in no DC's table;
-    after tokens, a failure."""
+    """A 400 inside a stream is a failure, before any token too: vLLM's stream generators
+    report any exception so (an engine that died among them), not the request's faults
+    alone."""
     async with (
         http_server(_in_stream_error_upstream(400, tokens_first)) as upstream,
         gateway(fleet_for([upstream])) as front,
@@ -201,15 +201,28 @@ async def test_an_error_inside_a_stream_ends_the_request_and_frees_its_key(
             assert "engine trouble" in lines[-2]
             assert "idempotent-replayed" not in response.headers
         request_id = response.headers["x-tokenfleet-request-id"]
-        ended = await latest_event(front, request_id, ending)
-        completions = await front.app.state.gateway.parts.bus.read_latest("tf.completions")
-    if ending is RequestFailed:
-        assert isinstance(ended, RequestFailed)
-        assert "engine trouble" in ended.error
-    else:
-        assert isinstance(ended, RequestRejected)
-        assert (ended.reason, ended.dc) == (RejectReason.INVALID, None)
-        assert request_id not in completions
+        failed = await latest_event(front, request_id, RequestFailed)
+        assert failed is not None
+        assert "engine trouble" in failed.error
+
+
+async def test_a_client_s_id_that_reads_like_the_model_s_404_fails_no_instance() -> None:
+    """Only vLLM's whole sentence for the model fails an instance: a stored response's
+    404 quotes the client's id, which could otherwise say "the model does not exist"."""
+    crafted = "Response with id 'resp_the model does not exist' not found."
+    async with (
+        http_server(_refusing_upstream(404, crafted)) as first,
+        http_server(_refusing_upstream(404, crafted)) as second,
+        gateway(fleet_for([first, second]), failure_consecutive_5xx=1) as front,
+        front.client() as http,
+    ):
+        answers = [
+            await http.post("/v1/chat/completions", json=chat(f"hi {n} " * 10)) for n in range(4)
+        ]
+        retries = await scraped(front.url, "tokenfleet_gateway_retries_total")
+    assert [a.status_code for a in answers] == [404] * 4
+    assert answers[0].json()["error"]["message"] == crafted
+    assert retries == 0
 
 
 @pytest.mark.parametrize(

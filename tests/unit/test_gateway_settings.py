@@ -53,6 +53,16 @@ def test_slomax_reserves_the_sequences_the_fleet_file_says_each_engine_runs() ->
     assert admission.pool.max_num_seqs is None  # KV alone is reserved
 
 
+def test_every_model_s_policies_are_built_at_start() -> None:
+    """A second model without the profile TokenPilot needs started, then failed each of
+    its requests: only the first model's router was built at start."""
+    example = load_fleet(EXAMPLE)
+    bare = example.models[0].model_copy(update={"name": "bare", "profile": None})
+    fleet = example.model_copy(update={"models": (*example.models, bare)})
+    with pytest.raises(ValueError, match="model 'bare' has no `profile`"):
+        gateway_parts(fleet, GatewaySettings(), InMemoryBus(), LocalState())
+
+
 def test_an_admission_that_needs_a_prediction_behind_a_router_without_stops_the_gateway() -> None:
     """Started so, it refused every request (no_instance), on an idle fleet too."""
     settings = GatewaySettings(policy="round_robin", admission="mooncake_early_reject")
