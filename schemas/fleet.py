@@ -12,13 +12,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, HttpUrl, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    HttpUrl,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from schemas.base import Frozen, Identifier, TaskClass
 from schemas.envelope import describe
 from schemas.objectives import DEFAULT_OBJECTIVES, ClassObjective, Objectives
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost"})
+
+
+EnvironmentVariable = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+"""The name of an environment variable that holds a secret: fleet files are shared and
+committed, the secrets stay in each process's environment."""
 
 
 class DataCenter(Frozen):
@@ -82,9 +94,8 @@ class InstanceConfig(Frozen):
 
     version: Identifier = "1"
     engine: Literal["vllm", "sglang"] = "vllm"
-    api_key_env: str | None = Field(
+    api_key_env: EnvironmentVariable | None = Field(
         default=None,
-        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
         description="The environment variable holding the key the server was started with "
         "(vLLM's and SGLang's `--api-key`): gateways send it as `Authorization: Bearer`, "
         "the collector with its scrapes (unset: no key). A variable, not the key: fleet "
@@ -112,11 +123,18 @@ class InstanceConfig(Frozen):
 ApiKey = Annotated[str, Field(min_length=1, pattern=r"^\S+$")]
 """A key clients send as ``Authorization: Bearer KEY``: no blank (an empty key matched a
 header of ``Bearer`` and a space)."""
+_API_KEY = TypeAdapter(ApiKey)
 
 
 class TenantConfig(Frozen):
     name: Identifier
-    api_keys: tuple[ApiKey, ...] = Field(min_length=1)
+    api_keys: tuple[ApiKey, ...] = ()
+    api_keys_env: tuple[EnvironmentVariable, ...] = Field(
+        default=(),
+        description="Environment variables each holding one more of the tenant's keys, read "
+        "when a gateway starts (one unset refuses the start): keys kept out of a fleet file "
+        "that is shared and committed.",
+    )
     classes: tuple[TaskClass, ...] = Field(
         default=tuple(TaskClass), description="Task classes the tenant may ask for."
     )
@@ -135,6 +153,29 @@ class TenantConfig(Frozen):
         description="The DCs the tenant's requests may run in, fallback included (unset: "
         "every DC).",
     )
+
+    @model_validator(mode="after")
+    def _has_keys(self) -> TenantConfig:
+        if not self.api_keys and not self.api_keys_env:
+            raise ValueError(
+                f"tenant {self.name!r} has neither api_keys nor api_keys_env: none of its "
+                "clients could be let in"
+            )
+        return self
+
+    def with_keys_from(self, environ: Mapping[str, str]) -> TenantConfig:
+        """The tenant with the keys its ``api_keys_env`` names read from ``environ``;
+        ValueError naming a variable that is unset or holds no valid key."""
+        keys = []
+        for variable in self.api_keys_env:
+            try:
+                keys.append(_API_KEY.validate_python(environ.get(variable, "").strip()))
+            except ValidationError:
+                raise ValueError(
+                    f"tenant {self.name}: {variable} (in its api_keys_env) is unset, or holds "
+                    "no key (one word, no blanks)"
+                ) from None
+        return self.model_copy(update={"api_keys": (*self.api_keys, *keys)}) if keys else self
 
     @model_validator(mode="after")
     def _default_allowed(self) -> TenantConfig:
@@ -230,6 +271,15 @@ class FleetConfig(Frozen):
 
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def with_tenant_keys(self, environ: Mapping[str, str]) -> FleetConfig:
+        """The fleet with every tenant's keys from ``environ`` added (``api_keys_env``), as
+        a gateway serves it; ValueError naming a variable that is unset."""
+        if not any(t.api_keys_env for t in self.tenants):
+            return self
+        return self.model_copy(
+            update={"tenants": tuple(t.with_keys_from(environ) for t in self.tenants)}
+        )
 
     def edge_regions(self) -> dict[str, str | None]:
         """Each DC, as an edge whose gateways choose DCs, with the region its requests

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import time
@@ -179,7 +180,8 @@ async def running_gateway(
 ) -> AsyncIterator[FastAPI]:
     """Serve a gateway on ``host:port`` (0: any free port; ``app.state.address`` says
     which) until the context exits (``OSError`` when the port is taken; ``ValueError``
-    for settings that cannot work together)."""
+    for settings that cannot work together, or a tenant's key variable unset)."""
+    fleet = fleet.with_tenant_keys(os.environ)
     if settings.journal and not services.kafka_bootstrap:
         # On the in-process bus nobody could read it, and it would be kept until exit.
         to_file = (

@@ -330,6 +330,24 @@ async def test_a_stream_broken_before_its_first_token_is_retried_elsewhere() -> 
             assert await metric(front, "tokenfleet_gateway_retries_total") == 1
 
 
+async def test_a_tenant_s_key_from_the_environment_lets_its_clients_in(
+    instances: list[EmulatedInstance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tenants = [{"name": "env-tenant", "api_keys_env": ["TEAM_KEY"]}]
+    fleet = fleet_for([i.url for i in instances], tenants=tenants)
+    with pytest.raises(ValueError, match="TEAM_KEY"):
+        async with gateway(fleet):
+            pass  # unset: the gateway refuses to start
+    monkeypatch.setenv("TEAM_KEY", "sk-from-env")
+    async with gateway(fleet) as front:
+        async with front.client("sk-from-env") as http:
+            let_in = await http.post("/v1/chat/completions", json=chat("hi " * 10))
+        async with front.client() as http:  # the harness's KEY, no tenant's here
+            kept_out = await http.post("/v1/chat/completions", json=chat("hi " * 10))
+    assert let_in.status_code == 200
+    assert kept_out.status_code == 401
+
+
 async def test_an_idempotency_key_returns_the_first_outcome(
     front: Gateway, instances: list[EmulatedInstance]
 ) -> None:

@@ -75,6 +75,27 @@ def test_a_fleet_file_naming_an_unknown_dc_is_refused(tmp_path: Path) -> None:
         load_fleet(kept_out)
 
 
+def test_a_tenant_s_keys_may_come_from_the_environment(tmp_path: Path) -> None:
+    """Fleet files are shared and committed: a tenant's keys may stay in the gateways'
+    environment; a variable unset refuses the start, and a tenant with no keys at all is
+    refused as one nobody could use."""
+    example = EXAMPLE.read_text()
+    keyed = tmp_path / "keyed.toml"
+    keyed.write_text(example.replace('api_keys = ["sk-demo"]', 'api_keys_env = ["DEMO_KEY"]'))
+    fleet = load_fleet(keyed)
+    assert fleet.tenants[0].api_keys == ()
+    served = fleet.with_tenant_keys({"DEMO_KEY": " sk-from-env\n"})
+    assert served.tenants[0].api_keys == ("sk-from-env",)
+    assert served.tenants[1] == fleet.tenants[1]
+    for environ in ({}, {"DEMO_KEY": "two words"}):
+        with pytest.raises(ValueError, match=r"tenant demo: DEMO_KEY \(in its api_keys_env\)"):
+            fleet.with_tenant_keys(environ)
+    keyless = tmp_path / "keyless.toml"
+    keyless.write_text(example.replace('api_keys = ["sk-demo"]', ""))
+    with pytest.raises(FleetFileError, match="neither api_keys nor api_keys_env"):
+        load_fleet(keyless)
+
+
 def test_a_typo_in_a_model_s_key_is_the_one_problem_named(tmp_path: Path) -> None:
     """Pydantic also counted the models without the failed one: "models: Tuple should
     have at least 1 item after validation, not 0", beside the typo."""
