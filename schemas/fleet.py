@@ -250,6 +250,11 @@ class FleetConfig(Frozen):
                 raise ValueError(f"instance {instance.id!r} names unknown dc {instance.dc!r}")
             if instance.model not in models:
                 raise ValueError(f"instance {instance.id!r} names unknown model {instance.model!r}")
+        self._each_once()
+        return self
+
+    def _each_once(self) -> None:
+        """ValueError for a name, or a tenant's key, that appears twice."""
         for name, items in (
             ("dc", [d.name for d in self.dcs]),
             ("model", [m.name for m in self.models]),
@@ -259,7 +264,6 @@ class FleetConfig(Frozen):
         ):
             if len(set(items)) != len(items):
                 raise ValueError(f"a {name} appears twice")
-        return self
 
     def round_trips_s(self) -> dict[tuple[str, str], float]:
         """Round trips in seconds, by (region, region), both ways."""
@@ -274,12 +278,18 @@ class FleetConfig(Frozen):
 
     def with_tenant_keys(self, environ: Mapping[str, str]) -> FleetConfig:
         """The fleet with every tenant's keys from ``environ`` added (``api_keys_env``), as
-        a gateway serves it; ValueError naming a variable that is unset."""
+        a gateway serves it; ValueError naming a variable that is unset, or for a key two
+        tenants then share."""
         if not any(t.api_keys_env for t in self.tenants):
             return self
-        return self.model_copy(
+        keyed = self.model_copy(
             update={"tenants": tuple(t.with_keys_from(environ) for t in self.tenants)}
         )
+        try:  # a key twice would let the first tenant's rules apply to the other's clients
+            keyed._each_once()
+        except ValueError as exc:
+            raise ValueError(f"{exc}, counting the keys of the tenants' api_keys_env") from None
+        return keyed
 
     def edge_regions(self) -> dict[str, str | None]:
         """Each DC, as an edge whose gateways choose DCs, with the region its requests

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from schemas import Envelope, Message
@@ -37,21 +38,25 @@ async def follow_envelopes(
     retry_s: float = 1.0,
 ) -> None:
     """``follow``, for appliers that read the envelope too (who sent it, and when). A run
-    of failures is warned of at its first and then every ``WARN_EVERY`` tries, and its
-    end once: a gateway started on an address with no broker wrote a line a second per
-    feed, five feeds, for as long as it ran."""
+    of failures is warned of at its first and then every ``WARN_EVERY`` tries, and its end
+    once, at the first event applied after it: a gateway started on an address with no broker
+    wrote a line a second per feed, five feeds, for as long as it ran. A subscription that
+    lasted ``STEADY_S`` ends a run too (its topic may be quiet)."""
     failures = 0
     while True:
+        opened = time.monotonic()
         try:
             async with bus.subscribe(topic, start) as events:
-                if failures:
-                    log.warning("feed %s subscribed again after %d failed tries", topic, failures)
-                    failures = 0
                 async for event in events:
                     apply(event.envelope)
+                    if failures:
+                        log.info("feed %s reads again after %d failed tries", topic, failures)
+                        failures = 0
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any bus failure: keep last-known, retry
+            if time.monotonic() - opened >= STEADY_S:
+                failures = 0
             failures += 1
             if failures % WARN_EVERY == 1:
                 log.warning(
@@ -67,3 +72,5 @@ async def follow_envelopes(
 
 WARN_EVERY = 60
 """Failed tries of a feed between two warnings: a minute at the default retry."""
+STEADY_S = 60.0
+"""How long a subscription must last for its failure to start a new run of them."""

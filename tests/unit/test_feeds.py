@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import pytest
 
-from schemas import Message
+from schemas import Envelope, Message
+from schemas.fleet import load_fleet
 from streams import feeds
 from streams.bus import StartFrom, Subscription
+from streams.collector import telemetry_of
 from streams.feeds import follow
 from streams.memory import InMemoryBus
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "fleet.toml"
 
 
 class AwayAtFirst(InMemoryBus):
@@ -33,20 +38,50 @@ async def test_a_run_of_failures_is_warned_of_at_its_start_every_so_often_and_it
 ) -> None:
     monkeypatch.setattr(feeds, "WARN_EVERY", 10)
     bus, applied = AwayAtFirst(away=25), list[Message]()
-    caplog.set_level(logging.WARNING, logger="streams.feeds")
-    reader = asyncio.create_task(follow(bus, "tf.control.quotas", applied.append, retry_s=0.0))
+    instance = load_fleet(EXAMPLE).instances[0]
+    await bus.publish_event(Envelope.wrap(telemetry_of(instance, None), source="test"))
+    caplog.set_level(logging.INFO, logger="streams.feeds")
+    reader = asyncio.create_task(
+        follow(bus, "tf.telemetry", applied.append, start="earliest", retry_s=0.0)
+    )
     try:
         for _ in range(500):
-            if bus.away == 0 and any("again" in r.message for r in caplog.records):
+            if applied:
                 break
             await asyncio.sleep(0.001)
     finally:
         reader.cancel()
-    warned = [r.getMessage() for r in caplog.records]
-    assert [w.split("(")[-1] for w in warned[:3]] == [
+    said = [r.getMessage() for r in caplog.records]
+    assert [w.split("(")[-1] for w in said[:3]] == [
         "1 tries so far)",
         "11 tries so far)",
         "21 tries so far)",
     ]
-    assert warned[3] == "feed tf.control.quotas subscribed again after 25 failed tries"
-    assert len(warned) == 4
+    assert said[3:] == ["feed tf.telemetry reads again after 25 failed tries"]
+
+
+async def test_a_subscription_that_fails_as_soon_as_it_opens_is_one_run_of_failures(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An event read and failed at once: counted from the subscription, such a run would
+    say "again" and warn anew at each try."""
+    monkeypatch.setattr(feeds, "WARN_EVERY", 10)
+    bus = InMemoryBus()
+    instance = load_fleet(EXAMPLE).instances[0]
+    await bus.publish_event(Envelope.wrap(telemetry_of(instance, None), source="test"))
+    tries, tried_enough = 0, asyncio.Event()
+
+    def broken(_: Message) -> None:
+        nonlocal tries
+        tries += 1
+        if tries == 25:
+            tried_enough.set()
+        raise ValueError("an applier that fails")
+
+    caplog.set_level(logging.INFO, logger="streams.feeds")
+    reader = asyncio.create_task(follow(bus, "tf.telemetry", broken, "earliest", retry_s=0.0))
+    try:
+        await asyncio.wait_for(tried_enough.wait(), 5)
+    finally:
+        reader.cancel()
+    assert len(caplog.records) == 3  # tries 1, 11 and 21

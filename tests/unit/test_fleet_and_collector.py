@@ -90,6 +90,8 @@ def test_a_tenant_s_keys_may_come_from_the_environment(tmp_path: Path) -> None:
     for environ in ({}, {"DEMO_KEY": "two words"}):
         with pytest.raises(ValueError, match=r"tenant demo: DEMO_KEY \(in its api_keys_env\)"):
             fleet.with_tenant_keys(environ)
+    with pytest.raises(ValueError, match="API key appears twice, counting the keys of"):
+        fleet.with_tenant_keys({"DEMO_KEY": "sk-reports"})  # the other tenant's
     keyless = tmp_path / "keyless.toml"
     keyless.write_text(example.replace('api_keys = ["sk-demo"]', ""))
     with pytest.raises(FleetFileError, match="neither api_keys nor api_keys_env"):
