@@ -112,6 +112,19 @@ def test_a_fleet_file_the_gateway_cannot_serve_is_refused_saying_what_to_add(
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["collect", "worker", "controller"])
+def test_a_fleet_file_that_cannot_be_read_is_named_before_the_missing_broker(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    """Errors came one at a time: the broker first, then, once it was set, the file."""
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    assert main([command, "--fleet", str(tmp_path / "missing.toml")]) == 2
+    assert "cannot read fleet file" in capsys.readouterr().err
+
+
 def test_a_controller_told_to_judge_a_dc_on_no_requests_is_refused_before_it_needs_a_broker(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -270,11 +270,11 @@ def _worker(args: argparse.Namespace) -> int:
     from streams.faust_parts import WorkerApp, metrics_registry
     from streams.settings import WorkerSettings
 
-    bootstrap = broker()
-    try:
+    try:  # the file first: an error of its own is found without a broker
         objectives = load_fleet(args.fleet).all_objectives() if args.fleet else None
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
+    bootstrap = broker()
     settings = WorkerSettings()
     create_topics_on(bootstrap, (*TOPICS, updates_topic_of(settings)))
 
@@ -313,13 +313,13 @@ def _collect(args: argparse.Namespace) -> int:
     from streams.collector import Collector
     from streams.kafka import KafkaBus
 
-    bootstrap = broker()
-    try:
+    try:  # the file first: an error of its own is found without a broker
         fleet = load_fleet(args.fleet)
         for instance in fleet.instances:
             instance.auth_headers(os.environ)  # refused now, not on every scrape
     except (FleetFileError, ValueError) as exc:
         raise CliError(str(exc)) from None
+    bootstrap = broker()
 
     async def run() -> None:
         bus = KafkaBus(bootstrap, source="collector")
@@ -368,11 +368,11 @@ def _controller(args: argparse.Namespace) -> int:
     from tokenfleet.operator_page import serve_operator_view
 
     check_controller_args(args)
-    bootstrap = broker()
-    try:
+    try:  # the file first: an error of its own is found without a broker
         fleet = load_fleet(args.fleet) if args.fleet else None
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
+    bootstrap = broker()
     listening = _view_socket(args.host, args.port)  # a taken port fails before Kafka is asked
     try:
         create_topics_on(bootstrap)
