@@ -263,7 +263,7 @@ class FleetConfig(Frozen):
             ("API key", [k for t in self.tenants for k in t.api_keys]),
         ):
             if len(set(items)) != len(items):
-                raise ValueError(f"a {name} appears twice")
+                raise ValueError(f"{'an' if name[0] in 'AEIOU' else 'a'} {name} appears twice")
 
     def round_trips_s(self) -> dict[tuple[str, str], float]:
         """Round trips in seconds, by (region, region), both ways."""

@@ -38,31 +38,34 @@ async def follow_envelopes(
     retry_s: float = 1.0,
 ) -> None:
     """``follow``, for appliers that read the envelope too (who sent it, and when). A run
-    of failures is warned of at its first and then every ``WARN_EVERY`` tries, and its end
-    once, at the first event applied after it: a gateway started on an address with no broker
-    wrote a line a second per feed, five feeds, for as long as it ran. A subscription that
-    lasted ``STEADY_S`` ends a run too (its topic may be quiet)."""
-    failures = 0
+    of failures is warned of at its first and then every ``WARN_EVERY`` tries: a gateway
+    started on an address with no broker wrote a line a second per feed, five feeds, for
+    as long as it ran. The run ends at an event applied past the point where the last try
+    failed (a retry from the earliest offset replays the events before a bad one), or
+    when a subscription lasted ``STEADY_S`` (its topic may be quiet)."""
+    failures, reached = 0, 0
     while True:
-        opened = time.monotonic()
+        opened, applied = time.monotonic(), 0
         try:
             async with bus.subscribe(topic, start) as events:
                 async for event in events:
                     apply(event.envelope)
-                    if failures:
-                        log.info("feed %s reads again after %d failed tries", topic, failures)
+                    applied += 1
+                    if failures and applied > reached:
+                        log.warning("feed %s reads again after %d failed tries", topic, failures)
                         failures = 0
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any bus failure: keep last-known, retry
             if time.monotonic() - opened >= STEADY_S:
                 failures = 0
-            failures += 1
+            failures, reached = failures + 1, applied
             if failures % WARN_EVERY == 1:
                 log.warning(
-                    "feed %s failed (%s); retrying every %.1f s, keeping what it had "
+                    "feed %s failed (%s: %s); retrying every %.1f s, keeping what it had "
                     "(%d tries so far)",
                     topic,
+                    type(exc).__name__,
                     exc,
                     retry_s,
                     failures,

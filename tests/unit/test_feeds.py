@@ -40,7 +40,7 @@ async def test_a_run_of_failures_is_warned_of_at_its_start_every_so_often_and_it
     bus, applied = AwayAtFirst(away=25), list[Message]()
     instance = load_fleet(EXAMPLE).instances[0]
     await bus.publish_event(Envelope.wrap(telemetry_of(instance, None), source="test"))
-    caplog.set_level(logging.INFO, logger="streams.feeds")
+    caplog.set_level(logging.WARNING, logger="streams.feeds")
     reader = asyncio.create_task(
         follow(bus, "tf.telemetry", applied.append, start="earliest", retry_s=0.0)
     )
@@ -60,25 +60,28 @@ async def test_a_run_of_failures_is_warned_of_at_its_start_every_so_often_and_it
     assert said[3:] == ["feed tf.telemetry reads again after 25 failed tries"]
 
 
-async def test_a_subscription_that_fails_as_soon_as_it_opens_is_one_run_of_failures(
+async def test_a_bad_event_replayed_after_good_ones_is_one_run_of_failures(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An event read and failed at once: counted from the subscription, such a run would
-    say "again" and warn anew at each try."""
+    """A bad event after good ones on a topic read from the earliest: each try replays the
+    good ones; ended there, the run said "again" and warned anew at each try."""
     monkeypatch.setattr(feeds, "WARN_EVERY", 10)
     bus = InMemoryBus()
-    instance = load_fleet(EXAMPLE).instances[0]
-    await bus.publish_event(Envelope.wrap(telemetry_of(instance, None), source="test"))
+    good, bad = (telemetry_of(i, None) for i in load_fleet(EXAMPLE).instances[:2])
+    for telemetry in (good, good, bad):  # replayed from the earliest at each try
+        await bus.publish_event(Envelope.wrap(telemetry, source="test"))
     tries, tried_enough = 0, asyncio.Event()
 
-    def broken(_: Message) -> None:
+    def broken(telemetry: Message) -> None:
         nonlocal tries
+        if telemetry != bad:
+            return
         tries += 1
         if tries == 25:
             tried_enough.set()
         raise ValueError("an applier that fails")
 
-    caplog.set_level(logging.INFO, logger="streams.feeds")
+    caplog.set_level(logging.WARNING, logger="streams.feeds")
     reader = asyncio.create_task(follow(bus, "tf.telemetry", broken, "earliest", retry_s=0.0))
     try:
         await asyncio.wait_for(tried_enough.wait(), 5)
