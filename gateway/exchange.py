@@ -288,13 +288,10 @@ class Exchange:
                     upstream.close()
                     raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
                 upstream.release()
-                if upstream.status == 404 and _model_not_served(
-                    _message_of(body), inbound.model.name
-                ):
+                message = _message_of(body) if upstream.status == 404 else ""
+                if message and _model_not_served(message, inbound.model.name):
                     self.metrics.upstream_errors.labels(trip.instance.id, "status").inc()
-                    raise UpstreamFailed(
-                        f"{trip.instance.id} answered 404: {_message_of(body)}", status=404
-                    )
+                    raise UpstreamFailed(f"{trip.instance.id} answered 404: {message}", status=404)
                 if upstream.status in REQUEST_FAULTS:
                     await self.books.refused(trip, upstream.status)
                 else:
