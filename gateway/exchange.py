@@ -7,7 +7,8 @@
   the edge may try the next DC. A stream that breaks after tokens reached the client ends
   with an error event and ``[DONE]``, as vLLM ends a stream that failed; it is never run
   twice. Only the transport or an error status fails an instance, never the shape of a
-  valid answer (an empty answer, a tool call, all reasoning).
+  valid answer (an empty answer, a tool call, all reasoning). Whom a 4xx answer blames is
+  ``gateway.upstream_answers``'s verdict.
 - The first token is the first delta of any kind the instance streams (text, reasoning,
   a tool call's part, a Responses API ``*.delta`` event) or a choice's finish, whichever
   comes first; events before it (a role chunk, the Responses API's lifecycle events)
@@ -56,13 +57,13 @@ from gateway.sse import (
     NOTHING,
     Piece,
     Seen,
-    error_text,
     output_tokens,
     read_event,
     sse_events,
 )
 from gateway.state import SharedState
 from gateway.trip import Spawn, Trip, TripBooks, attribution
+from gateway.upstream_answers import UPSTREAM_ERRORS, Blame, blame, error_of
 from schemas.fleet import InstanceConfig
 from schemas.lifecycle import (
     CancelReason,
@@ -73,32 +74,6 @@ from schemas.lifecycle import (
 )
 from schemas.openai_api import REQUEST_ID_HEADER, ApiError
 
-UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
-"""What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
-
-
-def _model_not_served(message: str, model: str) -> bool:
-    """Whether an instance's 404 is vLLM's for a model it does not serve under that name
-    ("The model `m` does not exist.", the whole message, naming the model the gateway
-    sent): the gateway checked the name against the fleet, so the instance is the fault
-    (started without ``--served-model-name``). It fails as a 5xx does, and the request goes
-    to the next instance; passed on, an instance so misnamed had no load, drew most
-    requests, and answered each 404. Any other 404 (a ``previous_response_id`` another
-    instance stored, a route the engine lacks) is the request's, passed on as the instance
-    gave it; the whole sentence is matched, since a client's own ids come back in those."""
-    return message == f"The model `{model}` does not exist."
-
-
-REQUEST_FAULTS = frozenset({400, 404, 413, 422})
-"""An instance's answers that blame the request (vLLM and SGLang answer 400 for a prompt
-past the context or a parameter out of range, 404 for a stored response it lacks):
-refused as invalid, not the DC's failure; a 404 for the model is the instance's
-(``_model_not_served``). Any other 4xx (a key the instance refuses, 429) is the DC's."""
-ERROR_BODY_BYTES = 4096
-ERROR_READ_S = 1.0
-"""How much of a failed answer is read for its message, and how long it is waited for."""
-ERROR_TEXT_CHARS = 300
-"""How much of that message reaches the client and the events."""
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -288,11 +263,14 @@ class Exchange:
                     upstream.close()
                     raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
                 upstream.release()
-                message = _message_of(body) if upstream.status == 404 else ""
-                if message and _model_not_served(message, inbound.model.name):
+                whose, message = blame(upstream.status, body, inbound.model.name)
+                if whose is Blame.INSTANCE:
                     self.metrics.upstream_errors.labels(trip.instance.id, "status").inc()
-                    raise UpstreamFailed(f"{trip.instance.id} answered 404: {message}", status=404)
-                if upstream.status in REQUEST_FAULTS:
+                    raise UpstreamFailed(
+                        f"{trip.instance.id} answered {upstream.status}: {message}",
+                        status=upstream.status,
+                    )
+                if whose is Blame.REQUEST:
                     await self.books.refused(trip, upstream.status)
                 else:
                     await self.books.fail(trip, f"instance answered {upstream.status}")
@@ -353,7 +331,7 @@ class Exchange:
             raise UpstreamFailed(f"{instance.id}: {type(exc).__name__}") from None
         if upstream.status >= 500:
             self.metrics.upstream_errors.labels(instance.id, "status").inc()
-            why = await _error_of(upstream)
+            why = await error_of(upstream)
             raise UpstreamFailed(
                 f"{instance.id} answered {upstream.status}{why}", status=upstream.status
             )
@@ -504,36 +482,6 @@ class RelayedStream(StreamingResponse):
         finally:
             for ended in self.on_end:
                 ended()
-
-
-async def _error_of(upstream: aiohttp.ClientResponse) -> str:
-    """What a failed answer says, as ``": message"`` (OpenAI's error object, vLLM's older
-    ``ErrorResponse``, or its text, cut to ``ERROR_TEXT_CHARS``); "" where it cannot be
-    read. The connection is closed: an error's body is not worth keeping it for. A body
-    that trickles delays the request's retry by ``ERROR_READ_S`` at most."""
-    body = b""
-    try:
-        async with asyncio.timeout(ERROR_READ_S):
-            while len(body) < ERROR_BODY_BYTES and not upstream.content.at_eof():
-                body += await upstream.content.read(ERROR_BODY_BYTES - len(body))
-    except UPSTREAM_ERRORS:
-        pass  # what came in time
-    finally:
-        upstream.close()
-    text = _message_of(body)
-    return f": {text}" if text else ""
-
-
-def _message_of(body: bytes) -> str:
-    """An error answer's message (OpenAI's error object, vLLM's older ``ErrorResponse``,
-    or its text), cut to ``ERROR_TEXT_CHARS``."""
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        text = body.decode(errors="replace").strip()
-    else:
-        text = error_text(answer.get("error", answer) if isinstance(answer, dict) else answer)
-    return text[:ERROR_TEXT_CHARS]
 
 
 @functools.cache

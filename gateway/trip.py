@@ -208,12 +208,12 @@ class TripBooks:
         await self._forget_key(trip)
 
     async def refused(self, trip: Trip, status: int) -> None:
-        """The instance refused the request for its own fault (``status``, one of the
-        exchange's ``REQUEST_FAULTS``: a prompt past the context, a parameter the engine
-        rejects, a stored response it lacks): nothing ran, so the router forgets the work
-        it counted, and the request is reported refused as invalid in no DC's table;
-        counted as the DC's failure, one tenant's bad requests would lower a healthy DC's
-        goodput and move the weights off it."""
+        """The instance refused the request for its own fault (``status``, one of
+        ``gateway.upstream_answers.REQUEST_FAULTS``: a prompt past the context, a
+        parameter the engine rejects, a stored response it lacks): nothing ran, so the
+        router forgets the work it counted, and the request is reported refused as
+        invalid in no DC's table; counted as the DC's failure, one tenant's bad requests
+        would lower a healthy DC's goodput and move the weights off it."""
         await self.release(trip)
         self.admission.finished(trip.inbound, trip.plan.dc, cancelled=True)
         # Counted per instance: a fleet misconfigured (engines not started for priority
