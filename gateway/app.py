@@ -34,7 +34,7 @@ from control.admission.baselines import Fcfs
 from control.admission.registry import Admission
 from control.fleet.registry import make_dc_policy
 from control.routing.registry import Router
-from gateway.decide import Decider
+from gateway.decide import CONTROLS, Decider
 from gateway.events import EventSink
 from gateway.exchange import Exchange, RelayedStream
 from gateway.failures import CLIENT_LEFT, DcFailed
@@ -94,6 +94,10 @@ class GatewayParts:
     recipe: Callable[[str], dict[str, Any]] | None = None
     """How ``make_router`` and ``make_admission`` build a model's pool (policy names,
     parameters, seed, profile), for the decision journal; None: no journal can be kept."""
+    controls: frozenset[str] = CONTROLS
+    """The controls a controller publishes to this gateway (``CONTROLS``: quotas,
+    weights), each watched by a ``tokenfleet_gateway_control_defaults`` series; one
+    nobody publishes would read 1 (on defaults) for ever."""
 
 
 class Gateway:
@@ -103,7 +107,9 @@ class Gateway:
     def __init__(self, parts: GatewayParts) -> None:
         settings, fleet = parts.settings, parts.fleet
         self.parts, self.settings, self.fleet = parts, settings, fleet
-        self.metrics = metrics = GatewayMetrics()
+        self.metrics = metrics = GatewayMetrics(
+            [i.id for i in fleet.instances], [dc.name for dc in fleet.dcs]
+        )
         if isinstance(parts.state, FallbackState):
             parts.state.on_fallback = metrics.state_fallbacks.inc
         self.view = FleetView(fleet, settings.failure_cooldown_s, settings.failure_consecutive_5xx)
@@ -115,7 +121,7 @@ class Gateway:
             parts.bus,
             settings.name,
             settings.event_buffer,
-            on_drop=lambda reason, count: metrics.events_dropped.labels(reason).inc(count),
+            on_drop=metrics.events_given_up,
             on_published=metrics.count_published,
         )
         self.journals = self._journals()
@@ -129,6 +135,7 @@ class Gateway:
             fleet.all_objectives(),
             make_dc_policy(settings.dc_policy),
             self.journals,
+            parts.controls,
         )
         self._background: set[asyncio.Task[None]] = set()
         self.exchange = Exchange(
@@ -153,7 +160,7 @@ class Gateway:
             settings.dc_policy,
             self.events.emit if settings.journal else None,
             settings.journal_file,
-            on_lost=self.metrics.events_dropped.labels("journal_write").inc,
+            on_lost=lambda: self.metrics.events_given_up("journal_write"),
         )
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:

@@ -59,6 +59,8 @@ from schemas.lifecycle import RejectReason
 from schemas.objectives import Objectives
 from schemas.openai_api import ApiError
 
+CONTROLS = frozenset({"quotas", "weights"})
+"""The controls a gateway decides on: the quota controller's and FleetMind's weights."""
 LEAST_LOADED = "least_loaded"
 """The policy name of a pick by load (embeddings)."""
 LOCALITY_BLOCKS = 1 << 17
@@ -113,9 +115,11 @@ class Decider:
         objectives: Objectives,
         dc_policy: DcPolicy | None = None,
         journals: Journals | None = None,
+        controls: frozenset[str] = CONTROLS,
     ) -> None:
         """``dc_policy``: FleetMind unless named; ``journals``: where decisions are
-        journaled (None: nowhere)."""
+        journaled (None: nowhere); ``controls``: those a controller publishes, each
+        watched by a gauge that reads 1 while its safe default applies."""
         self.view = view
         self.state = state
         self.local_dc = local_dc
@@ -130,9 +134,12 @@ class Decider:
         self.quotas: LastKnown[AdmissionQuotas] = LastKnown()
         self.weights: LastKnown[RoutingWeights] = LastKnown()
         # Read at each scrape: set per request, the gauge stood still while no request came.
-        defaults = metrics.control_defaults
-        defaults.labels("quotas").set_function(lambda: self.quotas.current(local_dc) is None)
-        defaults.labels("weights").set_function(lambda: self.weights.current(local_dc) is None)
+        on_defaults = {
+            "quotas": lambda: self.quotas.current(local_dc) is None,
+            "weights": lambda: self.weights.current(local_dc) is None,
+        }
+        for kind in controls:
+            metrics.control_defaults.labels(kind).set_function(on_defaults[kind])
         self._make_router = make_router
         self._routers: dict[tuple[str, str], Router] = {}
         self._turn = 0

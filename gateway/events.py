@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from gateway.metrics import DropReason
 from schemas import Envelope, Message
 from streams.bus import EventBus, Unpublishable
 
@@ -39,7 +40,7 @@ class EventSink:
         batch: int = 512,
         retry_s: float = 0.5,
         linger_s: float = LINGER_S,
-        on_drop: Callable[[str, int], None] = lambda reason, count: None,
+        on_drop: Callable[[DropReason, int], None] = lambda reason, count: None,
         on_published: Callable[[list[Envelope]], None] = lambda batch: None,
     ) -> None:
         """``on_drop``: told the reason and count of events given up; ``on_published``:

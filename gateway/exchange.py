@@ -265,7 +265,7 @@ class Exchange:
                 upstream.release()
                 whose, message = blame(upstream.status, body, inbound.model.name)
                 if whose is Blame.INSTANCE:
-                    self.metrics.upstream_errors.labels(trip.instance.id, "status").inc()
+                    self.metrics.upstream_failed(trip.instance.id, "status")
                     raise UpstreamFailed(
                         f"{trip.instance.id} answered {upstream.status}: {message}",
                         status=upstream.status,
@@ -301,7 +301,7 @@ class Exchange:
                     return Response(answer, up.status, media_type=up.content_type)
             except UPSTREAM_ERRORS as exc:
                 error = f"{instance.id}: {type(exc).__name__}"
-                self.metrics.upstream_errors.labels(instance.id, "connect").inc()
+                self.metrics.upstream_failed(instance.id, "connect")
                 self.view.failed(instance.id)
         raise ApiError(502, f"The model instance failed: {error}")
 
@@ -327,10 +327,10 @@ class Exchange:
                 timeout=timeout,
             )
         except UPSTREAM_ERRORS as exc:
-            self.metrics.upstream_errors.labels(instance.id, "connect").inc()
+            self.metrics.upstream_failed(instance.id, "connect")
             raise UpstreamFailed(f"{instance.id}: {type(exc).__name__}") from None
         if upstream.status >= 500:
-            self.metrics.upstream_errors.labels(instance.id, "status").inc()
+            self.metrics.upstream_failed(instance.id, "status")
             why = await error_of(upstream)
             raise UpstreamFailed(
                 f"{instance.id} answered {upstream.status}{why}", status=upstream.status
@@ -345,7 +345,7 @@ class Exchange:
             body = await _unless_left(upstream.read(), gone)
         except UPSTREAM_ERRORS as exc:
             upstream.close()
-            self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
+            self.metrics.upstream_failed(trip.instance.id, "body")
             raise UpstreamFailed(
                 f"{trip.instance.id}: {type(exc).__name__}", answered=True
             ) from None
@@ -355,7 +355,7 @@ class Exchange:
         try:
             answer = json.loads(body)
         except ValueError as exc:
-            self.metrics.upstream_errors.labels(trip.instance.id, "body").inc()
+            self.metrics.upstream_failed(trip.instance.id, "body")
             raise UpstreamFailed(
                 f"{trip.instance.id}: {type(exc).__name__}", answered=True
             ) from None
@@ -384,14 +384,14 @@ class Exchange:
             head = await _unless_left(_head(events), gone)
         except UPSTREAM_ERRORS as exc:
             upstream.close()
-            self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
+            self.metrics.upstream_failed(trip.instance.id, "before_first_token")
             raise UpstreamFailed(f"{trip.instance.id}: {type(exc).__name__}") from None
         if head is None:
             return await self._left(trip, upstream)
         last = head[-1][1] if head else NOTHING
         if last.piece is Piece.END and (last.status or 0) >= 500:
             upstream.close()  # the engine failed before any token: another may serve it
-            self.metrics.upstream_errors.labels(trip.instance.id, "before_first_token").inc()
+            self.metrics.upstream_failed(trip.instance.id, "before_first_token")
             raise UpstreamFailed(f"{trip.instance.id}: {last.error}", status=last.status)
         if last.piece in FIRST_TOKEN:
             self.books.first_token(trip)
@@ -424,7 +424,7 @@ class Exchange:
             trip.stream_end = "completed" if error is None else f"{trip.instance.id}: {error}"
         except UPSTREAM_ERRORS as exc:
             trip.stream_end = f"{trip.instance.id}: {type(exc).__name__}"
-            self.metrics.upstream_errors.labels(trip.instance.id, "after_first_token").inc()
+            self.metrics.upstream_failed(trip.instance.id, "after_first_token")
             yield _error_event(f"The model instance failed mid-stream ({type(exc).__name__}).")
             yield _DONE_EVENT
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -15,10 +16,35 @@ _ADDED_BUCKETS = (
 )
 """The gateway's own work takes a millisecond or so; a request admission holds, or that an
 instance or DC failed first, waits seconds (a batch request up to its deadline)."""
+_TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0),
+    *(7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+_DURATION_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+"""vLLM's own buckets (its V1 engine's ``vllm:time_to_first_token_seconds`` and
+``vllm:e2e_request_latency_seconds``), so that a panel can set the engine's figure beside
+the client's."""
+
+
+UpstreamStage = Literal[
+    "connect", "status", "body", "before_first_token", "after_first_token", "refused"
+]
+"""Where an upstream call failed (``refused``: the instance answered that the request was
+at fault)."""
+DropReason = Literal["buffer_full", "shutdown", "too_large", "journal_write"]
+"""Why lifecycle events (or a journal line) were given up."""
+FALLBACK_WHYS = ("Refused", "DcFailed")
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    """``instance_ids`` and ``dcs``: the fleet's, whose error counters start at 0, so that
+    ``rate()`` and ``increase()`` see a rare error's first count (a series first seen at 1
+    has no increase)."""
+
+    def __init__(self, instance_ids: Iterable[str] = (), dcs: Iterable[str] = ()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, open files
@@ -121,6 +147,22 @@ class GatewayMetrics:
             ("model", "dc", "task_class"),
             registry=r,
         )
+        self.ttft = Histogram(
+            "tokenfleet_gateway_time_to_first_token_seconds",
+            "Time to first token of completed streamed requests, from their arrival, as the "
+            "client sees it: a wait in an admission pool, a retry and a trip to another DC "
+            "included, which the engine's own histogram leaves out.",
+            ("model", "task_class"),
+            registry=r,
+            buckets=_TTFT_BUCKETS,
+        )
+        self.request_duration = Histogram(
+            "tokenfleet_gateway_request_duration_seconds",
+            "Time from a completed request's arrival to the end of its answer.",
+            ("model", "task_class"),
+            registry=r,
+            buckets=_DURATION_BUCKETS,
+        )
         self.output_tokens = Counter(
             "tokenfleet_gateway_output_tokens",
             "Output tokens of completed requests, by class and whether the request met its "
@@ -128,6 +170,30 @@ class GatewayMetrics:
             ("task_class", "met"),
             registry=r,
         )
+        self._start_at_zero(list(instance_ids), list(dcs))
+
+    def _start_at_zero(self, instance_ids: list[str], dcs: list[str]) -> None:
+        for instance_id in instance_ids:
+            for stage in get_args(UpstreamStage):
+                self.upstream_errors.labels(instance_id, stage)
+        for dc in dcs:
+            for why in FALLBACK_WHYS:
+                self.dc_fallbacks.labels(dc, why)
+        for reason in get_args(DropReason):
+            self.events_dropped.labels(reason)
+
+    def upstream_failed(self, instance_id: str, stage: UpstreamStage) -> None:
+        self.upstream_errors.labels(instance_id, stage).inc()
+
+    def events_given_up(self, reason: DropReason, count: int = 1) -> None:
+        self.events_dropped.labels(reason).inc(count)
+
+    def completed(self, model: str, task_class: str, ttft_s: float | None, e2e_s: float) -> None:
+        """A request answered whole (``ttft_s``: None for an answer not streamed, whose
+        first token the client saw only with its end)."""
+        if ttft_s is not None:
+            self.ttft.labels(model, task_class).observe(ttft_s)
+        self.request_duration.labels(model, task_class).observe(e2e_s)
 
     def count_published(self, batch: Iterable[Envelope]) -> None:
         """Count a batch of lifecycle events the bus has taken, by type."""

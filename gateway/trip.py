@@ -160,8 +160,10 @@ class TripBooks:
         objective = self.admission.objectives.of(inbound.task_class, inbound.tenant.name)
         whole = None if inbound.stream else trip.output_tokens
         met = objective.met(ttft, tpot, e2e, inbound.deadline_s, whole_output_tokens=whole)
-        self.metrics.output_tokens.labels(inbound.task_class.value, str(met).lower()).inc(
-            trip.output_tokens
+        task_class = inbound.task_class.value
+        self.metrics.output_tokens.labels(task_class, str(met).lower()).inc(trip.output_tokens)
+        self.metrics.completed(
+            inbound.model.name, task_class, ttft if inbound.stream else None, e2e
         )
         trip.reported = True
         self.events.emit(
@@ -218,7 +220,7 @@ class TripBooks:
         self.admission.finished(trip.inbound, trip.plan.dc, cancelled=True)
         # Counted per instance: a fleet misconfigured (engines not started for priority
         # scheduling, a context the fleet file overstates) shows as one instance refusing.
-        self.metrics.upstream_errors.labels(trip.instance.id, "refused").inc()
+        self.metrics.upstream_failed(trip.instance.id, "refused")
         trip.reported = True
         self.events.emit(
             RequestRejected(

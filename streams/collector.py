@@ -268,14 +268,19 @@ def kv_messages(
 
 
 class CollectorMetrics:
-    """The collector's Prometheus metrics, in a registry of its own (tests build several).
-    Each instance's and topic's series exist from the start, at 0, so that a first failure
-    shows as an increase rather than as a new series."""
+    """The collector's Prometheus metrics, in a registry of its own (tests build several),
+    or in ``registry``, the process's (an embedded gateway's, which runs a collector and
+    has the process metrics already). Each instance's and topic's series exist from the
+    start, at 0, so that a first failure shows as an increase rather than as a new
+    series."""
 
-    def __init__(self, instance_ids: Iterable[str]) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)  # process_cpu_seconds_total, memory, open files
+    def __init__(
+        self, instance_ids: Iterable[str], registry: CollectorRegistry | None = None
+    ) -> None:
+        if registry is None:
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)  # process_cpu_seconds_total, memory, files
+        self.registry = r = registry
         self.scrapes = Counter(
             "tokenfleet_collector_scrapes",
             "Scrapes of an instance's /metrics, failed ones included, by instance (its id in "
@@ -335,7 +340,9 @@ class Collector:
         interval_s: float = 0.2,
         timeout_s: float = 1.0,
         kv_interval_s: float = 1.0,
+        registry: CollectorRegistry | None = None,
     ) -> None:
+        """``registry``: where its metrics go (``CollectorMetrics``)."""
         self.instances = tuple(instances)
         self._headers = {i.id: i.auth_headers(os.environ) for i in self.instances}
         self.bus = bus
@@ -350,7 +357,7 @@ class Collector:
         """Instances whose KV events were read but could not be published."""
         self._unread: dict[str, str] = {}
         """Instances whose last scrape failed, and why (warned of once, not every scrape)."""
-        self.metrics = CollectorMetrics(i.id for i in self.instances)
+        self.metrics = CollectorMetrics((i.id for i in self.instances), registry)
 
     async def scrape_once(self) -> list[InstanceTelemetry]:
         scraped = await asyncio.gather(*(self._scrape(i) for i in self.instances))

@@ -139,6 +139,10 @@ def build_app(
     quiet = _QuietRequests(joins, spec.size_s + spec.grace_s)
     processed = app.processed
     logged: Counter[str] = Counter()
+    # Each series at 0 from the start, so that a first dead letter shows as an increase.
+    for topic in (*LIFECYCLE_TOPICS, *FLEET_TOPICS):
+        app.dead_lettered[topic] = app.dead_letters_unsent[topic] = 0
+    processed.update(dict.fromkeys(("lifecycle", "fleet", "updates"), 0))
 
     @app.timer(interval=PROGRESS_EVERY_S)
     async def log_progress() -> None:

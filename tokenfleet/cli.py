@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from types import FrameType
 
+import prometheus_client
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from pydantic_settings import SettingsError
@@ -26,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     keep_freed_memory()
+    # Each counter's ``_created`` twin is one more gauge series per child in a scrape of
+    # the text format, which Prometheus keeps and nobody reads; vLLM turns them off too.
+    prometheus_client.disable_created_metrics()
     for warning in unknown_variables(os.environ):
         print(f"tokenfleet: warning: {warning}", file=sys.stderr)
     try:

@@ -30,6 +30,7 @@ from control.routing import PoolModel, make_router, policy_params
 from control.routing.registry import Router
 from control.routing.tokenpilot import TokenPilotParams
 from gateway.app import GatewayParts, create_app
+from gateway.decide import CONTROLS
 from gateway.fallback_state import FallbackState
 from gateway.redis_state import RedisState
 from gateway.settings import GatewaySettings
@@ -127,7 +128,11 @@ def routing_params(fleet: FleetConfig, settings: GatewaySettings) -> tuple[str, 
 
 
 def gateway_parts(
-    fleet: FleetConfig, settings: GatewaySettings, bus: EventBus, state: SharedState
+    fleet: FleetConfig,
+    settings: GatewaySettings,
+    bus: EventBus,
+    state: SharedState,
+    controls: frozenset[str] = CONTROLS,
 ) -> GatewayParts:
     # Each replica its own seed: with one seed, replicas break ties alike and pile onto
     # the same instance.
@@ -150,7 +155,20 @@ def gateway_parts(
         pool = {"profile": config.profile, "max_num_seqs": config.max_num_seqs}
         return routing | {"admission": settings.admission} | pool
 
-    return GatewayParts(fleet, settings, state, bus, routers, admissions, recipe)
+    return GatewayParts(fleet, settings, state, bus, routers, admissions, recipe, controls)
+
+
+def published_controls(
+    fleet: FleetConfig, settings: GatewaySettings, embedded: bool
+) -> frozenset[str]:
+    """The controls a controller publishes to this gateway. Beside Kafka, the deployed
+    controller's: quotas, and weights where it reads the fleet file. Embedded, the gateway
+    runs the quota controller for an admission policy it steers, and the weights
+    controller for a fleet of several DCs, where there is a DC to choose."""
+    if not embedded:
+        return CONTROLS
+    steered = {"quotas"} if settings.admission in CONTROLLED else set()
+    return frozenset(steered | ({"weights"} if len(fleet.dcs) > 1 else set()))
 
 
 def shared_state(fleet: FleetConfig, services: Settings, settings: GatewaySettings) -> SharedState:
@@ -200,16 +218,16 @@ async def running_gateway(
         else InMemoryBus(source=settings.name)
     )
     state = shared_state(fleet, services, settings)
+    controls = published_controls(fleet, settings, embedded=services.kafka_bootstrap is None)
     try:
-        app = create_app(gateway_parts(fleet, settings, bus, state))
+        app = create_app(gateway_parts(fleet, settings, bus, state, controls))
         # Bound here, so that a port taken raises OSError, where uvicorn would log it and
         # exit the process.
         with socket.create_server((host, port)) as listening:
-            controlled = settings.admission in CONTROLLED
             address = f"{host}:{listening.getsockname()[1]}"  # port 0: the one it got
             app.state.address = address
             async with _serving(
-                app, listening, fleet, bus, services, address, controlled, settings.drain_s
+                app, listening, fleet, bus, services, address, controls, settings.drain_s
             ):
                 yield app
     finally:
@@ -239,12 +257,11 @@ async def _serving(
     bus: EventBus,
     services: Settings,
     address: str,
-    controlled: bool,
+    controls: frozenset[str],
     drain_s: int,
 ) -> AsyncIterator[None]:
-    """uvicorn on the bound socket, and in embedded mode the collector, the tables, for an
-    admission policy a controller steers (``controlled``) its controller, and for a fleet
-    of several DCs FleetMind's weights controller. At the end, requests in progress get
+    """uvicorn on the bound socket, and in embedded mode the collector, the tables and the
+    controllers of ``controls`` (``published_controls``). At the end, requests in progress get
     ``drain_s`` to finish; then uvicorn cancels them, and each closes its books."""
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, timeout_graceful_shutdown=drain_s
@@ -257,11 +274,14 @@ async def _serving(
             table_host = TableHost(
                 bus, TableBuilder(tables.spec, fleet.all_objectives(), time.time), tables.publish_s
             )
-            tasks.append(_embedded(Collector(fleet.instances, bus, scraper).run(), "collector"))
+            # Its metrics on the gateway's /metrics: nothing else serves them here.
+            registry = app.state.gateway.metrics.registry
+            collector = Collector(fleet.instances, bus, scraper, registry=registry)
+            tasks.append(_embedded(collector.run(), "collector"))
             tasks.append(_embedded(table_host.run(), "tables"))
-            if controlled:
+            if "quotas" in controls:
                 tasks.append(_embedded(QuotaHost(bus).run(), "quota controller"))
-            if len(fleet.dcs) > 1:
+            if "weights" in controls:
                 models, edges = [m.name for m in fleet.models], fleet.edge_regions()
                 tasks.append(_embedded(WeightHost(bus, models, edges).run(), "weights controller"))
         try:

@@ -16,7 +16,12 @@ from importlib import resources
 from typing import Any
 
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
@@ -68,6 +73,7 @@ def operator_app(view: OperatorView, every_s: float = 1.0) -> Starlette:
     """The page, the events, the state and the gauges of ``view``."""
     registry = CollectorRegistry()
     registry.register(ViewMetrics(view))
+    ProcessCollector(registry=registry)  # CPU and memory, as every other part serves
 
     async def page(_: Request) -> Response:
         return HTMLResponse(PAGE.read_text())

@@ -129,6 +129,9 @@ async def test_when_controllers_fall_silent_quotas_expire_to_the_default(
         admitted = await http.post("/v1/chat/completions", json=chat("q " * 30))
         assert admitted.status_code == 200
         assert await scraped(front.url, "tokenfleet_gateway_control_defaults", kind="quotas") == 1
+        # one DC, so nobody publishes weights, and no series says they are missing
+        metrics = (await http.get("/metrics")).text
+        assert 'tokenfleet_gateway_control_defaults{kind="weights"}' not in metrics
 
 
 def _closed_quota(version: int, ttl_s: float) -> AdmissionQuotas:

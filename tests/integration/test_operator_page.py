@@ -54,6 +54,13 @@ async def test_the_events_carry_the_state_and_a_limit_ends_them(page: str) -> No
     assert refused.status_code == 400
 
 
+async def test_its_metrics_carry_the_gauges_and_the_process_s(page: str) -> None:
+    async with httpx.AsyncClient(base_url=page) as http:
+        text = (await http.get("/metrics")).text
+    assert 'tokenfleet_controller_weight{dc="dc-b"} 0.8' in text
+    assert "process_cpu_seconds_total " in text  # as every other part of the fleet serves
+
+
 async def test_chromium_draws_the_tables_and_charts_from_the_events(
     page: str, tmp_path: Path
 ) -> None:

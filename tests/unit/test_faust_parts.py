@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import types
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,10 +13,11 @@ from faust.serializers.codecs import get_codec
 from faust.transport.consumer import ThreadDelegateConsumer
 from faust.types import TP
 from faust.utils import json as faust_json
+from prometheus_client import generate_latest
 
 from schemas import DEADLETTER_TOPIC
 from schemas.topics import COMPACTED_SEGMENT_MS
-from streams.faust_app import _decoder
+from streams.faust_app import _decoder, build_app
 from streams.faust_parts import (
     FETCH_MAX_WAIT_MS,
     RUST_JSON,
@@ -23,7 +25,9 @@ from streams.faust_parts import (
     RewindingConsumer,
     WorkerApp,
     _ConsumerThread,
+    metrics_registry,
 )
+from streams.settings import WorkerSettings
 
 
 @pytest.fixture
@@ -214,3 +218,16 @@ async def test_a_dead_letter_the_producer_refuses_skips_the_record_alone(app: Wo
     assert await decoded(types.SimpleNamespace(value=b"{", message=message)) is None  # type: ignore[arg-type]
     assert app.dead_letters_unsent == {"tf.requests": 1}
     assert not app.dead_lettered
+
+
+def test_a_worker_s_counts_start_at_zero_for_each_topic_it_reads(tmp_path: Path) -> None:
+    """A series first seen at 1 has no ``increase()``: a first dead letter would not show."""
+    app = build_app("localhost:9", WorkerSettings(app_id="zeros", data_dir=tmp_path))
+    try:
+        text = generate_latest(metrics_registry(app)).decode()
+    finally:
+        app.consumer._thread.thread_loop.close()
+    for topic in ("tf.requests", "tf.completions", "tf.cancellations", "tf.telemetry"):
+        assert f'tokenfleet_worker_dead_letters_total{{topic="{topic}"}} 0.0' in text
+        assert f'tokenfleet_worker_dead_letters_unsent_total{{topic="{topic}"}} 0.0' in text
+    assert 'tokenfleet_worker_events_total{kind="lifecycle"} 0.0' in text

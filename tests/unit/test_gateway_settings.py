@@ -18,9 +18,10 @@ from gateway.settings import GatewaySettings
 from gateway.state import LocalState
 from schemas.fleet import FleetConfig, load_fleet
 from streams.memory import InMemoryBus
-from tokenfleet.gateway_wiring import _embedded, gateway_parts
+from tokenfleet.gateway_wiring import _embedded, gateway_parts, published_controls
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "fleet.toml"
+THREE_DCS = EXAMPLE.with_name("fleet-local.toml")
 
 
 def test_the_gateway_s_tokenpilot_assumes_the_token_lag_its_environment_sets(
@@ -156,3 +157,21 @@ async def test_an_embedded_part_that_stops_on_an_error_says_so(
     [said] = [r for r in caplog.records if r.getMessage() == "the embedded tables stopped"]
     assert said.exc_info is not None
     assert "the bus refused" in str(said.exc_info[1])
+
+
+@pytest.mark.parametrize(
+    ("fleet_file", "admission", "embedded", "controls"),
+    [
+        (EXAMPLE, "slomax", True, {"quotas"}),  # one DC: no DC to weigh
+        (EXAMPLE, "fcfs", True, set()),  # no controller steers it
+        (THREE_DCS, "slomax", True, {"quotas", "weights"}),
+        (THREE_DCS, "fcfs", True, {"weights"}),
+        (EXAMPLE, "fcfs", False, {"quotas", "weights"}),  # the deployed controller's
+    ],
+)
+def test_a_gateway_watches_only_the_controls_a_controller_publishes_to_it(
+    fleet_file: Path, admission: str, embedded: bool, controls: set[str]
+) -> None:
+    """A control nobody publishes would read "on defaults" for ever in the gauge."""
+    settings = GatewaySettings(admission=admission)
+    assert published_controls(load_fleet(fleet_file), settings, embedded) == controls
