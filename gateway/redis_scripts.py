@@ -12,6 +12,13 @@ local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
 """
 
 READ = """
+local function charged_by_others(p, r, ids)
+  local all = redis.call('HMGET', p .. 'charges', unpack(ids))
+  local own = redis.call('HMGET', p .. 'charged-by:' .. r, unpack(ids))
+  local counts = {}
+  for i = 1, #ids do counts[i] = (tonumber(all[i]) or 0) - (tonumber(own[i]) or 0) end
+  return counts
+end
 local function foreign(p, r, ids)
   local n, sums, marks = #ids, {}, {}
   for i = 1, 2 * n do sums[i] = 0 end
@@ -28,10 +35,8 @@ local function foreign(p, r, ids)
       end
     end
   end
-  local routes = tonumber(redis.call('GET', p .. 'routes') or 0)
-  routes = routes - tonumber(redis.call('HGET', p .. 'routed-by', r) or 0)
-  marks[#marks + 1] = 'routes=' .. routes
   for i = 1, 2 * n do sums[i] = tostring(sums[i]) end
+  for i, count in ipairs(charged_by_others(p, r, ids)) do sums[2 * n + i] = tostring(count) end
   return sums, table.concat(marks, ',')
 end
 local function holders(p, blocks)
@@ -44,8 +49,8 @@ local function holders(p, blocks)
 end
 """
 """Lua shared by the scripts that read a pool: the other live replicas' accounting of
-``ids`` and the mark of what they have written (rewrites of their shares per replica, and
-requests routed by any but ``r``); and the holders of each block up to the first that
+``ids``, the requests they charged to each (``charges`` less ``r``'s own), and the mark of
+their shares' rewrites per replica; and the holders of each block up to the first that
 none holds. A replica's share below 0 counts 0: its releases of requests it charged while
 Redis was away (or whose charge's answer was lost) land there without their charge until
 its next rewrite, and a negative load would draw the others' requests to the instance."""
@@ -111,7 +116,7 @@ account_all()
 rewrote()
 for _, gone in ipairs(redis.call('ZRANGEBYSCORE', p .. 'replicas', '-inf', now)) do
   redis.call('HDEL', p .. 'changes', gone)
-  redis.call('HDEL', p .. 'routed-by', gone)
+  redis.call('DEL', p .. 'charged-by:' .. gone)
 end
 redis.call('ZREMRANGEBYSCORE', p .. 'replicas', '-inf', now)
 return 0
@@ -124,16 +129,17 @@ ROUTED = (
     + """
 local added = account_all()
 local o = 4 + 3 * added
-local id, capacity, mark, n = ARGV[o + 1], tonumber(ARGV[o + 2]), ARGV[o + 5], tonumber(ARGV[o + 6])
+local id, capacity, mark = ARGV[o + 1], tonumber(ARGV[o + 2]), ARGV[o + 5]
+local others_on_id, n = tonumber(ARGV[o + 6]), tonumber(ARGV[o + 7])
 local ids, expected, seen, blocks = {}, {}, {}, {}
-for i = 1, n do ids[i] = ARGV[o + 6 + i]; expected[i] = tonumber(ARGV[o + 6 + n + i]) end
-local m = tonumber(ARGV[o + 7 + 2 * n])
-for k = 1, m do seen[k] = ARGV[o + 7 + 2 * n + k] end
-for k = o + 8 + 2 * n + m, #ARGV do blocks[#blocks + 1] = ARGV[k] end
-if mark ~= '' then
+for i = 1, n do ids[i] = ARGV[o + 7 + i]; expected[i] = tonumber(ARGV[o + 7 + n + i]) end
+local m = tonumber(ARGV[o + 8 + 2 * n])
+for k = 1, m do seen[k] = ARGV[o + 8 + 2 * n + k] end
+for k = o + 9 + 2 * n + m, #ARGV do blocks[#blocks + 1] = ARGV[k] end
+if n > 0 then  -- a view's check: its pool's instances
   local sums, current = foreign(p, r, ids)
   local found = holders(p, seen)
-  local same = current == mark
+  local same = current == mark and charged_by_others(p, r, {id})[1] == others_on_id
   local credit = {}
   for _, held in ipairs(found) do
     for _, holder in ipairs(held) do credit[holder] = (credit[holder] or 0) + 1 end
@@ -144,8 +150,8 @@ if mark ~= '' then
     return {0, sums, current, found}
   end
 end
-redis.call('INCR', p .. 'routes')
-redis.call('HINCRBY', p .. 'routed-by', r, 1)
+redis.call('HINCRBY', p .. 'charges', id, 1)
+redis.call('HINCRBY', p .. 'charged-by:' .. r, id, 1)
 account(id, ARGV[o + 3], ARGV[o + 4])
 keep_alive()
 local lru = p .. 'lru:' .. id
@@ -168,9 +174,11 @@ return {1, forgotten}
 )
 """Add the replica's held changes (``account_all``: always, the charge refused or not),
 then charge a request to ``id`` and index its blocks; with a mark (a view's), only if the
-view is still what Redis holds: the other replicas' mark unchanged and the match of the
-view's blocks on ``ids`` as expected. Answers ``{1, blocks forgotten}`` when written, else ``{0,
-the fresh read}``, on which the caller decides again."""
+view is still what Redis holds where it bears on the choice: no other replica charged
+``id`` or rewrote its share since, and the match of the view's blocks on ``ids`` as
+expected. A charge to another instance since only made that one busier, so it cannot
+have changed the choice, and refuses nothing. Answers ``{1, blocks forgotten}`` when
+written, else ``{0, the fresh read}``, on which the caller decides again."""
 
 EVICTED = """
 local p, id = ARGV[1], ARGV[2]

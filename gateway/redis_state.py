@@ -15,11 +15,12 @@ the nodes (on one server the keys carry no tag, as with earlier versions):
 - ``{pool}:px:<block>``: the set of the pool's instances holding a prefix block;
 - ``{pool}:lru:<instance>``: that instance's blocks, scored by a sequence number, so the
   lowest scores are the least recently used;
-- ``{pool}:routes``: requests routed in the pool; ``{pool}:routed-by``: how many of them
-  each replica routed; ``{pool}:changes``: each replica's rewrites of its share, counted.
-  A view's mark (the requests the others routed, and their rewrites) tells whether another
-  replica charged or rewrote its share since; its releases move no mark: they can only
-  make a view's instances look busier than they are;
+- ``{pool}:charges``: requests charged to each instance, a hash of instance id -> count;
+  ``{pool}:charged-by:<replica>``: those the replica charged; ``{pool}:changes``: each
+  replica's rewrites of its share, counted. A charge is refused where another replica
+  charged the chosen instance, or rewrote its share, since the view (the view carries
+  both counts); a charge to another instance only made that one busier, and releases
+  move nothing: they can only make a view's instances look busier than they are;
 - ``bucket:<name>``: a token bucket's level and last refill (Redis server time, so every
   gateway refills on the same clock);
 - ``idem:<key>``: ``pending`` or a JSON outcome, with the key's time to live;
@@ -121,13 +122,16 @@ class _Known:
         self.read_at = -float("inf")
         self.pending: dict[str, float] = {}
         self.inflight: dict[str, float] = {}
+        self.charged: dict[str, int] = {}
+        """Requests the other replicas charged to each instance, ever."""
         self.holders: dict[str, set[str]] = {}
 
     def read(self, sums: list[bytes], mark: bytes) -> None:
         values = [float(v) for v in sums]
         n = len(self.ids)
         self.pending = dict(zip(self.ids, values[:n], strict=True))
-        self.inflight = dict(zip(self.ids, values[n:], strict=True))
+        self.inflight = dict(zip(self.ids, values[n : 2 * n], strict=True))
+        self.charged = {i: int(v) for i, v in zip(self.ids, values[2 * n :], strict=True)}
         self.mark = mark.decode()
         self.read_at = time.monotonic()
 
@@ -182,14 +186,15 @@ class _Known:
 @dataclass(frozen=True)
 class _Viewed:
     """A view handed out, as ``routed`` checks it: its pool (what is known of it, its
-    instances among that), blocks and match, the other replicas' mark and this replica's
-    routes under the prefix then."""
+    instances among that), blocks and match, the other replicas' mark and charges to each
+    instance, and this replica's routes under the prefix then."""
 
     prefix: str
     known: _Known
     blocks: tuple[str, ...]
     matched: tuple[int, ...]
     mark: str
+    charged: Mapping[str, int]
     routes: int
 
 
@@ -291,7 +296,7 @@ class RedisState:
             if len(shards) != 1:
                 raise ValueError(f"one call spans hash tags {sorted(shards)}: {list(instance_ids)}")
             prefix = f"{self.prefix}{{{shards.pop()}}}:"
-        return prefix + "routes", prefix
+        return prefix + "charges", prefix
 
     async def view(
         self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
@@ -323,7 +328,7 @@ class RedisState:
         self._views -= 1
         routes = self._routes.get(prefix, 0)
         self._viewed[self._views] = _Viewed(
-            prefix, known, tuple(blocks), tuple(matched), known.mark, routes
+            prefix, known, tuple(blocks), tuple(matched), known.mark, known.charged, routes
         )
         if len(self._viewed) > VIEWS_KEPT:
             self._viewed.popitem(last=False)
@@ -345,13 +350,13 @@ class RedisState:
         one script."""
         key, prefix = self._pool([instance_id])
         names = [str(b) for b in blocks]
-        check: list[Any] = ["", 0, 0]
+        check: list[Any] = ["", 0, 0, 0]
         seen = self._viewed.get(seen_version) if seen_version is not None else None
         if seen_version is not None:
             if seen is None or seen.prefix != prefix or seen.routes != self._routes.get(prefix, 0):
                 return False
             ids = seen.known.ids
-            check = [seen.mark, len(ids), *ids, *seen.matched]
+            check = [seen.mark, seen.charged[instance_id], len(ids), *ids, *seen.matched]
             check += [len(seen.blocks), *seen.blocks]
         self._routes[prefix] = self._routes.get(prefix, 0) + 1
         async with (
@@ -417,7 +422,7 @@ class RedisState:
             if not held[0]:  # a charge carried it while this waited for the gate
                 return
             try:
-                await self._adjust(keys=[prefix + "routes"], args=[*self._share(prefix), *held])
+                await self._adjust(keys=[prefix + "charges"], args=[*self._share(prefix), *held])
             except REDIS_ERRORS as exc:
                 log.warning("Redis at %s failed to take held changes (%s)", self.url, exc)
 

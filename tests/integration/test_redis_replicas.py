@@ -1,7 +1,8 @@
 """Gateway replicas sharing one Redis: a decision checked and charged in one round trip,
-what refuses a charge made on a view (another replica's charge, a rewrite of its share, a
-changed match) and what does not (its releases), releases riding on the next charge, and
-the replicas' admission loads and ceiling slots."""
+what refuses a charge made on a view (another replica's charge to the instance chosen, a
+rewrite of its share, a changed match) and what does not (its charges to other instances,
+its releases), releases riding on the next charge, and the replicas' admission loads and
+ceiling slots."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ async def test_a_decision_is_one_round_trip_to_redis(
     redis_server: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Once a replica has read a pool, a speculative view costs no call and its checked
-    charge one; a view checked after another replica charged is refused, and the refusal
-    carries the fresh read, so the decision made again is charged in one more call."""
+    charge one; a view checked after another replica charged the instance chosen is
+    refused, and the refusal carries the fresh read, so the decision made again is charged
+    in one more call. A charge to another instance only made that one busier: it refuses
+    nothing."""
     async with _two_replicas(redis_server) as (one, two):
         sent = _calls_of(one, monkeypatch)
 
@@ -41,7 +44,9 @@ async def test_a_decision_is_one_round_trip_to_redis(
         await one.view(["a", "b"], ())  # and one has read what two wrote
         assert await calls(decision(one, "a", (1, 2))) == (True, 1)
         assert await calls(decision(one, "b", (3,))) == (True, 1)
-        await two.routed("b", (), 100, 0.0, 2.0)  # the other replica's charge
+        await two.routed("b", (), 100, 0.0, 2.0)  # the other replica's charge elsewhere
+        assert await calls(decision(one, "a", (1, 2))) == (True, 1)
+        await two.routed("a", (), 100, 0.0, 2.0)  # and to the instance chosen
         assert await calls(decision(one, "a", (1, 2))) == (False, 1)
         assert await calls(decision(one, "a", (1, 2))) == (True, 1)  # decided again
         view = await one.view(["a", "b"], (4,), speculative=True)
@@ -49,7 +54,7 @@ async def test_a_decision_is_one_round_trip_to_redis(
         assert not await one.routed("a", (4,), 100, 1.0, 2.0, seen_version=view.version)
         view = await one.view(["a", "b"], (4,), speculative=True)
         assert view.matched_blocks.tolist() == [0, 1]  # learnt from the refusal
-        assert view.inflight_tokens.tolist() == [8.0, 4.0]
+        assert view.inflight_tokens.tolist() == [12.0, 4.0]
         assert await calls(decision(one, "b", (4,))) == (True, 1)
         stale = one.routed("a", (5,), 100, 1.0, 2.0, seen_version=view.version)
         assert await calls(stale) == (False, 0)  # older than this replica's last route
@@ -61,7 +66,8 @@ async def test_another_replica_s_release_refuses_no_charge_and_shows_at_the_next
 ) -> None:
     """A release can only make a view's instance look busier than it is (as one that waits
     for a charge to carry it does), so it does not make a charge on that view wait for a
-    fresh read; the next read shows it. A charge by the other replica still refuses."""
+    fresh read; the next read shows it. A charge by the other replica to the instance
+    chosen still refuses."""
     async with _two_replicas(redis_server) as (one, two):
         await two.routed("b", (), 100, 10.0, 20.0)
         view = await one.view(["a", "b"], (), speculative=True)
@@ -71,7 +77,7 @@ async def test_another_replica_s_release_refuses_no_charge_and_shows_at_the_next
         assert await one.routed("a", (), 100, 1.0, 1.0, seen_version=view.version)
         view = await one.view(["a", "b"], ())
         assert view.inflight_tokens.tolist() == [1.0, 0.0]
-        await two.routed("b", (), 100, 0.0, 5.0)
+        await two.routed("a", (), 100, 0.0, 5.0)
         assert not await one.routed("a", (), 100, 1.0, 1.0, seen_version=view.version)
 
 
@@ -85,13 +91,13 @@ async def test_a_refused_charge_carrying_releases_refuses_no_other_replica_s_cha
     async with _two_replicas(redis_server, hold_s=1.0) as (one, two):
         await one.routed("a", (), 100, 10.0, 10.0)
         stale = await one.view(["a", "b"], (), speculative=True)
-        await two.routed("b", (), 100, 0.0, 1.0)  # one's view is out of date
+        await two.routed("a", (), 100, 0.0, 1.0)  # one's view is out of date
         current = await two.view(["a", "b"], (), speculative=True)
         await one.adjust("a", -10.0, -10.0)  # held for one's next charge
         assert not await one.routed("a", (), 100, 1.0, 1.0, seen_version=stale.version)
         assert await two.routed("b", (), 100, 0.0, 1.0, seen_version=current.version)
         view = await two.view(["a", "b"], ())
-        assert view.inflight_tokens.tolist() == [0.0, 2.0]  # the release was written
+        assert view.inflight_tokens.tolist() == [1.0, 1.0]  # the release was written
 
 
 @pytest.mark.redis
@@ -139,7 +145,7 @@ async def test_a_first_token_or_an_end_rides_on_the_next_charge_in_its_pool(
 
         await one.adjust("a", 0.0, -20.0)
         view = await one.view(["a", "b"], (), speculative=True)
-        await two.routed("b", (), 100, 0.0, 0.0)  # another replica charged: refused
+        await two.routed("a", (), 100, 0.0, 0.0)  # another replica charged it: refused
         sent.clear()
         assert not await one.routed("a", (), 100, 1.0, 1.0, seen_version=view.version)
         assert len(sent) == 1
