@@ -96,8 +96,8 @@ end
 """Lua shared by the scripts that write a replica's share: ARGV starts prefix, replica,
 TTL, then a count n and n instance ids, n pending prefills and n in-flight tokens to add
 (``account_all``, which answers n). ``rewrote`` counts a rewrite of the share, which
-other replicas' views must not miss, in the pool's ``changes``; a charge moves their mark
-through the pool's ``routes``, and a release alone moves it not at all."""
+other replicas' views must not miss, in the pool's ``changes``; a charge counts in the
+pool's ``charges`` (``ROUTED``), and a release alone moves neither."""
 
 ADJUST = (
     ACCOUNT
@@ -176,9 +176,10 @@ return {1, forgotten}
 then charge a request to ``id`` and index its blocks; with a mark (a view's), only if the
 view is still what Redis holds where it bears on the choice: no other replica charged
 ``id`` or rewrote its share since, and the match of the view's blocks on ``ids`` as
-expected. A charge to another instance since only made that one busier, so it cannot
-have changed the choice, and refuses nothing. Answers ``{1, blocks forgotten}`` when
-written, else ``{0, the fresh read}``, on which the caller decides again."""
+expected. A charge to another instance since only made that one busier: it refuses
+nothing (``docs/gateway.md`` says when it could still have moved the choice). Answers
+``{1, blocks forgotten}`` when written, else ``{0, the fresh read}``, on which the caller
+decides again."""
 
 EVICTED = """
 local p, id = ARGV[1], ARGV[2]

@@ -110,10 +110,11 @@ class SharedState(Protocol):
         """A request went to ``instance_id``: index its blocks, count its tokens. With
         ``seen_version`` (the version of the view the decision was made on, whose blocks
         were these), only if that view is still current: no request routed since, and (in
-        Redis) no other replica's charge or rewrite of its share and the same match of the
-        blocks; False, and nothing written, otherwise. Another replica's release (a first
-        token, an end) refuses nothing: it can only make the view's instances look busier
-        than they are, as a release that ``adjust`` holds does."""
+        Redis) no other replica's charge to ``instance_id`` or rewrite of its share and the
+        same match of the blocks; False, and nothing written, otherwise. Another
+        replica's release (a first token, an end) refuses nothing: it can only make the
+        view's instances look busier than they are, as a release that ``adjust`` holds
+        does."""
         ...
 
     async def adjust(self, instance_id: str, pending_prefill: float, inflight: float) -> None:
