@@ -136,8 +136,10 @@ for i = 1, n do ids[i] = ARGV[o + 7 + i]; expected[i] = tonumber(ARGV[o + 7 + n 
 local m = tonumber(ARGV[o + 8 + 2 * n])
 for k = 1, m do seen[k] = ARGV[o + 8 + 2 * n + k] end
 for k = o + 9 + 2 * n + m, #ARGV do blocks[#blocks + 1] = ARGV[k] end
+local read = {}
 if n > 0 then  -- a view's check: its pool's instances
   local sums, current = foreign(p, r, ids)
+  read = {sums, current}
   local found = holders(p, seen)
   local same = current == mark and charged_by_others(p, r, {id})[1] == others_on_id
   local credit = {}
@@ -169,7 +171,7 @@ if excess > 0 then
     forgotten[#forgotten + 1] = gone[k]
   end
 end
-return {1, forgotten}
+return {1, forgotten, unpack(read)}
 """
 )
 """Add the replica's held changes (``account_all``: always, the charge refused or not),
@@ -178,8 +180,9 @@ view is still what Redis holds where it bears on the choice: no other replica ch
 ``id`` or rewrote its share since, and the match of the view's blocks on ``ids`` as
 expected. A charge to another instance since only made that one busier: it refuses
 nothing (``docs/gateway.md`` says when it could still have moved the choice). Answers
-``{1, blocks forgotten}`` when written, else ``{0, the fresh read}``, on which the caller
-decides again."""
+``{1, blocks forgotten}`` when written (after a check, with the other replicas' state it
+read: the caller's next view rests on it, at no call of its own), else ``{0, the fresh
+read}``, on which the caller decides again."""
 
 EVICTED = """
 local p, id = ARGV[1], ARGV[2]

@@ -384,6 +384,8 @@ class RedisState:
                 seen.known.saw(seen.blocks, found)
                 return False
             self._own.add(instance_id, pending_prefill, inflight_tokens)
+            if seen is not None:  # what the check read of the others, as fresh as a view
+                seen.known.read(*reply[2:4])
         for known in self._knowing(prefix, instance_id):
             known.indexed(instance_id, names, reply[1])
         return True

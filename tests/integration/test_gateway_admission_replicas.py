@@ -125,12 +125,16 @@ async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_coun
     assert sent_per_s == 6.0  # what the others send in, beside this replica's none
 
 
-@pytest.mark.parametrize("others", [0, 1])
-async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_at_each_pass(
-    others: int,
+@pytest.mark.parametrize(
+    ("others", "idle_every_s", "shares"), [(0, 0.0, 1), (1, 0.0, 20), (1, 60.0, 1)]
+)
+async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_more_often(
+    others: int, idle_every_s: float, shares: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Alone as last heard, a replica tells no one of each pass, only of each tick; beside
-    another, it shares before every pass."""
+    another, holding nothing, it shares before a pass every ``IDLE_SHARE_EVERY_S`` at most
+    (0: before every one)."""
+    monkeypatch.setattr("gateway.admission.IDLE_SHARE_EVERY_S", idle_every_s)
     shared: list[str] = []
 
     async def loads(own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
@@ -149,7 +153,7 @@ async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_a
         with contextlib.suppress(asyncio.CancelledError):
             await running
     passes = len(shared) - 1  # the last: leaving, the others stop counting this one
-    assert passes == (1 if others == 0 else 20)
+    assert passes == shares
 
 
 async def test_a_replica_claims_a_ceiling_whole_alone_and_beside_others_what_it_needs() -> None:

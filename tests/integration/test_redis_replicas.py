@@ -61,6 +61,27 @@ async def test_a_decision_is_one_round_trip_to_redis(
 
 
 @pytest.mark.redis
+async def test_a_checked_charge_brings_back_what_the_others_wrote_for_the_next_view(
+    redis_server: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The charge's script read the other replicas' state for its check: the next view
+    rests on that, with no call of its own. Views known for longer (50 ms by default) went
+    on missing the other replica's charges, and the next decision on the instance it
+    charged was refused: with two replicas, most decisions were made twice."""
+    async with _two_replicas(redis_server, known_for_s=60.0) as (one, two):
+        sent = _calls_of(one, monkeypatch)
+        await two.routed("b", (), 100, 0.0, 0.0)  # two is live (a newcomer refuses)
+        view = await one.view(["a", "b"], ())
+        await two.routed("a", (), 100, 0.0, 7.0)
+        assert await one.routed("b", (), 100, 0.0, 1.0, seen_version=view.version)
+        sent.clear()
+        view = await one.view(["a", "b"], (), speculative=True)
+        assert sent == []
+        assert view.inflight_tokens.tolist() == [7.0, 1.0]
+        assert await one.routed("a", (), 100, 0.0, 1.0, seen_version=view.version)
+
+
+@pytest.mark.redis
 async def test_another_replica_s_release_refuses_no_charge_and_shows_at_the_next_read(
     redis_server: Service,
 ) -> None:
