@@ -11,8 +11,6 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm  # type: ignore[import-untyped]
-
 from control.admission.registry import CONTROLLED, make_admission
 from control.pipeline import check_pairing
 from control.routing import make_router
@@ -24,6 +22,7 @@ from sim.control_loop import QuotaLoop
 from sim.ladder import rate_scales
 from sim.metrics import summarize
 from sim.profiles import DEFAULT_PROFILE, profile
+from sim.progress import progress
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.simulator import HOST_TOKEN_LAG_S, Simulation
@@ -166,7 +165,7 @@ def _with_progress(
 ) -> Iterator[TraceRequest] | list[TraceRequest]:
     if not show:
         return workload
-    bar: Iterator[TraceRequest] = iter(tqdm(workload, desc=label, unit="req", leave=False))
+    bar: Iterator[TraceRequest] = iter(progress(workload, desc=label, unit="req", leave=False))
     return bar
 
 

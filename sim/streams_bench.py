@@ -37,12 +37,12 @@ from typing import Any
 
 import numpy as np
 from aiokafka.admin import AIOKafkaAdminClient
-from tqdm import tqdm
 
 from schemas import Envelope, Topic, topic_for
 from schemas.base import TaskClass
 from schemas.lifecycle import RequestArrived, RequestCompleted, RequestRouted
 from schemas.topics import DAY_MS
+from sim.progress import progress
 from streams.kafka import KafkaBus, create_topics
 
 WORKER_SETTINGS = {
@@ -236,7 +236,7 @@ async def _delete_topic(bootstrap: str, topic: str) -> None:
 async def _publish_copy(bootstrap: str, events: list[Envelope], topic: str) -> None:
     bus = KafkaBus(bootstrap)
     try:
-        for at in tqdm(range(0, len(events), 5000), desc=f"publish {topic}", unit="batch"):
+        for at in progress(range(0, len(events), 5000), desc=f"publish {topic}", unit="batch"):
             await bus.publish_events(events[at : at + 5000], to=topic)
     finally:
         await bus.close()
@@ -262,25 +262,26 @@ async def _counted(
             for worker in workers:
                 worker.send_signal(signal.SIGSTOP)
             try:
-                for at in tqdm(range(0, len(events), 5000), desc=f"publish {dc}", unit="batch"):
+                for at in progress(range(0, len(events), 5000), desc=f"publish {dc}", unit="batch"):
                     await bus.publish_events(events[at : at + 5000])
             finally:
                 for worker in workers:
                     worker.send_signal(signal.SIGCONT)
             started = time.monotonic()
-            progress = tqdm(total=requests, desc="consume", unit="req")
+            consumed, counted_before = progress(total=requests, desc="consume", unit="req"), 0
             async for table in tables:
                 if table.key == dc:
                     counted = _completed(table.envelope)
-                    if counted < progress.n:
+                    if counted < counted_before:
                         raise RuntimeError(
-                            f"the worker counted {progress.n} of {requests} requests before "
-                            f"the tables' {WINDOW_S:g} s window let the first go: it drains "
-                            f"fewer than {requests / WINDOW_S:.0f} requests/s here"
+                            f"the worker counted {counted_before} of {requests} requests "
+                            f"before the tables' {WINDOW_S:g} s window let the first go: it "
+                            f"drains fewer than {requests / WINDOW_S:.0f} requests/s here"
                         )
-                    progress.update(counted - progress.n)
+                    consumed.update(counted - counted_before)
+                    counted_before = counted
                     if counted >= requests:
-                        progress.close()
+                        consumed.close()
                         return time.monotonic() - started
     finally:
         await bus.close()

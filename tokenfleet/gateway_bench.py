@@ -37,9 +37,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 from redis import Redis
-from tqdm import tqdm
 
 from sim.profiles import DEFAULT_PROFILE
+from sim.progress import progress
 from tokenfleet.services.process import (
     answers_http,
     free_port,
@@ -262,7 +262,7 @@ async def _latency(
         for n in range(50):  # warm connections and caches
             for base in [direct[n % len(direct)], *fronts.values()]:
                 await _post(http, base, n)
-        for n in tqdm(range(requests), desc="latency", unit="req"):
+        for n in progress(range(requests), desc="latency", unit="req"):
             for name, base in (("direct", direct[n % len(direct)]), *fronts.items()):
                 started = time.perf_counter()
                 await _post(http, base, n)

@@ -227,15 +227,14 @@ def _bench_gateway(args: argparse.Namespace) -> int:
 
 
 def _bench_decision(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from control.routing import ROUTERS
     from sim.decision_bench import SIZES, time_decisions
+    from sim.progress import progress
 
     policies = _known(args.policies, ROUTERS)
     figures = [
         row
-        for size in tqdm(SIZES, desc="fleet sizes", unit="size", leave=False)
+        for size in progress(SIZES, desc="fleet sizes", unit="size", leave=False)
         for row in time_decisions(policies, size)
     ]
     for row in figures:
@@ -290,8 +289,6 @@ def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_admission(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from control.routing import ROUTERS
     from sim.admission_bench import (
         ABLATED,
@@ -301,10 +298,11 @@ def _bench_admission(args: argparse.Namespace) -> int:
         plot_step_change,
         step_change,
     )
+    from sim.progress import progress
 
     policies = _known(args.policies or list(BENCHED), (*BENCHED, *ABLATED), "admission policies")
     _known([args.router], ROUTERS, "routers")
-    with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
+    with progress(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
             document = bench_admission(
                 args.trace,
@@ -387,12 +385,11 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
 def _bench_fleet(args: argparse.Namespace) -> int:
     import math
 
-    from tqdm import tqdm
-
     from sim.fleet_bench import RUNNABLE, STACKS, bench_fleet, plot_fleet
+    from sim.progress import progress
 
     policies = _known(args.policies or list(STACKS), RUNNABLE, "DC policies")
-    with tqdm(total=len(policies), desc="policies", unit="run") as bar:
+    with progress(total=len(policies), desc="policies", unit="run") as bar:
         try:
             document = bench_fleet(
                 args.trace,
@@ -487,13 +484,12 @@ def _add_ladder_options(
 
 
 def _bench_routing(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from control.routing import ROUTERS
+    from sim.progress import progress
     from sim.routing_bench import bench_routing, plot_ttft_cdfs
 
     policies = _known(args.policies or list(ROUTERS), ROUTERS)
-    with tqdm(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
+    with progress(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
             document, records = bench_routing(
                 args.trace,

@@ -298,24 +298,23 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
 def _calibrate(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
 
-    from tqdm import tqdm
-
     from sim import calibration
     from sim.profiles import CALIBRATED, TRAINING_STAGES
+    from sim.progress import progress
 
     chosen = CALIBRATED[args.profile]
     stages = [s for s in calibration.load_stages() if chosen.measured_model in s.experiment]
     training = [s for s in stages if calibration.is_training(s, TRAINING_STAGES)]
     profile = chosen.profile
     if args.iterations > 0:
-        with tqdm(total=args.iterations, desc="fitting", unit="it", leave=False) as bar:
+        with progress(total=args.iterations, desc="fitting", unit="it", leave=False) as bar:
 
-            def progress(_: int, loss: float) -> None:
+            def fitted_one(_: int, loss: float) -> None:
                 bar.set_postfix(loss=f"{loss:.4f}")
                 bar.update()
 
             fitted = calibration.fit(
-                training, profile, iterations=args.iterations, progress=progress
+                training, profile, iterations=args.iterations, progress=fitted_one
             )
         profile = replace(profile, step_time=fitted)
     rows = calibration.validate(stages, TRAINING_STAGES, profile)
