@@ -112,6 +112,39 @@ def test_bad_sim_arguments_exit_2_with_a_message_before_any_work(
     assert message.format(tmp=tmp_path) in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["sim", "--trace", "{trace}", "--json", "{trace}"],
+            "--trace and --json both name {trace}",
+        ),
+        (
+            ["sim", "--trace", "mooncake", "--json", "{tmp}/a", "--records", "{tmp}/a"],
+            "--json and --records both name {tmp}/a",
+        ),
+        (
+            ["workload", "export", "--trace", "{trace}", "--out", "{trace}"],
+            "--trace and --out both name {trace}",
+        ),
+        (
+            ["bench", "routing", "--trace", "{trace}", "--json", "{trace}"],
+            "--trace and --json both name {trace}",
+        ),
+    ],
+)
+def test_an_output_that_would_replace_an_input_or_another_output_is_refused(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It replaced the trace (or one output the other) and the run ended with 0."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(BROKEN_TRACE.splitlines()[0] + "\n")
+    names = {"tmp": tmp_path, "trace": trace}
+    assert main([a.format(**names) for a in argv]) == 2
+    assert message.format(**names) in capsys.readouterr().err
+    assert trace.read_text() == BROKEN_TRACE.splitlines()[0] + "\n"
+
+
 def test_a_burst_measures_capacity_and_a_trace_its_offered_rate() -> None:
     requests = [TraceRequest(f"r{n}", n * 0.5, 500, 50, ()) for n in range(600)]
     assert offered_rate_rps(requests) == pytest.approx(600 / 299.5)

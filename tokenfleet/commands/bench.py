@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tokenfleet.commands.arguments import (
     add_profile,
+    distinct_files,
     output_file,
     plot_file,
     positive_float,
@@ -300,6 +301,8 @@ def _bench_admission(args: argparse.Namespace) -> int:
     )
     from sim.progress import progress
 
+    outputs = {"--json": args.json, "--plot": args.plot, "--step-change": args.step_change}
+    distinct_files(outputs, {"--trace": args.trace})
     policies = _known(args.policies or list(BENCHED), (*BENCHED, *ABLATED), "admission policies")
     _known([args.router], ROUTERS, "routers")
     with progress(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
@@ -388,6 +391,7 @@ def _bench_fleet(args: argparse.Namespace) -> int:
     from sim.fleet_bench import RUNNABLE, STACKS, bench_fleet, plot_fleet
     from sim.progress import progress
 
+    distinct_files({"--json": args.json, "--plot": args.plot}, {"--trace": args.trace})
     policies = _known(args.policies or list(STACKS), RUNNABLE, "DC policies")
     with progress(total=len(policies), desc="policies", unit="run") as bar:
         try:
@@ -488,6 +492,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
     from sim.progress import progress
     from sim.routing_bench import bench_routing, plot_ttft_cdfs
 
+    distinct_files({"--json": args.json, "--plot": args.plot}, {"--trace": args.trace})
     policies = _known(args.policies or list(ROUTERS), ROUTERS)
     with progress(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:

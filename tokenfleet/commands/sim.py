@@ -12,6 +12,7 @@ from control.step_time import Blackbox
 from tokenfleet.commands.arguments import (
     add_profile,
     count,
+    distinct_files,
     output_dir,
     output_file,
     positive_float,
@@ -127,6 +128,7 @@ def _add_sim(commands: argparse._SubParsersAction) -> None:
 def _sim(args: argparse.Namespace) -> int:
     from sim.run import RunConfig, check_policies, simulate_ladder, simulate_run, write_records
 
+    distinct_files({"--json": args.json, "--records": args.records}, {"--trace": args.trace})
     config = RunConfig(
         trace=args.trace,
         instances=args.instances,
@@ -260,6 +262,7 @@ def _workload_export(args: argparse.Namespace) -> int:
     from sim.export import export_csv
     from sim.registry import load_trace
 
+    distinct_files({"--out": args.out}, {"--trace": args.trace})
     try:
         requests = load_trace(args.trace, limit=args.requests, seed=args.seed)
     except ValueError as exc:
