@@ -89,9 +89,10 @@ def build_app(
     bootstrap: str,
     settings: WorkerSettings,
     objectives: Objectives | None = None,
+    replication: int = 1,
 ) -> WorkerApp:
     """The worker's app; ``objectives`` (None: the defaults) decide which completions
-    count as goodput."""
+    count as goodput; ``replication``: the brokers that keep its changelogs."""
     objectives = objectives or Objectives()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     app = WorkerApp(
@@ -100,7 +101,7 @@ def build_app(
         store="memory://",
         datadir=str(settings.data_dir / settings.app_id),
         web_enabled=False,
-        topic_replication_factor=1,
+        topic_replication_factor=replication,
         consumer_auto_offset_reset="earliest",
         key_serializer="raw",
         value_serializer="raw",

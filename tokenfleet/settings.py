@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -13,6 +14,10 @@ class Settings(BaseSettings):
 
     kafka_bootstrap: str | None = None
     """``host:port`` of a Kafka broker; unset means: the local broker, if one runs."""
+    kafka_replication: int = Field(default=1, ge=1)
+    """Brokers that keep each of the project's topics (``tokenfleet topics create`` and the
+    topics the commands create) and the table worker's changelogs: 1 for one broker;
+    on a cluster, 3 keeps them through a broker's loss (managed Kafka may require it)."""
     redis_url: str | None = None
     """``redis://host:port/db``; unset means: the local server, if one runs."""
     redis_cluster: bool = False

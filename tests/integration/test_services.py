@@ -161,3 +161,22 @@ async def test_a_topic_made_elsewhere_with_other_partitions_is_named_at_start(
     await create_topics(kafka.address, [Topic(name, "request_id", 12, False, 60_000, ())])
     with pytest.raises(PartitionsMismatch, match=f"{name} has 12 partitions.*need 6"):
         await create_topics(kafka.address, [Topic(name, "request_id", 6, False, 60_000, ())])
+
+
+@pytest.mark.kafka
+def test_topics_are_made_with_the_replication_the_environment_sets(
+    kafka: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every topic had one copy, whatever the cluster: a broker lost lost its topics, and
+    managed Kafka that requires more refused them. Asked for two copies, the test's one
+    broker says it cannot keep them, and the command says so."""
+    from schemas.topics import Topic
+    from tokenfleet.commands.broker import create_topics_on
+    from tokenfleet.commands.errors import CliError
+
+    monkeypatch.setenv("TOKENFLEET_KAFKA_REPLICATION", "2")
+    topic = Topic(f"tf-test-{uuid.uuid4().hex}", "request_id", 1, False, 60_000, ())
+    with pytest.raises(CliError, match="InvalidReplicationFactor"):
+        create_topics_on(kafka.address, [topic])
+    monkeypatch.setenv("TOKENFLEET_KAFKA_REPLICATION", "1")
+    assert create_topics_on(kafka.address, [topic]) == [topic.name]

@@ -231,3 +231,11 @@ def test_a_worker_s_counts_start_at_zero_for_each_topic_it_reads(tmp_path: Path)
         assert f'tokenfleet_worker_dead_letters_total{{topic="{topic}"}} 0.0' in text
         assert f'tokenfleet_worker_dead_letters_unsent_total{{topic="{topic}"}} 0.0' in text
     assert 'tokenfleet_worker_events_total{kind="lifecycle"} 0.0' in text
+
+
+def test_a_worker_s_changelogs_have_the_replication_asked(tmp_path: Path) -> None:
+    app = build_app("localhost:9", WorkerSettings(app_id="copies", data_dir=tmp_path), None, 3)
+    try:
+        assert app.conf.topic_replication_factor == 3
+    finally:
+        app.consumer._thread.thread_loop.close()

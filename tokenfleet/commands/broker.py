@@ -34,7 +34,7 @@ def create_topics_on(bootstrap: str, topics: Sequence[Topic] = TOPICS) -> list[s
     from streams.kafka import PartitionsMismatch, create_topics
 
     try:
-        return asyncio.run(create_topics(bootstrap, topics))
+        return asyncio.run(create_topics(bootstrap, topics, Settings().kafka_replication))
     except PartitionsMismatch as exc:
         raise CliError(str(exc)) from None
     except Exception as exc:

@@ -279,7 +279,7 @@ def _worker(args: argparse.Namespace) -> int:
     create_topics_on(bootstrap, (*TOPICS, updates_topic_of(settings)))
 
     def served() -> WorkerApp:
-        app = build_app(bootstrap, settings, objectives)
+        app = build_app(bootstrap, settings, objectives, Settings().kafka_replication)
         if args.metrics_port is not None:
             _serve_metrics(metrics_registry(app), args.metrics_host, args.metrics_port)
         return app
