@@ -295,7 +295,10 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         "--speedup",
         type=positive_float,
         default=1.0,
-        help="the target's speed-up; arrivals are compressed to match (default: 1)",
+        help="the target's speed-up (an emulator's --speedup); arrivals are compressed to "
+        "match, and times are reported in the target's seconds, wall seconds x this, so the "
+        "client's and the network's own milliseconds are multiplied too: keep 1 against real "
+        "servers (default: 1)",
     )
     replay.add_argument(
         "--api-key",
