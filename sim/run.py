@@ -151,8 +151,9 @@ def run_all(
             yield futures[future], future.result()
 
 
-def write_records(records: Iterable[RequestRecord], path: Path) -> None:
-    rows = [r.as_dict() for r in records]
+def write_records(rows: Iterable[dict[str, Any]], path: Path) -> None:
+    """One CSV row per request (``RequestRecord.as_dict``, and a ladder's ``level``)."""
+    rows = list(rows)
     with path.open("w", newline="") as out:
         if rows:
             writer = csv.DictWriter(out, fieldnames=list(rows[0]))
@@ -171,15 +172,19 @@ def _with_progress(
 
 def simulate_ladder(
     config: RunConfig, levels: Sequence[float], *, progress: bool = False
-) -> tuple[dict[str, Any], list[RequestRecord]]:
-    """The run at each load level (a share of the cluster's measured capacity)."""
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The run at each load level (a share of the cluster's measured capacity), and each
+    request's record at each level, the level and its rate scale first (a request runs at
+    every level, under one id)."""
     workload = load_trace(config.trace, limit=config.requests, seed=config.seed)
     scales = rate_scales(config.instance_profile(), workload, config.instances, levels)
-    results, records = [], []
+    results = []
+    records: list[dict[str, Any]] = []
     for level, scale in zip(levels, scales, strict=True):
         result, level_records = simulate_run(
             replace(config, rate_scale=scale), progress=progress, workload=workload
         )
         results.append({"level": level, **result})
-        records.extend(level_records)
+        at = {"level": level, "rate_scale": scale}
+        records.extend(at | record.as_dict() for record in level_records)
     return {"trace": config.trace, "ladder": list(levels), "levels": results}, records

@@ -48,7 +48,7 @@ def test_sim_writes_its_summary_and_one_record_per_request(tmp_path: Path) -> No
 
 
 def test_a_ladder_runs_each_level_with_more_load(tmp_path: Path) -> None:
-    out = tmp_path / "ladder.json"
+    out, records = tmp_path / "ladder.json", tmp_path / "ladder.csv"
     assert (
         main(
             [
@@ -63,6 +63,8 @@ def test_a_ladder_runs_each_level_with_more_load(tmp_path: Path) -> None:
                 "0.3,1.5",
                 "--json",
                 str(out),
+                "--records",
+                str(records),
             ]
         )
         == 0
@@ -71,6 +73,10 @@ def test_a_ladder_runs_each_level_with_more_load(tmp_path: Path) -> None:
     assert (low["level"], high["level"]) == (0.3, 1.5)
     assert high["rate_scale"] == pytest.approx(5 * low["rate_scale"])
     assert high["summary"]["e2e_p95_s"] > low["summary"]["e2e_p95_s"]
+    # each request once per level, the level saying which (the rows were mixed)
+    rows = list(csv.DictReader(records.read_text().splitlines()))
+    assert [float(r["level"]) for r in rows] == [0.3] * 300 + [1.5] * 300
+    assert float(rows[-1]["rate_scale"]) == pytest.approx(high["rate_scale"])
 
 
 BROKEN_TRACE = '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{bad\n'
@@ -459,3 +465,18 @@ def test_figures_that_do_not_exist_are_written_as_null_in_strict_json(tmp_path: 
         "rates": [1.5, None, [2.0, None]],
         "per_class": {"n": 3},
     }
+
+
+def test_the_summary_counts_the_requests_refused_and_says_n_a_for_no_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose one request no instance could hold printed "0 of 1 requests" and nan."""
+    trace = tmp_path / "huge.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 500000, "output_length": 5, "hash_ids": [1]}\n'
+    )
+    assert main(["sim", "--trace", str(trace), "--instances", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "0 of 1 requests completed (1 rejected, 0 cancelled)" in out
+    assert "ttft  p50 n/a" in out
+    assert "nan" not in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Iterable
 from functools import partial
@@ -146,16 +147,16 @@ def _sim(args: argparse.Namespace) -> int:
     try:
         check_policies(config.policy, config.admission, config.profile)
         if args.ladder:
-            result, records = simulate_ladder(config, args.ladder, progress=progress)
+            result, rows = simulate_ladder(config, args.ladder, progress=progress)
             runs = result["levels"]
         else:
             result, records = simulate_run(config, progress=progress)
-            runs = [result]
+            runs, rows = [result], [record.as_dict() for record in records]
     except ValueError as exc:
         raise CliError(str(exc)) from None
     for run in runs:
         _print_summary(run)
-    save_each((args.json, as_json(result)), (args.records, partial(write_records, records)))
+    save_each((args.json, as_json(result)), (args.records, partial(write_records, rows)))
     return 0
 
 
@@ -220,11 +221,12 @@ def _print_summary(result: dict) -> None:
     level = f" at {result['level']:g} x capacity" if "level" in result else ""
     print(
         f"{result['trace']}{level}: {summary['completed']} of {summary['requests']} requests "
+        f"completed ({summary['rejected']} rejected, {summary['cancelled']} cancelled) "
         f"on {result['instances']} x {result['profile']}, policy {result['policy']}"
     )
     for name in ("ttft", "tpot", "e2e"):
-        p50, p95, p99 = (summary[f"{name}_p{q}_s"] for q in (50, 95, 99))
-        print(f"  {name:5} p50 {p50:.3f} s   p95 {p95:.3f} s   p99 {p99:.3f} s")
+        p50, p95, p99 = (_seconds(summary[f"{name}_p{q}_s"]) for q in (50, 95, 99))
+        print(f"  {name:5} p50 {p50}   p95 {p95}   p99 {p99}")
     print(
         f"  throughput {summary['throughput_tok_s']:.0f} tok/s   goodput "
         f"{summary['goodput_tok_s']:.0f} tok/s   cache hit rate {summary['cache_hit_rate']:.1%}"
@@ -233,6 +235,11 @@ def _print_summary(result: dict) -> None:
         f"  simulated in {result['wall_s']:.1f} s "
         f"({result['simulated_requests_per_s']:.0f} requests/s)"
     )
+
+
+def _seconds(value: float | None) -> str:
+    """A percentile, or n/a where no request completed (NaN in the run, null in its JSON)."""
+    return "n/a" if value is None or math.isnan(value) else f"{value:.3f} s"
 
 
 def _add_workload(commands: argparse._SubParsersAction) -> None:
