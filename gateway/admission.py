@@ -8,11 +8,11 @@ first token and end, when capacity frees, and every ``tick_s`` besides (holds th
 out, policies that pace their releases). One pass decides against one snapshot of the
 pool: the router's own count of what it sent keeps a pass's dispatches apart, as it does
 a burst's arrivals. Arrivals that start or join a pool wake the loop too, so that other
-replicas hear of them.
+replicas hear of them (where none holds a request, within ``IDLE_SHARE_EVERY_S`` or a tick).
 
-Replicas side by side share their pools through the shared state: before each pass (one
-that holds nothing here, every ``IDLE_SHARE_EVERY_S`` at most) a replica publishes its
-load per pool and class (requests in flight, held, how fast its pool
+Replicas side by side share their pools through the shared state: before each pass (where
+no replica holds a request, every ``IDLE_SHARE_EVERY_S`` at most, or at the tick) a replica
+publishes its load per pool and class (requests in flight, held, how fast its pool
 drains, where its first held request stands, but for those its passes step past), reads
 the others' and claims slots of the class ceilings (``SharedState.admission_loads``: a
 Redis round trip per pass, off the request's path). A replica that heard of no other at
@@ -75,14 +75,15 @@ is of."""
 LEAVING_S = 1.0
 """How long a stopping replica tries to give its slots back (a share on its way first)."""
 IDLE_SHARE_EVERY_S = 0.02
-"""Beside other replicas, how often at most a replica that holds no request shares its
-load before a pass. Every first token and end wakes a pass: shared before each, two
-replicas on one Redis made 1.1 load shares a request (2.66 Redis calls a request in all,
-against 1.2 for a replica alone; `tokenfleet bench gateway`'s pair at about 220 requests
-a second, 2026-12-07). What such a share tells the others is this replica's counts in
-flight, which their admission reads as class totals; ceilings are kept by slots, and a
-replica that holds requests (among them one that waits for a slot) shares before every
-pass."""
+"""Beside other replicas, where none holds a request (as last heard), how often at most a
+replica shares its load before a pass; a pass with no share due leaves it to the next
+pass or the tick, so a change reaches the others within ``tick_s``. Every first token and
+end wakes a pass: shared before each, two replicas on one Redis made 1.1 load shares a
+request (2.64 Redis calls a request in all, against 1.2 for a replica alone; two
+gateways on one Redis at about 280 requests a second, 2026-12-07). What such a share
+tells the others is this replica's counts in flight, which their admission reads as class
+totals; ceilings are kept by slots. While any replica holds a request (one that waits
+for a slot among them), every replica shares before every pass, as before."""
 
 
 class GatewayAdmission:
@@ -138,6 +139,9 @@ class GatewayAdmission:
         """When a share last succeeded."""
         self._failing = False
         self._shared_at = -float("inf")
+        self._published_holding = False
+        """Whether the load this replica last shared held requests: the others wait on
+        them until a share says they are gone."""
         self._closing = False
 
     def pipeline(self, model: str, dc: str) -> Pipeline[Held]:
@@ -290,15 +294,22 @@ class GatewayAdmission:
                     await self._loads(LEAVE, {name: SlotClaim(0, 0, 0) for name in self._claims()})
 
     def _sharing_due(self) -> bool:
-        """Before every pass while other replicas share the pools and this one holds
-        requests, else every ``IDLE_SHARE_EVERY_S`` at most; alone as last heard, once a
+        """Before every pass while other replicas share the pools and any of them holds
+        requests (``_anyone_holds``); where none does, before a pass every
+        ``IDLE_SHARE_EVERY_S`` at most, else at the next tick; alone as last heard, once a
         tick, which is how soon it hears of a replica that starts (a round trip per pass,
         most of a lone replica's calls to Redis, would tell no one)."""
         since = time.monotonic() - self._shared_at
         if self.replicas == 1:
             return since >= self.tick_s
-        holding = any(len(pipeline.pools) for pipeline in self._pipelines.values())
-        return holding or since >= IDLE_SHARE_EVERY_S
+        return self._anyone_holds() or since >= IDLE_SHARE_EVERY_S
+
+    def _anyone_holds(self) -> bool:
+        """Whether a request is held here, in the load last shared, or by another replica
+        as last heard: while one is, the pools' order and the slots move at each pass."""
+        here = any(len(pipeline.pools) for pipeline in self._pipelines.values())
+        peers = any(load.held for pool in self._peers.values() for load in pool.values())
+        return here or peers or self._published_holding
 
     async def _shared_loads(self) -> None:
         """``share_loads``, one at a time (a grant read after a later one would undo it).
@@ -357,7 +368,9 @@ class GatewayAdmission:
         }
         claims = self._claims()
         self._keep_within(claims)
+        holding = any(len(pipeline.pools) for pipeline in self._pipelines.values())
         shared = await self._loads(json.dumps(own), {n: c for n, (_, c) in claims.items()})
+        self._published_holding = holding
         others = [load for raw in shared.others if (load := decoded(raw, now - wall)) is not None]
         self.replicas = 1 + sum(1 for other in others if other)
         names = {name for other in others for name in other}

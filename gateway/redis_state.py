@@ -126,14 +126,19 @@ class _Known:
         """Requests the other replicas charged to each instance, ever."""
         self.holders: dict[str, set[str]] = {}
 
-    def read(self, sums: list[bytes], mark: bytes) -> None:
+    def read(self, sums: list[bytes], mark: bytes, *, whole: bool = True) -> None:
+        """What Redis answered of the others' accounting and charges; ``whole``: with the
+        holders of the view's blocks (a view, a refusal), so the pool counts as read now.
+        A charge's check answers the accounting alone, which leaves the read as old as
+        it was: the holders of other blocks are read again within ``known_for_s``."""
         values = [float(v) for v in sums]
         n = len(self.ids)
         self.pending = dict(zip(self.ids, values[:n], strict=True))
         self.inflight = dict(zip(self.ids, values[n : 2 * n], strict=True))
         self.charged = {i: int(v) for i, v in zip(self.ids, values[2 * n :], strict=True)}
         self.mark = mark.decode()
-        self.read_at = time.monotonic()
+        if whole:
+            self.read_at = time.monotonic()
 
     def fresh(self, known_for_s: float) -> bool:
         return self.mark is not None and time.monotonic() - self.read_at <= known_for_s
@@ -384,8 +389,8 @@ class RedisState:
                 seen.known.saw(seen.blocks, found)
                 return False
             self._own.add(instance_id, pending_prefill, inflight_tokens)
-            if seen is not None:  # what the check read of the others, as fresh as a view
-                seen.known.read(*reply[2:4])
+            if seen is not None:  # what the check read of the others' accounting
+                seen.known.read(*reply[2:4], whole=False)
         for known in self._knowing(prefix, instance_id):
             known.indexed(instance_id, names, reply[1])
         return True

@@ -357,6 +357,7 @@ class Deployment:
             home = self._own("kafka", env, started)
             bootstrap = running_bootstrap(home) or LocalKafka(home).start(detach=True)
             env["TOKENFLEET_KAFKA_BOOTSTRAP"] = bootstrap
+            env["TOKENFLEET_KAFKA_REPLICATION"] = "1"  # one broker keeps one copy
         if "TOKENFLEET_REDIS_URL" not in env:
             home = self._own("redis", env, started)
             env["TOKENFLEET_REDIS_URL"] = running_url(home) or LocalRedis(home).start(detach=True)

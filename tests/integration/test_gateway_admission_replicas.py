@@ -126,20 +126,22 @@ async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_coun
 
 
 @pytest.mark.parametrize(
-    ("others", "idle_every_s", "shares"), [(0, 0.0, 1), (1, 0.0, 20), (1, 60.0, 1)]
+    ("others", "held", "idle_every_s", "shares"),
+    [(0, 0, 0.0, 1), (1, 0, 0.0, 20), (1, 0, 60.0, 1), (1, 1, 60.0, 20)],
 )
 async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_more_often(
-    others: int, idle_every_s: float, shares: int, monkeypatch: pytest.MonkeyPatch
+    others: int, held: int, idle_every_s: float, shares: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Alone as last heard, a replica tells no one of each pass, only of each tick; beside
-    another, holding nothing, it shares before a pass every ``IDLE_SHARE_EVERY_S`` at most
-    (0: before every one)."""
+    another, where none holds a request, it shares before a pass every
+    ``IDLE_SHARE_EVERY_S`` at most (0: before every one); while the other holds one,
+    before every pass."""
     monkeypatch.setattr("gateway.admission.IDLE_SHARE_EVERY_S", idle_every_s)
     shared: list[str] = []
 
     async def loads(own: str, _slots: Mapping[str, SlotClaim]) -> AdmissionLoads:
         shared.append(own)
-        load = json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, 0, 0.0, None]}})
+        load = json.dumps({f"{MODEL}/dc-a": {"interactive": [1, 0, held, 0.0, None]}})
         return AdmissionLoads([load] * others, {})
 
     host = slomax_host(loads, tick_s=5.0)

@@ -137,6 +137,12 @@ def test_bad_sim_arguments_exit_2_with_a_message_before_any_work(
             ["bench", "routing", "--trace", "{trace}", "--json", "{trace}"],
             "--trace and --json both name {trace}",
         ),
+        (
+            ["replay", "--trace", "{trace}", "--target", "http://127.0.0.1:9", "--json", "{trace}"],
+            "--trace and --json both name {trace}",
+        ),
+        (["audit", "--from", "{trace}", "--json", "{trace}"], "--from {trace} and --json both"),
+        (["whatif", "--fleet", "{trace}", "--json", "{trace}"], "--fleet and --json both name"),
     ],
 )
 def test_an_output_that_would_replace_an_input_or_another_output_is_refused(

@@ -123,11 +123,15 @@ def output_file(text: str) -> Path:
     return path
 
 
-def distinct_files(outputs: dict[str, Path | None], inputs: dict[str, str]) -> None:
+def distinct_files(outputs: dict[str, Path | None], inputs: dict[str, str | Path | None]) -> None:
     """CliError, before the run, where an output option names a file another output or an
     input names (an input by name, such as a trace's, is no file): the output would
     replace the input, or one output the other, and the run still end with 0."""
-    named = {option: Path(text) for option, text in inputs.items() if Path(text).is_file()}
+    named = {
+        option: Path(text)
+        for option, text in inputs.items()
+        if text is not None and Path(text).is_file()
+    }
     named |= {option: path for option, path in outputs.items() if path is not None}
     seen: dict[Path, str] = {}
     for option, path in named.items():

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from schemas import Envelope
 from schemas.topics import JOURNAL_TOPIC, TOPICS
-from tokenfleet.commands.arguments import output_file
+from tokenfleet.commands.arguments import distinct_files, output_file
 from tokenfleet.commands.deploy import LOCAL_FLEET
 from tokenfleet.commands.errors import CliError
 from tokenfleet.commands.output import write_json
@@ -75,7 +75,9 @@ def _register_audit(commands: argparse._SubParsersAction[argparse.ArgumentParser
 def _audit(args: argparse.Namespace) -> int:
     from tokenfleet.audit import audit_journal, journals_in
 
-    envelopes, undecodable = _journal_envelopes(args.sources or [JOURNAL_TOPIC])
+    sources = args.sources or [JOURNAL_TOPIC]
+    distinct_files({"--json": args.json}, {f"--from {source}": source for source in sources})
+    envelopes, undecodable = _journal_envelopes(sources)
     journals, malformed = journals_in(envelopes)
     audits = [audit_journal(name, records) for name, records in journals.items()]
     print(
@@ -211,6 +213,8 @@ def _recount(args: argparse.Namespace) -> int:
     from tokenfleet.commands.broker import broker
     from tokenfleet.recount import recount_on
 
+    distinct_files({"--json": args.json}, {"--fleet": args.fleet})
+
     try:
         objectives = load_fleet(args.fleet).all_objectives() if args.fleet else Objectives()
     except FleetFileError as exc:
@@ -274,6 +278,8 @@ def _whatif(args: argparse.Namespace) -> int:
     from streams.kafka import KafkaBus
     from tokenfleet.commands.broker import broker
     from tokenfleet.whatif import WHATIF_TOPICS, Stack, recorded, whatif, whatif_fleet
+
+    distinct_files({"--json": args.json}, {"--fleet": args.fleet})
 
     try:
         fleet = load_fleet(args.fleet)

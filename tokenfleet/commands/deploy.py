@@ -148,7 +148,8 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         print(
             f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {env['TOKENFLEET_REDIS_URL']}"
         )
-        asyncio.run(create_topics(env["TOKENFLEET_KAFKA_BOOTSTRAP"], TOPICS))
+        replication = int(env.get("TOKENFLEET_KAFKA_REPLICATION", "1"))
+        asyncio.run(create_topics(env["TOKENFLEET_KAFKA_BOOTSTRAP"], TOPICS, replication))
         deployment.start(parts, env, own, say=lambda p: print(f"  started {p.name}", flush=True))
     except BaseException as exc:
         deployment.stop()  # the services started for it too

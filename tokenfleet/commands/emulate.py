@@ -13,6 +13,7 @@ from tokenfleet.commands.arguments import (
     add_profile,
     api_base_url,
     consecutive_ports,
+    distinct_files,
     output_file,
     port,
     positive_float,
@@ -327,6 +328,7 @@ def _replay(args: argparse.Namespace) -> int:
     from sim.registry import load_trace
     from sim.replay import replay
 
+    distinct_files({"--json": args.json}, {"--trace": args.trace})
     finished: list[ReplayRecord] = []
     try:
         workload = load_trace(args.trace, limit=args.requests)
