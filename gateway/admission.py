@@ -306,9 +306,11 @@ class GatewayAdmission:
 
     def _anyone_holds(self) -> bool:
         """Whether a request is held here, in the load last shared, or by another replica
-        as last heard: while one is, the pools' order and the slots move at each pass."""
+        in a pool this one serves, as last heard: while one is, the pools' order and the
+        slots move at each pass."""
         here = any(len(pipeline.pools) for pipeline in self._pipelines.values())
-        peers = any(load.held for pool in self._peers.values() for load in pool.values())
+        served = {_pool_name(key) for key in self._served}
+        peers = any(load.held for name in served for load in self._peers.get(name, {}).values())
         return here or peers or self._published_holding
 
     async def _shared_loads(self) -> None:
@@ -369,6 +371,7 @@ class GatewayAdmission:
         claims = self._claims()
         self._keep_within(claims)
         holding = any(len(pipeline.pools) for pipeline in self._pipelines.values())
+        self._published_holding |= holding  # a call that fails may have been stored
         shared = await self._loads(json.dumps(own), {n: c for n, (_, c) in claims.items()})
         self._published_holding = holding
         others = [load for raw in shared.others if (load := decoded(raw, now - wall)) is not None]
@@ -513,6 +516,7 @@ class Waiting:
             if not pipeline.withdraw(self.request_id):  # released as its client left
                 pipeline.finished(self.request_id, time.monotonic(), cancelled=True)
             self.host.pool_depths(self.model, self.dc)
+            self.host.wake()  # a pass, whose share tells the others it is gone
             raise
         return _routed(outcome, waited=True)
 

@@ -126,16 +126,27 @@ async def test_a_peer_load_this_replica_cannot_read_is_skipped_and_the_rest_coun
 
 
 @pytest.mark.parametrize(
-    ("others", "held", "idle_every_s", "shares"),
-    [(0, 0, 0.0, 1), (1, 0, 0.0, 20), (1, 0, 60.0, 1), (1, 1, 60.0, 20)],
+    ("others", "held", "served", "idle_every_s", "shares"),
+    [
+        (0, 0, False, 0.0, 0),  # alone: its tick (5 s) is not due again
+        (1, 0, False, 0.0, 20),
+        (1, 0, False, 60.0, 0),
+        (1, 1, True, 60.0, 20),  # the other holds a request in a pool this one serves
+        (1, 1, False, 60.0, 0),  # in a pool this one does not serve: its load moves nothing
+    ],
 )
 async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_more_often(
-    others: int, held: int, idle_every_s: float, shares: int, monkeypatch: pytest.MonkeyPatch
+    others: int,
+    held: int,
+    served: bool,
+    idle_every_s: float,
+    shares: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Alone as last heard, a replica tells no one of each pass, only of each tick; beside
     another, where none holds a request, it shares before a pass every
-    ``IDLE_SHARE_EVERY_S`` at most (0: before every one); while the other holds one,
-    before every pass."""
+    ``IDLE_SHARE_EVERY_S`` at most (0: before every one); while the other holds one in a
+    pool this one serves, before every pass."""
     monkeypatch.setattr("gateway.admission.IDLE_SHARE_EVERY_S", idle_every_s)
     shared: list[str] = []
 
@@ -145,6 +156,10 @@ async def test_a_lone_replica_shares_its_load_once_a_tick_and_one_among_others_m
         return AdmissionLoads([load] * others, {})
 
     host = slomax_host(loads, tick_s=5.0)
+    await host.join()  # hears of the others
+    if served:
+        await host.open_pool(MODEL, "dc-a")
+    shared.clear()
     running = asyncio.create_task(host.run())
     try:
         for _ in range(20):

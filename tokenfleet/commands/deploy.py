@@ -22,6 +22,7 @@ from tokenfleet.deployment import (
     plan,
 )
 from tokenfleet.services.process import STOP_TIMEOUT_S
+from tokenfleet.settings import Settings
 
 LOCAL_FLEET = Path("examples/fleet-local.toml")
 
@@ -143,12 +144,13 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         gateway_drain_s=GatewaySettings().drain_s,  # the environment the gateways get
     )
     check_ports(fleet, parts)
+    copies = Settings().kafka_replication  # checked before any service starts
     try:
         env, own = deployment.with_own_services(os.environ)
         print(
             f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {env['TOKENFLEET_REDIS_URL']}"
         )
-        replication = int(env.get("TOKENFLEET_KAFKA_REPLICATION", "1"))
+        replication = 1 if "kafka" in own else copies  # its own broker is one
         asyncio.run(create_topics(env["TOKENFLEET_KAFKA_BOOTSTRAP"], TOPICS, replication))
         deployment.start(parts, env, own, say=lambda p: print(f"  started {p.name}", flush=True))
     except BaseException as exc:
