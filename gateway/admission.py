@@ -308,10 +308,12 @@ class GatewayAdmission:
         """Whether a request is held here, in the load last shared, or by another replica
         in a pool this one serves, as last heard: while one is, the pools' order and the
         slots move at each pass."""
-        here = any(len(pipeline.pools) for pipeline in self._pipelines.values())
         served = {_pool_name(key) for key in self._served}
         peers = any(load.held for name in served for load in self._peers.get(name, {}).values())
-        return here or peers or self._published_holding
+        return self._holding_here() or peers or self._published_holding
+
+    def _holding_here(self) -> bool:
+        return any(len(pipeline.pools) for pipeline in self._pipelines.values())
 
     async def _shared_loads(self) -> None:
         """``share_loads``, one at a time (a grant read after a later one would undo it).
@@ -370,7 +372,7 @@ class GatewayAdmission:
         }
         claims = self._claims()
         self._keep_within(claims)
-        holding = any(len(pipeline.pools) for pipeline in self._pipelines.values())
+        holding = self._holding_here()
         self._published_holding |= holding  # a call that fails may have been stored
         shared = await self._loads(json.dumps(own), {n: c for n, (_, c) in claims.items()})
         self._published_holding = holding

@@ -141,7 +141,10 @@ if n > 0 then  -- a view's check: its pool's instances
   local sums, current = foreign(p, r, ids)
   read = {sums, current}
   local found = holders(p, seen)
-  local same = current == mark and charged_by_others(p, r, {id})[1] == others_on_id
+  local same = current == mark
+  for i = 1, n do  -- the others' charges to the instance chosen, as read just now
+    if ids[i] == id then same = same and tonumber(sums[2 * n + i]) == others_on_id end
+  end
   local credit = {}
   for _, held in ipairs(found) do
     for _, holder in ipairs(held) do credit[holder] = (credit[holder] or 0) + 1 end

@@ -5,7 +5,7 @@ from typing import Any
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 
-def progress(*args: Any, **options: Any) -> Any:
+def progress_bar(*args: Any, **options: Any) -> Any:
     """``tqdm``'s bar, left out where stderr is no terminal (a log file, CI): there its
     carriage returns run every update into one garbled line (``disable=None`` is tqdm's
     own test for a terminal)."""

@@ -22,7 +22,7 @@ from sim.control_loop import QuotaLoop
 from sim.ladder import rate_scales
 from sim.metrics import summarize
 from sim.profiles import DEFAULT_PROFILE, profile
-from sim.progress import progress
+from sim.progress import progress_bar
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.simulator import HOST_TOKEN_LAG_S, Simulation
@@ -166,7 +166,7 @@ def _with_progress(
 ) -> Iterator[TraceRequest] | list[TraceRequest]:
     if not show:
         return workload
-    bar: Iterator[TraceRequest] = iter(progress(workload, desc=label, unit="req", leave=False))
+    bar: Iterator[TraceRequest] = iter(progress_bar(workload, desc=label, unit="req", leave=False))
     return bar
 
 

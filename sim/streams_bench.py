@@ -42,7 +42,7 @@ from schemas import Envelope, Topic, topic_for
 from schemas.base import TaskClass
 from schemas.lifecycle import RequestArrived, RequestCompleted, RequestRouted
 from schemas.topics import DAY_MS
-from sim.progress import progress
+from sim.progress import progress_bar
 from streams.kafka import KafkaBus, create_topics
 
 WORKER_SETTINGS = {
@@ -236,7 +236,7 @@ async def _delete_topic(bootstrap: str, topic: str) -> None:
 async def _publish_copy(bootstrap: str, events: list[Envelope], topic: str) -> None:
     bus = KafkaBus(bootstrap)
     try:
-        for at in progress(range(0, len(events), 5000), desc=f"publish {topic}", unit="batch"):
+        for at in progress_bar(range(0, len(events), 5000), desc=f"publish {topic}", unit="batch"):
             await bus.publish_events(events[at : at + 5000], to=topic)
     finally:
         await bus.close()
@@ -262,13 +262,15 @@ async def _counted(
             for worker in workers:
                 worker.send_signal(signal.SIGSTOP)
             try:
-                for at in progress(range(0, len(events), 5000), desc=f"publish {dc}", unit="batch"):
+                for at in progress_bar(
+                    range(0, len(events), 5000), desc=f"publish {dc}", unit="batch"
+                ):
                     await bus.publish_events(events[at : at + 5000])
             finally:
                 for worker in workers:
                     worker.send_signal(signal.SIGCONT)
             started = time.monotonic()
-            consumed, counted_before = progress(total=requests, desc="consume", unit="req"), 0
+            consumed, counted_before = progress_bar(total=requests, desc="consume", unit="req"), 0
             async for table in tables:
                 if table.key == dc:
                     counted = _completed(table.envelope)

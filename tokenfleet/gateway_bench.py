@@ -39,7 +39,7 @@ import numpy as np
 from redis import Redis
 
 from sim.profiles import DEFAULT_PROFILE
-from sim.progress import progress
+from sim.progress import progress_bar
 from tokenfleet.services.process import (
     answers_http,
     free_port,
@@ -262,7 +262,7 @@ async def _latency(
         for n in range(50):  # warm connections and caches
             for base in [direct[n % len(direct)], *fronts.values()]:
                 await _post(http, base, n)
-        for n in progress(range(requests), desc="latency", unit="req"):
+        for n in progress_bar(range(requests), desc="latency", unit="req"):
             for name, base in (("direct", direct[n % len(direct)]), *fronts.items()):
                 started = time.perf_counter()
                 await _post(http, base, n)

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from sim.progress import progress
+from sim.progress import progress_bar
 
 ROOT = Path(__file__).parents[2]
 
 
 def test_no_bar_is_drawn_where_stderr_is_no_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    assert list(progress(range(3), desc="items")) == [0, 1, 2]
-    with progress(total=2, desc="runs") as bar:
+    assert list(progress_bar(range(3), desc="items")) == [0, 1, 2]
+    with progress_bar(total=2, desc="runs") as bar:
         bar.update(2)
     assert capsys.readouterr().err == ""
 

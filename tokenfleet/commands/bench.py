@@ -230,12 +230,12 @@ def _bench_gateway(args: argparse.Namespace) -> int:
 def _bench_decision(args: argparse.Namespace) -> int:
     from control.routing import ROUTERS
     from sim.decision_bench import SIZES, time_decisions
-    from sim.progress import progress
+    from sim.progress import progress_bar
 
     policies = _known(args.policies, ROUTERS)
     figures = [
         row
-        for size in progress(SIZES, desc="fleet sizes", unit="size", leave=False)
+        for size in progress_bar(SIZES, desc="fleet sizes", unit="size", leave=False)
         for row in time_decisions(policies, size)
     ]
     for row in figures:
@@ -299,13 +299,13 @@ def _bench_admission(args: argparse.Namespace) -> int:
         plot_step_change,
         step_change,
     )
-    from sim.progress import progress
+    from sim.progress import progress_bar
 
     outputs = {"--json": args.json, "--plot": args.plot, "--step-change": args.step_change}
     distinct_files(outputs, {"--trace": args.trace})
     policies = _known(args.policies or list(BENCHED), (*BENCHED, *ABLATED), "admission policies")
     _known([args.router], ROUTERS, "routers")
-    with progress(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
+    with progress_bar(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
             document = bench_admission(
                 args.trace,
@@ -389,11 +389,11 @@ def _bench_fleet(args: argparse.Namespace) -> int:
     import math
 
     from sim.fleet_bench import RUNNABLE, STACKS, bench_fleet, plot_fleet
-    from sim.progress import progress
+    from sim.progress import progress_bar
 
     distinct_files({"--json": args.json, "--plot": args.plot}, {"--trace": args.trace})
     policies = _known(args.policies or list(STACKS), RUNNABLE, "DC policies")
-    with progress(total=len(policies), desc="policies", unit="run") as bar:
+    with progress_bar(total=len(policies), desc="policies", unit="run") as bar:
         try:
             document = bench_fleet(
                 args.trace,
@@ -489,12 +489,12 @@ def _add_ladder_options(
 
 def _bench_routing(args: argparse.Namespace) -> int:
     from control.routing import ROUTERS
-    from sim.progress import progress
+    from sim.progress import progress_bar
     from sim.routing_bench import bench_routing, plot_ttft_cdfs
 
     distinct_files({"--json": args.json, "--plot": args.plot}, {"--trace": args.trace})
     policies = _known(args.policies or list(ROUTERS), ROUTERS)
-    with progress(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
+    with progress_bar(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
             document, records = bench_routing(
                 args.trace,

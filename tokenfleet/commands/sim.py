@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Iterable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -143,14 +142,13 @@ def _sim(args: argparse.Namespace) -> int:
         host_token_lag_s=args.host_token_lag,
         tokenpilot=tokenpilot_params(args),
     )
-    progress = sys.stderr.isatty()
     try:
         check_policies(config.policy, config.admission, config.profile)
         if args.ladder:
-            result, rows = simulate_ladder(config, args.ladder, progress=progress)
+            result, rows = simulate_ladder(config, args.ladder, progress=True)
             runs = result["levels"]
         else:
-            result, records = simulate_run(config, progress=progress)
+            result, records = simulate_run(config, progress=True)  # drawn on a terminal only
             runs, rows = [result], [record.as_dict() for record in records]
     except ValueError as exc:
         raise CliError(str(exc)) from None
@@ -310,14 +308,14 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from sim import calibration
     from sim.profiles import CALIBRATED, TRAINING_STAGES
-    from sim.progress import progress
+    from sim.progress import progress_bar
 
     chosen = CALIBRATED[args.profile]
     stages = [s for s in calibration.load_stages() if chosen.measured_model in s.experiment]
     training = [s for s in stages if calibration.is_training(s, TRAINING_STAGES)]
     profile = chosen.profile
     if args.iterations > 0:
-        with progress(total=args.iterations, desc="fitting", unit="it", leave=False) as bar:
+        with progress_bar(total=args.iterations, desc="fitting", unit="it", leave=False) as bar:
 
             def fitted_one(_: int, loss: float) -> None:
                 bar.set_postfix(loss=f"{loss:.4f}")
