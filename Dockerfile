@@ -12,4 +12,9 @@ COPY sim sim
 COPY tokenfleet tokenfleet
 RUN pip install --no-cache-dir .
 COPY examples examples
+# Not root: the parts need no privilege. The worker's data folder is made the user's here,
+# so that a named volume mounted on it (docker-compose.yml) starts out as the user's too.
+RUN useradd --system --create-home --uid 10001 tokenfleet \
+    && mkdir -p /var/lib/tokenfleet/worker && chown -R tokenfleet /var/lib/tokenfleet
+USER tokenfleet
 ENTRYPOINT ["tokenfleet"]

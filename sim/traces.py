@@ -68,17 +68,20 @@ def load_mooncake(
 def _mooncake_rows(path: Path, limit: int | None) -> Iterator[tuple[int, dict[str, Any]]]:
     """Each row of a file in Mooncake's format, numbered from 0; ValueError naming the file
     and line of one that is not a JSON object."""
-    with path.open() as lines:
-        for index, line in enumerate(lines):
-            if limit is not None and index >= limit:
-                break
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"{path} line {index + 1}: not JSON ({exc})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path} line {index + 1}: not a JSON object")
-            yield index, row
+    with path.open(encoding="utf-8") as lines:
+        try:
+            for index, line in enumerate(lines):
+                if limit is not None and index >= limit:
+                    break
+                try:
+                    row = json.loads(line)
+                except ValueError as exc:
+                    raise ValueError(f"{path} line {index + 1}: not JSON ({exc})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path} line {index + 1}: not a JSON object")
+                yield index, row
+        except UnicodeDecodeError as exc:  # met while reading ahead, so no line to name
+            raise ValueError(f"{path}: not UTF-8 text ({exc.reason})") from None
 
 
 def _count(value: object) -> bool:

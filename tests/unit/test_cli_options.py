@@ -21,6 +21,10 @@ from tokenfleet.cli import build_parser, main
         (["bench", "fleet", "--json", "f.json", "--seed", "-1"], "a seed is 0 or more"),
         (["bench", "routing", "--trace", "mixed", "--json", "r.json", "--seed", "-1"], "0 or more"),
         (["bench", "admission", "--trace", "mixed", "--json", "a.json", "--seed", "x"], "whole"),
+        # a repeated policy ran twice; an empty one was "unknown policies: "
+        (["bench", "fleet", "--json", "f.json", "--policies", "fleetmind,fleetmind"], "more than"),
+        (["bench", "decision", "--json", "d.json", "--policies", "tokenpilot,"], "an empty name"),
+        (["bench", "routing", "--trace", "mixed", "--json", "r.json", "--policies", ""], "empty"),
     ],
 )
 def test_contradictory_or_negative_options_are_refused_at_parse_time(

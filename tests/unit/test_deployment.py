@@ -158,6 +158,24 @@ def test_the_compose_file_runs_the_same_parts_with_the_same_settings() -> None:
     assert settings["TOKENFLEET_REDIS_URL"] == "redis://127.0.0.1:6379/0"
 
 
+def test_the_compose_gateways_publish_under_names_of_their_own() -> None:
+    """On the host's network the default name, gateway-<host>-<pid>, is the same in each
+    container: ``status`` and the operators' page would count three gateways as one."""
+    services = compose()["services"]
+    for part in local_plan():
+        if part.is_gateway:
+            assert services[part.name]["environment"]["TOKENFLEET_GATEWAY_NAME"] == part.name
+
+
+def test_the_compose_broker_keeps_its_data_on_a_volume() -> None:
+    """Outside a volume, a new container of the broker starts empty: the compacted controls,
+    the tables' changelogs and the journals gone."""
+    kafka = compose()["services"]["kafka"]
+    data = kafka["environment"]["KAFKA_LOG_DIRS"]
+    assert any(volume.endswith(f":{data}") for volume in kafka["volumes"])
+    assert kafka["environment"]["CLUSTER_ID"]  # the same cluster whatever container reads it
+
+
 def test_the_compose_file_runs_the_kafka_the_tests_run() -> None:
     """Apache publishes an image for each Kafka release (kafka.apache.org, "Docker"); the
     tests' local broker is the same release, from Maven Central's jars."""
@@ -170,6 +188,9 @@ def test_the_dockerfile_installs_every_package_the_parts_import() -> None:
         assert f"COPY {package} {package}" in dockerfile
     assert 'ENTRYPOINT ["tokenfleet"]' in dockerfile
     assert "COPY examples examples" in dockerfile  # the fleet file the commands name
+    users = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("USER ")]
+    assert users, "the parts run unprivileged"
+    assert users[-1] not in {"root", "0"}
 
 
 def test_an_installed_copy_carries_the_data_its_jobs_read(tmp_path: Path) -> None:

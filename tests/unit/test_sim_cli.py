@@ -89,6 +89,7 @@ WRONG_TYPE = '{"timestamp": 0, "input_length": "x", "output_length": 5, "hash_id
         (["--trace", "nope"], "unknown trace 'nope'"),
         (["--trace", "{tmp}/missing.jsonl"], "trace file {tmp}/missing.jsonl not found"),
         (["--trace", "{tmp}/broken.jsonl"], "{tmp}/broken.jsonl line 2: not JSON"),
+        (["--trace", "{tmp}/latin1.jsonl"], "{tmp}/latin1.jsonl: not UTF-8 text"),
         (
             ["--trace", "{tmp}/typed.jsonl"],
             "line 1: input_length must be a whole number, 1 or more, not 'x'",
@@ -110,6 +111,8 @@ def test_bad_sim_arguments_exit_2_with_a_message_before_any_work(
 ) -> None:
     (tmp_path / "broken.jsonl").write_text(BROKEN_TRACE)
     (tmp_path / "typed.jsonl").write_text(WRONG_TYPE)
+    latin1 = BROKEN_TRACE.replace("bad", "caf\u00e9").encode("latin-1")
+    (tmp_path / "latin1.jsonl").write_bytes(latin1)
     try:
         code = main(["sim", *(a.format(tmp=tmp_path) for a in argv)])
     except SystemExit as exc:  # refused while the command line is read

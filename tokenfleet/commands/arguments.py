@@ -59,6 +59,18 @@ def seed(text: str) -> int:
     return _whole(text, 0, "a seed is 0 or more")
 
 
+def names(text: str) -> list[str]:
+    """A comma-separated list of names, each given once: an empty name or a repeated one
+    is refused here (a repeated policy ran twice, an empty one was "unknown: ")."""
+    given = [name.strip() for name in text.split(",")]
+    if "" in given:
+        raise argparse.ArgumentTypeError(f"an empty name in {text!r}")
+    repeated = sorted({name for name in given if given.count(name) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"named more than once: {', '.join(repeated)}")
+    return given
+
+
 def seconds(text: str) -> float:
     """A duration that may be nothing: a finite number of seconds, 0 or more."""
     value = _parsed(text, float, "a number of seconds")

@@ -12,6 +12,7 @@ from pathlib import Path
 from tokenfleet.commands.arguments import (
     add_profile,
     distinct_files,
+    names,
     output_file,
     plot_file,
     positive_float,
@@ -51,7 +52,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
     decision.add_argument(
         "--policies",
-        type=lambda t: t.split(","),
+        type=names,
         default=["tokenpilot"],
         help="comma-separated, the first the reference (default tokenpilot)",
     )
@@ -372,7 +373,7 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
     fleet.add_argument("--seed", type=seed, default=0, help="seed of the workload (default: 0)")
     fleet.add_argument(
         "--policies",
-        type=lambda t: t.split(","),
+        type=names,
         default=None,
         help=f"comma-separated subset of: {', '.join(STACKS)} (default: all of them); "
         f"also, when named: {', '.join(VARIANTS)}",
@@ -474,7 +475,7 @@ def _add_ladder_options(
     parser.add_argument("--seed", type=seed, default=0, help="seed of the workload (default: 0)")
     parser.add_argument(
         "--policies",
-        type=lambda t: t.split(","),
+        type=names,
         default=None,
         help=f"comma-separated subset of: {', '.join(policies)}",
     )
