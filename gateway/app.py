@@ -49,6 +49,7 @@ from gateway.inbound import (
     Inbound,
     authenticate,
     idempotency_key_of,
+    idempotency_scope,
     only_model,
     read_inbound,
     residency_of,
@@ -275,8 +276,7 @@ class Gateway:
         """Idempotency, the quota, the DCs in turn; a refusal is published as rejected."""
         state = self.parts.state
         key = idempotency_key_of(request.headers)
-        # The tenant's name length first: "a:b" + "k" and "a" + "b:k" are two scopes.
-        scoped = f"{len(inbound.tenant.name)}:{inbound.tenant.name}:{key}" if key else None
+        scoped = idempotency_scope(inbound, key) if key else None
         if scoped is not None:
             held = await state.claim(scoped, self.settings.idempotency_ttl_s)
             if isinstance(held, Outcome):

@@ -6,6 +6,7 @@ use too, so the gateway's prefix index names the blocks the engines cache.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import uuid
 from collections.abc import Mapping, Sequence
@@ -301,6 +302,16 @@ def idempotency_key_of(headers: Mapping[str, str]) -> str | None:
             param=IDEMPOTENCY_HEADER,
         )
     return key
+
+
+def idempotency_scope(inbound: Inbound, key: str) -> str:
+    """Where the answer to a request sent with Idempotency-Key ``key`` is kept: per tenant,
+    path and body, so that the key sent again with another request runs that request (the
+    first one's answer came back for it: a chat's to an embeddings call, a stream to a
+    whole request). The tenant's name length first: "a:b" + "k" and "a" + "b:k" are two
+    scopes; the digest is of fixed length."""
+    digest = hashlib.sha256(inbound.path.encode() + b"\0" + inbound.body).hexdigest()[:32]
+    return f"{len(inbound.tenant.name)}:{inbound.tenant.name}:{digest}:{key}"
 
 
 def _deadline(value: str | None) -> float | None:

@@ -149,9 +149,10 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "tokenfleet_gateway_time_to_first_token_seconds",
-            "Time to first token of completed streamed requests, from their arrival, as the "
-            "client sees it: a wait in an admission pool, a retry and a trip to another DC "
-            "included, which the engine's own histogram leaves out.",
+            "Time to first token of streamed requests, from their arrival, as the client sees "
+            "it: a wait in an admission pool, a retry and a trip to another DC included, "
+            "which the engine's own histogram leaves out. Observed at the first token, as "
+            "vLLM observes its own: a stream its client leaves later counts too.",
             ("model", "task_class"),
             registry=r,
             buckets=_TTFT_BUCKETS,
@@ -188,11 +189,13 @@ class GatewayMetrics:
     def events_given_up(self, reason: DropReason, count: int = 1) -> None:
         self.events_dropped.labels(reason).inc(count)
 
-    def completed(self, model: str, task_class: str, ttft_s: float | None, e2e_s: float) -> None:
-        """A request answered whole (``ttft_s``: None for an answer not streamed, whose
-        first token the client saw only with its end)."""
-        if ttft_s is not None:
-            self.ttft.labels(model, task_class).observe(ttft_s)
+    def first_token(self, model: str, task_class: str, ttft_s: float) -> None:
+        """A streamed request's first token (an answer not streamed shows its first token
+        only with its end)."""
+        self.ttft.labels(model, task_class).observe(ttft_s)
+
+    def completed(self, model: str, task_class: str, e2e_s: float) -> None:
+        """A request answered whole."""
         self.request_duration.labels(model, task_class).observe(e2e_s)
 
     def count_published(self, batch: Iterable[Envelope]) -> None:

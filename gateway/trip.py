@@ -131,14 +131,12 @@ class TripBooks:
         """Noted at once; the shared accounting follows in a task of its own, which a
         client that leaves cannot cancel half-way (this runs inside the response)."""
         trip.first_token_at = time.monotonic()
-        self.admission.first_token(trip.inbound, trip.plan.dc)
+        inbound, ttft = trip.inbound, trip.first_token_at - trip.arrived
+        self.admission.first_token(inbound, trip.plan.dc)
         self.spawn(self._prefill_done(trip))
+        self.metrics.first_token(inbound.model.name, inbound.task_class.value, ttft)
         self.events.emit(
-            FirstToken(
-                request_id=trip.inbound.request_id,
-                instance_id=trip.instance.id,
-                ttft_s=trip.first_token_at - trip.arrived,
-            )
+            FirstToken(request_id=inbound.request_id, instance_id=trip.instance.id, ttft_s=ttft)
         )
 
     async def completed(self, trip: Trip) -> None:
@@ -162,9 +160,7 @@ class TripBooks:
         met = objective.met(ttft, tpot, e2e, inbound.deadline_s, whole_output_tokens=whole)
         task_class = inbound.task_class.value
         self.metrics.output_tokens.labels(task_class, str(met).lower()).inc(trip.output_tokens)
-        self.metrics.completed(
-            inbound.model.name, task_class, ttft if inbound.stream else None, e2e
-        )
+        self.metrics.completed(inbound.model.name, task_class, e2e)
         trip.reported = True
         self.events.emit(
             RequestCompleted(

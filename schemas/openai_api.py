@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
@@ -52,6 +53,13 @@ class _Request(_ModelRequest):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
+
+    @field_validator("stream", "n", mode="before")
+    @classmethod
+    def _null_as_unset(cls, value: object, info: ValidationInfo) -> object:
+        """OpenAI's API and vLLM's server take ``null`` for these as not set, and clients
+        that build a body from their own defaults send it."""
+        return cls.model_fields[info.field_name or ""].default if value is None else value
 
     @property
     def include_usage(self) -> bool:

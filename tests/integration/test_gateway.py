@@ -352,6 +352,28 @@ async def test_an_idempotency_key_returns_the_first_outcome(
     )
 
 
+async def test_an_idempotency_key_sent_with_another_request_runs_that_request(
+    front: Gateway,
+) -> None:
+    """The first request's answer came back for any request under the same key: a chat's
+    to an embeddings call, a stream to a whole request, the first prompt's to another."""
+    headers = {"idempotency-key": "order-43"}
+    async with front.client() as http:
+        first = await http.post("/v1/chat/completions", json=chat("pay " * 30), headers=headers)
+        other = await http.post("/v1/chat/completions", json=chat("buy " * 30), headers=headers)
+        streamed = await http.post(
+            "/v1/chat/completions", json=chat("pay " * 30, stream=True), headers=headers
+        )
+        embedded = await http.post(
+            "/v1/embeddings", json={"model": MODEL, "input": "pay"}, headers=headers
+        )
+    assert first.status_code == other.status_code == 200
+    assert "idempotent-replayed" not in other.headers
+    assert other.json()["id"] != first.json()["id"]
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert embedded.json()["object"] == "list"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_an_answer_too_large_to_keep_is_not_run_again(
     front: Gateway,

@@ -53,6 +53,29 @@ async def test_latency_histograms_count_each_completed_request_as_its_client_saw
     assert await scraped(front.url, f"{duration}_count", **labels) == 2
 
 
+async def test_a_stream_its_client_leaves_after_its_first_token_counts_that_token(
+    front: Gateway,
+) -> None:
+    """vLLM observes a first token when it comes; counted at the end, a stream its client
+    left was missing from the histogram, though its first token was sent."""
+    body = chat("s " * 40, max_tokens=3000) | {"stream": True}
+    async with front.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if '"content"' in line:
+                break  # and leave
+    labels = {"model": MODEL, "task_class": "interactive"}
+    ttft = "tokenfleet_gateway_time_to_first_token_seconds_count"
+    for _ in range(100):
+        if await scraped(front.url, ttft, **labels) == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert await scraped(front.url, ttft, **labels) == 1
+    assert await scraped(front.url, "tokenfleet_gateway_cancellations_total") == 1
+    duration = "tokenfleet_gateway_request_duration_seconds_count"
+    assert await scraped(front.url, duration, **labels) == 0  # its end never came
+
+
 async def test_error_counters_start_at_zero_for_each_instance_stage_and_dc(
     front: Gateway,
 ) -> None:

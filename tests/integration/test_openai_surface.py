@@ -295,6 +295,20 @@ async def test_a_request_naming_no_model_runs_on_the_fleet_s_only_one(front: Gat
     assert streamed.text.rstrip().endswith("data: [DONE]")
 
 
+async def test_null_for_stream_and_n_reads_as_unset(front: Gateway) -> None:
+    """OpenAI's API and vLLM's server take both as not set; the schema refused them (400)."""
+    nulls = {"stream": None, "n": None}
+    async with front.client() as http:
+        chat_answer = await http.post("/v1/chat/completions", json=chat("hi " * 10) | nulls)
+        text_answer = await http.post(
+            "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2} | nulls
+        )
+    assert chat_answer.status_code == 200, chat_answer.text
+    assert len(chat_answer.json()["choices"]) == 1  # whole, one choice
+    assert text_answer.status_code == 200, text_answer.text
+    assert text_answer.headers["content-type"].startswith("application/json")
+
+
 async def test_bad_input_is_refused_in_openai_format_and_nothing_reaches_an_instance(
     instances: list[EmulatedInstance],
 ) -> None:

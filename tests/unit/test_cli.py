@@ -28,6 +28,17 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
         assert command in out
 
 
+@pytest.mark.parametrize("option", ["--admission", "--policy", "--dc-policy"])
+def test_a_gateway_with_an_unknown_policy_says_so_without_quoting_the_sentence(
+    option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = Path(__file__).parents[2] / "examples" / "fleet.toml"
+    assert main(["gateway", "--fleet", str(fleet), option, "nope", "--port", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "the gateway cannot start: unknown " in error  # a KeyError's text, not its repr
+    assert "policy 'nope'; known: " in error
+
+
 def test_the_command_s_metrics_have_no_created_series(tmp_path: Path) -> None:
     """Each counter's ``_created`` twin is one more series per child that nobody reads."""
     assert main(["schemas", "export", str(tmp_path)]) == 0

@@ -13,7 +13,7 @@ from schemas import Envelope
 from schemas.topics import JOURNAL_TOPIC, TOPICS
 from tokenfleet.commands.arguments import distinct_files, output_file
 from tokenfleet.commands.deploy import LOCAL_FLEET
-from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.errors import CliError, message_of
 from tokenfleet.commands.output import write_json
 
 if TYPE_CHECKING:
@@ -322,7 +322,7 @@ def _whatif(args: argparse.Namespace) -> int:
             figures = whatif(record, fleet, [running, asked], args.dc or ())
             _print_whatif(figures, running, asked, record.unrouted)
     except (KeyError, ValueError) as exc:
-        raise CliError(f"cannot simulate: {exc}") from None
+        raise CliError(f"cannot simulate: {message_of(exc)}") from None
     if args.json:
         write_json(args.json, figures)
     return 0 if figures else 1

@@ -19,7 +19,7 @@ from tokenfleet.commands.arguments import (
     positive_int,
     seed,
 )
-from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.errors import CliError, message_of
 from tokenfleet.commands.output import as_json, save_each, write_json
 from tokenfleet.commands.sim import add_token_lags, fraction, levels, tokenpilot_params, trace_help
 
@@ -321,7 +321,7 @@ def _bench_admission(args: argparse.Namespace) -> int:
                 progress=lambda label: (bar.set_postfix_str(label), bar.update()),
             )
         except (ValueError, KeyError) as exc:
-            raise CliError(str(exc)) from None
+            raise CliError(message_of(exc)) from None
     if args.step_change:
         document["step_change"] = step_change(
             args.trace,
@@ -405,7 +405,7 @@ def _bench_fleet(args: argparse.Namespace) -> int:
                 progress=lambda name: (bar.set_postfix_str(name), bar.update()),
             )
         except (ValueError, KeyError) as exc:
-            raise CliError(str(exc)) from None
+            raise CliError(message_of(exc)) from None
     print(
         f"{'policy':36}{'goodput':>9}{'comply':>8}{'hot P95':>9}{'chats':>7}{'cross-DC':>9}"
         f"{'mismatch':>10}{'react':>7}{'violations':>11}"
@@ -512,7 +512,7 @@ def _bench_routing(args: argparse.Namespace) -> int:
                 step_model_error=args.step_model_error,
             )
         except (ValueError, KeyError) as exc:
-            raise CliError(str(exc)) from None
+            raise CliError(message_of(exc)) from None
     print(f"{'policy':24}{'TTFT p50':>10}{'TTFT p95':>10}{'E2E p95':>10}{'cache hit':>11}")
     for policy, figures in document["policies"].items():
         print(

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from tokenfleet.commands.arguments import port
-from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.errors import CliError, message_of
 from tokenfleet.commands.loop import allow_open_files, run_fast, tune_gc_for_serving
 
 _ENVIRONMENT = (
@@ -112,5 +112,5 @@ def _gateway(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     except (OSError, ValueError, KeyError) as exc:
-        raise CliError(f"the gateway cannot start: {exc}") from None
+        raise CliError(f"the gateway cannot start: {message_of(exc)}") from None
     return 0
