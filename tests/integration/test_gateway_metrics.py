@@ -40,17 +40,18 @@ async def test_latency_histograms_count_each_completed_request_as_its_client_saw
         whole = await http.post("/v1/chat/completions", json=chat("w " * 40))
     assert (streamed.status_code, whole.status_code) == (200, 200)
     labels = {"model": MODEL, "task_class": "interactive"}
-    # only the streamed answer shows its first token before its end; a stream's books
-    # close in a task of their own, which may end a moment after the client's read
-    ttft = "tokenfleet_gateway_time_to_first_token_seconds"
+    # a stream's books close in a task of their own, which may end a moment after the
+    # client's read
+    duration = "tokenfleet_gateway_request_duration_seconds"
     for _ in range(100):
-        if await scraped(front.url, f"{ttft}_count", **labels) == 1:
+        if await scraped(front.url, f"{duration}_count", **labels) == 2:
             break
         await asyncio.sleep(0.02)
+    assert await scraped(front.url, f"{duration}_count", **labels) == 2
+    # only the streamed answer shows its first token before its end
+    ttft = "tokenfleet_gateway_time_to_first_token_seconds"
     assert await scraped(front.url, f"{ttft}_count", **labels) == 1
     assert 0 < await scraped(front.url, f"{ttft}_sum", **labels) < 5
-    duration = "tokenfleet_gateway_request_duration_seconds"
-    assert await scraped(front.url, f"{duration}_count", **labels) == 2
 
 
 async def test_a_stream_its_client_leaves_after_its_first_token_counts_that_token(
@@ -65,13 +66,14 @@ async def test_a_stream_its_client_leaves_after_its_first_token_counts_that_toke
             if '"content"' in line:
                 break  # and leave
     labels = {"model": MODEL, "task_class": "interactive"}
-    ttft = "tokenfleet_gateway_time_to_first_token_seconds_count"
+    cancelled = "tokenfleet_gateway_cancellations_total"  # the stream's end, in a task
     for _ in range(100):
-        if await scraped(front.url, ttft, **labels) == 1:
+        if await scraped(front.url, cancelled) == 1:
             break
         await asyncio.sleep(0.02)
+    assert await scraped(front.url, cancelled) == 1
+    ttft = "tokenfleet_gateway_time_to_first_token_seconds_count"
     assert await scraped(front.url, ttft, **labels) == 1
-    assert await scraped(front.url, "tokenfleet_gateway_cancellations_total") == 1
     duration = "tokenfleet_gateway_request_duration_seconds_count"
     assert await scraped(front.url, duration, **labels) == 0  # its end never came
 
