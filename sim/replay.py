@@ -69,7 +69,9 @@ class ReplayRecord:
     """The gateway's id of the request (``x-tokenfleet-request-id``), which its events
     carry; None against a bare instance."""
     error: str | None = None
-    """Why a request whose answer came with status 200 failed."""
+    """Why a request failed: what went wrong in an answer that came with status 200, or
+    the status and message of an error answer that is no refusal (a 404 naming the
+    model asked for: the status alone did not say it)."""
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,7 @@ def _refused(
 ) -> ReplayRecord:
     status = response.status_code
     retry_after = response.headers.get("retry-after")
+    refusal = status in REFUSALS
     return ReplayRecord(
         request.request_id,
         status,
@@ -247,10 +250,19 @@ def _refused(
         (time.monotonic() - sent) * clock.speedup,
         0,
         request.task_class.value,
-        "rejected" if status in REFUSALS else "failed",
+        "rejected" if refusal else "failed",
         None if retry_after is None else _retry_after_s(retry_after, clock.speedup),
         response.headers.get(REQUEST_ID_HEADER),
+        None if refusal else f"HTTP {status}: {_error_message(response)}",
     )
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of an error answer in OpenAI's format, else its start."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200] or "(no body)"
 
 
 def _retry_after_s(value: str, speedup: float) -> float | None:

@@ -148,6 +148,18 @@ async def test_an_answer_it_cannot_read_fails_that_request_with_the_reason_and_n
     assert records[2].error is None
 
 
+async def test_an_error_answer_is_recorded_with_its_message() -> None:
+    """Against a fleet of another model, every request failed "with HTTP 404", and nothing
+    said which model was asked for."""
+    missing = {"error": {"message": "The model `m` does not exist.", "type": "NotFoundError"}}
+    app = endpoint(JSONResponse(missing, status_code=404))
+    chats = [TraceRequest(f"c{n}", n * 0.1, 100, 3, ()) for n in range(2)]
+    async with http_server(app) as url:
+        records = await replay(chats, url, "m")
+    assert [r.outcome for r in records] == ["failed", "completed"]
+    assert records[0].error == "HTTP 404: The model `m` does not exist."
+
+
 async def test_a_retry_after_given_as_an_http_date_is_read_as_the_seconds_until_then() -> None:
     from datetime import UTC, datetime, timedelta
     from email.utils import format_datetime
