@@ -61,6 +61,17 @@ class _Request(_ModelRequest):
         that build a body from their own defaults send it."""
         return cls.model_fields[info.field_name or ""].default if value is None else value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _with_a_stream(
+        cls, options: dict[str, Any] | None, info: ValidationInfo
+    ) -> dict[str, Any] | None:
+        """vLLM refuses ``stream_options`` on a request not streamed (OpenAI's reference:
+        "only set this when you set stream: true")."""
+        if options and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return options
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
