@@ -19,6 +19,7 @@ from pydantic_settings import SettingsError
 from tokenfleet.allocator import keep_freed_memory
 from tokenfleet.commands import audit, bench, deploy, emulate, gateway, services, sim, streams
 from tokenfleet.commands.errors import CliError
+from tokenfleet.logs import configure_logging
 from tokenfleet.services.process import ServiceError
 from tokenfleet.settings import unknown_variables, variable_of
 
@@ -26,6 +27,7 @@ from tokenfleet.settings import unknown_variables, variable_of
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    configure_logging()
     keep_freed_memory()
     # Each counter's ``_created`` twin is one more gauge series per child in a scrape of
     # the text format, which Prometheus keeps and nobody reads; vLLM turns them off too.

@@ -62,7 +62,7 @@ async def recount_on(
         undecodable += skipped
     published = {
         dc: envelope.payload
-        for dc, envelope in (await bus.read_latest(GOODPUT_TOPIC)).items()
+        for dc, envelope in (await bus.read_latest(GOODPUT_TOPIC, auditing=True)).items()
         if isinstance(envelope.payload, GoodputTable) and (not dcs or dc in set(dcs))
     }
     return recount(events, published, spec, objectives, undecodable)

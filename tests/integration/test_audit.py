@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas import Envelope
+from schemas import DEADLETTER_TOPIC, Envelope
 from schemas.objectives import Objectives
 from schemas.tables import GoodputTable
 from streams.kafka import KafkaBus
@@ -67,6 +67,28 @@ async def test_the_published_table_matches_the_recount_and_a_tampered_one_does_n
     cli = ["recount", "--dc", dc, "--json", str(tmp_path / "r.json")]
     assert await asyncio.to_thread(main, cli) == 1
     assert '"figure": "completed"' in (tmp_path / "r.json").read_text()
+
+
+async def test_recount_of_a_dc_without_a_table_says_so_and_writes_no_letter(
+    kafka: Service, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It blamed a worker not running, though tables of other DCs were fresh; and its read
+    of the tables dead-lettered every undecodable one, at each run."""
+    bus = KafkaBus(kafka.address, source="test")
+    bad = f"dc-{uuid.uuid4().hex[:8]}"
+    try:
+        await bus.publish("tf.tables.goodput", bad, b"{not json")
+    finally:
+        await bus.close()
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", kafka.address)
+    assert await asyncio.to_thread(main, ["recount", "--dc", "nosuch"]) == 1
+    assert "no goodput table published for nosuch" in capsys.readouterr().out
+    bus = KafkaBus(kafka.address, source="test")
+    try:
+        letters, _ = await bus.read_all(DEADLETTER_TOPIC)
+    finally:
+        await bus.close()
+    assert not [letter for letter in letters if letter.payload.key == bad]
 
 
 async def test_whatif_reads_the_recorded_arrivals_and_simulates_both_stacks(

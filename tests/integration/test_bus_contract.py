@@ -149,6 +149,22 @@ async def test_undecodable_records_go_to_the_dead_letter_topic(
     assert "payload.request_id: Field required" in logged
 
 
+async def test_an_auditor_s_read_of_the_latest_values_writes_no_dead_letter(
+    bus: EventBus,
+) -> None:
+    """``tokenfleet recount`` read the tables this way, and wrote letters at each run."""
+    run = uuid.uuid4().hex
+    await bus.publish("tf.control.quotas", f"{run}-bad", b"{not json")
+    await bus.publish_event(_quotas(f"{run}-good", 1))
+    latest = await bus.read_latest("tf.control.quotas", auditing=True)
+    assert [key for key in latest if key.startswith(run)] == [f"{run}-good"]
+    letters, _ = await bus.read_all(DEADLETTER_TOPIC)
+    assert not [e for e in letters if e.payload.key == f"{run}-bad"]
+    await bus.read_latest("tf.control.quotas")  # a consumer's read letters it
+    letters, _ = await bus.read_all(DEADLETTER_TOPIC)
+    assert [e for e in letters if e.payload.key == f"{run}-bad"]
+
+
 async def test_publish_event_routes_by_the_catalog(bus: EventBus) -> None:
     run = uuid.uuid4().hex
     published = _quotas(f"{run}-x", 3)

@@ -609,6 +609,8 @@ def test_status_says_which_parts_and_services_run_before_failing_on_a_dead_own_b
     assert ["NO", "process", "kafka", "not", "running"] in lines
     assert ["ok", "process", "redis", "pid", str(os.getpid())] in lines
     assert "Kafka broker (127.0.0.1:1) is not running" in printed.err
+    # up refuses while a part runs: down first (the advice was up, which then refused)
+    assert f"tokenfleet down --home {home} stops what remains, then tokenfleet up" in printed.err
 
 
 def _running_as(folder: Path, address: str) -> None:

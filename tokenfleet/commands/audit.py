@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -232,15 +233,18 @@ def _recount(args: argparse.Namespace) -> int:
         result = asyncio.run(run())
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
-    _report(result)
+    _report(result, args.dc or ())
     if args.json:
         write_json(args.json, _as_json(result))
     return 0 if result.tables and not result.differences else 1
 
 
-def _report(result: Recount) -> None:
+def _report(result: Recount, dcs: Sequence[str]) -> None:
+    """``dcs``: the DCs asked for (none: every DC with a table)."""
     print(f"{result.events:,} lifecycle events read ({result.undecodable} undecodable, skipped)")
-    if not result.tables:
+    if not result.tables and dcs:  # the worker may well run: asked of other DCs, it said not
+        print(f"no goodput table published for {', '.join(dcs)}")
+    elif not result.tables:
         print("no goodput table published yet (is tokenfleet worker running?)")
     for dc, (published, recounted) in sorted(result.tables.items()):
         ended = sum(r.completed for r in recounted.classes)

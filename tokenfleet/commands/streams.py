@@ -240,8 +240,9 @@ def _status(args: argparse.Namespace) -> int:
     _print_checks(checks)
     if "kafka" in processes and processes["kafka"] is None:
         raise CliError(
-            f"the deployment's own Kafka broker ({bootstrap}) is not running: tokenfleet up "
-            f"--home {args.home} starts the deployment again, tokenfleet down stops what remains"
+            f"the deployment's own Kafka broker ({bootstrap}) is not running: tokenfleet down "
+            f"--home {args.home} stops what remains, then tokenfleet up --home {args.home} "
+            "starts the deployment again (up refuses while any of its parts runs)"
         )
     try:
         found = asyncio.run(asyncio.wait_for(read_broker(bootstrap), args.timeout))
