@@ -230,7 +230,7 @@ def _decoder(
         if event.value is None:  # a tombstone: no event, as the buses skip it
             return None
         try:
-            return decode(event.value)
+            return _on_its_topic(decode(event.value), event.message.topic)
         except DecodeError as exc:
             message = event.message
             key = message.key.decode(errors="replace") if message.key else None
@@ -255,6 +255,16 @@ def _decoder(
             return None
 
     return decoded
+
+
+def _on_its_topic(envelope: Envelope, topic: str) -> Envelope:
+    """``envelope``, read from ``topic``; DecodeError where the catalog puts its message on
+    another topic: each agent passes over events not of its kinds, so a well-formed event
+    published on the wrong topic vanished, neither counted nor dead-lettered."""
+    own = topic_for(type(envelope.payload)).name
+    if own != topic:
+        raise DecodeError(f"a {envelope.schema_ref} event travels on {own}, not {topic}")
+    return envelope
 
 
 def _fleet_update(envelope: Envelope, instance_dc: faust.types.TableT) -> dict[str, Any] | None:

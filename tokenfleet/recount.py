@@ -118,7 +118,12 @@ def _rows(table: GoodputTable) -> dict[str, dict[str, object]]:
     class, a recount only those it saw)."""
     return {
         f"{kind}:{row.key}": row.model_dump(exclude={"key"})
-        for kind, rows in (("class", table.classes), ("tenant", table.tenants))
+        for kind, rows in (
+            ("class", table.classes),
+            ("tenant", table.tenants),
+            ("region", table.regions),
+            ("model", table.models),
+        )
         for row in rows
         if _ended(row)
     }

@@ -5,8 +5,19 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def checked_bootstrap(text: str) -> str:
+    """``text`` where it is one or more comma-separated ``host:port``, as Kafka's clients
+    take them; ValueError saying which is not (aiokafka answered a port that is no
+    number with a bare ``invalid literal for int()``)."""
+    for address in text.split(","):
+        host, colon, port = address.strip().rpartition(":")
+        if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"a broker's address is host:port, not {address.strip()!r}")
+    return text
 
 
 class Settings(BaseSettings):
@@ -23,6 +34,11 @@ class Settings(BaseSettings):
     redis_cluster: bool = False
     """Whether ``redis_url`` names a node of a Redis Cluster (the gateways' keys carry a hash
     tag per pool, so each decision's script runs on one node)."""
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _addresses(cls, value: str | None) -> str | None:
+        return None if value is None else checked_bootstrap(value)
 
 
 OTHER_VARIABLES = ("TOKENFLEET_CACHE", "TOKENFLEET_CALIBRATION", "TOKENFLEET_TRACES")

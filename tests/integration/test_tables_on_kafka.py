@@ -23,7 +23,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 
-from schemas import DEADLETTER_TOPIC, Envelope, topic_for
+from schemas import DEADLETTER_TOPIC, Envelope, encode, topic_for
 from schemas.base import TaskClass
 from schemas.lifecycle import RequestCompleted
 from schemas.objectives import ClassObjective, Objectives
@@ -239,7 +239,8 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
 ) -> None:
     """With the class objectives of a fleet file: a TTFT objective at the run's median, so
     that goodput differs from what the built-in objectives give. The bad record goes to
-    the dead-letter topic, the worker's log names it and its metrics count it."""
+    the dead-letter topic, the worker's log names it and its metrics count it; so does a
+    well-formed event on a topic not its own (it vanished: each agent passed over it)."""
     dc = f"dc-{uuid.uuid4().hex[:8]}"
     events = _events(dc)
     median_ttft = statistics.median(
@@ -256,15 +257,19 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
     app_id = f"tables-{dc}"
     try:
         await bus.publish(BAD, f"{dc}-bad", b"{not json")
+        completed = next(e for e in events if isinstance(e.payload, RequestCompleted))
+        await bus.publish("tf.telemetry", f"{dc}-misplaced", encode(completed))
         async with bus.subscribe(DEADLETTER_TOPIC, "latest") as letters:
             with worker(kafka, app_id, fleet_file=fleet_file, log_path=log, metrics_port=port):
                 await _publish(kafka, events)
                 published, expected = await _published_equal_reference(
                     kafka, dc, events, fleet.all_objectives()
                 )
+                awaited = {f"{dc}-bad", f"{dc}-misplaced"}
                 async with asyncio.timeout(60):
                     async for letter in letters:
-                        if letter.envelope.payload.key == f"{dc}-bad":
+                        awaited.discard(letter.envelope.payload.key)
+                        if not awaited:
                             break
                 url = f"http://127.0.0.1:{port}"
                 letters_counted = await scraped(url, f"{WORKER}dead_letters_total", topic=BAD)
@@ -276,6 +281,8 @@ async def test_published_tables_equal_the_pure_logic_and_bad_records_are_dead_le
         await bus.close()
     _assert_equal(published, expected)
     assert f"dead-lettered {BAD}[" in log.read_text(), "the worker did not log it"
+    [misplaced] = [e for e in lettered if e.payload.key == f"{dc}-misplaced"]
+    assert "travels on tf.completions, not tf.telemetry" in misplaced.payload.reason
     mine = [e for e in lettered if e.source == app_id and e.payload.source_topic == BAD]
     assert len(mine) >= 1
     assert letters_counted == len(mine)

@@ -21,6 +21,9 @@ from tokenfleet.cli import build_parser, main
         (["bench", "fleet", "--json", "f.json", "--seed", "-1"], "a seed is 0 or more"),
         (["bench", "routing", "--trace", "mixed", "--json", "r.json", "--seed", "-1"], "0 or more"),
         (["bench", "admission", "--trace", "mixed", "--json", "a.json", "--seed", "x"], "whole"),
+        # aiokafka answered "invalid literal for int() with base 10: 'notaport'"
+        (["topics", "create", "--bootstrap", "127.0.0.1:notaport"], "host:port, not"),
+        (["topics", "create", "--bootstrap", "a:9092,b"], "host:port, not 'b'"),
         # a repeated policy ran twice; an empty one was "unknown policies: "
         (["bench", "fleet", "--json", "f.json", "--policies", "fleetmind,fleetmind"], "more than"),
         (["bench", "decision", "--json", "d.json", "--policies", "tokenpilot,"], "an empty name"),
@@ -55,3 +58,13 @@ def test_replay_takes_the_url_emulate_and_gateway_print(printed: str) -> None:
     args = build_parser().parse_args(["replay", "--trace", "mooncake", "--target", printed])
     plain = build_parser().parse_args(["replay", "--trace", "mooncake", "--target", printed[:-3]])
     assert args.target.rstrip("/") == plain.target.rstrip("/")  # so /v1/completions, once
+
+
+def test_a_broker_address_in_the_environment_is_checked_and_its_variable_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:notaport")
+    assert main(["topics", "create"]) == 2
+    error = capsys.readouterr().err
+    assert "TOKENFLEET_KAFKA_BOOTSTRAP" in error
+    assert "host:port, not '127.0.0.1:notaport'" in error

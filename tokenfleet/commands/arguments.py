@@ -59,6 +59,16 @@ def seed(text: str) -> int:
     return _whole(text, 0, "a seed is 0 or more")
 
 
+def bootstrap(text: str) -> str:
+    """Kafka brokers, ``host:port[,host:port...]``."""
+    from tokenfleet.settings import checked_bootstrap
+
+    try:
+        return checked_bootstrap(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def names(text: str) -> list[str]:
     """A comma-separated list of names, each given once: an empty name or a repeated one
     is refused here (a repeated policy ran twice, an empty one was "unknown: ")."""

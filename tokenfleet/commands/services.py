@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 from types import ModuleType
 
-from tokenfleet.commands.arguments import folder, output_dir
+from tokenfleet.commands.arguments import bootstrap, folder, output_dir
 from tokenfleet.commands.broker import broker, create_topics_on
 from tokenfleet.services import kafka as local_kafka
 from tokenfleet.services import redis as local_redis
@@ -51,7 +51,7 @@ def _add_topics(commands: argparse._SubParsersAction) -> None:
         help="create the catalog's missing topics (idempotent)",
         description="Broker: --bootstrap, else $TOKENFLEET_KAFKA_BOOTSTRAP, else the local one.",
     )
-    create.add_argument("--bootstrap", help="host:port of a broker")
+    create.add_argument("--bootstrap", type=bootstrap, help="host:port of a broker")
     create.set_defaults(handler=_topics_create)
     listing = sub.add_parser("list", help="print the topic catalog")
     listing.set_defaults(handler=_topics_list)
