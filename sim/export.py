@@ -1,7 +1,9 @@
 """A workload as CSV for other simulators.
 
 Columns: ``request_id, arrival_us, input_tokens, output_tokens, prefix_group,
-prefix_tokens, session_id, round, task_class, tenant, region``. Where a workload names its
+prefix_tokens, session_id, round, task_class, tenant, region, deadline_s`` (seconds after
+its arrival by which the request must finish; empty where it gives none, as only batch
+jobs do). Where a workload names its
 prefix groups (the synthetic ones), those are written; otherwise ``prefix_tokens`` is the
 leading part of the prompt that an earlier request already had (from the block hashes),
 and ``prefix_group`` the request that first had its leading block.
@@ -27,6 +29,7 @@ COLUMNS = (
     "task_class",
     "tenant",
     "region",
+    "deadline_s",
 )
 
 
@@ -55,5 +58,6 @@ def export_csv(requests: Sequence[TraceRequest], path: Path) -> None:
                     r.task_class.value,
                     r.tenant,
                     r.region,
+                    "" if r.deadline_s is None else r.deadline_s,
                 )
             )

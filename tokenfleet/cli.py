@@ -54,6 +54,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:  # a value pydantic-settings could not decode
         print(f"tokenfleet: {exc} ({_LISTS_ARE_JSON})", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # its reader left (``| head``): nothing to say, nowhere to say it
+        _quiet_stdout()
+        return 128 + signal.SIGPIPE
+
+
+def _quiet_stdout() -> None:
+    """Standard output on /dev/null, so that the interpreter's flush at exit does not meet
+    the broken pipe again and print a traceback after all (Python's ``signal`` docs)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 _LISTS_ARE_JSON = """a setting that holds a list is written in JSON: '["a", "b"]'"""

@@ -154,5 +154,11 @@ def main(seed: int, instances_per_dc: int, out: Path) -> int:
         print(line)
     write_demo(document, out)
     print(f"\nFigures: {out / 'demo.json'}; A's traffic by DC over time: {out / 'demo.png'}")
-    print(f"Run it again: tokenfleet demo --seed {seed} --out {out}")
+    print(f"Run it again: {again(seed, instances_per_dc, out)}")
     return 0
+
+
+def again(seed: int, instances_per_dc: int, out: Path) -> str:
+    """The command that gives the same figures (the default fleet's size left unsaid)."""
+    size = "" if instances_per_dc == INSTANCES_PER_DC else f" --instances-per-dc {instances_per_dc}"
+    return f"tokenfleet demo --seed {seed}{size} --out {out}"

@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,24 @@ def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for command in ("schemas", "topics", "kafka", "redis"):
         assert command in out
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """``tokenfleet topics list | head -1`` printed a BrokenPipeError traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left before the command wrote
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "tokenfleet.cli", "topics", "list"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 128 + signal.SIGPIPE
+    assert done.stderr == ""
 
 
 @pytest.mark.parametrize("option", ["--admission", "--policy", "--dc-policy"])

@@ -3,6 +3,8 @@ and a URL as the commands print it is taken as it is printed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tokenfleet.cli import build_parser, main
@@ -21,6 +23,9 @@ from tokenfleet.cli import build_parser, main
         (["bench", "fleet", "--json", "f.json", "--seed", "-1"], "a seed is 0 or more"),
         (["bench", "routing", "--trace", "mixed", "--json", "r.json", "--seed", "-1"], "0 or more"),
         (["bench", "admission", "--trace", "mixed", "--json", "a.json", "--seed", "x"], "whole"),
+        # nan ran every step in no time: every request "completed", every latency null
+        (["sim", "--trace", "mooncake", "--blackbox", "nan,0,0,0,0,0"], "finite non-negative"),
+        (["sim", "--trace", "mooncake", "--blackbox", "1,inf,0,0,0,0"], "finite non-negative"),
         # aiokafka answered "invalid literal for int() with base 10: 'notaport'"
         (["topics", "create", "--bootstrap", "127.0.0.1:notaport"], "host:port, not"),
         (["topics", "create", "--bootstrap", "a:9092,b"], "host:port, not 'b'"),
@@ -68,3 +73,28 @@ def test_a_broker_address_in_the_environment_is_checked_and_its_variable_named(
     error = capsys.readouterr().err
     assert "TOKENFLEET_KAFKA_BOOTSTRAP" in error
     assert "host:port, not '127.0.0.1:notaport'" in error
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "cannot read {path}: No such file or directory (TOKENFLEET_CALIBRATION)"),
+        ("experiment,n_failures\nx,zero\n", "{path}, line 2: not a measured stage"),
+        ("experiment,n_failures\n", "{path} has no measured stage of"),
+    ],
+)
+def test_calibrate_names_calibration_data_it_cannot_use(
+    content: str | None,
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A missing or malformed file printed a traceback; one without rows, an empty table."""
+    path = tmp_path / "inference_perf_stages.csv"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("TOKENFLEET_CALIBRATION", str(tmp_path))
+    argv = ["calibrate", "--profile", "llama3-70b-4xh100", "--iterations", "0"]
+    assert main(argv) == 2
+    assert message.format(path=path) in capsys.readouterr().err

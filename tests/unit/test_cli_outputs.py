@@ -4,6 +4,7 @@ not at all, and a write that fails after the work is a message, not lost figures
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,22 @@ def test_the_demo_s_default_folder_is_made_and_a_plot_without_a_suffix_is_a_png(
     assert (tmp_path / "out" / "demo").is_dir()
     plot = build_parser().parse_args(["bench", "fleet", "--json", "f.json", "--plot", "hot"])
     assert plot.plot == Path("hot.png")  # the temporary file kept no suffix matplotlib knows
+
+
+def test_a_fleet_run_whose_hotspot_completed_nothing_writes_its_json_and_prints_dashes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The table's None P95 raised after the run, and took its JSON and plot with it."""
+    trace = tmp_path / "three.jsonl"
+    rows = [
+        f'{{"timestamp": {n * 100}, "input_length": 100, "output_length": 5, '
+        f'"hash_ids": [{n}], "region": "{region}"}}'
+        for n, region in enumerate(("eu-west", "us-east", "ap-south"))
+    ]
+    trace.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "f.json"
+    argv = ["bench", "fleet", "--trace", str(trace), "--policies", "local_only", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["policies"]["local_only"]["hotspot"]["ttft_p95_s"] is None
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("local")]
+    assert row.split()[3:5] == ["-", "-"]

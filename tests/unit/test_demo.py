@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenfleet.demo import report, run_demo, write_demo
+from tokenfleet.cli import build_parser
+from tokenfleet.demo import INSTANCES_PER_DC, again, report, run_demo, write_demo
 
 
 def test_the_demo_runs_both_stacks_on_the_same_arrivals_and_writes_its_report(
@@ -30,3 +31,11 @@ def test_the_demo_runs_both_stacks_on_the_same_arrivals_and_writes_its_report(
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     lines = report(document)
     assert lines[-1].startswith("TokenFleet's goodput is")
+
+
+def test_the_command_it_prints_to_run_it_again_runs_the_same_demo() -> None:
+    """It left out --instances-per-dc: run again, a smaller fleet came out as the default."""
+    for size in (1, INSTANCES_PER_DC):
+        argv = again(3, size, Path("d")).split()[1:]
+        args = build_parser().parse_args(argv)
+        assert (args.seed, args.instances_per_dc, args.out) == (3, size, Path("d"))

@@ -203,11 +203,13 @@ def test_export_writes_prefix_groups_and_reusable_prefixes(tmp_path: Path) -> No
         TraceRequest(
             "c", 1.0, 32, 4, (), session_id="s", round=1, prefix_group="g", prefix_tokens=16
         ),
+        TraceRequest("d", 1.5, 32, 4, (), deadline_s=601.5),
     ]
     path = tmp_path / "w.csv"
     export_csv(requests, path)
     with path.open() as rows:
-        a, b, c = csv.DictReader(rows)
+        a, b, c, d = csv.DictReader(rows)
+    assert (a["deadline_s"], d["deadline_s"]) == ("", "601.5")  # the CSV lost it
     assert (a["prefix_group"], a["prefix_tokens"]) == ("a", "0")
     assert (b["prefix_group"], b["prefix_tokens"], b["arrival_us"]) == ("a", "32", "500000")
     assert (c["prefix_group"], c["prefix_tokens"], c["session_id"], c["round"]) == (
@@ -243,7 +245,7 @@ def test_blackbox_coefficients_replace_the_profile_s_step_times(tmp_path: Path) 
 def test_bad_blackbox_coefficients_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["sim", "--trace", "mooncake", "--blackbox", "1,2,3"])
-    assert "six non-negative numbers" in capsys.readouterr().err
+    assert "six finite non-negative numbers" in capsys.readouterr().err
 
 
 def test_engine_state_becomes_instance_telemetry() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import shutil
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -387,8 +388,6 @@ def _add_bench_fleet(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_fleet(args: argparse.Namespace) -> int:
-    import math
-
     from sim.fleet_bench import RUNNABLE, STACKS, bench_fleet, plot_fleet
     from sim.progress import progress_bar
 
@@ -406,23 +405,33 @@ def _bench_fleet(args: argparse.Namespace) -> int:
             )
         except (ValueError, KeyError) as exc:
             raise CliError(message_of(exc)) from None
+    # Written first: the table below is a view of them, and a run takes minutes.
+    save_each((args.json, as_json(document)), (args.plot, partial(plot_fleet, document)))
     print(
         f"{'policy':36}{'goodput':>9}{'comply':>8}{'hot P95':>9}{'chats':>7}{'cross-DC':>9}"
         f"{'mismatch':>10}{'react':>7}{'violations':>11}"
     )
     for policy, result in document["policies"].items():
-        react = result["react_s"]
         violations = result["residency_violations"] + result["permission_violations"]
         hotspot = result["hotspot"]
-        chats = hotspot["per_class"].get("interactive", {}).get("ttft_p95_s") or math.nan
+        chats = hotspot["per_class"].get("interactive", {}).get("ttft_p95_s")
         print(
-            f"{policy:36}{result['goodput_tok_s']:>9.0f}{result['compliance']:>8.1%}"
-            f"{hotspot['ttft_p95_s']:>8.2f}s{chats:>6.2f}s{result['cross_dc_share']:>9.1%}"
-            f"{result['capacity_mismatch_request_s']:>10.0f}"
-            f"{'-' if react is None else f'{react:.0f}s':>7}{violations:>11}"
+            f"{policy:36}{_shown(result['goodput_tok_s'], '.0f'):>9}"
+            f"{_shown(result['compliance'], '.1%'):>8}"
+            f"{_shown(hotspot['ttft_p95_s'], '.2f', 's'):>9}{_shown(chats, '.2f', 's'):>7}"
+            f"{_shown(result['cross_dc_share'], '.1%'):>9}"
+            f"{_shown(result['capacity_mismatch_request_s'], '.0f'):>10}"
+            f"{_shown(result['react_s'], '.0f', 's'):>7}{violations:>11}"
         )
-    save_each((args.json, as_json(document)), (args.plot, partial(plot_fleet, document)))
     return 0
+
+
+def _shown(value: float | None, spec: str, unit: str = "") -> str:
+    """A figure of the fleet bench's table; "-" where the run has none (null in its JSON:
+    no request of the kind completed, or nothing to react to)."""
+    if value is None or math.isnan(value):
+        return "-"
+    return f"{value:{spec}}{unit}"
 
 
 def _add_bench_routing(sub: argparse._SubParsersAction) -> None:

@@ -163,8 +163,8 @@ def _blackbox(text: str) -> Blackbox:
         values = [float(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
-    if len(values) != 6 or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError("give six non-negative numbers: b0,b1,b2,a0,a1,a2")
+    if len(values) != 6 or not all(0 <= v < math.inf for v in values):  # nan is neither
+        raise argparse.ArgumentTypeError("give six finite non-negative numbers: b0,b1,b2,a0,a1,a2")
     b0, b1, b2, a0, a1, a2 = values
     return Blackbox(b0, b1, b2, a0, a1, a2)
 
@@ -259,7 +259,13 @@ def _add_workload(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("--out", type=output_file, required=True, help="the CSV file to write")
     export.add_argument("--requests", type=positive_int, help="only the first N requests")
-    export.add_argument("--seed", type=seed, default=0, help="seed of the labels (default: 0)")
+    export.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help="seed of what the workload draws: its labels, and arrivals or sampled rows where "
+        "it draws them (default: 0)",
+    )
     export.set_defaults(handler=_workload_export)
 
 
@@ -311,7 +317,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     from sim.progress import progress_bar
 
     chosen = CALIBRATED[args.profile]
-    stages = [s for s in calibration.load_stages() if chosen.measured_model in s.experiment]
+    where = calibration.calibration_dir() / calibration.STAGES_FILE
+    try:
+        stages = [s for s in calibration.load_stages() if chosen.measured_model in s.experiment]
+    except OSError as exc:
+        raise CliError(f"cannot read {where}: {exc.strerror} (TOKENFLEET_CALIBRATION)") from None
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if not stages:
+        raise CliError(f"{where} has no measured stage of {chosen.measured_model}")
     training = [s for s in stages if calibration.is_training(s, TRAINING_STAGES)]
     profile = chosen.profile
     if args.iterations > 0:
