@@ -40,6 +40,22 @@ DEADLINE_HEADER = "x-tokenfleet-deadline-s"
 REFUSALS = frozenset({429, 503})
 
 
+MAX_PROMPT_TOKENS = 10_000_000
+"""The longest prompt a replay sends: ten million tokens (40 MB of text), the longest
+context window a public model states (Meta's Llama 4 Scout, 2025). A trace's row of a
+billion tokens held the replay building a prompt of gigabytes."""
+
+
+def _check_sizes(requests: Sequence[TraceRequest]) -> None:
+    """ValueError naming the first request whose prompt is past ``MAX_PROMPT_TOKENS``."""
+    for request in requests:
+        if request.input_tokens > MAX_PROMPT_TOKENS:
+            raise ValueError(
+                f"request {request.request_id}: a prompt of {request.input_tokens:,} tokens "
+                f"is past any model's context ({MAX_PROMPT_TOKENS:,} at most replayed)"
+            )
+
+
 def prompt_text(request: TraceRequest) -> str:
     blocks = "".join(
         hashlib.blake2b(str(block).encode(), digest_size=32).hexdigest()
@@ -103,6 +119,7 @@ async def replay(
     all; ``clients`` None: clients that wait for every answer and never retry. Records
     come in arrival order, a second attempt after its first. Each is also appended to
     ``finished`` as its attempt ends, so a replay cut short (Ctrl-C) keeps those."""
+    _check_sizes(requests)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     async with httpx.AsyncClient(
         base_url=base_url, timeout=None, limits=limits, headers=headers

@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -146,6 +147,16 @@ async def test_an_answer_it_cannot_read_fails_that_request_with_the_reason_and_n
     assert "without a choice's text" in (records[0].error or "")
     assert "not JSON" in (records[1].error or "")
     assert records[2].error is None
+
+
+async def test_a_prompt_past_any_context_is_refused_before_anything_is_sent() -> None:
+    """A row of a billion tokens held the replay building a prompt of gigabytes."""
+    app = endpoint(None)
+    huge = [TraceRequest("ok", 0.0, 100, 3, ()), TraceRequest("huge", 0.1, 10**9, 3, ())]
+    async with http_server(app) as url:
+        with pytest.raises(ValueError, match="request huge: a prompt of 1,000,000,000 tokens"):
+            await replay(huge, url, "m")
+    assert app.state.calls == []
 
 
 async def test_an_error_answer_is_recorded_with_its_message() -> None:
