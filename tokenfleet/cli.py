@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenfleet: warning: {warning}", file=sys.stderr)
     try:
         with _sigterm_as_interrupt():
-            return args.handler(args)
+            code: int = args.handler(args)
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+            return code
     except _Terminated:
         print("tokenfleet: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM

@@ -13,6 +13,7 @@ process. At the end: a report, a plot and the figures as JSON, and the command a
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -159,6 +160,9 @@ def main(seed: int, instances_per_dc: int, out: Path) -> int:
 
 
 def again(seed: int, instances_per_dc: int, out: Path) -> str:
-    """The command that gives the same figures (the default fleet's size left unsaid)."""
-    size = "" if instances_per_dc == INSTANCES_PER_DC else f" --instances-per-dc {instances_per_dc}"
-    return f"tokenfleet demo --seed {seed}{size} --out {out}"
+    """The command that gives the same figures (the default fleet's size left unsaid), as a
+    shell reads it."""
+    size = ["--instances-per-dc", str(instances_per_dc)]
+    if instances_per_dc == INSTANCES_PER_DC:
+        size = []
+    return shlex.join(["tokenfleet", "demo", "--seed", str(seed), *size, "--out", str(out)])

@@ -22,9 +22,10 @@ KEPT_MESSAGES = 1024
 
 
 class RepeatFilter(logging.Filter):
-    """Lets a record through unless one of the same logger, level and message template was
-    let through less than ``window_s`` ago; the next one let through says how many were
-    held back."""
+    """Lets a record through unless one of the same logger, level and message was let
+    through less than ``window_s`` ago; the next one let through says how many were held
+    back. The message as written, not its template: an instance gone and another come
+    back are two lines."""
 
     def __init__(
         self, window_s: float = REPEAT_WINDOW_S, clock: Callable[[], float] = time.monotonic
@@ -32,10 +33,10 @@ class RepeatFilter(logging.Filter):
         super().__init__()
         self.window_s = window_s
         self.clock = clock
-        self._last: dict[tuple[str, int, object], tuple[float, int]] = {}
+        self._last: dict[tuple[str, int, str], tuple[float, int]] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.name, record.levelno, record.msg)
+        key = (record.name, record.levelno, record.getMessage())
         now = self.clock()
         if len(self._last) > KEPT_MESSAGES:  # messages formatted before logging are many
             self._last = {k: v for k, v in self._last.items() if now - v[0] < self.window_s}

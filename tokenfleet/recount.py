@@ -5,7 +5,8 @@ An auditor's check that the tables the controllers act on are what the recorded 
 say. The raw lifecycle topics are read from their start, fed in event-time order to the
 same pure logic the worker runs (``streams.tables.TableBuilder``, with the fleet's
 objectives and the worker's window), and each DC's latest published goodput table is
-compared, class by class and tenant by tenant, with the recount of the same window.
+compared, row by row (class, tenant, region and model), with the recount of the same
+window.
 
 Exact while the worker is caught up: events that reached the broker after the worker
 published its latest table (traffic still running) show as differences in that window.
@@ -34,7 +35,7 @@ class Difference:
 
     dc: str
     row: str
-    """``class:<name>`` or ``tenant:<id>``."""
+    """``class:<name>``, ``tenant:<id>``, ``region:<region>/<class>`` or ``model:<name>``."""
     figure: str
     published: object
     recounted: object
@@ -96,12 +97,12 @@ def _goodput_of(builder: TableBuilder, dc: str, at: float) -> GoodputTable | Non
 
 def _empty(table: GoodputTable) -> GoodputTable:
     """The recount of a DC none of whose events were found: nothing ended there."""
-    return table.model_copy(update={"classes": (), "tenants": ()})
+    return table.model_copy(update={"classes": (), "tenants": (), "regions": (), "models": ()})
 
 
 def _compare(dc: str, published: GoodputTable, recounted: GoodputTable) -> list[Difference]:
     mine = _rows(published)
-    theirs = _rows(recounted)
+    theirs = _rows(recounted, kinds={name.partition(":")[0] for name in mine})
     differences = []
     for name in sorted(mine.keys() | theirs.keys()):
         left, right = mine.get(name, {}), theirs.get(name, {})
@@ -113,9 +114,10 @@ def _compare(dc: str, published: GoodputTable, recounted: GoodputTable) -> list[
     return differences
 
 
-def _rows(table: GoodputTable) -> dict[str, dict[str, object]]:
+def _rows(table: GoodputTable, kinds: set[str] | None = None) -> dict[str, dict[str, object]]:
     """Each row's figures by name, rows with nothing ended left out (a table lists every
-    class, a recount only those it saw)."""
+    class, a recount only those it saw); ``kinds``: only rows of these (a table of a
+    worker before the region and model rows has none of them to compare)."""
     return {
         f"{kind}:{row.key}": row.model_dump(exclude={"key"})
         for kind, rows in (
@@ -124,6 +126,7 @@ def _rows(table: GoodputTable) -> dict[str, dict[str, object]]:
             ("region", table.regions),
             ("model", table.models),
         )
+        if kinds is None or kind in kinds
         for row in rows
         if _ended(row)
     }

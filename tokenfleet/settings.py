@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def checked_bootstrap(text: str) -> str:
-    """``text`` where it is one or more comma-separated ``host:port``, as Kafka's clients
+    """``text`` where it is one or more comma-separated ``host[:port]`` (an IPv6 host in
+    brackets, a ``PLAINTEXT://`` prefix allowed; no port: 9092), as aiokafka and Faust
     take them; ValueError saying which is not (aiokafka answered a port that is no
     number with a bare ``invalid literal for int()``)."""
-    for address in text.split(","):
-        host, colon, port = address.strip().rpartition(":")
-        if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
-            raise ValueError(f"a broker's address is host:port, not {address.strip()!r}")
+    for address in (part.strip() for part in text.split(",")):
+        where = urlsplit("//" + address.split("://", 1)[-1])  # past a PLAINTEXT:// prefix
+        try:
+            usable = bool(where.hostname) and where.port != 0  # ValueError: a bad port
+        except ValueError:
+            usable = False
+        if not usable:
+            raise ValueError(f"a broker's address is host[:port], not {address!r}")
     return text
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from schemas import DEADLETTER_TOPIC, Envelope
+from schemas.base import TaskClass
 from schemas.objectives import Objectives
 from schemas.tables import GoodputTable
 from streams.kafka import KafkaBus
@@ -25,6 +26,7 @@ from tests.integration.test_tables_on_kafka import (
     worker,
 )
 from tests.services import Service
+from tests.unit.test_quota_controller import row, table
 from tests.unit.test_whatif import LOCAL_FLEET, simulated_events
 from tokenfleet.cli import main
 from tokenfleet.recount import recount_on
@@ -72,17 +74,35 @@ async def test_the_published_table_matches_the_recount_and_a_tampered_one_does_n
 async def test_recount_of_a_dc_without_a_table_says_so_and_writes_no_letter(
     kafka: Service, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """It blamed a worker not running, though tables of other DCs were fresh; and its read
+    """It blamed a worker not running, though tables of other DCs were fresh, or, asked of
+    two DCs of which one had a table, said nothing of the other and exited 0; and its read
     of the tables dead-lettered every undecodable one, at each run."""
     bus = KafkaBus(kafka.address, source="test")
-    bad = f"dc-{uuid.uuid4().hex[:8]}"
+    bad, quiet = f"dc-{uuid.uuid4().hex[:8]}", f"dc-{uuid.uuid4().hex[:8]}"
+    nothing_ended = table((0, 0), (0, 0)).model_copy(update={"dc": quiet})
     try:
         await bus.publish("tf.tables.goodput", bad, b"{not json")
+        await bus.publish_event(Envelope.wrap(nothing_ended, source="test"))
     finally:
         await bus.close()
     monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", kafka.address)
-    assert await asyncio.to_thread(main, ["recount", "--dc", "nosuch"]) == 1
-    assert "no goodput table published for nosuch" in capsys.readouterr().out
+    argv = ["recount", "--dc", quiet, "--dc", "nosuch"]
+    assert await asyncio.to_thread(main, argv) == 1
+    printed = capsys.readouterr().out
+    assert "no goodput table published for nosuch\n" in printed
+    assert f"{quiet}: window " in printed  # its table recounted, and matched
+    # a model row no event stands for: the recount of a DC without events kept it
+    chats = row(TaskClass.INTERACTIVE, 5, 5).model_copy(update={"key": "m"})
+    phantom = nothing_ended.model_copy(update={"version": 2, "models": (chats,)})
+    bus = KafkaBus(kafka.address, source="test")
+    try:
+        await bus.publish_event(Envelope.wrap(phantom, source="test"))
+    finally:
+        await bus.close()
+    assert await asyncio.to_thread(main, ["recount", "--dc", quiet]) == 1
+    assert f"DIFFERS {quiet} model:m completed: published 5, recounted None" in (
+        capsys.readouterr().out
+    )
     bus = KafkaBus(kafka.address, source="test")
     try:
         letters, _ = await bus.read_all(DEADLETTER_TOPIC)

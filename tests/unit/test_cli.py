@@ -35,6 +35,8 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
     """``tokenfleet topics list | head -1`` printed a BrokenPipeError traceback."""
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader left before the command wrote
+    # buffered, as in a shell: the output meets the pipe at the flush, not at each print
+    environment = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     try:
         done = subprocess.run(
             [sys.executable, "-m", "tokenfleet.cli", "topics", "list"],
@@ -42,6 +44,7 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
             stderr=subprocess.PIPE,
             text=True,
             timeout=60,
+            env=environment,
         )
     finally:
         os.close(write_end)

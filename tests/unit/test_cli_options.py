@@ -27,8 +27,9 @@ from tokenfleet.cli import build_parser, main
         (["sim", "--trace", "mooncake", "--blackbox", "nan,0,0,0,0,0"], "finite non-negative"),
         (["sim", "--trace", "mooncake", "--blackbox", "1,inf,0,0,0,0"], "finite non-negative"),
         # aiokafka answered "invalid literal for int() with base 10: 'notaport'"
-        (["topics", "create", "--bootstrap", "127.0.0.1:notaport"], "host:port, not"),
-        (["topics", "create", "--bootstrap", "a:9092,b"], "host:port, not 'b'"),
+        (["topics", "create", "--bootstrap", "127.0.0.1:notaport"], "host[:port], not"),
+        (["topics", "create", "--bootstrap", "a:9092,b:0"], "host[:port], not 'b:0'"),
+        (["topics", "create", "--bootstrap", "a:9092,"], "host[:port], not ''"),
         # a repeated policy ran twice; an empty one was "unknown policies: "
         (["bench", "fleet", "--json", "f.json", "--policies", "fleetmind,fleetmind"], "more than"),
         (["bench", "decision", "--json", "d.json", "--policies", "tokenpilot,"], "an empty name"),
@@ -72,7 +73,7 @@ def test_a_broker_address_in_the_environment_is_checked_and_its_variable_named(
     assert main(["topics", "create"]) == 2
     error = capsys.readouterr().err
     assert "TOKENFLEET_KAFKA_BOOTSTRAP" in error
-    assert "host:port, not '127.0.0.1:notaport'" in error
+    assert "host[:port], not '127.0.0.1:notaport'" in error
 
 
 @pytest.mark.parametrize(

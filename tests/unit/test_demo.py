@@ -4,6 +4,7 @@ arrivals, with a live view, a report and its files."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from tokenfleet.cli import build_parser
@@ -35,7 +36,7 @@ def test_the_demo_runs_both_stacks_on_the_same_arrivals_and_writes_its_report(
 
 def test_the_command_it_prints_to_run_it_again_runs_the_same_demo() -> None:
     """It left out --instances-per-dc: run again, a smaller fleet came out as the default."""
-    for size in (1, INSTANCES_PER_DC):
-        argv = again(3, size, Path("d")).split()[1:]
+    for size, out in ((1, Path("d")), (INSTANCES_PER_DC, Path("my runs/d"))):
+        argv = shlex.split(again(3, size, out))[1:]
         args = build_parser().parse_args(argv)
-        assert (args.seed, args.instances_per_dc, args.out) == (3, size, Path("d"))
+        assert (args.seed, args.instances_per_dc, args.out) == (3, size, out)

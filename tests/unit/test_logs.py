@@ -26,15 +26,17 @@ def test_a_message_repeated_within_the_window_is_written_once_then_counted() -> 
     assert let_through[1][1].endswith("(59 more like it in the last 60 s)")
     other = _record("Unable to update metadata from %s", "[1]")
     assert repeats.filter(other)  # another message has a window of its own
+    another_node = _record("Unable connect to node with id %s: %s", 2, "refused")
+    assert repeats.filter(another_node)  # so has the same template with other words
 
 
 def test_a_part_s_lines_carry_their_time_level_and_logger() -> None:
     """Python's fallback printed the bare message, and nothing else configured logging."""
     script = (
         "import logging; from tokenfleet.logs import configure_logging; configure_logging(); "
-        "[logging.getLogger('aiokafka').error('Unable connect to node %s', n) for n in range(500)]"
+        "[logging.getLogger('aiokafka').error('Unable connect to node %s', 1) for _ in range(500)]"
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     lines = run.stderr.splitlines()
     assert len(lines) == 1
-    assert lines[0].split()[2:] == ["ERROR", "aiokafka:", "Unable", "connect", "to", "node", "0"]
+    assert lines[0].split()[2:] == ["ERROR", "aiokafka:", "Unable", "connect", "to", "node", "1"]

@@ -233,17 +233,18 @@ def _recount(args: argparse.Namespace) -> int:
         result = asyncio.run(run())
     except Exception as exc:
         raise CliError(f"cannot read the topics from {bootstrap}: {exc}") from None
-    _report(result, args.dc or ())
+    missing = [dc for dc in args.dc or () if dc not in result.tables]
+    _report(result, missing)
     if args.json:
         write_json(args.json, _as_json(result))
-    return 0 if result.tables and not result.differences else 1
+    return 0 if result.tables and not result.differences and not missing else 1
 
 
-def _report(result: Recount, dcs: Sequence[str]) -> None:
-    """``dcs``: the DCs asked for (none: every DC with a table)."""
+def _report(result: Recount, missing: Sequence[str]) -> None:
+    """``missing``: the DCs asked for that have no table."""
     print(f"{result.events:,} lifecycle events read ({result.undecodable} undecodable, skipped)")
-    if not result.tables and dcs:  # the worker may well run: asked of other DCs, it said not
-        print(f"no goodput table published for {', '.join(dcs)}")
+    if missing:  # the worker may well run: asked of other DCs, it said it did not
+        print(f"no goodput table published for {', '.join(missing)}")
     elif not result.tables:
         print("no goodput table published yet (is tokenfleet worker running?)")
     for dc, (published, recounted) in sorted(result.tables.items()):
