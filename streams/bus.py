@@ -172,10 +172,11 @@ class EventBus(ABC):
         for record in await self._records_to_end(topic):
             if record.value is None:
                 continue
-            try:
-                events.append(decode(record.value))
-            except DecodeError:
+            envelope = _decoded_or_none(record.value)
+            if envelope is None:
                 undecodable += 1
+            else:
+                events.append(envelope)
         return events, undecodable
 
     async def _decode_or_dead_letter(self, record: RawRecord) -> Envelope | None:

@@ -60,7 +60,7 @@ def seed(text: str) -> int:
 
 
 def bootstrap(text: str) -> str:
-    """Kafka brokers, ``host:port[,host:port...]``."""
+    """Kafka brokers, ``host[:port][,host[:port]...]`` (``tokenfleet.settings``)."""
     from tokenfleet.settings import checked_bootstrap
 
     try:

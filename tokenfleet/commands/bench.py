@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import shutil
 from collections.abc import Iterable, Sequence
 from functools import partial
@@ -22,7 +21,14 @@ from tokenfleet.commands.arguments import (
 )
 from tokenfleet.commands.errors import CliError, message_of
 from tokenfleet.commands.output import as_json, save_each, write_json
-from tokenfleet.commands.sim import add_token_lags, fraction, levels, tokenpilot_params, trace_help
+from tokenfleet.commands.sim import (
+    add_token_lags,
+    fraction,
+    levels,
+    shown,
+    tokenpilot_params,
+    trace_help,
+)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -415,23 +421,17 @@ def _bench_fleet(args: argparse.Namespace) -> int:
         violations = result["residency_violations"] + result["permission_violations"]
         hotspot = result["hotspot"]
         chats = hotspot["per_class"].get("interactive", {}).get("ttft_p95_s")
+        # "-" where the run has no figure: nothing of the kind completed, or to react to
         print(
-            f"{policy:36}{_shown(result['goodput_tok_s'], '.0f'):>9}"
-            f"{_shown(result['compliance'], '.1%'):>8}"
-            f"{_shown(hotspot['ttft_p95_s'], '.2f', 's'):>9}{_shown(chats, '.2f', 's'):>7}"
-            f"{_shown(result['cross_dc_share'], '.1%'):>9}"
-            f"{_shown(result['capacity_mismatch_request_s'], '.0f'):>10}"
-            f"{_shown(result['react_s'], '.0f', 's'):>7}{violations:>11}"
+            f"{policy:36}{shown(result['goodput_tok_s'], '.0f', '', '-'):>9}"
+            f"{shown(result['compliance'], '.1%', '', '-'):>8}"
+            f"{shown(hotspot['ttft_p95_s'], '.2f', 's', '-'):>9}"
+            f"{shown(chats, '.2f', 's', '-'):>7}"
+            f"{shown(result['cross_dc_share'], '.1%', '', '-'):>9}"
+            f"{shown(result['capacity_mismatch_request_s'], '.0f', '', '-'):>10}"
+            f"{shown(result['react_s'], '.0f', 's', '-'):>7}{violations:>11}"
         )
     return 0
-
-
-def _shown(value: float | None, spec: str, unit: str = "") -> str:
-    """A figure of the fleet bench's table; "-" where the run has none (null in its JSON:
-    no request of the kind completed, or nothing to react to)."""
-    if value is None or math.isnan(value):
-        return "-"
-    return f"{value:{spec}}{unit}"
 
 
 def _add_bench_routing(sub: argparse._SubParsersAction) -> None:

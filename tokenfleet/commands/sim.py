@@ -223,7 +223,7 @@ def _print_summary(result: dict) -> None:
         f"on {result['instances']} x {result['profile']}, policy {result['policy']}"
     )
     for name in ("ttft", "tpot", "e2e"):
-        p50, p95, p99 = (_seconds(summary[f"{name}_p{q}_s"]) for q in (50, 95, 99))
+        p50, p95, p99 = (shown(summary[f"{name}_p{q}_s"], ".3f", " s") for q in (50, 95, 99))
         print(f"  {name:5} p50 {p50}   p95 {p95}   p99 {p99}")
     print(
         f"  throughput {summary['throughput_tok_s']:.0f} tok/s   goodput "
@@ -235,9 +235,12 @@ def _print_summary(result: dict) -> None:
     )
 
 
-def _seconds(value: float | None) -> str:
-    """A percentile, or n/a where no request completed (NaN in the run, null in its JSON)."""
-    return "n/a" if value is None or math.isnan(value) else f"{value:.3f} s"
+def shown(value: float | None, spec: str, unit: str = "", missing: str = "n/a") -> str:
+    """A figure of a printed summary, formatted by ``spec``; ``missing`` where the run has
+    none (NaN in the run, null in its JSON: no request of the kind completed)."""
+    if value is None or math.isnan(value):
+        return missing
+    return f"{value:{spec}}{unit}"
 
 
 def _add_workload(commands: argparse._SubParsersAction) -> None:
@@ -319,7 +322,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     chosen = CALIBRATED[args.profile]
     where = calibration.calibration_dir() / calibration.STAGES_FILE
     try:
-        stages = [s for s in calibration.load_stages() if chosen.measured_model in s.experiment]
+        measured = calibration.load_stages(str(where))
+        stages = [s for s in measured if chosen.measured_model in s.experiment]
     except OSError as exc:
         raise CliError(f"cannot read {where}: {exc.strerror} (TOKENFLEET_CALIBRATION)") from None
     except ValueError as exc:
