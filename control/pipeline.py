@@ -450,7 +450,7 @@ class Pipeline(Generic[Payload]):
         view = AdmissionView(
             now,
             fleet,
-            predicted,
+            None if predicted is None else predicted.on_each,
             {c: self.pool_state(c, now) for c in TaskClass},
             self._inflight(),
             self.quotas,
@@ -460,6 +460,7 @@ class Pipeline(Generic[Payload]):
             self._out_of_slots(),
             self._seated,
             objectives=self.objectives,
+            idle_ttft_s=None if predicted is None else predicted.idle_s,
         )
         return self.admission.decide(request, view, held=held)
 

@@ -39,7 +39,9 @@ class SLOMaxParams:
     """Hold what cannot start now in its class's pool (off: reject it)."""
     early_rejection: bool = True
     """Reject a request whose predicted TTFT (best instance, plus its pool's expected wait)
-    misses its class objective, or that would start after its deadline."""
+    misses its class objective, or that would start after its deadline. A request that
+    would miss its first-token objective even on an idle instance is not rejected for it
+    (``_attainable``)."""
     interactive_reservation: bool = True
     """Start long documents and batch work only while the fleet's KV use, taken and
     promised (``AdmissionView.kv_use``), leaves ``reserved_kv_share`` free for
@@ -106,7 +108,7 @@ class SLOMax:
         figures = {"kv_use": kv_use, "pool_wait_s": wait}
         if predicted is not None:
             figures["predicted_ttft_s"] = predicted
-        objective = view.objective(request)
+        objective = _attainable(view.objective(request), view.idle_ttft_s)
         if p.early_rejection and predicted is not None:
             late = _late(request, objective, view.now_s, predicted + wait)
             if late is not None:
@@ -174,6 +176,19 @@ class SLOMax:
         return AdmissionDecision(
             Verdict.REJECT, reason, retry_after_s=retry, figures=_items(figures)
         )
+
+
+def _attainable(objective: ClassObjective, idle_ttft_s: float | None) -> ClassObjective:
+    """The objective admission holds a request to: its class's, without the first-token
+    bound where even an idle instance would miss it (a prompt too long for its class; one
+    past the model's context then reaches the engine, which refuses it). Waiting cannot
+    help such a request, and rejecting it on its predicted TTFT told its client to retry
+    a request that would be refused for ever (OpenAI's SDK retries a 429 by itself). It is
+    admitted or held on load alone, as one of a class with no first-token objective; its
+    outcome still counts as missed."""
+    if objective.ttft_s is None or idle_ttft_s is None or idle_ttft_s <= objective.ttft_s:
+        return objective
+    return objective.model_copy(update={"ttft_s": None})
 
 
 def _late(

@@ -141,6 +141,9 @@ class AdmissionView:
     objectives: Mapping[TaskClass, ClassObjective] = field(
         default_factory=lambda: dict(DEFAULT_OBJECTIVES)
     )
+    idle_ttft_s: float | None = None
+    """The router's TTFT prediction for this request on the best ready instance were it
+    idle: what no wait shortens (None with ``predicted_ttft_s``)."""
 
     def awaiting_first_token(self) -> int:
         """Requests in flight still in their queue or prefill."""

@@ -20,6 +20,7 @@ from control.routing.snapshot import (
     Observation,
     PoolModel,
     RouteRequest,
+    TtftPrediction,
 )
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "ReadsKvEvents",
     "RouteRequest",
     "Router",
+    "TtftPrediction",
     "Withdrawing",
     "implements",
     "make_router",

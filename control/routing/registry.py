@@ -8,7 +8,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, get_type_hints, runtime_checkable
 
 import numpy as np
-import numpy.typing as npt
 from pydantic import TypeAdapter, ValidationError
 
 from control.routing.baselines import LeastRequests, PowerOfTwo, PowerOfTwoParams, RoundRobin
@@ -29,6 +28,7 @@ from control.routing.snapshot import (
     Observation,
     PoolModel,
     RouteRequest,
+    TtftPrediction,
 )
 from control.routing.tokenpilot import TokenPilot, TokenPilotParams
 from schemas.envelope import describe
@@ -67,7 +67,7 @@ class PredictsTtft(Protocol):
 
     def predict_ttft(
         self, request: RouteRequest, fleet: FleetSnapshot, now: float
-    ) -> npt.NDArray[np.float64]: ...
+    ) -> TtftPrediction: ...
 
 
 @runtime_checkable

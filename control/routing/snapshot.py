@@ -163,6 +163,18 @@ PREDICTED_TTFT_S = "predicted_ttft_s"
 ``Decision.predicted_ttft_s``): a router that estimates them names them so."""
 
 
+@dataclass(frozen=True, slots=True)
+class TtftPrediction:
+    """A router's answer to admission (``PredictsTtft``): the time to first token a client
+    would see for a request, the API's overhead included."""
+
+    on_each: FloatArray
+    """On each instance as it is loaded now (infinite where not ready)."""
+    idle_s: float
+    """On the best ready instance were it idle, its cache as it is: the request's own
+    prefill, which no wait shortens (infinite where none is ready)."""
+
+
 @dataclass(frozen=True)
 class Decision:
     """A routing decision with its reasons, kept as arrays aligned with the snapshot.

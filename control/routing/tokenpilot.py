@@ -74,6 +74,7 @@ from control.routing.snapshot import (
     Observation,
     PoolModel,
     RouteRequest,
+    TtftPrediction,
 )
 from control.step_time import Seconds, StepsUnderLoad
 from control.tokens import BLOCK_TOKENS
@@ -207,6 +208,7 @@ class TokenPilot:
             parts = admitted_on.parts
         else:
             parts = self._predict(request, fleet, ledger, ahead, now)
+        del parts["alone_s"]  # admission's, not a term of the decision
         raw = parts["queue_s"] + parts["prefill_s"]
         ratio = correction.ratio
         predicted = raw * ratio
@@ -223,15 +225,22 @@ class TokenPilot:
         parts |= {"correction": ratio, PREDICTED_TTFT_S: predicted}
         return Decision(self.name, chosen, np.where(fleet.ready, scores, np.nan), parts)
 
-    def predict_ttft(self, request: RouteRequest, fleet: FleetSnapshot, now: float) -> FloatArray:
-        """The TTFT a client would see on each instance, as ``route`` predicts it, with
-        nothing recorded (for admission, which decides before the route is taken)."""
+    def predict_ttft(
+        self, request: RouteRequest, fleet: FleetSnapshot, now: float
+    ) -> TtftPrediction:
+        """The TTFT a client would see on each instance, as ``route`` predicts it, and on
+        the best were it idle, with nothing recorded (for admission, which decides before
+        the route is taken)."""
         ledger, correction = self._state(len(fleet))
         ledger.advance(now)
         parts = self._predict(request, fleet, ledger, self._ahead(request, fleet, ledger), now)
         self._predicted = _Predicted(request, now, _load_of(fleet), parts)
-        predicted = (parts["queue_s"] + parts["prefill_s"]) * correction.ratio
-        return np.where(fleet.ready, predicted + self.pool.step_time.ttft_overhead_s, np.inf)
+        overhead, ratio = self.pool.step_time.ttft_overhead_s, correction.ratio
+        loaded = (parts["queue_s"] + parts["prefill_s"]) * ratio
+        idle = np.min(np.where(fleet.ready, parts["alone_s"] * ratio, np.inf))
+        return TtftPrediction(
+            np.where(fleet.ready, loaded + overhead, np.inf), float(idle) + overhead
+        )
 
     def observe(self, observation: Observation) -> None:
         self._predicted = None
@@ -318,6 +327,7 @@ class TokenPilot:
         return step | {
             "queue_s": queue,
             "prefill_s": with_own - queue + attention,
+            "alone_s": alone + attention,
             "work_s": alone - idle_steps_s + attention,
             "shared_step_s": self._shared_step_s(step["unstarted_tokens"], uncached, load),
             CACHED_TOKENS: cached,

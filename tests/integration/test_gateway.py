@@ -97,6 +97,24 @@ async def test_a_workload_replays_through_the_gateway_with_a_tenant_s_key(
     assert "failed: 6 with HTTP 401" in capsys.readouterr().err
 
 
+async def test_a_prompt_too_long_for_its_class_objective_reaches_the_engine(
+    client: openai.AsyncOpenAI,
+) -> None:
+    """A chat sent as interactive whose prefill alone takes past the class's 2 s
+    objective on an idle fleet (60,000 tokens, which the emulated engine takes: 4 s) is
+    not told to retry later, which every retry would be told again: it is served, late.
+    (A text past the engine's context gets the engine's own 400, the gateway's token
+    count being an estimate.)"""
+    answer = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "word " * 48_000}],
+        max_tokens=5,
+        extra_headers={"x-tokenfleet-class": "interactive"},
+    )
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 5
+
+
 async def test_errors_use_openai_statuses_and_format(front: Gateway) -> None:
     async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="wrong") as stranger:
         with pytest.raises(openai.AuthenticationError) as denied:

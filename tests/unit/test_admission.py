@@ -192,6 +192,28 @@ def test_a_request_that_cannot_meet_its_objective_is_refused_early() -> None:
     assert SLOMax().decide(strict, view(predicted=[0.8, 0.9])).reason == "predicted_ttft"
 
 
+def test_a_request_no_wait_would_bring_within_its_objective_is_judged_on_load_alone() -> None:
+    """Its own prefill misses the objective on an idle instance (2.5 s of a 2 s chat):
+    rejecting it as 'retry later' would turn its every retry away; it starts where the
+    fleet has room, and waits where it has none, as a request with no first-token
+    objective does."""
+    too_long = request(CHAT, tokens=60_000, arrival=3.0)
+    idle = SLOMax().decide(too_long, view(now=3.0, predicted=[2.6, 2.7], idle_ttft_s=2.5))
+    assert (idle.verdict, idle.reason) == (Verdict.DISPATCH, "admitted")
+    queued = {CHAT: PoolState(depth=3, drained_per_s=1.0)}
+    busy = view(now=3.0, predicted=[9.0, 9.5], idle_ttft_s=2.5, pools=queued)
+    behind = SLOMax().decide(too_long, busy)
+    assert (behind.verdict, behind.reason) == (Verdict.HOLD, "behind_pool")
+    assert (behind.hold_until_s, behind.expires_as) == (603.0, MAX_HOLD)
+    # one that an idle instance would serve in time is still refused on load
+    fits = SLOMax().decide(request(CHAT), view(predicted=[2.6, 2.7], idle_ttft_s=0.4))
+    assert fits.reason == "predicted_ttft"
+    # a deadline still holds: work past it is lost whatever the objective
+    batch = request(BATCH, deadline=10.0)
+    late = SLOMax().decide(batch, view(now=9.0, predicted=[1.5, 1.2], idle_ttft_s=1.2))
+    assert late.reason == "deadline"
+
+
 def test_a_held_request_is_answered_without_retry_after_and_holds_end_in_time() -> None:
     held = SLOMax().decide(request(CHAT), view(now=1.9, predicted=[0.3, 0.3]), held=True)
     assert (held.verdict, held.retry_after_s) == (Verdict.REJECT, None)

@@ -25,19 +25,37 @@ Exported = dict[str, set[str]]
 """Each sample name that can be exported, with the labels it carries."""
 
 
-def gateway_metrics() -> Exported:
-    metrics = GatewayMetrics()
+def gateway_families() -> dict[str, tuple[str, set[str]]]:
+    """Each of the gateway's metric families, by name: its type and labels."""
+    registry = GatewayMetrics().registry
     labels_of = {
         collector._name: set(collector._labelnames)  # type: ignore[attr-defined]
-        for collector in metrics.registry._collector_to_names  # type: ignore[attr-defined]
+        for collector in registry._collector_to_names  # type: ignore[attr-defined]
         if hasattr(collector, "_labelnames")
     }
+    return {f.name: (f.type, labels_of.get(f.name, set())) for f in registry.collect()}
+
+
+def gateway_metrics() -> Exported:
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
     return {
-        family.name + suffix: labels_of.get(family.name, set()) | {"le"}
-        for family in metrics.registry.collect()
-        for suffix in suffixes.get(family.type, ("",))
+        name + suffix: labels | {"le"}
+        for name, (kind, labels) in gateway_families().items()
+        for suffix in suffixes.get(kind, ("",))
     }
+
+
+def test_the_gateway_s_docs_name_every_series_with_its_labels() -> None:
+    """``docs/gateway.md``, "Metrics", where operators look a series up."""
+    docs = (DASHBOARDS.parents[1] / "docs" / "gateway.md").read_text()
+    rows = re.findall(r"^\| `(tokenfleet_gateway_\w+)` \|([^|]*)\|", docs, re.MULTILINE)
+    documented = {name: set(re.findall(r"`(\w+)`", labels)) for name, labels in rows}
+    exported = {
+        name + ("_total" if kind == "counter" else ""): labels
+        for name, (kind, labels) in gateway_families().items()
+        if name.startswith("tokenfleet_gateway_")
+    }
+    assert documented == exported
 
 
 def controller_metrics() -> Exported:

@@ -500,3 +500,18 @@ def test_routing_after_admission_s_prediction_decides_as_routing_alone(
     # its predictions and computed the rest again.
     assert passes[id(alone)] == 400
     assert 400 + 100 < passes[id(asked)] < 800
+
+
+def test_admission_is_told_the_request_s_own_ttft_on_an_idle_instance() -> None:
+    """What no wait shortens: the prompt's prefill on the best ready instance, its cache
+    as it is; on an idle fleet, the best of the predictions."""
+    pilot = TokenPilot(POOL)
+    on_idle = pilot.predict_ttft(hot_request(0), idle_fleet(3), 0.0)
+    assert on_idle.idle_s == pytest.approx(on_idle.on_each.min())
+    pilot.route(hot_request(0), idle_fleet(3), 0.0)  # its prefix cached where it went
+    busy = _busy_fleet(9)
+    warm = pilot.predict_ttft(hot_request(1), busy, 0.1)
+    assert warm.idle_s < on_idle.idle_s / 2  # 8,064 of its 8,264 tokens cached
+    assert warm.idle_s < warm.on_each.min()
+    none_ready = replace(busy, ready=np.zeros(3, dtype=bool))
+    assert pilot.predict_ttft(hot_request(2), none_ready, 0.2).idle_s == np.inf
