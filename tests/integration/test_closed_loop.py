@@ -70,8 +70,12 @@ HEAVY = "a long document, or a batch job"
 BATCH_DEADLINE_S = 10.0
 """A batch job's deadline: held past it, the job is answered (503), so the run ends soon
 after the flood does."""
-RUN_S = 50.0
-FLOOD_FROM_S, FLOOD_UNTIL_S = 5.0, 45.0
+RUN_S = 40.0
+FLOOD_FROM_S, FLOOD_UNTIL_S = 5.0, 36.0
+"""Seen on this project's 2-core machine, in four runs: chats met their objective in every
+2 s window from the one at 12 to 16 s on, the ceiling at one or two a DC by then; the last
+10 s of the flood, which are judged, begin 10 s later. (Until 2026-12-07 the flood lasted
+40 s and the run 50.)"""
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +181,10 @@ async def _running(*loops: Coroutine[Any, Any, None]) -> AsyncIterator[None]:
 
 async def _traffic(front: Gateway, flood_headers: dict[str, str]) -> list[Chat]:
     """Chats all along; heavy requests (with ``flood_headers``) flooding in between
-    ``FLOOD_FROM_S`` and ``FLOOD_UNTIL_S``. The chats' outcomes, as their clients saw them."""
+    ``FLOOD_FROM_S`` and ``FLOOD_UNTIL_S``. The chats' outcomes, as their clients saw them;
+    heavy requests not answered when the last chat is, their clients leave. (Until
+    2026-12-07 the run waited for them: 25 s more, long documents held to the end of
+    their 30 s objective.)"""
     start = time.monotonic()
     # a fresh connection per request: reusing one the server is closing for idleness
     # fails the request with a ReadError (uvicorn closes idle connections after 5 s)
@@ -194,7 +201,11 @@ async def _traffic(front: Gateway, flood_headers: dict[str, str]) -> list[Chat]:
             for at in _every(HEAVY_EVERY_S, FLOOD_FROM_S, FLOOD_UNTIL_S)
         ]
         outcomes = await asyncio.gather(*chats)
-        await asyncio.gather(*flood)
+        for heavy in flood:  # those still held would wait out their objective (30 s)
+            heavy.cancel()
+        for ended in await asyncio.gather(*flood, return_exceptions=True):
+            if isinstance(ended, Exception):  # an answer that was not 200, 429 or 503
+                raise ended
     return outcomes
 
 
