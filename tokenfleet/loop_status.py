@@ -10,13 +10,16 @@ them would.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import cast
 
 from schemas import Envelope
 from schemas.control import ControlSnapshot
+from schemas.deadletter import DeadLetter
 from schemas.tables import CapacityTable, WindowedTable
-from schemas.topics import topic_for
+from schemas.topics import DEADLETTER_TOPIC, topic_for
 from streams.kafka import KafkaBus
 from tokenfleet.operator_view import ONE_APP_ID, recent_publishers
 
@@ -35,12 +38,15 @@ class OnTheBroker:
 
     latest: dict[str, dict[str, Envelope]]
     published: dict[str, dict[str, float]]
+    dead_letters: list[Envelope] = field(default_factory=list)
+    """The letters on ``tf.deadletter`` (kept 14 days)."""
 
 
 async def read_broker(bootstrap: str) -> OnTheBroker:
-    """One read of each topic, on one connection, that writes nothing: a record that
-    does not decode is skipped (a reader of the loop's state leaves dead-lettering to the
-    loop's own consumers, or each status would dead-letter it again)."""
+    """One read of each topic (the tables', the controls' and the dead letters'), on one
+    connection, that writes nothing: a record that does not decode is skipped (a reader
+    of the loop's state leaves dead-lettering to the loop's own consumers, or each
+    status would dead-letter it again)."""
     bus = KafkaBus(bootstrap, source="status")
     found = OnTheBroker({}, {})
     try:
@@ -54,9 +60,35 @@ async def read_broker(bootstrap: str) -> OnTheBroker:
                 if isinstance(table := envelope.payload, WindowedTable):
                     sources = found.published.setdefault(table.dc, {})
                     sources[envelope.source] = max(sources.get(envelope.source, 0.0), envelope.ts)
+        await _read_dead_letters(bus, found)
     finally:
         await bus.close()
     return found
+
+
+async def _read_dead_letters(bus: KafkaBus, found: OnTheBroker) -> None:
+    try:
+        envelopes, _ = await bus.read_all(DEADLETTER_TOPIC)
+    except LookupError:
+        return
+    found.dead_letters.extend(e for e in envelopes if isinstance(e.payload, DeadLetter))
+
+
+def dead_letter_note(found: OnTheBroker, now: float) -> str | None:
+    """What ``tf.deadletter`` holds, for the operator to read (it opens no loop: each
+    letter is a record its consumer skipped and went on past); None where it is empty."""
+    if not found.dead_letters:
+        return None
+    letters = [cast(DeadLetter, e.payload) for e in found.dead_letters]
+    by_topic = Counter(letter.source_topic for letter in letters)
+    topics = ", ".join(f"{topic} {n}" for topic, n in by_topic.most_common())
+    latest = max(found.dead_letters, key=lambda e: e.ts)
+    last = cast(DeadLetter, latest.payload)
+    return (
+        f"dead letters on {DEADLETTER_TOPIC}: {len(letters)} ({topics}); the latest "
+        f"{now - latest.ts:.0f} s ago, from {last.source_topic}[{last.partition}]@"
+        f"{last.offset}: {last.reason}"
+    )
 
 
 def _key(envelope: Envelope) -> str:

@@ -58,8 +58,8 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
     """``tokenfleet status`` reads the compacted topics as any reader would: fresh tables
     and quotas in force close the loop (exit 0); a stale table opens it (exit 1), and so
     do tables from two table workers. A record that does not decode is passed over, and
-    status writes nothing: no dead letter of it. Only this test's DC is asked for: the
-    broker is shared with the other tests."""
+    status writes nothing: no dead letter of it. The dead letters there are said. Only
+    this test's DC is asked for: the broker is shared with the other tests."""
     import time
 
     from schemas import Envelope
@@ -99,14 +99,20 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
 
     broken = KafkaBus(kafka.address, source="test")
     await broken.publish("tf.tables.goodput", dc, b"{not a table")
+    letter = DeadLetter(
+        source_topic="tf.telemetry", partition=0, offset=7, key=None, reason=dc, raw_b64=""
+    )
+    await broken.publish_event(Envelope.wrap(letter, source="a worker"))
     await broken.close()
     await publish(time.time(), 1)
     closed = await asyncio.to_thread(main, ["status", "--dc", dc])
     out = capsys.readouterr().out
     await publish(time.time() - 120, 2)
     opened = await asyncio.to_thread(main, ["status", "--dc", dc])
-    assert closed == 0, out
+    assert closed == 0, out  # a dead letter is a note: its consumer went on
     assert f"tf.tables.goodput    {dc}" in out
+    assert "dead letters on tf.deadletter: " in out
+    assert f"s ago, from tf.telemetry[0]@7: {dc}\n" in out
     assert await dead_letters_of_this_dc() == 0
     assert opened == 1
     assert f"tf.tables.goodput[{dc}] 120" in capsys.readouterr().out

@@ -216,6 +216,7 @@ def _status(args: argparse.Namespace) -> int:
 
     from tokenfleet.deployment import Deployment
     from tokenfleet.loop_status import (
+        dead_letter_note,
         loop_checks,
         process_checks,
         publisher_checks,
@@ -254,6 +255,8 @@ def _status(args: argparse.Namespace) -> int:
     on_the_broker = loop_checks(found.latest, now, args.stale_after, dcs)
     on_the_broker += publisher_checks(found.published, now, dcs)
     _print_checks(on_the_broker)
+    if (note := dead_letter_note(found, now)) is not None:
+        print(note)
     closed, why = verdict(checks + on_the_broker)
     print(f"loop {'closed' if closed else 'open'}: {why}")
     return 0 if closed else 1
