@@ -55,6 +55,19 @@ class FallbackState:
         arguments, and until when it is owed (a claim that expired in Redis may have
         been claimed again by another request, which a late release would free)."""
 
+    async def check(self) -> None:
+        """Redis's ``check``: ValueError where it refuses this gateway for good; where it
+        does not answer, a warning, and the replica starts on its own state."""
+        try:
+            await self.primary.check()
+        except REDIS_ERRORS as exc:
+            log.warning(
+                "Redis at %s does not answer (%s); using local state until it does",
+                self.primary.url,
+                exc,
+            )
+            self._down_until = time.monotonic() + self.retry_s
+
     @property
     def degraded(self) -> bool:
         return time.monotonic() < self._down_until

@@ -56,7 +56,12 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 
 from gateway import redis_scripts as scripts
 from gateway.resp import LeanRedis
@@ -556,6 +561,17 @@ class RedisState:
     async def flush(self) -> None:
         """Send every change ``adjust`` holds now, and wait for those already on their way."""
         await asyncio.gather(*self._flushing, *(self._flush(p) for p in list(self._held)))
+
+    async def check(self) -> None:
+        """One call at start. ValueError where the server refuses this gateway for good: a
+        wrong password, none where one is needed, a database the server lacks (left to
+        the fallback, such a URL kept the replica on its own state for its whole life,
+        ready all along, its ceilings and idempotency keys its own). A server that does
+        not answer is only away: the caller starts, on its own state until it answers."""
+        try:
+            await self._redis.ping()
+        except (ResponseError, AuthenticationError) as exc:
+            raise ValueError(f"Redis at {self.url} refuses this gateway: {exc}") from None
 
     async def close(self) -> None:
         try:

@@ -76,6 +76,9 @@ class LeanRedis:
     async def delete(self, name: str) -> None:
         await self.call("DEL", name)
 
+    async def ping(self) -> None:
+        await self.call("PING")
+
     async def aclose(self) -> None:
         if self._connection is not None:
             self._connection.close(RedisConnectionError("the client was closed"))

@@ -198,7 +198,8 @@ async def running_gateway(
 ) -> AsyncIterator[FastAPI]:
     """Serve a gateway on ``host:port`` (0: any free port; ``app.state.address`` says
     which) until the context exits (``OSError`` when the port is taken; ``ValueError``
-    for settings that cannot work together, or a tenant's key variable unset)."""
+    for settings that cannot work together, a tenant's key variable unset, or a Redis
+    that refuses the gateway's password or database)."""
     fleet = fleet.with_tenant_keys(os.environ)
     if settings.journal and not services.kafka_bootstrap:
         # On the in-process bus nobody could read it, and it would be kept until exit.
@@ -220,6 +221,8 @@ async def running_gateway(
     state = shared_state(fleet, services, settings)
     controls = published_controls(fleet, settings, embedded=services.kafka_bootstrap is None)
     try:
+        if isinstance(state, FallbackState):
+            await state.check()
         app = create_app(gateway_parts(fleet, settings, bus, state, controls))
         # Bound here, so that a port taken raises OSError, where uvicorn would log it and
         # exit the process.

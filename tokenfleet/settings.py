@@ -36,7 +36,8 @@ class Settings(BaseSettings):
     topics the commands create) and the table worker's changelogs: 1 for one broker;
     on a cluster, 3 keeps them through a broker's loss (managed Kafka may require it)."""
     redis_url: str | None = None
-    """``redis://host:port/db``; unset means: the local server, if one runs."""
+    """``redis://[:password@]host:port/db``, the gateways' shared state; unset, each gateway
+    keeps its own (and ``bench gateway`` starts a local server for its Redis rows)."""
     redis_cluster: bool = False
     """Whether ``redis_url`` names a node of a Redis Cluster (the gateways' keys carry a hash
     tag per pool, so each decision's script runs on one node)."""

@@ -561,3 +561,48 @@ async def outage(home: Path, retry_s: float = 0.1) -> AsyncIterator[Outage]:
         await admin.aclose()
         await state.close()
         server.stop()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        "redis://:s3cret@{address}/0",  # a password the server does not have
+        "redis://{address}/99",  # a database the server lacks (16 by default)
+        "redis://{address}/?db=99",  # the same through redis-py, which reads the query
+    ],
+)
+async def test_a_redis_that_refuses_the_gateway_stops_it_at_start(
+    redis_server: Service,
+    wrong: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Left to the fallback, such a URL kept the gateway on its own state for its whole
+    life, ready all along, its class ceilings and idempotency keys its own."""
+    from tokenfleet.cli import main
+
+    url = wrong.format(address=urlsplit(redis_server.address).netloc)
+    monkeypatch.setenv("TOKENFLEET_REDIS_URL", url)
+    fleet = Path(__file__).parents[2] / "examples" / "fleet.toml"
+    assert await asyncio.to_thread(main, ["gateway", "--fleet", str(fleet), "--port", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "the gateway cannot start: Redis at redis://" in error
+    assert "refuses this gateway: " in error
+    assert "s3cret" not in error
+
+
+async def test_a_redis_that_does_not_answer_at_start_is_waited_for_on_local_state(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from gateway.settings import GatewaySettings
+    from schemas.fleet import load_fleet
+    from tokenfleet.gateway_wiring import running_gateway
+    from tokenfleet.settings import Settings
+
+    away = f"redis://127.0.0.1:{free_port()}"
+    fleet = load_fleet(Path(__file__).parents[2] / "examples" / "fleet.toml")
+    services = Settings(redis_url=away)
+    async with running_gateway(fleet, GatewaySettings(), services, "127.0.0.1", 0) as app:
+        assert app.state.address
+    assert f"Redis at {away} does not answer" in caplog.text
