@@ -72,11 +72,11 @@ _VLLM = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:gpu_cache_usage_perc": "kv_usage_before_0_10",
+    "vllm:gpu_cache_usage_perc": "kv_usage_older",
     "vllm:prefix_cache_hits": "prefix_hits",
     "vllm:prefix_cache_queries": "prefix_queries",
-    "vllm:gpu_prefix_cache_hits": "prefix_hits_before_0_10",
-    "vllm:gpu_prefix_cache_queries": "prefix_queries_before_0_10",
+    "vllm:gpu_prefix_cache_hits": "prefix_hits_older",
+    "vllm:gpu_prefix_cache_queries": "prefix_queries_older",
     "vllm:num_preemptions": "preemptions",
     "vllm:cache_config_info": "cache_config",
     "vllm:engine_sleep_state": "sleep_state",
@@ -90,7 +90,7 @@ _SGLANG = {
     "sglang:cached_tokens": "prefix_hits",
     "sglang:cache_hit_rate": "hit_rate",
 }
-_SHARES = frozenset({"kv_usage", "kv_usage_before_0_10", "hit_rate"})
+_SHARES = frozenset({"kv_usage", "kv_usage_older", "hit_rate"})
 """Fractions, one per engine (vLLM's data-parallel engines, SGLang's DP ranks): averaged,
 where counts are added up."""
 
@@ -100,19 +100,22 @@ class NoEngineMetrics(ValueError):
     draw every request."""
 
 
-def _series_key(engine: str, name: str, labels: dict[str, str]) -> tuple[str, ...] | None:
-    """Which series of a figure count, as keys (one series each); None for one that does
-    not. vLLM's count all (one per data-parallel engine). SGLang repeats a figure per
-    priority beside the total (whose ``priority`` is empty), and, with metrics for every
-    scheduler, per tensor-parallel (or pipeline, expert) rank of a batch: of those, the
-    first series of each DP rank counts (under DP attention a rank's ``tp_rank`` is
-    global, not 0)."""
+def _series_group(engine: str, name: str, labels: dict[str, str]) -> tuple[tuple[str, ...], bool]:
+    """The group of series a sample belongs to, and whether it is one priority's share.
+
+    The series of one group repeat one figure, and the largest counts: vLLM's API-server
+    processes (``pid``, under ``--api-server-count``: a gauge without ``mostrecent``, as
+    ``kv_cache_usage_perc`` was from 0.9.2 until late 2025, vLLM PR #28792, has a series
+    per process, only one of them fed the engine's stats, the others 0), SGLang's
+    tensor-parallel (pipeline, expert) ranks of a batch. The groups are vLLM's
+    data-parallel engines and SGLang's DP ranks (under DP attention a rank's ``tp_rank``
+    is global, not 0), added up or averaged. SGLang repeats a figure per priority beside
+    its total (``priority`` empty); under priority scheduling its tokenizer's counters
+    have the per-priority series alone (SGLang 0.5.23, ``metrics_collector.py``)."""
     if engine != "sglang":
-        return (name, *labels.values())
-    if labels.get("priority"):
-        return None
+        return (name, *(f"{k}={v}" for k, v in sorted(labels.items()) if k != "pid")), False
     kept = (f"{k}={v}" for k, v in sorted(labels.items()) if k == "dp_rank" or k[-5:] != "_rank")
-    return (name, *kept)
+    return (name, *kept), bool(labels.get("priority"))
 
 
 _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)")
@@ -143,8 +146,8 @@ def parse_metrics(text: str, engine: str) -> Scraped:
     ``prefix_cache_queries`` are missing (0.9.2 to 0.10 publish both; 0.8 to 0.9.1 the
     older only, whose prefix counters read 0 until 2026-12-07)."""
     names = _VLLM if engine == "vllm" else _SGLANG
-    series: dict[str, list[float]] = {}
-    counted: set[tuple[str, ...]] = set()
+    groups: dict[str, dict[tuple[str, ...], float]] = {}
+    by_priority: dict[str, dict[tuple[str, ...], float]] = {}
     blocks, block_size = 0, 16
     awake: list[float] = []
     engine_samples = False
@@ -160,17 +163,18 @@ def parse_metrics(text: str, engine: str) -> Scraped:
             blocks = max(blocks, _whole(labels.get("num_gpu_blocks")))
             block_size = _whole(labels.get("block_size")) or block_size
         elif field is not None:
-            key = _series_key(engine, name, labels)
-            if key is not None and key not in counted:
-                counted.add(key)
-                series.setdefault(field, []).append(value)
+            group, shared = _series_group(engine, name, labels)
+            values = (by_priority if shared else groups).setdefault(field, {})
+            values[group] = max(values.get(group, value), value)
     if not engine_samples:  # a server's gauges wait for its first stats (SGLang's: 30 s idle)
         raise NoEngineMetrics(
             f"no {engine} metrics (such as {', '.join(list(names)[:2])}): an SGLang server "
             "needs --enable-metrics, a vLLM one its stats logging (no --disable-log-stats); "
             "the fleet file's `engine` must name the server's"
         )
-    figures: dict[str, float] = {f: fmean(v) if f in _SHARES else sum(v) for f, v in series.items()}
+    for field, shares in by_priority.items():  # a figure without its total: the shares
+        groups.setdefault(field, shares)
+    figures = {f: fmean(v.values()) if f in _SHARES else sum(v.values()) for f, v in groups.items()}
     for field, value in figures.items():
         if not 0 <= value < math.inf:  # NaN too: no gauge or counter here is one
             raise ValueError(f"its {field} reads {value}, not a count")
@@ -181,10 +185,10 @@ def parse_metrics(text: str, engine: str) -> Scraped:
         # An SGLang without the tokenizer's counters: its last prefill batch's rate, over a
         # nominal 1,000 queries (a counter that never grows: the tables read no rate).
         figures["prefix_queries"], figures["prefix_hits"] = 1000.0, 1000.0 * hit_rate
-    kv_usage = figures.get("kv_usage", figures.get("kv_usage_before_0_10", 0.0))
+    kv_usage = figures.get("kv_usage", figures.get("kv_usage_older", 0.0))
     if "prefix_queries" not in figures:  # vLLM 0.8 to 0.9.1 had only the older pair
-        figures["prefix_queries"] = figures.get("prefix_queries_before_0_10", 0.0)
-        figures["prefix_hits"] = figures.get("prefix_hits_before_0_10", 0.0)
+        figures["prefix_queries"] = figures.get("prefix_queries_older", 0.0)
+        figures["prefix_hits"] = figures.get("prefix_hits_older", 0.0)
     return Scraped(
         running=int(figures.get("running", 0)),
         waiting=int(figures.get("waiting", 0)),

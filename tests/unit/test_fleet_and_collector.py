@@ -261,6 +261,32 @@ def test_sglang_s_token_counters_are_its_prefix_cache_counters() -> None:
     assert (scraped.prefix_hits, scraped.prefix_queries) == (300.0, 1000.0)
 
 
+def test_sglang_s_token_counters_under_priority_scheduling_are_the_sum_of_the_priorities() -> None:
+    """With ``--enable-priority-scheduling`` its tokenizer's counters carry each request's
+    priority and no total (read as missing before: the nominal 1,000 queries, the tables'
+    hit rate 0), where its gauges have a total beside the shares."""
+    counters = SGLANG + (
+        'sglang:prompt_tokens_total{model_name="m",priority="0"} 800.0\n'
+        'sglang:prompt_tokens_total{model_name="m",priority="1"} 400.0\n'
+        'sglang:cached_tokens_total{model_name="m",priority="0",cache_source="device"} 250.0\n'
+        'sglang:cached_tokens_total{model_name="m",priority="1",cache_source="device"} 110.0\n'
+    )
+    scraped = parse_metrics(counters, "sglang")
+    assert (scraped.prefix_hits, scraped.prefix_queries) == (360.0, 1200.0)
+
+
+def test_vllm_s_api_server_processes_each_show_a_gauge_only_one_of_them_feeds() -> None:
+    """``--api-server-count 4``: a gauge exported per process (``pid``) reads the engine's
+    figure in one of them and 0 in the others (``kv_cache_usage_perc`` until vLLM PR
+    #28792); averaged, the KV use read a quarter of itself."""
+    pids = (("11", 0.0), ("12", 0.0), ("13", 0.8), ("14", 0.0))
+    exposition = VLLM + "".join(
+        f'vllm:kv_cache_usage_perc{{engine="0",model_name="m",pid="{pid}"}} {use}\n'
+        for pid, use in pids
+    )
+    assert parse_metrics(exposition, "vllm").kv_usage == pytest.approx(0.8)
+
+
 def test_an_instance_that_did_not_answer_is_not_ready() -> None:
     fleet = load_fleet(EXAMPLE)
     assert not telemetry_of(fleet.instances[1], None).ready
