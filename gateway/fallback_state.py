@@ -49,7 +49,8 @@ class FallbackState:
         """Called on every call answered locally (the gateway counts them)."""
         self._down_until = 0.0
         self._claimed: Expiring[float] = Expiring(float)
-        """Idempotency keys this replica holds, and when their claim expires."""
+        """Idempotency keys this replica holds, and when their claim's lease ends."""
+        self._lease_s = primary.share_ttl_s
         self._owed: Expiring[tuple[str, tuple[Any, ...], float]] = Expiring(itemgetter(2))
         """Idempotency keys whose settle or release Redis did not take: the call, its
         arguments, and until when it is owed (a claim that expired in Redis may have
@@ -132,6 +133,25 @@ class FallbackState:
         await self._run("reconcile")
         if not self.degraded:
             await self._pay_owed()
+            await self._renew_claims()
+
+    async def _renew_claims(self) -> None:
+        """Renew the leases of the keys this replica holds in Redis while their requests
+        run (``RedisState.claim``); a failed renewal is tried at the next reconcile,
+        within the lease. A key's entry lasts its lease from the last renewal: an end
+        owed for it is sent only while Redis may still hold the claim (past it, another
+        replica may have claimed the key again, which the end would free)."""
+        now = time.monotonic()
+        self._claimed.sweep(now)
+        if not self._claimed:
+            return
+        try:
+            renewed = await self.primary.renew(list(self._claimed))
+        except REDIS_ERRORS:
+            return
+        for key in renewed:
+            if key in self._claimed:  # not ended meanwhile
+                self._claimed[key] = now + self._lease_s
 
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
         return cast(float, await self._run("take", bucket, rate_per_s, burst, amount))
@@ -146,7 +166,7 @@ class FallbackState:
         if held is None:
             now = time.monotonic()
             self._claimed.sweep(now)
-            self._claimed[key] = now + ttl_s
+            self._claimed[key] = now + min(ttl_s, self._lease_s)
             self._owed.pop(key, None)  # an end owed for an earlier claim must not free this one
         return held
 

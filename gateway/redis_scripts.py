@@ -206,6 +206,13 @@ redis.call('DEL', lru)
 return 0
 """
 
+RENEW = """
+if redis.call('GET', KEYS[1]) == 'pending' then return redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 0
+"""
+"""Extend a pending idempotency claim's lease; 0 where the key holds an outcome (settled
+meanwhile) or nothing."""
+
 # A negative amount gives back what a refused request drew, never past the burst.
 TAKE = """
 local key, rate, burst, amount = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])

@@ -23,7 +23,8 @@ the nodes (on one server the keys carry no tag, as with earlier versions):
   move nothing: they can only make a view's instances look busier than they are;
 - ``bucket:<name>``: a token bucket's level and last refill (Redis server time, so every
   gateway refills on the same clock);
-- ``idem:<key>``: ``pending`` or a JSON outcome, with the key's time to live;
+- ``idem:<key>``: ``pending``, for a lease its replica renews while the request runs, or
+  a JSON outcome, with the key's time to live;
 - ``{loads}:load:<replica>``: the replica's admission load (JSON) with a short time to
   live, and ``{loads}:loads``, a sorted set of replicas scored by when theirs expires;
   ``{loads}:slots:<claim>``: the slots of a class ceiling each live replica holds, a
@@ -295,6 +296,7 @@ class RedisState:
         self._cleared = self._redis.register_script(scripts.CLEARED)
         self._take = self._redis.register_script(scripts.TAKE)
         self._loads = self._redis.register_script(scripts.LOADS)
+        self._renew = self._redis.register_script(scripts.RENEW)
 
     def _pool(self, instance_ids: Sequence[str]) -> tuple[str, str]:
         """The first key and the key prefix of a script on these instances' pool: on a
@@ -525,8 +527,13 @@ class RedisState:
         await self.take(bucket, rate_per_s, burst, -amount)
 
     async def claim(self, key: str, ttl_s: float) -> Outcome | InProgress | None:
+        """Held ``pending`` for a lease of ``share_ttl_s`` (or ``ttl_s`` if shorter), which
+        the replica renews while the request runs (``renew``): the claim of a replica
+        that died frees its key within the lease. Held for the key's whole TTL, such a
+        key answered every retry with 409 on every replica for 10 minutes."""
         name = f"{self.prefix}idem:{key}"
-        if await self._redis.set(name, b"pending", nx=True, px=int(ttl_s * 1000)):
+        lease_ms = int(min(ttl_s, self.share_ttl_s) * 1000)
+        if await self._redis.set(name, b"pending", nx=True, px=lease_ms):
             return None
         held = await self._redis.get(name)
         if held is None:  # expired between the two calls: try once more
@@ -546,6 +553,15 @@ class RedisState:
 
     async def release(self, key: str) -> None:
         await self._redis.delete(f"{self.prefix}idem:{key}")
+
+    async def renew(self, keys: Sequence[str]) -> list[str]:
+        """Renew the lease of each claim of ``keys`` still pending (``claim``); the keys
+        renewed."""
+        lease_ms = int(self.share_ttl_s * 1000)
+        renewed = await asyncio.gather(
+            *(self._renew(keys=[f"{self.prefix}idem:{key}"], args=[lease_ms]) for key in keys)
+        )
+        return [key for key, done in zip(keys, renewed, strict=True) if done]
 
     async def admission_loads(
         self, own: str, slots: Mapping[str, SlotClaim] | None = None

@@ -606,3 +606,37 @@ async def test_a_redis_that_does_not_answer_at_start_is_waited_for_on_local_stat
     async with running_gateway(fleet, GatewaySettings(), services, "127.0.0.1", 0) as app:
         assert app.state.address
     assert f"Redis at {away} does not answer" in caplog.text
+
+
+@pytest.mark.redis
+async def test_a_claim_lasts_while_its_replica_renews_it_and_a_dead_one_s_lapses(
+    redis_server: Service,
+) -> None:
+    """A replica killed mid-request left its key ``pending`` for the key's whole TTL (600 s
+    by default): every retry got 409 on every replica. A claim is a lease (here 1 s) that
+    a live replica renews at each reconcile while the request runs."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+
+    def replica() -> RedisState:
+        return RedisState(redis_server.address, prefix, share_ttl_s=1.0, timeout_s=5.0)
+
+    killed, other = replica(), replica()
+    live = FallbackState(replica(), LocalState())
+    outcome = Outcome(200, "application/json", b"{}")
+    raw = Redis.from_url(redis_server.address)
+    try:
+        assert await killed.claim("crashed", 600.0) is None  # its replica never renews it
+        assert await live.claim("running", 600.0) is None
+        for _ in range(6):  # 1.8 s of reconciles, every 0.3 s
+            await asyncio.sleep(0.3)
+            await live.reconcile()
+        assert await other.claim("crashed", 600.0) is None  # its lease ended: free
+        assert await other.claim("running", 600.0) is IN_PROGRESS
+        await live.settle("running", outcome, 600.0)
+        assert await live.primary.renew(["running"]) == []  # an answer is no lease
+        assert await raw.pttl(f"{prefix}idem:running") > 500_000  # it keeps the key's TTL
+        assert await other.claim("running", 600.0) == outcome
+    finally:
+        await raw.aclose()
+        for state in (killed, other, live):
+            await state.close()
