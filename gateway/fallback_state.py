@@ -142,11 +142,11 @@ class FallbackState:
         owed for it is sent only while Redis may still hold the claim (past it, another
         replica may have claimed the key again, which the end would free)."""
         now = time.monotonic()
-        self._claimed.sweep(now)
-        if not self._claimed:
+        held = [key for key, until in self._claimed.items() if until > now]
+        if not held:
             return
         try:
-            renewed = await self.primary.renew(list(self._claimed))
+            renewed = await self.primary.renew(held)
         except REDIS_ERRORS:
             return
         for key in renewed:
@@ -186,6 +186,10 @@ class FallbackState:
         now = time.monotonic()
         claimed_until = self._claimed.pop(key, now)
         self._owed.pop(key, None)
+        if method == "release" and claimed_until <= now:
+            # The lease ended unrenewed: another replica may hold the key now.
+            await self.fallback.release(key)
+            return
         try:
             await self._on_redis(method, key, *args)
             return

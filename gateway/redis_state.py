@@ -587,13 +587,25 @@ class RedisState:
         try:
             await self._redis.ping()
         except (ResponseError, AuthenticationError) as exc:
-            raise ValueError(f"Redis at {self.url} refuses this gateway: {exc}") from None
+            if refuses_for_good(exc):
+                raise ValueError(f"Redis at {self.url} refuses this gateway: {exc}") from None
+            raise  # LOADING, BUSY, MASTERDOWN...: a server that will answer
 
     async def close(self) -> None:
         try:
             await self.flush()
         finally:
             await self._redis.aclose()
+
+
+def refuses_for_good(error: RedisError) -> bool:
+    """Whether an answer to a connection's AUTH, SELECT or first call is one that no wait
+    changes: a wrong password, none where one is needed (``NOAUTH``), a database the
+    server lacks; not a server loading its data, busy, or without its master."""
+    return isinstance(error, AuthenticationError) or bool(_REFUSAL.search(str(error)))
+
+
+_REFUSAL = re.compile(r"WRONGPASS|NOAUTH|password|DB index")
 
 
 def _without_password(url: str) -> str:

@@ -79,7 +79,10 @@ def dead_letter_note(found: OnTheBroker, now: float) -> str | None:
     letter is a record its consumer skipped and went on past); None where it is empty."""
     if not found.dead_letters:
         return None
-    letters = [cast(DeadLetter, e.payload) for e in found.dead_letters]
+    # each consumer of a record dead-letters it under the record's event id (gateway
+    # replicas reading one control, for one): a letter per record
+    unique = {e.event_id: e for e in found.dead_letters}.values()
+    letters = [cast(DeadLetter, e.payload) for e in unique]
     by_topic = Counter(letter.source_topic for letter in letters)
     topics = ", ".join(f"{topic} {n}" for topic, n in by_topic.most_common())
     latest = max(found.dead_letters, key=lambda e: e.ts)

@@ -185,8 +185,11 @@ def _attainable(objective: ClassObjective, idle_ttft_s: float | None) -> ClassOb
     help such a request, and rejecting it on its predicted TTFT told its client to retry
     a request that would be refused for ever (OpenAI's SDK retries a 429 by itself). It is
     admitted or held on load alone, as one of a class with no first-token objective; its
-    outcome still counts as missed."""
-    if objective.ttft_s is None or idle_ttft_s is None or idle_ttft_s <= objective.ttft_s:
+    outcome still counts as missed. An infinite prediction (no instance ready) tells
+    nothing of the request: the bound stays, and a held request expires by it."""
+    if objective.ttft_s is None or idle_ttft_s is None or not math.isfinite(idle_ttft_s):
+        return objective
+    if idle_ttft_s <= objective.ttft_s:
         return objective
     return objective.model_copy(update={"ttft_s": None})
 

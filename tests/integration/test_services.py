@@ -100,9 +100,10 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
     broken = KafkaBus(kafka.address, source="test")
     await broken.publish("tf.tables.goodput", dc, b"{not a table")
     letter = DeadLetter(
-        source_topic="tf.telemetry", partition=0, offset=7, key=None, reason=dc, raw_b64=""
+        source_topic=f"tf.{dc}", partition=0, offset=7, key=None, reason=dc, raw_b64=""
     )
-    await broken.publish_event(Envelope.wrap(letter, source="a worker"))
+    for replica in ("a gateway", "another"):  # one record, dead-lettered by each reader
+        await broken.publish_event(Envelope.wrap(letter, source=replica, event_id=f"{dc}/0/7"))
     await broken.close()
     await publish(time.time(), 1)
     closed = await asyncio.to_thread(main, ["status", "--dc", dc])
@@ -112,7 +113,9 @@ async def test_status_says_whether_the_loop_is_closed_from_the_topics(
     assert closed == 0, out  # a dead letter is a note: its consumer went on
     assert f"tf.tables.goodput    {dc}" in out
     assert "dead letters on tf.deadletter: " in out
-    assert f"s ago, from tf.telemetry[0]@7: {dc}\n" in out
+    assert f"tf.{dc} 1" in out  # a letter per record, not per reader
+    assert f"tf.{dc} 2" not in out
+    assert f"s ago, from tf.{dc}[0]@7: {dc}\n" in out
     assert await dead_letters_of_this_dc() == 0
     assert opened == 1
     assert f"tf.tables.goodput[{dc}] 120" in capsys.readouterr().out

@@ -636,6 +636,12 @@ async def test_a_claim_lasts_while_its_replica_renews_it_and_a_dead_one_s_lapses
         assert await live.primary.renew(["running"]) == []  # an answer is no lease
         assert await raw.pttl(f"{prefix}idem:running") > 500_000  # it keeps the key's TTL
         assert await other.claim("running", 600.0) == outcome
+        assert await live.claim("lapsed", 600.0) is None
+        await asyncio.sleep(1.2)  # no reconcile (its replica cut off from Redis): it lapses
+        assert await other.claim("lapsed", 600.0) is None  # the client's retry, elsewhere
+        await live.reconcile()  # renews no lease that ended
+        await live.release("lapsed")  # the first request failed: the retry's claim stays
+        assert await killed.claim("lapsed", 600.0) is IN_PROGRESS
     finally:
         await raw.aclose()
         for state in (killed, other, live):

@@ -43,7 +43,7 @@ async def test_records_dropped_before_a_recovery_ends_are_read_again_without_a_c
     offsets to read them again; a partition without one must go back to its start. A new
     group (none of its partitions has a committed offset) throws away what it fetched
     before its first recovery ends, and still publishes every event's count. (It runs
-    first: the other test's 60,000 readings would only slow it.)"""
+    first: the other test's 20,000 readings would only slow it.)"""
     dc = f"dc-{uuid.uuid4().hex[:8]}"
     events = _events(dc)
     await _publish(kafka, events)

@@ -205,6 +205,10 @@ def test_a_request_no_wait_would_bring_within_its_objective_is_judged_on_load_al
     behind = SLOMax().decide(too_long, busy)
     assert (behind.verdict, behind.reason) == (Verdict.HOLD, "behind_pool")
     assert (behind.hold_until_s, behind.expires_as) == (603.0, MAX_HOLD)
+    # no instance ready: an infinite prediction, which says nothing of the request
+    down = view(fleet(ready=[False, False]), now=3.0, predicted=[np.inf] * 2, idle_ttft_s=np.inf)
+    waits = SLOMax().decide(too_long, down)
+    assert (waits.verdict, waits.hold_until_s, waits.expires_as) == (Verdict.HOLD, 5.0, EXPIRED)
     # one that an idle instance would serve in time is still refused on load
     fits = SLOMax().decide(request(CHAT), view(predicted=[2.6, 2.7], idle_ttft_s=0.4))
     assert fits.reason == "predicted_ttft"

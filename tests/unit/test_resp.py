@@ -70,3 +70,29 @@ def test_a_redis_address_is_told_without_its_password() -> None:
     assert RedisState("redis://127.0.0.1:1/0", "t:").url == "redis://127.0.0.1:1/0"
     in_query = RedisState("redis://h:1/?db=2&password=s3cret&x=1", "t:").url  # redis-py reads it
     assert in_query == "redis://h:1/?db=2&password=***&x=1"
+
+
+@pytest.mark.parametrize(
+    ("answer", "for_good"),
+    [
+        ("WRONGPASS invalid username-password pair or user is disabled.", True),
+        ("NOAUTH Authentication required.", True),
+        ("ERR AUTH <password> called without any password configured for the default user.", True),
+        ("ERR DB index is out of range", True),
+        ("LOADING Redis is loading the dataset in memory", False),
+        ("BUSY Redis is busy running a script.", False),
+        ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", False),
+        ("ERR max number of clients reached", False),
+    ],
+)
+def test_only_a_refusal_no_wait_changes_stops_a_gateway_at_start(
+    answer: str, for_good: bool
+) -> None:
+    """Redis's answers (7.0's words) to a connection's AUTH, SELECT or PING: a Redis
+    restarted beside the gateways answers LOADING for a while."""
+    from redis.exceptions import AuthenticationError
+
+    from gateway.redis_state import refuses_for_good
+
+    assert refuses_for_good(ResponseError(answer)) is for_good
+    assert refuses_for_good(AuthenticationError("invalid username-password pair"))
