@@ -3,6 +3,7 @@ this process's own state while it is away (``FallbackState``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -50,7 +51,6 @@ class FallbackState:
         self._down_until = 0.0
         self._claimed: Expiring[float] = Expiring(float)
         """Idempotency keys this replica holds, and when their claim's lease ends."""
-        self._lease_s = primary.share_ttl_s
         self._owed: Expiring[tuple[str, tuple[Any, ...], float]] = Expiring(itemgetter(2))
         """Idempotency keys whose settle or release Redis did not take: the call, its
         arguments, and until when it is owed (a claim that expired in Redis may have
@@ -58,16 +58,10 @@ class FallbackState:
 
     async def check(self) -> None:
         """Redis's ``check``: ValueError where it refuses this gateway for good; where it
-        does not answer, a warning, and the replica starts on its own state."""
-        try:
-            await self.primary.check()
-        except REDIS_ERRORS as exc:
-            log.warning(
-                "Redis at %s does not answer (%s); using local state until it does",
-                self.primary.url,
-                exc,
-            )
-            self._down_until = time.monotonic() + self.retry_s
+        does not answer, it is away as after any failed call (warned of, tried again
+        after ``retry_s``), and the replica starts on its own state."""
+        with contextlib.suppress(RedisAway):
+            await self._on_redis("check")
 
     @property
     def degraded(self) -> bool:
@@ -151,7 +145,7 @@ class FallbackState:
             return
         for key in renewed:
             if key in self._claimed:  # not ended meanwhile
-                self._claimed[key] = now + self._lease_s
+                self._claimed[key] = now + self.primary.share_ttl_s
 
     async def take(self, bucket: str, rate_per_s: float, burst: float, amount: float) -> float:
         return cast(float, await self._run("take", bucket, rate_per_s, burst, amount))
@@ -166,7 +160,7 @@ class FallbackState:
         if held is None:
             now = time.monotonic()
             self._claimed.sweep(now)
-            self._claimed[key] = now + min(ttl_s, self._lease_s)
+            self._claimed[key] = now + min(ttl_s, self.primary.share_ttl_s)
             self._owed.pop(key, None)  # an end owed for an earlier claim must not free this one
         return held
 
