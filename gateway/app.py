@@ -284,7 +284,7 @@ class Gateway:
                     held.body,
                     held.status,
                     media_type=held.media_type,
-                    headers={"idempotent-replayed": "true"},
+                    headers={**held.headers, "idempotent-replayed": "true"},
                 )
             if held is IN_PROGRESS:
                 raise ApiError(409, "A request with this Idempotency-Key is still running.")

@@ -72,7 +72,7 @@ from schemas.lifecycle import (
     RequestFailed,
     RequestRouted,
 )
-from schemas.openai_api import REQUEST_ID_HEADER, ApiError
+from schemas.openai_api import ApiError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -275,7 +275,7 @@ class Exchange:
                 else:
                     await self.books.fail(trip, f"instance answered {upstream.status}")
                 return Response(
-                    body, upstream.status, media_type="application/json", headers=_headers(trip)
+                    body, upstream.status, media_type="application/json", headers=trip.headers
                 )
             if inbound.stream:
                 return await self._stream(trip, upstream, gone)
@@ -363,7 +363,7 @@ class Exchange:
         trip.output_tokens = output_tokens(answer) or 0
         trip.captured.extend(body)
         await self.books.completed(trip)
-        return Response(body, media_type="application/json", headers=_headers(trip))
+        return Response(body, media_type="application/json", headers=trip.headers)
 
     async def _left(self, trip: Trip, upstream: aiohttp.ClientResponse | None = None) -> Response:
         """The client went away before its answer began: close the upstream call (closing
@@ -398,7 +398,7 @@ class Exchange:
         return RelayedStream(
             self._relay(trip, upstream, head, events),
             on_end=lambda: self.spawn(self._stream_ended(trip, upstream, trip.stream_end)),
-            headers=_headers(trip),
+            headers=trip.headers,
         )
 
     async def _relay(
@@ -498,14 +498,6 @@ def _url(instance: InstanceConfig, path: str) -> str:
 def _error_event(message: str) -> bytes:
     body = ApiError(502, message).body()
     return f"data: {json.dumps(body)}\n\n".encode()
-
-
-def _headers(trip: Trip) -> dict[str, str]:
-    return {
-        REQUEST_ID_HEADER: trip.inbound.request_id,
-        "x-tokenfleet-instance": trip.instance.id,
-        "x-tokenfleet-dc": trip.plan.dc,
-    }
 
 
 def _charges(inbound: Inbound, plan: Plan, row: int) -> tuple[float, float]:

@@ -541,13 +541,16 @@ class RedisState:
         if held == b"pending":
             return IN_PROGRESS
         stored = json.loads(held)
-        return Outcome(stored["status"], stored["media_type"], base64.b64decode(stored["body"]))
+        body = base64.b64decode(stored["body"])
+        # "headers" since 2026-12-07: answers kept before carry none
+        return Outcome(stored["status"], stored["media_type"], body, stored.get("headers", {}))
 
     async def settle(self, key: str, outcome: Outcome, ttl_s: float) -> None:
         stored = {
             "status": outcome.status,
             "media_type": outcome.media_type,
             "body": base64.b64encode(outcome.body).decode(),
+            "headers": dict(outcome.headers),
         }
         await self._redis.set(f"{self.prefix}idem:{key}", json.dumps(stored), px=int(ttl_s * 1000))
 

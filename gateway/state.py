@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Protocol, TypeVar
 
@@ -45,11 +45,14 @@ class SharedView:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A finished response, kept under an idempotency key."""
+    """A finished response, kept under an idempotency key, with the headers that said
+    which request it was and where it ran (a retry that gets it is told the original's
+    request id, instance and DC, as the first answer was)."""
 
     status: int
     media_type: str
     body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from schemas.lifecycle import (
     RequestRejected,
     RequestRetried,
 )
-from schemas.openai_api import ApiError
+from schemas.openai_api import REQUEST_ID_HEADER, ApiError
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 KEPT_ANSWER_BYTES = 8 * 1024 * 1024
@@ -78,6 +78,15 @@ class Trip:
     @property
     def instance(self) -> InstanceConfig:
         return self.plan.pool.instances[self.row]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What its answer says of it: the request id, and the instance and DC it ran in."""
+        return {
+            REQUEST_ID_HEADER: self.inbound.request_id,
+            "x-tokenfleet-instance": self.instance.id,
+            "x-tokenfleet-dc": self.plan.dc,
+        }
 
     def count(self, event: bytes, seen: Seen) -> bytes:
         """Count what ``event`` (read as ``seen``) tells of the answer; the event as it was."""
@@ -179,7 +188,7 @@ class TripBooks:
             )
         )
         if trip.idempotency_key is not None:
-            kept = _kept(trip.captured, inbound.stream)
+            kept = _kept(trip.captured, inbound.stream, trip.headers)
             await self.state.settle(trip.idempotency_key, kept, self.idempotency_ttl_s)
 
     async def cancelled(self, trip: Trip) -> None:
@@ -281,14 +290,15 @@ def attribution(inbound: Inbound, dc: str) -> dict[str, Any]:
     return {"dc": dc, "task_class": inbound.task_class, "tenant": inbound.tenant.name}
 
 
-def _kept(answer: bytearray, streamed: bool) -> Outcome:
+def _kept(answer: bytearray, streamed: bool, headers: dict[str, str]) -> Outcome:
     """What a completed request's retries get: its answer, or where that is too large to
-    keep, a 409 in OpenAI's format."""
+    keep, a 409 in OpenAI's format; with its ``headers`` either way."""
     if len(answer) <= KEPT_ANSWER_BYTES:
-        return Outcome(200, "text/event-stream" if streamed else "application/json", bytes(answer))
+        media_type = "text/event-stream" if streamed else "application/json"
+        return Outcome(200, media_type, bytes(answer), headers)
     refusal = ApiError(
         409,
         f"The request with this Idempotency-Key completed; its answer, over "
         f"{KEPT_ANSWER_BYTES} bytes, was too large to keep for a retry.",
     )
-    return Outcome(409, "application/json", json.dumps(refusal.body()).encode())
+    return Outcome(409, "application/json", json.dumps(refusal.body()).encode(), headers)

@@ -24,6 +24,7 @@ from schemas import Envelope, topic_for
 from schemas.base import TaskClass
 from schemas.control import AdmissionQuotas, ClassQuota
 from schemas.lifecycle import RequestCancelled, RequestCompleted, RequestFailed
+from schemas.openai_api import REQUEST_ID_HEADER
 from schemas.telemetry import KvBlocksRemoved
 from sim.emulator.server import EmulatedInstance
 from tests.conftest import read_for
@@ -364,6 +365,9 @@ async def test_an_idempotency_key_returns_the_first_outcome(
     assert again.status_code == 200
     assert again.json() == first.json()
     assert again.headers["idempotent-replayed"] == "true"
+    # the first request's: its id (which its events carry), where it ran
+    for said in (REQUEST_ID_HEADER, "x-tokenfleet-instance", "x-tokenfleet-dc"):
+        assert again.headers[said] == first.headers[said]
     assert (
         sum([await scraped(i.url, "vllm:e2e_request_latency_seconds_count") for i in instances])
         == 1

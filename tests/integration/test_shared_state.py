@@ -147,7 +147,8 @@ async def test_an_idempotency_key_is_held_then_settled(state: SharedState) -> No
     key = f"k-{uuid.uuid4().hex}"
     assert await state.claim(key, 60.0) is None
     assert await state.claim(key, 60.0) is IN_PROGRESS
-    outcome = Outcome(200, "application/json", b'{"ok": true}')
+    headers = {"x-request-id": "chatcmpl-1", "x-tokenfleet-dc": "dc-a"}
+    outcome = Outcome(200, "application/json", b'{"ok": true}', headers)
     await state.settle(key, outcome, 60.0)
     assert await state.claim(key, 60.0) == outcome
 
