@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from schemas.topics import COMPACTED_SEGMENT_MS
+from streams.kafka import keep_tracked
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,11 @@ class DrainingProducer(faust_kafka.Producer):
     async def flush(self) -> None:
         await super().flush()
         await self._tracked.acknowledged()
+
+    async def send(self, topic: str, *args: Any, **kwargs: Any) -> Any:
+        """Faust's send, to a topic aiokafka tracks (``keep_tracked``)."""
+        keep_tracked(self._ensure_producer().client, topic)
+        return await super().send(topic, *args, **kwargs)
 
 
 class TrackedBuffer(ProducerBuffer):

@@ -19,6 +19,23 @@ from streams.bus import EventBus, Outgoing, RawRecord, RecordStream, StartFrom
 log = logging.getLogger(__name__)
 
 
+def keep_tracked(client: AIOKafkaClient, topic: str) -> None:
+    """Have aiokafka's ``client`` track ``topic`` before a record is sent to it.
+
+    aiokafka asks each metadata update for the topics it tracks, or for all while it
+    tracks none, and each answer replaces what it knew. A topic first learnt from an
+    update for all (Faust's, once it creates its topics) is known but not tracked: a send
+    to it finds it known and tracks nothing. The first send to a topic not yet known then
+    tracks that one alone, and the next update forgets the others: a record already in a
+    batch for one of them waits for a leader no update asks for, until another send to
+    its topic or the request timeout (Faust's: 20 minutes). Seen in the table worker: a
+    fresh worker's last outcomes never reached its updates topic, its tables stayed
+    short, and its commits waited on the flush (``tests/integration/test_kafka_topics.py``).
+    """
+    if topic not in client._topics:
+        client.add_topic(topic)
+
+
 class UnknownTopicError(LookupError):
     """The topic does not exist on the broker; ``tokenfleet topics create`` makes them."""
 
@@ -49,6 +66,7 @@ class KafkaBus(EventBus):
 
     async def publish(self, topic: str, key: str, value: bytes | None) -> None:
         producer = await self._started_producer()
+        keep_tracked(producer.client, topic)
         await producer.send_and_wait(topic, value, key=key.encode())
 
     async def _publish_all(self, records: Sequence[Outgoing]) -> None:
@@ -58,6 +76,7 @@ class KafkaBus(EventBus):
         producer = await self._started_producer()
         sent = []
         for record in records:
+            keep_tracked(producer.client, record.topic)
             sent.append(await producer.send(record.topic, record.value, key=record.key.encode()))
         await asyncio.gather(*sent)
 
