@@ -91,6 +91,8 @@ class DrainingProducer(faust_kafka.Producer):
         super().__init__(*args, **kwargs)
         if self.app.conf.producer_threaded:  # its callbacks would come from another thread
             raise ValueError("the table worker's producer tracks its writes on one loop")
+        if self.app.in_transaction:  # its writes would go through other aiokafka clients
+            raise ValueError("the table worker is at-least-once: one aiokafka producer")
         self.buffer = self._tracked = TrackedBuffer(loop=self.loop, beacon=self.beacon)
         self.buffer.app = self.app
 

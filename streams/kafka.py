@@ -31,6 +31,8 @@ def keep_tracked(client: AIOKafkaClient, topic: str) -> None:
     its topic or the request timeout (Faust's: 20 minutes). Seen in the table worker: a
     fresh worker's last outcomes never reached its updates topic, its tables stayed
     short, and its commits waited on the flush (``tests/integration/test_kafka_topics.py``).
+    A producer that tracks any topic learns no other from updates (Faust's after it
+    creates a topic included) until it sends there, as after its first send before.
     """
     if topic not in client._topics:
         client.add_topic(topic)

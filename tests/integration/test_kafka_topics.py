@@ -40,10 +40,12 @@ async def test_a_record_waiting_for_a_known_topic_survives_a_send_to_a_new_one(
     producer.linger_ms = LINGER_MS
     await producer.start()
     try:
-        # An update for all topics while it tracks none, as after Faust creates its own.
+        # An update for all topics while it tracks none, as after Faust creates its own;
+        # then a topic it does not know.
         await producer._ensure_producer().client.force_metadata_update()
-        waiting = await producer.send(known, b"k", b"v", None, None, None)
         await create_topics(kafka.address, [_topic(new)])
+        waiting = await producer.send(known, b"k", b"v", None, None, None)
+        assert not waiting.done(), "the record was sent before the window opened"
         await producer.send_and_wait(new, b"k", b"v", None, None, None)
         delivered = await asyncio.wait_for(waiting, 15)
     finally:  # a stop flushes: with a record stuck, it would wait for it too
