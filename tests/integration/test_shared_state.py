@@ -6,7 +6,9 @@ Replicas sharing one Redis are in ``test_redis_replicas.py``."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -151,6 +153,22 @@ async def test_an_idempotency_key_is_held_then_settled(state: SharedState) -> No
     outcome = Outcome(200, "application/json", b'{"ok": true}', headers)
     await state.settle(key, outcome, 60.0)
     assert await state.claim(key, 60.0) == outcome
+
+
+@pytest.mark.redis
+async def test_an_answer_kept_without_headers_replays_without_them(redis_server: Service) -> None:
+    """Answers kept by gateways before 2026-12-07 hold no headers in Redis."""
+    prefix = f"test-{uuid.uuid4().hex}:"
+    state = RedisState(redis_server.address, prefix)
+    other = Redis.from_url(redis_server.address)
+    body = base64.b64encode(b'{"ok": true}').decode()
+    kept = {"status": 200, "media_type": "application/json", "body": body}
+    try:
+        await other.set(f"{prefix}idem:k", json.dumps(kept))
+        assert await state.claim("k", 60.0) == Outcome(200, "application/json", b'{"ok": true}')
+    finally:
+        await state.close()
+        await other.aclose()
 
 
 async def test_a_released_key_runs_again(state: SharedState) -> None:
