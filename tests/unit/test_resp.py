@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import AuthenticationError, NoScriptError, ResponseError
 
+from gateway.redis_state import RedisState, refuses_for_good
 from gateway.resp import _encoded, _Incomplete, _parsed
 
 REPLIES = b"+OK\r\n:42\r\n$5\r\nhello\r\n$-1\r\n*3\r\n$1\r\na\r\n*1\r\n:7\r\n*0\r\n-ERR bad\r\n"
@@ -62,8 +63,6 @@ def test_what_is_not_resp_is_refused() -> None:
 
 def test_a_redis_address_is_told_without_its_password() -> None:
     """The state's address goes into warnings and RedisAway's messages."""
-    from gateway.redis_state import RedisState
-
     state = RedisState("redis://:s3cret@127.0.0.1:1/0", "t:")
     assert state.url == "redis://:***@127.0.0.1:1/0"
     assert RedisState("redis://u:s3cret@h:1/0", "t:").url == "redis://u:***@h:1/0"
@@ -90,9 +89,5 @@ def test_only_a_refusal_no_wait_changes_stops_a_gateway_at_start(
 ) -> None:
     """Redis's answers (7.0's words) to a connection's AUTH, SELECT or PING: a Redis
     restarted beside the gateways answers LOADING for a while."""
-    from redis.exceptions import AuthenticationError
-
-    from gateway.redis_state import refuses_for_good
-
     assert refuses_for_good(ResponseError(answer)) is for_good
     assert refuses_for_good(AuthenticationError("invalid username-password pair"))
