@@ -194,7 +194,7 @@ def _worker(bootstrap: str, app_id: str) -> Iterator[subprocess.Popen[bytes]]:
         }
     )
     process = subprocess.Popen(
-        [*_RUN_MODULE, "tokenfleet.cli", "worker"],
+        [*_RUN_MODULE, "tokenfleet", "worker"],
         env=environment,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -18,7 +18,7 @@ from pydantic_settings import SettingsError
 
 from tokenfleet.allocator import keep_freed_memory
 from tokenfleet.commands import audit, bench, deploy, emulate, gateway, services, sim, streams
-from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.errors import CliError, interrupted
 from tokenfleet.logs import configure_logging
 from tokenfleet.services.process import ServiceError
 from tokenfleet.settings import unknown_variables, variable_of
@@ -43,8 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("tokenfleet: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     except KeyboardInterrupt:
-        print("tokenfleet: interrupted", file=sys.stderr)
-        return 130
+        return interrupted()
     except (ServiceError, CliError) as exc:
         print(f"tokenfleet: {exc}", file=sys.stderr)
         return 2

@@ -427,7 +427,7 @@ class Deployment:
         server = ServerProcess(self.home / part.name, part.name)
         self._started[part.name] = server
         server.launch(
-            [*python_module("tokenfleet.cli"), *part.args],
+            [*python_module("tokenfleet"), *part.args],
             ready=_readiness(part),
             timeout_s=timeout_s,
             detach=True,

@@ -215,7 +215,7 @@ def _litellm(home: Path, command: str, instances: list[str]) -> Iterator[str]:
         yield url
 
 
-_CLI = python_module("tokenfleet.cli")
+_CLI = python_module("tokenfleet")
 _MEASURED_CPU = ("gateway", "gateway_fcfs", "gateway_redis", "gateway_journal", "bare_proxy")
 """Fronts whose ``/metrics`` carry ``process_cpu_seconds_total``."""
 

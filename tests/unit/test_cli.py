@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
 import json
 import os
 import re
@@ -8,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+import tokenfleet.__main__
 from schemas import MESSAGES
 from tests.conftest import unavailable
 from tokenfleet.cli import main
@@ -50,6 +53,32 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
         os.close(write_end)
     assert done.returncode == 128 + signal.SIGPIPE
     assert done.stderr == ""
+
+
+class _InterruptedImport(importlib.abc.MetaPathFinder):
+    """Ctrl-C arriving while ``module`` is imported."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def find_spec(self, name: str, path: object, target: object = None) -> None:
+        if name == self.module:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_the_command_imports_its_modules_prints_no_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The modules take about a second to import; Ctrl-C then printed Python's traceback."""
+    monkeypatch.delitem(sys.modules, "tokenfleet.cli")
+    monkeypatch.setattr(sys, "meta_path", [_InterruptedImport("tokenfleet.cli"), *sys.meta_path])
+    assert tokenfleet.__main__.run() == 128 + signal.SIGINT
+    assert capsys.readouterr().err == "tokenfleet: interrupted\n"
+
+
+def test_the_installed_command_is_the_entry_that_answers_ctrl_c() -> None:
+    scripts = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert scripts["project"]["scripts"]["tokenfleet"] == "tokenfleet.__main__:run"
 
 
 @pytest.mark.parametrize("option", ["--admission", "--policy", "--dc-policy"])

@@ -1,4 +1,8 @@
-"""The error every command may raise for a problem the user can fix."""
+"""The error every command may raise for a problem the user can fix, and what Ctrl-C
+prints."""
+
+import signal
+import sys
 
 
 class CliError(Exception):
@@ -11,3 +15,9 @@ def message_of(exc: BaseException) -> str:
     if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
         return exc.args[0]
     return str(exc)
+
+
+def interrupted() -> int:
+    """Say that Ctrl-C stopped the command; its exit status, as a shell gives it."""
+    print("tokenfleet: interrupted", file=sys.stderr)
+    return 128 + signal.SIGINT
