@@ -23,6 +23,7 @@ from control.routing import make_router, policy_params
 from schemas import Envelope
 from schemas.audit import JournalRecord
 from schemas.envelope import DecodeError, decode
+from tokenfleet.commands.errors import message_of
 from tokenfleet.gateway_wiring import pool_model
 
 
@@ -90,7 +91,7 @@ def audit_journal(name: str, records: list[Record]) -> JournalAudit:
         AssertionError,  # a call the rebuilt pipeline cannot make (another version's)
         OverflowError,  # a number past what a snapshot's arrays hold
     ) as exc:
-        result.problem = f"a record is malformed ({type(exc).__name__}: {exc})"
+        result.problem = f"a record is malformed ({type(exc).__name__}: {message_of(exc)})"
         return result
     result.decisions, result.differences = replayed.decisions, replayed.differences
     result.problem = replayed.problem

@@ -276,6 +276,10 @@ def test_the_audit_reports_a_record_it_cannot_replay_and_fails_with_nothing_to_c
     nulled = audit_journal("g/m@a/1", [start | {"quotas": None}])
     assert nulled.problem is not None  # AttributeError escaped the audit
     assert "malformed" in nulled.problem
+    recipe_of_another_version = start | {"recipe": start["recipe"] | {"policy": "newer"}}
+    unknown = audit_journal("g/m@a/1", [recipe_of_another_version]).problem
+    assert unknown is not None
+    assert "(KeyError: unknown policy 'newer'; known:" in unknown  # not the KeyError's repr
 
 
 def _write_to(path: Path) -> Callable[[Message], None]:
