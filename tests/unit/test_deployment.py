@@ -42,7 +42,7 @@ from tokenfleet.deployment import (
 )
 from tokenfleet.services import kafka
 from tokenfleet.services.kafka import KAFKA_VERSION
-from tokenfleet.services.process import STOP_TIMEOUT_S, ServiceError
+from tokenfleet.services.process import STOP_TIMEOUT_S, ServiceError, free_port
 from tokenfleet.services.redis import LocalRedis
 
 ROOT = Path(__file__).parents[2]
@@ -156,6 +156,30 @@ def test_the_compose_file_runs_the_same_parts_with_the_same_settings() -> None:
     assert kafka == "PLAINTEXT://" + settings["TOKENFLEET_KAFKA_BOOTSTRAP"]
     assert "6379" in services["redis"]["command"]
     assert settings["TOKENFLEET_REDIS_URL"] == "redis://127.0.0.1:6379/0"
+
+
+def test_every_compose_part_is_healthy_by_the_urls_up_waits_on() -> None:
+    """Only Kafka and Redis had a health check: ``docker compose ps`` showed a worker that
+    could not reach Kafka, or a gateway that never bound its port, as running."""
+    services = compose()["services"]
+    for part in local_plan():
+        check = services[part.name]["healthcheck"]["test"]
+        assert check == ["CMD", "python", "-c", compose()["x-probe"], *part.ready_urls], part.name
+
+
+def test_the_compose_health_probe_fails_until_every_url_answers() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    answers = f"http://127.0.0.1:{server.server_address[1]}/health"
+    probe = [sys.executable, "-c", compose()["x-probe"]]
+    try:
+        assert subprocess.run([*probe, answers], timeout=30).returncode == 0
+        closed = f"http://127.0.0.1:{free_port()}/health"
+        failed = subprocess.run([*probe, answers, closed], capture_output=True, timeout=30)
+        assert failed.returncode != 0
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_the_compose_gateways_publish_under_names_of_their_own() -> None:
