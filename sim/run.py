@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -85,7 +86,12 @@ def scaled(requests: Iterable[TraceRequest], rate_scale: float) -> list[TraceReq
     """Arrivals ``rate_scale`` times as dense (2.0 = twice the request rate)."""
     if rate_scale <= 0:
         raise ValueError("rate scale must be positive")
-    return [replace(r, arrival_s=r.arrival_s / rate_scale) for r in requests]
+    spread = [replace(r, arrival_s=r.arrival_s / rate_scale) for r in requests]
+    if not all(math.isfinite(r.arrival_s) for r in spread):
+        raise ValueError(
+            f"rate scale {rate_scale:g} spreads the arrivals past any time a number can hold"
+        )
+    return spread
 
 
 def simulate_run(

@@ -99,3 +99,13 @@ def test_calibrate_names_calibration_data_it_cannot_use(
     argv = ["calibrate", "--profile", "llama3-70b-4xh100", "--iterations", "0"]
     assert main(argv) == 2
     assert message.format(path=path) in capsys.readouterr().err
+
+
+def test_a_rate_scale_that_spreads_arrivals_past_any_time_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """1e-310 passed as a positive rate: each arrival divided by it was infinite, and the
+    run printed figures and exited 0."""
+    argv = ["sim", "--trace", "azure-conv", "--requests", "20", "--rate-scale", "1e-310"]
+    assert main(argv) == 2
+    assert "rate scale 1e-310 spreads the arrivals past any time" in capsys.readouterr().err
