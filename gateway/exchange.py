@@ -63,7 +63,13 @@ from gateway.sse import (
 )
 from gateway.state import SharedState
 from gateway.trip import Spawn, Trip, TripBooks, attribution
-from gateway.upstream_answers import UPSTREAM_ERRORS, Blame, blame, error_of
+from gateway.upstream_answers import (
+    UPSTREAM_ERRORS,
+    Blame,
+    blame,
+    error_of,
+    in_openai_format,
+)
 from schemas.fleet import InstanceConfig
 from schemas.lifecycle import (
     CancelReason,
@@ -275,7 +281,10 @@ class Exchange:
                 else:
                     await self.books.fail(trip, f"instance answered {upstream.status}")
                 return Response(
-                    body, upstream.status, media_type="application/json", headers=trip.headers
+                    in_openai_format(upstream.status, body),
+                    upstream.status,
+                    media_type="application/json",
+                    headers=trip.headers,
                 )
             if inbound.stream:
                 return await self._stream(trip, upstream, gone)
@@ -389,10 +398,11 @@ class Exchange:
         if head is None:
             return await self._left(trip, upstream)
         last = head[-1][1] if head else NOTHING
-        if last.piece is Piece.END and (last.status or 0) >= 500:
-            upstream.close()  # the engine failed before any token: another may serve it
+        failed = _failed_before_first_token(last)
+        if failed is not None:
+            upstream.close()  # another instance may serve it
             self.metrics.upstream_failed(trip.instance.id, "before_first_token")
-            raise UpstreamFailed(f"{trip.instance.id}: {last.error}", status=last.status)
+            raise UpstreamFailed(f"{trip.instance.id}: {failed}", status=last.status)
         if last.piece in FIRST_TOKEN:
             self.books.first_token(trip)
         return RelayedStream(
@@ -408,9 +418,14 @@ class Exchange:
         head: list[tuple[bytes, Seen]],
         events: AsyncIterator[bytes],
     ) -> AsyncIterator[bytes]:
-        """The stream's events, as they come; ``trip.stream_end`` says how it ended."""
+        """The stream's events, as they come; ``trip.stream_end`` says how it ended. A body
+        that closes before the stream's end (``[DONE]``, an error, the Responses API's last
+        event), which vLLM and SGLang always send, was cut short: by a proxy in front of
+        the engine whose own upstream died, say. It fails as a broken connection does."""
+        ended = False
         try:
             for event, seen in head:
+                ended |= seen.piece is Piece.END
                 yield trip.count(event, seen)
             async for event in events:
                 seen = read_event(event)
@@ -419,14 +434,20 @@ class Exchange:
                         self.books.first_token(trip)
                     else:  # not the first: it may trail its step's end
                         self.view.tokens_streamed(trip.instance.id)
+                ended |= seen.piece is Piece.END
                 yield trip.count(event, seen)
-            error = trip.error
-            trip.stream_end = "completed" if error is None else f"{trip.instance.id}: {error}"
         except UPSTREAM_ERRORS as exc:
-            trip.stream_end = f"{trip.instance.id}: {type(exc).__name__}"
-            self.metrics.upstream_failed(trip.instance.id, "after_first_token")
-            yield _error_event(f"The model instance failed mid-stream ({type(exc).__name__}).")
-            yield _DONE_EVENT
+            broke = type(exc).__name__
+        else:
+            if ended:
+                error = trip.error
+                trip.stream_end = "completed" if error is None else f"{trip.instance.id}: {error}"
+                return
+            broke = CUT_SHORT
+        trip.stream_end = f"{trip.instance.id}: {broke}"
+        self.metrics.upstream_failed(trip.instance.id, "after_first_token")
+        yield _error_event(f"The model instance failed mid-stream ({broke}).")
+        yield _DONE_EVENT
 
     async def _stream_ended(self, trip: Trip, upstream: aiohttp.ClientResponse, ended: str) -> None:
         if ended == "completed":
@@ -439,6 +460,21 @@ class Exchange:
             await self.books.cancelled(trip)
         else:
             await self.books.fail(trip, ended)
+
+
+CUT_SHORT = "its stream ended before its end"
+"""Why a stream whose body closed before ``[DONE]`` (or the Responses API's last event)
+failed."""
+
+
+def _failed_before_first_token(last: Seen) -> str | None:
+    """Why a stream that ended (or failed) before its first token failed, from its last
+    event (``_head``'s); None where it has a token or ended as a stream ends. An engine's
+    error of 500 or more, or a body that closed without an end: another instance may serve
+    the request (a 4xx error in the stream is the request's, passed on)."""
+    if last.piece is Piece.END and (last.status or 0) >= 500:
+        return last.error
+    return CUT_SHORT if last.piece is Piece.OTHER else None
 
 
 async def _head(events: AsyncIterator[bytes]) -> list[tuple[bytes, Seen]]:

@@ -14,6 +14,7 @@ import json
 import aiohttp
 
 from gateway.sse import error_text
+from schemas.openai_api import ApiError
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a failing instance raises: refused or reset connections, bad HTTP, timeouts."""
@@ -90,3 +91,29 @@ def message_of(body: bytes) -> str:
     else:
         text = error_text(answer.get("error", answer) if isinstance(answer, dict) else answer)
     return text[:ERROR_TEXT_CHARS]
+
+
+def in_openai_format(status: int, body: bytes) -> bytes:
+    """An instance's error answer of ``status`` as OpenAI's clients read it, an ``error``
+    object, as the gateway's own errors are. SGLang (and vLLM's older ``ErrorResponse``)
+    put the error's fields at the top level, where a client reading ``error.message``
+    found nothing; a proxy in front of an engine may answer in text. An answer already in
+    that format passes as given; the others keep their message, type and param."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+        return body
+    fields = answer if isinstance(answer, dict) else {}
+    error = ApiError(
+        status,
+        message_of(body) or f"The model instance answered {status}.",
+        param=_text(fields.get("param")),
+        error_type=_text(fields.get("type")),
+    )
+    return json.dumps(error.body()).encode()
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None

@@ -72,6 +72,64 @@ async def test_an_error_mid_stream_reaches_the_client_and_the_stream_ends() -> N
         assert '"error"' in lines[-2]
 
 
+def _cut_short_upstream(tokens: int, media_type: str = "text/event-stream") -> Starlette:
+    """An instance whose streams close cleanly after ``tokens`` tokens, without
+    ``[DONE]``: a proxy in front of an engine that died, or a wrong URL that answers 200."""
+    chunk = {"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]}
+
+    async def stream(_: Request) -> StreamingResponse:
+        events = [f"data: {json.dumps(chunk)}\n\n".encode()] * tokens or [b"<html>oops</html>"]
+        return StreamingResponse(iter(events), media_type=media_type)
+
+    return fake_instance("/v1/chat/completions", stream)
+
+
+async def test_a_stream_that_closes_after_tokens_without_its_end_fails_not_completes() -> None:
+    """It reached the client as a whole answer, cut short, and counted as met."""
+    async with (
+        http_server(_cut_short_upstream(3)) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        async with http.stream(
+            "POST", "/v1/chat/completions", json=chat("cut me " * 10, stream=True)
+        ) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        failed = await latest_event(
+            front, response.headers["x-tokenfleet-request-id"], RequestFailed
+        )
+        broken = await scraped(
+            front.url, "tokenfleet_gateway_upstream_errors_total", stage="after_first_token"
+        )
+    assert [line for line in lines if "tok " in line] == lines[:3]
+    assert "its stream ended before its end" in lines[-2]
+    assert lines[-1] == "data: [DONE]"
+    assert failed is not None
+    assert failed.error == "i0: its stream ended before its end"
+    assert broken == 1
+
+
+@pytest.mark.parametrize("media_type", ["text/event-stream", "text/html"])
+async def test_a_stream_that_closes_before_any_token_is_retried_elsewhere(
+    media_type: str,
+) -> None:
+    """A 200 with no event, or a page of HTML, reached the client as given."""
+    async with (
+        http_server(_cut_short_upstream(0, media_type)) as empty,
+        emulated(1) as [alive],
+        gateway(fleet_for([empty, alive.url]), policy="round_robin") as front,
+        front.client() as http,
+    ):
+        async with http.stream(
+            "POST", "/v1/chat/completions", json=chat("retry me " * 10, stream=True)
+        ) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        retries = await scraped(front.url, "tokenfleet_gateway_retries_total")
+    assert response.headers["x-tokenfleet-instance"] == "i1"
+    assert lines[-1] == "data: [DONE]"
+    assert retries == 1
+
+
 def _in_stream_error_upstream(code: int, tokens_first: int) -> Starlette:
     """An instance that answers 200, then reports an error inside its stream as vLLM
     does (``data: {"error": ...}`` and ``[DONE]``), after some tokens or none."""
@@ -273,6 +331,43 @@ async def test_an_instance_s_own_refusal_passes_on_and_frees_the_key(
         assert isinstance(ended, RequestFailed)
         assert ended.error == f"instance answered {status}"
         assert not isinstance(last_of_requests, RequestRejected)
+
+
+SGLANG_REFUSAL = {
+    "object": "error",
+    "message": "Requested token count exceeds the model's maximum context length.",
+    "type": "BadRequestError",
+    "param": None,
+    "code": 400,
+}
+"""SGLang's error answer (``create_error_response``): its fields at the top level."""
+
+
+@pytest.mark.parametrize(
+    ("answer", "message", "error_type"),
+    [
+        (json.dumps(SGLANG_REFUSAL), SGLANG_REFUSAL["message"], "BadRequestError"),
+        ("bad request from the proxy", "bad request from the proxy", "invalid_request_error"),
+    ],
+)
+async def test_an_instance_s_refusal_in_another_format_reaches_the_client_in_openai_s(
+    answer: str, message: str, error_type: str
+) -> None:
+    """SGLang's refusal was passed on as given: a client reading ``error.message`` found
+    nothing (OpenAI's SDK reads a body without ``error`` as the error itself)."""
+
+    async def refuse(_: Request) -> Response:
+        return Response(answer, status_code=400, media_type="application/json")
+
+    async with (
+        http_server(fake_instance("/v1/chat/completions", refuse)) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        refused = await http.post("/v1/chat/completions", json=chat("x " * 10))
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert (error["message"], error["type"], error["code"]) == (message, error_type, 400)
 
 
 async def test_a_refused_tokenize_call_leaves_the_instances_in_service(front: Gateway) -> None:
