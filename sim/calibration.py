@@ -26,6 +26,7 @@ TTFT, E2E and per-token time against the training stages; the other stages are h
 from __future__ import annotations
 
 import csv
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -93,11 +94,33 @@ def load_stages(path: str | None = None) -> list[Stage]:
                 if int(row["n_failures"]) == 0:
                     stages.append(_stage(row))
             except (KeyError, ValueError) as exc:
-                raise ValueError(f"{path}, line {line}: not a measured stage ({exc!r})") from None
+                why = f"{type(exc).__name__}: {exc}"
+                raise ValueError(f"{path}, line {line}: not a measured stage ({why})") from None
     return stages
 
 
+_ABOVE_ZERO = (
+    "tp",
+    "rate_rps",
+    "duration_s",
+    "prompt_len_mean",
+    "output_len_mean",
+    "num_unique_system_prompts",
+    "num_users_per_system_prompt",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+)
+_ZERO_OR_MORE = ("system_prompt_len", "ttft_mean_ms", "e2e_mean_ms", "per_token_time_from_e2e_ms")
+"""A stage's figures and their ranges: outside them a stage's simulation divided by zero,
+recursed without end or printed a negative rate."""
+
+
 def _stage(row: dict[str, str]) -> Stage:
+    for column in _ABOVE_ZERO + _ZERO_OR_MORE:
+        value, above = float(row[column]), column in _ABOVE_ZERO
+        if not (math.isfinite(value) and (value > 0 if above else value >= 0)):
+            wanted = "above 0" if above else "0 or more"
+            raise ValueError(f"{column} must be a finite number {wanted}, not {row[column]}")
     return Stage(
         row["experiment"],
         row["model"],

@@ -77,3 +77,26 @@ def test_a_row_that_is_not_a_stage_s_figures_is_named(tmp_path: Path) -> None:
     (tmp_path / STAGES_FILE).write_text("\n".join([header, first, summary]) + "\n")
     with pytest.raises(ValueError, match=r"line 3: not a measured stage"):
         load_stages(str(tmp_path / STAGES_FILE))
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "message"),
+    [
+        ("rate_rps", "0", "rate_rps must be a finite number above 0, not 0"),  # ZeroDivisionError
+        ("rate_rps", "-5", "rate_rps must be a finite number above 0, not -5"),  # a rate of -5
+        ("rate_rps", "nan", "rate_rps must be a finite number above 0, not nan"),
+        ("prompt_len_mean", "-5", "prompt_len_mean must be"),  # KeyError
+        ("max_num_seqs", "0", "max_num_seqs must be"),  # RecursionError
+        ("ttft_mean_ms", "inf", "ttft_mean_ms must be a finite number 0 or more, not inf"),
+    ],
+)
+def test_a_stage_s_figure_out_of_range_is_named(
+    tmp_path: Path, column: str, value: str, message: str
+) -> None:
+    carried = Path(__file__).parents[2] / "sim" / "data" / "calibration" / STAGES_FILE
+    header, first = carried.read_text().splitlines()[:2]
+    cells = dict(zip(header.split(","), first.split(","), strict=True)) | {column: value}
+    (tmp_path / STAGES_FILE).write_text("\n".join([header, ",".join(cells.values())]) + "\n")
+    with pytest.raises(ValueError, match=r"line 2: not a measured stage \(ValueError: ") as bad:
+        load_stages(str(tmp_path / STAGES_FILE))
+    assert message in str(bad.value)
