@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import errno
 import itertools
 import json
 import math
@@ -37,6 +38,10 @@ class _Window:
     scale: float
 
 
+CLIENT_TRACES = "chunk-*-trace.csv"
+"""Each client's arrivals in a pool's folder."""
+
+
 def load_servegen(
     pool: Path | None = None, *, limit: int | None = None, seed: int = 0, hours: float = 1.0
 ) -> list[TraceRequest]:
@@ -44,7 +49,10 @@ def load_servegen(
     pool = pool or traces_dir() / "servegen" / "reason" / "deepseek-r1"
     rng = random.Random(seed)
     requests: list[TraceRequest] = []
-    for trace in sorted(pool.glob("chunk-*-trace.csv"), key=_chunk_number):
+    traces = sorted(pool.glob(CLIENT_TRACES), key=_chunk_number)
+    if not traces:  # a folder that is not there globs to nothing: the trace came out empty
+        raise FileNotFoundError(errno.ENOENT, "no client traces", str(pool / CLIENT_TRACES))
+    for trace in traces:
         client = trace.name.removesuffix("-trace.csv")
         lengths = _length_pmfs(pool / f"{client}-dataset.json")
         for window in _windows(trace, hours * 3600):

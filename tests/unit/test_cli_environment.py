@@ -27,11 +27,23 @@ def test_a_misspelt_setting_is_named_with_the_one_meant(
     ]
 
 
+@pytest.mark.parametrize(
+    ("trace", "folder"),
+    [
+        ("mooncake", "mooncake_fast25/"),
+        # a folder that is not there globbed to no client: an empty trace, exit 0
+        ("servegen", "servegen/reason/deepseek-r1/chunk-*-trace.csv"),
+    ],
+)
 def test_a_traces_folder_that_is_not_there_is_named_with_exit_2(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    trace: str,
+    folder: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("TOKENFLEET_TRACES", str(tmp_path / "none"))
-    assert main(["sim", "--trace", "mooncake", "--instances", "1"]) == 2
+    assert main(["sim", "--trace", trace, "--instances", "1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"tokenfleet: trace mooncake: {tmp_path}/none/mooncake_fast25/")
+    assert err.startswith(f"tokenfleet: trace {trace}: {tmp_path}/none/{folder}")
     assert "TOKENFLEET_TRACES" in err
