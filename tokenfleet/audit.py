@@ -9,8 +9,9 @@ is made again, so what its router learned is learned again from the same observa
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,3 +118,33 @@ def _pipeline(start: Record) -> Pipeline[str]:
     params = policy_params(recipe["policy"], recipe["params"])
     router = make_router(recipe["policy"], recipe["seed"], pool, params)
     return Pipeline(make_admission(recipe["admission"], pool), router)
+
+
+ABSENT = "(absent)"
+"""What ``fields_that_differ`` gives for a field one of the results lacks."""
+
+
+def fields_that_differ(
+    recorded: object, replayed: object, at: str = ""
+) -> Iterator[tuple[str, object, object]]:
+    """Where a replayed result differs from the recorded one: each differing field's path
+    (``route.scores[1]``) with its two values. A decision's whole result runs to kilobytes,
+    and the field that differs may be anywhere in it."""
+    if isinstance(recorded, dict) and isinstance(replayed, dict):
+        keys = [*recorded, *(key for key in replayed if key not in recorded)]
+        for key in keys:
+            inner = f"{at}.{key}" if at else str(key)
+            yield from fields_that_differ(
+                recorded.get(key, ABSENT), replayed.get(key, ABSENT), inner
+            )
+    elif (
+        isinstance(recorded, list) and isinstance(replayed, list) and len(recorded) == len(replayed)
+    ):
+        for n, (mine, theirs) in enumerate(zip(recorded, replayed, strict=True)):
+            yield from fields_that_differ(mine, theirs, f"{at}[{n}]")
+    elif recorded != replayed and not (_nan(recorded) and _nan(replayed)):
+        yield at, recorded, replayed
+
+
+def _nan(value: object) -> bool:
+    return isinstance(value, float) and math.isnan(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from streams.bus import MAX_RECORD_BYTES
 from tests.unit.test_admission import fleet, request
 from tests.unit.test_pipeline import _BreaksOnSecondRoute
 from tests.unit.test_simulator import STEPS, _profile
-from tokenfleet.audit import audit_journal
+from tokenfleet.audit import ABSENT, audit_journal, fields_that_differ
 from tokenfleet.cli import main
 
 SEED = 7
@@ -116,6 +117,9 @@ def test_a_changed_snapshot_or_a_lost_first_token_shows_as_differences() -> None
     audit = replay(changed, _pipeline)
     assert audit.differences
     assert audit.differences[0].seq == seq
+    first = audit.differences[0]
+    differing = [at for at, _, _ in fields_that_differ(first.recorded, first.replayed)]
+    assert any(at.startswith("route.") for at in differing)  # past the first 300 characters
 
     # A record lost from the middle: the replay stops there and says so.
     lost = [r for r in records if r["seq"] != seq]
@@ -130,6 +134,17 @@ def test_a_changed_snapshot_or_a_lost_first_token_shows_as_differences() -> None
         if record["call"] == "finished":
             record["observation"] = None
     assert replay(unlearned, _pipeline).differences
+
+
+def test_the_fields_that_differ_are_named_by_their_path_with_both_values() -> None:
+    recorded = {"route": {"chosen": 0, "scores": [1.0, math.nan]}, "verdict": "dispatch"}
+    replayed = {"route": {"chosen": 1, "scores": [1.0, math.nan]}, "held": True}
+    assert list(fields_that_differ(recorded, replayed)) == [
+        ("route.chosen", 0, 1),
+        ("verdict", "dispatch", ABSENT),
+        ("held", ABSENT, True),
+    ]
+    assert list(fields_that_differ([1, 2], [1, 2, 3])) == [("", [1, 2], [1, 2, 3])]
 
 
 def test_a_journal_from_before_the_engines_block_sizes_were_kept_replays_on_the_default() -> None:

@@ -18,6 +18,7 @@ from tokenfleet.commands.errors import CliError, message_of
 from tokenfleet.commands.output import write_json
 
 if TYPE_CHECKING:
+    from control.journal import Difference
     from tokenfleet.recount import Recount
     from tokenfleet.whatif import Stack
 
@@ -95,9 +96,7 @@ def _audit(args: argparse.Namespace) -> int:
             f"{audit.journal}: {audit.records:,} records, {audit.decisions:,} decisions, {verdict}"
         )
         for d in audit.differences[:5]:
-            print(f"  DIFFERS record {d.seq} ({d.call}):")
-            print(f"    recorded {_brief(d.recorded)}")
-            print(f"    replayed {_brief(d.replayed)}")
+            _print_difference(d)
     compared = any(a.decisions for a in audits)
     if not audits:
         print("no journal found (are the gateways started with TOKENFLEET_GATEWAY_JOURNAL=true?)")
@@ -109,8 +108,23 @@ def _audit(args: argparse.Namespace) -> int:
     return 0 if compared and all(a.reproduced for a in audits) and not malformed else 1
 
 
-def _brief(result: object, limit: int = 300) -> str:
-    text = json.dumps(result)
+def _print_difference(difference: Difference, fields: int = 8) -> None:
+    """A decision that came out different: the fields that differ, each with both values
+    (up to ``fields`` of them; ``--json`` has the whole results)."""
+    from tokenfleet.audit import fields_that_differ
+
+    print(f"  DIFFERS record {difference.seq} ({difference.call}):")
+    differing = list(fields_that_differ(difference.recorded, difference.replayed))
+    for at, recorded, replayed in differing[:fields]:
+        print(f"    {at or 'the result'}: recorded {_brief(recorded)}, replayed {_brief(replayed)}")
+    if len(differing) > fields:
+        print(f"    and {len(differing) - fields} more fields")
+
+
+def _brief(result: object, limit: int = 120) -> str:
+    from tokenfleet.audit import ABSENT
+
+    text = ABSENT if result is ABSENT else json.dumps(result)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
