@@ -28,7 +28,7 @@ from __future__ import annotations
 import csv
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -292,7 +292,7 @@ class ValidationRow:
 
 
 def validate(
-    stages: Sequence[Stage],
+    stages: Iterable[Stage],
     training: Sequence[str],
     profile: InstanceProfile,
     seconds: float = WINDOW_S,

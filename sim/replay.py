@@ -33,6 +33,7 @@ import httpx
 from control.tokens import BLOCK_TOKENS, BYTES_PER_TOKEN
 from schemas.openai_api import REQUEST_ID_HEADER
 from sim.clients import ClientModel
+from sim.progress import progress_bar
 from sim.workload import TraceRequest
 
 CLASS_HEADER = "x-tokenfleet-class"
@@ -114,11 +115,14 @@ async def replay(
     headers: dict[str, str] | None = None,
     clients: ClientModel | None = None,
     finished: list[ReplayRecord] | None = None,
+    progress: bool = False,
 ) -> list[ReplayRecord]:
     """Send each request at its arrival time (streaming /v1/completions) and await them
     all; ``clients`` None: clients that wait for every answer and never retry. Records
     come in arrival order, a second attempt after its first. Each is also appended to
-    ``finished`` as its attempt ends, so a replay cut short (Ctrl-C) keeps those."""
+    ``finished`` as its attempt ends, so a replay cut short (Ctrl-C) keeps those.
+    ``progress``: a bar of the requests ended, and how many of them failed (a target
+    that fails every request shows at once, not at the trace's end)."""
     _check_sizes(requests)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     async with httpx.AsyncClient(
@@ -136,7 +140,20 @@ async def replay(
             again = clients.retry(request, clock.virtual(time.monotonic()), record.retry_after_s)
             return [record] if again is None else [record, *await attempts(again)]
 
-        done = await asyncio.gather(*(attempts(r) for r in requests))
+        failed = 0
+        with progress_bar(
+            total=len(requests), desc="replay", unit="req", leave=False, disable=not progress
+        ) as bar:
+
+            async def ended(request: TraceRequest) -> list[ReplayRecord]:
+                nonlocal failed
+                records = await attempts(request)
+                failed += records[-1].outcome not in ("completed", "rejected", "cancelled")
+                bar.set_postfix(failed=failed, refresh=False)
+                bar.update()
+                return records
+
+            done = await asyncio.gather(*(ended(r) for r in requests))
         return [record for records in done for record in records]
 
 

@@ -23,7 +23,7 @@ from sim.control_loop import QuotaLoop
 from sim.ladder import rate_scales
 from sim.metrics import summarize
 from sim.profiles import DEFAULT_PROFILE, profile
-from sim.progress import progress_bar
+from sim.progress import with_progress
 from sim.records import RequestRecord
 from sim.registry import load_trace
 from sim.simulator import HOST_TOKEN_LAG_S, Simulation
@@ -121,7 +121,7 @@ def simulate_run(
         control=QuotaLoop() if config.admission in CONTROLLED else None,
     )
     started = time.perf_counter()
-    records = simulation.run(_with_progress(workload, progress, config.policy))
+    records = simulation.run(with_progress(workload, progress, config.policy))
     wall = time.perf_counter() - started
     result = {
         "trace": config.trace,
@@ -165,15 +165,6 @@ def write_records(rows: Iterable[dict[str, Any]], path: Path) -> None:
             writer = csv.DictWriter(out, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-
-
-def _with_progress(
-    workload: list[TraceRequest], show: bool, label: str
-) -> Iterator[TraceRequest] | list[TraceRequest]:
-    if not show:
-        return workload
-    bar: Iterator[TraceRequest] = iter(progress_bar(workload, desc=label, unit="req", leave=False))
-    return bar
 
 
 def simulate_ladder(

@@ -35,6 +35,7 @@ import numpy as np
 from control.routing import make_router
 from sim.calibration import Stage, stage_workload
 from sim.cluster import Cluster, InstanceProfile
+from sim.progress import with_progress
 from sim.records import RequestRecord
 from sim.simulator import Simulation
 
@@ -195,7 +196,7 @@ def _tails(records: Sequence[RequestRecord]) -> dict[str, float]:
     }
 
 
-def simulate_run(run: Run, profile: InstanceProfile) -> list[Row]:
+def simulate_run(run: Run, profile: InstanceProfile, progress: bool = False) -> list[Row]:
     """The run's stages back to back on one instance, as measured; each stage's first
     tenth of requests is its warm-up."""
     requests, start = [], 0.0
@@ -206,7 +207,8 @@ def simulate_run(run: Run, profile: InstanceProfile) -> list[Row]:
     simulation = Simulation(
         _instance(profile, run.stages[0], run.kv_blocks), make_router("round_robin")
     )
-    records = {r.request_id: r for r in simulation.run([r for part in requests for r in part])}
+    arrivals = [r for part in requests for r in part]
+    records = {r.request_id: r for r in simulation.run(with_progress(arrivals, progress, run.name))}
     rows = []
     for stage, part, measured in zip(run.stages, requests, run.measured, strict=True):
         steady = [records[r.request_id] for r in part[int(len(part) * WARM_UP) :]]
@@ -214,10 +216,11 @@ def simulate_run(run: Run, profile: InstanceProfile) -> list[Row]:
     return rows
 
 
-def simulate_overload(profile: InstanceProfile) -> Row:
+def simulate_overload(profile: InstanceProfile, progress: bool = False) -> Row:
     stage = OVERLOAD
     simulation = Simulation(_instance(profile, stage, None), make_router("round_robin"))
-    records = simulation.run(stage_workload(stage, stage.duration_s))
+    arrivals = stage_workload(stage, stage.duration_s)
+    records = simulation.run(with_progress(arrivals, progress, stage.name))
     done = [r for r in records if r.outcome == "completed" and r.e2e_s is not None]
     within = [r for r in done if (r.e2e_s or 0.0) <= OVERLOAD_TIMEOUT_S]
     tails = _tails(within)
@@ -227,10 +230,11 @@ def simulate_overload(profile: InstanceProfile) -> Row:
     return Row(stage.name, stage.rate_rps, OVERLOAD_MEASURED, simulated)
 
 
-def validate_regime(profile: InstanceProfile) -> list[Row]:
-    """Every Llama-3.1-70B stage, then the overloaded run."""
-    rows = [row for run in LLAMA31_70B for row in simulate_run(run, profile)]
-    return [*rows, simulate_overload(profile)]
+def validate_regime(profile: InstanceProfile, progress: bool = False) -> list[Row]:
+    """Every Llama-3.1-70B stage, then the overloaded run (``progress``: a bar for each
+    run's arrivals, about 15 s each)."""
+    rows = [row for run in LLAMA31_70B for row in simulate_run(run, profile, progress)]
+    return [*rows, simulate_overload(profile, progress)]
 
 
 def markdown_table(rows: Sequence[Row]) -> str:

@@ -343,6 +343,7 @@ def _replay(args: argparse.Namespace) -> int:
                 headers=headers,
                 clients=clients,
                 finished=finished,
+                progress=True,
             )
         )
     except (ValueError, httpx.HTTPError) as exc:

@@ -317,7 +317,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     from sim import calibration
     from sim.profiles import CALIBRATED, TRAINING_STAGES
-    from sim.progress import progress_bar
+    from sim.progress import progress_bar, with_progress
 
     chosen = CALIBRATED[args.profile]
     where = calibration.calibration_dir() / calibration.STAGES_FILE
@@ -343,7 +343,8 @@ def _calibrate(args: argparse.Namespace) -> int:
                 training, profile, iterations=args.iterations, progress=fitted_one
             )
         profile = replace(profile, step_time=fitted)
-    rows = calibration.validate(stages, TRAINING_STAGES, profile)
+    checked = with_progress(stages, True, "checking", unit="stage")  # 15 s and more
+    rows = calibration.validate(checked, TRAINING_STAGES, profile)
     print(f"{args.profile}: {profile.step_time}")
     print(calibration.markdown_table(rows))
     if args.json:
@@ -373,7 +374,7 @@ def _validate(args: argparse.Namespace) -> int:
     from sim import validation
     from sim.profiles import PROFILES
 
-    rows = validation.validate_regime(PROFILES[validation.PROFILE])
+    rows = validation.validate_regime(PROFILES[validation.PROFILE], progress=True)
     print(validation.markdown_table(rows))
     if args.json:
         document = {"profile": validation.PROFILE, "rows": [row.as_dict() for row in rows]}
