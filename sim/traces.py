@@ -47,8 +47,8 @@ def load_mooncake(
     path = path or traces_dir() / "mooncake_fast25" / "conversation_trace.jsonl"
     rng = random.Random(seed)
     requests = []
-    for index, row in _mooncake_rows(path, limit):
-        _check_mooncake_row(row, path, index + 1)
+    for index, line, row in _mooncake_rows(path, limit):
+        _check_mooncake_row(row, path, line)
         arrival = row["timestamp"] / 1000.0
         if bucket_s:
             arrival += rng.uniform(0.0, bucket_s)
@@ -65,23 +65,32 @@ def load_mooncake(
     return requests
 
 
-def _mooncake_rows(path: Path, limit: int | None) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Each row of a file in Mooncake's format, numbered from 0; ValueError naming the file
-    and line of one that is not a JSON object."""
+def _mooncake_rows(path: Path, limit: int | None) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """Each row of a file in Mooncake's format, numbered from 0, with its line's number
+    (from 1; blank lines hold no row); ValueError naming the file and line of one that is
+    not a JSON object."""
+    rows = 0
     with path.open(encoding="utf-8") as lines:
         try:
-            for index, line in enumerate(lines):
-                if limit is not None and index >= limit:
+            for number, line in enumerate(lines, start=1):
+                if limit is not None and rows >= limit:
                     break
+                if not line.strip():  # a blank line (an editor's, at the end) holds no row
+                    continue
                 try:
                     row = json.loads(line)
                 except ValueError as exc:
-                    raise ValueError(f"{path} line {index + 1}: not JSON ({exc})") from None
+                    raise ValueError(f"{path} line {number}: not JSON ({exc})") from None
                 if not isinstance(row, dict):
-                    raise ValueError(f"{path} line {index + 1}: not a JSON object")
-                yield index, row
+                    raise ValueError(f"{path} line {number}: not a JSON object")
+                yield rows, number, row
+                rows += 1
         except UnicodeDecodeError as exc:  # met while reading ahead, so no line to name
             raise ValueError(f"{path}: not UTF-8 text ({exc.reason})") from None
+
+
+def _moment(value: object) -> bool:
+    return finite_number(value) and value >= 0
 
 
 def _count(value: object) -> bool:
@@ -95,7 +104,7 @@ def _hash_ids(value: object) -> bool:
 
 
 _MOONCAKE_FIELDS: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "timestamp": ("a finite number (milliseconds)", finite_number),
+    "timestamp": ("a finite number of milliseconds, 0 or more", _moment),
     "input_length": ("a whole number, 1 or more", _count),
     "output_length": ("a whole number, 1 or more (vLLM refuses max_tokens 0)", _count),
     "hash_ids": ("a list of integers", _hash_ids),
@@ -119,7 +128,7 @@ def given_labels(
     ``load_mooncake`` gives its row."""
     return {
         f"mooncake-{index}": {c: row[c] for c in columns if c in row}
-        for index, row in _mooncake_rows(path, limit)
+        for index, _, row in _mooncake_rows(path, limit)
     }
 
 

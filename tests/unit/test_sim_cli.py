@@ -81,6 +81,7 @@ def test_a_ladder_runs_each_level_with_more_load(tmp_path: Path) -> None:
 
 BROKEN_TRACE = '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n{bad\n'
 WRONG_TYPE = '{"timestamp": 0, "input_length": "x", "output_length": 5, "hash_ids": [1]}\n'
+BEFORE_ITS_START = '{"timestamp": -5, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
 
 
 @pytest.mark.parametrize(
@@ -94,6 +95,10 @@ WRONG_TYPE = '{"timestamp": 0, "input_length": "x", "output_length": 5, "hash_id
             ["--trace", "{tmp}/typed.jsonl"],
             "line 1: input_length must be a whole number, 1 or more, not 'x'",
         ),
+        # workload export wrote the negative arrival into its CSV
+        (["--trace", "{tmp}/negative.jsonl"], "line 1: timestamp must be a finite number of"),
+        # the line after a blank one is named by its own number
+        (["--trace", "{tmp}/gap.jsonl"], "{tmp}/gap.jsonl line 3: not JSON"),
         (["--trace", "mooncake", "--instances", "0"], "must be at least 1, not 0"),
         (
             ["--trace", "mooncake", "--admission", "mooncake_early_reject"],
@@ -111,6 +116,8 @@ def test_bad_sim_arguments_exit_2_with_a_message_before_any_work(
 ) -> None:
     (tmp_path / "broken.jsonl").write_text(BROKEN_TRACE)
     (tmp_path / "typed.jsonl").write_text(WRONG_TYPE)
+    (tmp_path / "negative.jsonl").write_text(BEFORE_ITS_START)
+    (tmp_path / "gap.jsonl").write_text(BROKEN_TRACE.replace("\n", "\n\n", 1))
     latin1 = BROKEN_TRACE.replace("bad", "caf\u00e9").encode("latin-1")
     (tmp_path / "latin1.jsonl").write_bytes(latin1)
     try:

@@ -70,6 +70,23 @@ def test_a_jsonl_path_replays_its_timestamps_as_given(tmp_path: Path) -> None:
         assert [r.arrival_s for r in replayed] == [0.0, 0.01, 2.5, 2.501]
 
 
+def test_blank_lines_in_a_trace_file_hold_no_row(tmp_path: Path) -> None:
+    """A file ending in a blank line (as editors write one) was refused: "line 3: not
+    JSON (Expecting value: line 2 column 1)"."""
+    rows = [
+        {"timestamp": ms, "input_length": 64, "output_length": 5, "hash_ids": [n]}
+        for n, ms in enumerate([0, 10])
+    ]
+    path = tmp_path / "edited.jsonl"
+    path.write_text("\n\n".join(json.dumps(r) for r in rows) + "\n\n")
+    loaded = load_trace(str(path))
+    assert [(r.request_id, r.arrival_s) for r in loaded] == [
+        ("mooncake-0", 0.0),
+        ("mooncake-1", 0.01),
+    ]
+    assert len(load_trace(str(path), limit=1)) == 1
+
+
 def test_the_carried_traces_are_the_published_files() -> None:
     """Every file ``sim/data/traces/SHA256SUMS`` names, unchanged; and the loaders read
     this copy unless told otherwise."""
