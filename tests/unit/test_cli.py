@@ -207,6 +207,17 @@ def test_a_controller_told_to_judge_a_dc_on_no_requests_is_refused_before_it_nee
     assert "--weights-min-outcomes must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["recount", "whatif"])
+def test_a_dc_the_fleet_file_lacks_is_refused_before_a_broker_is_needed(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """recount went to Kafka first (and said there was none), as whatif did not."""
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    fleet = str(Path(__file__).parents[2] / "examples" / "fleet-local.toml")
+    assert main([command, "--fleet", fleet, "--dc", "nosuch"]) == 2
+    assert "--dc nosuch: the fleet file has no such DC" in capsys.readouterr().err
+
+
 def test_an_unknown_dc_policy_is_named_with_the_known_ones(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

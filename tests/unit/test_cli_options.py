@@ -15,7 +15,11 @@ from tokenfleet.cli import build_parser, main
     [
         (["calibrate", "--profile", "llama3-70b-4xh100", "--iterations", "-5"], "0 or more"),
         (["bench", "gateway", "--json", "g.json", "--litellm", "x", "--no-litellm"], "not allowed"),
-        (["emulate", "--warmup", "-1"], "not negative"),
+        (["emulate", "--warmup", "-1"], "a finite number of seconds, 0 or more, not -1"),
+        # "not negative" for a NaN
+        (["sim", "--trace", "mixed", "--host-token-lag", "nan"], "0 or more, not nan"),
+        # " is a folder: give a file to write"
+        (["sim", "--trace", "mixed", "--json", ""], "an empty name: give a file to write"),
         # numpy refuses a negative seed, once the run has started: demo with a traceback
         (["demo", "--seed", "-5"], "a seed is 0 or more, not -5"),
         (["sim", "--trace", "mixed", "--seed", "-1"], "a seed is 0 or more"),
@@ -34,6 +38,8 @@ from tokenfleet.cli import build_parser, main
         (["bench", "fleet", "--json", "f.json", "--policies", "fleetmind,fleetmind"], "more than"),
         (["bench", "decision", "--json", "d.json", "--policies", "tokenpilot,"], "an empty name"),
         (["bench", "routing", "--trace", "mixed", "--json", "r.json", "--policies", ""], "empty"),
+        # named only once the recorded arrivals had been read from Kafka
+        (["whatif", "--dc-policy", "nope"], "invalid choice: 'nope'"),
     ],
 )
 def test_contradictory_or_negative_options_are_refused_at_parse_time(

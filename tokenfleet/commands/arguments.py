@@ -85,7 +85,9 @@ def seconds(text: str) -> float:
     """A duration that may be nothing: a finite number of seconds, 0 or more."""
     value = _parsed(text, float, "a number of seconds")
     if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError("must be a finite number of seconds, not negative")
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds, 0 or more, not {text}"
+        )
     return value
 
 
@@ -128,6 +130,8 @@ def output_file(text: str) -> Path:
     """A file to write, checked before a run that may take minutes: not a folder, its
     folder made if missing, and a file can be written there (a file that is there is left
     as it is)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty name: give a file to write")
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder: give a file to write")

@@ -19,6 +19,7 @@ from tokenfleet.commands.output import write_json
 
 if TYPE_CHECKING:
     from control.journal import Difference
+    from schemas.fleet import FleetConfig
     from tokenfleet.recount import Recount
     from tokenfleet.whatif import Stack
 
@@ -180,6 +181,7 @@ def _read_topics(topics: list[str]) -> tuple[list[Envelope], int]:
 
 def _register_whatif(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from control.admission.registry import ADMISSIONS
+    from control.fleet.registry import DC_POLICIES
     from control.routing import ROUTERS
 
     whatif = commands.add_parser(
@@ -211,6 +213,7 @@ def _register_whatif(commands: argparse._SubParsersAction[argparse.ArgumentParse
     )
     whatif.add_argument(
         "--dc-policy",
+        choices=sorted(DC_POLICIES),
         help="re-make the choice of DC too: simulate the whole fleet on every arrival "
         "(each entering at its gateway's region, refused ones included) under this DC "
         "policy and under the gateways' (TOKENFLEET_GATEWAY_DC_POLICY, default fleetmind), "
@@ -231,9 +234,12 @@ def _recount(args: argparse.Namespace) -> int:
     distinct_files({"--json": args.json}, {"--fleet": args.fleet})
 
     try:
-        objectives = load_fleet(args.fleet).all_objectives() if args.fleet else Objectives()
+        fleet = load_fleet(args.fleet) if args.fleet else None
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
+    if fleet is not None:
+        _check_dcs(args.dc, fleet)
+    objectives = fleet.all_objectives() if fleet is not None else Objectives()
     bootstrap = broker()
 
     async def run() -> Recount:
@@ -304,9 +310,7 @@ def _whatif(args: argparse.Namespace) -> int:
         fleet = load_fleet(args.fleet)
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
-    unknown = sorted(set(args.dc or ()) - {dc.name for dc in fleet.dcs})
-    if unknown:
-        raise CliError(f"--dc {', '.join(unknown)}: the fleet file has no such DC")
+    _check_dcs(args.dc, fleet)
     running = Stack(fleet.routing.policy, "slomax")
     asked = Stack(args.policy or running.policy, args.admission)
     dc_policies = _dc_policies(args.dc_policy)
@@ -347,15 +351,19 @@ def _whatif(args: argparse.Namespace) -> int:
     return 0 if figures else 1
 
 
+def _check_dcs(asked: Sequence[str] | None, fleet: FleetConfig) -> None:
+    """CliError, before any broker is asked, for a ``--dc`` the fleet file lacks."""
+    unknown = sorted(set(asked or ()) - {dc.name for dc in fleet.dcs})
+    if unknown:
+        raise CliError(f"--dc {', '.join(unknown)}: the fleet file has no such DC")
+
+
 def _dc_policies(asked: str | None) -> list[str]:
     """The gateways' DC policy and ``asked`` (none: no fleet what-if)."""
-    from control.fleet.registry import DC_POLICIES
     from gateway.settings import GatewaySettings
 
     if asked is None:
         return []
-    if asked not in DC_POLICIES:
-        raise CliError(f"--dc-policy {asked}: not one of {', '.join(sorted(DC_POLICIES))}")
     running = GatewaySettings().dc_policy
     if asked == running:
         raise CliError(f"--dc-policy must name a policy other than the gateways' ({running})")
