@@ -50,6 +50,7 @@ from gateway.inbound import (
     authenticate,
     idempotency_key_of,
     idempotency_scope,
+    model_named,
     only_model,
     read_inbound,
     residency_of,
@@ -235,7 +236,7 @@ class Gateway:
         arrived = time.monotonic()
         metrics = self.metrics
         metrics.in_progress.inc()
-        model = "-"
+        model, body = "-", b""
         streaming = False
         try:
             tenant = authenticate(self.fleet, request.headers.get("authorization"))
@@ -252,6 +253,8 @@ class Gateway:
                 response.on_end.append(metrics.in_progress.dec)
             return response
         except ApiError as exc:
+            if model == "-":  # refused before it was read whole
+                model = model_named(self.fleet, body) or model
             metrics.requests.labels(model, str(exc.status)).inc()
             raise
         finally:

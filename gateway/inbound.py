@@ -7,6 +7,7 @@ use too, so the gateway's prefix index names the blocks the engines cache.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import uuid
 from collections.abc import Mapping, Sequence
@@ -153,6 +154,17 @@ def read_inbound(
         blocks=prompt_block_hashes(size.first_prompt),
         by_load=isinstance(request, EmbeddingRequest),
     )
+
+
+def model_named(fleet: FleetConfig, body: bytes) -> str | None:
+    """The fleet's model a request's body names, read without the rest of it: what a
+    request refused as invalid is counted under. A name outside the fleet is not (a
+    client could add series without end)."""
+    try:
+        named = json.loads(body).get("model")
+    except (ValueError, AttributeError, RecursionError):  # not JSON, not an object, too deep
+        return None
+    return named if isinstance(named, str) and fleet.model(named) is not None else None
 
 
 def only_model(fleet: FleetConfig) -> str:

@@ -104,3 +104,19 @@ async def test_an_embedded_gateway_shows_its_collector_s_metrics(front: Gateway)
         failures = series["tokenfleet_collector_scrape_failures_total"]
         assert failures[(("instance_id", instance_id),)] == 0
     assert len(series["process_cpu_seconds_total"]) == 1  # one process collector, not two
+
+
+async def test_a_request_refused_as_invalid_counts_under_the_fleet_s_model_it_names(
+    front: Gateway,
+) -> None:
+    """Refused before its body was read whole, it counted under ``-`` whatever it named;
+    a name outside the fleet still does (a client could add series without end)."""
+    async with front.client() as http:
+        too_many = await http.post("/v1/chat/completions", json=chat("hi") | {"n": 129})
+        unknown = await http.post("/v1/chat/completions", json=chat("hi") | {"model": "x" * 40})
+        garbled = await http.post("/v1/chat/completions", content=b"{not json")
+    assert (too_many.status_code, unknown.status_code, garbled.status_code) == (400, 404, 400)
+    requests = (await _series(front))["tokenfleet_gateway_requests_total"]
+    assert requests[(("model", MODEL), ("status", "400"))] == 1
+    assert requests[(("model", "-"), ("status", "404"))] == 1
+    assert requests[(("model", "-"), ("status", "400"))] == 1
