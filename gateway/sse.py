@@ -12,10 +12,14 @@ from typing import Any
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Whole server-sent events (each ending in a blank line) from raw chunks."""
+    """Whole server-sent events (each ending in a blank line) from raw chunks. Lines may
+    end in CRLF, as the format allows (vLLM and SGLang end them in LF): read as LF, where
+    such a stream was one event at its end, which reads as a stream cut short."""
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
+        if b"\r" in buffer:  # a CR may end one chunk and its LF begin the next
+            buffer = buffer.replace(b"\r\n", b"\n")
         while (end := buffer.find(b"\n\n")) >= 0:
             yield buffer[: end + 2]
             buffer = buffer[end + 2 :]

@@ -35,11 +35,12 @@ class Blame(enum.Enum):
     """Whose fault an instance's 4xx answer is."""
 
     REQUEST = "request"
-    """Passed on as given, reported as refused (``REQUEST_FAULTS``)."""
+    """Passed on (in OpenAI's format, ``in_openai_format``), reported as refused
+    (``REQUEST_FAULTS``)."""
     INSTANCE = "instance"
     """Failed as a 5xx is: the request goes to the next instance."""
     DC = "dc"
-    """Passed on as given, reported as the request's failure in its DC."""
+    """Passed on (in OpenAI's format), reported as the request's failure in its DC."""
 
 
 def blame(status: int, body: bytes, model: str) -> tuple[Blame, str]:
@@ -97,22 +98,30 @@ def in_openai_format(status: int, body: bytes) -> bytes:
     """An instance's error answer of ``status`` as OpenAI's clients read it, an ``error``
     object, as the gateway's own errors are. SGLang (and vLLM's older ``ErrorResponse``)
     put the error's fields at the top level, where a client reading ``error.message``
-    found nothing; a proxy in front of an engine may answer in text. An answer already in
-    that format passes as given; the others keep their message, type and param."""
+    found nothing; FastAPI answers ``detail``; a proxy in front of an engine may answer in
+    text. An answer already in that format passes as given; the others keep their
+    message (``_MESSAGE_KEYS``), whole, and their type and param."""
     try:
         answer = json.loads(body)
     except ValueError:
-        answer = None
+        answer = body.decode(errors="replace").strip()
     if isinstance(answer, dict) and isinstance(answer.get("error"), dict):
         return body
     fields = answer if isinstance(answer, dict) else {}
+    said = next((fields[key] for key in _MESSAGE_KEYS if key in fields), answer)
+    message = said if isinstance(said, str) else json.dumps(said)
     error = ApiError(
         status,
-        message_of(body) or f"The model instance answered {status}.",
+        message or f"The model instance answered {status}.",
         param=_text(fields.get("param")),
         error_type=_text(fields.get("type")),
     )
     return json.dumps(error.body()).encode()
+
+
+_MESSAGE_KEYS = ("message", "detail", "error")
+"""Where an error answer not in OpenAI's format puts its message: SGLang's and vLLM's
+older ``message``, FastAPI's ``detail``, a flat ``error``."""
 
 
 def _text(value: object) -> str | None:

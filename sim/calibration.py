@@ -93,7 +93,7 @@ def load_stages(path: str | None = None) -> list[Stage]:
             try:
                 if int(row["n_failures"]) == 0:
                     stages.append(_stage(row))
-            except (KeyError, ValueError) as exc:
+            except (KeyError, ValueError, TypeError) as exc:  # TypeError: a short row's None
                 why = f"{type(exc).__name__}: {exc}"
                 raise ValueError(f"{path}, line {line}: not a measured stage ({why})") from None
     return stages

@@ -1,13 +1,5 @@
-"""A workload as CSV for other simulators.
-
-Columns: ``request_id, arrival_us, input_tokens, output_tokens, prefix_group,
-prefix_tokens, session_id, round, task_class, tenant, region, deadline_s`` (seconds after
-its arrival by which the request must finish; empty where it gives none, as only batch
-jobs do). Where a workload names its
-prefix groups (the synthetic ones), those are written; otherwise ``prefix_tokens`` is the
-leading part of the prompt that an earlier request already had (from the block hashes),
-and ``prefix_group`` the request that first had its leading block.
-"""
+"""A workload as CSV for other simulators: its columns are ``DESCRIPTION``'s, which
+``tokenfleet workload export --help`` shows."""
 
 from __future__ import annotations
 
@@ -17,6 +9,15 @@ from pathlib import Path
 
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest, reusable_blocks
 
+DESCRIPTION = (
+    "Writes one row a request, in arrival order: request_id, arrival_us (its arrival in "
+    "microseconds, on the trace's own clock), input_tokens, output_tokens, prefix_group and "
+    "prefix_tokens (a synthetic workload's own groups; otherwise the request that first had "
+    "the prompt's leading block, and the leading tokens an earlier request already had, "
+    "from the block hashes), session_id and round (a conversation's turns), task_class, "
+    "tenant, region and deadline_s (seconds after its arrival by which it must end; empty "
+    "where it has none, as only batch jobs have one)."
+)
 COLUMNS = (
     "request_id",
     "arrival_us",

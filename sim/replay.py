@@ -121,8 +121,8 @@ async def replay(
     all; ``clients`` None: clients that wait for every answer and never retry. Records
     come in arrival order, a second attempt after its first. Each is also appended to
     ``finished`` as its attempt ends, so a replay cut short (Ctrl-C) keeps those.
-    ``progress``: a bar of the requests ended, and how many of them failed (a target
-    that fails every request shows at once, not at the trace's end)."""
+    ``progress``: a bar of the requests ended, and how many of them completed (a target
+    that fails or refuses every request shows at once, not at the trace's end)."""
     _check_sizes(requests)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     async with httpx.AsyncClient(
@@ -140,16 +140,16 @@ async def replay(
             again = clients.retry(request, clock.virtual(time.monotonic()), record.retry_after_s)
             return [record] if again is None else [record, *await attempts(again)]
 
-        failed = 0
+        completed = 0
         with progress_bar(
             total=len(requests), desc="replay", unit="req", leave=False, disable=not progress
         ) as bar:
 
             async def ended(request: TraceRequest) -> list[ReplayRecord]:
-                nonlocal failed
+                nonlocal completed
                 records = await attempts(request)
-                failed += records[-1].outcome not in ("completed", "rejected", "cancelled")
-                bar.set_postfix(failed=failed, refresh=False)
+                completed += records[-1].outcome == "completed"
+                bar.set_postfix(completed=completed, refresh=False)
                 bar.update()
                 return records
 

@@ -1,6 +1,7 @@
-"""``tokenfleet`` and ``python -m tokenfleet``: the command line. Its modules take about a
-second to import, and Ctrl-C in that second is answered as anywhere later, not with
-Python's traceback (``tokenfleet.cli`` itself cannot catch what interrupts its imports)."""
+"""``tokenfleet`` and ``python -m tokenfleet``: the command line. Its modules take over a
+second to import (the CLI's, then the commands' as its parser is built), and Ctrl-C in
+that time is answered as anywhere later, not with Python's traceback
+(``tokenfleet.cli.main`` itself cannot catch what interrupts its imports or its parser)."""
 
 import importlib
 import sys
@@ -11,9 +12,9 @@ from tokenfleet.commands.errors import interrupted
 def run() -> int:
     try:  # by name: mypy --strict checks this module, not yet the commands it imports
         cli = importlib.import_module("tokenfleet.cli")
-    except KeyboardInterrupt:
+        code: int = cli.main()
+    except KeyboardInterrupt:  # past the parser, main answers it itself
         return interrupted()
-    code: int = cli.main()
     return code
 
 

@@ -9,7 +9,6 @@ is made again, so what its router learned is learned again from the same observa
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -120,7 +119,14 @@ def _pipeline(start: Record) -> Pipeline[str]:
     return Pipeline(make_admission(recipe["admission"], pool), router)
 
 
-ABSENT = "(absent)"
+class _Absent:
+    """A field one of two results lacks."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT = _Absent()
 """What ``fields_that_differ`` gives for a field one of the results lacks."""
 
 
@@ -142,9 +148,5 @@ def fields_that_differ(
     ):
         for n, (mine, theirs) in enumerate(zip(recorded, replayed, strict=True)):
             yield from fields_that_differ(mine, theirs, f"{at}[{n}]")
-    elif recorded != replayed and not (_nan(recorded) and _nan(replayed)):
+    elif recorded != replayed:
         yield at, recorded, replayed
-
-
-def _nan(value: object) -> bool:
-    return isinstance(value, float) and math.isnan(value)

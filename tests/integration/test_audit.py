@@ -137,7 +137,6 @@ async def test_whatif_reads_the_recorded_arrivals_and_simulates_both_stacks(
     assert by_policy["local_only"]["cross_dc_share"] == 0.0
     assert by_policy["local_only"]["arrivals"] >= 50
     assert await asyncio.to_thread(main, [*fleet_wide, "fleetmind"]) == 2  # it runs already
-    assert await asyncio.to_thread(main, [*fleet_wide, "nearest"]) == 2  # no such policy
     mixed = [*fleet_wide, "local_only", "--policy", "round_robin"]
     assert await asyncio.to_thread(main, mixed) == 2  # the fleet what-if runs the fleet's stack
 

@@ -348,6 +348,9 @@ SGLANG_REFUSAL = {
     [
         (json.dumps(SGLANG_REFUSAL), SGLANG_REFUSAL["message"], "BadRequestError"),
         ("bad request from the proxy", "bad request from the proxy", "invalid_request_error"),
+        # FastAPI's own answer; a message past what events carry, whole
+        ('{"detail": "Not Found"}', "Not Found", "invalid_request_error"),
+        (json.dumps({"message": "m" * 1000}), "m" * 1000, "invalid_request_error"),
     ],
 )
 async def test_an_instance_s_refusal_in_another_format_reaches_the_client_in_openai_s(

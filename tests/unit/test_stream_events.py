@@ -4,11 +4,12 @@ what usage it reports. Chunks as vLLM sends them."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from gateway.sse import Piece, Seen, read_event
+from gateway.sse import Piece, Seen, read_event, sse_events
 from schemas.openai_api import ApiError, ChatRequest, CompletionRequest, parse_request
 
 
@@ -139,3 +140,18 @@ def _chat(messages: list[dict[str, str]]) -> bytes:
 def test_a_completion_holds_one_prompt_or_several(prompt: Any, prompts: list[Any]) -> None:
     body = json.dumps({"model": "m", "prompt": prompt}).encode()
     assert parse_request(CompletionRequest, body).prompts == prompts
+
+
+async def test_events_whose_lines_end_in_crlf_are_split_as_those_ending_in_lf() -> None:
+    """Such a stream came out as one event at its end: read as cut short, it failed every
+    instance that sent it."""
+    stream = chat_chunk({"content": "hi"}) + data({"choices": []}) + b"data: [DONE]\n\n"
+    crlf = stream.replace(b"\n", b"\r\n")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for at in range(0, len(crlf), 7):  # a CR at the end of some chunks
+            yield crlf[at : at + 7]
+
+    events = [event async for event in sse_events(chunks())]
+    assert [read_event(e).piece for e in events] == [Piece.DELTA, Piece.OTHER, Piece.END]
+    assert b"".join(events) == stream

@@ -115,9 +115,10 @@ def _print_difference(difference: Difference, fields: int = 8) -> None:
     from tokenfleet.audit import fields_that_differ
 
     print(f"  DIFFERS record {difference.seq} ({difference.call}):")
-    differing = list(fields_that_differ(difference.recorded, difference.replayed))
-    for at, recorded, replayed in differing[:fields]:
-        print(f"    {at or 'the result'}: recorded {_brief(recorded)}, replayed {_brief(replayed)}")
+    recorded, replayed = difference.recorded, difference.replayed
+    differing = list(fields_that_differ(recorded, replayed)) or [("", recorded, replayed)]
+    for at, mine, theirs in differing[:fields]:
+        print(f"    {at or 'the result'}: recorded {_brief(mine)}, replayed {_brief(theirs)}")
     if len(differing) > fields:
         print(f"    and {len(differing) - fields} more fields")
 
@@ -125,7 +126,7 @@ def _print_difference(difference: Difference, fields: int = 8) -> None:
 def _brief(result: object, limit: int = 120) -> str:
     from tokenfleet.audit import ABSENT
 
-    text = ABSENT if result is ABSENT else json.dumps(result)
+    text = repr(ABSENT) if result is ABSENT else json.dumps(result)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -244,6 +244,7 @@ def shown(value: float | None, spec: str, unit: str = "", missing: str = "n/a") 
 
 
 def _add_workload(commands: argparse._SubParsersAction) -> None:
+    from sim.export import DESCRIPTION
     from sim.registry import TRACES
 
     workload = commands.add_parser("workload", help="workloads: list or export them")
@@ -255,15 +256,7 @@ def _add_workload(commands: argparse._SubParsersAction) -> None:
         )
     )
     export = sub.add_parser(
-        "export",
-        help="write a labelled workload as CSV for other tools",
-        description="Writes one row a request, in arrival order: request_id, arrival_us "
-        "(microseconds from the trace's start), input_tokens, output_tokens, prefix_group "
-        "(the request that first had the prompt's leading block, or the workload's own "
-        "group), prefix_tokens (the prompt's leading tokens an earlier request already "
-        "had), session_id and round (a conversation's turns), task_class, tenant, region "
-        "and deadline_s (seconds after arrival by which it must end; empty where it has "
-        "none).",
+        "export", help="write a labelled workload as CSV for other tools", description=DESCRIPTION
     )
     export.add_argument(
         "--trace",
