@@ -227,10 +227,13 @@ async def test_replayed_prompts_keep_the_trace_s_shared_prefixes() -> None:
 
 
 async def test_the_emulator_and_the_simulator_agree_on_ttft() -> None:
-    """One instance, the same 60 requests: emulated at 2x speed over HTTP, and simulated.
+    """One instance, the same 60 requests: emulated in real time over HTTP, and simulated.
 
     Tolerance: median TTFT within 25 %, 90th percentile within 35 % (the emulator adds
-    HTTP and event-loop time the model does not have, magnified by the speed-up)."""
+    HTTP and event-loop time the model does not have). At twice real time, which this test
+    ran at until 2026-12-07, a speed-up magnified that time: the medians' ratio came out
+    1.15 to 1.19 against 1.07 now (four runs each on this project's 2-core machine), and
+    twice in the full suite a P90 failed (1.41, 2.59), the machine's stalls doubled."""
     rng = np.random.default_rng(3)
     arrivals = np.cumsum(rng.exponential(1 / 6.0, 60))
     workload = [
@@ -243,8 +246,8 @@ async def test_the_emulator_and_the_simulator_agree_on_ttft() -> None:
         )
         for n, t in enumerate(arrivals)
     ]
-    async with serve(PROFILE, MODEL, [free_port()], speedup=2) as [emulated]:
-        replayed = await replay(workload, emulated.url, MODEL, speedup=2)
+    async with serve(PROFILE, MODEL, [free_port()]) as [emulated]:
+        replayed = await replay(workload, emulated.url, MODEL)
     simulated = Simulation(Cluster.single(PROFILE, 1), make_router("round_robin")).run(workload)
     emulated_ttft = np.array([r.ttft_s for r in replayed])
     simulated_ttft = np.array([r.ttft_s for r in simulated])
