@@ -8,8 +8,8 @@
   with an error event and ``[DONE]``, as vLLM ends a stream that failed; it is never run
   twice. Only the transport (a stream's body that ends before its end too) or an error
   status fails an instance, never the shape of a valid answer (an empty answer, a tool
-  call, all reasoning). Whom a 4xx answer blames is
-  ``gateway.upstream_answers``'s verdict.
+  call, all reasoning). Whom a 4xx answer blames is ``gateway.upstream_answers``'s
+  verdict.
 - The first token is the first delta of any kind the instance streams (text, reasoning,
   a tool call's part, a Responses API ``*.delta`` event) or a choice's finish, whichever
   comes first; events before it (a role chunk, the Responses API's lifecycle events)

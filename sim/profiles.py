@@ -9,10 +9,14 @@ table for the coefficients below.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from control.step_time import KneeRoofline
 from sim.cluster import InstanceProfile
 from sim.hardware import H100, Hardware, ModelShape, engine_for
+
+if TYPE_CHECKING:
+    from schemas.fleet import FleetConfig
 
 TRAINING_STAGES = ("general/stage_0", "general/stage_1", "codegen/stage_0")
 """Fitted on the general workload's two rates and codegen's lower one; the rest held out."""
@@ -138,3 +142,13 @@ def profile(name: str) -> InstanceProfile:
         return PROFILES[name]
     except KeyError:
         raise KeyError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None
+
+
+def check_fleet_profiles(fleet: FleetConfig) -> None:
+    """ValueError naming a model of the fleet file whose ``profile`` is none of these (the
+    fleet file's schema cannot know them): the gateway, the emulator and ``up`` refuse it
+    before they start anything."""
+    for model in fleet.models:
+        if model.profile is not None and model.profile not in PROFILES:
+            known = ", ".join(sorted(PROFILES))
+            raise ValueError(f"model {model.name!r}: unknown profile {model.profile!r}; {known}")

@@ -241,7 +241,12 @@ class Deployment:
         """Hold ``home`` for one ``up`` or ``down`` at a time, or fail at once (CliError):
         two at once, or ``down`` during ``up``, left processes that no record named. The
         lock goes with this process, however it ends; the parts do not inherit it."""
-        self.home.mkdir(parents=True, exist_ok=True)
+        try:
+            self.home.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file there, or a folder above that cannot be made
+            raise CliError(
+                f"--home {self.home}: not a folder to keep a deployment in ({exc.strerror})"
+            ) from None
         with (self.home / "up.lock").open("w") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

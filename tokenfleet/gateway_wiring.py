@@ -36,7 +36,7 @@ from gateway.redis_state import RedisState
 from gateway.settings import GatewaySettings
 from gateway.state import Accounting, LocalState, SharedState
 from schemas.fleet import FleetConfig
-from sim.profiles import PROFILES, profile
+from sim.profiles import PROFILES, check_fleet_profiles, profile
 from streams.bus import EventBus
 from streams.collector import Collector
 from streams.kafka import KafkaBus
@@ -56,10 +56,7 @@ def router_factory(
     """Routers for the fleet's models; a model's ``profile`` gives TokenPilot its step model.
     ValueError at once for an unknown profile; ValueError (or KeyError for an unknown
     policy) when a router is made, which ``gateway_parts`` does at start."""
-    for model in fleet.models:
-        if model.profile is not None and model.profile not in PROFILES:
-            known = ", ".join(sorted(PROFILES))
-            raise ValueError(f"model {model.name!r}: unknown profile {model.profile!r}; {known}")
+    check_fleet_profiles(fleet)
 
     def make(model_name: str) -> Router:
         model = fleet.model(model_name)

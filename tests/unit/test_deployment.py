@@ -273,6 +273,31 @@ def test_up_refuses_a_missing_fleet_file_and_starts_nothing(
     assert main(["down", "--home", str(home)]) == 0  # nothing to stop is no error
 
 
+def test_up_refuses_a_fleet_file_naming_an_unknown_profile_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It started Kafka and Redis, then an emulator exited with a KeyError's traceback."""
+    fleet = tmp_path / "fleet.toml"
+    text = (ROOT / "examples" / "fleet-local.toml").read_text()
+    fleet.write_text(text.replace('profile = "', 'profile = "nosuch-', 1))
+    home = tmp_path / "up"
+    assert main(["up", "--home", str(home), "--fleet", str(fleet)]) == 2
+    assert "unknown profile 'nosuch-" in capsys.readouterr().err
+    assert Deployment(home).parts() == []
+    assert main(["emulate", "--fleet", str(fleet)]) == 2
+    assert "unknown profile 'nosuch-" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["up", "down"])
+def test_a_home_that_cannot_be_a_folder_is_named_not_a_traceback(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    assert main([command, "--home", str(taken)]) == 2
+    assert f"--home {taken}: not a folder to keep a deployment in" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("setting", "error"),
     [

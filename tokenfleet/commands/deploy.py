@@ -122,13 +122,15 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
     from gateway.settings import GatewaySettings
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
+    from sim.profiles import check_fleet_profiles
     from streams.kafka import create_topics
 
     if any(pid is not None for pid in deployment.pids().values()):
         raise CliError(f"a deployment runs from {args.home}: tokenfleet down --home {args.home}")
     try:
         fleet = load_fleet(args.fleet)
-    except FleetFileError as exc:
+        check_fleet_profiles(fleet)  # else an emulator or a gateway exits at its start
+    except (FleetFileError, ValueError) as exc:
         raise CliError(str(exc)) from None
     parts = plan(
         fleet,

@@ -174,6 +174,7 @@ def _emulate(args: argparse.Namespace) -> int:
 def _emulate_fleet(args: argparse.Namespace) -> int:
     from schemas.fleet import FleetFileError, load_fleet
     from sim.emulator.server import serve_fleet
+    from sim.profiles import check_fleet_profiles
 
     if given := _given(args, _FLEET_SETS):
         raise CliError(
@@ -182,7 +183,8 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
         )
     try:
         fleet = load_fleet(args.fleet)
-    except FleetFileError as exc:
+        check_fleet_profiles(fleet)
+    except (FleetFileError, ValueError) as exc:
         raise CliError(str(exc)) from None
     if args.profile is not None and all(m.profile for m in fleet.models):
         raise CliError("--profile: every model of the fleet file names its own profile")
