@@ -332,6 +332,17 @@ class Deployment:
         """Each recorded part's process id, None for one that does not run."""
         return {part.name: read_pid(self.home / part.name) for part in self.parts()}
 
+    def silent_parts(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """Each running part that does not answer at a URL ``start`` waited on before it
+        counted the part ready, with that URL: a frozen or wedged process still runs."""
+        silent = {}
+        for part in self.parts():
+            if read_pid(self.home / part.name) is not None:
+                quiet = [url for url in part.ready_urls if not answers_http(url, timeout_s)]
+                if quiet:
+                    silent[part.name] = quiet[0]
+        return silent
+
     def service_pids(self) -> dict[str, int | None]:
         """The process id of each service started for the deployment (``kafka``,
         ``redis``), None for one that does not run."""

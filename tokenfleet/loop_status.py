@@ -165,12 +165,28 @@ def publisher_checks(
     return checks
 
 
-def process_checks(pids: Mapping[str, int | None]) -> list[Check]:
-    """One check per part of a local deployment (``tokenfleet up``): whether it runs."""
+def process_checks(
+    pids: Mapping[str, int | None], silent: Mapping[str, str] | None = None
+) -> list[Check]:
+    """One check per part of a local deployment (``tokenfleet up``): whether it runs, and
+    answers (``silent``: each running part that does not, with the URL it was asked at; a
+    frozen process still runs, and its tables or controls may never go stale)."""
+    silent = silent or {}
     return [
-        Check("process", name, pid is not None, "not running" if pid is None else f"pid {pid}")
+        Check(
+            "process",
+            name,
+            pid is not None and name not in silent,
+            _process_detail(pid, silent.get(name)),
+        )
         for name, pid in pids.items()
     ]
+
+
+def _process_detail(pid: int | None, silent_at: str | None) -> str:
+    if pid is None:
+        return "not running"
+    return f"pid {pid}" if silent_at is None else f"pid {pid}, not answering at {silent_at}"
 
 
 def verdict(checks: list[Check]) -> tuple[bool, str]:

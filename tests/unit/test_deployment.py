@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -660,6 +661,43 @@ def test_status_says_which_parts_and_services_run_before_failing_on_a_dead_own_b
     assert "Kafka broker (127.0.0.1:1) is not running" in printed.err
     # up refuses while a part runs: down first (the advice was up, which then refused)
     assert f"tokenfleet down --home {home} stops what remains, then tokenfleet up" in printed.err
+
+
+def test_status_names_a_running_part_that_does_not_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A frozen gateway (SIGSTOP) still runs: status said ok, and the loop closed."""
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setattr("tokenfleet.services.kafka.DEFAULT_HOME", tmp_path / "kafka")
+    home = tmp_path / "up"
+    frozen = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    silent, alive = (f"http://127.0.0.1:{s.getsockname()[1]}" for s in (frozen, server.socket))
+    parts = [Part(name, (), url, (f"{url}/health",)) for name, url in (("a", silent), ("b", alive))]
+    try:
+        _record(Deployment(home), parts, own_services=["kafka"], kafka="127.0.0.1:1")
+        for part in parts:
+            _running_as(home / part.name, part.url or "")
+        assert main(["status", "--home", str(home), "--timeout", "5"]) == 2  # its broker is gone
+    finally:
+        frozen.close()
+        server.shutdown()
+        server.server_close()
+    lines = [line.split() for line in capsys.readouterr().out.splitlines()]
+    pid = str(os.getpid())
+    assert [
+        "NO",
+        "process",
+        "a",
+        "pid",
+        f"{pid},",
+        "not",
+        "answering",
+        "at",
+        f"{silent}/health",
+    ] in lines
+    assert ["ok", "process", "b", "pid", pid] in lines
 
 
 def _running_as(folder: Path, address: str) -> None:

@@ -229,15 +229,17 @@ def _status(args: argparse.Namespace) -> int:
     # The recorded deployment's broker even where it is down: the processes say so first.
     bootstrap = Settings().kafka_bootstrap or recorded or broker(args.home)
     processes: dict[str, int | None] = {}
+    silent: dict[str, str] = {}
     recorded_fleet = None
     if recorded == bootstrap:  # else another broker's loop, which these parts are not of
         processes = deployment.pids() | deployment.service_pids()
+        silent = deployment.silent_parts()
         recorded_fleet = deployment.fleet_file()  # not a DC of an earlier fleet's up
     dcs = args.dc
     fleet_dcs = _fleet_dcs(args.fleet, recorded_fleet)
     if fleet_dcs is not None:  # with --dc too: the named DCs the fleet file has
         dcs = [dc for dc in fleet_dcs if dcs is None or dc in dcs]
-    checks = process_checks(processes)
+    checks = process_checks(processes, silent)
     _print_checks(checks)
     if "kafka" in processes and processes["kafka"] is None:
         raise CliError(
