@@ -261,7 +261,7 @@ class RedisState:
         ``shard_of``: the hash tag an instance's routing keys go under, the same for every
         instance of a pool (a view reads a pool in one script); ``cluster``: ``url`` names
         a node of a Redis Cluster."""
-        self.url = _without_password(url)
+        self.url = without_password(url)
         """The address, for messages and logs: without the password a URL may carry."""
         self.prefix = prefix
         self.shard_of = shard_of
@@ -611,7 +611,7 @@ def refuses_for_good(error: RedisError) -> bool:
 _REFUSAL = re.compile(r"WRONGPASS|NOAUTH|password|DB index")
 
 
-def _without_password(url: str) -> str:
+def without_password(url: str) -> str:
     """``url`` fit for a log: its password masked, in the address or in the query string
     (``?password=``, which redis-py reads)."""
     parts = urlsplit(url)

@@ -289,6 +289,22 @@ def test_up_refuses_a_fleet_file_naming_an_unknown_profile_and_starts_nothing(
     assert "unknown profile 'nosuch-" in capsys.readouterr().err
 
 
+def test_up_refuses_a_redis_that_does_not_answer_and_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It started every part, whose gateways each ran on state of their own, warning in
+    their logs only; up said Redis was there and status that the loop was closed."""
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # not reached before
+    monkeypatch.setenv("TOKENFLEET_REDIS_URL", f"redis://:secret@127.0.0.1:{free_port()}/0")
+    home = tmp_path / "up"
+    assert main(["up", "--home", str(home)]) == 2
+    error = capsys.readouterr().err
+    assert "Redis at redis://:***@127.0.0.1:" in error
+    assert "does not answer" in error
+    assert "secret" not in error
+    assert Deployment(home).parts() == []
+
+
 @pytest.mark.parametrize("command", ["up", "down"])
 def test_a_home_that_cannot_be_a_folder_is_named_not_a_traceback(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -149,6 +149,8 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
     copies = Settings().kafka_replication  # checked before any service starts
     try:
         env, own = deployment.with_own_services(os.environ)
+        if "redis" not in own:
+            _check_redis(env["TOKENFLEET_REDIS_URL"])
         print(
             f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {env['TOKENFLEET_REDIS_URL']}"
         )
@@ -170,6 +172,23 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         f"tokenfleet down --home {args.home}."
     )
     return 0
+
+
+def _check_redis(url: str, timeout_s: float = 2.0) -> None:
+    """CliError where the Redis the environment names does not answer a PING, as ``up``
+    refuses a Kafka broker that does not answer: each gateway would start on its own
+    state, its ceilings, shares and idempotency keys unshared, saying so in its log only."""
+    from redis import Redis, RedisError
+
+    from gateway.redis_state import without_password
+
+    client = Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        client.ping()
+    except (RedisError, OSError) as exc:
+        raise CliError(f"Redis at {without_password(url)} does not answer: {exc}") from None
+    finally:
+        client.close()
 
 
 def _down(args: argparse.Namespace) -> int:
