@@ -51,6 +51,16 @@ def test_contradictory_or_negative_options_are_refused_at_parse_time(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags", [["--weights-per-region"], ["--weights-min-outcomes", "5"]])
+def test_the_controller_refuses_weights_flags_without_a_fleet(
+    flags: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They were ignored: no fleet, no weights controller."""
+    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
+    assert main(["controller", *flags]) == 2
+    assert f"tokenfleet: {flags[0]}: without --fleet" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("options", "named"),
     [

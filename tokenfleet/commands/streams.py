@@ -374,6 +374,11 @@ def _controller(args: argparse.Namespace) -> int:
     from tokenfleet.operator_page import serve_operator_view
 
     check_controller_args(args)
+    fleetwide = {"--weights-per-region": args.weights_per_region}
+    fleetwide["--weights-min-outcomes"] = args.weights_min_outcomes is not None
+    if args.fleet is None and any(fleetwide.values()):
+        given = ", ".join(option for option, set_ in fleetwide.items() if set_)
+        raise CliError(f"{given}: without --fleet, whose DCs FleetMind weighs, it does nothing")
     try:  # the file first: an error of its own is found without a broker
         fleet = load_fleet(args.fleet) if args.fleet else None
     except FleetFileError as exc:
