@@ -658,13 +658,18 @@ def test_a_recorded_broker_counts_only_while_the_deployments_own_kafka_runs(
     assert broker(home) == "127.0.0.1:1"
 
 
-def test_status_says_which_parts_and_services_run_before_failing_on_a_dead_own_broker(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """It failed at once with "cannot read the topics", saying nothing of the processes."""
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A deployment's folder for ``status``, no broker named in the environment."""
     monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
     monkeypatch.setattr("tokenfleet.services.kafka.DEFAULT_HOME", tmp_path / "kafka")
-    home = tmp_path / "up"
+    return tmp_path / "up"
+
+
+def test_status_says_which_parts_and_services_run_before_failing_on_a_dead_own_broker(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It failed at once with "cannot read the topics", saying nothing of the processes."""
     own = ["kafka", "redis"]
     _record(Deployment(home), [Part("collector", ())], own_services=own, kafka="127.0.0.1:1")
     _running_as(home / "redis", "redis://127.0.0.1:3/0")
@@ -680,12 +685,9 @@ def test_status_says_which_parts_and_services_run_before_failing_on_a_dead_own_b
 
 
 def test_status_names_a_running_part_that_does_not_answer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A frozen gateway (SIGSTOP) still runs: status said ok, and the loop closed."""
-    monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
-    monkeypatch.setattr("tokenfleet.services.kafka.DEFAULT_HOME", tmp_path / "kafka")
-    home = tmp_path / "up"
     frozen = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
