@@ -15,6 +15,7 @@ import fcntl
 import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypedDict, cast
@@ -243,11 +244,12 @@ class Deployment:
         lock goes with this process, however it ends; the parts do not inherit it."""
         try:
             self.home.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # a file there, or a folder above that cannot be made
+            lock = (self.home / "up.lock").open("w")
+        except OSError as exc:  # a file there, a folder above that cannot be made, read-only
             raise CliError(
                 f"--home {self.home}: not a folder to keep a deployment in ({exc.strerror})"
             ) from None
-        with (self.home / "up.lock").open("w") as lock:
+        with lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -334,14 +336,18 @@ class Deployment:
 
     def silent_parts(self, timeout_s: float = 2.0) -> dict[str, str]:
         """Each running part that does not answer at a URL ``start`` waited on before it
-        counted the part ready, with that URL: a frozen or wedged process still runs."""
-        silent = {}
-        for part in self.parts():
-            if read_pid(self.home / part.name) is not None:
-                quiet = [url for url in part.ready_urls if not answers_http(url, timeout_s)]
-                if quiet:
-                    silent[part.name] = quiet[0]
-        return silent
+        counted the part ready, with the first such URL: a stopped process (SIGSTOP), or a
+        server whose loop is stuck, still runs. The parts are asked at once, each URL
+        within ``timeout_s``: a frozen process's connections are still accepted, and each
+        question waits out its timeout."""
+        running = [p for p in self.parts() if read_pid(self.home / p.name) is not None]
+
+        def first_silent(part: Part) -> str | None:
+            return next((u for u in part.ready_urls if not answers_http(u, timeout_s)), None)
+
+        with ThreadPoolExecutor(max_workers=max(len(running), 1)) as pool:
+            found = dict(zip(running, pool.map(first_silent, running), strict=True))
+        return {part.name: url for part, url in found.items() if url is not None}
 
     def service_pids(self) -> dict[str, int | None]:
         """The process id of each service started for the deployment (``kafka``,

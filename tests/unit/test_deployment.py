@@ -300,7 +300,7 @@ def test_up_refuses_a_redis_that_does_not_answer_and_starts_nothing(
     assert main(["up", "--home", str(home)]) == 2
     error = capsys.readouterr().err
     assert "Redis at redis://:***@127.0.0.1:" in error
-    assert "does not answer" in error
+    assert "does not answer, or refuses" in error
     assert "secret" not in error
     assert Deployment(home).parts() == []
 

@@ -119,6 +119,7 @@ def _up(args: argparse.Namespace) -> int:
 
 def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
     """``up`` once this process holds the deployment's folder."""
+    from gateway.redis_state import without_password
     from gateway.settings import GatewaySettings
     from schemas import TOPICS
     from schemas.fleet import FleetFileError, load_fleet
@@ -148,12 +149,11 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
     check_ports(fleet, parts)
     copies = Settings().kafka_replication  # checked before any service starts
     try:
+        if "TOKENFLEET_REDIS_URL" in os.environ:  # before a broker of its own starts
+            _check_redis(os.environ["TOKENFLEET_REDIS_URL"])
         env, own = deployment.with_own_services(os.environ)
-        if "redis" not in own:
-            _check_redis(env["TOKENFLEET_REDIS_URL"])
-        print(
-            f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {env['TOKENFLEET_REDIS_URL']}"
-        )
+        redis = without_password(env["TOKENFLEET_REDIS_URL"])
+        print(f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {redis}")
         replication = 1 if "kafka" in own else copies  # its own broker is one
         asyncio.run(create_topics(env["TOKENFLEET_KAFKA_BOOTSTRAP"], TOPICS, replication))
         deployment.start(parts, env, own, say=lambda p: print(f"  started {p.name}", flush=True))
@@ -186,7 +186,9 @@ def _check_redis(url: str, timeout_s: float = 2.0) -> None:
     try:
         client.ping()
     except (RedisError, OSError) as exc:
-        raise CliError(f"Redis at {without_password(url)} does not answer: {exc}") from None
+        raise CliError(
+            f"Redis at {without_password(url)} does not answer, or refuses: {exc}"
+        ) from None
     finally:
         client.close()
 

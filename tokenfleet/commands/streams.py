@@ -172,7 +172,7 @@ def _register_status(commands: argparse._SubParsersAction) -> None:
         "worker, controls in force), 1 when not, saying why, 2 when the broker cannot be "
         "read. Needs TOKENFLEET_KAFKA_BOOTSTRAP, else reads the broker of the deployment "
         "tokenfleet up recorded in --home, after saying which of its parts and services "
-        "run.",
+        "run, and which part runs but does not answer.",
     )
     status.add_argument(
         "--stale-after",
