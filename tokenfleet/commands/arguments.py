@@ -218,3 +218,10 @@ def api_base_url(text: str) -> str:
     """An OpenAI-compatible endpoint's base URL, with or without the ``/v1`` that
     ``tokenfleet emulate`` and ``gateway`` print (its requests add ``/v1/...``)."""
     return http_url(text).rstrip("/").removesuffix("/v1")
+
+
+def given_options(args: argparse.Namespace, options: tuple[str, ...]) -> list[str]:
+    """Which of ``options`` the command line gave, as flags: each is None by default, or
+    False for a switch (a --warmup of 0 is given)."""
+    given = [name for name in options if vars(args)[name] is not None]
+    return [f"--{name.replace('_', '-')}" for name in given if vars(args)[name] is not False]

@@ -14,6 +14,7 @@ from tokenfleet.commands.arguments import (
     api_base_url,
     consecutive_ports,
     distinct_files,
+    given_options,
     output_file,
     port,
     positive_float,
@@ -139,7 +140,7 @@ def _emulate(args: argparse.Namespace) -> int:
 
     if args.fleet is not None:
         return _emulate_fleet(args)
-    if given := _given(args, _FLEET_ONLY):
+    if given := given_options(args, _FLEET_ONLY):
         raise CliError(f"without --fleet, {', '.join(given)} would do nothing: see --help")
     base_port = BASE_PORT if args.base_port is None else args.base_port
     ports = consecutive_ports("--base-port", base_port, args.instances or 1)
@@ -176,7 +177,7 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     from sim.emulator.server import serve_fleet
     from sim.profiles import check_fleet_profiles
 
-    if given := _given(args, _FLEET_SETS):
+    if given := given_options(args, _FLEET_SETS):
         raise CliError(
             f"{', '.join(given)}: not with --fleet, whose file names the models and their "
             "instances' ports"
@@ -221,13 +222,6 @@ _FLEET_SETS = ("instances", "base_port", "model")
 """The options whose settings a fleet file makes: --fleet refuses them."""
 _FLEET_ONLY = ("placement", "region", "dc", "warmup")
 """The options that mean something only with --fleet."""
-
-
-def _given(args: argparse.Namespace, options: tuple[str, ...]) -> list[str]:
-    """Which of ``options`` the command line gave, as flags: each is None by default, or
-    False for a switch (a --warmup of 0 is given)."""
-    given = [name for name in options if vars(args)[name] is not None]
-    return [f"--{name.replace('_', '-')}" for name in given if vars(args)[name] is not False]
 
 
 def _fleet_options(args: argparse.Namespace) -> FleetOptions:

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenfleet.commands.arguments import port, positive_float
+from tokenfleet.commands.arguments import given_options, port, positive_float
 from tokenfleet.commands.broker import broker, create_topics_on
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
@@ -374,10 +374,9 @@ def _controller(args: argparse.Namespace) -> int:
     from tokenfleet.operator_page import serve_operator_view
 
     check_controller_args(args)
-    fleetwide = {"--weights-per-region": args.weights_per_region}
-    fleetwide["--weights-min-outcomes"] = args.weights_min_outcomes is not None
-    if args.fleet is None and any(fleetwide.values()):
-        given = ", ".join(option for option, set_ in fleetwide.items() if set_)
+    weighing = given_options(args, ("weights_per_region", "weights_min_outcomes"))
+    if args.fleet is None and weighing:
+        given = ", ".join(weighing)
         raise CliError(f"{given}: without --fleet, whose DCs FleetMind weighs, it does nothing")
     try:  # the file first: an error of its own is found without a broker
         fleet = load_fleet(args.fleet) if args.fleet else None
