@@ -51,13 +51,14 @@ from gateway.decide import Decider, Plan
 from gateway.events import EventSink
 from gateway.failures import CLIENT_LEFT, DcFailed, UpstreamFailed
 from gateway.fleet_view import FleetView
-from gateway.inbound import Inbound
+from gateway.inbound import RESPONSES_PATH, Inbound
 from gateway.metrics import GatewayMetrics
 from gateway.sse import (
     FIRST_TOKEN,
     NOTHING,
     Piece,
     Seen,
+    failure_events,
     output_tokens,
     read_event,
     sse_events,
@@ -85,9 +86,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _JSON = {"content-type": "application/json"}
-
-_DONE_EVENT = b"data: [DONE]\n\n"
-
 
 REPLANS = 2
 """Decisions made again at most, when other requests were routed since their view."""
@@ -423,7 +421,7 @@ class Exchange:
         that closes before the stream's end (``[DONE]``, an error, the Responses API's last
         event), which vLLM and SGLang always send, was cut short: by a proxy in front of
         the engine whose own upstream died, say. It fails as a broken connection does."""
-        ended = False
+        ended, event = False, None
         try:
             for event, seen in head:
                 ended |= seen.piece is Piece.END
@@ -447,8 +445,9 @@ class Exchange:
             broke = CUT_SHORT
         trip.stream_end = f"{trip.instance.id}: {broke}"
         self.metrics.upstream_failed(trip.instance.id, "after_first_token")
-        yield _error_event(f"The model instance failed mid-stream ({broke}).")
-        yield _DONE_EVENT
+        message = f"The model instance failed mid-stream ({broke})."
+        for failure in failure_events(message, event, trip.inbound.path == RESPONSES_PATH):
+            yield failure
 
     async def _stream_ended(self, trip: Trip, upstream: aiohttp.ClientResponse, ended: str) -> None:
         if ended == "completed":
@@ -530,11 +529,6 @@ def _without_read_timeout(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientTimeo
 
 def _url(instance: InstanceConfig, path: str) -> str:
     return f"{str(instance.url).rstrip('/')}{path}"
-
-
-def _error_event(message: str) -> bytes:
-    body = ApiError(502, message).body()
-    return f"data: {json.dumps(body)}\n\n".encode()
 
 
 def _charges(inbound: Inbound, plan: Plan, row: int) -> tuple[float, float]:

@@ -1,6 +1,7 @@
 """Reading the server-sent events of an instance's stream: what each event is to the
 gateway (output, a finish, the end, nothing), and the usage and errors it reports, for
-vLLM's chat and completion chunks and the Responses API's named events."""
+vLLM's chat and completion chunks and the Responses API's named events; and the events
+the gateway ends a stream with when its instance failed midway."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+
+from schemas.openai_api import ApiError
+
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -141,3 +146,32 @@ def _sse_data(event: bytes) -> bytes | None:
         return event[5:].strip()
     start = event.find(b"\ndata:")
     return None if start < 0 else event[start + 6 :].strip()
+
+
+def failure_events(message: str, last: bytes | None, responses_api: bool) -> list[bytes]:
+    """The events that end a stream whose instance failed after its first token, as
+    its API ends one: a chat or completion stream with an OpenAI error object and
+    ``[DONE]`` (as vLLM ends a stream whose engine failed); a Responses API stream with its
+    ``error`` event, numbered after ``last``, the last event relayed (that API sends no
+    ``[DONE]``: OpenAI's SDK raises on an error object there, and hands an ``error`` event
+    to the client as the API's reference defines it)."""
+    error = ApiError(502, message)
+    if not responses_api:
+        return [f"data: {json.dumps(error.body())}\n\n".encode(), DONE_EVENT]
+    event = {
+        "type": "error",
+        "code": error.error_type,
+        "message": message,
+        "param": None,
+        "sequence_number": _next_sequence_number(last),
+    }
+    return [f"event: error\ndata: {json.dumps(event)}\n\n".encode()]
+
+
+def _next_sequence_number(last: bytes | None) -> int:
+    data = None if last is None else _sse_data(last)
+    try:
+        number = json.loads(data)["sequence_number"] if data else -1
+    except (ValueError, TypeError, KeyError):
+        number = -1
+    return number + 1 if isinstance(number, int) else 0

@@ -381,3 +381,44 @@ async def test_a_refused_tokenize_call_leaves_the_instances_in_service(front: Ga
         after = await http.post("/v1/chat/completions", json=chat("still fine " * 10))
     assert bad.status_code == 400
     assert after.status_code == 200
+
+
+def _breaking_responses_upstream() -> Starlette:
+    """A Responses API stream whose engine dies after its first delta."""
+    events = [
+        {"type": "response.created", "sequence_number": 0, "response": {"id": "resp_1"}},
+        {"type": "response.output_text.delta", "sequence_number": 1, "item_id": "msg_1",
+         "output_index": 0, "content_index": 0, "delta": "tok ", "logprobs": []},
+    ]  # fmt: skip
+
+    async def stream(_: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            for event in events:
+                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+            await asyncio.sleep(0.01)
+            raise RuntimeError("the engine died")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return fake_instance("/v1/responses", stream)
+
+
+async def test_a_responses_stream_that_fails_midway_ends_with_the_apis_error_event() -> None:
+    """The Responses API's ``error`` event, numbered after the last relayed, and no
+    ``[DONE]`` (which that API never sends): not a chat stream's error chunk."""
+    async with (
+        http_server(_breaking_responses_upstream()) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=KEY) as client,
+    ):
+        stream = await client.responses.create(model=MODEL, input="Hello", stream=True)
+        received = [event async for event in stream]
+    assert [event.type for event in received] == [
+        "response.created",
+        "response.output_text.delta",
+        "error",
+    ]
+    error = received[-1]
+    assert error.sequence_number == 2
+    assert "failed mid-stream" in error.message
+    assert error.code == "upstream_error"
