@@ -221,11 +221,12 @@ def test_a_controller_told_to_judge_a_dc_on_no_requests_is_refused_before_it_nee
     assert "--weights-min-outcomes must be at least 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["recount", "whatif"])
+@pytest.mark.parametrize("command", ["recount", "whatif", "status"])
 def test_a_dc_the_fleet_file_lacks_is_refused_before_a_broker_is_needed(
     command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """recount went to Kafka first (and said there was none), as whatif did not."""
+    """recount went to Kafka first (and said there was none), as whatif did not; status
+    said the DC had no table yet, as if the loop had not reached it."""
     monkeypatch.delenv("TOKENFLEET_KAFKA_BOOTSTRAP", raising=False)
     fleet = str(Path(__file__).parents[2] / "examples" / "fleet-local.toml")
     assert main([command, "--fleet", fleet, "--dc", "nosuch"]) == 2
@@ -355,6 +356,15 @@ def test_status_reads_its_dcs_from_a_fleet_file(
     monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # never reached
     assert main(["status", "--fleet", str(tmp_path / "none.toml")]) == 2
     assert "cannot read fleet file" in capsys.readouterr().err
+
+
+def test_down_on_a_folder_that_does_not_exist_makes_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home = tmp_path / "never" / "deployed"
+    assert main(["down", "--home", str(home)]) == 0
+    assert f"no deployment in {home}" in capsys.readouterr().out
+    assert not (tmp_path / "never").exists()
 
 
 def test_kafka_jars_that_differ_from_the_pins_are_removed_with_the_maven_repository(

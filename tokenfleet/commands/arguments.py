@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit
@@ -225,3 +225,10 @@ def given_options(args: argparse.Namespace, options: tuple[str, ...]) -> list[st
     False for a switch (a --warmup of 0 is given)."""
     given = [name for name in options if vars(args)[name] is not None]
     return [f"--{name.replace('_', '-')}" for name in given if vars(args)[name] is not False]
+
+
+def check_dcs(asked: Sequence[str] | None, fleet_dcs: Iterable[str]) -> None:
+    """CliError, before any broker is asked, for a ``--dc`` the fleet file lacks."""
+    unknown = sorted(set(asked or ()) - set(fleet_dcs))
+    if unknown:
+        raise CliError(f"--dc {', '.join(unknown)}: the fleet file has no such DC")

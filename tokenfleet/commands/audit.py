@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 from schemas import Envelope
 from schemas.topics import JOURNAL_TOPIC, TOPICS
-from tokenfleet.commands.arguments import distinct_files, output_file
+from tokenfleet.commands.arguments import check_dcs, distinct_files, output_file
 from tokenfleet.commands.deploy import LOCAL_FLEET
 from tokenfleet.commands.errors import CliError, message_of
 from tokenfleet.commands.output import write_json
 
 if TYPE_CHECKING:
     from control.journal import Difference
-    from schemas.fleet import FleetConfig
     from tokenfleet.recount import Recount
     from tokenfleet.whatif import Stack
 
@@ -239,7 +238,7 @@ def _recount(args: argparse.Namespace) -> int:
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
     if fleet is not None:
-        _check_dcs(args.dc, fleet)
+        check_dcs(args.dc, (dc.name for dc in fleet.dcs))
     objectives = fleet.all_objectives() if fleet is not None else Objectives()
     bootstrap = broker()
 
@@ -311,7 +310,7 @@ def _whatif(args: argparse.Namespace) -> int:
         fleet = load_fleet(args.fleet)
     except FleetFileError as exc:
         raise CliError(str(exc)) from None
-    _check_dcs(args.dc, fleet)
+    check_dcs(args.dc, (dc.name for dc in fleet.dcs))
     running = Stack(fleet.routing.policy, "slomax")
     asked = Stack(args.policy or running.policy, args.admission)
     dc_policies = _dc_policies(args.dc_policy)
@@ -350,13 +349,6 @@ def _whatif(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, figures)
     return 0 if figures else 1
-
-
-def _check_dcs(asked: Sequence[str] | None, fleet: FleetConfig) -> None:
-    """CliError, before any broker is asked, for a ``--dc`` the fleet file lacks."""
-    unknown = sorted(set(asked or ()) - {dc.name for dc in fleet.dcs})
-    if unknown:
-        raise CliError(f"--dc {', '.join(unknown)}: the fleet file has no such DC")
 
 
 def _dc_policies(asked: str | None) -> list[str]:

@@ -195,6 +195,9 @@ def _check_redis(url: str, timeout_s: float = 2.0) -> None:
 
 def _down(args: argparse.Namespace) -> int:
     deployment = Deployment(args.home)
+    if not args.home.exists():  # the lock would make the folder
+        print(f"no deployment in {args.home}")
+        return 0
     with deployment.exclusive():
         if not deployment.record_path.exists():
             print(f"no deployment in {args.home}")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from tokenfleet.commands.arguments import (
     add_profile,
     api_base_url,
+    check_dcs,
     consecutive_ports,
     distinct_files,
     given_options,
@@ -193,8 +194,7 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     regions = {dc.region for dc in fleet.dcs} | {r for link in fleet.network for r in link.regions}
     if region not in regions:
         raise CliError(f"--region {region}: the fleet file names no such region")
-    if args.dc is not None and args.dc not in {dc.name for dc in fleet.dcs}:
-        raise CliError(f"--dc {args.dc}: the fleet file has no such DC")
+    check_dcs(None if args.dc is None else [args.dc], (dc.name for dc in fleet.dcs))
     if args.warmup is not None and not args.placement:
         raise CliError("--warmup needs --placement: only a placed replica warms up")
     bootstrap = broker() if args.placement else None

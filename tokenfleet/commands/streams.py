@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenfleet.commands.arguments import given_options, port, positive_float
+from tokenfleet.commands.arguments import check_dcs, given_options, port, positive_float
 from tokenfleet.commands.broker import broker, create_topics_on
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
@@ -225,6 +225,8 @@ def _status(args: argparse.Namespace) -> int:
     )
 
     deployment = Deployment(args.home)
+    named = _fleet_dcs(args.fleet, None)  # first: the file's errors need no broker
+    dcs = _judged_dcs(args.dc, named)
     recorded = deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
     # The recorded deployment's broker even where it is down: the processes say so first.
     bootstrap = Settings().kafka_bootstrap or recorded or broker(args.home)
@@ -235,10 +237,8 @@ def _status(args: argparse.Namespace) -> int:
         processes = deployment.pids() | deployment.service_pids()
         silent = deployment.silent_parts()
         recorded_fleet = deployment.fleet_file()  # not a DC of an earlier fleet's up
-    dcs = args.dc
-    fleet_dcs = _fleet_dcs(args.fleet, recorded_fleet)
-    if fleet_dcs is not None:  # with --dc too: the named DCs the fleet file has
-        dcs = [dc for dc in fleet_dcs if dcs is None or dc in dcs]
+    if named is None:
+        dcs = _judged_dcs(args.dc, _fleet_dcs(None, recorded_fleet))
     checks = process_checks(processes, silent)
     _print_checks(checks)
     if "kafka" in processes and processes["kafka"] is None:
@@ -292,6 +292,15 @@ def _worker(args: argparse.Namespace) -> int:
 
     run_worker(served, settings.log_level)
     return 0
+
+
+def _judged_dcs(asked: list[str] | None, fleet_dcs: list[str] | None) -> list[str] | None:
+    """The DCs status judges: those ``--dc`` names (all where None), of the fleet file's
+    where one is known (CliError for a DC it lacks: each read as having no table yet)."""
+    if fleet_dcs is None:
+        return asked
+    check_dcs(asked, fleet_dcs)
+    return [dc for dc in fleet_dcs if asked is None or dc in asked]
 
 
 def _fleet_dcs(named: Path | None, recorded: Path | None) -> list[str] | None:
