@@ -89,6 +89,7 @@ _SGLANG = {
     "sglang:prompt_tokens": "prefix_queries",
     "sglang:cached_tokens": "prefix_hits",
     "sglang:cache_hit_rate": "hit_rate",
+    "sglang:num_retracted_requests": "preemptions",
 }
 _SHARES = frozenset({"kv_usage", "kv_usage_older", "hit_rate"})
 """Fractions, one per engine (vLLM's data-parallel engines, SGLang's DP ranks): averaged,
@@ -118,7 +119,11 @@ def _series_group(engine: str, name: str, labels: dict[str, str]) -> tuple[tuple
     return (name, *kept), bool(labels.get("priority"))
 
 
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)")
+_SAMPLE = re.compile(
+    r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[^"}]|"(?:[^"\\]|\\.)*")*)\})?[ \t]+(\S+)'
+)
+"""A sample's name, its labels (each value a quoted string, which may hold ``}``) and its
+value; a timestamp or an OpenMetrics exemplar (`` # {trace_id="..."} 7.0``) may follow."""
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
@@ -127,6 +132,7 @@ def samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
     ValueError on a line that is not one. (prometheus_client's parser costs milliseconds
     a scrape, which a gateway scraping its fleet five times a second feels.)"""
     for line in text.splitlines():
+        line = line.strip()  # the format allows blanks around a line's tokens
         if not line or line.startswith("#"):
             continue
         match = _SAMPLE.match(line)
@@ -418,7 +424,8 @@ class Collector:
         except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
             why = str(exc) if isinstance(exc, NoEngineMetrics) else type(exc).__name__
             if self._unread.get(instance.id) != why:
-                log.warning("%s is published not ready: scraping %s: %s", instance.id, url, exc)
+                detail = self._failed_scrape(instance, exc)
+                log.warning("%s is published not ready: scraping %s: %s", instance.id, url, detail)
             self._unread[instance.id] = why
             self.metrics.scrape_failures.labels(instance.id).inc()
             return None
@@ -426,6 +433,15 @@ class Collector:
             log.warning("%s answers again: published ready", instance.id)
         self.metrics.last_scrape.labels(instance.id).set_to_current_time()
         return scraped
+
+    def _failed_scrape(self, instance: InstanceConfig, exc: Exception) -> str:
+        """What a failed scrape's warning says of it."""
+        if isinstance(exc, TimeoutError):  # its text is empty
+            return f"no answer within {self.timeout_s:g} s"
+        missing = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 404
+        if missing and instance.engine == "sglang":
+            return f"{exc} (an SGLang server serves /metrics only with --enable-metrics)"
+        return str(exc)
 
     async def _kv_events(self, instance: InstanceConfig) -> list[KvMessage]:
         url = f"{str(instance.url).rstrip('/')}/kv-events"

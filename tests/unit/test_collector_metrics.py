@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -47,8 +48,8 @@ async def _instance_serving(
         yield str(server.make_url("/"))
 
 
-def _instance(name: str, url: str) -> InstanceConfig:
-    return InstanceConfig(id=name, dc="dc-a", url=url, model="m")
+def _instance(name: str, url: str, engine: str = "vllm") -> InstanceConfig:
+    return InstanceConfig(id=name, dc="dc-a", url=url, model="m", engine=engine)
 
 
 async def test_scrapes_and_failures_are_counted_by_instance_with_the_last_good_one_s_time() -> None:
@@ -89,6 +90,30 @@ async def test_an_instance_that_reads_no_count_is_published_not_ready(exposition
     assert not telemetry.ready
     failures = collector.metrics.registry.get_sample_value
     assert failures("tokenfleet_collector_scrape_failures_total", {"instance_id": "odd"}) == 1
+
+
+async def test_a_failed_scrape_s_warning_says_what_failed(caplog: pytest.LogCaptureFixture) -> None:
+    """A slow instance's warning ended in an empty message (a TimeoutError's text), and an
+    SGLang server without ``--enable-metrics`` (no ``/metrics``) got a bare 404."""
+
+    async def slow(_: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/slow/metrics", slow)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as client:
+        instances = [
+            _instance("slow", str(server.make_url("/slow/"))),
+            _instance("bare", str(server.make_url("/")), engine="sglang"),
+        ]
+        with caplog.at_level(logging.WARNING, logger="streams.collector"):
+            await Collector(instances, InMemoryBus(), client, timeout_s=0.2).scrape_once()
+    warnings = sorted(record.getMessage() for record in caplog.records)
+    assert warnings[0].startswith("bare is published not ready")
+    assert warnings[0].endswith("(an SGLang server serves /metrics only with --enable-metrics)")
+    assert warnings[1].startswith("slow is published not ready")
+    assert warnings[1].endswith(": no answer within 0.2 s")
 
 
 class _RefusingFirst(InMemoryBus):

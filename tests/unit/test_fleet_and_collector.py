@@ -393,6 +393,29 @@ def test_samples_read_as_prometheus_clients_parser_reads_them() -> None:
     assert ours == theirs
 
 
+def test_exemplars_and_blanks_around_samples_leave_their_values_as_they_are() -> None:
+    """An OpenMetrics exemplar (a proxy or exporter may ask for that format) was read as
+    the sample's labels, its value as the sample's; blanks around a line, which the format
+    allows, made the whole exposition unreadable (the instance not ready)."""
+    exposition = VLLM.replace(
+        'vllm:prefix_cache_queries_total{model_name="m"} 1000.0',
+        '  vllm:prefix_cache_queries_total{model_name="m"} 1000.0 # {trace_id="a}b"} 7.0\n \t',
+    )
+    scraped = parse_metrics(exposition, "vllm")
+    assert (scraped.prefix_hits, scraped.prefix_queries) == (400.0, 1000.0)
+
+
+def test_sglang_s_retractions_are_its_preemptions() -> None:
+    """SGLang names preemption "retract"; its counter appears at the first one, and the
+    tables read 0 for every SGLang instance before 2026-12-07. Ranks repeat it once."""
+    retracted = SGLANG + "".join(
+        f'sglang:num_retracted_requests_total{{model_name="m",tp_rank="{rank}"}} 9.0\n'
+        for rank in (0, 1)
+    )
+    assert parse_metrics(retracted, "sglang").preemptions == 9.0
+    assert parse_metrics(SGLANG, "sglang").preemptions == 0.0
+
+
 def test_kv_events_become_one_message_per_run_in_order() -> None:
     events = [(1, True), (2, True), (1, False), (3, True)]
     messages = kv_messages("i0", events)
