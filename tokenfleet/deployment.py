@@ -11,8 +11,10 @@ them again from another process through ``deployment.json`` in its home.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -178,33 +180,52 @@ def _emulators(fleet: FleetConfig, fleet_args: tuple[str, ...]) -> list[Part]:
 
 def check_ports(fleet: FleetConfig, parts: Sequence[Part]) -> None:
     """Refuse (CliError) a plan in which two servers would listen on one port, naming
-    both. Found only when the second started, after Kafka, Redis and the parts before it,
-    the clash named a part of the same plan as another server holding the port."""
+    both, then one whose port another server holds now. Each was found only as its part
+    started, after Kafka, Redis and the parts before it (about 25 s in), and the whole
+    start rolled back; a clash named a part of the same plan as another server."""
     users: dict[int, str] = {}
-    for user, port in _listeners(fleet, parts):
+    listeners = list(_listeners(fleet, parts))
+    for user, (_host, port) in listeners:
         if port in users:
-            raise CliError(
-                f"port {port} is both {users[port]}'s and {user}'s: move one (--gateway-port, "
-                "--controller-port, --worker-port, --collector-port or the fleet file's "
-                "instance URLs)"
-            )
+            raise CliError(f"port {port} is both {users[port]}'s and {user}'s: {_MOVE_ONE}")
         users[port] = user
+    for user, (host, port) in listeners:
+        if _held(host, port):
+            raise CliError(f"{user}: another server holds {host}:{port}; stop it, or {_MOVE_ONE}")
 
 
-def _listeners(fleet: FleetConfig, parts: Sequence[Part]) -> Iterator[tuple[str, int]]:
-    """Who listens on which port: each instance the emulators serve (those on standby
-    too), and each other part that serves a URL."""
+_MOVE_ONE = (
+    "move one (--gateway-port, --controller-port, --worker-port, --collector-port or the "
+    "fleet file's instance URLs)"
+)
+
+
+def _listeners(fleet: FleetConfig, parts: Sequence[Part]) -> Iterator[tuple[str, tuple[str, int]]]:
+    """Who listens where: each instance the emulators serve (those on standby too), and
+    each other part that serves a URL."""
     for instance in fleet.local_instances():
-        yield f"emulate-{instance.dc} (instance {instance.id})", _port(str(instance.url))
+        yield f"emulate-{instance.dc} (instance {instance.id})", _address(str(instance.url))
     for part in parts:
         if part.url is not None and not part.is_emulator:
-            yield part.name, _port(part.url)
+            yield part.name, _address(part.url)
 
 
-def _port(url: str) -> int:
-    """The port ``url`` is served on (its scheme's where it names none)."""
+def _address(url: str) -> tuple[str, int]:
+    """The host and port ``url`` is served on (its scheme's port where it names none)."""
     parts = urlsplit(url)
-    return parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _held(host: str, port: int) -> bool:
+    """Whether a server listens on ``host:port`` now, as the part's server would bind it
+    (``SO_REUSEADDR``, as uvicorn and aiohttp set: a closed connection's port is free)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:  # another address family, an address not of this host: left
+            return exc.errno == errno.EADDRINUSE  # to the part's own start
+    return False
 
 
 def _service_settings(env: Mapping[str, str]) -> dict[str, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -31,16 +30,15 @@ from streams.kafka import KafkaBus, create_topics
 from tests.conftest import read_for, run_in_thread
 from tests.gateway_harness import scraped
 from tests.integration.test_closed_loop import _running
+from tests.local_fleet import fleet_on_free_ports, parts_ports
 from tests.services import Service
 from tokenfleet.audit import audit_journal, journals_in
 from tokenfleet.deployment import Deployment, Part, plan
 from tokenfleet.loop_status import loop_checks, read_broker, verdict
 from tokenfleet.services.kafka import LocalKafka
-from tokenfleet.services.process import free_ports
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 
-LOCAL_FLEET = Path(__file__).parents[2] / "examples" / "fleet-local.toml"
 PERIOD_S, TTL_S, LONG_CYCLE_S, WEIGHTS_MIN_OUTCOMES = 1.0, 8.0, 4.0, 5
 """The controllers' period, their snapshots' TTL (renewed every third of it), the period
 of FleetMind's long cycle (placements for dc-b, which holds a standby server), and the
@@ -113,7 +111,7 @@ class Deployed:
 
 @pytest.fixture
 def deployed(own_broker: LocalKafka, redis_server: Service, tmp_path: Path) -> Iterator[Deployed]:
-    fleet_file = _fleet_on_free_ports(tmp_path / "fleet.toml")
+    fleet_file = fleet_on_free_ports(tmp_path / "fleet.toml")
     fleet = load_fleet(fleet_file)
     env = os.environ | TABLES
     env |= {
@@ -122,8 +120,7 @@ def deployed(own_broker: LocalKafka, redis_server: Service, tmp_path: Path) -> I
         "TOKENFLEET_GATEWAY_REDIS_PREFIX": f"tf-{uuid.uuid4().hex[:8]}:",
     }
     run_in_thread(create_topics(own_broker.bootstrap))
-    ports = {"gateway_port": free_ports(3), "controller_port": free_ports(1)}
-    ports |= {"worker_port": free_ports(1), "collector_port": free_ports(1)}
+    ports = parts_ports()
     controllers = {"period_s": PERIOD_S, "ttl_s": TTL_S, "long_cycle_s": LONG_CYCLE_S}
     controllers |= {"weights_min_outcomes": WEIGHTS_MIN_OUTCOMES}
     parts = plan(fleet, str(fleet_file), **ports, **controllers)
@@ -149,17 +146,6 @@ def deployed(own_broker: LocalKafka, redis_server: Service, tmp_path: Path) -> I
     finally:
         _print_logs(deployment, parts)
         deployment.stop()
-
-
-def _fleet_on_free_ports(path: Path) -> Path:
-    """The local fleet file with its instances on ports free here."""
-    text = LOCAL_FLEET.read_text()
-    ports = sorted(set(re.findall(r"127\.0\.0\.1:(\d+)", text)))
-    base = free_ports(len(ports))
-    for n, port in enumerate(ports):
-        text = text.replace(f"127.0.0.1:{port}", f"127.0.0.1:{base + n}")
-    path.write_text(text)
-    return path
 
 
 def _print_logs(deployment: Deployment, parts: tuple[Part, ...]) -> None:

@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from schemas.fleet import load_fleet
+from tests.local_fleet import up_on_free_ports
 from tokenfleet import deployment as deployment_module
 from tokenfleet.cli import build_parser, main
 from tokenfleet.commands.broker import broker
@@ -297,7 +298,7 @@ def test_up_refuses_a_redis_that_does_not_answer_and_starts_nothing(
     monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # not reached before
     monkeypatch.setenv("TOKENFLEET_REDIS_URL", f"redis://:secret@127.0.0.1:{free_port()}/0")
     home = tmp_path / "up"
-    assert main(["up", "--home", str(home)]) == 2
+    assert main(["up", "--home", str(home), *up_on_free_ports(tmp_path)]) == 2
     error = capsys.readouterr().err
     assert "Redis at redis://:***@127.0.0.1:" in error
     assert "does not answer, or refuses" in error
@@ -362,9 +363,7 @@ def test_up_stops_the_broker_it_started_when_redis_then_fails_to_start(
     monkeypatch.setattr("tokenfleet.deployment.running_bootstrap", lambda home: None)
     monkeypatch.setattr("tokenfleet.deployment.LocalRedis", partial(LocalRedis, port=taken_port))
     home = tmp_path / "up"
-    assert (
-        main(["up", "--home", str(home), "--fleet", str(ROOT / "examples/fleet-local.toml")]) == 2
-    )
+    assert main(["up", "--home", str(home), *up_on_free_ports(tmp_path)]) == 2
     assert "the deployment did not start" in capsys.readouterr().err
     assert calls == ["started", "stopped"]
     assert not Deployment(home).record_path.exists()
@@ -758,4 +757,26 @@ def test_up_refuses_two_servers_of_its_plan_on_one_port_before_starting_anything
     )
     err = capsys.readouterr().err
     assert f"is both {users[0]}'s and {users[1]}'s" in err
+    assert not Deployment(home).record_path.exists()
+
+
+def test_up_refuses_a_port_another_server_holds_before_starting_anything(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    taken_port: int,
+) -> None:
+    """Found as its part started (about 25 s in, after Kafka, Redis and the parts before
+    it), then everything started was stopped again. A listener that never answers HTTP
+    counts too: the check at each part's start asks for an answer."""
+
+    def started(*args: object) -> None:
+        raise AssertionError("started the services")
+
+    monkeypatch.setattr(Deployment, "with_own_services", started)
+    home = tmp_path / "up"
+    ports = [*up_on_free_ports(tmp_path), "--collector-port", str(taken_port)]
+    assert main(["up", "--home", str(home), *ports]) == 2
+    err = capsys.readouterr().err
+    assert f"collector: another server holds 127.0.0.1:{taken_port}; stop it" in err
     assert not Deployment(home).record_path.exists()
