@@ -316,5 +316,9 @@ def load_fleet(path: Path) -> FleetConfig:
         raise FleetFileError(f"cannot read fleet file {path}: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise FleetFileError(f"fleet file {path} is not valid: {exc}") from None
+    except UnicodeDecodeError:
+        raise FleetFileError(f"fleet file {path} is not text (UTF-8)") from None
+    except RecursionError:  # json's decoder: lists or tables nested thousands deep
+        raise FleetFileError(f"fleet file {path} is nested too deep to be a fleet") from None
     except ValidationError as exc:
         raise FleetFileError(f"fleet file {path}: {describe(exc)}") from None

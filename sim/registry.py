@@ -48,6 +48,11 @@ TRACES: dict[str, Source] = {
 }
 
 
+_TRACES_FROM = (
+    "(the traces are read from $TOKENFLEET_TRACES where it is set, else from sim/data/traces)"
+)
+
+
 def load_trace(name_or_path: str, *, limit: int | None = None, seed: int = 0) -> list[TraceRequest]:
     """A labelled workload by name (see ``TRACES``) or a Mooncake-format JSONL path, whose
     timestamps are replayed as given (only the named ``mooncake`` trace spreads its 3 s
@@ -56,15 +61,22 @@ def load_trace(name_or_path: str, *, limit: int | None = None, seed: int = 0) ->
     if source is not None:
         try:
             requests = source.load(limit=limit, seed=seed)
-        except FileNotFoundError as exc:
+        except OSError as exc:  # not found, or a folder where a file should be, and back
+            why = "not found" if isinstance(exc, FileNotFoundError) else f"unread: {exc.strerror}"
+            raise ValueError(f"trace {name_or_path}: {exc.filename} {why} {_TRACES_FROM}") from None
+        except (KeyError, ValueError) as exc:  # a file of other columns, or other values
+            why = f"no column {exc}" if isinstance(exc, KeyError) else str(exc)
             raise ValueError(
-                f"trace {name_or_path}: {exc.filename} not found (the traces are read from "
-                "$TOKENFLEET_TRACES where it is set, else from sim/data/traces)"
+                f"trace {name_or_path}: not its format ({why}) {_TRACES_FROM}"
             ) from None
+        if not requests:  # a file of headers alone
+            raise ValueError(f"trace {name_or_path}: its files hold no requests {_TRACES_FROM}")
         return requests if source.labelled else label(requests, batch=source.batch, seed=seed)
     path = Path(name_or_path)
     if path.suffix == ".jsonl" and not path.is_file():
-        raise ValueError(f"trace file {name_or_path} not found")
+        raise ValueError(
+            f"trace file {name_or_path} {'is not a file' if path.exists() else 'not found'}"
+        )
     if path.suffix == ".jsonl":
         requests = label(load_mooncake(path, limit=limit, seed=seed, bucket_s=0.0), seed=seed)
         if not requests:

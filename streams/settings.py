@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from streams.tables.windows import WindowSpec
@@ -52,6 +52,18 @@ class WorkerSettings(BaseSettings):
     are what to read when a restarted worker is slow to publish."""
     data_dir: Path = Path(tempfile.gettempdir()) / "tokenfleet-worker"
     """Faust's folder (it keeps tables in memory but still makes one), not the cwd."""
+
+    @model_validator(mode="after")
+    def _window_of_whole_slides(self) -> WorkerSettings:
+        """The window's own checks, here: a command then names them as its settings'
+        (``recount`` said a broker it had not asked refused them)."""
+        try:
+            self.spec  # noqa: B018
+        except ValueError as exc:
+            raise ValueError(
+                f"window_s {self.window_s:g}, slide_s {self.slide_s:g}: {exc}"
+            ) from None
+        return self
 
     @property
     def spec(self) -> WindowSpec:

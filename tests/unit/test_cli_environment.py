@@ -47,3 +47,40 @@ def test_a_traces_folder_that_is_not_there_is_named_with_exit_2(
     err = capsys.readouterr().err
     assert err.startswith(f"tokenfleet: trace {trace}: {tmp_path}/none/{folder}")
     assert "TOKENFLEET_TRACES" in err
+
+
+def test_a_traces_folder_that_is_a_file_or_holds_other_columns_is_named_with_exit_2(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file in the folder's place was a traceback (NotADirectoryError), as a trace file
+    of other columns was (KeyError); one of their header alone exported no request, with
+    exit 0."""
+    not_a_folder = tmp_path / "traces"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("TOKENFLEET_TRACES", str(not_a_folder))
+    out = str(tmp_path / "m.csv")
+    assert main(["workload", "export", "--trace", "azure-conv", "--out", out]) == 2
+    assert "unread: Not a directory" in capsys.readouterr().err
+    azure = tmp_path / "other" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+    azure.parent.mkdir(parents=True)
+    monkeypatch.setenv("TOKENFLEET_TRACES", str(tmp_path / "other"))
+    for content, message in [
+        ("a,b,c\n", "its files hold no requests"),
+        ("a,b,c\n1,2,3\n", "not its format (no column 'TIMESTAMP')"),
+    ]:
+        azure.write_text(content)
+        assert main(["workload", "export", "--trace", "azure-conv", "--out", out]) == 2
+        assert f"trace azure-conv: {message}" in capsys.readouterr().err
+    assert not Path(out).exists()
+
+
+def test_a_window_of_no_whole_slides_is_named_as_the_settings_error_it_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """recount said the broker it was about to ask refused it."""
+    monkeypatch.setenv("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1")  # never reached
+    monkeypatch.setenv("TOKENFLEET_WORKER_WINDOW_S", "7")
+    assert main(["recount"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid WorkerSettings (from TOKENFLEET_* environment variables)" in err
+    assert "window_s 7, slide_s 5: the window size must be a whole multiple of the slide" in err

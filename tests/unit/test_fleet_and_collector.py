@@ -55,6 +55,24 @@ sglang:cache_hit_rate{model_name="m"} 0.3
 """
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("fleet.toml", b"\x95\xff binary", "is not text"),
+        ("fleet.json", b"\x95\xff binary", "is not text"),
+        ("fleet.json", b"[" * 100_000 + b"]" * 100_000, "is nested too deep"),
+    ],
+)
+def test_a_fleet_file_that_is_no_text_or_nested_without_end_is_named(
+    tmp_path: Path, name: str, content: bytes, message: str
+) -> None:
+    """Each was a traceback (UnicodeDecodeError, RecursionError) in every command."""
+    odd = tmp_path / name
+    odd.write_bytes(content)
+    with pytest.raises(FleetFileError, match=f"fleet file {odd} {message}"):
+        load_fleet(odd)
+
+
 def test_the_example_fleet_file_loads_with_default_objectives_kept() -> None:
     fleet = load_fleet(EXAMPLE)
     assert [i.id for i in fleet.instances] == ["a-0", "a-1"]

@@ -240,12 +240,13 @@ def _recount(args: argparse.Namespace) -> int:
     if fleet is not None:
         check_dcs(args.dc, (dc.name for dc in fleet.dcs))
     objectives = fleet.all_objectives() if fleet is not None else Objectives()
+    spec = WorkerSettings().spec  # here, a setting's error is named as one, not the broker's
     bootstrap = broker()
 
     async def run() -> Recount:
         bus = KafkaBus(bootstrap, source="recount")
         try:
-            return await recount_on(bus, WorkerSettings().spec, objectives, args.dc or ())
+            return await recount_on(bus, spec, objectives, args.dc or ())
         finally:
             await bus.close()
 
