@@ -18,6 +18,7 @@ shape, sessions their order.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -281,7 +282,7 @@ def bench_fleet(
     case = scenario(trace, seed=seed, profile_name=profile_name)
     names = list(policies or STACKS)
     results: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
-    with worker_processes(max(jobs, 1)) as pool:
+    with worker_processes(jobs, len(names)) as pool:
         futures = {
             name: pool.submit(run_stack, RUNNABLE[name], case, profile_name, seed) for name in names
         }
@@ -457,23 +458,34 @@ def plot_fleet(document: Mapping[str, Any], path: Path) -> None:
     panels = len(names) + len(weighed)
     columns = min(3, panels)
     rows = -(-panels // columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows))
+    figure, axes = plt.subplots(rows, columns, figsize=(4.2 * columns, 3.0 * rows + 0.4))
+    highest = max(
+        max(counts, default=0) / document["series"][name]["bin_s"]
+        for name in names
+        for counts in document["series"][name]["a_requests"].values()
+    )
     for axis, name in zip(np.ravel(axes), names, strict=False):
         series = document["series"][name]
         width = series["bin_s"]
         for dc, counts in series["a_requests"].items():
             if any(counts):
                 axis.plot(np.arange(len(counts)) * width, np.array(counts) / width, label=dc)
-        axis.axvspan(*document["hotspot_s"], color="0.9")
+        axis.axvspan(*document["hotspot_s"], color="0.9", label="hotspot")
         goodput = document["policies"][name]["goodput_tok_s"]
         axis.set_title(f"{name}\n{goodput:,.0f} tok/s goodput", fontsize=9)
         axis.set_xlabel("seconds")
-        axis.set_ylabel("A's requests per second", fontsize=8)
-    np.ravel(axes)[0].legend(fontsize=7)
+        axis.set_ylabel("A's requests per second, by DC", fontsize=8)
+        axis.set_ylim(0, 1.05 * highest)  # one scale: the panels compare policies
+        axis.legend(fontsize=7)
     for axis, name in zip(np.ravel(axes)[len(names) :], weighed, strict=False):
         _plot_weights(axis, document, name)
     for axis in np.ravel(axes)[panels:]:
         axis.set_visible(False)
+    figure.suptitle(
+        f"Requests entering at A ({HOTSPOT_REGION}, no GPUs; its home DC is B), where each "
+        "policy sent them; shaded: the hotspot",
+        fontsize=9,
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -486,11 +498,12 @@ def _plot_weights(axis: Any, document: Mapping[str, Any], name: str) -> None:
     prefix = f"{HOTSPOT_REGION}:"
     keys = sorted({key for step in steps for key in step if key.startswith(prefix)})
     times = [step["at_s"] for step in steps]
-    for key in keys:
-        axis.step(
+    for key, style in zip(keys, itertools.cycle(("-", "--", ":", "-.")), strict=False):
+        axis.step(  # dashed and dotted: weights often coincide, at 1
             times,
             [step.get(key, 1.0) for step in steps],
             where="post",
+            linestyle=style,
             label=key.removeprefix(prefix),
         )
     axis.axvspan(*document["hotspot_s"], color="0.9")

@@ -151,7 +151,7 @@ def run_all(
         for config in configs:
             yield config, simulate_run(config, workload=workload)
         return
-    with worker_processes(jobs) as pool:
+    with worker_processes(jobs, len(configs)) as pool:
         futures = {pool.submit(simulate_run, config): config for config in configs}
         for future in as_completed(futures):
             yield futures[future], future.result()

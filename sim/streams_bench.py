@@ -203,7 +203,11 @@ def _worker(bootstrap: str, app_id: str) -> Iterator[subprocess.Popen[bytes]]:
         yield process
     finally:
         process.terminate()
-        process.wait(60)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:  # a worker stuck in its shutdown: left running
+            process.kill()  # on its own, it took a core for good
+            process.wait()
 
 
 def _ceiling(bootstrap: str, topic: str, requests: int) -> float:

@@ -15,13 +15,15 @@ how long the pool waits for it to be gone."""
 
 
 @contextmanager
-def worker_processes(jobs: int) -> Iterator[ProcessPoolExecutor]:
-    """A pool of ``jobs`` processes. Left early (Ctrl-C, or SIGTERM, which the command
-    line raises as KeyboardInterrupt), the runs not started are cancelled and the workers
-    stopped: the pool's own exit waits for every run queued, so a stopped sweep went on
-    for minutes. The workers take SIGTERM's default action rather than the handler a
-    forked worker inherits, which would only end the run in hand and start the next."""
-    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_default_sigterm)
+def worker_processes(jobs: int, runs: int) -> Iterator[ProcessPoolExecutor]:
+    """A pool of ``jobs`` processes, or of one a run where ``runs`` are fewer (under fork
+    the pool starts all its workers at once: ``--jobs 40`` for one run forked 40). Left
+    early (Ctrl-C, or SIGTERM, which the command line raises as KeyboardInterrupt), the
+    runs not started are cancelled and the workers stopped: the pool's own exit waits for
+    every run queued, so a stopped sweep went on for minutes. The workers take SIGTERM's
+    default action rather than the handler a forked worker inherits, which would only end
+    the run in hand and start the next."""
+    pool = ProcessPoolExecutor(max(1, min(jobs, runs)), initializer=_default_sigterm)
     try:
         yield pool
     except BaseException:

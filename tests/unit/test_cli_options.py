@@ -20,6 +20,9 @@ from tokenfleet.cli import build_parser, main
         (["sim", "--trace", "mixed", "--host-token-lag", "nan"], "0 or more, not nan"),
         # " is a folder: give a file to write"
         (["sim", "--trace", "mixed", "--json", ""], "an empty name: give a file to write"),
+        # the current folder: schemas export wrote its 23 files there
+        (["schemas", "export", ""], "an empty name: give a folder"),
+        (["demo", "--out", ""], "an empty name: give a folder"),
         # numpy refuses a negative seed, once the run has started: demo with a traceback
         (["demo", "--seed", "-5"], "a seed is 0 or more, not -5"),
         (["sim", "--trace", "mixed", "--seed", "-1"], "a seed is 0 or more"),
@@ -80,6 +83,31 @@ def test_replay_takes_the_url_emulate_and_gateway_print(printed: str) -> None:
     args = build_parser().parse_args(["replay", "--trace", "mooncake", "--target", printed])
     plain = build_parser().parse_args(["replay", "--trace", "mooncake", "--target", printed[:-3]])
     assert args.target.rstrip("/") == plain.target.rstrip("/")  # so /v1/completions, once
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "argv", "message"),
+    [
+        ("TOKENFLEET_REDIS_URL", "redis://127.0.0.1:1", ["gateway", "--no-litellm"], "answer"),
+        ("TOKENFLEET_REDIS_URL", "notaurl", ["gateway", "--no-litellm"], "REDIS_URL: Redis URL"),
+        ("TOKENFLEET_KAFKA_BOOTSTRAP", "127.0.0.1:1", ["streams"], "cannot create the topics"),
+    ],
+)
+def test_a_bench_refuses_a_service_it_cannot_reach_before_it_measures(
+    variable: str,
+    value: str,
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each was a traceback: the gateway's Redis once the measurements without it had run
+    (about 18 s), the streams bench's broker at its start."""
+    monkeypatch.setenv(variable, value)
+    assert main(["bench", *argv, "--json", str(tmp_path / "b.json")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_a_broker_address_in_the_environment_is_checked_and_its_variable_named(

@@ -181,7 +181,10 @@ def plot_file(text: str) -> Path:
 
 
 def folder(text: str) -> Path:
-    """A folder, which may not exist yet: not a file."""
+    """A folder, which may not exist yet: not a file, and named (``""`` was the current
+    folder: ``schemas export ""`` wrote its files there)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty name: give a folder")
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file: give a folder")

@@ -19,6 +19,7 @@ from tokenfleet.commands.arguments import (
     positive_int,
     seed,
 )
+from tokenfleet.commands.broker import check_redis, create_topics_on
 from tokenfleet.commands.errors import CliError, message_of
 from tokenfleet.commands.output import as_json, save_each, write_json
 from tokenfleet.commands.sim import (
@@ -75,13 +76,22 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "and for a bare pass-through proxy on the same stack, the floor.",
     )
     gateway.add_argument(
-        "--requests", type=positive_int, default=1000, help="latency samples each way"
+        "--requests",
+        type=positive_int,
+        default=1000,
+        help="latency samples each way (default: %(default)s)",
     )
     gateway.add_argument(
-        "--concurrency", type=positive_int, default=32, help="clients in the rate run"
+        "--concurrency",
+        type=positive_int,
+        default=32,
+        help="clients in the rate run (default: %(default)s)",
     )
     gateway.add_argument(
-        "--duration", type=positive_float, default=10.0, help="seconds of the rate run"
+        "--duration",
+        type=positive_float,
+        default=10.0,
+        help="seconds of the rate run (default: %(default)g)",
     )
     litellm = gateway.add_mutually_exclusive_group()
     litellm.add_argument(
@@ -115,10 +125,16 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "scale, the rate of a Faust agent that only counts the same events.",
     )
     streams.add_argument(
-        "--requests", type=positive_int, default=20_000, help="requests (3 events each)"
+        "--requests",
+        type=positive_int,
+        default=20_000,
+        help="requests, 3 events each (default: %(default)s)",
     )
     streams.add_argument(
-        "--paced-rate", type=positive_float, default=500.0, help="requests/s in the lag run"
+        "--paced-rate",
+        type=positive_float,
+        default=500.0,
+        help="requests/s in the lag run (default: %(default)g)",
     )
     streams.add_argument(
         "--workers",
@@ -145,6 +161,8 @@ def _bench_streams(args: argparse.Namespace) -> int:
             broker = LocalKafka(Path(home))
             stack.callback(broker.stop)
             bootstrap = broker.start()
+        else:  # one that cannot be reached is a message, not a traceback
+            create_topics_on(bootstrap)
         figures = bench_streams(bootstrap, args.requests, args.paced_rate, workers=args.workers)
     print(
         f"{figures['events_per_s']:.0f} events/s "
@@ -177,6 +195,7 @@ def _redis_url(stack: contextlib.ExitStack) -> str:
     from tokenfleet.settings import Settings
 
     if url := Settings().redis_url:
+        check_redis(url)  # else a traceback, once the measurements without it ran
         return url
     server = LocalRedis(Path(stack.enter_context(tempfile.TemporaryDirectory())))
     stack.callback(server.stop)
@@ -486,7 +505,7 @@ def _add_ladder_options(
         "--policies",
         type=names,
         default=None,
-        help=f"comma-separated subset of: {', '.join(policies)}",
+        help=f"comma-separated subset of: {', '.join(policies)} (default: all)",
     )
     parser.add_argument(
         "--jobs",

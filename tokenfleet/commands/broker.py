@@ -1,4 +1,4 @@
-"""Which Kafka broker a command talks to."""
+"""Which Kafka broker a command talks to, and whether the Redis it is given answers."""
 
 from __future__ import annotations
 
@@ -41,3 +41,26 @@ def create_topics_on(bootstrap: str, topics: Sequence[Topic] = TOPICS) -> list[s
         raise CliError(
             f"cannot create the topics on the Kafka broker at {bootstrap}: {exc!r}"
         ) from None
+
+
+def check_redis(url: str, timeout_s: float = 2.0) -> None:
+    """CliError where the Redis ``TOKENFLEET_REDIS_URL`` names is no Redis URL or does not
+    answer a PING: ``up``'s gateways would each start on its own state, their ceilings,
+    shares and idempotency keys unshared, saying so in their logs only; ``bench
+    gateway`` met it with a traceback once its other measurements had run."""
+    from redis import Redis, RedisError
+
+    from gateway.redis_state import without_password
+
+    try:
+        client = Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    except ValueError as exc:
+        raise CliError(f"TOKENFLEET_REDIS_URL: {exc}") from None
+    try:
+        client.ping()
+    except (RedisError, OSError) as exc:
+        raise CliError(
+            f"Redis at {without_password(url)} does not answer, or refuses: {exc}"
+        ) from None
+    finally:
+        client.close()

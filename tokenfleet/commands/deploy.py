@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from tokenfleet.commands.arguments import fixed_port
+from tokenfleet.commands.broker import check_redis
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
 from tokenfleet.deployment import (
@@ -150,7 +151,7 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
     copies = Settings().kafka_replication  # checked before any service starts
     try:
         if "TOKENFLEET_REDIS_URL" in os.environ:  # before a broker of its own starts
-            _check_redis(os.environ["TOKENFLEET_REDIS_URL"])
+            check_redis(os.environ["TOKENFLEET_REDIS_URL"])
         env, own = deployment.with_own_services(os.environ)
         redis = without_password(env["TOKENFLEET_REDIS_URL"])
         print(f"Kafka at {env['TOKENFLEET_KAFKA_BOOTSTRAP']}, Redis at {redis}")
@@ -172,25 +173,6 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
         f"tokenfleet down --home {args.home}."
     )
     return 0
-
-
-def _check_redis(url: str, timeout_s: float = 2.0) -> None:
-    """CliError where the Redis the environment names does not answer a PING, as ``up``
-    refuses a Kafka broker that does not answer: each gateway would start on its own
-    state, its ceilings, shares and idempotency keys unshared, saying so in its log only."""
-    from redis import Redis, RedisError
-
-    from gateway.redis_state import without_password
-
-    client = Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
-    try:
-        client.ping()
-    except (RedisError, OSError) as exc:
-        raise CliError(
-            f"Redis at {without_password(url)} does not answer, or refuses: {exc}"
-        ) from None
-    finally:
-        client.close()
 
 
 def _down(args: argparse.Namespace) -> int:
