@@ -42,8 +42,8 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
         "TokenFleet (FleetMind, SLOMax and TokenPilot, with their controllers) and under "
         "a baseline stack (llm-d's default routing, first come first served, each request "
         "in its home DC), on the same arrivals. Shows TokenFleet's DCs live, then a "
-        "report; writes the figures (demo.json) and a plot (demo.png) to --out. Under a "
-        "minute on two cores.",
+        "report; writes the figures (demo.json) and a plot (demo.png) to --out. About a "
+        "minute on two idle cores, two on busy ones.",
     )
     demo.add_argument("--seed", type=seed, default=0, help="seed (default: 0)")
     demo.add_argument(
