@@ -5,7 +5,7 @@
   retry, and is left out for a cooldown (after 5xx answers, only several in a row:
   ``FleetView.failed``); if that fails too, the DC failed it (``DcFailed``), and
   the edge may try the next DC. A stream that breaks after tokens reached the client ends
-  with an error event and ``[DONE]``, as vLLM ends a stream that failed; it is never run
+  as its API ends a failed stream (``gateway.sse.failure_events``); it is never run
   twice. Only the transport (a stream's body that ends before its end too) or an error
   status fails an instance, never the shape of a valid answer (an empty answer, a tool
   call, all reasoning). Whom a 4xx answer blames is ``gateway.upstream_answers``'s
@@ -421,7 +421,7 @@ class Exchange:
         that closes before the stream's end (``[DONE]``, an error, the Responses API's last
         event), which vLLM and SGLang always send, was cut short: by a proxy in front of
         the engine whose own upstream died, say. It fails as a broken connection does."""
-        ended, event = False, None
+        ended = False
         try:
             for event, seen in head:
                 ended |= seen.piece is Piece.END
@@ -435,18 +435,18 @@ class Exchange:
                         self.view.tokens_streamed(trip.instance.id)
                 ended |= seen.piece is Piece.END
                 yield trip.count(event, seen)
+            broke = CUT_SHORT
         except UPSTREAM_ERRORS as exc:
             broke = type(exc).__name__
-        else:
-            if ended:
-                error = trip.error
-                trip.stream_end = "completed" if error is None else f"{trip.instance.id}: {error}"
-                return
-            broke = CUT_SHORT
+        if ended:  # what broke after the stream's end lost nothing of it
+            error = trip.error
+            trip.stream_end = "completed" if error is None else f"{trip.instance.id}: {error}"
+            return
         trip.stream_end = f"{trip.instance.id}: {broke}"
         self.metrics.upstream_failed(trip.instance.id, "after_first_token")
         message = f"The model instance failed mid-stream ({broke})."
-        for failure in failure_events(message, event, trip.inbound.path == RESPONSES_PATH):
+        responses_api = trip.inbound.path == RESPONSES_PATH
+        for failure in failure_events(message, trip.sequence_number, responses_api):
             yield failure
 
     async def _stream_ended(self, trip: Trip, upstream: aiohttp.ClientResponse, ended: str) -> None:

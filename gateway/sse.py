@@ -13,7 +13,7 @@ from typing import Any
 
 from schemas.openai_api import ApiError
 
-DONE_EVENT = b"data: [DONE]\n\n"
+_DONE_EVENT = b"data: [DONE]\n\n"
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -61,6 +61,8 @@ class Seen:
     output_tokens: int | None = None
     """The output tokens so far, where the event reports usage."""
     error: str | None = None
+    sequence_number: int | None = None
+    """A Responses API event's number in its stream."""
     status: int | None = None
     """An error's code, where it gives one (vLLM's engine failures are 500)."""
 
@@ -108,16 +110,18 @@ def read_event(event: bytes) -> Seen:
 
 def _responses_event(kind: str, payload: dict[str, Any]) -> Seen:
     """A Responses API event: each ``*.delta`` is output; the response's end reports usage."""
+    number = payload.get("sequence_number")
+    number = number if type(number) is int else None  # not a bool
     if kind.endswith(".delta"):
-        return Seen(Piece.DELTA)
+        return Seen(Piece.DELTA, sequence_number=number)
     if kind == "error":
-        return Seen(Piece.END, error=str(payload.get("message", "error")))
+        return Seen(Piece.END, error=str(payload.get("message", "error")), sequence_number=number)
     if kind in _RESPONSE_ENDS:
         response = payload.get("response")
         response = response if isinstance(response, dict) else {}
         failed = error_text(response["error"]) if response.get("error") else None
-        return Seen(Piece.END, output_tokens(response), failed)
-    return NOTHING
+        return Seen(Piece.END, output_tokens(response), failed, number)
+    return NOTHING if number is None else Seen(Piece.OTHER, sequence_number=number)
 
 
 def output_tokens(answer: object) -> int | None:
@@ -148,30 +152,21 @@ def _sse_data(event: bytes) -> bytes | None:
     return None if start < 0 else event[start + 6 :].strip()
 
 
-def failure_events(message: str, last: bytes | None, responses_api: bool) -> list[bytes]:
+def failure_events(message: str, last_number: int | None, responses_api: bool) -> list[bytes]:
     """The events that end a stream whose instance failed after its first token, as
     its API ends one: a chat or completion stream with an OpenAI error object and
     ``[DONE]`` (as vLLM ends a stream whose engine failed); a Responses API stream with its
-    ``error`` event, numbered after ``last``, the last event relayed (that API sends no
+    ``error`` event, numbered after ``last_number``, the highest relayed (that API sends no
     ``[DONE]``: OpenAI's SDK raises on an error object there, and hands an ``error`` event
     to the client as the API's reference defines it)."""
     error = ApiError(502, message)
     if not responses_api:
-        return [f"data: {json.dumps(error.body())}\n\n".encode(), DONE_EVENT]
+        return [f"data: {json.dumps(error.body())}\n\n".encode(), _DONE_EVENT]
     event = {
         "type": "error",
         "code": error.error_type,
         "message": message,
         "param": None,
-        "sequence_number": _next_sequence_number(last),
+        "sequence_number": 0 if last_number is None else last_number + 1,
     }
     return [f"event: error\ndata: {json.dumps(event)}\n\n".encode()]
-
-
-def _next_sequence_number(last: bytes | None) -> int:
-    data = None if last is None else _sse_data(last)
-    try:
-        number = json.loads(data)["sequence_number"] if data else -1
-    except (ValueError, TypeError, KeyError):
-        number = -1
-    return number + 1 if isinstance(number, int) else 0

@@ -74,6 +74,9 @@ class Trip:
     stream_end: str = "cancelled"
     """How its relayed stream ended: ``completed``, ``cancelled`` (the client left first),
     or the instance's error."""
+    sequence_number: int | None = None
+    """The highest a Responses API event relayed carried: the gateway's own event, where
+    the stream fails, takes the next."""
 
     @property
     def instance(self) -> InstanceConfig:
@@ -96,6 +99,8 @@ class Trip:
             self.output_tokens += 1
         if seen.error is not None:
             self.error = seen.error
+        if seen.sequence_number is not None:
+            self.sequence_number = max(seen.sequence_number, self.sequence_number or 0)
         if self.idempotency_key is not None and len(self.captured) <= KEPT_ANSWER_BYTES:
             self.captured.extend(event)  # past the limit it is not kept: no more needed
         return event

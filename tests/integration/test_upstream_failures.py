@@ -16,7 +16,7 @@ from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from schemas.lifecycle import RejectReason, RequestFailed, RequestRejected
+from schemas.lifecycle import RejectReason, RequestCompleted, RequestFailed, RequestRejected
 from tests.gateway_harness import (
     KEY,
     MODEL,
@@ -395,6 +395,7 @@ def _breaking_responses_upstream() -> Starlette:
         async def body() -> AsyncIterator[bytes]:
             for event in events:
                 yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
+            yield b": keep-alive\n\n"  # no number: the error's is still the delta's next
             await asyncio.sleep(0.01)
             raise RuntimeError("the engine died")
 
@@ -422,3 +423,37 @@ async def test_a_responses_stream_that_fails_midway_ends_with_the_apis_error_eve
     assert error.sequence_number == 2
     assert "failed mid-stream" in error.message
     assert error.code == "upstream_error"
+
+
+def _breaking_after_its_end_upstream() -> Starlette:
+    """A stream whose connection breaks after its ``[DONE]``."""
+    chunk = {"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": "stop"}]}
+
+    async def stream(_: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            yield f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+            await asyncio.sleep(0.01)
+            raise RuntimeError("the connection broke")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return fake_instance("/v1/chat/completions", stream)
+
+
+async def test_a_stream_that_breaks_after_its_end_completes() -> None:
+    """It got an error event after its ``[DONE]``, and counted as failed."""
+    async with (
+        http_server(_breaking_after_its_end_upstream()) as upstream,
+        gateway(fleet_for([upstream])) as front,
+        front.client() as http,
+    ):
+        async with http.stream(
+            "POST", "/v1/chat/completions", json=chat("whole " * 10, stream=True)
+        ) as response:
+            lines = [line async for line in response.aiter_lines() if line]
+        completed = await latest_event(
+            front, response.headers["x-tokenfleet-request-id"], RequestCompleted
+        )
+    assert lines[-1] == "data: [DONE]"
+    assert not any('"error"' in line for line in lines)
+    assert completed is not None

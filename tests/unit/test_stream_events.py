@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.sse import Piece, Seen, read_event, sse_events
+from gateway.sse import Piece, Seen, failure_events, read_event, sse_events
 from schemas.openai_api import ApiError, ChatRequest, CompletionRequest, parse_request
 
 
@@ -86,6 +86,27 @@ def test_errors_end_the_stream_with_their_message() -> None:
     assert read_event(data(error)) == Seen(Piece.END, error="boom", status=400)
     failed = {"status": "failed", "error": {"code": "server_error", "message": "oom"}}
     assert read_event(named("response.failed", response=failed)) == Seen(Piece.END, error="oom")
+
+
+def test_a_failed_responses_stream_s_error_event_is_numbered_after_the_highest_read() -> None:
+    """It took the last event's number plus one, and 0 where the last had none (a comment,
+    or ``true``, a bool): it repeated ``response.created``'s 0."""
+    assert read_event(named("response.created", sequence_number=0)).sequence_number == 0
+    assert read_event(named("response.output_text.delta", sequence_number=4)).sequence_number == 4
+    assert read_event(named("response.in_progress", sequence_number=True)).sequence_number is None
+    assert read_event(b": keep-alive\n\n").sequence_number is None
+    [event] = failure_events("broke", 4, responses_api=True)
+    assert event.startswith(b"event: error\ndata: ")
+    assert json.loads(event.split(b"data: ", 1)[1]) == {
+        "type": "error",
+        "code": "upstream_error",
+        "message": "broke",
+        "param": None,
+        "sequence_number": 5,
+    }
+    error, done = failure_events("broke", None, responses_api=False)
+    assert json.loads(error.removeprefix(b"data: "))["error"]["message"] == "broke"
+    assert done == b"data: [DONE]\n\n"
 
 
 @pytest.mark.parametrize(
