@@ -35,13 +35,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in unknown_variables(os.environ):
         print(f"tokenfleet: warning: {warning}", file=sys.stderr)
     try:
-        with _sigterm_as_interrupt():
+        with _signals_as_interrupt():
             code: int = args.handler(args)
             sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
             return code
-    except _Terminated:
-        print("tokenfleet: terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except _Stopped as stop:
+        with contextlib.suppress(OSError):  # a hung-up terminal refuses writes
+            print(f"tokenfleet: {stop.said}", file=sys.stderr)
+        return 128 + stop.signum
     except KeyboardInterrupt:
         return interrupted()
     except (ServiceError, CliError) as exc:
@@ -70,29 +71,39 @@ def _quiet_stdout() -> None:
 _LISTS_ARE_JSON = """a setting that holds a list is written in JSON: '["a", "b"]'"""
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt."""
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__()
+        self.signum = signum
+        self.said = "terminated" if signum == signal.SIGTERM else "hung up"
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (kill, a supervisor, a CI job's timeout) stops a command as Ctrl-C does:
-    the finally blocks and exit stacks that stop its children (emulators, gateways, Redis,
-    Kafka) run. A command that drains on SIGTERM (the gateway) sets its own handler while
-    it serves. Only the main thread may set one: a command run from another (a test's)
-    keeps the handler there is."""
+def _signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM (kill, a supervisor, a CI job's timeout) and SIGHUP (the terminal closed:
+    an SSH session dropped) stop a command as Ctrl-C does: the finally blocks and exit
+    stacks that stop its children (emulators, gateways, Redis, Kafka) run; SIGHUP killed
+    ``up`` halfway, its parts left running. A command that drains on SIGTERM (the
+    gateway) sets its own handler while it serves. A SIGHUP that is ignored (``nohup``)
+    stays ignored. Only the main thread may set a handler: a command run from another (a
+    test's) keeps the handlers there are."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def terminated(_signum: int, _frame: FrameType | None) -> None:
-        raise _Terminated
+    def stopped(signum: int, _frame: FrameType | None) -> None:
+        raise _Stopped(signum)
 
-    previous = signal.signal(signal.SIGTERM, terminated)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, stopped)}
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, stopped)
     try:
         yield
     finally:  # None: a handler not set from Python, which cannot be set again from it
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _invalid_settings(exc: ValidationError) -> str:

@@ -1,7 +1,7 @@
-"""Ctrl-C and SIGTERM stop a command with a one-line message and exit 130 and 143 (128
-and the signal's number, as a shell reports it), after the cleanup that stops its
-children has run; a command run from another thread than the main one (as tests do)
-leaves the signal handlers alone."""
+"""Ctrl-C, SIGTERM and SIGHUP stop a command with a one-line message and exit 130, 143
+and 129 (128 and the signal's number, as a shell reports it), after the cleanup that
+stops its children has run (a SIGHUP that nohup ignores stays ignored); a command run
+from another thread than the main one (as tests do) leaves the signal handlers alone."""
 
 from __future__ import annotations
 
@@ -50,7 +50,13 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize(
     ("stop", "code", "said"),
-    [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")],
+    [
+        (signal.SIGTERM, 143, "terminated"),
+        (signal.SIGINT, 130, "interrupted"),
+        # the terminal closed (an SSH session dropped): up was killed halfway, its parts
+        # left running
+        (signal.SIGHUP, 129, "hung up"),
+    ],
 )
 def test_a_stopped_bench_stops_its_children_and_exits_as_a_shell_says(
     stop: signal.Signals, code: int, said: str, tmp_path: Path
@@ -72,6 +78,27 @@ def test_a_stopped_bench_stops_its_children_and_exits_as_a_shell_says(
             break
         time.sleep(0.1)
     assert not _alive(child)
+
+
+def test_a_hangup_that_nohup_ignores_stays_ignored(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", BENCH_WITH_A_CHILD, str(tmp_path), str(tmp_path / "b.json")]
+    with subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # as nohup does
+    ) as bench:
+        assert bench.stdout is not None
+        assert bench.stdout.readline() == "ready\n"
+        bench.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            bench.wait(timeout=1)  # still running
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+    assert bench.returncode == 143
+    assert err.strip().splitlines()[-1] == "tokenfleet: terminated"
 
 
 async def test_a_command_run_from_another_thread_runs() -> None:
