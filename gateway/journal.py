@@ -17,6 +17,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from control.journal import START, Journal, Record
 from schemas import Envelope, Message
@@ -50,7 +51,7 @@ class Journals:
         self._run = secrets.token_hex(4)
         self._emit = emit
         self._on_lost = on_lost
-        self._file = None if path is None else path.open("a", encoding="utf-8", buffering=1)
+        self._file = None if path is None else _appended(path)
         self.dc_choice = self._numbered(self._writer(DC_CHOICES))
         self.dc_choice({"call": START, "recipe": {"dc_policy": dc_policy}})
 
@@ -98,3 +99,12 @@ def _bounded(name: str) -> str:
         return name
     digest = hashlib.sha256(name.encode()).hexdigest()[:16]
     return f"{name[: NAME_LIMIT - 17]}~{digest}"
+
+
+def _appended(path: Path) -> TextIO:
+    """``path`` open to append to, line by line; ValueError naming the setting where it
+    cannot be (the gateway's start said only the OS's error)."""
+    try:
+        return path.open("a", encoding="utf-8", buffering=1)
+    except OSError as exc:
+        raise ValueError(f"TOKENFLEET_GATEWAY_JOURNAL_FILE {path}: {exc.strerror}") from None

@@ -11,7 +11,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_GATEWAY_", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENFLEET_GATEWAY_", frozen=True, allow_inf_nan=False
+    )
 
     fleet_file: Path = Path("fleet.toml")
     """The fleet file: DCs, models, instances (the only upstream URLs), tenants."""

@@ -309,7 +309,7 @@ class FleetFileError(ValueError):
 def load_fleet(path: Path) -> FleetConfig:
     """The fleet in ``path`` (``.toml`` or ``.json``), or FleetFileError saying what is wrong."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")  # TOML's, whatever the locale's
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
         return FleetConfig.model_validate(data)
     except OSError as exc:

@@ -63,13 +63,9 @@ def load_trace(name_or_path: str, *, limit: int | None = None, seed: int = 0) ->
             requests = source.load(limit=limit, seed=seed)
         except OSError as exc:  # not found, or a folder where a file should be, and back
             why = "not found" if isinstance(exc, FileNotFoundError) else f"unread: {exc.strerror}"
-            raise ValueError(f"trace {name_or_path}: {exc.filename} {why} {_TRACES_FROM}") from None
-        except (KeyError, ValueError) as exc:  # a file of other columns, or other values
-            why = f"no column {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise ValueError(
-                f"trace {name_or_path}: not its format ({why}) {_TRACES_FROM}"
-            ) from None
-        if not requests:  # a file of headers alone
+            where = exc.filename or "its files"
+            raise ValueError(f"trace {name_or_path}: {where} {why} {_TRACES_FROM}") from None
+        if not requests:  # a file of its header alone
             raise ValueError(f"trace {name_or_path}: its files hold no requests {_TRACES_FROM}")
         return requests if source.labelled else label(requests, batch=source.batch, seed=seed)
     path = Path(name_or_path)

@@ -4,16 +4,19 @@ gives each source, licence and paper to cite; ``SHA256SUMS`` their checksums).""
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sim.labels import LABEL_RULES, finite_number
 from sim.workload import ENGINE_BLOCK_TOKENS, TraceRequest
+
+T = TypeVar("T")
 
 MOONCAKE_BLOCK_TOKENS = 512
 MOONCAKE_BUCKET_S = 3.0
@@ -139,24 +142,38 @@ def load_azure(
     ISCA 2024; CC-BY-4.0). Arrival times are kept (100 ns resolution), relative to the
     first row; the trace has no prefix information."""
     path = path or traces_dir() / "azure_llm_2023" / f"AzureLLMInferenceTrace_{kind}.csv"
-    requests: list[TraceRequest] = []
-    with path.open() as rows:
-        first: int | None = None
-        for index, row in enumerate(csv.DictReader(rows)):
-            if limit is not None and index >= limit:
-                break
-            ticks = azure_ticks(row["TIMESTAMP"])
-            first = ticks if first is None else first
-            requests.append(
-                TraceRequest(
-                    f"azure-{kind}-{index}",
-                    (ticks - first) / 1e7,
-                    int(row["ContextTokens"]),
-                    max(1, int(row["GeneratedTokens"])),
-                    (),
-                )
-            )
-    return requests
+    columns = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+    rows = _csv_values(path, columns, limit, lambda row: (azure_ticks(row[columns[0]]),
+                      int(row[columns[1]]), int(row[columns[2]])))  # fmt: skip
+    first = rows[0][0] if rows else 0
+    return [
+        TraceRequest(f"azure-{kind}-{index}", (ticks - first) / 1e7, prompt, max(1, output), ())
+        for index, (ticks, prompt, output) in enumerate(rows)
+    ]
+
+
+def _csv_values(
+    path: Path, columns: Sequence[str], limit: int | None, read: Callable[[dict[str, str]], T]
+) -> list[T]:
+    """What ``read`` makes of each of the first ``limit`` rows of a CSV file with
+    ``columns`` among its own; ValueError naming the file where a column is missing, and
+    the line where a row is cut short or ``read`` refuses a value (each was a traceback:
+    KeyError, TypeError, or ValueError without the file)."""
+    with path.open() as lines:
+        rows = csv.DictReader(lines)
+        missing = [column for column in columns if column not in (rows.fieldnames or ())]
+        if missing:
+            found = ", ".join(rows.fieldnames or ())
+            raise ValueError(f"{path}: no column {', '.join(missing)} (it has {found})")
+        values = []
+        for row in itertools.islice(rows, limit):
+            try:
+                if any(row[column] is None for column in columns):
+                    raise ValueError("a row cut short")
+                values.append(read(row))
+            except ValueError as exc:
+                raise ValueError(f"{path} line {rows.line_num}: {exc}") from None
+    return values
 
 
 def azure_ticks(stamp: str) -> int:
@@ -176,22 +193,15 @@ def load_arxiv(
     path = path or traces_dir() / "vidur_processed" / (
         "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
     )
+    columns = ("num_prefill_tokens", "num_decode_tokens")
+    lengths = _csv_values(
+        path, columns, limit, lambda row: (int(row[columns[0]]), int(row[columns[1]]))
+    )
     rng = random.Random(seed)
     requests, now = [], 0.0
-    with path.open() as rows:
-        for index, row in enumerate(csv.DictReader(rows)):
-            if limit is not None and index >= limit:
-                break
-            now += rng.expovariate(rate_rps)
-            requests.append(
-                TraceRequest(
-                    f"arxiv-{index}",
-                    now,
-                    int(row["num_prefill_tokens"]),
-                    max(1, int(row["num_decode_tokens"])),
-                    (),
-                )
-            )
+    for index, (prompt, output) in enumerate(lengths):
+        now += rng.expovariate(rate_rps)
+        requests.append(TraceRequest(f"arxiv-{index}", now, prompt, max(1, output), ()))
     return requests
 
 

@@ -424,7 +424,7 @@ class Collector:
         except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
             why = str(exc) if isinstance(exc, NoEngineMetrics) else type(exc).__name__
             if self._unread.get(instance.id) != why:
-                detail = self._failed_scrape(instance, exc)
+                detail = self._scrape_failure_text(instance, exc)
                 log.warning("%s is published not ready: scraping %s: %s", instance.id, url, detail)
             self._unread[instance.id] = why
             self.metrics.scrape_failures.labels(instance.id).inc()
@@ -434,7 +434,7 @@ class Collector:
         self.metrics.last_scrape.labels(instance.id).set_to_current_time()
         return scraped
 
-    def _failed_scrape(self, instance: InstanceConfig, exc: Exception) -> str:
+    def _scrape_failure_text(self, instance: InstanceConfig, exc: Exception) -> str:
         """What a failed scrape's warning says of it."""
         if isinstance(exc, TimeoutError):  # its text is empty
             return f"no answer within {self.timeout_s:g} s"

@@ -18,7 +18,9 @@ from streams.tables.windows import WindowSpec
 class WorkerSettings(BaseSettings):
     """From the environment, prefix ``TOKENFLEET_WORKER_``."""
 
-    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_WORKER_", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENFLEET_WORKER_", frozen=True, allow_inf_nan=False
+    )
 
     app_id: str = "tokenfleet-tables"
     """The consumer group; workers with one id share the partitions."""
@@ -61,7 +63,8 @@ class WorkerSettings(BaseSettings):
             self.spec  # noqa: B018
         except ValueError as exc:
             raise ValueError(
-                f"window_s {self.window_s:g}, slide_s {self.slide_s:g}: {exc}"
+                f"TOKENFLEET_WORKER_WINDOW_S {self.window_s:g}, TOKENFLEET_WORKER_SLIDE_S "
+                f"{self.slide_s:g}: {exc}"
             ) from None
         return self
 

@@ -338,6 +338,8 @@ class Deployment:
             loaded: Any = json.loads(self.record_path.read_text())
         except FileNotFoundError:
             return {"parts": [], "settings": {}, "own_services": []}
+        except NotADirectoryError:  # status said the deployment it recorded may still run
+            raise CliError(f"--home {self.home}: not a folder to keep a deployment in") from None
         except (OSError, ValueError) as exc:
             raise self._unreadable(str(exc)) from None
         if not isinstance(loaded, dict) or not Record.__required_keys__ <= loaded.keys():

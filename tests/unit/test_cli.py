@@ -142,15 +142,47 @@ def test_an_unknown_command_exits_non_zero(capsys: pytest.CaptureFixture[str]) -
     assert "invalid choice" in capsys.readouterr().err
 
 
+_GATEWAY_SETTINGS = "tokenfleet: invalid GatewaySettings (from TOKENFLEET_* environment variables)"
+
+
 @pytest.mark.parametrize(
     ("setting", "value", "said"),
     [
-        ("TOKENFLEET_GATEWAY_TOKEN_LAG_S", "-1", "TOKENFLEET_GATEWAY_TOKEN_LAG_S='-1'"),
+        (
+            "TOKENFLEET_GATEWAY_TOKEN_LAG_S",
+            "-1",
+            f"{_GATEWAY_SETTINGS}: TOKENFLEET_GATEWAY_TOKEN_LAG_S='-1'",
+        ),
+        # taken, though a kept answer's write to Redis raised (int(inf * 1000))
+        (
+            "TOKENFLEET_GATEWAY_IDEMPOTENCY_TTL_S",
+            "inf",
+            f"{_GATEWAY_SETTINGS}: TOKENFLEET_GATEWAY_IDEMPOTENCY_TTL_S='inf': Input should be a "
+            "finite number",
+        ),
         # two settings that disagree: a live replica's share would lapse between rewrites
-        ("TOKENFLEET_GATEWAY_SHARE_TTL_S", "3", "Value error, share_ttl_s (3.0) must be at"),
+        (
+            "TOKENFLEET_GATEWAY_SHARE_TTL_S",
+            "3",
+            f"{_GATEWAY_SETTINGS}: Value error, share_ttl_s (3.0) must be at",
+        ),
+        # pydantic's text under "the gateway cannot start" (read as it started)
+        (
+            "TOKENFLEET_KAFKA_REPLICATION",
+            "0",
+            "tokenfleet: invalid Settings (from TOKENFLEET_* environment variables): "
+            "TOKENFLEET_KAFKA_REPLICATION='0': Input should be greater than or equal to 1",
+        ),
+        # the OS's error alone
+        (
+            "TOKENFLEET_GATEWAY_JOURNAL_FILE",
+            "/proc/nosuch/journal",
+            "tokenfleet: the gateway cannot start: TOKENFLEET_GATEWAY_JOURNAL_FILE "
+            "/proc/nosuch/journal: No such file or directory",
+        ),
     ],
 )
-def test_a_setting_out_of_range_is_named_without_a_traceback(
+def test_a_gateway_setting_it_cannot_use_is_named_without_a_traceback(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     setting: str,
@@ -160,10 +192,7 @@ def test_a_setting_out_of_range_is_named_without_a_traceback(
     monkeypatch.setenv(setting, value)
     fleet = Path(__file__).parents[2] / "examples" / "fleet.toml"
     assert main(["gateway", "--fleet", str(fleet), "--port", "0"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("tokenfleet: invalid GatewaySettings (from TOKENFLEET_* environment")
-    assert f"variables): {said}" in err
-    assert "Traceback" not in err
+    assert capsys.readouterr().err.startswith(said)
 
 
 def test_a_list_setting_not_written_in_json_is_named_without_a_traceback(

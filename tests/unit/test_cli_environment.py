@@ -53,8 +53,8 @@ def test_a_traces_folder_that_is_a_file_or_holds_other_columns_is_named_with_exi
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A file in the folder's place was a traceback (NotADirectoryError), as a trace file
-    of other columns was (KeyError); one of their header alone exported no request, with
-    exit 0."""
+    of other columns was (KeyError), or with a row cut short (TypeError); a bad value did
+    not name its file, and a file of the header alone exported no request, with exit 0."""
     not_a_folder = tmp_path / "traces"
     not_a_folder.write_text("")
     monkeypatch.setenv("TOKENFLEET_TRACES", str(not_a_folder))
@@ -64,13 +64,16 @@ def test_a_traces_folder_that_is_a_file_or_holds_other_columns_is_named_with_exi
     azure = tmp_path / "other" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
     azure.parent.mkdir(parents=True)
     monkeypatch.setenv("TOKENFLEET_TRACES", str(tmp_path / "other"))
+    header = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
     for content, message in [
-        ("a,b,c\n", "its files hold no requests"),
-        ("a,b,c\n1,2,3\n", "not its format (no column 'TIMESTAMP')"),
+        (header, "trace azure-conv: its files hold no requests"),
+        ("a,b,c\n1,2,3\n", f"{azure}: no column {header.strip().replace(',', ', ')} (it has a, b"),
+        (f"{header}2023-11-16 18:17:03.97,5\n", f"{azure} line 2: a row cut short"),
+        (f"{header}2023-11-16 18:17:03.97,x,5\n", f"{azure} line 2: invalid literal for int()"),
     ]:
         azure.write_text(content)
         assert main(["workload", "export", "--trace", "azure-conv", "--out", out]) == 2
-        assert f"trace azure-conv: {message}" in capsys.readouterr().err
+        assert message in capsys.readouterr().err
     assert not Path(out).exists()
 
 
@@ -83,4 +86,4 @@ def test_a_window_of_no_whole_slides_is_named_as_the_settings_error_it_is(
     assert main(["recount"]) == 2
     err = capsys.readouterr().err
     assert "invalid WorkerSettings (from TOKENFLEET_* environment variables)" in err
-    assert "window_s 7, slide_s 5: the window size must be a whole multiple of the slide" in err
+    assert "TOKENFLEET_WORKER_WINDOW_S 7, TOKENFLEET_WORKER_SLIDE_S 5: the window size" in err

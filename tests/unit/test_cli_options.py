@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.local_fleet import LOCAL_FLEET
 from tokenfleet.cli import build_parser, main
 
 
@@ -23,6 +24,9 @@ from tokenfleet.cli import build_parser, main
         # the current folder: schemas export wrote its 23 files there
         (["schemas", "export", ""], "an empty name: give a folder"),
         (["demo", "--out", ""], "an empty name: give a folder"),
+        # it served the default model name; bench admission said "unknown routers: "
+        (["emulate", "--model", " "], "an empty name"),
+        (["bench", "admission", "--json", "a.json", "--router", ""], "invalid choice: ''"),
         # numpy refuses a negative seed, once the run has started: demo with a traceback
         (["demo", "--seed", "-5"], "a seed is 0 or more, not -5"),
         (["sim", "--trace", "mixed", "--seed", "-1"], "a seed is 0 or more"),
@@ -76,6 +80,19 @@ def test_emulate_refuses_fleet_options_without_a_fleet(
 ) -> None:
     assert main(["emulate", *options]) == 2
     assert f"tokenfleet: without --fleet, {named} would do nothing" in capsys.readouterr().err
+
+
+def test_emulate_refuses_a_dc_whose_instances_all_wait_on_standby_without_placement(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It ran for good, serving nothing and saying nothing."""
+    serving = 'url = "http://127.0.0.1:8110"\nmodel = "emulated"\n'
+    text = LOCAL_FLEET.read_text().replace(serving, f"{serving}standby = true\n")
+    assert text.count("standby = true") == 2  # dc-b's two instances
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(text)
+    assert main(["emulate", "--fleet", str(fleet), "--dc", "dc-b"]) == 2
+    assert "every instance here is on standby: --placement starts them" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("printed", ["http://127.0.0.1:8100/v1", "http://127.0.0.1:8100/v1/"])

@@ -96,8 +96,10 @@ async def test_a_failed_scrape_s_warning_says_what_failed(caplog: pytest.LogCapt
     """A slow instance's warning ended in an empty message (a TimeoutError's text), and an
     SGLang server without ``--enable-metrics`` (no ``/metrics``) got a bare 404."""
 
+    answered = asyncio.Event()
+
     async def slow(_: web.Request) -> web.Response:
-        await asyncio.sleep(5)
+        await answered.wait()  # set once the scrape gave up: nothing is left pending
         return web.Response(text="")
 
     app = web.Application()
@@ -109,6 +111,7 @@ async def test_a_failed_scrape_s_warning_says_what_failed(caplog: pytest.LogCapt
         ]
         with caplog.at_level(logging.WARNING, logger="streams.collector"):
             await Collector(instances, InMemoryBus(), client, timeout_s=0.2).scrape_once()
+        answered.set()
     warnings = sorted(record.getMessage() for record in caplog.records)
     assert warnings[0].startswith("bare is published not ready")
     assert warnings[0].endswith("(an SGLang server serves /metrics only with --enable-metrics)")

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from schemas.fleet import load_fleet
-from tests.local_fleet import up_on_free_ports
+from tests.local_fleet import LOCAL_FLEET, up_on_free_ports
 from tokenfleet import deployment as deployment_module
 from tokenfleet.cli import build_parser, main
 from tokenfleet.commands.broker import broker
@@ -306,10 +306,11 @@ def test_up_refuses_a_redis_that_does_not_answer_and_starts_nothing(
     assert Deployment(home).parts() == []
 
 
-@pytest.mark.parametrize("command", ["up", "down"])
+@pytest.mark.parametrize("command", ["up", "down", "status"])
 def test_a_home_that_cannot_be_a_folder_is_named_not_a_traceback(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """status said the deployment recorded there might still run."""
     taken = tmp_path / "a-file"
     taken.write_text("")
     assert main([command, "--home", str(taken)]) == 2
@@ -476,6 +477,9 @@ def test_status_reads_the_dcs_of_the_fleet_file_up_recorded(
     err = capsys.readouterr().err  # read, and gone since: every DC is judged, as before
     assert f"cannot read fleet file {fleet}" in err
     assert "every DC on the topics is judged" in err
+    fleet.write_text(LOCAL_FLEET.read_text())  # back, without dc-z: named, as no --fleet did
+    assert main(["status", "--home", str(home), "--dc", "dc-z", "--timeout", "1"]) == 2
+    assert f"--dc dc-z: the fleet file has no such DC ({fleet})" in capsys.readouterr().err
 
 
 def test_a_record_whose_write_fails_midway_is_left_as_it_was(

@@ -69,6 +69,13 @@ def bootstrap(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def name(text: str) -> str:
+    """A name: not empty (``emulate --model ""`` served its default name)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty name")
+    return text
+
+
 def names(text: str) -> list[str]:
     """A comma-separated list of names, each given once: an empty name or a repeated one
     is refused here (a repeated policy ran twice, an empty one was "unknown: ")."""
@@ -230,8 +237,12 @@ def given_options(args: argparse.Namespace, options: tuple[str, ...]) -> list[st
     return [f"--{name.replace('_', '-')}" for name in given if vars(args)[name] is not False]
 
 
-def check_dcs(asked: Sequence[str] | None, fleet_dcs: Iterable[str]) -> None:
-    """CliError, before any broker is asked, for a ``--dc`` the fleet file lacks."""
+def check_dcs(
+    asked: Sequence[str] | None, fleet_dcs: Iterable[str], fleet_file: Path | None = None
+) -> None:
+    """CliError, before any broker is asked, for a ``--dc`` the fleet file lacks (named
+    where the user did not name it)."""
     unknown = sorted(set(asked or ()) - set(fleet_dcs))
     if unknown:
-        raise CliError(f"--dc {', '.join(unknown)}: the fleet file has no such DC")
+        which = "" if fleet_file is None else f" ({fleet_file})"
+        raise CliError(f"--dc {', '.join(unknown)}: the fleet file has no such DC{which}")

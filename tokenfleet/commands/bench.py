@@ -162,7 +162,7 @@ def _bench_streams(args: argparse.Namespace) -> int:
             stack.callback(broker.stop)
             bootstrap = broker.start()
         else:  # one that cannot be reached is a message, not a traceback
-            create_topics_on(bootstrap)
+            create_topics_on(bootstrap, replication=1)  # as the bench makes them
         figures = bench_streams(bootstrap, args.requests, args.paced_rate, workers=args.workers)
     print(
         f"{figures['events_per_s']:.0f} events/s "
@@ -285,6 +285,7 @@ def _known(names: Sequence[str], known: Iterable[str], what: str = "policies") -
 
 
 def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
+    from control.routing import ROUTERS
     from sim.admission_bench import ABLATED, ADMISSION_LADDER, BENCHED
 
     admission = sub.add_parser(
@@ -300,6 +301,7 @@ def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
     admission.add_argument(
         "--router",
         default="tokenpilot",
+        choices=sorted(ROUTERS),
         help="the router behind every policy (default: tokenpilot)",
     )
     admission.add_argument(
@@ -317,7 +319,6 @@ def _add_bench_admission(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_admission(args: argparse.Namespace) -> int:
-    from control.routing import ROUTERS
     from sim.admission_bench import (
         ABLATED,
         BENCHED,
@@ -331,7 +332,6 @@ def _bench_admission(args: argparse.Namespace) -> int:
     outputs = {"--json": args.json, "--plot": args.plot, "--step-change": args.step_change}
     distinct_files(outputs, {"--trace": args.trace})
     policies = _known(args.policies or list(BENCHED), (*BENCHED, *ABLATED), "admission policies")
-    _known([args.router], ROUTERS, "routers")
     with progress_bar(total=len(policies) * len(args.ladder), desc="runs", unit="run") as bar:
         try:
             document = bench_admission(

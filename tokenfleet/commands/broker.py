@@ -27,14 +27,18 @@ def broker(home: Path = DEFAULT_HOME) -> str:
     return address
 
 
-def create_topics_on(bootstrap: str, topics: Sequence[Topic] = TOPICS) -> list[str]:
-    """Create the ``topics`` the broker lacks (the names it created); CliError where the
-    broker cannot be reached, ``bootstrap`` is no broker address, or a topic exists with
-    another number of partitions."""
+def create_topics_on(
+    bootstrap: str, topics: Sequence[Topic] = TOPICS, replication: int | None = None
+) -> list[str]:
+    """Create the ``topics`` the broker lacks (the names it created), with ``replication``
+    copies (``TOKENFLEET_KAFKA_REPLICATION`` where None); CliError where the broker cannot
+    be reached, ``bootstrap`` is no broker address, or a topic exists with another number
+    of partitions."""
     from streams.kafka import PartitionsMismatch, create_topics
 
+    copies = Settings().kafka_replication if replication is None else replication
     try:
-        return asyncio.run(create_topics(bootstrap, topics, Settings().kafka_replication))
+        return asyncio.run(create_topics(bootstrap, topics, copies))
     except PartitionsMismatch as exc:
         raise CliError(str(exc)) from None
     except Exception as exc:

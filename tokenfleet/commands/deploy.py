@@ -177,13 +177,11 @@ def _deploy(deployment: Deployment, args: argparse.Namespace) -> int:
 
 def _down(args: argparse.Namespace) -> int:
     deployment = Deployment(args.home)
-    if not args.home.exists():  # the lock would make the folder
-        print(f"no deployment in {args.home}")
-        return 0
-    with deployment.exclusive():
-        if not deployment.record_path.exists():
-            print(f"no deployment in {args.home}")
-            return 0
-        deployment.stop()
-    print(f"stopped the deployment in {args.home}")
+    if args.home.exists():  # else no deployment: the lock would make the folder
+        with deployment.exclusive():
+            if deployment.record_path.exists():
+                deployment.stop()
+                print(f"stopped the deployment in {args.home}")
+                return 0
+    print(f"no deployment in {args.home}")
     return 0

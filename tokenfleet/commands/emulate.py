@@ -16,6 +16,7 @@ from tokenfleet.commands.arguments import (
     consecutive_ports,
     distinct_files,
     given_options,
+    name,
     output_file,
     port,
     positive_float,
@@ -75,7 +76,9 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
         "file's models that name no profile)",
     )
     emulate.add_argument(
-        "--model", help=f"the model name clients use (default: {MODEL}; not with --fleet)"
+        "--model",
+        type=name,
+        help=f"the model name clients use (default: {MODEL}; not with --fleet)",
     )
     emulate.add_argument(
         "--speedup",
@@ -197,6 +200,12 @@ def _emulate_fleet(args: argparse.Namespace) -> int:
     check_dcs(None if args.dc is None else [args.dc], (dc.name for dc in fleet.dcs))
     if args.warmup is not None and not args.placement:
         raise CliError("--warmup needs --placement: only a placed replica warms up")
+    local = fleet.local_instances(args.dc)
+    if local and all(i.standby for i in local) and not args.placement:  # it served nothing
+        raise CliError(
+            "every instance here is on standby: --placement starts them as FleetMind "
+            "places them (without it, nothing would be served)"
+        )
     bootstrap = broker() if args.placement else None
 
     async def run() -> None:
@@ -285,7 +294,10 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
         "as emulate and gateway print it",
     )
     replay.add_argument(
-        "--model", default=MODEL, help=f"the model the requests name (default: {MODEL})"
+        "--model",
+        type=name,
+        default=MODEL,
+        help=f"the model the requests name (default: {MODEL})",
     )
     replay.add_argument("--requests", type=positive_int, default=100, help="first N (default: 100)")
     replay.add_argument(

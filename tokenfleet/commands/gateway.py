@@ -88,6 +88,7 @@ def _gateway(args: argparse.Namespace) -> int:
         if v is not None
     }
     settings = GatewaySettings(**overrides)
+    services = Settings()  # here, a setting's error is named as one (cli's message)
     try:
         fleet = load_fleet(settings.fleet_file)
     except FleetFileError as exc:
@@ -100,7 +101,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         allow_open_files()
-        async with running_gateway(fleet, settings, Settings(), args.host, args.port) as app:
+        async with running_gateway(fleet, settings, services, args.host, args.port) as app:
             print(f"gateway at http://{app.state.address}/v1", flush=True)
             tune_gc_for_serving()
             stop = asyncio.Event()

@@ -226,7 +226,7 @@ def _status(args: argparse.Namespace) -> int:
 
     deployment = Deployment(args.home)
     named = _fleet_dcs(args.fleet, None)  # first: the file's errors need no broker
-    dcs = _judged_dcs(args.dc, named)
+    dcs = _judged_dcs(args.dc, named, args.fleet)
     recorded = deployment.record()["settings"].get("TOKENFLEET_KAFKA_BOOTSTRAP")
     # The recorded deployment's broker even where it is down: the processes say so first.
     bootstrap = Settings().kafka_bootstrap or recorded or broker(args.home)
@@ -237,8 +237,8 @@ def _status(args: argparse.Namespace) -> int:
         processes = deployment.pids() | deployment.service_pids()
         silent = deployment.silent_parts()
         recorded_fleet = deployment.fleet_file()  # not a DC of an earlier fleet's up
-    if named is None:
-        dcs = _judged_dcs(args.dc, _fleet_dcs(None, recorded_fleet))
+    if named is None:  # the deployment's, which the user may not have named
+        dcs = _judged_dcs(args.dc, _fleet_dcs(None, recorded_fleet), recorded_fleet)
     checks = process_checks(processes, silent)
     _print_checks(checks)
     if "kafka" in processes and processes["kafka"] is None:
@@ -294,12 +294,14 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _judged_dcs(asked: list[str] | None, fleet_dcs: list[str] | None) -> list[str] | None:
+def _judged_dcs(
+    asked: list[str] | None, fleet_dcs: list[str] | None, fleet_file: Path | None
+) -> list[str] | None:
     """The DCs status judges: those ``--dc`` names (all where None), of the fleet file's
     where one is known (CliError for a DC it lacks: each read as having no table yet)."""
     if fleet_dcs is None:
         return asked
-    check_dcs(asked, fleet_dcs)
+    check_dcs(asked, fleet_dcs, fleet_file)
     return [dc for dc in fleet_dcs if asked is None or dc in asked]
 
 
