@@ -341,6 +341,11 @@ class GatewayAdmission:
         self._closing = True
         self.answer_held(SHUTDOWN)
 
+    @property
+    def closing(self) -> bool:
+        """Whether the gateway is stopping (``close``)."""
+        return self._closing
+
     async def release_pass(self) -> int:
         """Offer each pipeline's pools the capacity there is now; how many held requests
         it answered."""

@@ -57,7 +57,7 @@ from gateway.inbound import (
 )
 from gateway.journal import Journals
 from gateway.metrics import GatewayMetrics
-from gateway.refusals import Refused
+from gateway.refusals import REFUSED_RETRY_AFTER_S, Refused
 from gateway.settings import GatewaySettings
 from gateway.state import IN_PROGRESS, Outcome, SharedState
 from schemas.control import AdmissionQuotas, RoutingWeights
@@ -245,6 +245,10 @@ class Gateway:
             model = inbound.model.name
             try:
                 response = await self._serve(inbound, request, arrived)
+            except asyncio.CancelledError:
+                if not self.decider.admission.closing:
+                    raise
+                raise _cut_at_stop(inbound.request_id) from None
             except ApiError as exc:
                 exc.request_id = inbound.request_id
                 raise
@@ -532,6 +536,19 @@ async def _serve_fast(
 
 
 UNEXPECTED = ApiError(500, "The gateway failed on this request; its log has the details.")
+
+
+def _cut_at_stop(request_id: str) -> ApiError:
+    """The answer to a request the gateway's stop cut (uvicorn cancels what runs past the
+    drain): as a stop answers a held request, where the server gave a plain-text 500 and
+    logged a traceback for each. Its books were closed on the way out."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()  # answered: the cancellation is spent
+    message = "The gateway stopped before this request's answer; send it again."
+    error = ApiError(503, message, retry_after_s=REFUSED_RETRY_AFTER_S)
+    error.request_id = request_id
+    return error
 
 
 def error_response(error: ApiError) -> JSONResponse:

@@ -600,14 +600,19 @@ async def _lock_unless_gone(lock: asyncio.Lock, request: Request) -> bool:
 
 
 async def _unless_left(work: Awaitable[T], gone: asyncio.Future[None]) -> T | None:
-    """What ``work`` gives, or None (and ``work`` cancelled) if the client goes first."""
+    """What ``work`` gives, or None (and ``work`` cancelled) if the client goes first.
+    Cancelled itself (the server's stop, past its drain), it cancels ``work`` too: left
+    running, unwatched, its failure was logged as never retrieved."""
     doing = asyncio.ensure_future(work)
     watched: set[asyncio.Future[Any]] = {doing, gone}
-    done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-    if doing in done:
-        return doing.result()
-    doing.cancel()
-    await asyncio.gather(doing, return_exceptions=True)
+    try:
+        done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        if doing in done:
+            return doing.result()
+    finally:
+        if not doing.done():
+            doing.cancel()
+            await asyncio.gather(doing, return_exceptions=True)
     return None
 
 

@@ -155,6 +155,44 @@ async def test_a_stopping_gateway_cuts_a_stream_that_outlasts_its_drain() -> Non
         await asyncio.wait_for(reading, timeout=20)
 
 
+async def test_a_whole_answer_cut_by_a_stopping_gateway_gets_the_stop_s_503(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """uvicorn cancels what runs past the drain: the client got the server's plain-text
+    500, and the log a traceback for each, and one of the upstream call's failure, never
+    retrieved."""
+    called, ended = asyncio.Event(), asyncio.Event()
+
+    async def endless(request: Request) -> Response:
+        called.set()
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        ended.set()
+        return Response(status_code=499)
+
+    async with http_server(fake_instance("/v1/chat/completions", endless)) as upstream:
+
+        async def asked(front: Gateway) -> httpx.Response:
+            async with front.client() as http:
+                return await http.post("/v1/chat/completions", json=chat("a long answer"))
+
+        async def serve_then_stop() -> asyncio.Task[httpx.Response]:
+            async with gateway(fleet_for([upstream]), drain_s=1) as front:
+                answer = asyncio.create_task(asked(front))
+                await asyncio.wait_for(called.wait(), timeout=10)
+            return answer
+
+        answer = await asyncio.wait_for(serve_then_stop(), timeout=30)
+        cut = await asyncio.wait_for(answer, timeout=10)
+        await asyncio.wait_for(ended.wait(), timeout=10)  # the upstream call was closed
+    assert cut.status_code == 503
+    assert cut.headers["retry-after"] == "1"
+    assert cut.json()["error"]["message"].startswith("The gateway stopped before this request")
+    logged = [record.getMessage() for record in caplog.records]
+    assert not [line for line in logged if "Exception in ASGI application" in line]
+    assert not [line for line in logged if "never retrieved" in line]
+
+
 async def test_a_whole_answer_slower_than_the_read_timeout_is_waited_for() -> None:
     """vLLM sends a whole answer's headers with its end: the silence is the generation,
     not a failed instance. A stream's silence still times out."""
