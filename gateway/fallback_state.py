@@ -49,6 +49,8 @@ class FallbackState:
         self.on_fallback = on_fallback
         """Called on every call answered locally (the gateway counts them)."""
         self._down_until = 0.0
+        self._away = False
+        """Whether the last call to Redis failed (an outage warned of)."""
         self._claimed: Expiring[float] = Expiring(float)
         """Idempotency keys this replica holds, and when their claim's lease ends."""
         self._owed: Expiring[tuple[str, tuple[Any, ...], float]] = Expiring(itemgetter(2))
@@ -74,19 +76,26 @@ class FallbackState:
             self.on_fallback()
             return await getattr(self.fallback, method)(*args, **options)
 
-    async def _on_redis(self, method: str, *args: Any, local: bool = True, **options: Any) -> Any:
+    async def _on_redis(self, method: str, *args: Any, **options: Any) -> Any:
         """``method`` on Redis; RedisAway when it fails, and without a try while it is
-        away (it is tried again after ``retry_s``). ``local``: the caller answers from
-        the local state then (warned of once an outage)."""
+        away (it is tried again after ``retry_s``). An outage is warned of once, at its
+        first failure, whichever call met it, and its end once: a call without a local
+        answer (admission's shares, every 50 ms) met most failures and warned of none, so
+        the warning came only when a call with one took a retry, 12 s late."""
         if self.degraded:
             raise RedisAway(f"Redis at {self.primary.url} is away")
         try:
-            return await getattr(self.primary, method)(*args, **options)
+            answer = await getattr(self.primary, method)(*args, **options)
         except REDIS_ERRORS as exc:
-            if local and (self._down_until == 0.0 or not self.degraded):
+            if not self._away:
+                self._away = True
                 log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
             self._down_until = time.monotonic() + self.retry_s
             raise RedisAway(f"Redis at {self.primary.url} failed: {exc}") from exc
+        if self._away:
+            self._away = False
+            log.warning("Redis at %s answers again", self.primary.url)
+        return answer
 
     async def view(
         self, instance_ids: Sequence[str], blocks: Sequence[int], *, speculative: bool = False
@@ -211,7 +220,7 @@ class FallbackState:
     ) -> AdmissionLoads:
         """Redis's answer only (RedisAway while it is away): this process's own state
         knows no other replica, and would tell the replica it is alone."""
-        loads = await self._on_redis("admission_loads", own, slots, local=False)
+        loads = await self._on_redis("admission_loads", own, slots)
         return cast(AdmissionLoads, loads)
 
     async def close(self) -> None:

@@ -550,6 +550,27 @@ async def test_a_replica_stopped_while_redis_counts_away_pays_its_keys_ends(
         assert await peer.claim("key", 600.0) == answer
 
 
+@pytest.mark.redis
+async def test_an_outage_is_warned_of_once_whichever_call_meets_it_and_its_end_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Admission's shares, which have no local answer, met most failures and warned of
+    none: the warning came only when a call with one took a retry (12 s late in a probe),
+    and nothing said Redis was back."""
+    async with outage(tmp_path) as away:
+        await away.pause()
+        with pytest.raises(RedisAway):
+            await away.state.admission_loads("r")
+        await away.state.view(["a"], ())  # local while Redis counts as away
+        await asyncio.sleep(1.2)  # the pause is over
+        await away.state.view(["a"], ())
+    said = [r.getMessage() for r in caplog.records if r.name == "gateway.fallback_state"]
+    assert len(said) == 2, said
+    assert said[0].startswith("Redis at redis://")
+    assert said[0].endswith("; using local state")
+    assert said[1].endswith("answers again")
+
+
 @dataclass
 class Outage:
     """A replica's state on a Redis of its own that ``pause`` stops answering for a second
