@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 from pathlib import Path
 
 from tokenfleet.commands.arguments import port
 from tokenfleet.commands.errors import CliError, message_of
-from tokenfleet.commands.loop import allow_open_files, run_fast, tune_gc_for_serving
+from tokenfleet.commands.loop import (
+    allow_open_files,
+    run_fast,
+    tune_gc_for_serving,
+    until_stopped,
+)
 
 _ENVIRONMENT = (
     "Environment: TOKENFLEET_KAFKA_BOOTSTRAP (unset: an in-process bus, and the gateway "
@@ -104,9 +107,7 @@ def _gateway(args: argparse.Namespace) -> int:
         async with running_gateway(fleet, settings, services, args.host, args.port) as app:
             print(f"gateway at http://{app.state.address}/v1", flush=True)
             tune_gc_for_serving()
-            stop = asyncio.Event()
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-            await stop.wait()
+            await until_stopped()
 
     try:
         run_fast(run())

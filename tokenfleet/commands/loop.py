@@ -1,4 +1,5 @@
-"""The event loop the long-running servers run on, and their garbage collector."""
+"""The event loop the long-running servers run on, how they wait for their stop, and
+their garbage collector."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import asyncio
 import contextlib
 import gc
 import resource
-from collections.abc import Coroutine
+import signal
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -20,6 +22,27 @@ def run_fast(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+async def until_stopped(work: Awaitable[object] | None = None) -> None:
+    """Run ``work`` (None: nothing, for good) until it ends or SIGTERM, SIGINT or SIGHUP
+    comes (a SIGHUP that ``nohup`` ignores stays ignored); then cancel it and wait for its
+    clean-up (a controller's loops and its view close their connections; a server stops
+    listening). Set on the loop, the handlers stop a server where it waits: raised from
+    the command line's handler (``tokenfleet.cli``), the stop landed anywhere, and an
+    emulator with streams in flight logged a traceback for each."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            loop.add_signal_handler(signum, stop.set)
+    running = asyncio.ensure_future(stop.wait() if work is None else work)
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    running.cancel()  # no-op when it has ended by itself: its exception is raised below
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
 
 
 SERVER_GC_THRESHOLDS = (10_000, 20, 100)

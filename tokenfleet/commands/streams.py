@@ -6,10 +6,8 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import sys
-from collections.abc import Awaitable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +16,7 @@ from tokenfleet.commands.arguments import check_dcs, given_options, port, positi
 from tokenfleet.commands.broker import broker, create_topics_on
 from tokenfleet.commands.controller_args import check_controller_args
 from tokenfleet.commands.errors import CliError
+from tokenfleet.commands.loop import until_stopped
 from tokenfleet.deployment import CONTROLLER_PORT, DEFAULT_HOME
 from tokenfleet.settings import Settings
 
@@ -347,7 +346,7 @@ def _collect(args: argparse.Namespace) -> int:
                 if args.metrics_port is not None:  # only now: its answering means connected
                     registry = collector.metrics.registry
                     _serve_metrics(registry, args.metrics_host, args.metrics_port)
-                await collector.run()
+                await until_stopped(collector.run())
             finally:
                 await bus.close()
 
@@ -438,19 +437,3 @@ def _view_socket(host: str, port: int) -> socket.socket | None:
         return socket.create_server((host, port))
     except (OSError, OverflowError) as exc:
         raise CliError(f"the operators' view cannot listen on {host}:{port}: {exc}") from None
-
-
-async def until_stopped(work: Awaitable[object]) -> None:
-    """Run ``work`` until it ends or SIGTERM or SIGINT comes; then cancel it and wait for
-    its clean-up (a controller's loops and its view close their connections)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    running = asyncio.ensure_future(work)
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    running.cancel()  # no-op when it has ended by itself: its exception is raised below
-    with contextlib.suppress(asyncio.CancelledError):
-        await running
