@@ -245,10 +245,6 @@ class Gateway:
             model = inbound.model.name
             try:
                 response = await self._serve(inbound, request, arrived)
-            except asyncio.CancelledError:
-                if not self.decider.admission.closing:
-                    raise
-                raise _cut_at_stop(inbound.request_id) from None
             except ApiError as exc:
                 exc.request_id = inbound.request_id
                 raise
@@ -527,6 +523,10 @@ async def _serve_fast(
         response = await route(Request(scope, receive))
     except ApiError as exc:
         response = error_response(exc)
+    except asyncio.CancelledError:
+        if not scope["app"].state.gateway.decider.admission.closing:
+            raise
+        response = error_response(_cut_at_stop())
     except ClientDisconnect:  # gone while it sent the body: nobody to answer
         response = Response(status_code=CLIENT_LEFT)
     except Exception:  # a bug: still an answer in OpenAI's format, and a traceback logged
@@ -538,17 +538,16 @@ async def _serve_fast(
 UNEXPECTED = ApiError(500, "The gateway failed on this request; its log has the details.")
 
 
-def _cut_at_stop(request_id: str) -> ApiError:
-    """The answer to a request the gateway's stop cut (uvicorn cancels what runs past the
-    drain): as a stop answers a held request, where the server gave a plain-text 500 and
-    logged a traceback for each. Its books were closed on the way out."""
+def _cut_at_stop() -> ApiError:
+    """The answer to a request the gateway's stop cut, its body being read or its answer
+    waited for (uvicorn cancels what runs past the drain): as a stop answers a held
+    request, where the server gave a plain-text 500 and logged a traceback for each. Its
+    books were closed on the way out."""
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()  # answered: the cancellation is spent
     message = "The gateway stopped before this request's answer; send it again."
-    error = ApiError(503, message, retry_after_s=REFUSED_RETRY_AFTER_S)
-    error.request_id = request_id
-    return error
+    return ApiError(503, message, retry_after_s=REFUSED_RETRY_AFTER_S)
 
 
 def error_response(error: ApiError) -> JSONResponse:

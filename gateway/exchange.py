@@ -613,6 +613,8 @@ async def _unless_left(work: Awaitable[T], gone: asyncio.Future[None]) -> T | No
         if not doing.done():
             doing.cancel()
             await asyncio.gather(doing, return_exceptions=True)
+        elif not doing.cancelled():
+            doing.exception()  # read: a failure this caller's cancellation left is not logged
     return None
 
 

@@ -49,8 +49,9 @@ class FallbackState:
         self.on_fallback = on_fallback
         """Called on every call answered locally (the gateway counts them)."""
         self._down_until = 0.0
-        self._away = False
-        """Whether the last call to Redis failed (an outage warned of)."""
+        self._failed_at: float | None = None
+        """When the call that began the outage warned of was sent; None while Redis
+        answers."""
         self._claimed: Expiring[float] = Expiring(float)
         """Idempotency keys this replica holds, and when their claim's lease ends."""
         self._owed: Expiring[tuple[str, tuple[Any, ...], float]] = Expiring(itemgetter(2))
@@ -84,16 +85,18 @@ class FallbackState:
         the warning came only when a call with one took a retry, 12 s late."""
         if self.degraded:
             raise RedisAway(f"Redis at {self.primary.url} is away")
+        sent_at = time.monotonic()
         try:
             answer = await getattr(self.primary, method)(*args, **options)
         except REDIS_ERRORS as exc:
-            if not self._away:
-                self._away = True
+            if self._failed_at is None:
                 log.warning("Redis at %s failed (%s); using local state", self.primary.url, exc)
+            self._failed_at = self._failed_at or sent_at
             self._down_until = time.monotonic() + self.retry_s
             raise RedisAway(f"Redis at {self.primary.url} failed: {exc}") from exc
-        if self._away:
-            self._away = False
+        # a call sent before the failure, answered after it, says nothing of Redis now
+        if self._failed_at is not None and sent_at > self._failed_at:
+            self._failed_at = None
             log.warning("Redis at %s answers again", self.primary.url)
         return answer
 

@@ -21,10 +21,14 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from sim.traces import traces_dir
 from sim.workload import TraceRequest
+
+T = TypeVar("T")
 
 WINDOW_S = 600.0
 
@@ -54,8 +58,9 @@ def load_servegen(
         raise FileNotFoundError(errno.ENOENT, "no client traces", str(pool / CLIENT_TRACES))
     for trace in traces:
         client = trace.name.removesuffix("-trace.csv")
-        lengths = _length_pmfs(pool / f"{client}-dataset.json")
-        for window in _windows(trace, hours * 3600):
+        lengths = _read(pool / f"{client}-dataset.json", "a ServeGen dataset", _length_pmfs)
+        windows = _read(trace, "a ServeGen client trace", partial(_windows, horizon_s=hours * 3600))
+        for window in windows:
             for arrival in _arrivals(window, rng):
                 inputs, outputs = lengths[_pmf_key(lengths, arrival)]
                 requests.append(
@@ -72,13 +77,22 @@ def load_servegen(
     return requests if limit is None else requests[:limit]
 
 
+def _read(path: Path, what: str, read: Callable[[Path], T]) -> T:
+    """``read(path)``; ValueError naming the file where it is not ``what`` (before, a
+    traceback, KeyError or SyntaxError, or a ValueError without the file)."""
+    try:
+        return read(path)
+    except (ValueError, KeyError, TypeError, AttributeError, SyntaxError, csv.Error) as exc:
+        raise ValueError(f"{path}: not {what} ({exc!r})") from None
+
+
 def _chunk_number(path: Path) -> int:
     return int(path.name.split("-")[1])
 
 
 def _windows(trace: Path, horizon_s: float) -> list[_Window]:
     windows = []
-    with trace.open() as rows:
+    with trace.open(encoding="utf-8", newline="") as rows:
         for start, rate, _cv, pattern, shape, scale in csv.reader(rows):
             if float(start) >= horizon_s or not pattern or float(rate) <= 0:
                 continue
@@ -110,7 +124,9 @@ Pmf = tuple[list[int], list[float]]
 
 
 def _length_pmfs(path: Path) -> dict[float, tuple[Pmf, Pmf]]:
-    document = json.loads(path.read_text())
+    document = json.loads(path.read_text(encoding="utf-8"))
+    if not document:
+        raise ValueError("no window of lengths")
     return {
         float(start): (_pmf(fields["input_tokens"]), _pmf(fields["output_tokens"]))
         for start, fields in document.items()

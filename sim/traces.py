@@ -142,9 +142,7 @@ def load_azure(
     ISCA 2024; CC-BY-4.0). Arrival times are kept (100 ns resolution), relative to the
     first row; the trace has no prefix information."""
     path = path or traces_dir() / "azure_llm_2023" / f"AzureLLMInferenceTrace_{kind}.csv"
-    columns = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-    rows = _csv_values(path, columns, limit, lambda row: (azure_ticks(row[columns[0]]),
-                      int(row[columns[1]]), int(row[columns[2]])))  # fmt: skip
+    rows = _csv_values(path, _AZURE_COLUMNS, limit, _azure_row)
     first = rows[0][0] if rows else 0
     return [
         TraceRequest(f"azure-{kind}-{index}", (ticks - first) / 1e7, prompt, max(1, output), ())
@@ -152,27 +150,48 @@ def load_azure(
     ]
 
 
+_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+def _azure_row(row: dict[str, str]) -> tuple[int, int, int]:
+    """An Azure row's arrival (in 100 ns ticks), prompt and output tokens."""
+    return azure_ticks(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"])
+
+
 def _csv_values(
     path: Path, columns: Sequence[str], limit: int | None, read: Callable[[dict[str, str]], T]
 ) -> list[T]:
-    """What ``read`` makes of each of the first ``limit`` rows of a CSV file with
-    ``columns`` among its own; ValueError naming the file where a column is missing, and
-    the line where a row is cut short or ``read`` refuses a value (each was a traceback:
-    KeyError, TypeError, or ValueError without the file)."""
-    with path.open() as lines:
-        rows = csv.DictReader(lines)
-        missing = [column for column in columns if column not in (rows.fieldnames or ())]
-        if missing:
-            found = ", ".join(rows.fieldnames or ())
-            raise ValueError(f"{path}: no column {', '.join(missing)} (it has {found})")
-        values = []
-        for row in itertools.islice(rows, limit):
-            try:
-                if any(row[column] is None for column in columns):
-                    raise ValueError("a row cut short")
-                values.append(read(row))
-            except ValueError as exc:
-                raise ValueError(f"{path} line {rows.line_num}: {exc}") from None
+    """What ``read`` makes of each of the first ``limit`` rows of a CSV file (UTF-8) with
+    ``columns`` among its own; ValueError naming the file where it is not such a file
+    (not text, a column missing, a field past the csv module's limit), and the line where
+    a row is cut short or ``read`` refuses a value (each was a traceback: KeyError,
+    TypeError, or ValueError without the file)."""
+    try:
+        with path.open(encoding="utf-8", newline="") as lines:
+            return _read_rows(path, csv.DictReader(lines), columns, limit, read)
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path}: not a CSV file of text ({exc})") from None
+
+
+def _read_rows(
+    path: Path,
+    rows: csv.DictReader[str],
+    columns: Sequence[str],
+    limit: int | None,
+    read: Callable[[dict[str, str]], T],
+) -> list[T]:
+    missing = [column for column in columns if column not in (rows.fieldnames or ())]
+    if missing:
+        found = ", ".join(rows.fieldnames or ()) or "no header"
+        raise ValueError(f"{path}: no column {', '.join(missing)} (it has {found})")
+    values = []
+    for row in itertools.islice(rows, limit):
+        try:
+            if any(row[column] is None for column in columns):
+                raise ValueError("a row cut short")
+            values.append(read(row))
+        except ValueError as exc:
+            raise ValueError(f"{path} line {rows.line_num}: {exc}") from None
     return values
 
 

@@ -42,6 +42,7 @@ from tokenfleet.services.process import (
 from tokenfleet.services.redis import LocalRedis, running_url
 
 DEFAULT_HOME = CACHE / "run" / "up"
+NOT_A_HOME = "not a folder to keep a deployment in"
 GATEWAY_PORT = 8080
 """The edge gateway's port; the other DCs' gateways take the ports after it."""
 CONTROLLER_PORT = 9090
@@ -267,9 +268,7 @@ class Deployment:
             self.home.mkdir(parents=True, exist_ok=True)
             lock = (self.home / "up.lock").open("w")
         except OSError as exc:  # a file there, a folder above that cannot be made, read-only
-            raise CliError(
-                f"--home {self.home}: not a folder to keep a deployment in ({exc.strerror})"
-            ) from None
+            raise CliError(f"--home {self.home}: {NOT_A_HOME} ({exc.strerror})") from None
         with lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -339,7 +338,7 @@ class Deployment:
         except FileNotFoundError:
             return {"parts": [], "settings": {}, "own_services": []}
         except NotADirectoryError:  # status said the deployment it recorded may still run
-            raise CliError(f"--home {self.home}: not a folder to keep a deployment in") from None
+            raise CliError(f"--home {self.home}: {NOT_A_HOME}") from None
         except (OSError, ValueError) as exc:
             raise self._unreadable(str(exc)) from None
         if not isinstance(loaded, dict) or not Record.__required_keys__ <= loaded.keys():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -176,14 +177,20 @@ async def test_a_whole_answer_cut_by_a_stopping_gateway_gets_the_stop_s_503(
             async with front.client() as http:
                 return await http.post("/v1/chat/completions", json=chat("a long answer"))
 
+        uvicorn_log = logging.getLogger("uvicorn.error")  # it does not propagate to caplog
+
         async def serve_then_stop() -> asyncio.Task[httpx.Response]:
             async with gateway(fleet_for([upstream]), drain_s=1) as front:
+                uvicorn_log.addHandler(caplog.handler)  # once uvicorn has set its logging
                 answer = asyncio.create_task(asked(front))
                 await asyncio.wait_for(called.wait(), timeout=10)
             return answer
 
-        answer = await asyncio.wait_for(serve_then_stop(), timeout=30)
-        cut = await asyncio.wait_for(answer, timeout=10)
+        try:
+            answer = await asyncio.wait_for(serve_then_stop(), timeout=30)
+            cut = await asyncio.wait_for(answer, timeout=10)
+        finally:
+            uvicorn_log.removeHandler(caplog.handler)
         await asyncio.wait_for(ended.wait(), timeout=10)  # the upstream call was closed
     assert cut.status_code == 503
     assert cut.headers["retry-after"] == "1"

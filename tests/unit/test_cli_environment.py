@@ -87,3 +87,19 @@ def test_a_window_of_no_whole_slides_is_named_as_the_settings_error_it_is(
     err = capsys.readouterr().err
     assert "invalid WorkerSettings (from TOKENFLEET_* environment variables)" in err
     assert "TOKENFLEET_WORKER_WINDOW_S 7, TOKENFLEET_WORKER_SLIDE_S 5: the window size" in err
+
+
+def test_a_servegen_file_of_another_shape_is_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dataset without a field was a traceback (KeyError)."""
+    pool = tmp_path / "servegen" / "reason" / "deepseek-r1"
+    pool.mkdir(parents=True)
+    (pool / "chunk-1-trace.csv").write_text("0,1.0,1.0,Gamma,1.0,1.0\n")
+    dataset = pool / "chunk-1-dataset.json"
+    dataset.write_text('{"0": {"input_tokens": "{10: 1.0}"}}')
+    monkeypatch.setenv("TOKENFLEET_TRACES", str(tmp_path))
+    out = str(tmp_path / "m.csv")
+    assert main(["workload", "export", "--trace", "servegen", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert f"{dataset}: not a ServeGen dataset (KeyError('output_tokens'))" in err

@@ -40,6 +40,17 @@ sys.exit(main(["bench", "gateway", "--no-litellm", "--no-redis", "--json", sys.a
 """
 
 
+def _ended(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """Its output once it has ended; killed where it has not within 60 s (the ``with``
+    around it would wait for good, and the suite with it)."""
+    try:
+        return process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -63,13 +74,19 @@ def test_a_stopped_bench_stops_its_children_and_exits_as_a_shell_says(
 ) -> None:
     argv = [sys.executable, "-c", BENCH_WITH_A_CHILD, str(tmp_path), str(tmp_path / "b.json")]
     with subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # as a terminal's shell runs it: under nohup (a suite run so) SIGHUP is ignored
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     ) as bench:
         assert bench.stdout is not None
         assert bench.stdout.readline() == "ready\n"
         child = int((tmp_path / "pid").read_text().split()[0])
         bench.send_signal(stop)
-        _, err = bench.communicate(timeout=60)
+        _, err = _ended(bench)
     assert bench.returncode == code
     assert err.strip().splitlines()[-1] == f"tokenfleet: {said}"
     assert "Traceback" not in err
@@ -96,7 +113,7 @@ def test_a_hangup_that_nohup_ignores_stays_ignored(tmp_path: Path) -> None:
         with pytest.raises(subprocess.TimeoutExpired):
             bench.wait(timeout=1)  # still running
         bench.send_signal(signal.SIGTERM)
-        _, err = bench.communicate(timeout=60)
+        _, err = _ended(bench)
     assert bench.returncode == 143
     assert err.strip().splitlines()[-1] == "tokenfleet: terminated"
 

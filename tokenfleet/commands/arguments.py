@@ -69,7 +69,7 @@ def bootstrap(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def name(text: str) -> str:
+def nonempty_name(text: str) -> str:
     """A name: not empty (``emulate --model ""`` served its default name)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty name")

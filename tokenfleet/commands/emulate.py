@@ -16,7 +16,7 @@ from tokenfleet.commands.arguments import (
     consecutive_ports,
     distinct_files,
     given_options,
-    name,
+    nonempty_name,
     output_file,
     port,
     positive_float,
@@ -77,7 +77,7 @@ def _add_emulate(commands: argparse._SubParsersAction) -> None:
     )
     emulate.add_argument(
         "--model",
-        type=name,
+        type=nonempty_name,
         help=f"the model name clients use (default: {MODEL}; not with --fleet)",
     )
     emulate.add_argument(
@@ -295,7 +295,7 @@ def _add_replay(commands: argparse._SubParsersAction) -> None:
     )
     replay.add_argument(
         "--model",
-        type=name,
+        type=nonempty_name,
         default=MODEL,
         help=f"the model the requests name (default: {MODEL})",
     )

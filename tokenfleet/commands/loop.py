@@ -27,22 +27,33 @@ def run_fast(main: Coroutine[Any, Any, T]) -> T:
 async def until_stopped(work: Awaitable[object] | None = None) -> None:
     """Run ``work`` (None: nothing, for good) until it ends or SIGTERM, SIGINT or SIGHUP
     comes (a SIGHUP that ``nohup`` ignores stays ignored); then cancel it and wait for its
-    clean-up (a controller's loops and its view close their connections; a server stops
-    listening). Set on the loop, the handlers stop a server where it waits: raised from
-    the command line's handler (``tokenfleet.cli``), the stop landed anywhere, and an
-    emulator with streams in flight logged a traceback for each."""
+    clean-up (a controller's loops and its view close their connections; a gateway
+    drains). Set on the loop, the handlers stop a server where it waits: the command
+    line's handler (``tokenfleet.cli``) raised wherever the signal landed, once in a
+    collector's weakref callback, where it was ignored until ``down`` killed it. A second
+    signal, once the first has come, stops the process at once, as uvicorn's does."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            loop.add_signal_handler(signum, stop.set)
-    running = asyncio.ensure_future(stop.wait() if work is None else work)
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
+    signals = [s for s in _STOPPING if signal.getsignal(s) is not signal.SIG_IGN]
+    for signum in signals:
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        if work is None:
+            await stop.wait()
+            return
+        running = asyncio.ensure_future(work)
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
     running.cancel()  # no-op when it has ended by itself: its exception is raised below
     with contextlib.suppress(asyncio.CancelledError):
         await running
+
+
+_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 SERVER_GC_THRESHOLDS = (10_000, 20, 100)
