@@ -148,6 +148,22 @@ def fake_instance(path: str, answer: Callable[[Request], Awaitable[Response]]) -
     return Starlette(routes=[Route(path, answer, methods=["POST"]), Route("/metrics", metrics)])
 
 
+def dying_instance(path: str, events: Sequence[bytes]) -> Starlette:
+    """An instance that answers ``POST path`` with a stream of ``events`` (each a whole
+    server-sent event), a moment apart, and then dies: its connection drops."""
+
+    async def stream(_: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            for event in events:
+                yield event
+                await asyncio.sleep(0.01)
+            raise RuntimeError("the engine died")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return fake_instance(path, stream)
+
+
 def streaming_instance(events: Sequence[dict[str, Any]]) -> Starlette:
     """An instance that answers every chat completion with ``events`` as one server-sent
     stream, then ``data: [DONE]``."""

@@ -33,6 +33,7 @@ from tests.gateway_harness import (
     MODEL,
     Gateway,
     chat,
+    dying_instance,
     emulated,
     fake_instance,
     fleet_for,
@@ -296,18 +297,10 @@ async def test_an_instance_that_stops_answering_is_left_out() -> None:
 
 def _breaking_upstream(tokens_before_break: int) -> Starlette:
     """An instance whose streams die after some tokens (the connection drops)."""
-
-    async def stream(_: Request) -> StreamingResponse:
-        async def body() -> AsyncIterator[bytes]:
-            for _ in range(tokens_before_break):
-                chunk = {"choices": [{"index": 0, "text": "tok ", "finish_reason": None}]}
-                yield f"data: {json.dumps(chunk)}\n\n".encode()
-                await asyncio.sleep(0.01)
-            raise RuntimeError("the engine died")
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    return fake_instance("/v1/completions", stream)
+    chunk = {"choices": [{"index": 0, "text": "tok ", "finish_reason": None}]}
+    return dying_instance(
+        "/v1/completions", [f"data: {json.dumps(chunk)}\n\n".encode()] * tokens_before_break
+    )
 
 
 async def test_a_stream_broken_after_tokens_ends_with_an_error_not_a_rerun() -> None:

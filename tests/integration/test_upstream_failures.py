@@ -5,9 +5,7 @@ and one that blames the DC; an answer behind a proxy that compresses."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import openai
 import pytest
@@ -24,6 +22,7 @@ from tests.gateway_harness import (
     Gateway,
     chat,
     chat_answer,
+    dying_instance,
     emulated,
     fake_instance,
     fleet_for,
@@ -36,16 +35,8 @@ from tests.gateway_harness import (
 
 
 def _breaking_upstream() -> Starlette:
-    async def stream(_: Request) -> StreamingResponse:
-        async def body() -> AsyncIterator[bytes]:
-            chunk = {"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]}
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-            await asyncio.sleep(0.01)
-            raise RuntimeError("the engine died")
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    return fake_instance("/v1/chat/completions", stream)
+    chunk = {"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}]}
+    return dying_instance("/v1/chat/completions", [f"data: {json.dumps(chunk)}\n\n".encode()])
 
 
 async def test_an_error_mid_stream_reaches_the_client_and_the_stream_ends() -> None:
@@ -384,24 +375,15 @@ async def test_a_refused_tokenize_call_leaves_the_instances_in_service(front: Ga
 
 
 def _breaking_responses_upstream() -> Starlette:
-    """A Responses API stream whose engine dies after its first delta."""
+    """A Responses API stream whose engine dies after its first delta, a keep-alive
+    comment after it (no number: the error's is still the delta's next)."""
     events = [
         {"type": "response.created", "sequence_number": 0, "response": {"id": "resp_1"}},
         {"type": "response.output_text.delta", "sequence_number": 1, "item_id": "msg_1",
          "output_index": 0, "content_index": 0, "delta": "tok ", "logprobs": []},
     ]  # fmt: skip
-
-    async def stream(_: Request) -> StreamingResponse:
-        async def body() -> AsyncIterator[bytes]:
-            for event in events:
-                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()
-            yield b": keep-alive\n\n"  # no number: the error's is still the delta's next
-            await asyncio.sleep(0.01)
-            raise RuntimeError("the engine died")
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    return fake_instance("/v1/responses", stream)
+    named = [f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events]
+    return dying_instance("/v1/responses", [*named, b": keep-alive\n\n"])
 
 
 async def test_a_responses_stream_that_fails_midway_ends_with_the_apis_error_event() -> None:
@@ -428,16 +410,9 @@ async def test_a_responses_stream_that_fails_midway_ends_with_the_apis_error_eve
 def _breaking_after_its_end_upstream() -> Starlette:
     """A stream whose connection breaks after its ``[DONE]``."""
     chunk = {"choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": "stop"}]}
-
-    async def stream(_: Request) -> StreamingResponse:
-        async def body() -> AsyncIterator[bytes]:
-            yield f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
-            await asyncio.sleep(0.01)
-            raise RuntimeError("the connection broke")
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    return fake_instance("/v1/chat/completions", stream)
+    return dying_instance(
+        "/v1/chat/completions", [f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()]
+    )
 
 
 async def test_a_stream_that_breaks_after_its_end_completes() -> None:

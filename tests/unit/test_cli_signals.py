@@ -6,11 +6,13 @@ from another thread than the main one (as tests do) leaves the signal handlers a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,23 @@ def bench(*args, **kwargs):
 gateway_bench.bench_gateway = bench
 sys.exit(main(["bench", "gateway", "--no-litellm", "--no-redis", "--json", sys.argv[2]]))
 """
+
+
+@contextlib.contextmanager
+def _ready_bench(tmp_path: Path, hangup: signal.Handlers) -> Iterator[subprocess.Popen[str]]:
+    """``BENCH_WITH_A_CHILD``, with SIGHUP's disposition ``hangup``, once its child runs."""
+    argv = [sys.executable, "-c", BENCH_WITH_A_CHILD, str(tmp_path), str(tmp_path / "b.json")]
+    with subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup),
+    ) as bench:
+        assert bench.stdout is not None
+        assert bench.stdout.readline() == "ready\n"
+        yield bench
 
 
 def _ended(process: subprocess.Popen[str]) -> tuple[str, str]:
@@ -72,18 +91,8 @@ def _alive(pid: int) -> bool:
 def test_a_stopped_bench_stops_its_children_and_exits_as_a_shell_says(
     stop: signal.Signals, code: int, said: str, tmp_path: Path
 ) -> None:
-    argv = [sys.executable, "-c", BENCH_WITH_A_CHILD, str(tmp_path), str(tmp_path / "b.json")]
-    with subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # as a terminal's shell runs it: under nohup (a suite run so) SIGHUP is ignored
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
-    ) as bench:
-        assert bench.stdout is not None
-        assert bench.stdout.readline() == "ready\n"
+    # as a terminal's shell runs it: under nohup (a suite run so) SIGHUP is ignored
+    with _ready_bench(tmp_path, hangup=signal.SIG_DFL) as bench:
         child = int((tmp_path / "pid").read_text().split()[0])
         bench.send_signal(stop)
         _, err = _ended(bench)
@@ -98,17 +107,7 @@ def test_a_stopped_bench_stops_its_children_and_exits_as_a_shell_says(
 
 
 def test_a_hangup_that_nohup_ignores_stays_ignored(tmp_path: Path) -> None:
-    argv = [sys.executable, "-c", BENCH_WITH_A_CHILD, str(tmp_path), str(tmp_path / "b.json")]
-    with subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # as nohup does
-    ) as bench:
-        assert bench.stdout is not None
-        assert bench.stdout.readline() == "ready\n"
+    with _ready_bench(tmp_path, hangup=signal.SIG_IGN) as bench:  # as nohup runs it
         bench.send_signal(signal.SIGHUP)
         with pytest.raises(subprocess.TimeoutExpired):
             bench.wait(timeout=1)  # still running
