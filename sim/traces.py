@@ -203,6 +203,14 @@ def azure_ticks(stamp: str) -> int:
     return int(moment.timestamp()) * 10_000_000 + int(fraction.ljust(7, "0")[:7])
 
 
+_ARXIV_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
+
+
+def _arxiv_row(row: dict[str, str]) -> tuple[int, int]:
+    """An arXiv row's prompt and output tokens."""
+    return int(row["num_prefill_tokens"]), int(row["num_decode_tokens"])
+
+
 def load_arxiv(
     path: Path | None = None, *, limit: int | None = None, seed: int = 0, rate_rps: float = 2.0
 ) -> list[TraceRequest]:
@@ -212,10 +220,7 @@ def load_arxiv(
     path = path or traces_dir() / "vidur_processed" / (
         "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv"
     )
-    columns = ("num_prefill_tokens", "num_decode_tokens")
-    lengths = _csv_values(
-        path, columns, limit, lambda row: (int(row[columns[0]]), int(row[columns[1]]))
-    )
+    lengths = _csv_values(path, _ARXIV_COLUMNS, limit, _arxiv_row)
     rng = random.Random(seed)
     requests, now = [], 0.0
     for index, (prompt, output) in enumerate(lengths):
